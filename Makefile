@@ -1,0 +1,39 @@
+# One-command set-up: every target creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install serve test soak bench bench-engine clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/replay-server serve $(if $(CONFIG),--config $(CONFIG),)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+soak: $(STAMP)
+	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+# Side-by-side benchmarks. The anchors live in their own virtualenvs
+# (TorchRL needs torch 2.14.x for its compiled extension).
+.venv-torchrl/.installed-stamp:
+	bash benchmarks/envs/torchrl.sh .venv-torchrl
+	touch $@
+
+bench-engine: $(STAMP) .venv-torchrl/.installed-stamp
+	$(BIN)/python benchmarks/engine.py --torchrl-python .venv-torchrl/bin/python
+
+bench: bench-engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

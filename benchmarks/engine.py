@@ -1,0 +1,220 @@
+"""Engine benchmark: replay-server's Table against TorchRL's in-process buffers.
+
+    python benchmarks/engine.py --torchrl-python .venv-torchrl/bin/python
+
+(or ``make bench-engine``, which also builds TorchRL's virtualenv). Each
+measurement runs in a fresh process, one at a time, ours then TorchRL's, so
+they never compete for the 2 cores or for memory; the same rows come from
+``benchmarks/workload.py`` on both sides. Prints one markdown table with
+ratios (TorchRL time / our time: above 1 means we are faster).
+
+``--side ours --case CASE ...`` runs a single measurement of our engine and
+prints it as one JSON line; the orchestrator calls itself that way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workload as w  # noqa: E402
+
+
+# --------------------------------------------------------------------- our side
+
+
+def _fill(table, rows: int, columns: tuple[str, ...]) -> None:
+    for start in range(0, rows, w.FILL_CHUNK):
+        chunk = w.make_rows(start, min(w.FILL_CHUNK, rows - start))
+        table.insert({k: chunk[k] for k in columns})
+
+
+def _timed_ops(op, seconds: float, max_ops: int, warmup: int = 3) -> list[float]:
+    for i in range(warmup):
+        op(-1 - i)
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < max_ops and (len(times) < 5 or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        op(len(times))
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _ours(case: str, rows: int, batch: int, seconds: float) -> dict:
+    import torch
+
+    from replay_server import Table, TableConfig
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    all_columns = ("obs", "reward", "done", "episode")
+    if case == "prioritized":
+        table = Table(TableConfig(name="b", capacity=rows, sampler="prioritized",
+                                  alpha=w.ALPHA, beta=w.BETA, seed=0))
+        _fill(table, rows, all_columns)
+
+        def op(i: int) -> None:
+            sample = table.sample(batch)
+            table.update_priorities(sample.ids, w.new_priorities(batch, seed=i))
+
+        times = _timed_ops(op, seconds, 200)
+        return {"median_s": statistics.median(times), "mean_s": statistics.fmean(times),
+                "ops": len(times)}
+    if case == "slice":
+        table = Table(TableConfig(name="b", capacity=rows, sampler="slice",
+                                  slice_len=w.SLICE_LEN, seed=0))
+        _fill(table, rows, all_columns)
+        next_row = [rows]
+        insert_times: list[float] = []
+
+        def op(i: int) -> None:
+            chunk = w.make_rows(next_row[0], w.SLICE_INSERT_ROWS)
+            next_row[0] += w.SLICE_INSERT_ROWS
+            start = time.perf_counter()
+            table.insert(chunk)
+            insert_times.append(time.perf_counter() - start)
+            table_start = time.perf_counter()
+            table.sample(w.SLICE_BATCH)
+            sample_times.append(time.perf_counter() - table_start)
+
+        sample_times: list[float] = []
+        _timed_ops(op, seconds, 100)
+        return {"median_s": statistics.median(sample_times[3:]),
+                "insert_median_s": statistics.median(insert_times[3:]),
+                "ops": len(sample_times) - 3}
+    if case == "insert":
+        table = Table(TableConfig(name="b", capacity=1_000_000, sampler="uniform"))
+        chunks = [w.make_rows(i * batch, batch) for i in range(max(3, 2_000_000 // batch))]
+        table.insert(chunks[0])
+        start = time.perf_counter()
+        for chunk in chunks[1:]:
+            table.insert(chunk)
+        elapsed = time.perf_counter() - start
+        return {"rows_per_s": (len(chunks) - 1) * batch / elapsed}
+    if case == "memory":
+        import psutil
+
+        gc.collect()
+        before = psutil.Process().memory_info().rss
+        table = Table(TableConfig(name="b", capacity=rows, sampler="prioritized",
+                                  alpha=w.ALPHA, beta=w.BETA))
+        _fill(table, rows, ("obs", "reward", "done"))
+        gc.collect()
+        grown = psutil.Process().memory_info().rss - before
+        raw = rows * w.ROW_BYTES_NO_EPISODE
+        return {"rss_bytes": grown, "raw_bytes": raw, "ratio": grown / raw}
+    raise SystemExit(f"unknown case {case!r}")
+
+
+# ----------------------------------------------------------------- orchestrator
+
+PLAN = (
+    [("prioritized", r, b) for r in w.PRIORITIZED_ROWS for b in w.PRIORITIZED_BATCHES]
+    + [("slice", r, w.SLICE_BATCH) for r in w.SLICE_ROWS]
+    + [("insert", 1_000_000, b) for b in w.INSERT_ROWS_PER_CALL]
+    + [("memory", w.MEMORY_ROWS, 0)]
+)
+
+
+def _run(cmd: list[str], timeout: float) -> dict | None:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        print(f"  timed out: {' '.join(cmd)}", file=sys.stderr)
+        return None
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        print(f"  failed ({done.returncode}): {' '.join(cmd)}\n{done.stderr[-2000:]}",
+              file=sys.stderr)
+        return None
+    return json.loads(lines[-1])
+
+
+def _fmt_time(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--side", choices=["ours"], help="run one measurement (internal)")
+    parser.add_argument("--case")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--torchrl-python", help="python of TorchRL's virtualenv")
+    parser.add_argument("--only", nargs="*", help="cases to run (default: all)")
+    parser.add_argument("--max-rows", type=int, default=None, help="skip larger tables")
+    parser.add_argument("--json", type=Path, help="also write all results here")
+    args = parser.parse_args()
+
+    if args.side == "ours":
+        result = _ours(args.case, args.rows, args.batch, args.seconds)
+        print(json.dumps({"impl": "replay-server", "case": args.case, "rows": args.rows,
+                          "batch": args.batch, **result}))
+        return
+
+    results = []
+    for case, rows, batch in PLAN:
+        if args.only and case not in args.only:
+            continue
+        if args.max_rows and rows > args.max_rows:
+            continue
+        seconds = "10" if case == "slice" else "5"
+        common = ["--case", case, "--rows", str(rows), "--batch", str(batch), "--seconds", seconds]
+        print(f"{case} rows={rows:,} batch={batch:,}", file=sys.stderr)
+        ours = _run([sys.executable, str(Path(__file__)), "--side", "ours", *common], 1800)
+        theirs = None
+        if args.torchrl_python:
+            theirs = _run([args.torchrl_python, str(HERE / "torchrl_engine.py"), *common], 1800)
+        results.append({"case": case, "rows": rows, "batch": batch, "ours": ours,
+                        "torchrl": theirs})
+        print(f"  ours={ours}\n  torchrl={theirs}", file=sys.stderr)
+
+    print(_table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+def _table(results: list[dict]) -> str:
+    import torch
+
+    head = (f"machine: {platform.machine()}, {os.cpu_count()} cores, "
+            f"Python {platform.python_version()}, ours torch {torch.__version__}\n\n")
+    lines = ["| case | rows | batch | replay-server | TorchRL 0.14.1 | ratio (TorchRL / ours) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        ours, theirs = r["ours"] or {}, r["torchrl"] or {}
+        if r["case"] == "insert":
+            a, b = ours.get("rows_per_s"), theirs.get("rows_per_s")
+            cells = (f"{a:,.0f} rows/s" if a else "n/a", f"{b:,.0f} rows/s" if b else "n/a",
+                     f"{a / b:.2f}x" if a and b else "n/a")
+            label = "insert (extend)"
+        elif r["case"] == "memory":
+            a, b = ours.get("ratio"), theirs.get("ratio")
+            cells = (f"{a:.3f}x raw" if a else "n/a", f"{b:.3f}x raw" if b else "n/a",
+                     f"{b / a:.2f}x" if a and b else "n/a")
+            label = "memory (RSS / raw row bytes)"
+        else:
+            a, b = ours.get("median_s"), theirs.get("median_s")
+            cells = (_fmt_time(a), _fmt_time(b), f"{b / a:.2f}x" if a and b else "n/a")
+            label = ("prioritized sample + update" if r["case"] == "prioritized"
+                     else "slice sample 256 x 32 (after 1,000-row insert)")
+        lines.append(f"| {label} | {r['rows']:,} | {r['batch']:,} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Nested keys as flat keys.
+
+A row may be a nested mapping (or a TensorDict), like
+``{"obs": {"pixels": ..., "state": ...}, "action": ...}``. Tables, checkpoints
+and the wire store one column per leaf under a flat key that joins the path
+with :data:`KEY_SEPARATOR`: ``"obs.pixels"``, ``"obs.state"``, ``"action"``.
+This is the same convention as ``TensorDict.flatten_keys(".")``, so a key name
+may not itself contain the separator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+KEY_SEPARATOR = "."
+
+
+def _is_tensordict(obj: object) -> bool:
+    # Duck-typed so that tensordict stays an optional dependency.
+    return hasattr(obj, "flatten_keys") and hasattr(obj, "batch_size")
+
+
+def flatten(data: Any) -> dict[str, Any]:
+    """Flatten a nested mapping or TensorDict into ``{flat_key: leaf}``.
+
+    Args:
+        data: a mapping whose values are leaves (tensors, arrays, ...) or nested
+            mappings, or a ``tensordict.TensorDict``.
+
+    Returns:
+        A new dict in the data's own key order (depth first).
+
+    Raises:
+        TypeError: ``data`` is not a mapping, or a key is not a string.
+        ValueError: a key is empty or contains the separator, or a nested
+            mapping is empty.
+    """
+    if _is_tensordict(data):
+        data = data.to_dict()
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            f"expected a mapping of column name to tensor (or a TensorDict), "
+            f"got {type(data).__name__}"
+        )
+    out: dict[str, Any] = {}
+    _flatten_into(data, "", out)
+    return out
+
+
+def _flatten_into(data: Mapping[Any, Any], prefix: str, out: dict[str, Any]) -> None:
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise TypeError(f"keys must be strings, got {key!r} ({type(key).__name__})")
+        if not key or KEY_SEPARATOR in key:
+            raise ValueError(
+                f"invalid key {prefix + key!r}: keys must be non-empty and must not "
+                f"contain {KEY_SEPARATOR!r} (it joins nested keys)"
+            )
+        path = prefix + key
+        if _is_tensordict(value):
+            value = value.to_dict()
+        if isinstance(value, Mapping):
+            if not value:
+                raise ValueError(f"nested key {path!r} holds an empty mapping")
+            _flatten_into(value, path + KEY_SEPARATOR, out)
+        else:
+            out[path] = value
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Rebuild the nested dict that :func:`flatten` flattened.
+
+    ``unflatten(flatten(d)) == d`` for every nested dict ``d`` of leaves.
+    """
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(KEY_SEPARATOR)
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out

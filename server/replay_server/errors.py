@@ -1,0 +1,50 @@
+"""The engine's typed errors: every expected failure has its own class.
+
+Each class stands for one kind of failure a caller can act on; the service
+maps classes (never message text) to gRPC status codes in one place. Anything
+that is not a :class:`ReplayServerError` is a bug.
+
+Every error raised by a table method leaves the table exactly as it was.
+"""
+
+from __future__ import annotations
+
+
+class ReplayServerError(Exception):
+    """Base class of all expected engine failures."""
+
+
+class InvalidArgumentError(ReplayServerError):
+    """The request itself is wrong; retrying it unchanged cannot succeed."""
+
+
+class SchemaMismatchError(InvalidArgumentError):
+    """Inserted columns do not match the table's schema (keys, dtypes or shapes)."""
+
+
+class InvalidPriorityError(InvalidArgumentError):
+    """Priorities are not finite and >= 0, or do not match the ids/rows given."""
+
+
+class InvalidIdsError(InvalidArgumentError):
+    """Ids have the wrong dtype or shape, or were never issued by the table."""
+
+
+class ConfigError(InvalidArgumentError):
+    """A configuration value is invalid, or contradicts a checkpoint."""
+
+
+class UnknownTableError(ReplayServerError):
+    """No table has the requested name."""
+
+
+class FailedPreconditionError(ReplayServerError):
+    """The request is valid, but the table's state does not allow it now."""
+
+
+class EmptyTableError(FailedPreconditionError):
+    """Nothing in the table can be sampled yet."""
+
+
+class NoPrioritiesError(FailedPreconditionError):
+    """The table's sampler does not use priorities."""

@@ -1,0 +1,75 @@
+"""Row ids: what names a row everywhere outside the table.
+
+A row's id is its insertion number in the table: the n-th row ever inserted
+gets id ``n`` (ids keep counting across ``reset``, so none is ever reused).
+The id encodes where the row lives and which occupant of that place it is::
+
+    slot = id % capacity          generation = id // capacity
+
+Because the ring overwrites rows in insertion order, the rows present are
+exactly the ids in ``[first_live, next_id)``. So an id is stale (its slot now
+holds a newer row, or the table was reset) iff it is below ``first_live``,
+which is an O(1) check needing no per-row memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class IdRing:
+    """The table's id counters and the id <-> slot arithmetic.
+
+    Owned and mutated only by its table, under the table's lock; samplers read it.
+    """
+
+    __slots__ = ("capacity", "next_id", "first_live")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.next_id = 0
+        self.first_live = 0
+
+    @property
+    def size(self) -> int:
+        """Rows present."""
+        return self.next_id - self.first_live
+
+    def allocate(self, n: int) -> tuple[int, int]:
+        """Issue ids for ``n`` new rows (``n <= capacity``).
+
+        Returns:
+            ``(first_id, evicted)``: the new ids are ``first_id .. first_id + n - 1``;
+            the ``evicted`` oldest rows (ids from the old ``first_live`` on) are
+            overwritten by them.
+        """
+        first_id = self.next_id
+        self.next_id += n
+        evicted = max(0, self.next_id - self.first_live - self.capacity)
+        self.first_live += evicted
+        return first_id, evicted
+
+    def clear(self) -> None:
+        """Forget all rows; ids keep counting."""
+        self.first_live = self.next_id
+
+    def slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """Slots of ``ids`` (int64, any shape)."""
+        return torch.remainder(ids, self.capacity)
+
+    def live(self, ids: torch.Tensor) -> torch.Tensor:
+        """Bool mask: which ``ids`` name rows still present."""
+        return (ids >= self.first_live) & (ids < self.next_id)
+
+    def ids_of_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Ids of the rows now in ``slots`` (all of which must hold a live row)."""
+        return self.first_live + torch.remainder(slots - self.first_live, self.capacity)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next_id": self.next_id, "first_live": self.first_live}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        next_id, first_live = int(state["next_id"]), int(state["first_live"])
+        if not 0 <= first_live <= next_id or next_id - first_live > self.capacity:
+            raise ValueError(f"inconsistent id counters: first_live={first_live}, next_id={next_id}")
+        self.next_id, self.first_live = next_id, first_live

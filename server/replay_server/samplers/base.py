@@ -1,0 +1,130 @@
+"""The one small interface every sampler implements.
+
+A table is the only orchestrator: under its lock it writes storage, then tells
+its sampler about the change exactly once (``insert``, ``update``, ``clear``),
+and asks it which rows to read (``sample``). Samplers never call back into the
+table or the storage; they see the table's :class:`~replay_server.ids.IdRing`
+read-only, to translate between ids and slots.
+
+Thread-safety: none of their own. Every method is called under the table's lock.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replay_server.errors import NoPrioritiesError
+from replay_server.ids import IdRing
+
+
+@dataclass(frozen=True, slots=True)
+class InsertEvent:
+    """What one insert changed, as the sampler needs to know it.
+
+    Attributes:
+        first_id: id of the first new row; the new ids are consecutive.
+        count: number of new rows.
+        evicted_first_id: id of the first row overwritten by this insert.
+        evicted: number of rows overwritten (their slots now hold new rows).
+        priorities: float64 ``[count]`` priorities of the new rows, already
+            validated and defaulted (prioritized samplers only, else ``None``).
+        episodes: int64 ``[count]`` episode ids (slice samplers only).
+        ends: bool ``[count]``: True where a row ends its episode (slice samplers only).
+    """
+
+    first_id: int
+    count: int
+    evicted_first_id: int
+    evicted: int
+    priorities: torch.Tensor | None = None
+    episodes: torch.Tensor | None = None
+    ends: torch.Tensor | None = None
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return torch.arange(self.first_id, self.first_id + self.count, dtype=torch.int64)
+
+    @property
+    def evicted_ids(self) -> torch.Tensor:
+        return torch.arange(
+            self.evicted_first_id, self.evicted_first_id + self.evicted, dtype=torch.int64
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SampleIndex:
+    """Which rows a sample reads, and with what probability they were drawn.
+
+    Attributes:
+        ids: int64 ``[B]`` (row samplers) or ``[B, slice_len]`` (slice samplers).
+        probabilities: float64 ``[B]``: the probability of each drawn row or slice start.
+        weights: float32 ``[B]``: importance weights (ones where not prioritized).
+    """
+
+    ids: torch.Tensor
+    probabilities: torch.Tensor
+    weights: torch.Tensor
+
+
+class Sampler(ABC):
+    """Chooses rows to sample; maintained incrementally by its table."""
+
+    def __init__(self, ring: IdRing) -> None:
+        self._ring = ring
+
+    @abstractmethod
+    def insert(self, event: InsertEvent) -> None:
+        """Rows were inserted (and perhaps others evicted)."""
+
+    @abstractmethod
+    def sample(self, batch_size: int, generator: torch.Generator) -> SampleIndex:
+        """Draw ``batch_size`` rows (or slices), with replacement.
+
+        Raises:
+            EmptyTableError: nothing can be sampled.
+        """
+
+    def update(self, slots: torch.Tensor, priorities: torch.Tensor) -> None:
+        """Set the priorities (float64, validated) of the live rows at ``slots``."""
+        raise NoPrioritiesError("this table's sampler does not use priorities")
+
+    @property
+    def max_priority(self) -> float | None:
+        """The priority a new row gets when none is given (``None``: no priorities)."""
+        return None
+
+    @abstractmethod
+    def clear(self) -> None:
+        """All rows were removed."""
+
+    def stats(self) -> dict[str, Any]:
+        """Sampler-specific figures for ``info``."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values only, so it loads without running code."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (the ring is already restored)."""
+
+    @property
+    def _used(self) -> int:
+        """Slots ever written: the prefix of per-slot state worth saving."""
+        return min(self._ring.next_id, self._ring.capacity)
+
+
+def importance_weights(
+    probabilities: torch.Tensor, min_probability: float, beta: float
+) -> torch.Tensor:
+    """``w_i = (N * P(i)) ** -beta / max_j w_j`` as float32.
+
+    ``max_j w_j`` belongs to the least likely row that can be drawn, so
+    ``w_i = (min_P / P(i)) ** beta``; N cancels. ``min_probability`` is over
+    rows with P > 0 (a row that can never be drawn has no weight).
+    """
+    return (min_probability / probabilities).pow(beta).to(torch.float32)

@@ -1,0 +1,232 @@
+"""Slice samplers: batches of ``[B, slice_len]`` consecutive steps of one episode each.
+
+Both are built on :class:`~replay_server.samplers.episodes.EpisodeIndex`, which
+yields each row the moment it becomes a valid slice start; they differ only in
+how a start is drawn: uniformly (:class:`SliceSampler`) or by priority
+(:class:`PrioritizedSliceSampler`, R2D2-style sequence replay). Sampling cost
+depends on neither capacity nor the number of rows stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_server.errors import EmptyTableError
+from replay_server.ids import IdRing
+from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex, importance_weights
+from replay_server.samplers.episodes import EpisodeIndex, index_dtype
+from replay_server.samplers.prioritized import PriorityState
+from replay_server.sumtree import SumTree, last_write_wins
+
+
+def _no_slices(ring: IdRing, slice_len: int) -> EmptyTableError:
+    if ring.size == 0:
+        return EmptyTableError("the table is empty")
+    return EmptyTableError(
+        f"no episode has {slice_len} consecutive steps stored yet "
+        f"({ring.size} rows stored); episodes shorter than slice_len are never sampled"
+    )
+
+
+class StartSet:
+    """A set of slots with O(1) membership and O(B) uniform draws.
+
+    Dense array of members plus each slot's position in it; removal moves the
+    last members into the holes (vectorized for a batch of removals).
+    Memory: 8 bytes per slot (4 when capacity < 2**31).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        dtype = index_dtype(capacity)
+        self._pos = torch.full((capacity,), -1, dtype=dtype).numpy()
+        self._dense = torch.zeros(capacity, dtype=dtype).numpy()
+        self.count = 0
+
+    def add(self, slots: np.ndarray) -> None:
+        k = slots.size
+        self._pos[slots] = np.arange(self.count, self.count + k)
+        self._dense[self.count : self.count + k] = slots
+        self.count += k
+
+    def remove(self, slots: np.ndarray) -> None:
+        """Remove those of ``slots`` that are members."""
+        positions = self._pos[slots]
+        member = positions >= 0
+        slots, positions = slots[member], positions[member]
+        k = slots.size
+        if k == 0:
+            return
+        new_count = self.count - k
+        self._pos[slots] = -1
+        holes = positions[positions < new_count]
+        tail = self._dense[new_count : self.count]
+        fillers = tail[self._pos[tail] >= 0]
+        self._dense[holes] = fillers
+        self._pos[fillers] = holes
+        self.count = new_count
+
+    def draw(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+        picks = torch.randint(self.count, (batch_size,), generator=generator).numpy()
+        return torch.from_numpy(self._dense[picks].astype(np.int64))
+
+    def members(self) -> np.ndarray:
+        return self._dense[: self.count]
+
+    def clear(self) -> None:
+        self._pos[self._dense[: self.count]] = -1
+        self.count = 0
+
+
+class SliceSampler(Sampler):
+    """Slices whose starts are drawn uniformly among all valid starts.
+
+    Cost: ``sample`` O(B * slice_len); ``insert`` O(n) for n rows (see
+    :class:`~replay_server.samplers.episodes.EpisodeIndex`). Memory: 12 bytes
+    per slot (20 when capacity >= 2**31).
+    """
+
+    def __init__(self, ring: IdRing, slice_len: int) -> None:
+        super().__init__(ring)
+        self._episodes = EpisodeIndex(ring, slice_len)
+        self._starts = StartSet(ring.capacity)
+
+    def insert(self, event: InsertEvent) -> None:
+        cap = self._ring.capacity
+        if event.evicted:
+            self._starts.remove(event.evicted_ids.numpy() % cap)
+        self._starts.add(self._episodes.insert(event) % cap)
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> SampleIndex:
+        n = self._starts.count
+        if n == 0:
+            raise _no_slices(self._ring, self._episodes.slice_len)
+        starts = self._ring.ids_of_slots(self._starts.draw(batch_size, generator))
+        return SampleIndex(
+            ids=self._episodes.chain(starts),
+            probabilities=torch.full((batch_size,), 1.0 / n, dtype=torch.float64),
+            weights=torch.ones(batch_size, dtype=torch.float32),
+        )
+
+    def clear(self) -> None:
+        self._episodes.clear()
+        self._starts.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {"slices": self._starts.count, "open_episodes": self._episodes.open_episodes}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "episodes": self._episodes.state_dict(self._used),
+            "starts": torch.from_numpy(self._starts.members().astype(np.int64)),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._episodes.load_state_dict(state["episodes"])
+        self._starts.clear()
+        self._starts.add(state["starts"].numpy())
+
+
+class PrioritizedSliceSampler(Sampler):
+    """Slices whose starts are drawn by priority: P(slice at row i) ∝ p_i^alpha.
+
+    Every row has a priority (given at insert, else the largest seen so far,
+    updated through its id); only rows that are valid starts carry sampling
+    mass. The priority of a slice is the priority of its first row, so a
+    learner updates with ``batch.ids[:, 0]`` (updating other rows is allowed
+    and takes effect when those rows start a slice). Importance weights use
+    N = number of valid starts.
+
+    Cost: ``sample`` O(B * (log capacity + slice_len)); ``insert`` and
+    ``update`` O(n * log capacity). Memory: about 14 bytes per slot.
+    """
+
+    def __init__(self, ring: IdRing, slice_len: int, alpha: float, beta: float) -> None:
+        super().__init__(ring)
+        cap = ring.capacity
+        self._episodes = EpisodeIndex(ring, slice_len)
+        self._prio = PriorityState(alpha, beta)
+        self._tree = SumTree(cap)
+        self._row_mass = torch.zeros(cap, dtype=torch.float32)
+        self._is_start = torch.zeros(cap, dtype=torch.bool)
+        self._num_starts = 0
+
+    @property
+    def max_priority(self) -> float:
+        return self._prio.max_priority
+
+    def insert(self, event: InsertEvent) -> None:
+        assert event.priorities is not None
+        cap = self._ring.capacity
+        if event.evicted:
+            evicted = self._ring.slots(event.evicted_ids)
+            gone = evicted[self._is_start[evicted]]
+            self._tree.set(gone, torch.zeros(gone.shape, dtype=torch.float32))
+            self._is_start[gone] = False
+            self._num_starts -= int(gone.numel())
+        self._prio.observe(event.priorities)
+        self._row_mass[self._ring.slots(event.ids)] = self._prio.mass(event.priorities).float()
+        new = torch.from_numpy(self._episodes.insert(event) % cap)
+        self._is_start[new] = True
+        self._tree.set(new, self._row_mass[new])
+        self._num_starts += int(new.numel())
+
+    def update(self, slots: torch.Tensor, priorities: torch.Tensor) -> None:
+        self._prio.observe(priorities)
+        mass = self._prio.mass(priorities).float()
+        # A repeated id keeps its last priority (index_put alone would keep any one).
+        unique_slots, unique_mass = last_write_wins(slots, mass)
+        self._row_mass[unique_slots] = unique_mass
+        starts = slots[self._is_start[slots]]
+        self._tree.set(starts, self._row_mass[starts])
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> SampleIndex:
+        total = self._tree.total()
+        if self._num_starts == 0:
+            raise _no_slices(self._ring, self._episodes.slice_len)
+        if total <= 0.0:
+            raise EmptyTableError("every slice start has priority 0, so none can be drawn")
+        targets = torch.rand(batch_size, generator=generator, dtype=torch.float64) * total
+        slots = self._tree.find(targets)
+        probabilities = self._tree.get(slots).to(torch.float64) / total
+        weights = importance_weights(probabilities, self._tree.min_positive() / total, self._prio.beta)
+        starts = self._ring.ids_of_slots(slots)
+        return SampleIndex(self._episodes.chain(starts), probabilities, weights)
+
+    def clear(self) -> None:
+        self._episodes.clear()
+        self._tree.clear()
+        self._is_start.zero_()
+        self._num_starts = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "slices": self._num_starts,
+            "open_episodes": self._episodes.open_episodes,
+            "max_priority": self._prio.max_priority,
+            "priority_mass": self._tree.total(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        used = self._used
+        return {
+            "episodes": self._episodes.state_dict(used),
+            "priority": self._prio.state_dict(),
+            "row_mass": self._row_mass[:used].clone(),
+            "is_start": self._is_start[:used].clone(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._episodes.load_state_dict(state["episodes"])
+        self._prio.load_state_dict(state["priority"])
+        row_mass, is_start = state["row_mass"], state["is_start"]
+        used = row_mass.numel()
+        self._row_mass.zero_()
+        self._row_mass[:used] = row_mass
+        self._is_start.zero_()
+        self._is_start[:used] = is_start
+        self._num_starts = int(is_start.sum())
+        self._tree.load_state_dict({"leaves": torch.where(is_start, row_mass, 0.0)})
+

@@ -1,0 +1,36 @@
+"""Uniform sampling over the rows present."""
+
+from __future__ import annotations
+
+import torch
+
+from replay_server.errors import EmptyTableError
+from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex
+
+
+class UniformSampler(Sampler):
+    """Every present row is drawn with probability ``1 / size``.
+
+    The rows present are exactly the ids ``[first_live, next_id)`` (see
+    :mod:`replay_server.ids`), so sampling draws integers in that range and
+    needs no per-row state at all.
+
+    Cost: ``sample`` O(B); ``insert``/``clear`` O(1). Memory: none per row.
+    """
+
+    def insert(self, event: InsertEvent) -> None:
+        pass
+
+    def sample(self, batch_size: int, generator: torch.Generator) -> SampleIndex:
+        size = self._ring.size
+        if size == 0:
+            raise EmptyTableError("the table is empty")
+        offsets = torch.randint(size, (batch_size,), generator=generator, dtype=torch.int64)
+        return SampleIndex(
+            ids=offsets + self._ring.first_live,
+            probabilities=torch.full((batch_size,), 1.0 / size, dtype=torch.float64),
+            weights=torch.ones(batch_size, dtype=torch.float32),
+        )
+
+    def clear(self) -> None:
+        pass

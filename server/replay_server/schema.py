@@ -1,0 +1,133 @@
+"""A table's schema: for each flat key, the dtype and per-row shape of its column.
+
+The schema is fixed by the table's config or by its first insert; every later
+insert must match it exactly (no implicit casts), or it is refused as a whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replay_proto.dtypes import dtype_from_name, dtype_name
+from replay_server.errors import SchemaMismatchError
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """dtype and per-row shape of one column (the shape excludes the row dim)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        dtype_name(self.dtype)  # raises ValueError for unsupported dtypes
+        if any(not isinstance(d, int) or d < 0 for d in self.shape):
+            raise ValueError(f"shape must be non-negative integers, got {self.shape!r}")
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one row of this column occupies."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def describe(self) -> str:
+        return f"{dtype_name(self.dtype)}{list(self.shape)}"
+
+    @classmethod
+    def of_column(cls, column: torch.Tensor) -> FieldSpec:
+        """The spec of a column tensor whose dim 0 is rows."""
+        return cls(column.dtype, tuple(column.shape[1:]))
+
+
+class Schema(Mapping[str, FieldSpec]):
+    """An ordered, immutable mapping of flat key -> :class:`FieldSpec`."""
+
+    __slots__ = ("_fields",)
+
+    def __init__(self, fields: Mapping[str, FieldSpec]) -> None:
+        self._fields = dict(fields)
+
+    def __getitem__(self, key: str) -> FieldSpec:
+        return self._fields[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __repr__(self) -> str:
+        return f"Schema({self.describe()})"
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one row occupies across all columns."""
+        return sum(spec.row_bytes for spec in self._fields.values())
+
+    def describe(self) -> dict[str, str]:
+        """``{key: "float32[17]"}``, for messages and ``info``."""
+        return {key: spec.describe() for key, spec in self._fields.items()}
+
+    def check(self, columns: Mapping[str, torch.Tensor], table: str) -> None:
+        """Raise unless ``columns`` has exactly this schema's keys, dtypes and shapes.
+
+        Raises:
+            SchemaMismatchError: naming the key, the expected and the received
+                dtype/shape (or the missing / unexpected keys).
+        """
+        missing = [k for k in self._fields if k not in columns]
+        extra = [k for k in columns if k not in self._fields]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing keys {missing}")
+            if extra:
+                parts.append(f"unexpected keys {extra}")
+            raise SchemaMismatchError(
+                f"table {table!r}: insert does not match the schema: {'; '.join(parts)} "
+                f"(schema: {self.describe()})"
+            )
+        for key, spec in self._fields.items():
+            got = FieldSpec.of_column(columns[key]) if columns[key].dtype in _SUPPORTED else None
+            if got != spec:
+                received = (
+                    f"{columns[key].dtype}{list(columns[key].shape[1:])}"
+                    if got is None
+                    else got.describe()
+                )
+                raise SchemaMismatchError(
+                    f"table {table!r}: key {key!r} expects dtype/shape {spec.describe()} "
+                    f"per row, got {received}"
+                )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values only (loadable without code execution)."""
+        return {
+            key: {"dtype": dtype_name(spec.dtype), "shape": list(spec.shape)}
+            for key, spec in self._fields.items()
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> Schema:
+        return cls(
+            {
+                key: FieldSpec(dtype_from_name(value["dtype"]), tuple(value["shape"]))
+                for key, value in state.items()
+            }
+        )
+
+
+def _supported() -> frozenset[torch.dtype]:
+    from replay_proto.dtypes import DTYPES
+
+    return frozenset(DTYPES.values())
+
+
+_SUPPORTED = _supported()

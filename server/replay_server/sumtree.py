@@ -1,0 +1,205 @@
+"""A sum tree (with a min tree beside it) over per-slot priorities, batched in numpy.
+
+This is the index behind proportional prioritized replay: leaf ``i`` holds the
+sampling mass of slot ``i`` (``p_i ** alpha``, or 0 for a slot that must not be
+drawn). Drawing ``u ~ U[0, total)`` and finding the leaf whose prefix-sum
+interval contains ``u`` draws slot ``i`` with probability ``leaf_i / total``.
+
+Layout. Leaves are float32 (4 bytes per slot), grouped in blocks of
+:data:`BLOCK`. Above the blocks sits a binary heap-ordered tree (node 1 the
+root, node ``P + b`` block ``b``) of float64 sums and float32 minima of
+positive leaves: 1.5 to 3 bytes per leaf, as the block count is rounded up to
+a power of two (2.5 bytes per leaf at 10M slots). Inner sums are always recomputed from
+their children, never adjusted by deltas, so no rounding error accumulates.
+
+Batched operations, no Python loop over the batch:
+
+* ``find`` descends the binary tree for all targets at once (one vectorized
+  step per level), then scans each target's block. For batches that are large
+  next to the number of blocks it instead takes one prefix sum over the block
+  sums and binary-searches all targets in it, which is cheaper there.
+* ``set`` writes the leaves, refreshes their blocks, then walks up level by
+  level; a level with few nodes compared to the batch is recomputed whole.
+
+Costs (B = batch, n = capacity, D = log2(n / BLOCK)):
+``find`` O(B * (D + BLOCK)) or O(n / BLOCK + B * D) for large B;
+``set`` O(B * (log B + BLOCK + D)); ``total``/``min_positive`` O(1).
+
+Not thread-safe: the owning sampler is called under its table's lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+BLOCK = 16
+"""Leaves per block (the fan-in of the bottom level)."""
+
+_LARGE_BATCH = 8
+"""``find`` switches to the prefix-sum path when ``batch * _LARGE_BATCH >= blocks``."""
+
+
+def last_write_wins(slots: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deduplicate ``slots`` (1-D), keeping for each the value written last."""
+    if slots.numel() < 2:
+        return slots, values
+    s, v = _last_write_wins_np(slots.numpy(), values.numpy())
+    return torch.from_numpy(s), torch.from_numpy(v)
+
+
+def _last_write_wins_np(slots: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if slots.size < 2:
+        return slots, values
+    unique, first_in_reversed = np.unique(slots[::-1], return_index=True)
+    if unique.size == slots.size:
+        return slots, values
+    return unique, values[::-1][first_in_reversed]
+
+
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` for an already sorted array, in O(n) instead of a sort."""
+    keep = np.empty(values.size, dtype=bool)
+    keep[:1] = True
+    np.not_equal(values[1:], values[:-1], out=keep[1:])
+    return values[keep]
+
+
+class SumTree:
+    """Batched sum/min tree over ``capacity`` leaves (all zero initially).
+
+    Args:
+        capacity: number of leaves (slots).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._blocks = -(-capacity // BLOCK)
+        self._p = 1 << max(0, (self._blocks - 1).bit_length())  # first block node
+        self._leaves = np.zeros(self._blocks * BLOCK, dtype=np.float32)
+        self._leaf_blocks = self._leaves.reshape(self._blocks, BLOCK)
+        self._sum = np.zeros(2 * self._p, dtype=np.float64)
+        self._min = np.full(2 * self._p, np.inf, dtype=np.float32)
+        self._lanes = np.arange(BLOCK)
+
+    @property
+    def leaves(self) -> torch.Tensor:
+        """All leaves as a float32 tensor sharing this tree's memory (read it, don't write it)."""
+        return torch.from_numpy(self._leaves)
+
+    def total(self) -> float:
+        """Sum of all leaves."""
+        return float(self._sum[1])
+
+    def min_positive(self) -> float:
+        """Smallest leaf value > 0, or ``inf`` if there is none."""
+        return float(self._min[1])
+
+    def get(self, slots: torch.Tensor) -> torch.Tensor:
+        """Leaf values (float32) at ``slots``."""
+        return torch.from_numpy(self._leaves[slots.numpy()])
+
+    def set(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Set leaves ``slots`` to ``values`` (>= 0); for a repeated slot the last value wins."""
+        if slots.numel() == 0:
+            return
+        s, v = _last_write_wins_np(
+            slots.reshape(-1).numpy(), values.reshape(-1).to(torch.float32).numpy()
+        )
+        self._leaves[s] = v
+        self._refresh(np.unique(s // BLOCK))
+
+    def clear(self) -> None:
+        """Set every leaf to zero."""
+        self._leaves.fill(0)
+        self._sum.fill(0)
+        self._min.fill(np.inf)
+
+    def rebuild(self) -> None:
+        """Recompute every inner node from the leaves."""
+        self._refresh(np.arange(self._blocks))
+
+    def _refresh(self, blocks: np.ndarray) -> None:
+        """Recompute blocks ``blocks`` (sorted, unique) and all their ancestors."""
+        p, sums, mins = self._p, self._sum, self._min
+        leaves = self._leaf_blocks[blocks]
+        sums[p + blocks] = leaves.sum(1, dtype=np.float64)
+        mins[p + blocks] = np.where(leaves > 0, leaves, np.float32(np.inf)).min(1)
+        nodes, size = p + blocks, p  # nodes of the level [size, 2 * size)
+        while size > 1:
+            size //= 2
+            if nodes.size * 4 >= size:  # few nodes here: recompute the whole level
+                sums[size : 2 * size] = sums[2 * size : 4 * size].reshape(-1, 2).sum(1)
+                mins[size : 2 * size] = mins[2 * size : 4 * size].reshape(-1, 2).min(1)
+                nodes = np.arange(size, 2 * size)
+            else:
+                nodes = _sorted_unique(nodes // 2)
+                sums[nodes] = sums[2 * nodes] + sums[2 * nodes + 1]
+                mins[nodes] = np.minimum(mins[2 * nodes], mins[2 * nodes + 1])
+
+    def find(self, targets: torch.Tensor) -> torch.Tensor:
+        """For each target ``u`` in ``[0, total)``, the slot whose prefix interval holds it.
+
+        That is the smallest ``i`` with ``sum(leaves[: i + 1]) > u``; the result
+        always has a positive leaf, even where rounding puts ``u`` at the very
+        end of the range.
+
+        Args:
+            targets: float64 ``[B]``.
+
+        Returns:
+            int64 ``[B]`` slots.
+        """
+        u = targets.to(torch.float64).numpy().copy()
+        if u.size * _LARGE_BATCH >= self._blocks:
+            blocks, u = self._find_blocks_by_prefix(u)
+        else:
+            blocks, u = self._find_blocks_by_descent(u)
+        return torch.from_numpy(self._find_in_blocks(blocks, u))
+
+    def _find_blocks_by_descent(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        node = np.ones(u.shape, dtype=np.int64)
+        sums = self._sum
+        while node[0] < self._p:
+            node *= 2
+            left = sums[node]
+            right = u >= left
+            u -= np.where(right, left, 0.0)
+            node += right
+        blocks = node - self._p
+        empty = sums[node] <= 0  # only where rounding walked off the end of the range
+        if empty.any():
+            blocks[empty], u[empty] = self._find_blocks_by_prefix(
+                np.full(int(empty.sum()), np.nextafter(sums[1], 0.0))
+            )
+        return blocks, u
+
+    def _find_blocks_by_prefix(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        block_sums = self._sum[self._p : self._p + self._blocks]
+        prefix = np.cumsum(block_sums)
+        blocks = np.searchsorted(prefix, u, side="right")
+        last = int(np.flatnonzero(block_sums > 0)[-1])
+        np.minimum(blocks, last, out=blocks)
+        below = np.where(blocks > 0, prefix[blocks - 1], 0.0)
+        return blocks, np.maximum(u - below, 0.0)
+
+    def _find_in_blocks(self, blocks: np.ndarray, u: np.ndarray) -> np.ndarray:
+        values = self._leaf_blocks[blocks].astype(np.float64)
+        within = (np.cumsum(values, axis=1) <= u[:, None]).sum(1)
+        over = within >= BLOCK
+        if over.any():  # rounding put u at the block's end: take its last positive leaf
+            positive = values[over] > 0
+            within[over] = BLOCK - 1 - np.argmax(positive[:, ::-1], axis=1)
+        return blocks * BLOCK + within
+
+    def state_dict(self, used: int) -> dict[str, torch.Tensor]:
+        """The first ``used`` leaves (inner nodes are rebuilt on load)."""
+        return {"leaves": torch.from_numpy(self._leaves[:used].copy())}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        leaves = state["leaves"].to(torch.float32).numpy()
+        self._leaves.fill(0)
+        self._leaves[: leaves.size] = leaves
+        self.rebuild()

@@ -1,0 +1,472 @@
+"""A table: a fixed-capacity FIFO ring of rows, stored column-wise, with one sampler.
+
+Rows go in through :meth:`Table.insert` (leading dim = rows) and get int64 ids
+(see :mod:`replay_server.ids`); samples come out as
+:class:`~replay_proto.batch.SampleBatch`; priorities are updated by id. The
+table is the only orchestrator: under its lock it validates, writes storage
+and tells its sampler exactly once.
+
+Every method either succeeds or raises a
+:class:`~replay_server.errors.ReplayServerError` having changed nothing.
+
+Thread-safety: all public methods may be called from any thread; one lock per
+table serializes them (tables do not block each other). Tensor conversion of
+inputs happens before the lock is taken, the copies in and out under it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_proto.batch import SampleBatch
+from replay_proto.keys import flatten, unflatten
+from replay_server.config import SamplerKind, TableConfig
+from replay_server.errors import (
+    ConfigError,
+    EmptyTableError,
+    InvalidArgumentError,
+    InvalidIdsError,
+    InvalidPriorityError,
+    NoPrioritiesError,
+    SchemaMismatchError,
+)
+from replay_server.ids import IdRing
+from replay_server.samplers import InsertEvent, make_sampler
+from replay_server.schema import FieldSpec, Schema
+from replay_server.storage import ColumnStorage
+
+STATE_VERSION = 1
+"""Version of :meth:`Table.state_dict`'s layout; bumped on any incompatible change."""
+
+MAX_BATCH_SIZE = 1 << 24
+"""Largest ``batch_size`` a single sample may ask for."""
+
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+@dataclass(slots=True)
+class TableCounters:
+    """Monotonic counts since the table was created (kept across reset and restore)."""
+
+    inserted: int = 0
+    evicted: int = 0
+    sample_calls: int = 0
+    sampled: int = 0
+    priority_updates: int = 0
+    stale_priority_updates: int = 0
+    resets: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TableInfo:
+    """A snapshot of one table, for ``info``."""
+
+    name: str
+    sampler: str
+    capacity: int
+    size: int
+    schema: dict[str, str] | None
+    pinned: bool
+    storage_bytes: int
+    counters: TableCounters
+    sampler_stats: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+class Table:
+    """A named replay table. See the module docstring for the concepts.
+
+    Args:
+        config: the table's validated configuration.
+
+    Raises:
+        ConfigError: the declared schema cannot serve the sampler (e.g. a slice
+            table without an integer episode column), or pinned memory was
+            requested without an accelerator.
+    """
+
+    def __init__(self, config: TableConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._ring = IdRing(config.capacity)
+        self._sampler = make_sampler(config, self._ring)
+        self._generator = torch.Generator()
+        if config.seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(config.seed)
+        self._counters = TableCounters()
+        self._schema: Schema | None = None
+        self._storage: ColumnStorage | None = None
+        if config.schema is not None:
+            schema = Schema(config.schema)
+            try:
+                self._check_sampler_columns(schema)
+            except SchemaMismatchError as exc:
+                raise ConfigError(str(exc)) from None
+            self._allocate(schema)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def schema(self) -> Schema | None:
+        """The columns, fixed by the config or the first insert (``None`` before)."""
+        return self._schema
+
+    @property
+    def size(self) -> int:
+        """Rows present."""
+        return self._ring.size
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(self, data: Any, priorities: Any = None) -> torch.Tensor:
+        """Append rows; the oldest rows are overwritten once the table is full.
+
+        Args:
+            data: mapping (possibly nested) or TensorDict of tensors/arrays whose
+                leading dim is rows. Must match the schema exactly.
+            priorities: ``[rows]`` finite priorities >= 0 (prioritized samplers
+                only); omitted: each row gets the largest priority seen so far.
+
+        Returns:
+            int64 ``[rows]`` ids of the new rows.
+
+        Raises:
+            SchemaMismatchError, InvalidArgumentError, InvalidPriorityError,
+            NoPrioritiesError: nothing was stored.
+
+        Cost: one copy of the rows into storage plus the sampler's insert
+        (O(rows * log capacity) at worst).
+        """
+        columns = self._columns(data)
+        rows = self._row_count(columns)
+        checked_priorities = self._insert_priorities(priorities, rows)
+        with self._lock:
+            schema = self._schema
+            if schema is None:
+                schema = Schema({k: FieldSpec.of_column(c) for k, c in columns.items()})
+                self._check_sampler_columns(schema)
+            schema.check(columns, self.name)
+            if rows == 0:
+                return torch.empty(0, dtype=torch.int64)
+            if rows > self._ring.capacity:
+                raise InvalidArgumentError(
+                    f"table {self.name!r}: an insert of {rows} rows exceeds the table's "
+                    f"capacity of {self._ring.capacity} rows; split it"
+                )
+            if self._storage is None:
+                self._allocate(schema)
+            assert self._storage is not None
+            event = self._insert_event(columns, rows, checked_priorities)
+            evicted_first_id = self._ring.first_live
+            first_id, evicted = self._ring.allocate(rows)
+            self._storage.write(first_id % self._ring.capacity, columns)
+            self._sampler.insert(
+                InsertEvent(
+                    first_id=first_id,
+                    count=rows,
+                    evicted_first_id=evicted_first_id,
+                    evicted=evicted,
+                    **event,
+                )
+            )
+            self._counters.inserted += rows
+            self._counters.evicted += evicted
+        return torch.arange(first_id, first_id + rows, dtype=torch.int64)
+
+    def _columns(self, data: Any) -> dict[str, torch.Tensor]:
+        try:
+            flat = flatten(data)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentError(f"table {self.name!r}: {exc}") from None
+        if not flat:
+            raise InvalidArgumentError(f"table {self.name!r}: insert has no columns")
+        columns = {}
+        for key, value in flat.items():
+            columns[key] = self._as_tensor(value, f"key {key!r}")
+            if columns[key].dim() == 0:
+                raise InvalidArgumentError(
+                    f"table {self.name!r}: key {key!r} is a scalar; every column needs a "
+                    f"leading dimension of rows (use shape [1] for one row)"
+                )
+        return columns
+
+    def _as_tensor(self, value: Any, what: str) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value if value.device.type == "cpu" else value.cpu()
+        try:
+            return torch.as_tensor(np.asarray(value) if not isinstance(value, np.ndarray) else value)
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise InvalidArgumentError(
+                f"table {self.name!r}: {what} is not a tensor or array "
+                f"({type(value).__name__}): {exc}"
+            ) from None
+
+    def _row_count(self, columns: Mapping[str, torch.Tensor]) -> int:
+        counts = {key: int(col.shape[0]) for key, col in columns.items()}
+        if len(set(counts.values())) > 1:
+            raise InvalidArgumentError(
+                f"table {self.name!r}: columns have different numbers of rows "
+                f"(leading dims): {counts}"
+            )
+        return next(iter(counts.values()))
+
+    def _insert_priorities(self, priorities: Any, rows: int) -> torch.Tensor | None:
+        if priorities is None:
+            return None
+        if not self.config.sampler.is_prioritized:
+            raise NoPrioritiesError(
+                f"table {self.name!r} uses sampler {self.config.sampler.value!r}, which has "
+                f"no priorities; insert without priorities"
+            )
+        values = self._priority_values(priorities)
+        if tuple(values.shape) != (rows,):
+            raise InvalidPriorityError(
+                f"table {self.name!r}: priorities must have shape [{rows}] (one per row), "
+                f"got {list(values.shape)}"
+            )
+        return values
+
+    def _priority_values(self, priorities: Any) -> torch.Tensor:
+        values = self._as_tensor(priorities, "priorities")
+        if values.dtype == torch.bool or values.is_complex():
+            raise InvalidPriorityError(
+                f"table {self.name!r}: priorities must be real numbers, got dtype {values.dtype}"
+            )
+        values = values.to(torch.float64)
+        bad = ~(torch.isfinite(values) & (values >= 0))
+        if bool(bad.any()):
+            where = torch.nonzero(bad.reshape(-1))[:, 0]
+            first = int(where[0])
+            raise InvalidPriorityError(
+                f"table {self.name!r}: priorities must be finite and >= 0; {where.numel()} "
+                f"are not (first at index {first}: {float(values.reshape(-1)[first])})"
+            )
+        return values
+
+    def _insert_event(
+        self, columns: Mapping[str, torch.Tensor], rows: int, priorities: torch.Tensor | None
+    ) -> dict[str, torch.Tensor | None]:
+        kind = self.config.sampler
+        event: dict[str, torch.Tensor | None] = {}
+        if kind.is_prioritized:
+            event["priorities"] = (
+                priorities
+                if priorities is not None
+                else torch.full((rows,), self._sampler.max_priority, dtype=torch.float64)
+            )
+        if kind.is_slice:
+            ends = torch.zeros(rows, dtype=torch.bool)
+            for key in self.config.episode_end_keys:
+                if key in columns:
+                    ends |= columns[key]
+            event["episodes"] = columns[self.config.episode_key].to(torch.int64)
+            event["ends"] = ends
+        return event
+
+    def _check_sampler_columns(self, schema: Schema) -> None:
+        """Slice samplers need an integer episode column and bool end columns, one per row."""
+        if not self.config.sampler.is_slice:
+            return
+        key = self.config.episode_key
+        spec = schema.get(key)
+        if spec is None or spec.dtype not in _INTEGER_DTYPES or spec.shape != ():
+            got = "no such key" if spec is None else spec.describe()
+            raise SchemaMismatchError(
+                f"table {self.name!r}: sampler {self.config.sampler.value!r} needs key "
+                f"{key!r} holding one integer episode id per row (e.g. int64[]), got {got}"
+            )
+        for key in self.config.episode_end_keys:
+            spec = schema.get(key)
+            if spec is not None and (spec.dtype != torch.bool or spec.shape != ()):
+                raise SchemaMismatchError(
+                    f"table {self.name!r}: key {key!r} marks episode ends and must hold one "
+                    f"bool per row (bool[]), got {spec.describe()}"
+                )
+
+    def _allocate(self, schema: Schema) -> None:
+        self._storage = ColumnStorage(schema, self._ring.capacity, pin_memory=self.config.pin_memory)
+        self._schema = schema
+
+    # ------------------------------------------------------------------ sample
+
+    def sample(self, batch_size: int) -> SampleBatch:
+        """Draw ``batch_size`` rows (or slices) with replacement, per the table's sampler.
+
+        Raises:
+            InvalidArgumentError: ``batch_size`` is not an integer in [1, MAX_BATCH_SIZE].
+            EmptyTableError: nothing can be sampled yet.
+
+        Cost: the sampler's draw (see its docstring) plus one gather per column.
+        """
+        if (
+            not isinstance(batch_size, int)
+            or isinstance(batch_size, bool)
+            or not 1 <= batch_size <= MAX_BATCH_SIZE
+        ):
+            raise InvalidArgumentError(
+                f"table {self.name!r}: batch_size must be an integer in [1, {MAX_BATCH_SIZE}], "
+                f"got {batch_size!r}"
+            )
+        with self._lock:
+            try:
+                index = self._sampler.sample(batch_size, self._generator)
+            except EmptyTableError as exc:
+                raise EmptyTableError(f"table {self.name!r}: {exc}") from None
+            assert self._storage is not None
+            data = self._storage.gather(self._ring.slots(index.ids))
+            self._counters.sample_calls += 1
+            self._counters.sampled += batch_size
+        return SampleBatch(unflatten(data), index.ids, index.weights, index.probabilities)
+
+    # -------------------------------------------------------------- priorities
+
+    def update_priorities(self, ids: Any, priorities: Any) -> int:
+        """Set the priorities of the rows named by ``ids``.
+
+        Ids whose rows have since been overwritten (or reset) are ignored and
+        counted in ``stale_priority_updates``; they never touch the newer row.
+        For a repeated id, the last priority wins.
+
+        Args:
+            ids: int64 ids, any shape.
+            priorities: finite values >= 0, same shape as ``ids``.
+
+        Returns:
+            How many of ``ids`` named rows still present (and were applied).
+
+        Raises:
+            NoPrioritiesError: the sampler has no priorities.
+            InvalidIdsError: ids are not int64, or were never issued by this table.
+            InvalidPriorityError: a priority is negative or not finite, or the
+                shapes differ. Nothing is applied.
+
+        Cost: O(n * log capacity).
+        """
+        if not self.config.sampler.is_prioritized:
+            raise NoPrioritiesError(
+                f"table {self.name!r} uses sampler {self.config.sampler.value!r}, which has "
+                f"no priorities to update"
+            )
+        id_tensor = self._as_tensor(ids, "ids")
+        if id_tensor.dtype != torch.int64:
+            raise InvalidIdsError(
+                f"table {self.name!r}: ids must be int64 (as returned by insert and sample), "
+                f"got dtype {id_tensor.dtype}"
+            )
+        values = self._priority_values(priorities)
+        if values.shape != id_tensor.shape:
+            raise InvalidPriorityError(
+                f"table {self.name!r}: priorities must have the same shape as ids "
+                f"{list(id_tensor.shape)}, got {list(values.shape)}"
+            )
+        id_tensor, values = id_tensor.reshape(-1), values.reshape(-1)
+        with self._lock:
+            never = (id_tensor < 0) | (id_tensor >= self._ring.next_id)
+            if bool(never.any()):
+                bad = int(id_tensor[never][0])
+                raise InvalidIdsError(
+                    f"table {self.name!r}: id {bad} was never issued by this table "
+                    f"(ids so far: 0..{self._ring.next_id - 1}); {int(never.sum())} such ids"
+                )
+            live = self._ring.live(id_tensor)
+            applied = int(live.sum())
+            if applied:
+                self._sampler.update(self._ring.slots(id_tensor[live]), values[live])
+            self._counters.priority_updates += applied
+            self._counters.stale_priority_updates += id_tensor.numel() - applied
+        return applied
+
+    # ------------------------------------------------------------------- admin
+
+    def reset(self) -> None:
+        """Remove every row. Ids keep counting (old ids become stale); the schema stays."""
+        with self._lock:
+            self._ring.clear()
+            self._sampler.clear()
+            self._counters.resets += 1
+
+    def info(self) -> TableInfo:
+        """A consistent snapshot of sizes, counters and sampler figures."""
+        with self._lock:
+            return TableInfo(
+                name=self.name,
+                sampler=self.config.sampler.value,
+                capacity=self._ring.capacity,
+                size=self._ring.size,
+                schema=None if self._schema is None else self._schema.describe(),
+                pinned=self._storage is not None and self._storage.pinned,
+                storage_bytes=0 if self._storage is None else self._storage.nbytes,
+                counters=TableCounters(**asdict(self._counters)),
+                sampler_stats=self._sampler.stats(),
+                config=self.config.describe(),
+            )
+
+    # ------------------------------------------------------------ persistence
+
+    def state_dict(self) -> dict[str, Any]:
+        """A consistent snapshot of the whole table: tensors and plain values only.
+
+        Loadable with ``torch.load(..., weights_only=True)``; no code runs on load.
+        Copies the stored rows (O(rows stored)) under the lock.
+        """
+        with self._lock:
+            used = min(self._ring.next_id, self._ring.capacity)
+            return {
+                "version": STATE_VERSION,
+                "config": self.config.describe(),
+                "schema": None if self._schema is None else self._schema.state_dict(),
+                "ring": self._ring.state_dict(),
+                "columns": {} if self._storage is None else self._storage.state_dict(used),
+                "sampler": self._sampler.state_dict(),
+                "counters": asdict(self._counters),
+                "generator": self._generator.get_state(),
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace this table's contents with a :meth:`state_dict`.
+
+        Raises:
+            ConfigError: the state has another layout version, or contradicts
+                this table's config (capacity, sampler, slice_len, alpha, keys)
+                or declared schema. The message names both values; the table is
+                unchanged.
+        """
+        version = state.get("version")
+        if version != STATE_VERSION:
+            raise ConfigError(
+                f"table {self.name!r}: saved state has layout version {version!r}, this "
+                f"server reads version {STATE_VERSION}"
+            )
+        mine = self.config.describe()
+        for key in ("capacity", "sampler", "slice_len", "alpha", "episode_key", "done_key",
+                    "truncated_key"):
+            if state["config"][key] != mine[key]:
+                raise ConfigError(
+                    f"table {self.name!r}: config says {key}={mine[key]!r} but the saved "
+                    f"state has {key}={state['config'][key]!r}"
+                )
+        schema = None if state["schema"] is None else Schema.from_state_dict(state["schema"])
+        if self._schema is not None and schema is not None and dict(schema) != dict(self._schema):
+            raise ConfigError(
+                f"table {self.name!r}: config declares schema {self._schema.describe()} but the "
+                f"saved state has {schema.describe()}"
+            )
+        with self._lock:
+            if schema is not None and self._storage is None:
+                self._allocate(schema)
+            self._ring.load_state_dict(state["ring"])
+            if self._storage is not None:
+                self._storage.load_state_dict(state["columns"])
+            self._sampler.load_state_dict(state["sampler"])
+            self._counters = TableCounters(**state["counters"])
+            self._generator.set_state(state["generator"])
