@@ -15,7 +15,7 @@ from typing import Any
 from replay_server.errors import ConfigError
 from replay_server.schema import FieldSpec
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}")
 
 MAX_CAPACITY = 2**40
 """Rows per table, at most (ids are int64 insertion numbers, slots fit int64)."""
@@ -72,7 +72,7 @@ class TableConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.match(self.name):
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
             raise ConfigError(
                 f"table name {self.name!r} is invalid: use 1-128 letters, digits, '_' or '-'"
             )
@@ -103,13 +103,19 @@ class TableConfig:
                 )
         elif self.slice_len is not None:
             raise ConfigError(
-                f"{where}: slice_len is only used by the slice samplers, and sampler is "
-                f"{self.sampler.value!r}; remove slice_len or choose sampler 'slice'"
+                f"{where}: slice_len={self.slice_len!r} is only used by the slice samplers, and "
+                f"sampler is {self.sampler.value!r}; remove slice_len or choose sampler 'slice'"
             )
         for name in ("episode_key", "done_key", "truncated_key"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}: {name} must be a non-empty string, got {value!r}")
+        keys = (self.episode_key, self.done_key, self.truncated_key)
+        if len(set(keys)) != len(keys):
+            raise ConfigError(
+                f"{where}: episode_key, done_key and truncated_key must be different columns, "
+                f"got {keys!r}"
+            )
         if self.seed is not None and not _is_int(self.seed):
             raise ConfigError(f"{where}: seed must be an integer or omitted, got {self.seed!r}")
         if not isinstance(self.pin_memory, bool):

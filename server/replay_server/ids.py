@@ -14,7 +14,7 @@ which is an O(1) check needing no per-row memory.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 
 class IdRing:
@@ -35,6 +35,10 @@ class IdRing:
         """Rows present."""
         return self.next_id - self.first_live
 
+    def range(self, first: int, count: int) -> np.ndarray:
+        """The ids ``first .. first + count - 1`` (int64)."""
+        return np.arange(first, first + count, dtype=np.int64)
+
     def allocate(self, n: int) -> tuple[int, int]:
         """Issue ids for ``n`` new rows (``n <= capacity``).
 
@@ -53,17 +57,17 @@ class IdRing:
         """Forget all rows; ids keep counting."""
         self.first_live = self.next_id
 
-    def slots(self, ids: torch.Tensor) -> torch.Tensor:
+    def slots(self, ids: np.ndarray) -> np.ndarray:
         """Slots of ``ids`` (int64, any shape)."""
-        return torch.remainder(ids, self.capacity)
+        return ids % self.capacity
 
-    def live(self, ids: torch.Tensor) -> torch.Tensor:
+    def live(self, ids: np.ndarray) -> np.ndarray:
         """Bool mask: which ``ids`` name rows still present."""
         return (ids >= self.first_live) & (ids < self.next_id)
 
-    def ids_of_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        """Ids of the rows now in ``slots`` (all of which must hold a live row)."""
-        return self.first_live + torch.remainder(slots - self.first_live, self.capacity)
+    def ids_of_slots(self, slots: np.ndarray) -> np.ndarray:
+        """Ids (int64) of the rows now in ``slots`` (all of which must hold a live row)."""
+        return self.first_live + (slots.astype(np.int64) - self.first_live) % self.capacity
 
     def state_dict(self) -> dict[str, int]:
         return {"next_id": self.next_id, "first_live": self.first_live}

@@ -95,16 +95,12 @@ class Schema(Mapping[str, FieldSpec]):
                 f"(schema: {self.describe()})"
             )
         for key, spec in self._fields.items():
-            got = FieldSpec.of_column(columns[key]) if columns[key].dtype in _SUPPORTED else None
-            if got != spec:
-                received = (
-                    f"{columns[key].dtype}{list(columns[key].shape[1:])}"
-                    if got is None
-                    else got.describe()
-                )
+            column = columns[key]
+            if column.dtype != spec.dtype or tuple(column.shape[1:]) != spec.shape:
                 raise SchemaMismatchError(
                     f"table {table!r}: key {key!r} expects dtype/shape {spec.describe()} "
-                    f"per row, got {received}"
+                    f"per row, got {str(column.dtype).removeprefix('torch.')}"
+                    f"{list(column.shape[1:])}"
                 )
 
     def state_dict(self) -> dict[str, Any]:
@@ -123,11 +119,3 @@ class Schema(Mapping[str, FieldSpec]):
             }
         )
 
-
-def _supported() -> frozenset[torch.dtype]:
-    from replay_proto.dtypes import DTYPES
-
-    return frozenset(DTYPES.values())
-
-
-_SUPPORTED = _supported()

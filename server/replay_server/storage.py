@@ -70,12 +70,12 @@ class ColumnStorage:
             if head < n:
                 np.copyto(dest[: n - head], src[head:])
 
-    def gather(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Copy the rows at ``slots`` (int64, any shape ``S``) into new tensors ``[*S, ...]``.
+    def gather(self, slots: np.ndarray) -> dict[str, torch.Tensor]:
+        """Copy the rows at ``slots`` (integers, any shape ``S``) into new tensors ``[*S, ...]``.
 
         Cost: one ``index_select`` per column, O(rows gathered * row bytes).
         """
-        flat = slots.reshape(-1).numpy()
+        flat = slots.reshape(-1)
         out = {}
         for key, col in self.columns.items():
             rows = torch.from_numpy(np.take(self._views[key], flat, axis=0))

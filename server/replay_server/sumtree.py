@@ -40,15 +40,8 @@ _LARGE_BATCH = 8
 """``find`` switches to the prefix-sum path when ``batch * _LARGE_BATCH >= blocks``."""
 
 
-def last_write_wins(slots: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def last_write_wins(slots: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Deduplicate ``slots`` (1-D), keeping for each the value written last."""
-    if slots.numel() < 2:
-        return slots, values
-    s, v = _last_write_wins_np(slots.numpy(), values.numpy())
-    return torch.from_numpy(s), torch.from_numpy(v)
-
-
-def _last_write_wins_np(slots: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if slots.size < 2:
         return slots, values
     unique, first_in_reversed = np.unique(slots[::-1], return_index=True)
@@ -84,11 +77,6 @@ class SumTree:
         self._min = np.full(2 * self._p, np.inf, dtype=np.float32)
         self._lanes = np.arange(BLOCK)
 
-    @property
-    def leaves(self) -> torch.Tensor:
-        """All leaves as a float32 tensor sharing this tree's memory (read it, don't write it)."""
-        return torch.from_numpy(self._leaves)
-
     def total(self) -> float:
         """Sum of all leaves."""
         return float(self._sum[1])
@@ -97,17 +85,16 @@ class SumTree:
         """Smallest leaf value > 0, or ``inf`` if there is none."""
         return float(self._min[1])
 
-    def get(self, slots: torch.Tensor) -> torch.Tensor:
-        """Leaf values (float32) at ``slots``."""
-        return torch.from_numpy(self._leaves[slots.numpy()])
+    def get(self, slots: np.ndarray) -> np.ndarray:
+        """Leaf values at ``slots``, as float64."""
+        return self._leaves[np.asarray(slots)].astype(np.float64)
 
-    def set(self, slots: torch.Tensor, values: torch.Tensor) -> None:
+    def set(self, slots: np.ndarray, values: np.ndarray) -> None:
         """Set leaves ``slots`` to ``values`` (>= 0); for a repeated slot the last value wins."""
-        if slots.numel() == 0:
+        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if slots.size == 0:
             return
-        s, v = _last_write_wins_np(
-            slots.reshape(-1).numpy(), values.reshape(-1).to(torch.float32).numpy()
-        )
+        s, v = last_write_wins(slots, np.asarray(values, dtype=np.float32).reshape(-1))
         self._leaves[s] = v
         self._refresh(np.unique(s // BLOCK))
 
@@ -139,7 +126,7 @@ class SumTree:
                 sums[nodes] = sums[2 * nodes] + sums[2 * nodes + 1]
                 mins[nodes] = np.minimum(mins[2 * nodes], mins[2 * nodes + 1])
 
-    def find(self, targets: torch.Tensor) -> torch.Tensor:
+    def find(self, targets: np.ndarray) -> np.ndarray:
         """For each target ``u`` in ``[0, total)``, the slot whose prefix interval holds it.
 
         That is the smallest ``i`` with ``sum(leaves[: i + 1]) > u``; the result
@@ -147,17 +134,17 @@ class SumTree:
         end of the range.
 
         Args:
-            targets: float64 ``[B]``.
+            targets: ``[B]`` floats.
 
         Returns:
             int64 ``[B]`` slots.
         """
-        u = targets.to(torch.float64).numpy().copy()
+        u = np.array(targets, dtype=np.float64)
         if u.size * _LARGE_BATCH >= self._blocks:
             blocks, u = self._find_blocks_by_prefix(u)
         else:
             blocks, u = self._find_blocks_by_descent(u)
-        return torch.from_numpy(self._find_in_blocks(blocks, u))
+        return self._find_in_blocks(blocks, u)
 
     def _find_blocks_by_descent(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         node = np.ones(u.shape, dtype=np.int64)
@@ -199,7 +186,7 @@ class SumTree:
         return {"leaves": torch.from_numpy(self._leaves[:used].copy())}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        leaves = state["leaves"].to(torch.float32).numpy()
+        leaves = np.asarray(state["leaves"], dtype=np.float32)
         self._leaves.fill(0)
         self._leaves[: leaves.size] = leaves
         self.rebuild()

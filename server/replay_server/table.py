@@ -16,6 +16,8 @@ inputs happens before the lock is taken, the copies in and out under it.
 
 from __future__ import annotations
 
+import math
+import operator
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 
 from replay_proto.batch import SampleBatch
+from replay_proto.dtypes import DTYPES
 from replay_proto.keys import flatten, unflatten
 from replay_server.config import SamplerKind, TableConfig
 from replay_server.errors import (
@@ -47,6 +50,8 @@ STATE_VERSION = 1
 MAX_BATCH_SIZE = 1 << 24
 """Largest ``batch_size`` a single sample may ask for."""
 
+_STORABLE = frozenset(DTYPES.values())
+_LOG_FLOAT32_MAX = math.log(float(torch.finfo(torch.float32).max))
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
@@ -193,6 +198,11 @@ class Table:
         columns = {}
         for key, value in flat.items():
             columns[key] = self._as_tensor(value, f"key {key!r}")
+            if columns[key].dtype not in _STORABLE:
+                raise SchemaMismatchError(
+                    f"table {self.name!r}: key {key!r} has dtype {columns[key].dtype}, which a "
+                    f"table cannot store; supported dtypes: {', '.join(DTYPES)}"
+                )
             if columns[key].dim() == 0:
                 raise InvalidArgumentError(
                     f"table {self.name!r}: key {key!r} is a scalar; every column needs a "
@@ -204,7 +214,10 @@ class Table:
         if isinstance(value, torch.Tensor):
             return value if value.device.type == "cpu" else value.cpu()
         try:
-            return torch.as_tensor(np.asarray(value) if not isinstance(value, np.ndarray) else value)
+            array = np.asarray(value)
+            if any(stride < 0 for stride in array.strides):  # torch refuses reversed views
+                array = array.copy()
+            return torch.as_tensor(array)
         except (TypeError, ValueError, RuntimeError) as exc:
             raise InvalidArgumentError(
                 f"table {self.name!r}: {what} is not a tensor or array "
@@ -220,7 +233,7 @@ class Table:
             )
         return next(iter(counts.values()))
 
-    def _insert_priorities(self, priorities: Any, rows: int) -> torch.Tensor | None:
+    def _insert_priorities(self, priorities: Any, rows: int) -> np.ndarray | None:
         if priorities is None:
             return None
         if not self.config.sampler.is_prioritized:
@@ -236,40 +249,46 @@ class Table:
             )
         return values
 
-    def _priority_values(self, priorities: Any) -> torch.Tensor:
-        values = self._as_tensor(priorities, "priorities")
-        if values.dtype == torch.bool or values.is_complex():
+    def _priority_values(self, priorities: Any) -> np.ndarray:
+        """Priorities as float64 numpy, or an error naming the first bad value."""
+        tensor = self._as_tensor(priorities, "priorities")
+        if tensor.dtype == torch.bool or tensor.is_complex():
             raise InvalidPriorityError(
-                f"table {self.name!r}: priorities must be real numbers, got dtype {values.dtype}"
+                f"table {self.name!r}: priorities must be real numbers, got dtype {tensor.dtype}"
             )
-        values = values.to(torch.float64)
-        bad = ~(torch.isfinite(values) & (values >= 0))
-        if bool(bad.any()):
-            where = torch.nonzero(bad.reshape(-1))[:, 0]
+        values = _numpy(tensor).astype(np.float64)
+        bad = ~(np.isfinite(values) & (values >= 0))
+        if bad.any():
+            where = np.flatnonzero(bad)
             first = int(where[0])
             raise InvalidPriorityError(
-                f"table {self.name!r}: priorities must be finite and >= 0; {where.numel()} "
+                f"table {self.name!r}: priorities must be finite and >= 0; {where.size} "
                 f"are not (first at index {first}: {float(values.reshape(-1)[first])})"
+            )
+        alpha = self.config.alpha
+        top = float(values.max()) if values.size else 0.0
+        if top > 0 and alpha * math.log(top) > _LOG_FLOAT32_MAX:
+            raise InvalidPriorityError(
+                f"table {self.name!r}: priority {float(values.max())} is too large: its "
+                f"sampling mass p**alpha (alpha={alpha}) exceeds float32's range"
             )
         return values
 
     def _insert_event(
-        self, columns: Mapping[str, torch.Tensor], rows: int, priorities: torch.Tensor | None
-    ) -> dict[str, torch.Tensor | None]:
+        self, columns: Mapping[str, torch.Tensor], rows: int, priorities: np.ndarray | None
+    ) -> dict[str, np.ndarray | None]:
         kind = self.config.sampler
-        event: dict[str, torch.Tensor | None] = {}
+        event: dict[str, np.ndarray | None] = {}
         if kind.is_prioritized:
             event["priorities"] = (
-                priorities
-                if priorities is not None
-                else torch.full((rows,), self._sampler.max_priority, dtype=torch.float64)
+                priorities if priorities is not None else np.full(rows, self._sampler.max_priority)
             )
         if kind.is_slice:
-            ends = torch.zeros(rows, dtype=torch.bool)
+            ends = np.zeros(rows, dtype=bool)
             for key in self.config.episode_end_keys:
                 if key in columns:
-                    ends |= columns[key]
-            event["episodes"] = columns[self.config.episode_key].to(torch.int64)
+                    ends |= _numpy(columns[key])
+            event["episodes"] = _numpy(columns[self.config.episode_key]).astype(np.int64)
             event["ends"] = ends
         return event
 
@@ -308,25 +327,29 @@ class Table:
 
         Cost: the sampler's draw (see its docstring) plus one gather per column.
         """
-        if (
-            not isinstance(batch_size, int)
-            or isinstance(batch_size, bool)
-            or not 1 <= batch_size <= MAX_BATCH_SIZE
-        ):
+        if isinstance(batch_size, (bool, np.bool_)) or not isinstance(
+            batch_size, (int, np.integer)
+        ) or not 1 <= batch_size <= MAX_BATCH_SIZE:
             raise InvalidArgumentError(
                 f"table {self.name!r}: batch_size must be an integer in [1, {MAX_BATCH_SIZE}], "
                 f"got {batch_size!r}"
             )
+        batch_size = operator.index(batch_size)
         with self._lock:
             try:
                 index = self._sampler.sample(batch_size, self._generator)
             except EmptyTableError as exc:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
             assert self._storage is not None
-            data = self._storage.gather(self._ring.slots(index.ids))
+            data = self._storage.gather(index.slots)
             self._counters.sample_calls += 1
             self._counters.sampled += batch_size
-        return SampleBatch(unflatten(data), index.ids, index.weights, index.probabilities)
+        return SampleBatch(
+            unflatten(data),
+            torch.from_numpy(index.ids),
+            torch.from_numpy(index.weights),
+            torch.from_numpy(index.probabilities),
+        )
 
     # -------------------------------------------------------------- priorities
 
@@ -369,21 +392,23 @@ class Table:
                 f"table {self.name!r}: priorities must have the same shape as ids "
                 f"{list(id_tensor.shape)}, got {list(values.shape)}"
             )
-        id_tensor, values = id_tensor.reshape(-1), values.reshape(-1)
+        id_array, values = _numpy(id_tensor).reshape(-1), values.reshape(-1)
         with self._lock:
-            never = (id_tensor < 0) | (id_tensor >= self._ring.next_id)
-            if bool(never.any()):
-                bad = int(id_tensor[never][0])
+            never = (id_array < 0) | (id_array >= self._ring.next_id)
+            if never.any():
                 raise InvalidIdsError(
-                    f"table {self.name!r}: id {bad} was never issued by this table "
-                    f"(ids so far: 0..{self._ring.next_id - 1}); {int(never.sum())} such ids"
+                    f"table {self.name!r}: id {int(id_array[never][0])} was never issued by "
+                    f"this table (ids so far: 0..{self._ring.next_id - 1}); "
+                    f"{int(never.sum())} such ids"
                 )
-            live = self._ring.live(id_tensor)
+            live = self._ring.live(id_array)
             applied = int(live.sum())
-            if applied:
-                self._sampler.update(self._ring.slots(id_tensor[live]), values[live])
+            if applied == id_array.size:
+                self._sampler.update(self._ring.slots(id_array), values)
+            elif applied:
+                self._sampler.update(self._ring.slots(id_array[live]), values[live])
             self._counters.priority_updates += applied
-            self._counters.stale_priority_updates += id_tensor.numel() - applied
+            self._counters.stale_priority_updates += id_array.size - applied
         return applied
 
     # ------------------------------------------------------------------- admin
@@ -433,14 +458,33 @@ class Table:
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Replace this table's contents with a :meth:`state_dict`.
+        """Replace this table's contents with a :meth:`state_dict`, all or nothing.
+
+        The state is loaded into a fresh table first and swapped in only once
+        it has loaded completely, so a malformed state changes nothing (the
+        cost: twice the table's memory while loading).
 
         Raises:
-            ConfigError: the state has another layout version, or contradicts
-                this table's config (capacity, sampler, slice_len, alpha, keys)
-                or declared schema. The message names both values; the table is
-                unchanged.
+            ConfigError: the state has another layout version, contradicts this
+                table's config (capacity, sampler, slice_len, alpha, keys) or
+                schema (the message names both values), or is malformed.
         """
+        fresh = Table(self.config)
+        try:
+            fresh._load(state, self._schema)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(
+                f"table {self.name!r}: saved state is malformed ({type(exc).__name__}: {exc})"
+            ) from exc
+        with self._lock:
+            self._ring, self._sampler = fresh._ring, fresh._sampler
+            self._storage, self._schema = fresh._storage, fresh._schema
+            self._counters, self._generator = fresh._counters, fresh._generator
+
+    def _load(self, state: Mapping[str, Any], schema_now: Schema | None) -> None:
+        """Load ``state`` into this (fresh, unshared) table; may fail half-way."""
         version = state.get("version")
         if version != STATE_VERSION:
             raise ConfigError(
@@ -456,17 +500,28 @@ class Table:
                     f"state has {key}={state['config'][key]!r}"
                 )
         schema = None if state["schema"] is None else Schema.from_state_dict(state["schema"])
-        if self._schema is not None and schema is not None and dict(schema) != dict(self._schema):
+        if schema_now is not None and schema is not None and dict(schema) != dict(schema_now):
             raise ConfigError(
-                f"table {self.name!r}: config declares schema {self._schema.describe()} but the "
+                f"table {self.name!r}: the table's schema is {schema_now.describe()} but the "
                 f"saved state has {schema.describe()}"
             )
-        with self._lock:
-            if schema is not None and self._storage is None:
-                self._allocate(schema)
-            self._ring.load_state_dict(state["ring"])
-            if self._storage is not None:
-                self._storage.load_state_dict(state["columns"])
-            self._sampler.load_state_dict(state["sampler"])
-            self._counters = TableCounters(**state["counters"])
-            self._generator.set_state(state["generator"])
+        if schema is not None and self._storage is None:
+            self._allocate(schema)
+        self._ring.load_state_dict(state["ring"])
+        if self._storage is not None:
+            used = min(self._ring.next_id, self._ring.capacity)
+            for key, column in state["columns"].items():
+                if key not in self._storage.columns or column.shape[0] != used:
+                    raise ConfigError(
+                        f"table {self.name!r}: saved column {key!r} does not fit the schema "
+                        f"and {used} stored slots"
+                    )
+            self._storage.load_state_dict(state["columns"])
+        self._sampler.load_state_dict(state["sampler"])
+        self._counters = TableCounters(**state["counters"])
+        self._generator.set_state(state["generator"])
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (one that requires grad is detached first)."""
+    return tensor.detach().numpy()

@@ -6,6 +6,10 @@ and asks it which rows to read (``sample``). Samplers never call back into the
 table or the storage; they see the table's :class:`~replay_server.ids.IdRing`
 read-only, to translate between ids and slots.
 
+Samplers work on numpy arrays: single-threaded vectorized loops whose speed
+does not depend on how busy the machine's other cores are (torch's intra-op
+threads spin badly when they are). The table converts at its boundary.
+
 Thread-safety: none of their own. Every method is called under the table's lock.
 """
 
@@ -15,6 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from replay_server.errors import NoPrioritiesError
@@ -40,19 +45,17 @@ class InsertEvent:
     count: int
     evicted_first_id: int
     evicted: int
-    priorities: torch.Tensor | None = None
-    episodes: torch.Tensor | None = None
-    ends: torch.Tensor | None = None
+    priorities: np.ndarray | None = None
+    episodes: np.ndarray | None = None
+    ends: np.ndarray | None = None
 
     @property
-    def ids(self) -> torch.Tensor:
-        return torch.arange(self.first_id, self.first_id + self.count, dtype=torch.int64)
+    def ids(self) -> np.ndarray:
+        return np.arange(self.first_id, self.first_id + self.count, dtype=np.int64)
 
     @property
-    def evicted_ids(self) -> torch.Tensor:
-        return torch.arange(
-            self.evicted_first_id, self.evicted_first_id + self.evicted, dtype=torch.int64
-        )
+    def evicted_ids(self) -> np.ndarray:
+        return np.arange(self.evicted_first_id, self.evicted_first_id + self.evicted, dtype=np.int64)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,13 +64,15 @@ class SampleIndex:
 
     Attributes:
         ids: int64 ``[B]`` (row samplers) or ``[B, slice_len]`` (slice samplers).
+        slots: int64, same shape: where those rows are stored.
         probabilities: float64 ``[B]``: the probability of each drawn row or slice start.
         weights: float32 ``[B]``: importance weights (ones where not prioritized).
     """
 
-    ids: torch.Tensor
-    probabilities: torch.Tensor
-    weights: torch.Tensor
+    ids: np.ndarray
+    slots: np.ndarray
+    probabilities: np.ndarray
+    weights: np.ndarray
 
 
 class Sampler(ABC):
@@ -88,7 +93,7 @@ class Sampler(ABC):
             EmptyTableError: nothing can be sampled.
         """
 
-    def update(self, slots: torch.Tensor, priorities: torch.Tensor) -> None:
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         """Set the priorities (float64, validated) of the live rows at ``slots``."""
         raise NoPrioritiesError("this table's sampler does not use priorities")
 
@@ -118,13 +123,21 @@ class Sampler(ABC):
         return min(self._ring.next_id, self._ring.capacity)
 
 
-def importance_weights(
-    probabilities: torch.Tensor, min_probability: float, beta: float
-) -> torch.Tensor:
+def importance_weights(probabilities: np.ndarray, min_probability: float, beta: float) -> np.ndarray:
     """``w_i = (N * P(i)) ** -beta / max_j w_j`` as float32.
 
     ``max_j w_j`` belongs to the least likely row that can be drawn, so
     ``w_i = (min_P / P(i)) ** beta``; N cancels. ``min_probability`` is over
     rows with P > 0 (a row that can never be drawn has no weight).
     """
-    return (min_probability / probabilities).pow(beta).to(torch.float32)
+    return np.power(min_probability / probabilities, beta).astype(np.float32)
+
+
+def uniform_draws(generator: torch.Generator, high: int, n: int) -> np.ndarray:
+    """``n`` integers in ``[0, high)`` from the table's generator (int64)."""
+    return torch.randint(high, (n,), generator=generator, dtype=torch.int64).numpy()
+
+
+def unit_draws(generator: torch.Generator, n: int) -> np.ndarray:
+    """``n`` floats in ``[0, 1)`` from the table's generator (float64)."""
+    return torch.rand(n, generator=generator, dtype=torch.float64).numpy()

@@ -17,8 +17,8 @@ Hence a start that is stored stays valid until it is itself evicted: a slice
 never touches an overwritten row, and a start only has to be retracted when its
 own row is evicted.
 
-Per row the index keeps one int32 (the id distance to the next step of the same
-episode; 0 = none yet). Per open episode it keeps the ids of its last
+Per row the index keeps one int32 (int64 past 2**31 slots): the slot of the next
+step of the same episode, meaningful once that step has arrived. Per open episode it keeps the ids of its last
 ``slice_len - 1`` steps and its newest id. An episode ends at a row whose
 ``done`` (or ``truncated``) is True; rows that later reuse its episode id start
 a new episode. Open episodes whose rows were all evicted are swept away, so
@@ -52,9 +52,9 @@ class _OpenEpisode:
     last_id: int
 
 
-def index_dtype(capacity: int) -> torch.dtype:
+def index_dtype(capacity: int) -> type[np.integer]:
     """The narrowest integer dtype that holds any slot of ``capacity``."""
-    return torch.int32 if capacity < 2**31 else torch.int64
+    return np.int32 if capacity < 2**31 else np.int64
 
 
 class EpisodeIndex:
@@ -63,8 +63,9 @@ class EpisodeIndex:
     def __init__(self, ring: IdRing, slice_len: int) -> None:
         self._ring = ring
         self.slice_len = slice_len
-        self._next = torch.zeros(ring.capacity, dtype=index_dtype(ring.capacity))
-        self._next_np = self._next.numpy()
+        # _next[slot]: slot of the next step of the row in ``slot``; read only along
+        # chains from valid starts, whose every link was written when its target arrived.
+        self._next = np.zeros(ring.capacity, dtype=index_dtype(ring.capacity))
         self._open: dict[int, _OpenEpisode] = {}
         self._sweep_at = _MIN_SWEEP
 
@@ -78,13 +79,10 @@ class EpisodeIndex:
         Must be called after the ring has advanced past the insert.
         """
         assert event.episodes is not None and event.ends is not None
-        cap = self._ring.capacity
         first_live = self._ring.first_live
-        nxt = self._next_np
         ids = np.arange(event.first_id, event.first_id + event.count, dtype=np.int64)
-        nxt[ids % cap] = 0
-        episodes = event.episodes.numpy()
-        ends = event.ends.numpy()
+        episodes = event.episodes
+        ends = event.ends
 
         if event.count and (episodes[0] == episodes).all():
             groups = [(int(episodes[0]), ids, ends)]
@@ -118,7 +116,7 @@ class EpisodeIndex:
     ) -> None:
         """Append one episode's new rows (ascending ids), splitting where episodes end."""
         cap = self._ring.capacity
-        nxt = self._next_np
+        nxt = self._next
         keep = self.slice_len - 1
         previous = self._open.pop(episode, None)
         cuts = np.flatnonzero(ends) + 1
@@ -128,10 +126,10 @@ class EpisodeIndex:
                 continue
             tail = _EMPTY
             if i == 0 and previous is not None and previous.last_id >= first_live:
-                nxt[previous.last_id % cap] = segment[0] - previous.last_id
+                nxt[previous.last_id % cap] = segment[0] % cap
                 tail = previous.tail
             if segment.size > 1:
-                nxt[segment[:-1] % cap] = np.diff(segment)
+                nxt[segment[:-1] % cap] = segment[1:] % cap
             run = np.concatenate((tail, segment)) if tail.size else segment
             if run.size > keep:
                 starts.append(run[: run.size - keep])
@@ -145,20 +143,17 @@ class EpisodeIndex:
         self._open = {e: o for e, o in self._open.items() if o.last_id >= first_live}
         self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
 
-    def chain(self, start_ids: torch.Tensor) -> torch.Tensor:
-        """The ``slice_len`` consecutive ids of each start's episode: ``[B]`` -> ``[B, slice_len]``.
+    def chain(self, start_slots: np.ndarray) -> np.ndarray:
+        """Slots of each start's ``slice_len`` consecutive steps: ``[B]`` -> int64 ``[B, slice_len]``.
 
         Every start must be a valid start (returned by :meth:`insert`, not evicted since).
+        Cost: ``slice_len - 1`` vectorized lookups of B slots.
         """
-        cap = self._ring.capacity
-        nxt = self._next_np
-        out = np.empty((start_ids.shape[0], self.slice_len), dtype=np.int64)
-        cur = start_ids.numpy().astype(np.int64, copy=True)
-        out[:, 0] = cur
+        steps = np.empty((self.slice_len, start_slots.size), dtype=self._next.dtype)
+        steps[0] = start_slots
         for k in range(1, self.slice_len):
-            cur += nxt[cur % cap]
-            out[:, k] = cur
-        return torch.from_numpy(out)
+            np.take(self._next, steps[k - 1], out=steps[k])
+        return steps.T.astype(np.int64)
 
     def clear(self) -> None:
         self._open.clear()
@@ -174,7 +169,7 @@ class EpisodeIndex:
             lengths[row] = tail.size
             tails[row, : tail.size] = torch.from_numpy(tail)
         return {
-            "next": self._next[:used].clone(),
+            "next": torch.from_numpy(self._next[:used].copy()),
             "open_episodes": torch.tensor(episodes, dtype=torch.int64),
             "open_last_ids": torch.tensor(
                 [o.last_id for o in self._open.values()], dtype=torch.int64
@@ -184,9 +179,9 @@ class EpisodeIndex:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["next"]
-        self._next.zero_()
-        self._next[: saved.numel()] = saved
+        saved = state["next"].numpy()
+        self._next.fill(0)
+        self._next[: saved.size] = saved
         self._open = {
             int(e): _OpenEpisode(tail[: int(n)].numpy().copy(), int(last))
             for e, last, tail, n in zip(

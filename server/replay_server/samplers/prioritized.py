@@ -4,11 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from replay_server.errors import EmptyTableError
 from replay_server.ids import IdRing
-from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex, importance_weights
+from replay_server.samplers.base import (
+    InsertEvent,
+    Sampler,
+    SampleIndex,
+    importance_weights,
+    unit_draws,
+)
 from replay_server.sumtree import SumTree
 
 
@@ -25,15 +32,15 @@ class PriorityState:
         self.max_priority = 1.0
         self._seen = False
 
-    def observe(self, priorities: torch.Tensor) -> None:
-        if priorities.numel():
+    def observe(self, priorities: np.ndarray) -> None:
+        if priorities.size:
             top = float(priorities.max())
             self.max_priority = top if not self._seen else max(self.max_priority, top)
             self._seen = True
 
-    def mass(self, priorities: torch.Tensor) -> torch.Tensor:
-        """Sampling mass ``p ** alpha`` (float64)."""
-        return priorities.to(torch.float64).pow(self.alpha)
+    def mass(self, priorities: np.ndarray) -> np.ndarray:
+        """Sampling mass ``p ** alpha`` (float32, as the tree stores it)."""
+        return np.power(priorities, self.alpha).astype(np.float32)
 
     def state_dict(self) -> dict[str, Any]:
         return {"max_priority": self.max_priority, "seen": self._seen}
@@ -69,7 +76,7 @@ class PrioritizedSampler(Sampler):
         self._prio.observe(event.priorities)
         self._tree.set(self._ring.slots(event.ids), self._prio.mass(event.priorities))
 
-    def update(self, slots: torch.Tensor, priorities: torch.Tensor) -> None:
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         self._prio.observe(priorities)
         self._tree.set(slots, self._prio.mass(priorities))
 
@@ -79,11 +86,10 @@ class PrioritizedSampler(Sampler):
             raise EmptyTableError("the table is empty")
         if total <= 0.0:
             raise EmptyTableError("every row has priority 0, so none can be drawn")
-        targets = torch.rand(batch_size, generator=generator, dtype=torch.float64) * total
-        slots = self._tree.find(targets)
-        probabilities = self._tree.get(slots).to(torch.float64) / total
+        slots = self._tree.find(unit_draws(generator, batch_size) * total)
+        probabilities = self._tree.get(slots) / total
         weights = importance_weights(probabilities, self._tree.min_positive() / total, self._prio.beta)
-        return SampleIndex(self._ring.ids_of_slots(slots), probabilities, weights)
+        return SampleIndex(self._ring.ids_of_slots(slots), slots, probabilities, weights)
 
     def clear(self) -> None:
         self._tree.clear()

@@ -16,7 +16,14 @@ import torch
 
 from replay_server.errors import EmptyTableError
 from replay_server.ids import IdRing
-from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex, importance_weights
+from replay_server.samplers.base import (
+    InsertEvent,
+    Sampler,
+    SampleIndex,
+    importance_weights,
+    uniform_draws,
+    unit_draws,
+)
 from replay_server.samplers.episodes import EpisodeIndex, index_dtype
 from replay_server.samplers.prioritized import PriorityState
 from replay_server.sumtree import SumTree, last_write_wins
@@ -41,8 +48,8 @@ class StartSet:
 
     def __init__(self, capacity: int) -> None:
         dtype = index_dtype(capacity)
-        self._pos = torch.full((capacity,), -1, dtype=dtype).numpy()
-        self._dense = torch.zeros(capacity, dtype=dtype).numpy()
+        self._pos = np.full(capacity, -1, dtype=dtype)
+        self._dense = np.zeros(capacity, dtype=dtype)
         self.count = 0
 
     def add(self, slots: np.ndarray) -> None:
@@ -68,9 +75,8 @@ class StartSet:
         self._pos[fillers] = holes
         self.count = new_count
 
-    def draw(self, batch_size: int, generator: torch.Generator) -> torch.Tensor:
-        picks = torch.randint(self.count, (batch_size,), generator=generator).numpy()
-        return torch.from_numpy(self._dense[picks].astype(np.int64))
+    def draw(self, batch_size: int, generator: torch.Generator) -> np.ndarray:
+        return self._dense[uniform_draws(generator, self.count, batch_size)]
 
     def members(self) -> np.ndarray:
         return self._dense[: self.count]
@@ -96,18 +102,19 @@ class SliceSampler(Sampler):
     def insert(self, event: InsertEvent) -> None:
         cap = self._ring.capacity
         if event.evicted:
-            self._starts.remove(event.evicted_ids.numpy() % cap)
+            self._starts.remove(event.evicted_ids % cap)
         self._starts.add(self._episodes.insert(event) % cap)
 
     def sample(self, batch_size: int, generator: torch.Generator) -> SampleIndex:
         n = self._starts.count
         if n == 0:
             raise _no_slices(self._ring, self._episodes.slice_len)
-        starts = self._ring.ids_of_slots(self._starts.draw(batch_size, generator))
+        slots = self._episodes.chain(self._starts.draw(batch_size, generator))
         return SampleIndex(
-            ids=self._episodes.chain(starts),
-            probabilities=torch.full((batch_size,), 1.0 / n, dtype=torch.float64),
-            weights=torch.ones(batch_size, dtype=torch.float32),
+            ids=self._ring.ids_of_slots(slots),
+            slots=slots,
+            probabilities=np.full(batch_size, 1.0 / n),
+            weights=np.ones(batch_size, dtype=np.float32),
         )
 
     def clear(self) -> None:
@@ -149,8 +156,8 @@ class PrioritizedSliceSampler(Sampler):
         self._episodes = EpisodeIndex(ring, slice_len)
         self._prio = PriorityState(alpha, beta)
         self._tree = SumTree(cap)
-        self._row_mass = torch.zeros(cap, dtype=torch.float32)
-        self._is_start = torch.zeros(cap, dtype=torch.bool)
+        self._row_mass = np.zeros(cap, dtype=np.float32)
+        self._is_start = np.zeros(cap, dtype=bool)
         self._num_starts = 0
 
     @property
@@ -163,19 +170,19 @@ class PrioritizedSliceSampler(Sampler):
         if event.evicted:
             evicted = self._ring.slots(event.evicted_ids)
             gone = evicted[self._is_start[evicted]]
-            self._tree.set(gone, torch.zeros(gone.shape, dtype=torch.float32))
+            self._tree.set(gone, np.zeros(gone.size, dtype=np.float32))
             self._is_start[gone] = False
-            self._num_starts -= int(gone.numel())
+            self._num_starts -= int(gone.size)
         self._prio.observe(event.priorities)
-        self._row_mass[self._ring.slots(event.ids)] = self._prio.mass(event.priorities).float()
-        new = torch.from_numpy(self._episodes.insert(event) % cap)
+        self._row_mass[self._ring.slots(event.ids)] = self._prio.mass(event.priorities)
+        new = self._episodes.insert(event) % cap
         self._is_start[new] = True
         self._tree.set(new, self._row_mass[new])
-        self._num_starts += int(new.numel())
+        self._num_starts += int(new.size)
 
-    def update(self, slots: torch.Tensor, priorities: torch.Tensor) -> None:
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         self._prio.observe(priorities)
-        mass = self._prio.mass(priorities).float()
+        mass = self._prio.mass(priorities)
         # A repeated id keeps its last priority (index_put alone would keep any one).
         unique_slots, unique_mass = last_write_wins(slots, mass)
         self._row_mass[unique_slots] = unique_mass
@@ -188,17 +195,16 @@ class PrioritizedSliceSampler(Sampler):
             raise _no_slices(self._ring, self._episodes.slice_len)
         if total <= 0.0:
             raise EmptyTableError("every slice start has priority 0, so none can be drawn")
-        targets = torch.rand(batch_size, generator=generator, dtype=torch.float64) * total
-        slots = self._tree.find(targets)
-        probabilities = self._tree.get(slots).to(torch.float64) / total
+        slots = self._tree.find(unit_draws(generator, batch_size) * total)
+        probabilities = self._tree.get(slots) / total
         weights = importance_weights(probabilities, self._tree.min_positive() / total, self._prio.beta)
-        starts = self._ring.ids_of_slots(slots)
-        return SampleIndex(self._episodes.chain(starts), probabilities, weights)
+        chains = self._episodes.chain(slots)
+        return SampleIndex(self._ring.ids_of_slots(chains), chains, probabilities, weights)
 
     def clear(self) -> None:
         self._episodes.clear()
         self._tree.clear()
-        self._is_start.zero_()
+        self._is_start.fill(False)
         self._num_starts = 0
 
     def stats(self) -> dict[str, Any]:
@@ -214,19 +220,19 @@ class PrioritizedSliceSampler(Sampler):
         return {
             "episodes": self._episodes.state_dict(used),
             "priority": self._prio.state_dict(),
-            "row_mass": self._row_mass[:used].clone(),
-            "is_start": self._is_start[:used].clone(),
+            "row_mass": torch.from_numpy(self._row_mass[:used].copy()),
+            "is_start": torch.from_numpy(self._is_start[:used].copy()),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._episodes.load_state_dict(state["episodes"])
         self._prio.load_state_dict(state["priority"])
-        row_mass, is_start = state["row_mass"], state["is_start"]
-        used = row_mass.numel()
-        self._row_mass.zero_()
+        row_mass, is_start = state["row_mass"].numpy(), state["is_start"].numpy()
+        used = row_mass.size
+        self._row_mass.fill(0)
         self._row_mass[:used] = row_mass
-        self._is_start.zero_()
+        self._is_start.fill(False)
         self._is_start[:used] = is_start
         self._num_starts = int(is_start.sum())
-        self._tree.load_state_dict({"leaves": torch.where(is_start, row_mass, 0.0)})
+        self._tree.load_state_dict({"leaves": torch.from_numpy(np.where(is_start, row_mass, 0.0))})
 

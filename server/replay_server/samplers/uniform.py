@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from replay_server.errors import EmptyTableError
-from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex
+from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex, uniform_draws
 
 
 class UniformSampler(Sampler):
@@ -25,11 +26,12 @@ class UniformSampler(Sampler):
         size = self._ring.size
         if size == 0:
             raise EmptyTableError("the table is empty")
-        offsets = torch.randint(size, (batch_size,), generator=generator, dtype=torch.int64)
+        ids = uniform_draws(generator, size, batch_size) + self._ring.first_live
         return SampleIndex(
-            ids=offsets + self._ring.first_live,
-            probabilities=torch.full((batch_size,), 1.0 / size, dtype=torch.float64),
-            weights=torch.ones(batch_size, dtype=torch.float32),
+            ids=ids,
+            slots=self._ring.slots(ids),
+            probabilities=np.full(batch_size, 1.0 / size),
+            weights=np.ones(batch_size, dtype=np.float32),
         )
 
     def clear(self) -> None:

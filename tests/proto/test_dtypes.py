@@ -1,0 +1,45 @@
+"""Stable dtype names: every supported dtype round-trips; anything else is refused by name."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from replay_proto.dtypes import DTYPES, dtype_from_name, dtype_name
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_name_round_trips_through_its_dtype(name: str) -> None:
+    assert dtype_name(dtype_from_name(name)) == name
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_dtype_round_trips_through_its_name(dtype: torch.dtype) -> None:
+    assert dtype_from_name(dtype_name(dtype)) is dtype
+
+
+def test_names_are_the_torch_dtype_names() -> None:
+    assert all(str(dtype) == f"torch.{name}" for name, dtype in DTYPES.items())
+
+
+def test_every_name_maps_to_a_distinct_dtype() -> None:
+    assert len(set(DTYPES.values())) == len(DTYPES)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.quint8])
+def test_unsupported_dtype_raises_value_error_naming_it(dtype: torch.dtype) -> None:
+    with pytest.raises(ValueError, match=rf"dtype {dtype} is not supported"):
+        dtype_name(dtype)
+
+
+def test_unsupported_dtype_message_lists_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match="supported dtypes: bool, uint8, .*float64"):
+        dtype_name(torch.complex64)
+
+
+@pytest.mark.parametrize("name", ["float128", "complex64", "Float32", "torch.float32", ""])
+def test_unknown_name_raises_value_error_naming_it(name: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"unknown dtype name {name!r}")):
+        dtype_from_name(name)
