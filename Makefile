@@ -5,13 +5,18 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install serve test soak bench bench-engine clean
+.PHONY: install proto serve test soak bench bench-engine clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(BIN)/python proto/generate.py
 	touch $(STAMP)
+
+# Regenerate proto/replay_proto/v1 from proto/replay/v1/*.proto.
+proto: $(STAMP)
+	$(BIN)/python proto/generate.py
 
 install: $(STAMP)
 

@@ -1,6 +1,14 @@
-"""replay_client: the client library (``ReplayClient``, ``Writer``, learner streams).
+"""replay_client: the client library of replay-server.
 
-It talks to a replay server over gRPC and never imports ``replay_server``.
-The network client is built by the service issue (#3); until then this
-package holds nothing but its place in the layout.
+``ReplayClient`` talks to a server over gRPC; ``Writer`` appends an actor's
+steps in the background; errors are typed (``replay_client.errors``). This
+package never imports ``replay_server``.
 """
+
+from replay_client import errors
+from replay_client.client import ReplayClient, TableInfo
+from replay_client.errors import ReplayError
+from replay_client.writer import Writer
+from replay_proto.batch import SampleBatch
+
+__all__ = ["ReplayClient", "ReplayError", "SampleBatch", "TableInfo", "Writer", "errors"]

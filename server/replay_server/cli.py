@@ -1,61 +1,134 @@
 """The ``replay-server`` command.
 
-``replay-server serve`` builds the server's tables and keeps them until
-SIGINT/SIGTERM. The gRPC service (and with it ``--config``, ``health``,
-``info`` and ``checkpoint``) arrives with the network-service issue; until then
-``serve`` hosts the engine alone and says so.
+    replay-server serve [--config FILE] [--address HOST:PORT] [--port-file PATH]
+    replay-server health --address HOST:PORT
+    replay-server info   --address HOST:PORT
+
+``serve`` with no config listens on 127.0.0.1:50051 with the default tables
+(one per sampler kind) and says so. ``health`` exits 0 when the server is
+SERVING, 1 otherwise. ``info`` prints every table's size and counters.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
-import signal
+import os
 import sys
-import threading
+from pathlib import Path
 
-from replay_server.config import default_table_configs
-from replay_server.tables import Tables
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from replay_proto.v1 import replay_pb2 as pb
+from replay_proto.v1 import replay_pb2_grpc
+from replay_server.errors import ConfigError
+from replay_server.service import logs
+from replay_server.service.loop import run
+from replay_server.service.server import ReplayServer
+from replay_server.settings import ServerSettings, load_settings
 
 log = logging.getLogger("replay_server")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    tables = Tables(default_table_configs(capacity=args.capacity))
-    log.info("no config given: serving the default tables (one per sampler kind)")
-    for table in tables:
-        config = table.config
-        extra = f", slice_len={config.slice_len}" if config.slice_len else ""
-        log.info("table %r: sampler=%s capacity=%d%s", config.name, config.sampler.value,
-                 config.capacity, extra)
-    log.warning(
-        "the network service is not built yet: these tables live in this process only and "
-        "cannot be reached over gRPC (see README, 'Status')"
-    )
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    log.info("ready; stop with Ctrl-C or SIGTERM")
-    stop.wait()
-    log.info("stopped")
+    settings = load_settings(args.config) if args.config else ServerSettings()
+    if args.address:
+        settings = dataclasses.replace(settings, address=args.address)
+    logs.configure(settings.log_format)
+    if not args.config:
+        log.info("no config given: serving the default tables (one per sampler kind)")
+    for table in settings.tables:
+        extra = f", slice_len={table.slice_len}" if table.slice_len else ""
+        log.info("table %r: sampler=%s capacity=%d%s", table.name, table.sampler.value,
+                 table.capacity, extra)
+    server = ReplayServer(settings)
+    run(server.serve(port_file=Path(args.port_file) if args.port_file else None,
+                     grace=args.grace))
     return 0
+
+
+def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    token = os.environ.get(args.token_env) if args.token_env else None
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _health(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}: {exc.details()}")
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
+    print(f"{args.address}: {name}")
+    return 0 if status.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _info(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        stub = replay_pb2_grpc.ReplayServiceStub(channel)
+        try:
+            response = stub.Info(pb.InfoRequest(), timeout=args.timeout, metadata=_metadata(args))
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(format_info(response))
+    return 0
+
+
+def format_info(response: pb.InfoResponse) -> str:
+    """A readable table of every table's figures."""
+    header = ("table", "sampler", "size", "capacity", "fill", "inserted", "sampled",
+              "prio updates", "stale", "pinned")
+    rows = [header]
+    for t in response.tables:
+        c = t.counters
+        rows.append((t.name, t.sampler + (f"[{t.slice_len}]" if t.slice_len else ""),
+                     f"{t.size:,}", f"{t.capacity:,}", f"{100 * t.size / t.capacity:.1f}%",
+                     f"{c.inserted:,}", f"{c.sampled:,}", f"{c.priority_updates:,}",
+                     f"{c.stale_priority_updates:,}", "yes" if t.pinned else "no"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for t in response.tables:
+        if t.schema:
+            columns = ", ".join(f"{k}: {v}" for k, v in t.schema.items())
+            lines.append(f"{t.name} columns: {columns}")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="replay-server", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="start a server with the default tables")
-    serve.add_argument("--capacity", type=int, default=100_000,
-                       help="rows per default table (default: 100000)")
+    serve = commands.add_parser("serve", help="run a server")
+    serve.add_argument("--config", help="TOML config file (default: built-in tables)")
+    serve.add_argument("--address", help="override server.address (host:port; port 0 = any)")
+    serve.add_argument("--port-file", help="write the bound port to this file once listening")
+    serve.add_argument("--grace", type=float, default=10.0,
+                       help="seconds in-flight calls get to finish at shutdown (default 10)")
     serve.set_defaults(run=_serve)
+    for name, fn, text in (("health", _health, "check a server's health"),
+                           ("info", _info, "print a server's tables")):
+        sub = commands.add_parser(name, help=text)
+        sub.add_argument("--address", required=True, help="server host:port")
+        sub.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+        sub.add_argument("--token-env", default="REPLAY_TOKEN",
+                         help="environment variable holding the auth token, if any")
+        sub.set_defaults(run=fn)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
     args = build_parser().parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except ConfigError as exc:
+        logging.basicConfig()
+        print(f"replay-server: configuration error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,273 @@
+"""``ReplayClient``: the actor's and learner's handle on a replay server."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import torch
+
+from replay_client.errors import (
+    InvalidArgumentError,
+    InvalidIdsError,
+    InvalidPriorityError,
+    UnavailableError,
+    from_rpc_error,
+)
+from replay_proto import messages
+from replay_proto.batch import SampleBatch
+from replay_proto.dtypes import dtype_name
+from replay_proto.keys import flatten
+from replay_proto.v1 import replay_pb2 as pb
+
+_SERVICE = "/replay.v1.ReplayService/"
+_COUNTER_FIELDS = tuple(pb.TableCounters.DESCRIPTOR.fields_by_name)
+
+
+@dataclass(frozen=True, slots=True)
+class TableInfo:
+    """One table as the server reports it."""
+
+    name: str
+    sampler: str
+    capacity: int
+    size: int
+    schema: dict[str, str]
+    pinned: bool
+    storage_bytes: int
+    counters: dict[str, int]
+    sampler_stats: dict[str, float]
+    alpha: float
+    beta: float
+    slice_len: int | None
+
+
+class ReplayClient:
+    """A connection to one replay server.
+
+    Cheap to create and safe to share between threads. It connects lazily, on
+    the first call, and pickles as its settings alone, so it can be handed to
+    actor processes (each reconnects on its own).
+
+    Retries: calls that are safe to repeat (sample, update_priorities, info,
+    reset) are retried with exponential backoff while the server is
+    UNAVAILABLE, within the call's timeout; insert is not (a retry could store
+    rows twice), so an insert that fails with :class:`UnavailableError` may or
+    may not have been stored.
+
+    Args:
+        address: ``host:port`` of the server.
+        timeout: seconds each call may take, retries included (``None``: no limit).
+        token: auth token, sent as ``authorization: Bearer <token>``; defaults
+            to the ``REPLAY_TOKEN`` environment variable when set.
+        max_message_mb: the message-size limit (match the server's).
+        max_retry_s: longest total time spent retrying an unavailable server.
+    """
+
+    def __init__(
+        self,
+        address: str = "localhost:50051",
+        *,
+        timeout: float | None = 30.0,
+        token: str | None = None,
+        max_message_mb: int = 64,
+        max_retry_s: float = 10.0,
+    ) -> None:
+        if not isinstance(address, str):
+            raise TypeError(
+                f"address must be 'host:port' (sharding over several servers is not supported "
+                f"yet), got {type(address).__name__}"
+            )
+        self.address = address
+        self.timeout = timeout
+        self._token = token if token is not None else os.environ.get("REPLAY_TOKEN")
+        self._max_message = max_message_mb * 1024 * 1024
+        self._max_retry_s = max_retry_s
+        self._channel: grpc.Channel | None = None
+        self._calls: dict[str, Any] = {}
+
+    # ------------------------------------------------------------ connection
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self.address, "timeout": self.timeout, "token": self._token,
+                "max_message_mb": self._max_message // (1024 * 1024),
+                "max_retry_s": self._max_retry_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("address"), **state)  # type: ignore[misc]
+
+    def _call(self, method: str, stream: bool = False) -> Any:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(
+                self.address,
+                options=[("grpc.max_receive_message_length", self._max_message),
+                         ("grpc.max_send_message_length", self._max_message)],
+            )
+            self._calls = {}
+        if method not in self._calls:
+            make = self._channel.unary_stream if stream else self._channel.unary_unary
+            self._calls[method] = make(_SERVICE + method)
+        return self._calls[method]
+
+    @property
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self._token}"),) if self._token else ()
+
+    def close(self) -> None:
+        """Close the connection (a later call reconnects)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel, self._calls = None, {}
+
+    def __enter__(self) -> ReplayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _unary(self, method: str, request: bytes, *, retry: bool) -> bytes:
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        retry_until = time.monotonic() + self._max_retry_s
+        delay = 0.05
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return self._call(method)(request, timeout=remaining, metadata=self._metadata)
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc, self.address)
+            now = time.monotonic()
+            if (
+                not retry
+                or not isinstance(error, UnavailableError)
+                or now + delay > retry_until
+                or (deadline is not None and now + delay >= deadline)
+            ):
+                raise error from None
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, 1.0)
+
+    # ------------------------------------------------------------------- API
+
+    def insert(self, table: str, data: Any, priorities: Any = None) -> torch.Tensor:
+        """Append rows (leading dim = rows) to ``table``; returns their int64 ids.
+
+        Args:
+            table: table name.
+            data: mapping (nested allowed), TensorDict, tensors or numpy arrays.
+            priorities: ``[rows]`` priorities (prioritized tables only).
+
+        Raises:
+            SchemaMismatchError, InvalidArgumentError, InvalidPriorityError,
+            NoPrioritiesError, UnknownTableError, UnavailableError, ...
+        """
+        columns = _columns(data)
+        prios = None if priorities is None else _tensor(priorities, "priorities")
+        raw = messages.encode_insert(table, columns, prios)
+        return messages.decode_insert_response(self._unary("Insert", raw, retry=False))
+
+    def sample(self, table: str, batch_size: int) -> SampleBatch:
+        """Draw one batch; ``batch.data`` keeps the inserted (nested) structure."""
+        request = pb.SampleRequest(table=table, batch_size=batch_size).SerializeToString()
+        return messages.decode_sample(self._unary("Sample", request, retry=True))
+
+    def update_priorities(self, table: str, ids: Any, priorities: Any) -> int:
+        """Set priorities by id; returns how many ids still named stored rows."""
+        id_array = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids)
+        if id_array.dtype != np.int64:
+            raise InvalidIdsError(
+                f"ids must be int64 (as returned by insert and sample), got dtype {id_array.dtype}"
+            )
+        values = _tensor(priorities, "priorities")
+        if tuple(values.shape) != id_array.shape:
+            raise InvalidPriorityError(
+                f"priorities must have the same shape as ids {list(id_array.shape)}, "
+                f"got {list(values.shape)}"
+            )
+        if values.dtype == torch.bool or values.is_complex():
+            raise InvalidPriorityError(f"priorities must be real numbers, got {values.dtype}")
+        raw = messages.encode_update(table, id_array, values.to(torch.float64).numpy())
+        response = pb.UpdatePrioritiesResponse.FromString(
+            self._unary("UpdatePriorities", raw, retry=True)
+        )
+        return int(response.applied)
+
+    def info(self) -> dict[str, TableInfo]:
+        """Every table's sizes, counters and settings, by name."""
+        response = pb.InfoResponse.FromString(
+            self._unary("Info", pb.InfoRequest().SerializeToString(), retry=True)
+        )
+        return {
+            t.name: TableInfo(
+                name=t.name, sampler=t.sampler, capacity=t.capacity, size=t.size,
+                schema=dict(t.schema), pinned=t.pinned, storage_bytes=t.storage_bytes,
+                counters={f: getattr(t.counters, f) for f in _COUNTER_FIELDS},
+                sampler_stats=dict(t.sampler_stats), alpha=t.alpha, beta=t.beta,
+                slice_len=t.slice_len or None,
+            )
+            for t in response.tables
+        }
+
+    def reset(self, table: str) -> None:
+        """Remove every row of ``table`` (its schema stays; old ids become stale)."""
+        self._unary("Reset", pb.ResetRequest(table=table).SerializeToString(), retry=True)
+
+    def writer(self, table: str, **options: Any) -> Any:
+        """A :class:`~replay_client.writer.Writer` appending steps to ``table``."""
+        from replay_client.writer import Writer
+
+        return Writer(self, table, **options)
+
+    def stream(self, table: str, batch_size: int, *, num_batches: int = 0) -> Iterator[SampleBatch]:
+        """Batches from the server-streaming Sample RPC, until ``num_batches`` (0: forever).
+
+        Large batches arrive in chunks and are reassembled. Breaking out of the
+        loop cancels the stream.
+        """
+        request = pb.SampleRequest(table=table, batch_size=batch_size,
+                                   num_batches=num_batches).SerializeToString()
+        call = self._call("SampleStream", stream=True)(request, metadata=self._metadata)
+        assembler = messages.BatchAssembler()
+        try:
+            for chunk in call:
+                batch = assembler.add(chunk)
+                if batch is not None:
+                    yield batch
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc, self.address) from None
+        finally:
+            call.cancel()
+
+
+def _tensor(value: Any, what: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    try:
+        array = np.asarray(value)
+        if any(stride < 0 for stride in array.strides):
+            array = array.copy()
+        return torch.as_tensor(array)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidArgumentError(f"{what} is not a tensor or array: {exc}") from None
+
+
+def _columns(data: Any) -> dict[str, torch.Tensor]:
+    try:
+        flat = flatten(data)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    columns = {}
+    for key, value in flat.items():
+        tensor = _tensor(value, f"key {key!r}")
+        try:
+            dtype_name(tensor.dtype)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"key {key!r}: {exc}") from None
+        columns[key] = tensor
+    return columns
+

@@ -1,0 +1,121 @@
+"""The client's typed errors, and the one place gRPC failures become them.
+
+Every failure a caller can act on has its own class under :class:`ReplayError`.
+The server names the precise kind in the trailing metadata
+``replay-error-kind``; the status code is the fallback. Messages are for
+people: never match on them.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+import grpc
+
+
+class ReplayError(Exception):
+    """Base class of every error the client raises."""
+
+
+class InvalidArgumentError(ReplayError):
+    """The request is wrong; retrying it unchanged cannot succeed."""
+
+
+class SchemaMismatchError(InvalidArgumentError):
+    """Inserted columns do not match the table's schema."""
+
+
+class InvalidPriorityError(InvalidArgumentError):
+    """A priority is negative, NaN or infinite, or shapes do not match."""
+
+
+class InvalidIdsError(InvalidArgumentError):
+    """Ids are not int64 or were never issued by the table."""
+
+
+class MalformedRequestError(InvalidArgumentError):
+    """The server could not decode the request (a client/server version mismatch?)."""
+
+
+class UnknownTableError(ReplayError):
+    """No table has that name."""
+
+
+class FailedPreconditionError(ReplayError):
+    """The table's state does not allow the call now."""
+
+
+class EmptyTableError(FailedPreconditionError):
+    """Nothing in the table can be sampled yet."""
+
+
+class NoPrioritiesError(FailedPreconditionError):
+    """The table's sampler does not use priorities."""
+
+
+class MessageTooLargeError(ReplayError):
+    """A request or response exceeds the message-size limit."""
+
+
+class UnauthenticatedError(ReplayError):
+    """The server wants a token (``ReplayClient(token=...)``) and got none or a wrong one."""
+
+
+class DeadlineExceededError(ReplayError, builtins.TimeoutError):
+    """The call did not finish within its timeout."""
+
+
+class UnavailableError(ReplayError, ConnectionError):
+    """The server cannot be reached (down, restarting or shutting down)."""
+
+
+class InternalError(ReplayError):
+    """The server failed unexpectedly (a bug; its log has the details)."""
+
+
+class WriterError(ReplayError):
+    """A background insert of a :class:`~replay_client.Writer` failed; ``__cause__`` says why."""
+
+
+_BY_KIND: dict[str, type[ReplayError]] = {
+    "schema_mismatch": SchemaMismatchError,
+    "invalid_priority": InvalidPriorityError,
+    "invalid_ids": InvalidIdsError,
+    "invalid_argument": InvalidArgumentError,
+    "malformed_request": MalformedRequestError,
+    "unknown_table": UnknownTableError,
+    "empty_table": EmptyTableError,
+    "no_priorities": NoPrioritiesError,
+    "failed_precondition": FailedPreconditionError,
+    "message_too_large": MessageTooLargeError,
+    "unauthenticated": UnauthenticatedError,
+    "unavailable": UnavailableError,
+    "internal": InternalError,
+}
+
+_BY_CODE: dict[grpc.StatusCode, type[ReplayError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.NOT_FOUND: UnknownTableError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLargeError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+}
+
+
+def from_rpc_error(exc: grpc.RpcError, address: str) -> ReplayError:
+    """The typed error for a failed call to the server at ``address``."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    kind = None
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == "replay-error-kind":
+            kind = value
+    cls = _BY_KIND.get(kind or "") or _BY_CODE.get(code, InternalError)
+    if cls is UnavailableError:
+        return cls(f"replay server at {address} is unavailable: {details}")
+    if cls is DeadlineExceededError:
+        return cls(f"call to replay server at {address} timed out: {details}")
+    return cls(details)

@@ -1,0 +1,211 @@
+"""Tensors on the wire: a small protobuf header plus one raw byte payload.
+
+Every message that carries tensors lists a ``TensorSpec`` (flat key, dtype
+name, full shape) per tensor and ends with field 15, ``payload``: the tensors'
+raw bytes (little-endian, C order) concatenated in spec order. This module
+builds such messages with one copy of the tensor bytes (the final join gRPC
+needs) and reads them without copying the payload at all: it walks the
+message's top-level fields to find where ``payload`` lies and hands out
+``torch.frombuffer`` views into the received bytes, parsing only the small
+header with protobuf. The result is an ordinary protobuf message on the wire,
+readable by any generated client.
+
+Every malformed input (unknown dtype, negative dims, byte counts that do not
+match the shapes) raises :class:`CodecError` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_proto.dtypes import DTYPES, dtype_name
+from replay_proto.v1 import replay_pb2 as pb
+
+if sys.byteorder != "little":  # pragma: no cover - every platform we run on is little-endian
+    raise ImportError("replay_proto's wire codec needs a little-endian machine")
+
+PAYLOAD_FIELD = 15
+_PAYLOAD_TAG = bytes([(PAYLOAD_FIELD << 3) | 2])
+_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+
+
+class CodecError(ValueError):
+    """A message's tensors are malformed (the message says how)."""
+
+
+# ----------------------------------------------------------------- encoding
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of ``tensor`` (made contiguous and CPU first, if needed)."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return memoryview(t.numpy()).cast("B")
+
+
+def spec_of(key: str, tensor: torch.Tensor) -> pb.TensorSpec:
+    return pb.TensorSpec(key=key, dtype=dtype_name(tensor.dtype), shape=list(tensor.shape))
+
+
+def encode_tensors(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[list[pb.TensorSpec], list[memoryview]]:
+    """Specs and byte buffers of ``tensors`` (flat keys), in order."""
+    specs, buffers = [], []
+    for key, tensor in tensors.items():
+        specs.append(spec_of(key, tensor))
+        buffers.append(tensor_bytes(tensor))
+    return specs, buffers
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def frame(header: Any, buffers: Iterable[memoryview | bytes]) -> bytes:
+    """Serialize ``header`` (a message whose payload is unset) with ``buffers`` as its payload."""
+    parts = list(buffers)
+    size = sum(memoryview(p).nbytes for p in parts)
+    return b"".join([header.SerializeToString(), _PAYLOAD_TAG, _varint(size), *parts])
+
+
+# ----------------------------------------------------------------- decoding
+
+
+def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(data):
+            raise CodecError("message ends inside a varint")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise CodecError("varint longer than 10 bytes")
+
+
+def split_payload(raw: bytes, message_type: type) -> tuple[Any, memoryview]:
+    """Parse ``raw`` as ``message_type``, returning ``(header, payload view)``.
+
+    The header is parsed from the bytes outside the payload field; the payload
+    is a zero-copy view into ``raw``.
+    """
+    data = memoryview(raw)
+    pos = 0
+    start = end = -1
+    while pos < len(data):
+        tag_start = pos
+        key, pos = _read_varint(data, pos)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _read_varint(data, pos)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _read_varint(data, pos)
+            if field == PAYLOAD_FIELD:
+                if start >= 0:
+                    raise CodecError("message has two payload fields")
+                start, end, payload_tag = pos, pos + length, tag_start
+            pos += length
+        else:
+            raise CodecError(f"unsupported protobuf wire type {wire_type}")
+        if pos > len(data):
+            raise CodecError("message is truncated")
+    try:
+        if start < 0:
+            return message_type.FromString(bytes(data)), data[0:0]
+        header = bytes(data[:payload_tag]) + bytes(data[end:])
+        return message_type.FromString(header), data[start:end]
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise CodecError(f"malformed {message_type.__name__}: {exc}") from None
+
+
+def spec_nbytes(spec: pb.TensorSpec) -> int:
+    """Bytes a tensor of ``spec`` occupies; validates dtype and shape."""
+    if spec.dtype not in _ITEMSIZE:
+        raise CodecError(
+            f"key {spec.key!r}: unknown dtype {spec.dtype!r}; supported: {', '.join(DTYPES)}"
+        )
+    n = _ITEMSIZE[spec.dtype]
+    for dim in spec.shape:
+        if dim < 0:
+            raise CodecError(f"key {spec.key!r}: negative dimension in shape {list(spec.shape)}")
+        n *= dim
+    return n
+
+
+def decode_tensors(
+    specs: Sequence[pb.TensorSpec], payload: memoryview, offset: int = 0
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Tensors of ``specs`` read from ``payload`` at ``offset``: ``(tensors, end offset)``.
+
+    The tensors are views of ``payload``'s memory (read-only if it is). Raises
+    :class:`CodecError` if the payload is too short or a spec is invalid.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        nbytes = spec_nbytes(spec)
+        if offset + nbytes > len(payload):
+            raise CodecError(
+                f"key {spec.key!r}: shape {list(spec.shape)} of {spec.dtype} needs {nbytes} bytes "
+                f"but the payload has {len(payload) - offset} left"
+            )
+        if spec.key in out:
+            raise CodecError(f"key {spec.key!r} appears twice")
+        out[spec.key] = _view(payload, offset, nbytes, spec)
+        offset += nbytes
+    return out, offset
+
+
+def expect_end(payload: memoryview, offset: int) -> None:
+    """Raise unless ``offset`` is exactly the payload's end."""
+    if offset != len(payload):
+        raise CodecError(
+            f"payload has {len(payload)} bytes but the tensors described need {offset}"
+        )
+
+
+def _view(payload: memoryview, offset: int, nbytes: int, spec: pb.TensorSpec) -> torch.Tensor:
+    dtype = DTYPES[spec.dtype]
+    shape = tuple(spec.shape)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # A view of an immutable request: read here, copied by whoever keeps it.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(payload, dtype=dtype, count=nbytes // _ITEMSIZE[spec.dtype],
+                                offset=offset)
+    return flat.view(shape)
+
+
+def fixed_array(payload: memoryview, offset: int, count: int, dtype: str) -> tuple[np.ndarray, int]:
+    """``count`` values of ``dtype`` at ``offset``, as a read-only numpy view."""
+    nbytes = count * np.dtype(dtype).itemsize
+    if count < 0 or offset + nbytes > len(payload):
+        raise CodecError(f"payload too short for {count} {dtype} values")
+    return np.frombuffer(payload, dtype=np.dtype(dtype).newbyteorder("<"), count=count,
+                         offset=offset), offset + nbytes

@@ -1,0 +1,26 @@
+"""The event loop, chosen in one place: uvloop when installed, else asyncio's own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def loop_name() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` to completion on the chosen event loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

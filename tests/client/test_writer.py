@@ -1,0 +1,150 @@
+"""The Writer against a real server: batching, delay flush, episodes, errors, backpressure."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from replay_client import ReplayClient, Writer, errors
+
+CONFIG = """
+[[tables]]
+name = "t"
+capacity = 10000
+
+[[tables]]
+name = "seq"
+capacity = 10000
+sampler = "slice"
+slice_len = 3
+"""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.conftest import start_server
+
+    proc = start_server(tmp_path_factory.mktemp("writer"), CONFIG)
+    yield proc
+    proc.stop()
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_flush_stores_every_appended_step(server):
+    client = ReplayClient(server.address)
+    client.reset("t")
+    with client.writer("t", batch_rows=7) as writer:
+        for step in range(50):
+            writer.append({"obs": torch.full((3,), float(step)), "r": step * 0.5})
+        writer.flush()
+        assert client.info()["t"].size == 50
+        assert writer.rows_written == 50
+
+
+def test_a_partial_batch_is_sent_after_max_delay(server):
+    client = ReplayClient(server.address)
+    client.reset("t")
+    writer = client.writer("t", batch_rows=1000, max_delay_s=0.1)
+    try:
+        for step in range(3):
+            writer.append({"obs": torch.zeros(3), "r": 1.0})
+        assert _wait_for(lambda: client.info()["t"].size == 3)
+    finally:
+        writer.close()
+
+
+def test_steps_get_one_episode_id_per_episode(server):
+    client = ReplayClient(server.address)
+    with client.writer("seq", batch_rows=4) as writer:
+        first = writer.episode_id
+        for _ in range(5):
+            writer.append({"x": 1.0})
+        writer.end_episode()
+        assert writer.episode_id != first
+        for _ in range(5):
+            writer.append({"x": 2.0})
+    batch = client.sample("seq", 200)
+    # Slices never mix the two episodes.
+    assert bool((batch.data["x"] == batch.data["x"][:, :1]).all())
+    assert set(batch.data["episode"][:, 0].tolist()) <= {first, writer.episode_id}
+
+
+def test_a_step_with_another_layout_is_refused_at_append(server):
+    writer = ReplayClient(server.address).writer("t")
+    try:
+        writer.append({"obs": torch.zeros(3), "r": 1.0})
+        with pytest.raises(errors.InvalidArgumentError, match="key 'obs' was float32\\[3\\], now float32\\[4\\]"):
+            writer.append({"obs": torch.zeros(4), "r": 1.0})
+        with pytest.raises(errors.InvalidArgumentError, match="missing keys \\['r'\\]"):
+            writer.append({"obs": torch.zeros(3)})
+    finally:
+        writer.close()
+
+
+def test_a_failed_background_insert_surfaces_with_its_cause_and_lost_rows(server):
+    client = ReplayClient(server.address)
+    client.insert("t", {"obs": torch.zeros(1, 3), "r": torch.zeros(1), "episode": torch.zeros(1, dtype=torch.int64)})
+    writer = client.writer("t", batch_rows=5)
+    for _ in range(5):  # float64 obs: the table stores float32, so this insert fails
+        writer.append({"obs": torch.zeros(3, dtype=torch.float64), "r": 0.0})
+    with pytest.raises(errors.WriterError, match="5 rows were not stored") as raised:
+        writer.flush()
+    assert isinstance(raised.value.__cause__, errors.SchemaMismatchError)
+    with pytest.raises(errors.WriterError):
+        writer.append({"obs": torch.zeros(3, dtype=torch.float64), "r": 0.0})
+    with pytest.raises(errors.WriterError):
+        writer.close()
+
+
+def test_append_blocks_at_max_pending_rows_while_the_server_is_stalled(tmp_path):
+    from tests.conftest import start_server
+
+    proc = start_server(tmp_path, CONFIG)
+    try:
+        writer = Writer(ReplayClient(proc.address, timeout=60), "t", batch_rows=10,
+                        max_pending_rows=30)
+        writer.append({"obs": torch.zeros(3), "r": 0.0})
+        writer.flush()  # connected and schema fixed
+        os.kill(proc.process.pid, signal.SIGSTOP)
+        appended = []
+
+        def actor() -> None:
+            for _ in range(100):
+                writer.append({"obs": torch.zeros(3), "r": 0.0})
+                appended.append(1)
+
+        thread = threading.Thread(target=actor, daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        stalled_at = len(appended)
+        assert stalled_at <= 30, "append must block once max_pending_rows are in flight"
+        assert thread.is_alive()
+        os.kill(proc.process.pid, signal.SIGCONT)
+        thread.join(timeout=30)
+        assert len(appended) == 100
+        writer.close()
+        assert ReplayClient(proc.address).info()["t"].size == 101
+    finally:
+        os.kill(proc.process.pid, signal.SIGCONT)
+        proc.stop()
+
+
+def test_invalid_options_are_refused():
+    client = ReplayClient("127.0.0.1:1")
+    with pytest.raises(ValueError, match="batch_rows"):
+        Writer(client, "t", batch_rows=0)
+    with pytest.raises(ValueError, match="max_pending_rows"):
+        Writer(client, "t", batch_rows=10, max_pending_rows=5)

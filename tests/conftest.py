@@ -1,0 +1,101 @@
+"""Shared fixtures: real server processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+START_TIMEOUT_S = 60
+
+
+@dataclass
+class ServerProcess:
+    """A ``replay-server serve`` subprocess listening on 127.0.0.1."""
+
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+    config_path: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_server(
+    tmp_path: Path,
+    config: str | None = None,
+    *,
+    port: int = 0,
+    env: dict[str, str] | None = None,
+    name: str = "server",
+) -> ServerProcess:
+    """Start ``replay-server serve`` (with ``config`` TOML text, if given) and wait for its port."""
+    port_file = tmp_path / f"{name}.port"
+    port_file.unlink(missing_ok=True)
+    log_path = tmp_path / f"{name}.log"
+    args = [sys.executable, "-m", "replay_server.cli", "serve",
+            "--address", f"127.0.0.1:{port}", "--port-file", str(port_file), "--grace", "5"]
+    config_path = None
+    if config is not None:
+        config_path = tmp_path / f"{name}.toml"
+        config_path.write_text(config)
+        args += ["--config", str(config_path)]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    log_file = log_path.open("a")
+    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if port_file.exists() and port_file.read_text().strip():
+            return ServerProcess(process, int(port_file.read_text()), log_path, config_path,
+                                 env or {})
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()}")
+        time.sleep(0.05)
+    process.kill()
+    raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()}")
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server with the default tables (small capacity is not configurable here)."""
+    proc = start_server(tmp_path)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def server_factory(tmp_path: Path) -> Iterator:
+    """Start servers with a given config; all are stopped at the end."""
+    started: list[ServerProcess] = []
+
+    def make(config: str | None = None, **kwargs) -> ServerProcess:
+        proc = start_server(tmp_path, config, name=f"server{len(started)}", **kwargs)
+        started.append(proc)
+        return proc
+
+    yield make
+    for proc in started:
+        proc.stop()

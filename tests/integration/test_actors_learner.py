@@ -1,0 +1,92 @@
+"""8 actor processes write through Writers while a learner samples and updates priorities."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import torch
+
+from replay_client import ReplayClient
+
+ACTORS = 8
+STEPS = 1500           # per actor
+EPISODE = 60           # steps per episode
+SLICE_LEN = 8
+TIME_LIMIT_S = 120
+
+CONFIG = f"""
+[server]
+workers = 4
+
+[[tables]]
+name = "replay"
+capacity = {ACTORS * STEPS}
+sampler = "prioritized"
+
+[[tables]]
+name = "seq"
+capacity = {ACTORS * STEPS}
+sampler = "slice"
+slice_len = {SLICE_LEN}
+"""
+
+
+def _actor(client: ReplayClient, actor: int, results) -> None:
+    try:
+        with client.writer("replay", batch_rows=100) as flat, client.writer("seq", batch_rows=64) as seq:
+            for step in range(STEPS):
+                row = {"obs": torch.tensor([float(actor), float(step)]),
+                       "done": (step + 1) % EPISODE == 0}
+                flat.append(row)
+                seq.append(row)
+                if (step + 1) % EPISODE == 0:
+                    seq.end_episode()
+        results.put((actor, flat.rows_written, seq.rows_written, None))
+    except BaseException as exc:  # reported to the test
+        results.put((actor, 0, 0, repr(exc)))
+
+
+def test_eight_actors_and_a_learner_lose_nothing(server_factory):
+    server = server_factory(CONFIG)
+    client = ReplayClient(server.address, timeout=30)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    actors = [context.Process(target=_actor, args=(client, a, results)) for a in range(ACTORS)]
+    for process in actors:
+        process.start()
+
+    deadline = time.monotonic() + TIME_LIMIT_S
+    learner_steps = updates_applied = 0
+    while any(p.is_alive() for p in actors) and time.monotonic() < deadline:
+        if client.info()["replay"].size < 64:
+            time.sleep(0.05)
+            continue
+        batch = client.sample("replay", 64)
+        obs = batch.data["obs"]
+        assert obs.shape == (64, 2)
+        updates_applied += client.update_priorities("replay", batch.ids, obs[:, 1] % 7 + 0.5)
+        learner_steps += 1
+
+    for process in actors:
+        process.join(timeout=max(1.0, deadline - time.monotonic()))
+        assert process.exitcode == 0, f"actor {process.pid} exit code {process.exitcode}"
+    reports = [results.get(timeout=5) for _ in actors]
+    assert [r[3] for r in reports] == [None] * ACTORS, reports
+    assert all(r[1] == STEPS and r[2] == STEPS for r in reports), reports
+    assert learner_steps > 0 and updates_applied == learner_steps * 64
+
+    info = client.info()
+    for table in ("replay", "seq"):
+        assert info[table].size == ACTORS * STEPS
+        assert info[table].counters["inserted"] == ACTORS * STEPS
+    # Every episode is complete: STEPS / EPISODE episodes per actor, each with
+    # EPISODE - SLICE_LEN + 1 slice starts.
+    expected_slices = ACTORS * (STEPS // EPISODE) * (EPISODE - SLICE_LEN + 1)
+    assert info["seq"].sampler_stats["slices"] == expected_slices
+
+    slices = client.sample("seq", 512).data["obs"]
+    actor_ids, steps = slices[..., 0], slices[..., 1]
+    assert bool((actor_ids == actor_ids[:, :1]).all()), "a slice mixes actors"
+    assert bool((steps[:, 1:] - steps[:, :-1] == 1).all()), "a slice skips or reorders steps"
+    assert bool(((steps[:, :1] // EPISODE) == (steps[:, -1:] // EPISODE)).all()), "crosses episodes"
