@@ -17,6 +17,7 @@ from replay_client.errors import (
     InvalidArgumentError,
     InvalidIdsError,
     InvalidPriorityError,
+    MessageTooLargeError,
     UnavailableError,
     from_rpc_error,
 )
@@ -169,6 +170,14 @@ class ReplayClient:
         columns = _columns(data)
         prios = None if priorities is None else _tensor(priorities, "priorities")
         raw = messages.encode_insert(table, columns, prios)
+        if len(raw) > self._max_message:
+            rows = next(iter(columns.values())).shape[0] if columns else 0
+            fit = max(1, rows * self._max_message // (2 * len(raw)))
+            raise MessageTooLargeError(
+                f"an insert of {rows} rows is {len(raw) / 2**20:.1f} MiB, over the "
+                f"{self._max_message >> 20} MiB message limit; insert at most about {fit} rows "
+                f"per call (or use a Writer, which batches for you)"
+            )
         return messages.decode_insert_response(self._unary("Insert", raw, retry=False))
 
     def sample(self, table: str, batch_size: int) -> SampleBatch:

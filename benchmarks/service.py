@@ -1,0 +1,197 @@
+"""Service benchmark: replay-server against Reverb, each server in its own process.
+
+    python benchmarks/service.py --reverb-python .venv-reverb/bin/python
+
+(or ``make bench-service``, which also builds Reverb's virtualenv). For each
+row kind (Atari frames, 17 floats) and operation (insert, prioritized sample
+of 256, priority updates), it starts the server in a separate process, drives
+it from this one client process over 127.0.0.1, stops it, and moves on; then
+the same for Reverb (``benchmarks/reverb_service.py`` in its own virtualenv).
+Prints rows/s (or ids/s), MB/s and the ratio ours / Reverb.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import service_workload as w  # noqa: E402
+
+
+def _start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
+    config = tmp / "bench.toml"
+    config.write_text(
+        "[server]\nmax_message_mb = 64\nworkers = 2\n"
+        + "".join(
+            f'[[tables]]\nname = "{kind}"\ncapacity = {w.CAPACITY[kind]}\n'
+            f'sampler = "prioritized"\nalpha = {w.ALPHA}\nbeta = {w.BETA}\n'
+            for kind in w.ROW_KINDS
+        )
+    )
+    port_file = tmp / "port"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "replay_server.cli", "serve", "--config", str(config),
+         "--address", "127.0.0.1:0", "--port-file", str(port_file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError("replay-server did not start")
+        time.sleep(0.05)
+    return process, f"127.0.0.1:{port_file.read_text().strip()}"
+
+
+def _rows_as_torch(rows):
+    import torch
+
+    return {key: torch.from_numpy(value) for key, value in rows.items()}
+
+
+def _ours(kind: str, case: str, seconds: float) -> list[dict]:
+    import torch
+
+    from replay_client import ReplayClient
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        process, address = _start_server(Path(tmp))
+        try:
+            client = ReplayClient(address, timeout=120)
+            mb = w.row_bytes(kind) / 1e6
+            out = []
+            if case == "insert":
+                n = w.INSERT_ROWS[kind]
+                rows = _rows_as_torch(w.make_rows(kind, 0, n))
+                steps = [{k: v[i] for k, v in rows.items()} for i in range(n)]
+                start = time.perf_counter()
+                done = 0
+                with client.writer(kind, batch_rows=256, episode_key=None) as writer:
+                    for step in steps:
+                        writer.append(step)
+                        done += 1
+                        if done % 256 == 0 and time.perf_counter() - start > seconds:
+                            break
+                elapsed = time.perf_counter() - start
+                out.append({"api": "Writer.append (per step)", "rows_per_s": done / elapsed})
+                client.reset(kind)
+                chunk = 1024 if kind == "atari" else 8192
+                start = time.perf_counter()
+                done = 0
+                while done < n and time.perf_counter() - start < seconds:
+                    client.insert(kind, {k: v[done:done + chunk] for k, v in rows.items()})
+                    done += chunk
+                elapsed = time.perf_counter() - start
+                out.append({"api": f"insert ({chunk} rows per call)", "rows_per_s": done / elapsed})
+            else:
+                prefill = min(w.CAPACITY[kind], 20_000 if kind == "atari" else 200_000)
+                chunk = 1_000 if kind == "atari" else 20_000
+                for first in range(0, prefill, chunk):
+                    client.insert(kind, _rows_as_torch(w.make_rows(kind, first, chunk)))
+                if case == "sample":
+                    for api in ("sample", "stream"):
+                        rows = 0
+                        start = time.perf_counter()
+                        if api == "sample":
+                            while time.perf_counter() - start < seconds:
+                                rows += client.sample(kind, w.SAMPLE_BATCH).batch_size
+                        else:
+                            for batch in client.stream(kind, w.SAMPLE_BATCH):
+                                rows += batch.batch_size
+                                if time.perf_counter() - start > seconds:
+                                    break
+                        elapsed = time.perf_counter() - start
+                        out.append({"api": f"{api} (batch {w.SAMPLE_BATCH})",
+                                    "rows_per_s": rows / elapsed})
+                else:
+                    ids = client.sample(kind, w.UPDATE_BATCH).ids
+                    done = i = 0
+                    start = time.perf_counter()
+                    while time.perf_counter() - start < seconds:
+                        client.update_priorities(kind, ids, w.new_priorities(w.UPDATE_BATCH, i))
+                        done += w.UPDATE_BATCH
+                        i += 1
+                    out.append({"api": f"update_priorities ({w.UPDATE_BATCH} ids per call)",
+                                "ids_per_s": done / (time.perf_counter() - start)})
+            for record in out:
+                if "rows_per_s" in record:
+                    record["mb_per_s"] = record["rows_per_s"] * mb
+            return out
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+
+
+def _reverb(python: str, kind: str, case: str, seconds: float) -> dict | None:
+    cmd = [python, str(HERE / "reverb_service.py"), "--kind", kind, "--case", case,
+           "--seconds", str(seconds)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
+    except subprocess.TimeoutExpired:
+        print(f"  reverb timed out: {kind} {case}", file=sys.stderr)
+        return None
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        print(f"  reverb failed: {kind} {case}\n{done.stderr[-1500:]}", file=sys.stderr)
+        return None
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reverb-python", help="python of Reverb's virtualenv")
+    parser.add_argument("--seconds", type=float, default=w.SECONDS)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    results = []
+    for kind in w.ROW_KINDS:
+        for case in ("insert", "sample", "update"):
+            print(f"{kind} {case}", file=sys.stderr)
+            ours = _ours(kind, case, args.seconds)
+            theirs = _reverb(args.reverb_python, kind, case, args.seconds) if args.reverb_python else None
+            results.append({"kind": kind, "case": case, "ours": ours, "reverb": theirs})
+            print(f"  ours={ours}\n  reverb={theirs}", file=sys.stderr)
+    print(_table(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+def _table(results: list[dict]) -> str:
+    import torch
+
+    head = (f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
+            f"{platform.python_version()}, torch {torch.__version__}; loopback, one client "
+            f"process\n\n")
+    lines = ["| rows | operation | replay-server | Reverb 0.14.0 | ratio (ours / Reverb) |",
+             "|---|---|---:|---:|---:|"]
+    for r in results:
+        theirs = r["reverb"] or {}
+        metric = "ids_per_s" if r["case"] == "update" else "rows_per_s"
+        unit = "ids/s" if r["case"] == "update" else "rows/s"
+        base = theirs.get(metric)
+        for record in r["ours"]:
+            value = record[metric]
+            mb = f", {record['mb_per_s']:,.1f} MB/s" if "mb_per_s" in record else ""
+            their_mb = f", {theirs['mb_per_s']:,.1f} MB/s" if theirs.get("mb_per_s") else ""
+            lines.append(
+                f"| {r['kind']} | {r['case']}: {record['api']} | {value:,.0f} {unit}{mb} | "
+                + (f"{base:,.0f} {unit}{their_mb} ({theirs.get('api', '')}) | {value / base:.2f}x |"
+                   if base else "n/a | n/a |")
+            )
+    return head + "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
