@@ -40,16 +40,6 @@ _LARGE_BATCH = 8
 """``find`` switches to the prefix-sum path when ``batch * _LARGE_BATCH >= blocks``."""
 
 
-def last_write_wins(slots: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Deduplicate ``slots`` (1-D), keeping for each the value written last."""
-    if slots.size < 2:
-        return slots, values
-    unique, first_in_reversed = np.unique(slots[::-1], return_index=True)
-    if unique.size == slots.size:
-        return slots, values
-    return unique, values[::-1][first_in_reversed]
-
-
 def _sorted_unique(values: np.ndarray) -> np.ndarray:
     """``np.unique`` for an already sorted array, in O(n) instead of a sort."""
     keep = np.empty(values.size, dtype=bool)
@@ -75,7 +65,7 @@ class SumTree:
         self._leaf_blocks = self._leaves.reshape(self._blocks, BLOCK)
         self._sum = np.zeros(2 * self._p, dtype=np.float64)
         self._min = np.full(2 * self._p, np.inf, dtype=np.float32)
-        self._lanes = np.arange(BLOCK)
+        self._mark = np.zeros(self._blocks, dtype=bool)  # scratch for _touched_blocks
 
     def total(self) -> float:
         """Sum of all leaves."""
@@ -90,13 +80,26 @@ class SumTree:
         return self._leaves[np.asarray(slots)].astype(np.float64)
 
     def set(self, slots: np.ndarray, values: np.ndarray) -> None:
-        """Set leaves ``slots`` to ``values`` (>= 0); for a repeated slot the last value wins."""
+        """Set leaves ``slots`` to ``values`` (>= 0); for a repeated slot the last value wins.
+
+        (NumPy assigns repeated indices of a 1-D fancy assignment in order;
+        ``tests/server/test_sumtree.py`` pins that.)
+        """
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
         if slots.size == 0:
             return
-        s, v = last_write_wins(slots, np.asarray(values, dtype=np.float32).reshape(-1))
-        self._leaves[s] = v
-        self._refresh(np.unique(s // BLOCK))
+        self._leaves[slots] = np.asarray(values, dtype=np.float32).reshape(-1)
+        self._refresh(self._touched_blocks(slots))
+
+    def _touched_blocks(self, slots: np.ndarray) -> np.ndarray:
+        """Sorted unique blocks of ``slots``: a sort for few slots, a bitmap scan for many."""
+        blocks = slots // BLOCK
+        if blocks.size * 64 < self._blocks:
+            return np.unique(blocks)
+        self._mark[blocks] = True
+        touched = np.flatnonzero(self._mark)
+        self._mark[touched] = False
+        return touched
 
     def clear(self) -> None:
         """Set every leaf to zero."""
@@ -112,8 +115,15 @@ class SumTree:
         """Recompute blocks ``blocks`` (sorted, unique) and all their ancestors."""
         p, sums, mins = self._p, self._sum, self._min
         leaves = self._leaf_blocks[blocks]
-        sums[p + blocks] = leaves.sum(1, dtype=np.float64)
-        mins[p + blocks] = np.where(leaves > 0, leaves, np.float32(np.inf)).min(1)
+        # Lane by lane, vectorized across blocks (reducing a length-16 axis is slow).
+        total = np.zeros(blocks.size)
+        smallest = np.full(blocks.size, np.inf, dtype=np.float32)
+        for lane in range(BLOCK):
+            column = leaves[:, lane]
+            total += column
+            np.minimum(smallest, np.where(column > 0, column, np.float32(np.inf)), out=smallest)
+        sums[p + blocks] = total
+        mins[p + blocks] = smallest
         nodes, size = p + blocks, p  # nodes of the level [size, 2 * size)
         while size > 1:
             size //= 2
@@ -173,8 +183,14 @@ class SumTree:
         return blocks, np.maximum(u - below, 0.0)
 
     def _find_in_blocks(self, blocks: np.ndarray, u: np.ndarray) -> np.ndarray:
-        values = self._leaf_blocks[blocks].astype(np.float64)
-        within = (np.cumsum(values, axis=1) <= u[:, None]).sum(1)
+        # A running sum over the block's 16 lanes, vectorized across the batch (numpy's
+        # cumsum along a length-16 axis is several times slower).
+        values = self._leaf_blocks[blocks]
+        running = np.zeros(u.size)
+        within = np.zeros(u.size, dtype=np.int64)
+        for lane in range(BLOCK):
+            running += values[:, lane]
+            within += running <= u
         over = within >= BLOCK
         if over.any():  # rounding put u at the block's end: take its last positive leaf
             positive = values[over] > 0

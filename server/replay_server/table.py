@@ -29,7 +29,7 @@ import torch
 from replay_proto.batch import SampleBatch
 from replay_proto.dtypes import DTYPES
 from replay_proto.keys import flatten, unflatten
-from replay_server.config import SamplerKind, TableConfig
+from replay_server.config import TableConfig
 from replay_server.errors import (
     ConfigError,
     EmptyTableError,
@@ -101,11 +101,8 @@ class Table:
         self._lock = threading.Lock()
         self._ring = IdRing(config.capacity)
         self._sampler = make_sampler(config, self._ring)
-        self._generator = torch.Generator()
-        if config.seed is None:
-            self._generator.seed()
-        else:
-            self._generator.manual_seed(config.seed)
+        # numpy's PCG64: single-threaded draws, and a state of plain integers to save.
+        self._generator = np.random.Generator(np.random.PCG64(config.seed))
         self._counters = TableCounters()
         self._schema: Schema | None = None
         self._storage: ColumnStorage | None = None
@@ -454,7 +451,7 @@ class Table:
                 "columns": {} if self._storage is None else self._storage.state_dict(used),
                 "sampler": self._sampler.state_dict(),
                 "counters": asdict(self._counters),
-                "generator": self._generator.get_state(),
+                "generator": _generator_state(self._generator),
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -519,9 +516,32 @@ class Table:
             self._storage.load_state_dict(state["columns"])
         self._sampler.load_state_dict(state["sampler"])
         self._counters = TableCounters(**state["counters"])
-        self._generator.set_state(state["generator"])
+        self._generator.bit_generator.state = _generator_from_state(state["generator"])
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (one that requires grad is detached first)."""
     return tensor.detach().numpy()
+
+
+def _generator_state(generator: np.random.Generator) -> dict[str, Any]:
+    """PCG64 state as plain values (its 128-bit integers as decimal strings)."""
+    state = generator.bit_generator.state
+    return {
+        "bit_generator": state["bit_generator"],
+        "state": str(state["state"]["state"]),
+        "inc": str(state["state"]["inc"]),
+        "has_uint32": int(state["has_uint32"]),
+        "uinteger": int(state["uinteger"]),
+    }
+
+
+def _generator_from_state(saved: Mapping[str, Any]) -> dict[str, Any]:
+    if saved["bit_generator"] != "PCG64":
+        raise ConfigError(f"saved random generator is {saved['bit_generator']!r}, expected PCG64")
+    return {
+        "bit_generator": "PCG64",
+        "state": {"state": int(saved["state"]), "inc": int(saved["inc"])},
+        "has_uint32": int(saved["has_uint32"]),
+        "uinteger": int(saved["uinteger"]),
+    }

@@ -59,7 +59,7 @@ def test_a_partial_batch_is_sent_after_max_delay(server):
     client.reset("t")
     writer = client.writer("t", batch_rows=1000, max_delay_s=0.1)
     try:
-        for step in range(3):
+        for _ in range(3):
             writer.append({"obs": torch.zeros(3), "r": 1.0})
         assert _wait_for(lambda: client.info()["t"].size == 3)
     finally:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from replay_server.errors import NoPrioritiesError
 from replay_server.ids import IdRing
@@ -86,7 +85,7 @@ class Sampler(ABC):
         """Rows were inserted (and perhaps others evicted)."""
 
     @abstractmethod
-    def sample(self, batch_size: int, generator: torch.Generator) -> SampleIndex:
+    def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         """Draw ``batch_size`` rows (or slices), with replacement.
 
         Raises:
@@ -133,11 +132,22 @@ def importance_weights(probabilities: np.ndarray, min_probability: float, beta: 
     return np.power(min_probability / probabilities, beta).astype(np.float32)
 
 
-def uniform_draws(generator: torch.Generator, high: int, n: int) -> np.ndarray:
+def uniform_draws(generator: np.random.Generator, high: int, n: int) -> np.ndarray:
     """``n`` integers in ``[0, high)`` from the table's generator (int64)."""
-    return torch.randint(high, (n,), generator=generator, dtype=torch.int64).numpy()
+    return generator.integers(high, size=n, dtype=np.int64)
 
 
-def unit_draws(generator: torch.Generator, n: int) -> np.ndarray:
-    """``n`` floats in ``[0, 1)`` from the table's generator (float64)."""
-    return torch.rand(n, generator=generator, dtype=torch.float64).numpy()
+def sorted_unit_draws(generator: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` iid U[0, 1) draws in ascending order, and a random order to put results in.
+
+    Sorted targets make a prefix-sum search cache-friendly. The draws are the
+    order statistics of n iid uniforms (normalized sums of n + 1 exponential
+    spacings, O(n), no sort); scattering results through the random
+    permutation gives a batch distributed exactly like n iid draws in random
+    order.
+    """
+    sums = np.cumsum(generator.standard_exponential(n + 1))
+    draws = sums[:-1] / sums[-1]
+    np.minimum(draws, np.nextafter(1.0, 0.0), out=draws)
+    order = generator.permutation(n)
+    return draws, order

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from replay_server.errors import EmptyTableError
 from replay_server.ids import IdRing
@@ -14,7 +13,7 @@ from replay_server.samplers.base import (
     Sampler,
     SampleIndex,
     importance_weights,
-    unit_draws,
+    sorted_unit_draws,
 )
 from replay_server.sumtree import SumTree
 
@@ -50,6 +49,22 @@ class PriorityState:
         self._seen = bool(state["seen"])
 
 
+def draw_by_priority(
+    tree: SumTree, batch_size: int, generator: np.random.Generator, beta: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``batch_size`` iid draws of slots with P(slot) = leaf / total.
+
+    Returns:
+        ``(slots int64, probabilities float64, importance weights float32)``.
+    """
+    total = tree.total()
+    draws, order = sorted_unit_draws(generator, batch_size)
+    slots = np.empty(batch_size, dtype=np.int64)
+    slots[order] = tree.find(draws * total)
+    probabilities = tree.get(slots) / total
+    return slots, probabilities, importance_weights(probabilities, tree.min_positive() / total, beta)
+
+
 class PrioritizedSampler(Sampler):
     """Row ``i`` is drawn with probability ``p_i^alpha / sum_k p_k^alpha``.
 
@@ -80,15 +95,15 @@ class PrioritizedSampler(Sampler):
         self._prio.observe(priorities)
         self._tree.set(slots, self._prio.mass(priorities))
 
-    def sample(self, batch_size: int, generator: torch.Generator) -> SampleIndex:
+    def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         total = self._tree.total()
         if self._ring.size == 0:
             raise EmptyTableError("the table is empty")
         if total <= 0.0:
             raise EmptyTableError("every row has priority 0, so none can be drawn")
-        slots = self._tree.find(unit_draws(generator, batch_size) * total)
-        probabilities = self._tree.get(slots) / total
-        weights = importance_weights(probabilities, self._tree.min_positive() / total, self._prio.beta)
+        slots, probabilities, weights = draw_by_priority(
+            self._tree, batch_size, generator, self._prio.beta
+        )
         return SampleIndex(self._ring.ids_of_slots(slots), slots, probabilities, weights)
 
     def clear(self) -> None:

@@ -16,17 +16,10 @@ import torch
 
 from replay_server.errors import EmptyTableError
 from replay_server.ids import IdRing
-from replay_server.samplers.base import (
-    InsertEvent,
-    Sampler,
-    SampleIndex,
-    importance_weights,
-    uniform_draws,
-    unit_draws,
-)
+from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex, uniform_draws
 from replay_server.samplers.episodes import EpisodeIndex, index_dtype
-from replay_server.samplers.prioritized import PriorityState
-from replay_server.sumtree import SumTree, last_write_wins
+from replay_server.samplers.prioritized import PriorityState, draw_by_priority
+from replay_server.sumtree import SumTree
 
 
 def _no_slices(ring: IdRing, slice_len: int) -> EmptyTableError:
@@ -75,7 +68,7 @@ class StartSet:
         self._pos[fillers] = holes
         self.count = new_count
 
-    def draw(self, batch_size: int, generator: torch.Generator) -> np.ndarray:
+    def draw(self, batch_size: int, generator: np.random.Generator) -> np.ndarray:
         return self._dense[uniform_draws(generator, self.count, batch_size)]
 
     def members(self) -> np.ndarray:
@@ -105,7 +98,7 @@ class SliceSampler(Sampler):
             self._starts.remove(event.evicted_ids % cap)
         self._starts.add(self._episodes.insert(event) % cap)
 
-    def sample(self, batch_size: int, generator: torch.Generator) -> SampleIndex:
+    def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         n = self._starts.count
         if n == 0:
             raise _no_slices(self._ring, self._episodes.slice_len)
@@ -183,21 +176,19 @@ class PrioritizedSliceSampler(Sampler):
     def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         self._prio.observe(priorities)
         mass = self._prio.mass(priorities)
-        # A repeated id keeps its last priority (index_put alone would keep any one).
-        unique_slots, unique_mass = last_write_wins(slots, mass)
-        self._row_mass[unique_slots] = unique_mass
+        self._row_mass[slots] = mass  # a repeated id keeps its last priority (see SumTree.set)
         starts = slots[self._is_start[slots]]
         self._tree.set(starts, self._row_mass[starts])
 
-    def sample(self, batch_size: int, generator: torch.Generator) -> SampleIndex:
+    def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         total = self._tree.total()
         if self._num_starts == 0:
             raise _no_slices(self._ring, self._episodes.slice_len)
         if total <= 0.0:
             raise EmptyTableError("every slice start has priority 0, so none can be drawn")
-        slots = self._tree.find(unit_draws(generator, batch_size) * total)
-        probabilities = self._tree.get(slots) / total
-        weights = importance_weights(probabilities, self._tree.min_positive() / total, self._prio.beta)
+        slots, probabilities, weights = draw_by_priority(
+            self._tree, batch_size, generator, self._prio.beta
+        )
         chains = self._episodes.chain(slots)
         return SampleIndex(self._ring.ids_of_slots(chains), chains, probabilities, weights)
 

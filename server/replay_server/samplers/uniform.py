@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from replay_server.errors import EmptyTableError
 from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex, uniform_draws
@@ -22,7 +21,7 @@ class UniformSampler(Sampler):
     def insert(self, event: InsertEvent) -> None:
         pass
 
-    def sample(self, batch_size: int, generator: torch.Generator) -> SampleIndex:
+    def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         size = self._ring.size
         if size == 0:
             raise EmptyTableError("the table is empty")
