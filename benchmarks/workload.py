@@ -13,6 +13,9 @@ TorchRL here).
 
 from __future__ import annotations
 
+import ctypes
+import gc
+
 import torch
 
 OBS_DIM = 17
@@ -54,3 +57,17 @@ def new_priorities(n: int, seed: int) -> torch.Tensor:
     """Positive priorities like |TD error| + eps, for priority updates."""
     g = torch.Generator().manual_seed(seed)
     return torch.rand(n, generator=g) * 2.0 + 1e-3
+
+
+def resident_bytes(trim: bool) -> int:
+    """This process's resident set size after a GC, optionally after ``malloc_trim(0)``.
+
+    Trimming hands freed heap pages back to the OS, so the figure counts live
+    memory only, not the fill's freed temporaries that glibc keeps around.
+    """
+    import psutil
+
+    gc.collect()
+    if trim:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return psutil.Process().memory_info().rss

@@ -58,6 +58,9 @@ def _flatten_into(data: Mapping[Any, Any], prefix: str, out: dict[str, Any]) -> 
                 f"contain {KEY_SEPARATOR!r} (it joins nested keys)"
             )
         path = prefix + key
+        if hasattr(value, "shape") and not _is_tensordict(value):
+            out[path] = value  # tensors and arrays: skip the (slow) Mapping ABC check
+            continue
         if _is_tensordict(value):
             value = value.to_dict()
         if isinstance(value, Mapping):

@@ -183,7 +183,7 @@ class Table:
             )
             self._counters.inserted += rows
             self._counters.evicted += evicted
-        return torch.arange(first_id, first_id + rows, dtype=torch.int64)
+        return torch.from_numpy(self._ring.range(first_id, rows))
 
     def _columns(self, data: Any) -> dict[str, torch.Tensor]:
         try:
