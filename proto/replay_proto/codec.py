@@ -48,9 +48,18 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(_as_numpy(t)).cast("B")
+
+
+def copy_rows(dest: torch.Tensor, start: int, src: torch.Tensor) -> None:
+    """``dest[start : start + len(src)] = src`` as one memcpy (no intra-op threads)."""
+    np.copyto(_as_numpy(dest)[start : start + src.shape[0]], _as_numpy(src))
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy()
 
 
 def spec_of(key: str, tensor: torch.Tensor) -> pb.TensorSpec:

@@ -17,6 +17,7 @@ import torch
 from replay_proto.batch import SampleBatch
 from replay_proto.codec import (
     CodecError,
+    copy_rows,
     decode_tensors,
     encode_tensors,
     expect_end,
@@ -166,7 +167,7 @@ class BatchAssembler:
         rows = 0
         for key, tensor in tensors.items():
             rows = tensor.shape[0]
-            self._parts[key][header.row_start : header.row_start + rows].copy_(tensor)
+            copy_rows(self._parts[key], header.row_start, tensor)
         self._next_row += rows
         if not header.last_chunk:
             return None
