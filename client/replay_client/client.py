@@ -168,7 +168,14 @@ class ReplayClient:
             NoPrioritiesError, UnknownTableError, UnavailableError, ...
         """
         columns = _columns(data)
-        prios = None if priorities is None else _tensor(priorities, "priorities")
+        prios = None
+        if priorities is not None:
+            prios = _tensor(priorities, "priorities")
+            rows = next(iter(columns.values())).shape[0] if columns else 0
+            if tuple(prios.shape) != (rows,):
+                raise InvalidPriorityError(
+                    f"priorities must have shape [{rows}] (one per row), got {list(prios.shape)}"
+                )
         raw = messages.encode_insert(table, columns, prios)
         if len(raw) > self._max_message:
             rows = next(iter(columns.values())).shape[0] if columns else 0

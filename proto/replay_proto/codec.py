@@ -32,6 +32,7 @@ if sys.byteorder != "little":  # pragma: no cover - every platform we run on is 
 
 PAYLOAD_FIELD = 15
 _PAYLOAD_TAG = bytes([(PAYLOAD_FIELD << 3) | 2])
+_MAX_ELEMENTS = 2**48  # far beyond any message; keeps every size a safe int64
 _ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 
 
@@ -48,6 +49,8 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
     return memoryview(_as_numpy(t)).cast("B")
 
 
@@ -159,12 +162,14 @@ def spec_nbytes(spec: pb.TensorSpec) -> int:
         raise CodecError(
             f"key {spec.key!r}: unknown dtype {spec.dtype!r}; supported: {', '.join(DTYPES)}"
         )
-    n = _ITEMSIZE[spec.dtype]
+    elements = 1
     for dim in spec.shape:
         if dim < 0:
             raise CodecError(f"key {spec.key!r}: negative dimension in shape {list(spec.shape)}")
-        n *= dim
-    return n
+        elements *= max(dim, 1)
+        if elements > _MAX_ELEMENTS:
+            raise CodecError(f"key {spec.key!r}: shape {list(spec.shape)} is impossibly large")
+    return _ITEMSIZE[spec.dtype] * (0 if 0 in spec.shape else elements)
 
 
 def decode_tensors(

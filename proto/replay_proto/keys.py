@@ -4,8 +4,10 @@ A row may be a nested mapping (or a TensorDict), like
 ``{"obs": {"pixels": ..., "state": ...}, "action": ...}``. Tables, checkpoints
 and the wire store one column per leaf under a flat key that joins the path
 with :data:`KEY_SEPARATOR`: ``"obs.pixels"``, ``"obs.state"``, ``"action"``.
-This is the same convention as ``TensorDict.flatten_keys(".")``, so a key name
-may not itself contain the separator.
+This is the same convention as ``TensorDict.flatten_keys(".")``. A key that
+contains the separator is read as a path, so ``{"obs.pixels": x}`` and
+``{"obs": {"pixels": x}}`` are the same row; a path may not be given twice,
+nor be both a leaf and a prefix of another path.
 """
 
 from __future__ import annotations
@@ -45,19 +47,31 @@ def flatten(data: Any) -> dict[str, Any]:
         )
     out: dict[str, Any] = {}
     _flatten_into(data, "", out)
+    _check_prefixes(out)
     return out
+
+
+def _check_prefixes(flat: dict[str, Any]) -> None:
+    keys = sorted(flat)
+    for shorter, longer in zip(keys, keys[1:]):
+        if longer.startswith(shorter + KEY_SEPARATOR):
+            raise ValueError(
+                f"key {shorter!r} is both a value and the parent of {longer!r}"
+            )
 
 
 def _flatten_into(data: Mapping[Any, Any], prefix: str, out: dict[str, Any]) -> None:
     for key, value in data.items():
         if not isinstance(key, str):
             raise TypeError(f"keys must be strings, got {key!r} ({type(key).__name__})")
-        if not key or KEY_SEPARATOR in key:
+        if not key or any(not part for part in key.split(KEY_SEPARATOR)):
             raise ValueError(
-                f"invalid key {prefix + key!r}: keys must be non-empty and must not "
-                f"contain {KEY_SEPARATOR!r} (it joins nested keys)"
+                f"invalid key {prefix + key!r}: keys and the parts of a dotted path must "
+                f"be non-empty"
             )
         path = prefix + key
+        if path in out:
+            raise ValueError(f"key {path!r} is given twice (once as a dotted path)")
         if hasattr(value, "shape") and not _is_tensordict(value):
             out[path] = value  # tensors and arrays: skip the (slow) Mapping ABC check
             continue

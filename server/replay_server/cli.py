@@ -33,6 +33,7 @@ log = logging.getLogger("replay_server")
 
 
 def _serve(args: argparse.Namespace) -> int:
+    logs.configure()
     settings = load_settings(args.config) if args.config else ServerSettings()
     if args.address:
         settings = dataclasses.replace(settings, address=args.address)

@@ -26,6 +26,7 @@ metrics, rate limiting) are refused, never silently ignored.
 
 from __future__ import annotations
 
+import logging
 import re
 import tomllib
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ from replay_proto.dtypes import dtype_from_name
 from replay_server.config import TableConfig, default_table_configs
 from replay_server.errors import ConfigError
 from replay_server.schema import FieldSpec
+
+log = logging.getLogger("replay_server")
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
@@ -153,6 +156,8 @@ def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
     _check_keys("server", server, _SERVER_KEYS)
     tables = document.get("tables")
     if tables is None:
+        log.info("the config declares no [[tables]]: serving the default tables "
+                 "(one per sampler kind)")
         return ServerSettings(**server)
     if not isinstance(tables, list):
         raise ConfigError("tables must be an array of tables ([[tables]])")

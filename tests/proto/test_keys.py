@@ -129,14 +129,25 @@ def test_empty_nested_key_raises_value_error_naming_its_path() -> None:
         flatten({"obs": {"": 1}})
 
 
-def test_key_containing_the_separator_raises_value_error_naming_it() -> None:
-    with pytest.raises(ValueError, match=r"invalid key 'obs\.pixels'.*must not contain '\.'"):
-        flatten({"obs.pixels": 1})
+def test_a_dotted_key_is_the_same_path_as_nesting() -> None:
+    assert flatten({"obs.pixels": 1, "obs": {"state": 2}}) == {"obs.pixels": 1, "obs.state": 2}
+    assert unflatten(flatten({"obs.pixels": 1})) == {"obs": {"pixels": 1}}
 
 
-def test_nested_key_containing_the_separator_raises_value_error_naming_its_path() -> None:
-    with pytest.raises(ValueError, match=r"invalid key 'obs\.a\.b'"):
-        flatten({"obs": {"a.b": 1}})
+def test_the_same_path_given_twice_raises_value_error_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"key 'obs\.pixels' is given twice"):
+        flatten({"obs.pixels": 1, "obs": {"pixels": 2}})
+
+
+def test_a_path_that_is_both_a_leaf_and_a_parent_raises_value_error() -> None:
+    with pytest.raises(ValueError, match=r"key 'obs' is both a value and the parent of 'obs\.a'"):
+        flatten({"obs": 1, "obs.a": 2})
+
+
+def test_a_dotted_key_with_an_empty_part_raises_value_error_naming_it() -> None:
+    for bad in ("obs.", ".obs", "obs..a"):
+        with pytest.raises(ValueError, match=rf"invalid key '{re.escape(bad)}'"):
+            flatten({bad: 1})
 
 
 def test_empty_nested_mapping_raises_value_error_naming_the_key() -> None:

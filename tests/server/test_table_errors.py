@@ -331,7 +331,7 @@ BAD_INSERTS = [
         "dotted-key",
         _with(lambda d: d.update({"obs.x": torch.zeros(3)})),
         InvalidArgumentError,
-        r"invalid key 'obs\.x': keys must be non-empty and must not contain '\.'",
+        r"key 'obs' is both a value and the parent of 'obs\.x'",
     ),
     BadInsert(
         "non-string-key",

@@ -21,6 +21,7 @@ from replay_proto.codec import CodecError
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.errors import InvalidArgumentError
 from replay_server.service.status import ERROR_KIND_KEY, status_of
+from replay_server.table import MAX_BATCH_SIZE
 from replay_server.tables import Tables
 
 log = logging.getLogger("replay_server.service")
@@ -151,8 +152,8 @@ class ReplayServicer:
 
     def _check_unary_size(self, table: Any, batch_size: int) -> None:
         schema = table.schema
-        if schema is None or not isinstance(batch_size, int) or batch_size <= 0:
-            return  # the engine refuses these with the right error
+        if schema is None or not 1 <= batch_size <= MAX_BATCH_SIZE:
+            return  # nothing to send, or the engine refuses the batch size itself
         steps = table.config.slice_len or 1
         estimate = batch_size * (steps * (schema.row_bytes + 8) + 4 + 8)
         if estimate > self._max_message - _HEADROOM:

@@ -1,0 +1,242 @@
+"""A server that is not there: typed UnavailableError naming the address, retries of
+idempotent calls across a short outage, the same client object working again
+after a restart on the same port, and a client handed to a spawned process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from replay_client import ReplayClient, ReplayError, errors
+from tests.conftest import ServerProcess, start_server
+
+CONFIG = """
+[[tables]]
+name = "uniform"
+capacity = 1000
+
+[[tables]]
+name = "from_child"
+capacity = 1000
+"""
+
+THREAD_JOIN_S = 30
+MAX_RELAYED_CONNECTIONS = 100
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound once, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def rows(n: int, value: float = 1.0) -> dict[str, torch.Tensor]:
+    return {"obs": torch.full((n, 2), value)}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("unavailable"), CONFIG)
+    yield proc
+    proc.stop()
+
+
+class Relay:
+    """A TCP relay 127.0.0.1:``port`` -> 127.0.0.1:``target``.
+
+    Closing it makes its port refuse connections, exactly as a server that went
+    down would, while the server behind it keeps its rows.
+    """
+
+    def __init__(self, target: int, port: int = 0) -> None:
+        self._target = target
+        self._listener = socket.create_server(("127.0.0.1", port))  # SO_REUSEADDR on POSIX
+        self.port = self._listener.getsockname()[1]
+        self._sockets: list[socket.socket] = []
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        for _ in range(MAX_RELAYED_CONNECTIONS):  # or until close() shuts the listener
+            try:
+                downstream, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self._target), timeout=10)
+            except OSError:
+                downstream.close()
+                continue
+            upstream.settimeout(None)
+            self._sockets += [downstream, upstream]
+            for src, dst in ((downstream, upstream), (upstream, downstream)):
+                pump = threading.Thread(target=self._pump, args=(src, dst), daemon=True)
+                self._threads.append(pump)
+                pump.start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):  # ends when either side closes
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        except OSError:
+            pass
+        self._listener.close()
+        for sock in self._sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for thread in self._threads:
+            thread.join(THREAD_JOIN_S)
+        for sock in self._sockets:
+            sock.close()
+
+
+# ------------------------------------------------------------- nothing there
+
+
+@pytest.mark.parametrize("call", ["info", "sample", "insert"])
+def test_client_of_a_port_where_nothing_listens_raises_unavailable_naming_it(call) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    client = ReplayClient(address, timeout=5, max_retry_s=1)
+    calls = {"info": client.info, "sample": lambda: client.sample("uniform", 1),
+             "insert": lambda: client.insert("uniform", rows(1))}
+    with pytest.raises(ReplayError) as info:
+        calls[call]()
+    assert type(info.value) is errors.UnavailableError, repr(info.value)
+    assert address in str(info.value)
+
+
+def test_unavailable_error_is_a_connection_error() -> None:
+    client = ReplayClient(f"127.0.0.1:{free_port()}", timeout=5, max_retry_s=0)
+    with pytest.raises(ConnectionError):
+        client.info()
+
+
+# ------------------------------------------------------------ stop and restart
+
+
+def test_call_after_the_server_stopped_raises_unavailable(server_factory) -> None:
+    proc = server_factory(CONFIG)
+    client = ReplayClient(proc.address, timeout=5, max_retry_s=1)
+    client.insert("uniform", rows(2))
+    assert proc.stop(signal.SIGTERM) == 0
+    with pytest.raises(errors.UnavailableError, match=proc.address):
+        client.info()
+
+
+def test_same_client_works_again_after_a_restart_on_the_same_port(server_factory) -> None:
+    first = server_factory(CONFIG)
+    client = ReplayClient(first.address, timeout=30, max_retry_s=15)
+    client.insert("uniform", rows(2))
+    assert first.stop(signal.SIGTERM) == 0
+    second = server_factory(CONFIG, port=first.port)
+    assert second.port == first.port
+    assert client.info()["uniform"].size == 0  # a fresh server behind the same address
+    ids = client.insert("uniform", rows(3, value=4.0))
+    batch = client.sample("uniform", 8)
+    assert set(batch.ids.tolist()) <= set(ids.tolist())
+    assert (batch.data["obs"] == 4.0).all()
+
+
+def test_sample_retries_while_the_server_is_briefly_down(served) -> None:
+    # The outage is a relay in front of the server going away and coming back on the
+    # same port: a restarted replay server would come back empty (nothing to sample),
+    # while this one keeps its rows, so the retried sample has something to return.
+    relay = Relay(served.port)
+    client = ReplayClient(relay.address, timeout=30, max_retry_s=15)
+    client.insert("uniform", rows(4, value=2.0))
+    port = relay.port
+    relay.close()
+    back = threading.Event()
+    revived: list[Relay] = []
+
+    def come_back() -> None:
+        back.wait(1.0)  # ~1 s down (the event is never set: a bounded sleep)
+        revived.append(Relay(served.port, port=port))
+
+    thread = threading.Thread(target=come_back, daemon=True)
+    thread.start()
+    try:
+        batch = client.sample("uniform", 4)
+        assert revived, "the sample returned while the server was still down"
+        assert batch.ids.shape == (4,)
+    finally:
+        thread.join(THREAD_JOIN_S)
+        client.close()
+        for r in revived:
+            r.close()
+
+
+def test_insert_is_not_retried_while_the_server_is_down(served) -> None:
+    relay = Relay(served.port)
+    client = ReplayClient(relay.address, timeout=30, max_retry_s=15)
+    client.info()
+    before = client.info()["uniform"].counters["inserted"]
+    relay.close()
+    with pytest.raises(errors.UnavailableError):
+        client.insert("uniform", rows(1))  # fails at once: a retry could store rows twice
+    with ReplayClient(served.address, timeout=30) as direct:
+        assert direct.info()["uniform"].counters["inserted"] == before
+
+
+# --------------------------------------------------------------------- pickling
+
+
+def test_client_pickles_as_its_settings() -> None:
+    client = ReplayClient("127.0.0.1:1", timeout=7.5, max_retry_s=3, token="secret")
+    copy = pickle.loads(pickle.dumps(client))
+    assert (copy.address, copy.timeout, copy._max_retry_s, copy._token) == (
+        "127.0.0.1:1", 7.5, 3, "secret")
+
+
+def insert_from_child(client: ReplayClient, results) -> None:  # runs in a spawned process
+    ids = client.insert("from_child", {"obs": torch.full((3, 2), 5.0)})
+    results.put(ids.tolist())
+
+
+def test_unpickled_client_inserts_from_a_spawned_process(served) -> None:
+    client = ReplayClient(served.address, timeout=30)
+    client.info()  # connected before pickling: the channel must not travel
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    child = context.Process(target=insert_from_child, args=(client, results))
+    child.start()
+    try:
+        child_ids = results.get(timeout=120)
+    finally:
+        child.join(120)
+        if child.is_alive():
+            child.kill()
+            child.join(10)
+    assert child.exitcode == 0
+    assert client.info()["from_child"].size == 3
+    batch = client.sample("from_child", 8)
+    assert set(batch.ids.tolist()) <= set(child_ids)
+    assert (batch.data["obs"] == 5.0).all()
