@@ -78,12 +78,16 @@ class Writer:
         self._max_delay = max_delay_s
         self._episode_key = episode_key
         self._episode = secrets.randbits(62)
+        # Fixed by the first step: each key's (dtype, per-step shape), the user's keys only.
         self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
 
-        self._cond = threading.Condition()
-        self._pending: list[dict[str, torch.Tensor]] = []  # steps not yet handed to the sender
+        self._cond = threading.Condition(threading.Lock())
+        # Steps are copied into preallocated columns of batch_rows rows as they arrive.
+        self._columns: dict[str, torch.Tensor] = {}
+        self._rows: dict[str, Any] = {}  # numpy views of _columns
+        self._filled = 0
         self._oldest = 0.0
-        self._chunks: list[list[dict[str, torch.Tensor]] | object] = []
+        self._chunks: list[dict[str, torch.Tensor] | object] = []
         self._in_flight = 0     # rows handed over but not yet acknowledged (or failed)
         self._error: BaseException | None = None
         self._lost = 0          # rows not stored because of the error
@@ -103,6 +107,7 @@ class Writer:
     def append(self, step: Any) -> None:
         """Add one step (a mapping, possibly nested, or TensorDict; no row dim).
 
+        The step's values are copied, so the caller may reuse its buffers.
         Blocks while ``max_pending_rows`` steps are buffered or in flight.
 
         Raises:
@@ -110,17 +115,22 @@ class Writer:
                 the first step's, or a value is not a tensor/array/number.
             WriterError: an earlier background insert failed.
         """
-        row = self._row(step)
+        values = step if self._fits(step) else self._convert(step)
         with self._cond:
-            self._check_open()
-            while len(self._pending) + self._in_flight >= self._max_pending and not self._error:
+            while self._filled + self._in_flight >= self._max_pending and not self._error:
                 self._cond.wait()
-            self._check_open()
-            if not self._pending:
+            if self._error is not None or self._closed:
+                self._check_open()
+            row = self._filled
+            for key, value in values.items():
+                self._rows[key][row] = value.numpy() if type(value) is torch.Tensor else value
+            if self._episode_key is not None:
+                self._rows[self._episode_key][row] = self._episode
+            self._filled = row + 1
+            if row == 0:
                 self._oldest = time.monotonic()
                 self._cond.notify_all()  # the sender now has a delay deadline to keep
-            self._pending.append(row)
-            if len(self._pending) >= self._batch_rows:
+            if self._filled >= self._batch_rows:
                 self._hand_over()
 
     def end_episode(self) -> None:
@@ -137,7 +147,7 @@ class Writer:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._check_open(allow_closed=True)
-            if self._pending:
+            if self._filled:
                 self._hand_over()
             while self._in_flight and self._error is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -172,7 +182,26 @@ class Writer:
             except ReplayError:
                 pass
 
-    def _row(self, step: Any) -> dict[str, torch.Tensor]:
+    def _fits(self, step: Any) -> bool:
+        """Fast check that ``step`` is a flat dict of CPU tensors/scalars of the fixed layout."""
+        layout = self._layout
+        if layout is None or type(step) is not dict or len(step) != len(layout):
+            return False
+        for key, value in step.items():
+            spec = layout.get(key)
+            if spec is None:
+                return False
+            kind = type(value)
+            if kind is torch.Tensor:
+                if (value.dtype != spec[0] or value.shape != spec[1] or value.requires_grad
+                        or value.is_cuda or value.dtype == torch.bfloat16):
+                    return False
+            elif _SCALAR_DTYPES.get(kind) != spec[0] or spec[1]:
+                return False
+        return True
+
+    def _convert(self, step: Any) -> dict[str, Any]:
+        """The slow path: flatten, convert and check a step (the first one fixes the layout)."""
         try:
             flat = flatten(step)
         except (TypeError, ValueError) as exc:
@@ -187,23 +216,37 @@ class Writer:
                     f"writer for table {self.table!r}: key {key!r}: {exc}"
                 ) from None
             row[key] = tensor
-        if self._episode_key is not None and self._episode_key not in row:
-            row[self._episode_key] = torch.tensor(self._episode, dtype=torch.int64)
         layout = {key: (t.dtype, tuple(t.shape)) for key, t in row.items()}
         if self._layout is None:
-            self._layout = layout
+            with self._cond:
+                self._layout = layout
+                self._allocate()
         elif layout != self._layout:
             raise InvalidArgumentError(
                 f"writer for table {self.table!r}: step differs from the first step: "
                 f"{_describe_difference(self._layout, layout)}"
             )
-        return row
+        return {key: _numpy(t) for key, t in row.items()}
+
+    def _allocate(self) -> None:
+        """Fresh columns for the next batch_rows steps (caller holds the lock)."""
+        assert self._layout is not None
+        layout = dict(self._layout)
+        if self._episode_key is not None and self._episode_key not in layout:
+            layout[self._episode_key] = (torch.int64, ())
+        self._columns = {
+            key: torch.empty((self._batch_rows, *shape), dtype=dtype)
+            for key, (dtype, shape) in layout.items()
+        }
+        self._rows = {key: _numpy(column) for key, column in self._columns.items()}
 
     def _hand_over(self) -> None:
-        """Move pending steps to the sender (caller holds the lock)."""
-        chunk, self._pending = self._pending, []
-        self._in_flight += len(chunk)
+        """Give the filled rows to the sender (caller holds the lock)."""
+        chunk = {key: column[: self._filled] for key, column in self._columns.items()}
+        self._in_flight += self._filled
         self._chunks.append(chunk)
+        self._filled = 0
+        self._allocate()
         self._cond.notify_all()
 
     def _check_open(self, allow_closed: bool = False) -> None:
@@ -225,29 +268,37 @@ class Writer:
             with self._cond:
                 while not self._chunks:
                     waited = time.monotonic() - self._oldest
-                    if self._pending and waited >= self._max_delay:
+                    if self._filled and waited >= self._max_delay:
                         self._hand_over()
                         break
-                    self._cond.wait(self._max_delay - waited if self._pending else None)
+                    self._cond.wait(self._max_delay - waited if self._filled else None)
                 chunk = self._chunks.pop(0)
             if chunk is _STOP:
                 return
-            assert isinstance(chunk, list)
+            assert isinstance(chunk, dict)
+            rows = next(iter(chunk.values())).shape[0]
             error: BaseException | None = None
             if self._error is None:
                 try:
-                    columns = {key: torch.stack([row[key] for row in chunk]) for key in chunk[0]}
-                    self._client.insert(self.table, columns)
+                    self._client.insert(self.table, chunk)
                 except BaseException as exc:  # surfaced to the caller, never swallowed
                     error = exc
             with self._cond:
-                self._in_flight -= len(chunk)
+                self._in_flight -= rows
                 if error is not None or self._error is not None:
                     self._error = self._error or error
-                    self._lost += len(chunk)
+                    self._lost += rows
                 else:
-                    self.rows_written += len(chunk)
+                    self.rows_written += rows
                 self._cond.notify_all()
+
+
+_SCALAR_DTYPES = {float: torch.get_default_dtype(), int: torch.int64, bool: torch.bool}
+
+
+def _numpy(tensor: torch.Tensor) -> Any:
+    """A numpy view of ``tensor`` (bfloat16 as the same bits in int16)."""
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def _describe_difference(

@@ -18,6 +18,10 @@ name = "t"
 capacity = 10000
 
 [[tables]]
+name = "mixed"
+capacity = 10
+
+[[tables]]
 name = "seq"
 capacity = 10000
 sampler = "slice"
@@ -148,3 +152,36 @@ def test_invalid_options_are_refused():
         Writer(client, "t", batch_rows=0)
     with pytest.raises(ValueError, match="max_pending_rows"):
         Writer(client, "t", batch_rows=10, max_pending_rows=5)
+
+
+def test_every_dtype_and_scalar_steps_arrive_bit_exact(server):
+    client = ReplayClient(server.address)
+    steps = [
+        {"f32": torch.randn(2), "bf16": torch.randn(2).bfloat16(),
+         "u8": torch.tensor([i, 255 - i], dtype=torch.uint8),
+         "reward": i / 3, "action": i, "done": i % 2 == 0}
+        for i in range(10)
+    ]
+    with client.writer("mixed", batch_rows=4) as writer:
+        for step in steps:
+            writer.append(step)
+    batch = client.sample("mixed", 300)
+    assert batch.data["bf16"].dtype == torch.bfloat16 and batch.data["reward"].dtype == torch.float32
+    for row in range(300):
+        step = steps[int(batch.data["action"][row])]
+        for key in ("f32", "bf16", "u8"):
+            assert torch.equal(batch.data[key][row], step[key]), key
+        assert float(batch.data["reward"][row]) == torch.tensor(step["reward"]).item()
+        assert bool(batch.data["done"][row]) == step["done"]
+
+
+def test_steps_are_copied_at_append_so_buffers_can_be_reused(server):
+    client = ReplayClient(server.address)
+    client.reset("t")
+    buffer = torch.zeros(3)
+    with client.writer("t", batch_rows=100) as writer:
+        for step in range(5):
+            buffer.fill_(float(step))  # an actor reusing one observation buffer
+            writer.append({"obs": buffer, "r": 0.0})
+    values = sorted(set(client.sample("t", 200).data["obs"][:, 0].tolist()))
+    assert values == [0.0, 1.0, 2.0, 3.0, 4.0]
