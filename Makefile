@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install proto serve test soak bench bench-engine clean
+.PHONY: install proto serve test soak bench bench-engine bench-service clean
 
 $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +38,15 @@ soak: $(STAMP)
 bench-engine: $(STAMP) .venv-torchrl/.installed-stamp
 	$(BIN)/python benchmarks/engine.py --torchrl-python .venv-torchrl/bin/python
 
-bench: bench-engine
+# Reverb (dm-reverb 0.14, TensorFlow) needs Python 3.11, numpy<2 and protobuf<5: its own venv.
+.venv-reverb/.installed-stamp:
+	bash benchmarks/envs/reverb.sh .venv-reverb
+	touch $@
+
+bench-service: $(STAMP) .venv-reverb/.installed-stamp
+	$(BIN)/python benchmarks/service.py --reverb-python .venv-reverb/bin/python
+
+bench: bench-engine bench-service
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

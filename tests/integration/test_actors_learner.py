@@ -5,37 +5,38 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+import pytest
 import torch
 
 from replay_client import ReplayClient
 
 ACTORS = 8
-STEPS = 1500           # per actor
 EPISODE = 60           # steps per episode
 SLICE_LEN = 8
-TIME_LIMIT_S = 120
 
-CONFIG = f"""
+
+def _config(steps: int) -> str:
+    return f"""
 [server]
 workers = 4
 
 [[tables]]
 name = "replay"
-capacity = {ACTORS * STEPS}
+capacity = {ACTORS * steps}
 sampler = "prioritized"
 
 [[tables]]
 name = "seq"
-capacity = {ACTORS * STEPS}
+capacity = {ACTORS * steps}
 sampler = "slice"
 slice_len = {SLICE_LEN}
 """
 
 
-def _actor(client: ReplayClient, actor: int, results) -> None:
+def _actor(client: ReplayClient, actor: int, steps: int, results) -> None:
     try:
         with client.writer("replay", batch_rows=100) as flat, client.writer("seq", batch_rows=64) as seq:
-            for step in range(STEPS):
+            for step in range(steps):
                 row = {"obs": torch.tensor([float(actor), float(step)]),
                        "done": (step + 1) % EPISODE == 0}
                 flat.append(row)
@@ -48,15 +49,25 @@ def _actor(client: ReplayClient, actor: int, results) -> None:
 
 
 def test_eight_actors_and_a_learner_lose_nothing(server_factory):
-    server = server_factory(CONFIG)
+    _run(server_factory, steps=1500, time_limit_s=120)
+
+
+@pytest.mark.slow
+def test_eight_actors_and_a_learner_lose_nothing_at_length(server_factory):
+    _run(server_factory, steps=30_000, time_limit_s=900)
+
+
+def _run(server_factory, steps: int, time_limit_s: float) -> None:
+    server = server_factory(_config(steps))
     client = ReplayClient(server.address, timeout=30)
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    actors = [context.Process(target=_actor, args=(client, a, results)) for a in range(ACTORS)]
+    actors = [context.Process(target=_actor, args=(client, a, steps, results))
+              for a in range(ACTORS)]
     for process in actors:
         process.start()
 
-    deadline = time.monotonic() + TIME_LIMIT_S
+    deadline = time.monotonic() + time_limit_s
     learner_steps = updates_applied = 0
     while any(p.is_alive() for p in actors) and time.monotonic() < deadline:
         if client.info()["replay"].size < 64:
@@ -73,16 +84,16 @@ def test_eight_actors_and_a_learner_lose_nothing(server_factory):
         assert process.exitcode == 0, f"actor {process.pid} exit code {process.exitcode}"
     reports = [results.get(timeout=5) for _ in actors]
     assert [r[3] for r in reports] == [None] * ACTORS, reports
-    assert all(r[1] == STEPS and r[2] == STEPS for r in reports), reports
+    assert all(r[1] == steps and r[2] == steps for r in reports), reports
     assert learner_steps > 0 and updates_applied == learner_steps * 64
 
     info = client.info()
     for table in ("replay", "seq"):
-        assert info[table].size == ACTORS * STEPS
-        assert info[table].counters["inserted"] == ACTORS * STEPS
-    # Every episode is complete: STEPS / EPISODE episodes per actor, each with
+        assert info[table].size == ACTORS * steps
+        assert info[table].counters["inserted"] == ACTORS * steps
+    # Every episode is complete: steps / EPISODE episodes per actor, each with
     # EPISODE - SLICE_LEN + 1 slice starts.
-    expected_slices = ACTORS * (STEPS // EPISODE) * (EPISODE - SLICE_LEN + 1)
+    expected_slices = ACTORS * (steps // EPISODE) * (EPISODE - SLICE_LEN + 1)
     assert info["seq"].sampler_stats["slices"] == expected_slices
 
     slices = client.sample("seq", 512).data["obs"]
