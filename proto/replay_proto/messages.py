@@ -100,10 +100,14 @@ def decode_update(raw: bytes) -> tuple[str, np.ndarray, np.ndarray]:
 SAMPLE_EXTRAS = ("ids", "weights", "probabilities")
 
 
-def encode_sample(batch: SampleBatch, batch_index: int, max_chunk_bytes: int) -> list[bytes]:
+def encode_sample(
+    batch: SampleBatch, batch_index: int, max_chunk_bytes: int, batch_count: int = 1
+) -> list[bytes]:
     """``batch`` as one or more SampleResponse messages of at most about ``max_chunk_bytes``.
 
     Chunks split the batch by rows (dim 0), never inside a row or slice.
+    ``batch_count > 1`` marks ``batch`` as a group of that many equal batches
+    drawn at once (the receiver splits it).
     """
     columns = flatten(batch.data)
     extras = {"ids": batch.ids, "weights": batch.weights, "probabilities": batch.probabilities}
@@ -125,6 +129,7 @@ def encode_sample(batch: SampleBatch, batch_index: int, max_chunk_bytes: int) ->
             row_start=start,
             batch_rows=rows,
             last_chunk=stop == rows,
+            batch_count=batch_count,
             **extra_specs,
         )
         messages.append(frame(header, buffers))
@@ -142,15 +147,39 @@ class BatchAssembler:
         self._parts: dict[str, torch.Tensor] | None = None
         self._batch_index = -1
         self._next_row = 0
+        self._batch_count = 1
+
+    def add_batches(self, raw: bytes) -> list[SampleBatch]:
+        """Add one chunk; return the batches it completes (a group split into its batches)."""
+        group = self.add(raw)
+        if group is None:
+            return []
+        count = self._batch_count
+        if count == 1:
+            return [group]
+        if group.batch_size % count:
+            raise CodecError(f"a group of {group.batch_size} rows cannot hold {count} equal batches")
+        size = group.batch_size // count
+        columns = flatten(group.data)
+        return [
+            SampleBatch(
+                unflatten({key: t[i * size : (i + 1) * size] for key, t in columns.items()}),
+                group.ids[i * size : (i + 1) * size],
+                group.weights[i * size : (i + 1) * size],
+                group.probabilities[i * size : (i + 1) * size],
+            )
+            for i in range(count)
+        ]
 
     def add(self, raw: bytes) -> SampleBatch | None:
-        """Add one chunk; return the batch it completes, if any."""
+        """Add one chunk; return the batch (or whole group) it completes, if any."""
         header, payload = split_payload(raw, pb.SampleResponse)
         specs = [*header.columns, header.ids, header.weights, header.probabilities]
         tensors, offset = decode_tensors(specs, payload)
         expect_end(payload, offset)
         if header.row_start == 0:
             self._batch_index, self._next_row = header.batch_index, 0
+            self._batch_count = max(1, header.batch_count)
             self._parts = {
                 key: torch.empty((header.batch_rows, *t.shape[1:]), dtype=t.dtype)
                 for key, t in tensors.items()

@@ -6,10 +6,11 @@ drawn). Drawing ``u ~ U[0, total)`` and finding the leaf whose prefix-sum
 interval contains ``u`` draws slot ``i`` with probability ``leaf_i / total``.
 
 Layout. Leaves are float32 (4 bytes per slot), grouped in blocks of
-:data:`BLOCK`. Above the blocks sits a binary heap-ordered tree (node 1 the
-root, node ``P + b`` block ``b``) of float64 sums and float32 minima of
-positive leaves: 1.5 to 3 bytes per leaf, as the block count is rounded up to
-a power of two (2.5 bytes per leaf at 10M slots). Inner sums are always recomputed from
+:data:`BLOCK`. Above the blocks sits a binary heap-ordered tree of float64 sums
+(node ``P + b`` is block ``b``), kept down to a top level of at most
+:data:`_TOP_NODES` nodes, whose single reduction gives the total. Minima of
+positive leaves are kept per block, with the global minimum cached. In all
+1 to 2 bytes per slot (1.7 at 10M slots). Sums are always recomputed from
 their children, never adjusted by deltas, so no rounding error accumulates.
 
 Batched operations, no Python loop over the batch:
@@ -39,6 +40,14 @@ BLOCK = 16
 _LARGE_BATCH = 8
 """``find`` switches to the prefix-sum path when ``batch * _LARGE_BATCH >= blocks``."""
 
+_TOP_NODES = 1024
+"""The tree is kept down to a level of this many nodes: sums and minima above it
+are single reductions over that level, and a descent starts with one prefix
+search there, which saves two numpy calls per level skipped."""
+
+_LANE_LOOP_MIN = 2048
+"""From this many blocks on, 16-wide reductions run lane by lane across the batch."""
+
 
 def _sorted_unique(values: np.ndarray) -> np.ndarray:
     """``np.unique`` for an already sorted array, in O(n) instead of a sort."""
@@ -46,6 +55,16 @@ def _sorted_unique(values: np.ndarray) -> np.ndarray:
     keep[:1] = True
     np.not_equal(values[1:], values[:-1], out=keep[1:])
     return values[keep]
+
+
+def _search_prefix(values: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each ``u``, the index ``i`` whose prefix interval of ``values`` holds it, and
+    ``u`` minus the sum before ``i``. Never returns an index past the last positive value."""
+    prefix = np.cumsum(values)
+    index = np.searchsorted(prefix, u, side="right")
+    np.minimum(index, int(np.flatnonzero(values > 0)[-1]), out=index)
+    below = np.where(index > 0, prefix[index - 1], 0.0)
+    return index, np.maximum(u - below, 0.0)
 
 
 class SumTree:
@@ -63,17 +82,28 @@ class SumTree:
         self._p = 1 << max(0, (self._blocks - 1).bit_length())  # first block node
         self._leaves = np.zeros(self._blocks * BLOCK, dtype=np.float32)
         self._leaf_blocks = self._leaves.reshape(self._blocks, BLOCK)
+        self._top = min(self._p, _TOP_NODES)  # nodes of the top level: [top, 2 * top)
         self._sum = np.zeros(2 * self._p, dtype=np.float64)
-        self._min = np.full(2 * self._p, np.inf, dtype=np.float32)
+        # Minima: one per block, plus the global one cached (stale only after the block
+        # holding it was raised; then one scan over the blocks restores it).
+        self._block_min = np.full(self._blocks, np.inf, dtype=np.float32)
+        self._min_value = np.float32(np.inf)
+        self._min_stale = False
         self._mark = np.zeros(self._blocks, dtype=bool)  # scratch for _touched_blocks
 
     def total(self) -> float:
         """Sum of all leaves."""
-        return float(self._sum[1])
+        return float(np.cumsum(self._sum[self._top : 2 * self._top])[-1])
 
     def min_positive(self) -> float:
-        """Smallest leaf value > 0, or ``inf`` if there is none."""
-        return float(self._min[1])
+        """Smallest leaf value > 0, or ``inf`` if there is none.
+
+        O(1), except after an update raised the smallest leaf: then O(capacity / 16) once.
+        """
+        if self._min_stale:
+            self._min_value = self._block_min.min()
+            self._min_stale = False
+        return float(self._min_value)
 
     def get(self, slots: np.ndarray) -> np.ndarray:
         """Leaf values at ``slots``, as float64."""
@@ -105,7 +135,8 @@ class SumTree:
         """Set every leaf to zero."""
         self._leaves.fill(0)
         self._sum.fill(0)
-        self._min.fill(np.inf)
+        self._block_min.fill(np.inf)
+        self._min_value, self._min_stale = np.float32(np.inf), False
 
     def rebuild(self) -> None:
         """Recompute every inner node from the leaves."""
@@ -113,28 +144,38 @@ class SumTree:
 
     def _refresh(self, blocks: np.ndarray) -> None:
         """Recompute blocks ``blocks`` (sorted, unique) and all their ancestors."""
-        p, sums, mins = self._p, self._sum, self._min
+        p, sums = self._p, self._sum
         leaves = self._leaf_blocks[blocks]
-        # Lane by lane, vectorized across blocks (reducing a length-16 axis is slow).
-        total = np.zeros(blocks.size)
-        smallest = np.full(blocks.size, np.inf, dtype=np.float32)
-        for lane in range(BLOCK):
-            column = leaves[:, lane]
-            total += column
-            np.minimum(smallest, np.where(column > 0, column, np.float32(np.inf)), out=smallest)
-        sums[p + blocks] = total
-        mins[p + blocks] = smallest
+        positive = np.where(leaves > 0, leaves, np.float32(np.inf))
+        if blocks.size < _LANE_LOOP_MIN:
+            sums[p + blocks] = leaves.sum(1, dtype=np.float64)
+            smallest = positive.min(1)
+        else:  # lane by lane across blocks: reducing a length-16 axis is slow for many rows
+            total = np.zeros(blocks.size)
+            smallest = positive[:, 0].copy()
+            for lane in range(BLOCK):
+                total += leaves[:, lane]
+                np.minimum(smallest, positive[:, lane], out=smallest)
+            sums[p + blocks] = total
+        self._update_min(blocks, smallest)
         nodes, size = p + blocks, p  # nodes of the level [size, 2 * size)
-        while size > 1:
+        while size > self._top:
             size //= 2
             if nodes.size * 4 >= size:  # few nodes here: recompute the whole level
                 sums[size : 2 * size] = sums[2 * size : 4 * size].reshape(-1, 2).sum(1)
-                mins[size : 2 * size] = mins[2 * size : 4 * size].reshape(-1, 2).min(1)
                 nodes = np.arange(size, 2 * size)
             else:
                 nodes = _sorted_unique(nodes // 2)
                 sums[nodes] = sums[2 * nodes] + sums[2 * nodes + 1]
-                mins[nodes] = np.minimum(mins[2 * nodes], mins[2 * nodes + 1])
+
+    def _update_min(self, blocks: np.ndarray, minima: np.ndarray) -> None:
+        if not self._min_stale:
+            lowest = minima.min()
+            if lowest <= self._min_value:
+                self._min_value = lowest  # nothing untouched is lower than the old minimum
+            elif (self._block_min[blocks] == self._min_value).any():
+                self._min_stale = True  # the block holding the minimum was raised
+        self._block_min[blocks] = minima
 
     def find(self, targets: np.ndarray) -> np.ndarray:
         """For each target ``u`` in ``[0, total)``, the slot whose prefix interval holds it.
@@ -157,8 +198,9 @@ class SumTree:
         return self._find_in_blocks(blocks, u)
 
     def _find_blocks_by_descent(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        node = np.ones(u.shape, dtype=np.int64)
-        sums = self._sum
+        sums, top = self._sum, self._top
+        node, u = _search_prefix(sums[top : 2 * top], u)
+        node += top
         while node[0] < self._p:
             node *= 2
             left = sums[node]
@@ -169,28 +211,23 @@ class SumTree:
         empty = sums[node] <= 0  # only where rounding walked off the end of the range
         if empty.any():
             blocks[empty], u[empty] = self._find_blocks_by_prefix(
-                np.full(int(empty.sum()), np.nextafter(sums[1], 0.0))
+                np.full(int(empty.sum()), np.nextafter(self.total(), 0.0))
             )
         return blocks, u
 
     def _find_blocks_by_prefix(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        block_sums = self._sum[self._p : self._p + self._blocks]
-        prefix = np.cumsum(block_sums)
-        blocks = np.searchsorted(prefix, u, side="right")
-        last = int(np.flatnonzero(block_sums > 0)[-1])
-        np.minimum(blocks, last, out=blocks)
-        below = np.where(blocks > 0, prefix[blocks - 1], 0.0)
-        return blocks, np.maximum(u - below, 0.0)
+        return _search_prefix(self._sum[self._p : self._p + self._blocks], u)
 
     def _find_in_blocks(self, blocks: np.ndarray, u: np.ndarray) -> np.ndarray:
-        # A running sum over the block's 16 lanes, vectorized across the batch (numpy's
-        # cumsum along a length-16 axis is several times slower).
         values = self._leaf_blocks[blocks]
-        running = np.zeros(u.size)
-        within = np.zeros(u.size, dtype=np.int64)
-        for lane in range(BLOCK):
-            running += values[:, lane]
-            within += running <= u
+        if u.size < _LANE_LOOP_MIN:
+            within = (np.cumsum(values, axis=1, dtype=np.float64) <= u[:, None]).sum(1)
+        else:  # a running sum lane by lane across the batch: cumsum along 16 is slow for many
+            running = np.zeros(u.size)
+            within = np.zeros(u.size, dtype=np.int64)
+            for lane in range(BLOCK):
+                running += values[:, lane]
+                within += running <= u
         over = within >= BLOCK
         if over.any():  # rounding put u at the block's end: take its last positive leaf
             positive = values[over] > 0

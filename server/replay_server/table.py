@@ -248,12 +248,16 @@ class Table:
 
     def _priority_values(self, priorities: Any) -> np.ndarray:
         """Priorities as float64 numpy, or an error naming the first bad value."""
-        tensor = self._as_tensor(priorities, "priorities")
-        if tensor.dtype == torch.bool or tensor.is_complex():
-            raise InvalidPriorityError(
-                f"table {self.name!r}: priorities must be real numbers, got dtype {tensor.dtype}"
-            )
-        values = _numpy(tensor).astype(np.float64)
+        if isinstance(priorities, np.ndarray) and priorities.dtype == np.float64:
+            values = priorities  # what the service decodes: no conversion
+        else:
+            tensor = self._as_tensor(priorities, "priorities")
+            if tensor.dtype == torch.bool or tensor.is_complex():
+                raise InvalidPriorityError(
+                    f"table {self.name!r}: priorities must be real numbers, got dtype "
+                    f"{tensor.dtype}"
+                )
+            values = _numpy(tensor).astype(np.float64)
         bad = ~(np.isfinite(values) & (values >= 0))
         if bad.any():
             where = np.flatnonzero(bad)
@@ -377,19 +381,23 @@ class Table:
                 f"table {self.name!r} uses sampler {self.config.sampler.value!r}, which has "
                 f"no priorities to update"
             )
-        id_tensor = self._as_tensor(ids, "ids")
-        if id_tensor.dtype != torch.int64:
-            raise InvalidIdsError(
-                f"table {self.name!r}: ids must be int64 (as returned by insert and sample), "
-                f"got dtype {id_tensor.dtype}"
-            )
+        if isinstance(ids, np.ndarray) and ids.dtype == np.int64:
+            id_array = ids  # what the service decodes: no conversion
+        else:
+            id_tensor = self._as_tensor(ids, "ids")
+            if id_tensor.dtype != torch.int64:
+                raise InvalidIdsError(
+                    f"table {self.name!r}: ids must be int64 (as returned by insert and "
+                    f"sample), got dtype {id_tensor.dtype}"
+                )
+            id_array = _numpy(id_tensor)
         values = self._priority_values(priorities)
-        if values.shape != id_tensor.shape:
+        if values.shape != id_array.shape:
             raise InvalidPriorityError(
                 f"table {self.name!r}: priorities must have the same shape as ids "
-                f"{list(id_tensor.shape)}, got {list(values.shape)}"
+                f"{list(id_array.shape)}, got {list(values.shape)}"
             )
-        id_array, values = _numpy(id_tensor).reshape(-1), values.reshape(-1)
+        id_array, values = id_array.reshape(-1), values.reshape(-1)
         with self._lock:
             never = (id_array < 0) | (id_array >= self._ring.next_id)
             if never.any():

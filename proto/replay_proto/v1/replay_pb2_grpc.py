@@ -92,12 +92,17 @@ class ReplayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SampleStream(self, request, context):
-        """Streams batches of the same size. Message order: for each batch k =
-        0, 1, ... one or more SampleResponse chunks with batch_index = k, covering
-        the batch's rows in order (row_start ascending, contiguous), the last one
-        with last_chunk = true; then batch k + 1. Ends after num_batches batches
-        (0: when the client cancels). gRPC flow control bounds how far the server
-        runs ahead of a slow reader.
+        """Streams batches of the same size. The server draws `batch_count` >= 1
+        consecutive batches at once (at most batches_per_message, and only as many
+        as fit a 4 MiB message) as one group of batch_count * batch_size rows.
+        Message order: for each group, one or more SampleResponse chunks with the
+        group's first batch_index, covering its rows in order (row_start
+        ascending, contiguous), the last with last_chunk = true; the client splits
+        the group into batches of batch_size rows. Then the next group, whose
+        batch_index is the previous one's plus its batch_count. Ends after
+        num_batches batches (0: when the client cancels). The server draws the
+        next group while sending the current one; gRPC flow control bounds how
+        far it runs ahead of a slow reader.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
