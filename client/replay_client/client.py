@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -92,6 +93,8 @@ class ReplayClient:
         self._max_retry_s = max_retry_s
         self._channel: grpc.Channel | None = None
         self._calls: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     # ------------------------------------------------------------ connection
 
@@ -104,17 +107,22 @@ class ReplayClient:
         self.__init__(state.pop("address"), **state)  # type: ignore[misc]
 
     def _call(self, method: str, stream: bool = False) -> Any:
-        if self._channel is None:
-            self._channel = grpc.insecure_channel(
-                self.address,
-                options=[("grpc.max_receive_message_length", self._max_message),
-                         ("grpc.max_send_message_length", self._max_message)],
-            )
-            self._calls = {}
-        if method not in self._calls:
-            make = self._channel.unary_stream if stream else self._channel.unary_unary
-            self._calls[method] = make(_SERVICE + method)
-        return self._calls[method]
+        call = self._calls.get(method)
+        if call is not None and self._pid == os.getpid():
+            return call
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: gRPC channels don't survive fork
+                self._channel, self._calls, self._pid = None, {}, os.getpid()
+            if self._channel is None:
+                self._channel = grpc.insecure_channel(
+                    self.address,
+                    options=[("grpc.max_receive_message_length", self._max_message),
+                             ("grpc.max_send_message_length", self._max_message)],
+                )
+            if method not in self._calls:
+                make = self._channel.unary_stream if stream else self._channel.unary_unary
+                self._calls[method] = make(_SERVICE + method)
+            return self._calls[method]
 
     @property
     def _metadata(self) -> tuple[tuple[str, str], ...]:
@@ -122,9 +130,10 @@ class ReplayClient:
 
     def close(self) -> None:
         """Close the connection (a later call reconnects)."""
-        if self._channel is not None:
-            self._channel.close()
-            self._channel, self._calls = None, {}
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel, self._calls = None, {}
 
     def __enter__(self) -> ReplayClient:
         return self

@@ -90,7 +90,7 @@ class ColumnStorage:
             rows = torch.from_numpy(np.take(self._views[key], flat, axis=0))
             if rows.dtype != col.dtype:
                 rows = rows.view(col.dtype)
-            out[key] = rows.reshape(*slots.shape, *col.shape[1:])
+            out[key] = rows if slots.ndim == 1 else rows.reshape(*slots.shape, *col.shape[1:])
         return out
 
     def state_dict(self, used: int) -> dict[str, torch.Tensor]:

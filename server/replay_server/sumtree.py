@@ -40,7 +40,7 @@ BLOCK = 16
 _LARGE_BATCH = 8
 """``find`` switches to the prefix-sum path when ``batch * _LARGE_BATCH >= blocks``."""
 
-_TOP_NODES = 1024
+_TOP_NODES = 4096
 """The tree is kept down to a level of this many nodes: sums and minima above it
 are single reductions over that level, and a descent starts with one prefix
 search there, which saves two numpy calls per level skipped."""
@@ -57,10 +57,14 @@ def _sorted_unique(values: np.ndarray) -> np.ndarray:
     return values[keep]
 
 
-def _search_prefix(values: np.ndarray, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _search_prefix(
+    values: np.ndarray, u: np.ndarray, prefix: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """For each ``u``, the index ``i`` whose prefix interval of ``values`` holds it, and
-    ``u`` minus the sum before ``i``. Never returns an index past the last positive value."""
-    prefix = np.cumsum(values)
+    ``u`` minus the sum before ``i``. Never returns an index past the last positive value.
+    ``prefix`` is ``np.cumsum(values)`` if the caller has it."""
+    if prefix is None:
+        prefix = np.cumsum(values)
     index = np.searchsorted(prefix, u, side="right")
     np.minimum(index, int(np.flatnonzero(values > 0)[-1]), out=index)
     below = np.where(index > 0, prefix[index - 1], 0.0)
@@ -83,6 +87,7 @@ class SumTree:
         self._leaves = np.zeros(self._blocks * BLOCK, dtype=np.float32)
         self._leaf_blocks = self._leaves.reshape(self._blocks, BLOCK)
         self._top = min(self._p, _TOP_NODES)  # nodes of the top level: [top, 2 * top)
+        self._top_prefix: np.ndarray | None = None  # cumsum of the top level, until a change
         self._sum = np.zeros(2 * self._p, dtype=np.float64)
         # Minima: one per block, plus the global one cached (stale only after the block
         # holding it was raised; then one scan over the blocks restores it).
@@ -93,7 +98,12 @@ class SumTree:
 
     def total(self) -> float:
         """Sum of all leaves."""
-        return float(np.cumsum(self._sum[self._top : 2 * self._top])[-1])
+        return float(self._prefix()[-1])
+
+    def _prefix(self) -> np.ndarray:
+        if self._top_prefix is None:
+            self._top_prefix = np.cumsum(self._sum[self._top : 2 * self._top])
+        return self._top_prefix
 
     def min_positive(self) -> float:
         """Smallest leaf value > 0, or ``inf`` if there is none.
@@ -135,6 +145,7 @@ class SumTree:
         """Set every leaf to zero."""
         self._leaves.fill(0)
         self._sum.fill(0)
+        self._top_prefix = None
         self._block_min.fill(np.inf)
         self._min_value, self._min_stale = np.float32(np.inf), False
 
@@ -145,6 +156,7 @@ class SumTree:
     def _refresh(self, blocks: np.ndarray) -> None:
         """Recompute blocks ``blocks`` (sorted, unique) and all their ancestors."""
         p, sums = self._p, self._sum
+        self._top_prefix = None
         leaves = self._leaf_blocks[blocks]
         positive = np.where(leaves > 0, leaves, np.float32(np.inf))
         if blocks.size < _LANE_LOOP_MIN:
@@ -199,7 +211,7 @@ class SumTree:
 
     def _find_blocks_by_descent(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         sums, top = self._sum, self._top
-        node, u = _search_prefix(sums[top : 2 * top], u)
+        node, u = _search_prefix(sums[top : 2 * top], u, self._prefix())
         node += top
         while node[0] < self._p:
             node *= 2

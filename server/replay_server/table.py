@@ -104,6 +104,10 @@ class Table:
         # numpy's PCG64: single-threaded draws, and a state of plain integers to save.
         self._generator = np.random.Generator(np.random.PCG64(config.seed))
         self._counters = TableCounters()
+        # The largest priority whose mass p ** alpha fits the float32 sum tree.
+        self._max_priority = (
+            math.exp(_LOG_FLOAT32_MAX / config.alpha) if config.alpha > 0 else math.inf
+        )
         self._schema: Schema | None = None
         self._storage: ColumnStorage | None = None
         if config.schema is not None:
@@ -268,7 +272,7 @@ class Table:
             )
         alpha = self.config.alpha
         top = float(values.max()) if values.size else 0.0
-        if top > 0 and alpha * math.log(top) > _LOG_FLOAT32_MAX:
+        if top > self._max_priority:
             raise InvalidPriorityError(
                 f"table {self.name!r}: priority {float(values.max())} is too large: its "
                 f"sampling mass p**alpha (alpha={alpha}) exceeds float32's range"

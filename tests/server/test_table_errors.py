@@ -1245,3 +1245,11 @@ def test_uniform_table_accepts_float_episode_and_int_done_as_data() -> None:
     table = Table(make_config("uniform"))
     table.insert({"episode": torch.zeros(3), "done": torch.zeros(3, dtype=torch.int64)})
     assert table.size == 3
+
+
+@pytest.mark.parametrize("alpha, priority", [(10.0, 1e4), (3.0, 1e13)])
+def test_a_modest_priority_whose_mass_overflows_under_a_large_alpha_is_refused(alpha, priority):
+    table = Table(TableConfig(name="t", capacity=4, sampler="prioritized", alpha=alpha))
+    with pytest.raises(InvalidPriorityError, match="exceeds float32's range"):
+        table.insert({"x": torch.zeros(1)}, priorities=torch.tensor([priority]))
+    assert table.size == 0

@@ -49,6 +49,9 @@ class PriorityState:
         self._seen = bool(state["seen"])
 
 
+_SORTED_DRAWS_MIN = 4096
+
+
 def draw_by_priority(
     tree: SumTree, batch_size: int, generator: np.random.Generator, beta: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -58,9 +61,12 @@ def draw_by_priority(
         ``(slots int64, probabilities float64, importance weights float32)``.
     """
     total = tree.total()
-    draws, order = sorted_unit_draws(generator, batch_size)
-    slots = np.empty(batch_size, dtype=np.int64)
-    slots[order] = tree.find(draws * total)
+    if batch_size < _SORTED_DRAWS_MIN:
+        slots = tree.find(generator.random(batch_size) * total)
+    else:  # sorted targets make the search of a large batch walk memory in order
+        draws, order = sorted_unit_draws(generator, batch_size)
+        slots = np.empty(batch_size, dtype=np.int64)
+        slots[order] = tree.find(draws * total)
     probabilities = tree.get(slots) / total
     return slots, probabilities, importance_weights(probabilities, tree.min_positive() / total, beta)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
+from dataclasses import asdict
 from typing import Any, TypeVar
 
 import grpc
@@ -20,7 +20,12 @@ from replay_proto import messages
 from replay_proto.codec import CodecError
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.errors import InvalidArgumentError
-from replay_server.service.status import ERROR_KIND_KEY, status_of
+from replay_server.service.status import (
+    ERROR_KIND_KEY,
+    MessageTooLargeError,
+    ShuttingDownError,
+    status_of,
+)
 from replay_server.table import MAX_BATCH_SIZE
 from replay_server.tables import Tables
 
@@ -31,14 +36,6 @@ _HEADROOM = 64 * 1024  # bytes kept free for the header in a chunk
 _STREAM_CHUNK = 4 * 1024 * 1024  # Python gRPC moves 1-4 MB messages fastest
 
 T = TypeVar("T")
-
-
-class MessageTooLargeError(InvalidArgumentError):
-    """A unary response would exceed the message-size limit."""
-
-
-class ShuttingDownError(Exception):
-    """The server is draining; new work is refused."""
 
 
 class ReplayServicer:
@@ -200,12 +197,6 @@ class ReplayServicer:
             raise  # unreachable: abort raises
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-        if isinstance(exc, ShuttingDownError):
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc),
-                                trailing_metadata=((ERROR_KIND_KEY, "unavailable"),))
-        if isinstance(exc, MessageTooLargeError):
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
-                                trailing_metadata=((ERROR_KIND_KEY, "message_too_large"),))
         mapped = status_of(exc)
         if mapped is None:
             log.error("internal error while serving a request", exc_info=exc)

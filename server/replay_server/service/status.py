@@ -15,8 +15,19 @@ from replay_server import errors
 
 ERROR_KIND_KEY = "replay-error-kind"
 
+
+class MessageTooLargeError(errors.InvalidArgumentError):
+    """A unary response would exceed the message-size limit."""
+
+
+class ShuttingDownError(Exception):
+    """The server is draining; new work is refused."""
+
+
 # Most specific first: the first isinstance match wins.
 _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
+    (MessageTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED, "message_too_large"),
+    (ShuttingDownError, grpc.StatusCode.UNAVAILABLE, "unavailable"),
     (errors.SchemaMismatchError, grpc.StatusCode.INVALID_ARGUMENT, "schema_mismatch"),
     (errors.InvalidPriorityError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_priority"),
     (errors.InvalidIdsError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_ids"),
