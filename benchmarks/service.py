@@ -100,19 +100,21 @@ def _ours(kind: str, case: str, seconds: float) -> list[dict]:
                 for first in range(0, prefill, chunk):
                     client.insert(kind, _rows_as_torch(w.make_rows(kind, first, chunk)))
                 if case == "sample":
-                    for api in ("sample", "stream"):
+                    for api, per_message in (("sample", 1), ("stream", 1), ("stream", 8)):
                         rows = 0
                         start = time.perf_counter()
                         if api == "sample":
                             while time.perf_counter() - start < seconds:
                                 rows += client.sample(kind, w.SAMPLE_BATCH).batch_size
                         else:
-                            for batch in client.stream(kind, w.SAMPLE_BATCH):
+                            for batch in client.stream(kind, w.SAMPLE_BATCH,
+                                                       batches_per_message=per_message):
                                 rows += batch.batch_size
                                 if time.perf_counter() - start > seconds:
                                     break
                         elapsed = time.perf_counter() - start
-                        out.append({"api": f"{api} (batch {w.SAMPLE_BATCH})",
+                        grouped = f", {per_message} per message" if per_message > 1 else ""
+                        out.append({"api": f"{api} (batch {w.SAMPLE_BATCH}{grouped})",
                                     "rows_per_s": rows / elapsed})
                 else:
                     ids = client.sample(kind, w.UPDATE_BATCH).ids

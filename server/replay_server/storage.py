@@ -5,11 +5,6 @@ of every column together is one stored row. Allocation happens once, up front
 (pages are touched lazily by the OS as rows arrive), so inserts and samples
 never allocate storage.
 
-Columns of 8 MiB or more live in 2 MiB-aligned anonymous memory advised for
-transparent huge pages (Linux, best effort): a sample gathers rows from all
-over gigabytes of storage, and huge pages turn most of its TLB misses into
-hits (measured at 50M rows: the gather of a 256 x 32 slice batch took 11% less).
-
 Copies in and out go through numpy views of the same memory: ``np.take`` and
 ``np.copyto`` are single-threaded memcpy loops, several times faster than
 torch's indexing for row gathers and immune to OpenMP threads spinning on a
@@ -20,10 +15,6 @@ Not thread-safe: the owning table serializes access under its lock.
 
 from __future__ import annotations
 
-import ctypes
-import math
-import mmap
-import sys
 from collections.abc import Mapping
 
 import numpy as np
@@ -56,7 +47,7 @@ class ColumnStorage:
         self.capacity = capacity
         self.pinned = pin_memory
         self.columns: dict[str, torch.Tensor] = {
-            key: _allocate((capacity, *spec.shape), spec.dtype, pin_memory)
+            key: torch.empty((capacity, *spec.shape), dtype=spec.dtype, pin_memory=pin_memory)
             for key, spec in schema.items()
         }
         self._views = {key: _numpy_view(col) for key, col in self.columns.items()}
@@ -109,28 +100,3 @@ def _numpy_view(tensor: torch.Tensor) -> np.ndarray:
         tensor = tensor.view(torch.int16)
     return tensor.numpy()
 
-
-_HUGE_PAGE = 2 * 1024 * 1024
-_HUGE_MIN_BYTES = 4 * _HUGE_PAGE
-_MADV_HUGEPAGE = 14
-
-
-def _allocate(shape: tuple[int, ...], dtype: torch.dtype, pin_memory: bool) -> torch.Tensor:
-    """An uninitialized tensor; large unpinned ones in huge-page-advised memory."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if pin_memory or nbytes < _HUGE_MIN_BYTES or not sys.platform.startswith("linux"):
-        return torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = np.frombuffer(region, dtype=np.uint8)
-    offset = -raw.ctypes.data % _HUGE_PAGE
-    _advise_huge_pages(raw.ctypes.data + offset, nbytes)
-    return torch.frombuffer(raw[offset : offset + nbytes], dtype=dtype).view(shape)
-
-
-def _advise_huge_pages(address: int, nbytes: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(address, nbytes, _MADV_HUGEPAGE)  # a refusal only costs speed
-    except (OSError, AttributeError):
-        pass
