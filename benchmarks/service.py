@@ -118,14 +118,18 @@ def _ours(kind: str, case: str, seconds: float) -> list[dict]:
                                     "rows_per_s": rows / elapsed})
                 else:
                     ids = client.sample(kind, w.UPDATE_BATCH).ids
-                    done = i = 0
-                    start = time.perf_counter()
-                    while time.perf_counter() - start < seconds:
-                        client.update_priorities(kind, ids, w.new_priorities(w.UPDATE_BATCH, i))
-                        done += w.UPDATE_BATCH
-                        i += 1
-                    out.append({"api": f"update_priorities ({w.UPDATE_BATCH} ids per call)",
-                                "ids_per_s": done / (time.perf_counter() - start)})
+                    for wait in (True, False):
+                        done = i = 0
+                        start = time.perf_counter()
+                        while time.perf_counter() - start < seconds:
+                            client.update_priorities(kind, ids, w.new_priorities(w.UPDATE_BATCH, i),
+                                                     wait=wait)
+                            done += w.UPDATE_BATCH
+                            i += 1
+                        client.flush_updates()  # counted: every update was applied
+                        mode = "" if wait else ", wait=False"
+                        out.append({"api": f"update_priorities ({w.UPDATE_BATCH} ids per call{mode})",
+                                    "ids_per_s": done / (time.perf_counter() - start)})
             for record in out:
                 if "rows_per_s" in record:
                     record["mb_per_s"] = record["rows_per_s"] * mb

@@ -22,6 +22,7 @@ from replay_client.errors import (
     UnavailableError,
     from_rpc_error,
 )
+from replay_client.updates import PriorityUpdater
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.dtypes import dtype_name
@@ -95,6 +96,8 @@ class ReplayClient:
         self._calls: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._updater: PriorityUpdater | None = None
+        self._updater_pid = 0
 
     # ------------------------------------------------------------ connection
 
@@ -129,7 +132,13 @@ class ReplayClient:
         return (("authorization", f"Bearer {self._token}"),) if self._token else ()
 
     def close(self) -> None:
-        """Close the connection (a later call reconnects)."""
+        """Send pending ``wait=False`` updates, then close the connection (a later call reconnects)."""
+        updater, self._updater = self._updater, None
+        if updater is not None:
+            try:
+                updater.flush()
+            finally:
+                updater.close()
         with self._lock:
             if self._channel is not None:
                 self._channel.close()
@@ -201,26 +210,51 @@ class ReplayClient:
         request = pb.SampleRequest(table=table, batch_size=batch_size).SerializeToString()
         return messages.decode_sample(self._unary("Sample", request, retry=True))
 
-    def update_priorities(self, table: str, ids: Any, priorities: Any) -> int:
-        """Set priorities by id; returns how many ids still named stored rows."""
-        id_array = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids)
-        if id_array.dtype != np.int64:
-            raise InvalidIdsError(
-                f"ids must be int64 (as returned by insert and sample), got dtype {id_array.dtype}"
-            )
-        values = _tensor(priorities, "priorities")
-        if tuple(values.shape) != id_array.shape:
-            raise InvalidPriorityError(
-                f"priorities must have the same shape as ids {list(id_array.shape)}, "
-                f"got {list(values.shape)}"
-            )
-        if values.dtype == torch.bool or values.is_complex():
-            raise InvalidPriorityError(f"priorities must be real numbers, got {values.dtype}")
-        raw = messages.encode_update(table, id_array, values.to(torch.float64).numpy())
+    def update_priorities(
+        self, table: str, ids: Any, priorities: Any, *, wait: bool = True
+    ) -> int | None:
+        """Set priorities by id.
+
+        Args:
+            table: table name.
+            ids: int64 ids (from insert or sample), any shape.
+            priorities: finite values >= 0, same shape.
+            wait: ``True``: send now and return how many ids still named
+                stored rows. ``False``: queue it for a background thread and
+                return ``None`` at once; updates stay in order, are merged
+                while one is in flight (see :mod:`replay_client.updates`), and
+                a failure is raised by the next update or :meth:`flush_updates`.
+
+        Raises:
+            InvalidIdsError, InvalidPriorityError: checked here, before sending.
+            NoPrioritiesError, UnknownTableError, ...: from the server.
+            PriorityUpdateError: an earlier ``wait=False`` update failed.
+        """
+        id_array, values = _update_arrays(ids, priorities)
+        if not wait:
+            self._updates().submit(table, id_array, values)
+            return None
+        if self._updater is not None:
+            self._updater.flush()  # keep order with earlier wait=False updates
+        return self._send_update(table, id_array, values)
+
+    def flush_updates(self, timeout: float | None = None) -> None:
+        """Wait until every ``update_priorities(..., wait=False)`` was applied (or raise its error)."""
+        if self._updater is not None:
+            self._updater.flush(timeout)
+
+    def _send_update(self, table: str, ids: np.ndarray, priorities: np.ndarray) -> int:
+        raw = messages.encode_update(table, ids, priorities)
         response = pb.UpdatePrioritiesResponse.FromString(
             self._unary("UpdatePriorities", raw, retry=True)
         )
         return int(response.applied)
+
+    def _updates(self) -> PriorityUpdater:
+        with self._lock:
+            if self._updater is None or self._updater_pid != os.getpid():
+                self._updater, self._updater_pid = PriorityUpdater(self._send_update), os.getpid()
+            return self._updater
 
     def info(self) -> dict[str, TableInfo]:
         """Every table's sizes, counters and settings, by name."""
@@ -272,6 +306,32 @@ class ReplayClient:
             raise from_rpc_error(exc, self.address) from None
         finally:
             call.cancel()
+
+
+def _update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Validated, contiguous copies: int64 ids and float64 priorities of one shape."""
+    id_array = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids)
+    if id_array.dtype != np.int64:
+        raise InvalidIdsError(
+            f"ids must be int64 (as returned by insert and sample), got dtype {id_array.dtype}"
+        )
+    values = _tensor(priorities, "priorities")
+    if tuple(values.shape) != id_array.shape:
+        raise InvalidPriorityError(
+            f"priorities must have the same shape as ids {list(id_array.shape)}, "
+            f"got {list(values.shape)}"
+        )
+    if values.dtype == torch.bool or values.is_complex():
+        raise InvalidPriorityError(f"priorities must be real numbers, got {values.dtype}")
+    array = values.to(torch.float64).numpy().reshape(-1)
+    bad = ~(np.isfinite(array) & (array >= 0))
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise InvalidPriorityError(
+            f"priorities must be finite and >= 0; {int(bad.sum())} are not "
+            f"(first at index {first}: {array[first]})"
+        )
+    return np.array(id_array, dtype=np.int64).reshape(-1), np.array(array)
 
 
 def _tensor(value: Any, what: str) -> torch.Tensor:

@@ -73,6 +73,10 @@ class InternalError(ReplayError):
     """The server failed unexpectedly (a bug; its log has the details)."""
 
 
+class PriorityUpdateError(ReplayError):
+    """An ``update_priorities(..., wait=False)`` failed in the background; ``__cause__`` says why."""
+
+
 class WriterError(ReplayError):
     """A background insert of a :class:`~replay_client.Writer` failed; ``__cause__`` says why."""
 
