@@ -78,6 +78,18 @@ def start_server(
     raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()}")
 
 
+def module_server(config: str | None, **kwargs):
+    """A module-scoped fixture serving ``config`` (one server shared by a module's tests)."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory) -> Iterator[ServerProcess]:
+        proc = start_server(tmp_path_factory.mktemp("server"), config, **kwargs)
+        yield proc
+        proc.stop()
+
+    return fixture
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[ServerProcess]:
     """A server with the default tables (small capacity is not configurable here)."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from replay_client import ReplayClient, errors
 from replay_client.updates import PriorityUpdater
+
+from tests.conftest import module_server
 
 CONFIG = """
 [[tables]]
@@ -25,13 +26,7 @@ alpha = 1.0
 """
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from tests.conftest import start_server
-
-    proc = start_server(tmp_path_factory.mktemp("updates"), CONFIG)
-    yield proc
-    proc.stop()
+server = module_server(CONFIG)
 
 
 def _probabilities(client: ReplayClient, table: str) -> dict[int, float]:

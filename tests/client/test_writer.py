@@ -9,8 +9,9 @@ import time
 
 import pytest
 import torch
-
 from replay_client import ReplayClient, Writer, errors
+
+from tests.conftest import module_server
 
 CONFIG = """
 [[tables]]
@@ -29,13 +30,7 @@ slice_len = 3
 """
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from tests.conftest import start_server
-
-    proc = start_server(tmp_path_factory.mktemp("writer"), CONFIG)
-    yield proc
-    proc.stop()
+server = module_server(CONFIG)
 
 
 def _wait_for(predicate, timeout: float = 10.0) -> bool:

@@ -7,20 +7,14 @@ import sys
 
 import pytest
 import torch
-
 from replay_client import ReplayClient, errors
+
+from tests.conftest import module_server
 
 CONFIG = '[server]\nauth_token_env = "TEST_REPLAY_TOKEN"\n[[tables]]\nname = "t"\ncapacity = 100\n'
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from tests.conftest import start_server
-
-    proc = start_server(tmp_path_factory.mktemp("auth"), CONFIG,
-                        env={"TEST_REPLAY_TOKEN": "s3cret"})
-    yield proc
-    proc.stop()
+server = module_server(CONFIG, env={"TEST_REPLAY_TOKEN": "s3cret"})
 
 
 def test_a_call_without_token_is_unauthenticated(server):
