@@ -19,7 +19,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import workload as w  # noqa: E402
+from sides import run_side  # noqa: E402
 
 
 # --------------------------------------------------------------------- our side
@@ -124,20 +124,6 @@ PLAN = (
 )
 
 
-def _run(cmd: list[str], timeout: float) -> dict | None:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        print(f"  timed out: {' '.join(cmd)}", file=sys.stderr)
-        return None
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        print(f"  failed ({done.returncode}): {' '.join(cmd)}\n{done.stderr[-2000:]}",
-              file=sys.stderr)
-        return None
-    return json.loads(lines[-1])
-
-
 def _fmt_time(seconds: float | None) -> str:
     if seconds is None:
         return "n/a"
@@ -172,10 +158,10 @@ def main() -> None:
         seconds = "10" if case == "slice" else "5"
         common = ["--case", case, "--rows", str(rows), "--batch", str(batch), "--seconds", seconds]
         print(f"{case} rows={rows:,} batch={batch:,}", file=sys.stderr)
-        ours = _run([sys.executable, str(Path(__file__)), "--side", "ours", *common], 1800)
+        ours = run_side([sys.executable, str(Path(__file__)), "--side", "ours", *common], 1800)
         theirs = None
         if args.torchrl_python:
-            theirs = _run([args.torchrl_python, str(HERE / "torchrl_engine.py"), *common], 1800)
+            theirs = run_side([args.torchrl_python, str(HERE / "torchrl_engine.py"), *common], 1800)
         results.append({"case": case, "rows": rows, "batch": batch, "ours": ours,
                         "torchrl": theirs})
         print(f"  ours={ours}\n  torchrl={theirs}", file=sys.stderr)

@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import service_workload as w  # noqa: E402
+from sides import run_side  # noqa: E402
 
 
 def _start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -142,16 +143,7 @@ def _ours(kind: str, case: str, seconds: float) -> list[dict]:
 def _reverb(python: str, kind: str, case: str, seconds: float) -> dict | None:
     cmd = [python, str(HERE / "reverb_service.py"), "--kind", kind, "--case", case,
            "--seconds", str(seconds)]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
-    except subprocess.TimeoutExpired:
-        print(f"  reverb timed out: {kind} {case}", file=sys.stderr)
-        return None
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        print(f"  reverb failed: {kind} {case}\n{done.stderr[-1500:]}", file=sys.stderr)
-        return None
-    return json.loads(lines[-1])
+    return run_side(cmd, timeout=900)
 
 
 def main() -> None:
