@@ -16,7 +16,7 @@ PACKAGES = {
     "replay_client": ROOT / "client" / "replay_client",
 }
 # Modules of replay_server that may talk to the network (the service and the app).
-SERVER_NETWORK_PARTS = {"service", "cli.py"}
+SERVER_NETWORK_PARTS = {"service", "cli.py", "embedded.py"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -55,6 +55,22 @@ def test_engine_never_imports_grpc():
     assert len(engine) >= 10
     for path in engine:
         assert not _imports(path) & {"grpc", "grpcio"}, path
+
+
+def test_engine_never_imports_the_service_or_the_app():
+    app = ("replay_server.service", "replay_server.cli", "replay_server.embedded")
+    for path in _modules("replay_server"):
+        if path.relative_to(PACKAGES["replay_server"]).parts[0] in SERVER_NETWORK_PARTS:
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for name in names:
+                assert not name.startswith(app), f"{path} imports {name}"
 
 
 def test_no_module_is_over_600_lines():

@@ -6,7 +6,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +22,12 @@ from replay_client.errors import (
     UnavailableError,
     from_rpc_error,
 )
+from replay_client.stream import NetworkSource
 from replay_client.updates import PriorityUpdater
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.dtypes import dtype_name
+from replay_proto.feed import BatchStream, FeedCore, resolve_delivery
 from replay_proto.keys import flatten
 from replay_proto.v1 import replay_pb2 as pb
 
@@ -109,7 +111,7 @@ class ReplayClient:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state.pop("address"), **state)  # type: ignore[misc]
 
-    def _call(self, method: str, stream: bool = False) -> Any:
+    def _call(self, method: str, kind: str = "unary_unary") -> Any:
         call = self._calls.get(method)
         if call is not None and self._pid == os.getpid():
             return call
@@ -123,8 +125,7 @@ class ReplayClient:
                              ("grpc.max_send_message_length", self._max_message)],
                 )
             if method not in self._calls:
-                make = self._channel.unary_stream if stream else self._channel.unary_unary
-                self._calls[method] = make(_SERVICE + method)
+                self._calls[method] = getattr(self._channel, kind)(_SERVICE + method)
             return self._calls[method]
 
     @property
@@ -283,29 +284,76 @@ class ReplayClient:
         return Writer(self, table, **options)
 
     def stream(
-        self, table: str, batch_size: int, *, num_batches: int = 0, batches_per_message: int = 1
-    ) -> Iterator[SampleBatch]:
-        """Batches from the server-streaming Sample RPC, until ``num_batches`` (0: forever).
+        self,
+        table: str,
+        batch_size: int,
+        *,
+        prefetch: int = 2,
+        device: Any = None,
+        pin_memory: bool | str = "auto",
+        transform: Callable[[SampleBatch], Any] | None = None,
+        num_batches: int = 0,
+        batches_per_message: int = 1,
+        shared_memory: bool = True,
+        reconnect: bool = True,
+    ) -> BatchStream:
+        """A learner's stream of batches, produced in the background (see ``docs/learner.md``).
 
-        Large batches arrive in chunks and are reassembled. With
-        ``batches_per_message > 1`` the server may draw that many batches at
-        once and send them together (far higher rates for small rows; those
-        batches do not see priority updates made in between). Breaking out of
-        the loop cancels the stream.
+        ``for batch in client.stream("replay", 256, device="cuda"): ...`` -
+        batches arrive in order, complete, with ids and weights, already on
+        the device. A background thread receives them into a reused ring of
+        ``prefetch + 1`` staging buffers (pinned when an accelerator is
+        present), applies ``transform``, pins what it returns, and starts the
+        device copy on a side stream; ``next()`` only makes the current stream
+        wait for that copy. At most ``prefetch`` batches are in flight or
+        buffered besides the one the learner holds: the server draws a batch
+        only once the learner has room for it.
+
+        On the server's host, batches come through a shared-memory ring
+        instead of gRPC (``stream.transport`` says which; it falls back to
+        gRPC by itself). Host batches (``device=None``) are views of the ring:
+        valid until the next batch is requested. Breaking out of the loop
+        stops everything and frees the buffers. A lost connection is resumed
+        (``reconnect``; see :mod:`replay_client.stream`).
+
+        Args:
+            table: table name.
+            batch_size: rows (or slices) per batch.
+            prefetch: batches in flight or buffered ahead of the learner (>= 1).
+            device: where batches go (``"cuda"``, ``"cuda:1"``, a torch.device);
+                None or "cpu": they stay on the host.
+            pin_memory: ``"auto"`` pins when an accelerator is present (what it
+                decided is in ``stream.stats.notes``); True without one raises.
+            transform: applied to each :class:`SampleBatch` on the background
+                thread, before pinning and the device copy; may return any
+                structure of tensors (dict, TensorDict, tuple, SampleBatch).
+            num_batches: batches in all (0: until the loop stops).
+            batches_per_message: let the server draw that many batches at once
+                and send them together (gRPC path; far higher rates for small
+                rows, at the cost of those batches not seeing updates made in between).
+            shared_memory: use a same-host ring when the server offers one.
+            reconnect: resume after a lost connection instead of raising.
+
+        Raises:
+            InvalidArgumentError: a bad option (``pin_memory=True`` or a CUDA
+                device without CUDA, ``prefetch < 1``, ...), before any network call.
         """
-        request = pb.SampleRequest(
-            table=table, batch_size=batch_size, num_batches=num_batches,
-            batches_per_message=batches_per_message,
-        ).SerializeToString()
-        call = self._call("SampleStream", stream=True)(request, metadata=self._metadata)
-        assembler = messages.BatchAssembler()
         try:
-            for chunk in call:
-                yield from assembler.add_batches(chunk)
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc, self.address) from None
-        finally:
-            call.cancel()
+            delivery = resolve_delivery(device, pin_memory)
+            core = FeedCore(prefetch, delivery, transform)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        for name, value in (("batch_size", batch_size), ("num_batches", num_batches),
+                            ("batches_per_message", batches_per_message)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "batch_size"):
+                raise InvalidArgumentError(f"{name} must be an integer >= "
+                                           f"{int(name == 'batch_size')}, got {value!r}")
+        source = NetworkSource(
+            self, table, batch_size, num_batches=num_batches,
+            batches_per_message=batches_per_message,
+            shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
+            reconnect=reconnect)
+        return BatchStream(core, source, table)
 
 
 def _update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -9,6 +9,7 @@
     max_message_mb = 64
     workers = 4                    # threads running engine work
     log_format = "text"            # text | json
+    shared_memory = true           # offer same-host learners a /dev/shm ring
 
     [[tables]]
     name = "replay"
@@ -72,6 +73,8 @@ class ServerSettings:
         max_message_mb: largest gRPC message either way, in MiB.
         workers: threads that run engine work off the event loop.
         log_format: ``"text"`` or ``"json"`` (one JSON object per line).
+        shared_memory: offer learners on this host a shared-memory ring for
+            ``SampleStream`` batches (they fall back to gRPC when they cannot map it).
         tables: the tables to serve.
     """
 
@@ -81,6 +84,7 @@ class ServerSettings:
     max_message_mb: int = 64
     workers: int = 4
     log_format: str = "text"
+    shared_memory: bool = True
     tables: tuple[TableConfig, ...] = field(default_factory=lambda: tuple(default_table_configs()))
 
     def __post_init__(self) -> None:
@@ -106,6 +110,8 @@ class ServerSettings:
             )
         _check_int("server.max_message_mb", self.max_message_mb, 1, 2047)
         _check_int("server.workers", self.workers, 1, 256)
+        if not isinstance(self.shared_memory, bool):
+            raise ConfigError(f"server.shared_memory must be true or false, got {self.shared_memory!r}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"server.log_format must be 'text' or 'json', got {self.log_format!r}")
         names = [t.name for t in self.tables]

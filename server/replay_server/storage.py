@@ -70,19 +70,33 @@ class ColumnStorage:
             if head < n:
                 np.copyto(dest[: n - head], src[head:])
 
-    def gather(self, slots: np.ndarray) -> dict[str, torch.Tensor]:
-        """Copy the rows at ``slots`` (integers, any shape ``S``) into new tensors ``[*S, ...]``.
+    def gather(
+        self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Copy the rows at ``slots`` (integers, any shape ``S``) into tensors ``[*S, ...]``.
 
-        Cost: one ``index_select`` per column, O(rows gathered * row bytes).
+        Args:
+            slots: the slots to read.
+            out: optional destination per key (contiguous, shaped ``[*S, ...]``,
+                the column's dtype), e.g. a shared-memory or pinned staging
+                buffer; new tensors are allocated for keys it lacks.
+
+        Cost: one ``np.take`` per column, O(rows gathered * row bytes).
         """
         flat = slots.reshape(-1)
-        out = {}
+        result = {}
         for key, col in self.columns.items():
+            dest = None if out is None else out.get(key)
+            if dest is not None:
+                np.take(self._views[key], flat, axis=0,
+                        out=_numpy_view(dest).reshape(flat.shape[0], *col.shape[1:]))
+                result[key] = dest
+                continue
             rows = torch.from_numpy(np.take(self._views[key], flat, axis=0))
             if rows.dtype != col.dtype:
                 rows = rows.view(col.dtype)
-            out[key] = rows if slots.ndim == 1 else rows.reshape(*slots.shape, *col.shape[1:])
-        return out
+            result[key] = rows if slots.ndim == 1 else rows.reshape(*slots.shape, *col.shape[1:])
+        return result
 
     def state_dict(self, used: int) -> dict[str, torch.Tensor]:
         """Copies of the first ``used`` slots of each column (the slots ever written)."""

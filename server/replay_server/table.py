@@ -323,11 +323,18 @@ class Table:
 
     # ------------------------------------------------------------------ sample
 
-    def sample(self, batch_size: int) -> SampleBatch:
+    def sample(
+        self, batch_size: int, *, out: Mapping[str, torch.Tensor] | None = None
+    ) -> SampleBatch:
         """Draw ``batch_size`` rows (or slices) with replacement, per the table's sampler.
 
+        ``out`` (flat key -> contiguous tensor shaped like that column of the
+        batch) receives the rows instead of new tensors: a learner's pinned or
+        shared-memory staging buffer (see :meth:`batch_layout`).
+
         Raises:
-            InvalidArgumentError: ``batch_size`` is not an integer in [1, MAX_BATCH_SIZE].
+            InvalidArgumentError: ``batch_size`` is not an integer in [1,
+                MAX_BATCH_SIZE], or ``out`` does not fit the batch.
             EmptyTableError: nothing can be sampled yet.
 
         Cost: the sampler's draw (see its docstring) plus one gather per column.
@@ -340,13 +347,15 @@ class Table:
                 f"got {batch_size!r}"
             )
         batch_size = operator.index(batch_size)
+        if out is not None:
+            self._check_out(batch_size, out)
         with self._lock:
             try:
                 index = self._sampler.sample(batch_size, self._generator)
             except EmptyTableError as exc:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
             assert self._storage is not None
-            data = self._storage.gather(index.slots)
+            data = self._storage.gather(index.slots, out)
             self._counters.sample_calls += 1
             self._counters.sampled += batch_size
         return SampleBatch(
@@ -355,6 +364,25 @@ class Table:
             torch.from_numpy(index.weights),
             torch.from_numpy(index.probabilities),
         )
+
+    def batch_layout(self, batch_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Flat key -> (dtype, shape) of each column of a batch of ``batch_size`` ({} before a schema)."""
+        schema = self._schema
+        if schema is None:
+            return {}
+        lead = (batch_size,) if self.config.slice_len is None else (batch_size, self.config.slice_len)
+        return {key: (spec.dtype, (*lead, *spec.shape)) for key, spec in schema.items()}
+
+    def _check_out(self, batch_size: int, out: Mapping[str, torch.Tensor]) -> None:
+        for key, (dtype, shape) in self.batch_layout(batch_size).items():
+            dest = out.get(key)
+            if dest is not None and (
+                dest.dtype != dtype or tuple(dest.shape) != shape or not dest.is_contiguous()
+            ):
+                raise InvalidArgumentError(
+                    f"table {self.name!r}: out[{key!r}] must be a contiguous {dtype} tensor of "
+                    f"shape {list(shape)}, got {dest.dtype} {list(dest.shape)}"
+                )
 
     # -------------------------------------------------------------- priorities
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16replay/v1/replay.proto\x12\treplay.v1\"7\n\nTensorSpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"o\n\rInsertRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12&\n\x07\x63olumns\x18\x02 \x03(\x0b\x32\x15.replay.v1.TensorSpec\x12\x16\n\x0ehas_priorities\x18\x03 \x01(\x08\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"1\n\x0eInsertResponse\x12\x10\n\x08\x66irst_id\x18\x01 \x01(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\"d\n\rSampleRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x03\x12\x13\n\x0bnum_batches\x18\x03 \x01(\x03\x12\x1b\n\x13\x62\x61tches_per_message\x18\x04 \x01(\x03\"\xa8\x02\n\x0eSampleResponse\x12&\n\x07\x63olumns\x18\x01 \x03(\x0b\x32\x15.replay.v1.TensorSpec\x12\"\n\x03ids\x18\x02 \x01(\x0b\x32\x15.replay.v1.TensorSpec\x12&\n\x07weights\x18\x03 \x01(\x0b\x32\x15.replay.v1.TensorSpec\x12,\n\rprobabilities\x18\x04 \x01(\x0b\x32\x15.replay.v1.TensorSpec\x12\x13\n\x0b\x62\x61tch_index\x18\x05 \x01(\x03\x12\x11\n\trow_start\x18\x06 \x01(\x03\x12\x12\n\nbatch_rows\x18\x07 \x01(\x03\x12\x12\n\nlast_chunk\x18\x08 \x01(\x08\x12\x13\n\x0b\x62\x61tch_count\x18\t \x01(\x03\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"H\n\x17UpdatePrioritiesRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\":\n\x18UpdatePrioritiesResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x03\x12\r\n\x05stale\x18\x02 \x01(\x03\"\r\n\x0bInfoRequest\"\xa3\x01\n\rTableCounters\x12\x10\n\x08inserted\x18\x01 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x02 \x01(\x03\x12\x14\n\x0csample_calls\x18\x03 \x01(\x03\x12\x0f\n\x07sampled\x18\x04 \x01(\x03\x12\x18\n\x10priority_updates\x18\x05 \x01(\x03\x12\x1e\n\x16stale_priority_updates\x18\x06 \x01(\x03\x12\x0e\n\x06resets\x18\x07 \x01(\x03\"\xa2\x03\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07sampler\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x03\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x30\n\x06schema\x18\x05 \x03(\x0b\x32 .replay.v1.TableInfo.SchemaEntry\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x15\n\rstorage_bytes\x18\x07 \x01(\x03\x12*\n\x08\x63ounters\x18\x08 \x01(\x0b\x32\x18.replay.v1.TableCounters\x12=\n\rsampler_stats\x18\t \x03(\x0b\x32&.replay.v1.TableInfo.SamplerStatsEntry\x12\r\n\x05\x61lpha\x18\n \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x0b \x01(\x01\x12\x11\n\tslice_len\x18\x0c \x01(\x03\x1a-\n\x0bSchemaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x33\n\x11SamplerStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\x0cInfoResponse\x12$\n\x06tables\x18\x01 \x03(\x0b\x32\x14.replay.v1.TableInfo\"\x1d\n\x0cResetRequest\x12\r\n\x05table\x18\x01 \x01(\t\"\x0f\n\rResetResponse2\xa6\x03\n\rReplayService\x12=\n\x06Insert\x12\x18.replay.v1.InsertRequest\x1a\x19.replay.v1.InsertResponse\x12=\n\x06Sample\x12\x18.replay.v1.SampleRequest\x1a\x19.replay.v1.SampleResponse\x12\x45\n\x0cSampleStream\x12\x18.replay.v1.SampleRequest\x1a\x19.replay.v1.SampleResponse0\x01\x12[\n\x10UpdatePriorities\x12\".replay.v1.UpdatePrioritiesRequest\x1a#.replay.v1.UpdatePrioritiesResponse\x12\x37\n\x04Info\x12\x16.replay.v1.InfoRequest\x1a\x17.replay.v1.InfoResponse\x12:\n\x05Reset\x12\x17.replay.v1.ResetRequest\x1a\x18.replay.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16replay/v1/replay.proto\x12\treplay.v1\"7\n\nTensorSpec\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"o\n\rInsertRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12&\n\x07\x63olumns\x18\x02 \x03(\x0b\x32\x15.replay.v1.TensorSpec\x12\x16\n\x0ehas_priorities\x18\x03 \x01(\x08\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"1\n\x0eInsertResponse\x12\x10\n\x08\x66irst_id\x18\x01 \x01(\x03\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\"d\n\rSampleRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x12\n\nbatch_size\x18\x02 \x01(\x03\x12\x13\n\x0bnum_batches\x18\x03 \x01(\x03\x12\x1b\n\x13\x62\x61tches_per_message\x18\x04 \x01(\x03\"\xb6\x01\n\x13SampleStreamRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.replay.v1.SampleRequest\x12\x0f\n\x07\x63redits\x18\x02 \x01(\x03\x12\x15\n\rshared_memory\x18\x03 \x01(\x08\x12\x0f\n\x07host_id\x18\x04 \x01(\t\x12;\n\x14shared_memory_answer\x18\x05 \x01(\x0b\x32\x1d.replay.v1.SharedMemoryAnswer\"6\n\x12SharedMemoryAnswer\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"i\n\x11SharedMemoryOffer\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\r\n\x05slots\x18\x03 \x01(\x03\x12\x12\n\nslot_bytes\x18\x04 \x01(\x03\x12\x14\n\x0cheader_bytes\x18\x05 \x01(\x03\"2\n\x11SharedMemoryBatch\x12\x0c\n\x04slot\x18\x01 \x01(\x03\x12\x0f\n\x07offsets\x18\x02 \x03(\x03\"\xb0\x03\n\x0eSampleResponse\x12&\n\x07\x63olumns\x18\x01 \x03(\x0b\x32\x15.replay.v1.TensorSpec\x12\"\n\x03ids\x18\x02 \x01(\x0b\x32\x15.replay.v1.TensorSpec\x12&\n\x07weights\x18\x03 \x01(\x0b\x32\x15.replay.v1.TensorSpec\x12,\n\rprobabilities\x18\x04 \x01(\x0b\x32\x15.replay.v1.TensorSpec\x12\x13\n\x0b\x62\x61tch_index\x18\x05 \x01(\x03\x12\x11\n\trow_start\x18\x06 \x01(\x03\x12\x12\n\nbatch_rows\x18\x07 \x01(\x03\x12\x12\n\nlast_chunk\x18\x08 \x01(\x08\x12\x13\n\x0b\x62\x61tch_count\x18\t \x01(\x03\x12\x39\n\x13shared_memory_offer\x18\n \x01(\x0b\x32\x1c.replay.v1.SharedMemoryOffer\x12\x33\n\rshared_memory\x18\x0b \x01(\x0b\x32\x1c.replay.v1.SharedMemoryBatch\x12\x16\n\x0etransport_note\x18\x0c \x01(\t\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\"H\n\x17UpdatePrioritiesRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x63ount\x18\x02 \x01(\x03\x12\x0f\n\x07payload\x18\x0f \x01(\x0c\":\n\x18UpdatePrioritiesResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x03\x12\r\n\x05stale\x18\x02 \x01(\x03\"\r\n\x0bInfoRequest\"\xa3\x01\n\rTableCounters\x12\x10\n\x08inserted\x18\x01 \x01(\x03\x12\x0f\n\x07\x65victed\x18\x02 \x01(\x03\x12\x14\n\x0csample_calls\x18\x03 \x01(\x03\x12\x0f\n\x07sampled\x18\x04 \x01(\x03\x12\x18\n\x10priority_updates\x18\x05 \x01(\x03\x12\x1e\n\x16stale_priority_updates\x18\x06 \x01(\x03\x12\x0e\n\x06resets\x18\x07 \x01(\x03\"\xa2\x03\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07sampler\x18\x02 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\x03\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x30\n\x06schema\x18\x05 \x03(\x0b\x32 .replay.v1.TableInfo.SchemaEntry\x12\x0e\n\x06pinned\x18\x06 \x01(\x08\x12\x15\n\rstorage_bytes\x18\x07 \x01(\x03\x12*\n\x08\x63ounters\x18\x08 \x01(\x0b\x32\x18.replay.v1.TableCounters\x12=\n\rsampler_stats\x18\t \x03(\x0b\x32&.replay.v1.TableInfo.SamplerStatsEntry\x12\r\n\x05\x61lpha\x18\n \x01(\x01\x12\x0c\n\x04\x62\x65ta\x18\x0b \x01(\x01\x12\x11\n\tslice_len\x18\x0c \x01(\x03\x1a-\n\x0bSchemaEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x33\n\x11SamplerStatsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\x0cInfoResponse\x12$\n\x06tables\x18\x01 \x03(\x0b\x32\x14.replay.v1.TableInfo\"\x1d\n\x0cResetRequest\x12\r\n\x05table\x18\x01 \x01(\t\"\x0f\n\rResetResponse2\xae\x03\n\rReplayService\x12=\n\x06Insert\x12\x18.replay.v1.InsertRequest\x1a\x19.replay.v1.InsertResponse\x12=\n\x06Sample\x12\x18.replay.v1.SampleRequest\x1a\x19.replay.v1.SampleResponse\x12M\n\x0cSampleStream\x12\x1e.replay.v1.SampleStreamRequest\x1a\x19.replay.v1.SampleResponse(\x01\x30\x01\x12[\n\x10UpdatePriorities\x12\".replay.v1.UpdatePrioritiesRequest\x1a#.replay.v1.UpdatePrioritiesResponse\x12\x37\n\x04Info\x12\x16.replay.v1.InfoRequest\x1a\x17.replay.v1.InfoResponse\x12:\n\x05Reset\x12\x17.replay.v1.ResetRequest\x1a\x18.replay.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,28 +44,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INSERTRESPONSE']._serialized_end=256
   _globals['_SAMPLEREQUEST']._serialized_start=258
   _globals['_SAMPLEREQUEST']._serialized_end=358
-  _globals['_SAMPLERESPONSE']._serialized_start=361
-  _globals['_SAMPLERESPONSE']._serialized_end=657
-  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=659
-  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=731
-  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_start=733
-  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_end=791
-  _globals['_INFOREQUEST']._serialized_start=793
-  _globals['_INFOREQUEST']._serialized_end=806
-  _globals['_TABLECOUNTERS']._serialized_start=809
-  _globals['_TABLECOUNTERS']._serialized_end=972
-  _globals['_TABLEINFO']._serialized_start=975
-  _globals['_TABLEINFO']._serialized_end=1393
-  _globals['_TABLEINFO_SCHEMAENTRY']._serialized_start=1295
-  _globals['_TABLEINFO_SCHEMAENTRY']._serialized_end=1340
-  _globals['_TABLEINFO_SAMPLERSTATSENTRY']._serialized_start=1342
-  _globals['_TABLEINFO_SAMPLERSTATSENTRY']._serialized_end=1393
-  _globals['_INFORESPONSE']._serialized_start=1395
-  _globals['_INFORESPONSE']._serialized_end=1447
-  _globals['_RESETREQUEST']._serialized_start=1449
-  _globals['_RESETREQUEST']._serialized_end=1478
-  _globals['_RESETRESPONSE']._serialized_start=1480
-  _globals['_RESETRESPONSE']._serialized_end=1495
-  _globals['_REPLAYSERVICE']._serialized_start=1498
-  _globals['_REPLAYSERVICE']._serialized_end=1920
+  _globals['_SAMPLESTREAMREQUEST']._serialized_start=361
+  _globals['_SAMPLESTREAMREQUEST']._serialized_end=543
+  _globals['_SHAREDMEMORYANSWER']._serialized_start=545
+  _globals['_SHAREDMEMORYANSWER']._serialized_end=599
+  _globals['_SHAREDMEMORYOFFER']._serialized_start=601
+  _globals['_SHAREDMEMORYOFFER']._serialized_end=706
+  _globals['_SHAREDMEMORYBATCH']._serialized_start=708
+  _globals['_SHAREDMEMORYBATCH']._serialized_end=758
+  _globals['_SAMPLERESPONSE']._serialized_start=761
+  _globals['_SAMPLERESPONSE']._serialized_end=1193
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_start=1195
+  _globals['_UPDATEPRIORITIESREQUEST']._serialized_end=1267
+  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_start=1269
+  _globals['_UPDATEPRIORITIESRESPONSE']._serialized_end=1327
+  _globals['_INFOREQUEST']._serialized_start=1329
+  _globals['_INFOREQUEST']._serialized_end=1342
+  _globals['_TABLECOUNTERS']._serialized_start=1345
+  _globals['_TABLECOUNTERS']._serialized_end=1508
+  _globals['_TABLEINFO']._serialized_start=1511
+  _globals['_TABLEINFO']._serialized_end=1929
+  _globals['_TABLEINFO_SCHEMAENTRY']._serialized_start=1831
+  _globals['_TABLEINFO_SCHEMAENTRY']._serialized_end=1876
+  _globals['_TABLEINFO_SAMPLERSTATSENTRY']._serialized_start=1878
+  _globals['_TABLEINFO_SAMPLERSTATSENTRY']._serialized_end=1929
+  _globals['_INFORESPONSE']._serialized_start=1931
+  _globals['_INFORESPONSE']._serialized_end=1983
+  _globals['_RESETREQUEST']._serialized_start=1985
+  _globals['_RESETREQUEST']._serialized_end=2014
+  _globals['_RESETRESPONSE']._serialized_start=2016
+  _globals['_RESETRESPONSE']._serialized_end=2031
+  _globals['_REPLAYSERVICE']._serialized_start=2034
+  _globals['_REPLAYSERVICE']._serialized_end=2464
 # @@protoc_insertion_point(module_scope)

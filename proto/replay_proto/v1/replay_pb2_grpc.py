@@ -46,9 +46,9 @@ class ReplayServiceStub:
                 request_serializer=replay_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.SampleResponse.FromString,
                 _registered_method=True)
-        self.SampleStream = channel.unary_stream(
+        self.SampleStream = channel.stream_stream(
                 '/replay.v1.ReplayService/SampleStream',
-                request_serializer=replay_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
+                request_serializer=replay_dot_v1_dot_replay__pb2.SampleStreamRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.SampleResponse.FromString,
                 _registered_method=True)
         self.UpdatePriorities = channel.unary_unary(
@@ -91,18 +91,36 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SampleStream(self, request, context):
-        """Streams batches of the same size. The server draws `batch_count` >= 1
-        consecutive batches at once (at most batches_per_message, and only as many
-        as fit a 4 MiB message) as one group of batch_count * batch_size rows.
-        Message order: for each group, one or more SampleResponse chunks with the
-        group's first batch_index, covering its rows in order (row_start
-        ascending, contiguous), the last with last_chunk = true; the client splits
-        the group into batches of batch_size rows. Then the next group, whose
-        batch_index is the previous one's plus its batch_count. Ends after
-        num_batches batches (0: when the client cancels). The server draws the
-        next group while sending the current one; gRPC flow control bounds how
-        far it runs ahead of a slow reader.
+    def SampleStream(self, request_iterator, context):
+        """Streams batches of the same size to a learner, with flow control.
+
+        Client messages: the first carries `request` and `credits` (the prefetch
+        window: how many batches may be in flight or buffered at the client);
+        every later one grants more `credits` (one per batch the learner has
+        taken) or answers a shared-memory offer. The server sends a batch only
+        while batches sent < credits granted, so it never runs more than the
+        window ahead of the learner and each batch is drawn as late as possible
+        (it sees every priority update made before it was drawn).
+
+        Server messages, per group of batch_count >= 1 consecutive batches (drawn
+        at once: at most batches_per_message, only as many as fit a 4 MiB message
+        and the credits): one or more SampleResponse chunks with the group's first
+        batch_index, covering its rows in order (row_start ascending, contiguous),
+        the last with last_chunk = true; the client splits the group into batches
+        of batch_size rows. The next group's batch_index is the previous one's
+        plus its batch_count. Ends after num_batches batches (0: when the client
+        cancels or half-closes).
+
+        Same-host shared memory: when the first message sets `shared_memory` and
+        names the client's host (`host_id`), a server on that host creates a ring
+        of `slots` buffers in /dev/shm and offers it with the first batch
+        (`shared_memory_offer`; that batch still travels in `payload`). The
+        client maps the ring and answers; once it accepts, batches are written
+        into the ring (batch k into slot k % slots, one batch per message) and
+        the message carries `shared_memory` (offsets) instead of a payload. The
+        server unlinks the ring's name once the answer arrives, so nothing is
+        left in /dev/shm whoever exits first. When the server cannot or will not
+        offer a ring, the first batch says why in `transport_note`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -144,9 +162,9 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     request_deserializer=replay_dot_v1_dot_replay__pb2.SampleRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.SampleResponse.SerializeToString,
             ),
-            'SampleStream': grpc.unary_stream_rpc_method_handler(
+            'SampleStream': grpc.stream_stream_rpc_method_handler(
                     servicer.SampleStream,
-                    request_deserializer=replay_dot_v1_dot_replay__pb2.SampleRequest.FromString,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.SampleStreamRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.SampleResponse.SerializeToString,
             ),
             'UpdatePriorities': grpc.unary_unary_rpc_method_handler(
@@ -231,7 +249,7 @@ class ReplayService:
             _registered_method=True)
 
     @staticmethod
-    def SampleStream(request,
+    def SampleStream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -241,11 +259,11 @@ class ReplayService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/replay.v1.ReplayService/SampleStream',
-            replay_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.SampleStreamRequest.SerializeToString,
             replay_dot_v1_dot_replay__pb2.SampleResponse.FromString,
             options,
             channel_credentials,

@@ -39,7 +39,7 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
             return b""
 
         self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
-        self._refuse_stream = grpc.unary_stream_rpc_method_handler(refuse)
+        self._refuse_stream = grpc.stream_stream_rpc_method_handler(refuse)
 
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
         if details.method.startswith(f"/{HEALTH_SERVICE}/"):
@@ -77,7 +77,8 @@ class ReplayServer:
                     f"variable is unset or empty"
                 )
         self._executor = ThreadPoolExecutor(settings.workers, thread_name_prefix="replay-engine")
-        self._servicer = ReplayServicer(self.tables, self._executor, settings.max_message_bytes)
+        self._servicer = ReplayServicer(self.tables, self._executor, settings.max_message_bytes,
+                                        settings.shared_memory)
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None

@@ -26,14 +26,13 @@ from replay_server.service.status import (
     ShuttingDownError,
     status_of,
 )
-from replay_server.table import MAX_BATCH_SIZE
+from replay_server.service.streaming import SampleStreamCall, _estimated_bytes
 from replay_server.tables import Tables
 
 log = logging.getLogger("replay_server.service")
 
 SERVICE_NAME = "replay.v1.ReplayService"
 _HEADROOM = 64 * 1024  # bytes kept free for the header in a chunk
-_STREAM_CHUNK = 4 * 1024 * 1024  # Python gRPC moves 1-4 MB messages fastest
 
 T = TypeVar("T")
 
@@ -45,12 +44,15 @@ class ReplayServicer:
         tables: the engine's tables.
         executor: where engine work runs (bounded thread pool).
         max_message_bytes: the gRPC message-size limit, both ways.
+        shared_memory: offer same-host learners a shared-memory ring for streams.
     """
 
-    def __init__(self, tables: Tables, executor: Executor, max_message_bytes: int) -> None:
+    def __init__(self, tables: Tables, executor: Executor, max_message_bytes: int,
+                 shared_memory: bool = True) -> None:
         self._tables = tables
         self._executor = executor
         self._max_message = max_message_bytes
+        self.shared_memory = shared_memory
         self.draining = False
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -61,7 +63,7 @@ class ReplayServicer:
             {
                 "Insert": unary(self.insert),
                 "Sample": unary(self.sample),
-                "SampleStream": grpc.unary_stream_rpc_method_handler(self.sample_stream),
+                "SampleStream": grpc.stream_stream_rpc_method_handler(self.sample_stream),
                 "UpdatePriorities": unary(self.update_priorities),
                 "Info": unary(self.info),
                 "Reset": unary(self.reset),
@@ -88,50 +90,10 @@ class ReplayServicer:
         return messages.encode_sample(table.sample(request.batch_size), 0, self._max_message)[0]
 
     async def sample_stream(
-        self, raw: bytes, context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        request = await self._run(context, _parse, pb.SampleRequest, raw)
-        for name in ("num_batches", "batches_per_message"):
-            if getattr(request, name) < 0:
-                await self._abort(context, InvalidArgumentError(
-                    f"{name} must be >= 0, got {getattr(request, name)}"))
-        loop = asyncio.get_running_loop()
-        index = 0
-        pending = self._draw_group(loop, request, index)
-        while pending is not None:
-            if self.draining:
-                pending.cancel()
-                await self._abort(context, ShuttingDownError("the server is shutting down"))
-            chunks, count = await self._await(context, pending)
-            index += count
-            # Draw the next group while this one is being sent.
-            pending = self._draw_group(loop, request, index)
-            for chunk in chunks:
-                yield chunk
-
-    def _draw_group(
-        self, loop: asyncio.AbstractEventLoop, request: pb.SampleRequest, index: int
-    ) -> asyncio.Future | None:
-        """Start drawing the group of batches that begins at batch ``index`` (None: done)."""
-        count = max(1, request.batches_per_message)
-        if request.num_batches:
-            count = min(count, request.num_batches - index)
-            if count <= 0:
-                return None
-        return loop.run_in_executor(self._executor, self._stream_group, request, index, count)
-
-    def _stream_group(
-        self, request: pb.SampleRequest, index: int, count: int
-    ) -> tuple[list[bytes], int]:
-        table = self._tables[request.table]
-        batch_bytes = _estimated_bytes(table, request.batch_size)
-        if batch_bytes:
-            count = max(1, min(count, _STREAM_CHUNK // batch_bytes))
-        if count > 1 and request.batch_size * count > MAX_BATCH_SIZE:
-            count = 1
-        batch = table.sample(request.batch_size * count)
-        chunk_bytes = max(1, min(_STREAM_CHUNK, self._max_message - _HEADROOM))
-        return messages.encode_sample(batch, index, chunk_bytes, batch_count=count), count
+        async for chunk in SampleStreamCall(self, requests, context).run():
+            yield chunk
 
     async def update_priorities(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return await self._run(context, self._update_priorities, raw)
@@ -207,15 +169,6 @@ class ReplayServicer:
             )
         code, kind = mapped
         await context.abort(code, str(exc), trailing_metadata=((ERROR_KIND_KEY, kind),))
-
-
-def _estimated_bytes(table: Any, batch_size: int) -> int:
-    """About how many bytes a batch of ``batch_size`` takes on the wire (0: unknown or invalid)."""
-    schema = table.schema
-    if schema is None or not 1 <= batch_size <= MAX_BATCH_SIZE:
-        return 0  # nothing to send yet, or the engine refuses the batch size itself
-    steps = table.config.slice_len or 1
-    return batch_size * (steps * (schema.row_bytes + 8) + 4 + 8)
 
 
 def _parse(message_type: type, raw: bytes) -> Any:
