@@ -49,7 +49,7 @@ _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 _SPEC = re.compile(r"^([a-z0-9]+)\[([0-9, ]*)\]$")
 
 _SERVER_KEYS = {"address", "pin_memory", "auth_token_env", "max_message_mb", "workers",
-                "log_format"}
+                "log_format", "shared_memory"}
 _TABLE_KEYS = {"name", "capacity", "sampler", "alpha", "beta", "slice_len", "episode_key",
                "done_key", "truncated_key", "seed", "schema"}
 _NOT_YET = {

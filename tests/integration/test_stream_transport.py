@@ -1,0 +1,192 @@
+"""How learner batches travel: shared memory vs gRPC, the automatic fallbacks, restarts.
+
+Every case runs a real server process and the real client over 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import pytest
+import torch
+
+from replay_client import ReplayClient, errors
+
+CONFIG = """
+[[tables]]
+name = "replay"
+capacity = 500
+sampler = "prioritized"
+seed = 7
+
+[[tables]]
+name = "seq"
+capacity = 500
+sampler = "slice"
+slice_len = 5
+seed = 7
+"""
+
+
+def _fill(client: ReplayClient) -> None:
+    rows = torch.arange(500)
+    client.insert("replay", {"row": rows, "obs": torch.randn(500, 3, 8, generator=torch.Generator().manual_seed(0))},
+                  priorities=(rows % 7 + 1).double())
+    client.insert("seq", {"row": rows, "episode": rows // 50, "pixels": (rows % 251).to(torch.uint8).view(-1, 1).expand(500, 64).clone()})
+
+
+def _fill_when_up(client: ReplayClient, timeout: float = 30.0) -> None:
+    """Fill once the channel's reconnect backoff lets the restarted server be reached."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _fill(client)
+        except errors.UnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _leaked_rings():
+    return [p for p in os.listdir("/dev/shm") if p.startswith("replay-")]
+
+
+@pytest.mark.parametrize("table,per_message", [("replay", 1), ("seq", 1), ("replay", 3)])
+def test_shared_memory_and_grpc_deliver_identical_batches(server_factory, table, per_message):
+    # Two servers with the same seed and contents draw the same sequence of batches.
+    shm_server, grpc_server = server_factory(CONFIG), server_factory(CONFIG)
+    by_shm, by_grpc = ReplayClient(shm_server.address), ReplayClient(grpc_server.address)
+    _fill(by_shm)
+    _fill(by_grpc)
+    a = by_shm.stream(table, 16, num_batches=12, shared_memory=True, batches_per_message=per_message)
+    b = by_grpc.stream(table, 16, num_batches=12, shared_memory=False, batches_per_message=per_message)
+    count = 0
+    for x, y in zip(a, b):
+        assert torch.equal(x.ids, y.ids)
+        assert torch.equal(x.weights, y.weights)
+        assert torch.equal(x.probabilities, y.probabilities)
+        assert x.data.keys() == y.data.keys()
+        for key in x.data:
+            assert torch.equal(x.data[key], y.data[key]), key
+        assert torch.equal(x.data["row"], x.ids)
+        count += 1
+    assert count == 12
+    assert b.transport == "grpc"
+    # Grouped batches ride gRPC until the ring is accepted, then one per slot.
+    assert a.transport == "shared_memory", a.stats.notes
+    assert not _leaked_rings()
+
+
+def test_client_without_shared_memory_uses_grpc(server_factory):
+    client = ReplayClient(server_factory(CONFIG).address)
+    _fill(client)
+    stream = client.stream("replay", 8, num_batches=2, shared_memory=False)
+    assert sum(1 for _ in stream) == 2
+    assert stream.transport == "grpc"
+
+
+def test_environment_switch_disables_shared_memory(server_factory, monkeypatch):
+    client = ReplayClient(server_factory(CONFIG).address)
+    _fill(client)
+    monkeypatch.setenv("REPLAY_SHARED_MEMORY", "0")
+    stream = client.stream("replay", 8, num_batches=2)
+    assert sum(1 for _ in stream) == 2
+    assert stream.transport == "grpc"
+
+
+def test_server_with_shared_memory_off_says_so(server_factory):
+    client = ReplayClient(server_factory("[server]\nshared_memory = false\n" + CONFIG).address)
+    _fill(client)
+    stream = client.stream("replay", 8, num_batches=3)
+    assert sum(1 for _ in stream) == 3
+    assert stream.transport == "grpc"
+    assert any("shared_memory = false" in note for note in stream.stats.notes)
+
+
+def test_server_that_cannot_create_a_ring_falls_back(server_factory, tmp_path):
+    proc = server_factory(CONFIG, env={"REPLAY_SHM_DIR": str(tmp_path / "missing")})
+    client = ReplayClient(proc.address)
+    _fill(client)
+    stream = client.stream("replay", 8, num_batches=3)
+    rows = [batch.ids.clone() for batch in stream]
+    assert len(rows) == 3 and stream.transport == "grpc"
+    assert any("could not create a shared-memory ring" in note for note in stream.stats.notes)
+    assert "no shared-memory ring" in proc.log()
+
+
+def test_learner_that_cannot_map_the_ring_falls_back_and_nothing_leaks(server_factory, monkeypatch, tmp_path):
+    # Another container's /dev/shm: the server's ring is not visible to the learner.
+    client = ReplayClient(server_factory(CONFIG).address)
+    _fill(client)
+    monkeypatch.setenv("REPLAY_SHM_DIR", str(tmp_path))
+    stream = client.stream("replay", 8, num_batches=5)
+    assert sum(1 for batch in stream if torch.equal(batch.data["row"], batch.ids)) == 5
+    assert stream.transport == "grpc"
+    assert any("could not map" in note for note in stream.stats.notes)
+    assert not _leaked_rings()
+
+
+def test_learner_on_another_host_is_not_offered_a_ring(server_factory, monkeypatch):
+    import replay_client.stream as stream_module
+
+    client = ReplayClient(server_factory(CONFIG).address)
+    _fill(client)
+    monkeypatch.setattr(stream_module, "host_id", lambda: "another-machine")
+    stream = client.stream("replay", 8, num_batches=2)
+    assert sum(1 for _ in stream) == 2
+    assert stream.transport == "grpc"
+    assert any("another host" in note for note in stream.stats.notes)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_stream_resumes_after_a_server_restart(server_factory, shared_memory):
+    port = _free_port()
+    client = ReplayClient(f"127.0.0.1:{port}", max_retry_s=60)
+    first = server_factory(CONFIG, port=port)
+    _fill(client)
+    stream = client.stream("replay", 8, shared_memory=shared_memory)
+    with stream:
+        for _ in range(3):
+            batch = next(stream)
+        first.stop(signal.SIGKILL)
+        second = server_factory(CONFIG, port=port)
+        _fill_when_up(ReplayClient(second.address))  # an actor of the new server
+        for _ in range(5):
+            batch = next(stream)
+            assert torch.equal(batch.data["row"], batch.ids)
+        assert stream.stats.reconnects == 1
+        assert stream.transport == ("shared_memory" if shared_memory else "grpc")
+    second.stop()
+
+
+def test_stream_without_reconnect_fails_loudly(server_factory):
+    proc = server_factory(CONFIG)
+    client = ReplayClient(proc.address)
+    _fill(client)
+    stream = client.stream("replay", 8, reconnect=False)
+    next(stream)
+    proc.stop(signal.SIGKILL)
+    with pytest.raises(errors.UnavailableError, match=proc.address):
+        for _ in range(10):
+            next(stream)
+
+
+def test_stream_gives_up_after_max_retry_s(server_factory):
+    proc = server_factory(CONFIG)
+    client = ReplayClient(proc.address, max_retry_s=1.0)
+    _fill(client)
+    stream = client.stream("replay", 8)
+    next(stream)
+    proc.stop(signal.SIGKILL)
+    with pytest.raises(errors.UnavailableError, match="not back within 1 s"):
+        for _ in range(10):
+            next(stream)
