@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install proto serve test soak bench bench-engine bench-service clean
+.PHONY: install proto serve test soak bench bench-engine bench-service bench-learner clean
 
 $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
@@ -46,7 +46,12 @@ bench-engine: $(STAMP) .venv-torchrl/.installed-stamp
 bench-service: $(STAMP) .venv-reverb/.installed-stamp
 	$(BIN)/python benchmarks/service.py --reverb-python .venv-reverb/bin/python
 
-bench: bench-engine bench-service
+# Batches delivered to a learner (gRPC, shared memory, in process) vs Reverb's dataset;
+# DEVICE=cuda also measures host-to-device against a plain pinned copy.
+bench-learner: $(STAMP) .venv-reverb/.installed-stamp
+	$(BIN)/python benchmarks/learner.py --reverb-python .venv-reverb/bin/python $(if $(DEVICE),--device $(DEVICE),)
+
+bench: bench-engine bench-service bench-learner
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
