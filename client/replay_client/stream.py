@@ -220,6 +220,7 @@ class NetworkSource:
                 outgoing.answer(False, reason)
                 core.stats.notes.append(f"gRPC: {reason}")
                 return
+            ring.unlink()  # mapped on both sides: the name can go (the server unlinks too)
             self._ring = ring
             self._register(core, ring)
             outgoing.answer(True)

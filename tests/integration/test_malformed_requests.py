@@ -219,9 +219,23 @@ STUB_CASES = {
                                      timeout=CALL_TIMEOUT_S),
         grpc.StatusCode.INVALID_ARGUMENT, "malformed_request", "5 int64"),
     "stream-negative-num-batches": (
-        lambda s: list(s.SampleStream(pb.SampleRequest(table="u", batch_size=2, num_batches=-1),
-                                      timeout=CALL_TIMEOUT_S)),
+        lambda s: list(s.SampleStream(iter([pb.SampleStreamRequest(
+            request=pb.SampleRequest(table="u", batch_size=2, num_batches=-1), credits=2)]),
+            timeout=CALL_TIMEOUT_S)),
         grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "num_batches"),
+    "stream-without-credits": (
+        lambda s: list(s.SampleStream(iter([pb.SampleStreamRequest(
+            request=pb.SampleRequest(table="u", batch_size=2))]), timeout=CALL_TIMEOUT_S)),
+        grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "credits in [1, 1024]"),
+    "stream-first-message-without-request": (
+        lambda s: list(s.SampleStream(iter([pb.SampleStreamRequest(credits=2)]),
+                                      timeout=CALL_TIMEOUT_S)),
+        grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument", "must carry `request`"),
+    "stream-unknown-table": (
+        lambda s: list(s.SampleStream(iter([pb.SampleStreamRequest(
+            request=pb.SampleRequest(table="nope", batch_size=2), credits=2)]),
+            timeout=CALL_TIMEOUT_S)),
+        grpc.StatusCode.NOT_FOUND, "unknown_table", "'nope'"),
     "sample-unknown-table": (
         lambda s: s.Sample(pb.SampleRequest(table="nope", batch_size=2), timeout=CALL_TIMEOUT_S),
         grpc.StatusCode.NOT_FOUND, "unknown_table", "'nope'"),

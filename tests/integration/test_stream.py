@@ -39,17 +39,22 @@ slice_len = 4
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def proc(tmp_path_factory):
     from tests.conftest import start_server
 
     proc = start_server(tmp_path_factory.mktemp("stream"), CONFIG)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(proc):
     client = ReplayClient(proc.address)
     client.insert("rows", {"row": torch.arange(1000), "x": torch.arange(1000).float()})
     client.insert("frames", {"row": torch.arange(200),
                              "frame": torch.arange(200).to(torch.uint8).view(200, 1, 1).expand(200, 84, 84).clone()})
     client.insert("seq", {"row": torch.arange(1000), "episode": torch.arange(1000) // 100})
-    yield client
-    proc.stop()
+    return client
 
 
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
@@ -155,12 +160,12 @@ def _stream_threads():
 
 
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
-def test_break_stops_the_background_thread_and_frees_shared_memory(client, shared_memory):
+def test_break_stops_the_background_thread_and_frees_shared_memory(client, proc, shared_memory):
     for n, _ in enumerate(client.stream("frames", 64, shared_memory=shared_memory)):
         if n == 5:
             break
     assert _wait_for(lambda: not _stream_threads(), timeout=10)
-    assert not [p for p in os.listdir("/dev/shm") if p.startswith("replay-")]
+    assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"replay-{proc.process.pid}-")]
     with client.stream("rows", 8) as stream:
         next(stream)
     assert _wait_for(lambda: not _stream_threads(), timeout=10)

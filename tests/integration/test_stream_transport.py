@@ -50,8 +50,9 @@ def _fill_when_up(client: ReplayClient, timeout: float = 30.0) -> None:
             time.sleep(0.2)
 
 
-def _leaked_rings():
-    return [p for p in os.listdir("/dev/shm") if p.startswith("replay-")]
+def _leaked_rings(*servers):
+    prefixes = tuple(f"replay-{server.process.pid}-" for server in servers)
+    return [p for p in os.listdir("/dev/shm") if p.startswith(prefixes)]
 
 
 @pytest.mark.parametrize("table,per_message", [("replay", 1), ("seq", 1), ("replay", 3)])
@@ -77,7 +78,7 @@ def test_shared_memory_and_grpc_deliver_identical_batches(server_factory, table,
     assert b.transport == "grpc"
     # Grouped batches ride gRPC until the ring is accepted, then one per slot.
     assert a.transport == "shared_memory", a.stats.notes
-    assert not _leaked_rings()
+    assert not _leaked_rings(shm_server, grpc_server)
 
 
 def test_client_without_shared_memory_uses_grpc(server_factory):
@@ -119,14 +120,15 @@ def test_server_that_cannot_create_a_ring_falls_back(server_factory, tmp_path):
 
 def test_learner_that_cannot_map_the_ring_falls_back_and_nothing_leaks(server_factory, monkeypatch, tmp_path):
     # Another container's /dev/shm: the server's ring is not visible to the learner.
-    client = ReplayClient(server_factory(CONFIG).address)
+    proc = server_factory(CONFIG)
+    client = ReplayClient(proc.address)
     _fill(client)
     monkeypatch.setenv("REPLAY_SHM_DIR", str(tmp_path))
     stream = client.stream("replay", 8, num_batches=5)
     assert sum(1 for batch in stream if torch.equal(batch.data["row"], batch.ids)) == 5
     assert stream.transport == "grpc"
     assert any("could not map" in note for note in stream.stats.notes)
-    assert not _leaked_rings()
+    assert not _leaked_rings(proc)
 
 
 def test_learner_on_another_host_is_not_offered_a_ring(server_factory, monkeypatch):
