@@ -343,11 +343,10 @@ class ReplayClient:
             core = FeedCore(prefetch, delivery, transform)
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
-        for name, value in (("batch_size", batch_size), ("num_batches", num_batches),
-                            ("batches_per_message", batches_per_message)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "batch_size"):
-                raise InvalidArgumentError(f"{name} must be an integer >= "
-                                           f"{int(name == 'batch_size')}, got {value!r}")
+        for name, value, low in (("batch_size", batch_size, 1), ("num_batches", num_batches, 0),
+                                 ("batches_per_message", batches_per_message, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
         source = NetworkSource(
             self, table, batch_size, num_batches=num_batches,
             batches_per_message=batches_per_message,

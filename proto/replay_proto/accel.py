@@ -21,9 +21,6 @@ class Accelerator(Protocol):
 
     device_type: str
 
-    def default_device(self) -> torch.device:
-        """The device ``device="auto"`` means."""
-
     def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A new page-locked host tensor."""
 
@@ -58,9 +55,6 @@ class CudaAccelerator:
     def __init__(self) -> None:
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._lock = threading.Lock()
-
-    def default_device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device())
 
     def pinned_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)

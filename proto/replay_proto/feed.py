@@ -94,7 +94,7 @@ def resolve_delivery(device: Any, pin_memory: bool | str, accelerator: Any = _DE
             says what is missing, never a silent no-op).
     """
     accel = detect_accelerator() if accelerator is _DETECT else accelerator
-    if pin_memory not in (True, False, "auto") or isinstance(pin_memory, (int, float)) and not isinstance(pin_memory, bool):
+    if not (isinstance(pin_memory, bool) or pin_memory == "auto"):
         raise ValueError(f"pin_memory must be True, False or 'auto', got {pin_memory!r}")
     try:
         target = None if device is None else torch.device(device)

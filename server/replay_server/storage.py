@@ -15,7 +15,10 @@ Not thread-safe: the owning table serializes access under its lock.
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -86,13 +89,15 @@ class ColumnStorage:
         flat = slots.reshape(-1)
         result = {}
         for key, col in self.columns.items():
+            view = self._views[key]
             dest = None if out is None else out.get(key)
             if dest is not None:
-                np.take(self._views[key], flat, axis=0,
-                        out=_numpy_view(dest).reshape(flat.shape[0], *col.shape[1:]))
+                _take(view, flat, _numpy_view(dest).reshape(flat.shape[0], *col.shape[1:]))
                 result[key] = dest
                 continue
-            rows = torch.from_numpy(np.take(self._views[key], flat, axis=0))
+            rows_np = np.empty((flat.shape[0], *view.shape[1:]), dtype=view.dtype)
+            _take(view, flat, rows_np)
+            rows = torch.from_numpy(rows_np)
             if rows.dtype != col.dtype:
                 rows = rows.view(col.dtype)
             result[key] = rows if slots.ndim == 1 else rows.reshape(*slots.shape, *col.shape[1:])
@@ -106,6 +111,37 @@ class ColumnStorage:
         for key, col in self.columns.items():
             saved = state[key]
             col[: saved.shape[0]].copy_(saved)
+
+
+_PARALLEL_BYTES = 2 << 20  # gathers at least this large are split across threads
+_GATHER_THREADS = max(1, min(4, os.cpu_count() or 1))
+_gather_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _take(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = src[rows]``; large gathers run on several threads (numpy releases the GIL).
+
+    A 7 MB gather of Atari rows is memory-latency bound on one core: two
+    threads make it about 1.5x faster on a 2-core machine.
+    """
+    global _gather_pool
+    nbytes = out.nbytes
+    parts = min(_GATHER_THREADS, len(rows), nbytes // (_PARALLEL_BYTES // 2))
+    if parts < 2 or nbytes < _PARALLEL_BYTES:
+        np.take(src, rows, axis=0, out=out)
+        return
+    if _gather_pool is None:
+        with _pool_lock:
+            if _gather_pool is None:
+                _gather_pool = ThreadPoolExecutor(_GATHER_THREADS - 1,
+                                                  thread_name_prefix="replay-gather")
+    bounds = np.linspace(0, len(rows), parts + 1).astype(int)
+    futures = [_gather_pool.submit(np.take, src, rows[a:b], 0, out[a:b])
+               for a, b in zip(bounds[1:-1], bounds[2:])]
+    np.take(src, rows[: bounds[1]], axis=0, out=out[: bounds[1]])
+    for future in futures:
+        future.result()
 
 
 def _numpy_view(tensor: torch.Tensor) -> np.ndarray:

@@ -33,9 +33,6 @@ class SlowAccelerator:
         self.copies = 0
         self.waits = 0
 
-    def default_device(self):
-        return torch.device("meta")
-
     def pinned_empty(self, shape, dtype):
         tensor = torch.empty(tuple(shape), dtype=dtype)
         self.pinned.append((tensor.data_ptr(), tensor.numel() * tensor.element_size()))
