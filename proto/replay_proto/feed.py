@@ -411,6 +411,7 @@ class BatchStream:
     def __init__(self, core: FeedCore, source: Source, name: str) -> None:
         self._core = core
         self._source = source
+        self._name = name
         self.stats = core.stats
         self.stats.notes.append(core.delivery.note)
         self._thread = threading.Thread(
@@ -446,7 +447,11 @@ class BatchStream:
         if self._closed:
             raise StopIteration
         try:
-            return self._core.take()
+            batch = self._core.take()
+            if self.stats.batches == 1:
+                log.info("stream %s: %s (%s)", self._name, self.stats.transport,
+                         "; ".join(self.stats.notes))
+            return batch
         except StopIteration:
             self.close()
             raise
