@@ -76,7 +76,10 @@ class ReplayServiceServicer:
         """Appends rows to a table. All columns share their leading dimension (rows).
         The first insert into a table fixes its schema unless the config declared
         one; a mismatching insert is refused whole. The new rows' ids are
-        consecutive: first_id .. first_id + count - 1.
+        consecutive: first_id .. first_id + count - 1. An insert the table's rate
+        limiter holds back waits (holding no server thread) until samples let it
+        through or its deadline comes (DEADLINE_EXCEEDED); with no deadline it
+        waits until cancelled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,7 +88,8 @@ class ReplayServiceServicer:
     def Sample(self, request, context):
         """Draws one batch (with replacement) with the table's sampler. The whole
         batch is one message; a batch too large for the message-size limit is
-        refused with RESOURCE_EXHAUSTED (use SampleStream, which chunks).
+        refused with RESOURCE_EXHAUSTED (use SampleStream, which chunks). A
+        sample the rate limiter holds back waits like an Insert.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,7 +106,8 @@ class ReplayServiceServicer:
         batch_index is the previous one's plus its batch_count. Ends after
         num_batches batches (0: when the client cancels). The server draws the
         next group while sending the current one; gRPC flow control bounds how
-        far it runs ahead of a slow reader.
+        far it runs ahead of a slow reader. A group the rate limiter holds back
+        is drawn as a single batch instead, and waits like a Sample.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
