@@ -4,9 +4,8 @@ A rate limiter keeps three counters, all in rows: ``inserts``, ``samples``
 (rows returned by samples; a slice of ``slice_len`` steps counts
 ``slice_len``) and ``deletes`` (rows that left the table: overwritten by the
 ring, or retired by ``max_times_sampled``), so ``inserts - deletes`` is the
-table's size. Reset sets all three to 0. Two rules, exactly Reverb's
-(``reverb/cc/rate_limiter.cc``), decide whether a call of ``n`` rows may go
-ahead now::
+table's size. Reset sets all three to 0. Reverb's two rules
+(``reverb/cc/rate_limiter.cc``) say whether ``n`` more rows may go in or out::
 
     can_sample(n):  inserts - deletes >= min_size_to_sample
                     and inserts * spi - samples - n >= min_diff
@@ -19,22 +18,32 @@ does for a single ``error_buffer``::
     min_diff = spi * min_size_to_sample - error_buffer
     max_diff = spi * min_size_to_sample + error_buffer
 
-So once the table holds ``min_size_to_sample`` rows, ``inserts * spi - samples``
-stays within ``error_buffer`` of ``spi * min_size_to_sample``: samples wait when
-the learner runs ahead of the actors, inserts wait when the actors run ahead.
-Without ``samples_per_insert`` it is Reverb's ``MinSize``: samples wait for
-``min_size_to_sample`` rows, inserts never wait (``min_diff = -inf``,
+So once the table holds ``min_size_to_sample`` rows, the count
+``inserts * spi - samples`` stays near ``spi * min_size_to_sample``: samples
+wait when the learner runs ahead of the actors, inserts wait when the actors
+run ahead. Without ``samples_per_insert`` it is Reverb's ``MinSize``: samples
+wait for ``min_size_to_sample`` rows, inserts never wait (``min_diff = -inf``,
 ``max_diff = +inf``). A limiter with neither (``min_size_to_sample = 0``) lets
 everything through but still counts, for ``info``.
 
-Unlike Reverb, which admits one item at a time, a call here is admitted whole
-or not at all, so a single call can be too large ever to pass: an insert of
-``n`` rows moves the count by ``n * spi`` and a sample of ``n`` rows by ``n``,
-and the window is ``max_diff - min_diff = 2 * error_buffer`` wide.
-:meth:`RateLimiter.check_insert` and :meth:`RateLimiter.check_sample` refuse
-such calls at once (naming the numbers) instead of letting them wait forever,
-and raise :class:`~replay_server.errors.RateLimitedError` for calls that only
-have to wait. Neither changes anything.
+**Whole calls.** Reverb admits one item at a time, so a request for many
+items takes them as the rules allow. Here a call is stored or sampled whole,
+so the limiter admits a call of ``n`` rows when Reverb would admit its *first*
+row (``can_insert(1)``, ``can_sample(1)``), and the call's other rows go with
+it. The count can therefore leave the window by at most one call: it stays
+within ``[min_diff - (largest sample - 1), max_diff + (largest insert - 1) * spi]``
+once the table has filled up. The other choice, admitting a call only when
+all its rows fit, would keep the count inside the window but could deadlock:
+an insert waiting for samples while a sample waits for inserts, whenever
+``n * spi + batch_size > 2 * error_buffer``, something the server cannot rule
+out because it does not know its callers' sizes. With first-row admission no
+combination of call sizes deadlocks, for the same reason Reverb's per-item
+rule does not: ``error_buffer >= max(1, spi)`` (checked by the config) leaves
+room for one row one way or the other, and below ``min_size_to_sample`` rows
+inserts are free.
+
+A call held back raises :class:`~replay_server.errors.RateLimitedError`
+(changing nothing); the table's caller decides whether to wait.
 
 The limiter holds no reference to its table: the table calls it under its own
 lock (check first, record after the change). Thread-safety: none of its own.
@@ -49,12 +58,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replay_server.config import TableConfig
-from replay_server.errors import (
-    ConfigError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    RateLimitedError,
-)
+from replay_server.errors import ConfigError, RateLimitedError
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +90,8 @@ class RateLimiter:
         min_size_to_sample: rows the table must hold before anything is
             sampled (0: no minimum, and no limiter unless a ratio is set).
         samples_per_insert: the ratio to hold; ``None``: no ratio limit.
-        error_buffer: half the width of the window the count may move in,
-            required with ``samples_per_insert``.
+        error_buffer: how far the count may move either way from
+            ``spi * min_size_to_sample``; required with ``samples_per_insert``.
 
     Cost: every method O(1).
     """
@@ -127,84 +131,46 @@ class RateLimiter:
         """Whether the limiter can ever hold a call back."""
         return self.min_size_to_sample > 0 or self.samples_per_insert is not None
 
-    @property
-    def span(self) -> float:
-        """``max_diff - min_diff``: the width of the window (``inf`` without a ratio)."""
-        return self.max_diff - self.min_diff
-
     # ------------------------------------------------------------- decisions
 
     def can_insert(self, n: int) -> bool:
-        """Whether an insert of ``n`` rows may go ahead now (Reverb's ``CanInsert``)."""
+        """Reverb's ``CanInsert``: would ``n`` more rows keep within the rule?
+
+        (A call is admitted when ``can_insert(1)``; see the module docstring.)
+        """
         if self.inserts + n - self.deletes <= self.min_size_to_sample:
             return True
         return (self.inserts + n) * self._spi - self.samples <= self.max_diff
 
     def can_sample(self, n: int) -> bool:
-        """Whether a sample of ``n`` rows may go ahead now (Reverb's ``CanSample``)."""
+        """Reverb's ``CanSample``: may ``n`` more rows be sampled within the rule?
+
+        (A call is admitted when ``can_sample(1)``.)
+        """
         if self.inserts - self.deletes < self.min_size_to_sample:
             return False
         return self.inserts * self._spi - self.samples - n >= self.min_diff
 
-    def check_insert(self, n: int, table: str, *, rows_can_leave: bool) -> None:
-        """Raise unless an insert of ``n`` rows may go ahead now; change nothing.
-
-        An insert blocked now can still pass later through the ratio rule only
-        if ``n * spi`` fits the window (samples never take the count below
-        ``min_diff``), or through the filling-up rule once the table is small
-        enough, which needs a reset unless rows can leave otherwise.
-
-        Args:
-            n: rows to insert.
-            table: the table's name, for messages.
-            rows_can_leave: whether rows can leave the table other than by
-                reset (``max_times_sampled``), so that the table can shrink.
+    def check_insert(self, n: int, table: str) -> None:
+        """Raise unless an insert of ``n`` rows is admitted now (its first row can go in).
 
         Raises:
-            InvalidArgumentError: the insert can never pass, even into an
-                empty table.
-            FailedPreconditionError: it could pass only after a reset.
-            RateLimitedError: it has to wait for samples.
+            RateLimitedError: it has to wait for samples; nothing changed.
         """
-        if self.can_insert(n):
-            return
-        if n * self._spi > self.span:
-            most = math.floor(self.span / self._spi)
-            why = (f"table {table!r}: an insert of {n} rows moves the rate limiter's count by "
-                   f"{n} * samples_per_insert = {n * self._spi:g}, more than its window of "
-                   f"2 * error_buffer = {self.span:g}")
-            advice = (f"insert at most {most} rows per call, or raise error_buffer to at least "
-                      f"{n * self._spi / 2:g}")
-            if n > self.min_size_to_sample and (
-                n * self._spi > self.max_diff - min(0.0, self.min_diff)
-            ):
-                raise InvalidArgumentError(f"{why}, so it can never pass; {advice}")
-            if not rows_can_leave:
-                raise FailedPreconditionError(
-                    f"{why}, and inserts are exempt only while they keep the table at most "
-                    f"min_size_to_sample={self.min_size_to_sample} rows: it could pass only "
-                    f"after a reset {self.describe()}; {advice}"
-                )
-        raise RateLimitedError(
-            f"table {table!r}: insert of {n} rows blocked by the rate limiter {self.describe()}",
-            table=table, operation="insert", count=n,
-        )
+        if not self.can_insert(1):
+            raise RateLimitedError(
+                f"table {table!r}: insert of {n} rows blocked by the rate limiter "
+                f"{self.describe()}",
+                table=table, operation="insert", count=n,
+            )
 
     def check_sample(self, n: int, table: str) -> None:
-        """Raise unless a sample of ``n`` rows may go ahead now; change nothing.
+        """Raise unless a sample of ``n`` rows is admitted now (its first row can come out).
 
         Raises:
-            InvalidArgumentError: ``n`` is wider than the window, so it can never pass.
-            RateLimitedError: it has to wait for inserts.
+            RateLimitedError: it has to wait for inserts; nothing changed.
         """
-        if n > self.span:
-            raise InvalidArgumentError(
-                f"table {table!r}: a sample of {n} rows can never pass the rate limiter: "
-                f"samples_per_insert={self.samples_per_insert:g} with error_buffer="
-                f"{self.error_buffer:g} admits at most 2 * error_buffer = {self.span:g} rows "
-                f"per call (a slice counts slice_len rows); sample fewer, or raise error_buffer"
-            )
-        if not self.can_sample(n):
+        if not self.can_sample(1):
             raise RateLimitedError(
                 f"table {table!r}: sample of {n} rows blocked by the rate limiter "
                 f"{self.describe()}",

@@ -96,13 +96,12 @@ class Retirement:
                 f"at most {capacity * self.limit}"
             )
         if batch_size > self.draws_left:
-            why = (f"table {table!r}: a sample of {batch_size} rows needs more draws than the "
-                   f"rows stored have left ({self.draws_left}) before they reach "
-                   f"max_times_sampled={self.limit}")
+            why = (f"a sample of {batch_size} rows needs more draws than the rows stored have "
+                   f"left ({self.draws_left}) before they reach max_times_sampled={self.limit}")
             if can_wait:
-                raise RateLimitedError(f"{why}; it waits for inserts", table=table,
-                                       operation="sample", count=batch_size)
-            raise EmptyTableError(f"{why}; insert more rows")
+                raise RateLimitedError(f"table {table!r}: {why}; it waits for inserts",
+                                       table=table, operation="sample", count=batch_size)
+            raise EmptyTableError(f"{why}; insert more rows")  # the table names itself
 
     def sample(
         self, sampler: Sampler, batch_size: int, generator: np.random.Generator, table: str,
@@ -117,9 +116,10 @@ class Retirement:
             InvalidArgumentError, RateLimitedError, EmptyTableError: as
                 :meth:`check_sample`; or EmptyTableError when the rows that
                 can still be drawn ran out (e.g. the others have priority 0).
-                The counts and the sampler are then as before.
+                The counts, the sampler and the generator are then as before.
         """
         self.check_sample(batch_size, table, can_wait=can_wait)
+        random_state = generator.bit_generator.state
         index = sampler.sample(batch_size, generator)
         ids, slots = index.ids, index.slots
         probabilities, weights = index.probabilities, index.weights
@@ -144,6 +144,7 @@ class Retirement:
                 self._counts[unique] -= take.astype(np.uint32)
             for restore in reversed(undo):
                 restore()
+            generator.bit_generator.state = random_state
             raise
         done = np.concatenate(retired) if retired else np.empty(0, dtype=np.int64)
         self.retired += int(done.size)

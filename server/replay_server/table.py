@@ -171,7 +171,6 @@ class Table:
             SchemaMismatchError, InvalidArgumentError, InvalidPriorityError,
             NoPrioritiesError: nothing was stored.
             RateLimitedError: the rate limiter holds the insert back now.
-            FailedPreconditionError: it could pass the rate limiter only after a reset.
 
         Cost: one copy of the rows into storage plus the sampler's insert
         (O(rows * log capacity) at worst).
@@ -192,7 +191,7 @@ class Table:
                     f"table {self.name!r}: an insert of {rows} rows exceeds the table's "
                     f"capacity of {self._ring.capacity} rows; split it"
                 )
-            self._limiter.check_insert(rows, self.name, rows_can_leave=bool(self._retirement))
+            self._limiter.check_insert(rows, self.name)
             if self._storage is None:
                 self._allocate(schema)
             assert self._storage is not None
@@ -361,7 +360,7 @@ class Table:
 
         Raises:
             InvalidArgumentError: ``batch_size`` is not an integer in [1, MAX_BATCH_SIZE],
-                or larger than the rate limiter or ``max_times_sampled`` can ever admit.
+                or larger than ``max_times_sampled`` can ever serve.
             EmptyTableError: nothing can be sampled yet.
             RateLimitedError: the rate limiter (or ``max_times_sampled``) holds the
                 sample back now. The limiter counts ``batch_size * slice_len`` rows

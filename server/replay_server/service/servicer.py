@@ -159,9 +159,6 @@ class ReplayServicer:
             count = max(1, min(count, _STREAM_CHUNK // batch_bytes))
         if count > 1 and request.batch_size * count > MAX_BATCH_SIZE:
             count = 1
-        rows = request.batch_size * (table.config.slice_len or 1)
-        if count > 1 and rows * count > table.rate_limiter.span:
-            count = 1  # a group the limiter could never admit at once
         try:
             batch = table.sample(request.batch_size * count)
         except RateLimitedError:
@@ -240,7 +237,7 @@ class ReplayServicer:
     def _may_pass(self, table: str, operation: str, count: int) -> bool:
         """Lock-free hint for :class:`BlockedCalls`: might a held-back call pass now?"""
         limiter = self._tables[table].rate_limiter
-        return limiter.can_insert(count) if operation == "insert" else limiter.can_sample(count)
+        return limiter.can_insert(1) if operation == "insert" else limiter.can_sample(1)
 
     async def _change(
         self,
