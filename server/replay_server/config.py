@@ -208,7 +208,7 @@ class TableConfig:
 
     @property
     def rate_limited(self) -> bool:
-        """Whether the table has a rate limiter (``min_size_to_sample`` or ``samples_per_insert`` set)."""
+        """Whether a rate limiter is configured (``min_size_to_sample``/``samples_per_insert``)."""
         return self.min_size_to_sample is not None or self.samples_per_insert is not None
 
     @property

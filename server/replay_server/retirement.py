@@ -187,7 +187,8 @@ class Retirement:
         self.draws_left = 0
 
     def state_dict(self, used: int) -> dict[str, Any]:
-        return {"limit": self.limit, "counts": torch.from_numpy(self._counts[:used].astype(np.int64))}
+        counts = torch.from_numpy(self._counts[:used].astype(np.int64))
+        return {"limit": self.limit, "counts": counts}
 
     def load_state_dict(self, state: dict[str, Any] | None, ring: IdRing) -> None:
         """Restore the counts (``None``: saved without a limit, so none drawn yet)."""

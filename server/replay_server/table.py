@@ -150,7 +150,7 @@ class Table:
 
     @property
     def rate_limiter(self) -> RateLimiter:
-        """The table's rate limiter. Its ``can_*`` methods may be read without the lock, as hints."""
+        """The table's rate limiter (``can_*`` may be read without the lock, as hints)."""
         return self._limiter
 
     # ------------------------------------------------------------------ insert
@@ -519,7 +519,7 @@ class Table:
                 "counters": asdict(self._counters),
                 "generator": generator_state(self._generator),
                 "rate_limiter": self._limiter.state_dict(),
-                "times_sampled": self._retirement and self._retirement.state_dict(used),
+                "times_sampled": self._retirement.state_dict(used) if self._retirement else None,
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -11,11 +11,13 @@ import threading
 import time
 from collections.abc import Callable
 
+import grpc
 import pytest
 import torch
 
 from replay_client import ReplayClient, errors
 from replay_proto.v1 import replay_pb2 as pb
+from replay_proto.v1 import replay_pb2_grpc
 from replay_server.cli import format_info
 from tests.conftest import module_server
 
@@ -260,3 +262,39 @@ def test_info_shows_the_limiter_settings_and_state(server) -> None:
     assert ("shown flow control: min_size_to_sample=3 samples_per_insert=1.5 error_buffer=4; "
             "inserts=4 samples=2 deletes=0; inserts pass, samples pass; waiting now: 0 inserts, "
             "0 samples; max_times_sampled=2") in text, text
+
+
+def test_cancelled_waiting_calls_stop_waiting(server) -> None:
+    client = ReplayClient(server.address, timeout=30)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = replay_pb2_grpc.ReplayServiceStub(channel)
+        request = pb.SampleRequest(table="never_filled", batch_size=2)
+        unary = stub.Sample.future(request)                      # no deadline: waits until...
+        stream = stub.SampleStream(request)
+        wait_until(lambda: limiter(client, "never_filled")["blocked_samples"] == 2,
+                   "a waiting Sample and a waiting SampleStream")
+        unary.cancel()                                           # ... the client cancels
+        stream.cancel()
+        wait_until(lambda: limiter(client, "never_filled")["blocked_samples"] == 0,
+                   "the cancelled calls to stop waiting")
+    assert limiter(client, "never_filled")["samples"] == 0
+
+
+def test_waiting_calls_end_with_unavailable_when_the_server_drains(server_factory) -> None:
+    server = server_factory(CONFIG)
+    client = ReplayClient(server.address, timeout=WAIT_LIMIT_S, max_retry_s=0.0)
+    got: list = []
+
+    def sampler() -> None:
+        try:
+            got.append(client.sample("never_filled", 2))
+        except BaseException as exc:
+            got.append(exc)
+
+    thread = threading.Thread(target=sampler)
+    thread.start()
+    wait_until(lambda: limiter(client, "never_filled")["blocked_samples"] == 1, "a waiter")
+    assert server.stop() == 0
+    thread.join(timeout=WAIT_LIMIT_S)
+    assert len(got) == 1 and isinstance(got[0], errors.UnavailableError), got
+    assert "shutting down" in str(got[0]), got

@@ -123,7 +123,8 @@ def test_from_config_resolves_the_defaults() -> None:
         return RateLimiter.from_config(TableConfig(name="t", capacity=10_000, **fields))
 
     assert not limiter().enabled
-    assert (limiter(min_size_to_sample=7).min_size_to_sample, limiter().min_size_to_sample) == (7, 0)
+    assert limiter(min_size_to_sample=7).min_size_to_sample == 7
+    assert limiter().min_size_to_sample == 0
     ratio = limiter(samples_per_insert=4.0)
     assert (ratio.enabled, ratio.min_size_to_sample, ratio.error_buffer) == (True, 1, 4.0 * 1000)
     ratio = limiter(samples_per_insert=0.5, min_size_to_sample=2000)
