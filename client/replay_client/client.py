@@ -33,11 +33,18 @@ from replay_proto.v1 import replay_pb2 as pb
 
 _SERVICE = "/replay.v1.ReplayService/"
 _COUNTER_FIELDS = tuple(pb.TableCounters.DESCRIPTOR.fields_by_name)
+_LIMITER_FIELDS = tuple(pb.RateLimiterInfo.DESCRIPTOR.fields_by_name)
 
 
 @dataclass(frozen=True, slots=True)
 class TableInfo:
-    """One table as the server reports it."""
+    """One table as the server reports it.
+
+    ``rate_limiter`` holds the fields of ``RateLimiterInfo`` in
+    ``replay.proto`` (``enabled``, ``min_size_to_sample``, ``samples_per_insert``,
+    ``error_buffer``, ``inserts``, ``samples``, ``deletes``, ``can_insert``,
+    ``can_sample``, ``blocked_inserts``, ``blocked_samples``, ...).
+    """
 
     name: str
     sampler: str
@@ -51,6 +58,8 @@ class TableInfo:
     alpha: float
     beta: float
     slice_len: int | None
+    rate_limiter: dict[str, Any]
+    max_times_sampled: int
 
 
 class ReplayClient:
@@ -65,6 +74,11 @@ class ReplayClient:
     UNAVAILABLE, within the call's timeout; insert is not (a retry could store
     rows twice), so an insert that fails with :class:`UnavailableError` may or
     may not have been stored.
+
+    Rate limiting: an insert or sample that a table's rate limiter holds back
+    waits on the server (which holds no thread for it) up to the call's
+    timeout, then raises :class:`~replay_client.errors.DeadlineExceededError` naming the limiter's
+    state; it is never retried. ``timeout=None`` waits as long as it takes.
 
     Args:
         address: ``host:port`` of the server.
@@ -269,6 +283,8 @@ class ReplayClient:
                 counters={f: getattr(t.counters, f) for f in _COUNTER_FIELDS},
                 sampler_stats=dict(t.sampler_stats), alpha=t.alpha, beta=t.beta,
                 slice_len=t.slice_len or None,
+                rate_limiter={f: getattr(t.rate_limiter, f) for f in _LIMITER_FIELDS},
+                max_times_sampled=t.max_times_sampled,
             )
             for t in response.tables
         }

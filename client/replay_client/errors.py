@@ -62,7 +62,7 @@ class UnauthenticatedError(ReplayError):
 
 
 class DeadlineExceededError(ReplayError, builtins.TimeoutError):
-    """The call did not finish within its timeout."""
+    """The call did not finish within its timeout (e.g. a table's rate limiter held it back)."""
 
 
 class UnavailableError(ReplayError, ConnectionError):
@@ -93,6 +93,7 @@ _BY_KIND: dict[str, type[ReplayError]] = {
     "failed_precondition": FailedPreconditionError,
     "message_too_large": MessageTooLargeError,
     "unauthenticated": UnauthenticatedError,
+    "deadline_exceeded": DeadlineExceededError,
     "unavailable": UnavailableError,
     "internal": InternalError,
 }

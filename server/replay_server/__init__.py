@@ -7,7 +7,8 @@ from replay_proto.batch import SampleBatch
 from replay_server.config import SamplerKind, TableConfig, default_table_configs
 from replay_server.errors import ReplayServerError
 from replay_server.schema import FieldSpec, Schema
-from replay_server.table import Table, TableInfo
+from replay_server.table import Table
+from replay_server.table_info import TableInfo
 from replay_server.tables import Tables
 
 __all__ = [

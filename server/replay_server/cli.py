@@ -98,7 +98,29 @@ def format_info(response: pb.InfoResponse) -> str:
         if t.schema:
             columns = ", ".join(f"{k}: {v}" for k, v in t.schema.items())
             lines.append(f"{t.name} columns: {columns}")
+        if t.rate_limiter.enabled or t.max_times_sampled:
+            lines.append(f"{t.name} flow control: {format_flow_control(t)}")
     return "\n".join(lines)
+
+
+def format_flow_control(table: pb.TableInfo) -> str:
+    """One line: the table's rate limiter settings and state, and max_times_sampled."""
+    r = table.rate_limiter
+    parts = []
+    if r.enabled:
+        ratio = (f"samples_per_insert={r.samples_per_insert:g} error_buffer={r.error_buffer:g}"
+                 if r.samples_per_insert else "no ratio limit")
+        parts.append(
+            f"min_size_to_sample={r.min_size_to_sample:,} {ratio}; inserts={r.inserts:,} "
+            f"samples={r.samples:,} deletes={r.deletes:,}; "
+            f"inserts {'pass' if r.can_insert else 'wait'}, "
+            f"samples {'pass' if r.can_sample else 'wait'}; "
+            f"waiting now: {r.blocked_inserts} inserts, {r.blocked_samples} samples"
+        )
+    if table.max_times_sampled:
+        parts.append(f"max_times_sampled={table.max_times_sampled} "
+                     f"(retired so far: {table.counters.retired:,})")
+    return "; ".join(parts)
 
 
 def build_parser() -> argparse.ArgumentParser:

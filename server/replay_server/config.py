@@ -20,6 +20,12 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}")
 MAX_CAPACITY = 2**40
 """Rows per table, at most (ids are int64 insertion numbers, slots fit int64)."""
 
+MAX_TIMES_SAMPLED = 2**32 - 1
+"""Largest ``max_times_sampled`` (per-row counts are uint32)."""
+
+DEFAULT_ERROR_ROWS = 1000
+"""``error_buffer`` defaults to ``max(1, samples_per_insert) * max(min_size_to_sample, this)``."""
+
 
 class SamplerKind(str, Enum):
     """How a table picks the rows of a sample (see ``replay_server.samplers``)."""
@@ -56,6 +62,16 @@ class TableConfig:
             first insert fixes it.
         pin_memory: allocate storage in page-locked memory (needs an accelerator).
         seed: seed of the table's random generator; ``None``: nondeterministic.
+        min_size_to_sample: samples wait until the table holds this many rows
+            (Reverb's ``MinSize``); ``None``: 1 with ``samples_per_insert``,
+            else no rate limiter at all.
+        samples_per_insert: the ratio of sampled rows to inserted rows the rate
+            limiter holds (Reverb's ``SampleToInsertRatio``); ``None``: no ratio limit.
+        error_buffer: how far the ratio's count may drift either way before
+            calls wait, in sampled rows (see :mod:`replay_server.ratelimit`);
+            ``None``: ``max(1, samples_per_insert) * max(min_size_to_sample, 1000)``.
+        max_times_sampled: a row drawn this many times is retired (no longer
+            sampled); 0: no limit. Row samplers only.
     """
 
     name: str
@@ -70,6 +86,10 @@ class TableConfig:
     schema: dict[str, FieldSpec] | None = field(default=None, hash=False)
     pin_memory: bool = False
     seed: int | None = None
+    min_size_to_sample: int | None = None
+    samples_per_insert: float | None = None
+    error_buffer: float | None = None
+    max_times_sampled: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -128,6 +148,85 @@ class TableConfig:
                     raise ConfigError(
                         f"{where}: schema[{key!r}] must be a FieldSpec, got {type(spec).__name__}"
                     )
+        self._check_flow_control(where)
+
+    def _check_flow_control(self, where: str) -> None:
+        """Rate limiter and max_times_sampled: refuse settings that can never make progress."""
+        if self.min_size_to_sample is not None and (
+            not _is_int(self.min_size_to_sample)
+            or not 1 <= self.min_size_to_sample <= self.capacity
+        ):
+            raise ConfigError(
+                f"{where}: min_size_to_sample must be an integer in [1, capacity={self.capacity}] "
+                f"(the table never holds more than capacity rows, so sampling would wait "
+                f"forever), got {self.min_size_to_sample!r}"
+            )
+        spi = self.samples_per_insert
+        if spi is not None:
+            if not _is_real(spi) or not math.isfinite(spi) or spi <= 0:
+                raise ConfigError(
+                    f"{where}: samples_per_insert must be a finite number > 0, got {spi!r}"
+                )
+            object.__setattr__(self, "samples_per_insert", float(spi))
+        buffer = self.error_buffer
+        if buffer is not None:
+            if spi is None:
+                raise ConfigError(
+                    f"{where}: error_buffer={buffer!r} only applies with samples_per_insert; "
+                    f"set samples_per_insert or remove error_buffer"
+                )
+            if not _is_real(buffer) or not math.isfinite(buffer) or buffer <= 0:
+                raise ConfigError(
+                    f"{where}: error_buffer must be a finite number > 0, got {buffer!r}"
+                )
+            if buffer < max(1.0, spi):
+                raise ConfigError(
+                    f"{where}: error_buffer={buffer!r} is below max(1, samples_per_insert="
+                    f"{spi!r}) = {max(1.0, spi)!r}: a single insert and a single sample could "
+                    f"then both be blocked at once, forever (Reverb's rule)"
+                )
+            object.__setattr__(self, "error_buffer", float(buffer))
+        limit = self.max_times_sampled
+        if not _is_int(limit) or not 0 <= limit <= MAX_TIMES_SAMPLED:
+            raise ConfigError(
+                f"{where}: max_times_sampled must be an integer in [0, {MAX_TIMES_SAMPLED}] "
+                f"(0: no limit), got {limit!r}"
+            )
+        if limit and self.sampler.is_slice:
+            raise ConfigError(
+                f"{where}: max_times_sampled={limit} is not supported by sampler "
+                f"{self.sampler.value!r}: a step belongs to up to slice_len overlapping slices, "
+                f"so how often it was sampled has no single meaning; remove max_times_sampled "
+                f"or use a row sampler"
+            )
+        if limit and spi is not None and spi > limit:
+            raise ConfigError(
+                f"{where}: samples_per_insert={spi!r} asks for more samples per row than "
+                f"max_times_sampled={limit} allows (a row is retired after {limit} draws), so "
+                f"the ratio could never be held"
+            )
+
+    @property
+    def rate_limited(self) -> bool:
+        """Whether a rate limiter is configured (``min_size_to_sample``/``samples_per_insert``)."""
+        return self.min_size_to_sample is not None or self.samples_per_insert is not None
+
+    @property
+    def effective_min_size_to_sample(self) -> int:
+        """``min_size_to_sample`` with its default resolved (0: no rate limiter)."""
+        if self.min_size_to_sample is not None:
+            return self.min_size_to_sample
+        return 1 if self.samples_per_insert is not None else 0
+
+    @property
+    def effective_error_buffer(self) -> float | None:
+        """``error_buffer`` with its default resolved (``None``: no ratio limit)."""
+        spi = self.samples_per_insert
+        if spi is None:
+            return None
+        if self.error_buffer is not None:
+            return self.error_buffer
+        return max(1.0, spi) * max(self.effective_min_size_to_sample, DEFAULT_ERROR_ROWS)
 
     @property
     def episode_end_keys(self) -> tuple[str, str]:
@@ -146,6 +245,10 @@ class TableConfig:
             "episode_key": self.episode_key,
             "done_key": self.done_key,
             "truncated_key": self.truncated_key,
+            "min_size_to_sample": self.min_size_to_sample,
+            "samples_per_insert": self.samples_per_insert,
+            "error_buffer": self.error_buffer,
+            "max_times_sampled": self.max_times_sampled,
         }
 
 

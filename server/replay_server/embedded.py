@@ -29,7 +29,7 @@ from typing import Any
 
 from replay_proto.batch import SampleBatch
 from replay_proto.feed import BatchStream, FeedCore, resolve_delivery
-from replay_server.errors import ConfigError, InvalidArgumentError
+from replay_server.errors import ConfigError, InvalidArgumentError, RateLimitedError
 from replay_server.service.server import ReplayServer
 from replay_server.settings import ServerSettings
 from replay_server.table import Table
@@ -40,6 +40,9 @@ log = logging.getLogger("replay_server")
 
 class TableSource:
     """Produces a feed's batches by sampling a table in this process (no sockets, no codec).
+
+    A sample the table's rate limiter holds back is retried with a short
+    backoff (up to 50 ms) until it passes or the stream stops.
 
     Args:
         table: the table.
@@ -65,10 +68,23 @@ class TableSource:
             layout = tuple((key, dtype, shape) for key, (dtype, shape)
                            in self.table.batch_layout(self.batch_size).items())
             out = core.staging(index, layout) if layout else None
-            batch = self.table.sample(self.batch_size, out=out)
+            batch = self._sample(out)
+            if batch is None:
+                return
             core.deliver(index, batch)
             index += 1
             credits -= 1
+
+    def _sample(self, out: dict | None) -> SampleBatch | None:
+        """One batch; while the rate limiter holds it back, wait (None: stopped meanwhile)."""
+        delay = 0.001
+        while True:
+            try:
+                return self.table.sample(self.batch_size, out=out)
+            except RateLimitedError:
+                if self._stopped.wait(delay):
+                    return None
+                delay = min(delay * 2, 0.05)
 
     def stop(self) -> None:
         self._stopped.set()

@@ -48,3 +48,25 @@ class EmptyTableError(FailedPreconditionError):
 
 class NoPrioritiesError(FailedPreconditionError):
     """The table's sampler does not use priorities."""
+
+
+class RateLimitedError(ReplayServerError):
+    """The table's rate limiter (or ``max_times_sampled``) does not allow the call *now*.
+
+    Nothing was changed. The call may succeed once other calls have changed the
+    table (inserts unblock samples and the other way round). In-process
+    callers get this at once; the service waits for such a change instead,
+    holding no thread, until the call's deadline (see
+    :mod:`replay_server.service.waiting`).
+
+    Attributes:
+        table: the table's name.
+        operation: ``"insert"`` or ``"sample"``.
+        count: rows the call asked to insert or sample (as the limiter counts them).
+    """
+
+    def __init__(self, message: str, *, table: str, operation: str, count: int) -> None:
+        super().__init__(message)
+        self.table = table
+        self.operation = operation
+        self.count = count

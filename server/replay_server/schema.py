@@ -103,6 +103,24 @@ class Schema(Mapping[str, FieldSpec]):
                     f"{list(column.shape[1:])}"
                 )
 
+    def batch_layout(self, lead: tuple[int, ...]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Flat key -> (dtype, shape) of each column of a batch with leading dims ``lead``."""
+        return {key: (spec.dtype, (*lead, *spec.shape)) for key, spec in self._fields.items()}
+
+    def out_problem(self, lead: tuple[int, ...], out: Mapping[str, torch.Tensor]) -> str | None:
+        """Why ``out`` cannot receive a batch with leading dims ``lead`` (None: it can).
+
+        Keys missing from ``out`` are fine (they get new tensors).
+        """
+        for key, (dtype, shape) in self.batch_layout(lead).items():
+            dest = out.get(key)
+            if dest is not None and (
+                dest.dtype != dtype or tuple(dest.shape) != shape or not dest.is_contiguous()
+            ):
+                return (f"out[{key!r}] must be a contiguous {dtype} tensor of shape "
+                        f"{list(shape)}, got {dest.dtype} {list(dest.shape)}")
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """Plain values only (loadable without code execution)."""
         return {

@@ -17,12 +17,16 @@
     sampler = "prioritized"        # uniform | prioritized | slice | prioritized_slice
     alpha = 0.6
     beta = 0.4
+    min_size_to_sample = 1000      # rate limiter (optional; see replay_server.ratelimit)
+    samples_per_insert = 8.0       # omitted: no ratio limit
+    error_buffer = 8000.0          # omitted: a default from the two above
+    max_times_sampled = 0          # 0: no limit
     [tables.schema]                # optional; else the first insert fixes it
     obs = "float32[17]"
 
 Every problem is a :class:`~replay_server.errors.ConfigError` naming the
 field and the value. Keys this version does not implement yet (checkpoints,
-metrics, rate limiting) are refused, never silently ignored.
+metrics) are refused, never silently ignored.
 """
 
 from __future__ import annotations
@@ -51,12 +55,11 @@ _SPEC = re.compile(r"^([a-z0-9]+)\[([0-9, ]*)\]$")
 _SERVER_KEYS = {"address", "pin_memory", "auth_token_env", "max_message_mb", "workers",
                 "log_format", "shared_memory"}
 _TABLE_KEYS = {"name", "capacity", "sampler", "alpha", "beta", "slice_len", "episode_key",
-               "done_key", "truncated_key", "seed", "schema"}
+               "done_key", "truncated_key", "seed", "schema", "min_size_to_sample",
+               "samples_per_insert", "error_buffer", "max_times_sampled"}
 _NOT_YET = {
     "checkpoint_dir": "checkpoints", "checkpoint_interval_s": "checkpoints",
-    "metrics_address": "metrics", "min_size_to_sample": "rate limiting",
-    "samples_per_insert": "rate limiting", "error_buffer": "rate limiting",
-    "max_times_sampled": "rate limiting",
+    "metrics_address": "metrics",
 }
 
 

@@ -9,6 +9,12 @@ and tells its sampler exactly once.
 Every method either succeeds or raises a
 :class:`~replay_server.errors.ReplayServerError` having changed nothing.
 
+Flow control: the table's :class:`~replay_server.ratelimit.RateLimiter` is
+consulted under the lock by ``insert`` and ``sample``; a call it holds back
+raises :class:`~replay_server.errors.RateLimitedError` at once (the service
+layer turns that into waiting). ``max_times_sampled`` retires rows (see
+:mod:`replay_server.retirement`).
+
 Thread-safety: all public methods may be called from any thread; one lock per
 table serializes them (tables do not block each other). Tensor conversion of
 inputs happens before the lock is taken, the copies in and out under it.
@@ -20,7 +26,7 @@ import math
 import operator
 import threading
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -40,9 +46,13 @@ from replay_server.errors import (
     SchemaMismatchError,
 )
 from replay_server.ids import IdRing
+from replay_server.ratelimit import RateLimiter
+from replay_server.retirement import Retirement, load_retirement
+from replay_server.rng import generator_from_state, generator_state
 from replay_server.samplers import InsertEvent, make_sampler
 from replay_server.schema import FieldSpec, Schema
 from replay_server.storage import ColumnStorage
+from replay_server.table_info import TableCounters, TableInfo
 
 STATE_VERSION = 1
 """Version of :meth:`Table.state_dict`'s layout; bumped on any incompatible change."""
@@ -53,35 +63,6 @@ MAX_BATCH_SIZE = 1 << 24
 _STORABLE = frozenset(DTYPES.values())
 _LOG_FLOAT32_MAX = math.log(float(torch.finfo(torch.float32).max))
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-
-
-@dataclass(slots=True)
-class TableCounters:
-    """Monotonic counts since the table was created (kept across reset and restore)."""
-
-    inserted: int = 0
-    evicted: int = 0
-    sample_calls: int = 0
-    sampled: int = 0
-    priority_updates: int = 0
-    stale_priority_updates: int = 0
-    resets: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class TableInfo:
-    """A snapshot of one table, for ``info``."""
-
-    name: str
-    sampler: str
-    capacity: int
-    size: int
-    schema: dict[str, str] | None
-    pinned: bool
-    storage_bytes: int
-    counters: TableCounters
-    sampler_stats: dict[str, Any] = field(default_factory=dict)
-    config: dict[str, Any] = field(default_factory=dict)
 
 
 class Table:
@@ -104,6 +85,11 @@ class Table:
         # numpy's PCG64: single-threaded draws, and a state of plain integers to save.
         self._generator = np.random.Generator(np.random.PCG64(config.seed))
         self._counters = TableCounters()
+        self._limiter = RateLimiter.from_config(config)
+        self._retirement = (
+            Retirement(config.capacity, config.max_times_sampled) if config.max_times_sampled
+            else None
+        )
         # The largest priority whose mass p ** alpha fits the float32 sum tree.
         self._max_priority = (
             math.exp(_LOG_FLOAT32_MAX / config.alpha) if config.alpha > 0 else math.inf
@@ -129,8 +115,13 @@ class Table:
 
     @property
     def size(self) -> int:
-        """Rows present."""
-        return self._ring.size
+        """Rows present (retired rows excluded)."""
+        return self._ring.size - (self._retirement.retired if self._retirement else 0)
+
+    @property
+    def rate_limiter(self) -> RateLimiter:
+        """The table's rate limiter (``can_*`` may be read without the lock, as hints)."""
+        return self._limiter
 
     # ------------------------------------------------------------------ insert
 
@@ -149,6 +140,7 @@ class Table:
         Raises:
             SchemaMismatchError, InvalidArgumentError, InvalidPriorityError,
             NoPrioritiesError: nothing was stored.
+            RateLimitedError: the rate limiter holds the insert back now.
 
         Cost: one copy of the rows into storage plus the sampler's insert
         (O(rows * log capacity) at worst).
@@ -169,12 +161,20 @@ class Table:
                     f"table {self.name!r}: an insert of {rows} rows exceeds the table's "
                     f"capacity of {self._ring.capacity} rows; split it"
                 )
+            self._limiter.check_insert(rows, self.name)
             if self._storage is None:
                 self._allocate(schema)
             assert self._storage is not None
             event = self._insert_event(columns, rows, checked_priorities)
             evicted_first_id = self._ring.first_live
             first_id, evicted = self._ring.allocate(rows)
+            deleted = evicted
+            if self._retirement is not None:
+                ring = self._ring
+                deleted -= self._retirement.inserted(
+                    ring.slots(ring.range(first_id, rows)),
+                    ring.slots(ring.range(evicted_first_id, evicted)),
+                )
             self._storage.write(first_id % self._ring.capacity, columns)
             self._sampler.insert(
                 InsertEvent(
@@ -187,6 +187,8 @@ class Table:
             )
             self._counters.inserted += rows
             self._counters.evicted += evicted
+            self._limiter.inserted(rows)
+            self._limiter.deleted(deleted)
         return torch.from_numpy(self._ring.range(first_id, rows))
 
     def _columns(self, data: Any) -> dict[str, torch.Tensor]:
@@ -333,9 +335,13 @@ class Table:
         shared-memory staging buffer (see :meth:`batch_layout`).
 
         Raises:
-            InvalidArgumentError: ``batch_size`` is not an integer in [1,
-                MAX_BATCH_SIZE], or ``out`` does not fit the batch.
+            InvalidArgumentError: ``batch_size`` is not an integer in [1, MAX_BATCH_SIZE],
+                larger than ``max_times_sampled`` can ever serve, or ``out`` does
+                not fit the batch.
             EmptyTableError: nothing can be sampled yet.
+            RateLimitedError: the rate limiter (or ``max_times_sampled``) holds the
+                sample back now. The limiter counts ``batch_size * slice_len`` rows
+                for slice samplers.
 
         Cost: the sampler's draw (see its docstring) plus one gather per column.
         """
@@ -347,17 +353,31 @@ class Table:
                 f"got {batch_size!r}"
             )
         batch_size = operator.index(batch_size)
-        if out is not None:
-            self._check_out(batch_size, out)
+        if out is not None and self._schema is not None:
+            problem = self._schema.out_problem(self._lead(batch_size), out)
+            if problem:
+                raise InvalidArgumentError(f"table {self.name!r}: {problem}")
+        rows = batch_size * (self.config.slice_len or 1)
         with self._lock:
+            self._limiter.check_sample(rows, self.name)
+            retired = None
             try:
-                index = self._sampler.sample(batch_size, self._generator)
+                if self._retirement is None:
+                    index = self._sampler.sample(batch_size, self._generator)
+                else:
+                    index, retired = self._retirement.sample(
+                        self._sampler, batch_size, self._generator, self.name,
+                        can_wait=self._limiter.enabled)
             except EmptyTableError as exc:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
             assert self._storage is not None
             data = self._storage.gather(index.slots, out)
             self._counters.sample_calls += 1
             self._counters.sampled += batch_size
+            self._limiter.sampled(rows)
+            if retired is not None:
+                self._counters.retired += retired.size
+                self._limiter.deleted(retired.size)
         return SampleBatch(
             unflatten(data),
             torch.from_numpy(index.ids),
@@ -367,22 +387,11 @@ class Table:
 
     def batch_layout(self, batch_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Flat key -> (dtype, shape) of each column of a batch of ``batch_size`` ({} before a schema)."""
-        schema = self._schema
-        if schema is None:
-            return {}
-        lead = (batch_size,) if self.config.slice_len is None else (batch_size, self.config.slice_len)
-        return {key: (spec.dtype, (*lead, *spec.shape)) for key, spec in schema.items()}
+        return {} if self._schema is None else self._schema.batch_layout(self._lead(batch_size))
 
-    def _check_out(self, batch_size: int, out: Mapping[str, torch.Tensor]) -> None:
-        for key, (dtype, shape) in self.batch_layout(batch_size).items():
-            dest = out.get(key)
-            if dest is not None and (
-                dest.dtype != dtype or tuple(dest.shape) != shape or not dest.is_contiguous()
-            ):
-                raise InvalidArgumentError(
-                    f"table {self.name!r}: out[{key!r}] must be a contiguous {dtype} tensor of "
-                    f"shape {list(shape)}, got {dest.dtype} {list(dest.shape)}"
-                )
+    def _lead(self, batch_size: int) -> tuple[int, ...]:
+        slice_len = self.config.slice_len
+        return (batch_size,) if slice_len is None else (batch_size, slice_len)
 
     # -------------------------------------------------------------- priorities
 
@@ -439,6 +448,8 @@ class Table:
                     f"{int(never.sum())} such ids"
                 )
             live = self._ring.live(id_array)
+            if self._retirement is not None:  # a retired row's priority stays 0
+                live &= self._retirement.drawable(self._ring.slots(id_array))
             applied = int(live.sum())
             if applied == id_array.size:
                 self._sampler.update(self._ring.slots(id_array), values)
@@ -455,6 +466,9 @@ class Table:
         with self._lock:
             self._ring.clear()
             self._sampler.clear()
+            self._limiter.reset()
+            if self._retirement is not None:
+                self._retirement.clear()
             self._counters.resets += 1
 
     def info(self) -> TableInfo:
@@ -464,13 +478,14 @@ class Table:
                 name=self.name,
                 sampler=self.config.sampler.value,
                 capacity=self._ring.capacity,
-                size=self._ring.size,
+                size=self.size,
                 schema=None if self._schema is None else self._schema.describe(),
                 pinned=self._storage is not None and self._storage.pinned,
                 storage_bytes=0 if self._storage is None else self._storage.nbytes,
                 counters=TableCounters(**asdict(self._counters)),
                 sampler_stats=self._sampler.stats(),
                 config=self.config.describe(),
+                rate_limiter=self._limiter.info(),
             )
 
     # ------------------------------------------------------------ persistence
@@ -491,7 +506,9 @@ class Table:
                 "columns": {} if self._storage is None else self._storage.state_dict(used),
                 "sampler": self._sampler.state_dict(),
                 "counters": asdict(self._counters),
-                "generator": _generator_state(self._generator),
+                "generator": generator_state(self._generator),
+                "rate_limiter": self._limiter.state_dict(),
+                "times_sampled": self._retirement.state_dict(used) if self._retirement else None,
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -519,6 +536,7 @@ class Table:
             self._ring, self._sampler = fresh._ring, fresh._sampler
             self._storage, self._schema = fresh._storage, fresh._schema
             self._counters, self._generator = fresh._counters, fresh._generator
+            self._limiter, self._retirement = fresh._limiter, fresh._retirement
 
     def _load(self, state: Mapping[str, Any], schema_now: Schema | None) -> None:
         """Load ``state`` into this (fresh, unshared) table; may fail half-way."""
@@ -555,33 +573,12 @@ class Table:
                     )
             self._storage.load_state_dict(state["columns"])
         self._sampler.load_state_dict(state["sampler"])
+        load_retirement(self._retirement, state.get("times_sampled"), self._ring, self.name)
+        self._limiter.load_state_dict(state.get("rate_limiter"), size=self.size)
         self._counters = TableCounters(**state["counters"])
-        self._generator.bit_generator.state = _generator_from_state(state["generator"])
+        self._generator.bit_generator.state = generator_from_state(state["generator"])
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (one that requires grad is detached first)."""
     return tensor.detach().numpy()
-
-
-def _generator_state(generator: np.random.Generator) -> dict[str, Any]:
-    """PCG64 state as plain values (its 128-bit integers as decimal strings)."""
-    state = generator.bit_generator.state
-    return {
-        "bit_generator": state["bit_generator"],
-        "state": str(state["state"]["state"]),
-        "inc": str(state["state"]["inc"]),
-        "has_uint32": int(state["has_uint32"]),
-        "uinteger": int(state["uinteger"]),
-    }
-
-
-def _generator_from_state(saved: Mapping[str, Any]) -> dict[str, Any]:
-    if saved["bit_generator"] != "PCG64":
-        raise ConfigError(f"saved random generator is {saved['bit_generator']!r}, expected PCG64")
-    return {
-        "bit_generator": "PCG64",
-        "state": {"state": int(saved["state"]), "inc": int(saved["inc"])},
-        "has_uint32": int(saved["has_uint32"]),
-        "uinteger": int(saved["uinteger"]),
-    }

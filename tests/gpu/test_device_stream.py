@@ -107,8 +107,7 @@ def test_the_copy_of_the_next_batch_overlaps_compute_on_this_one():
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        x = batch.data["frame"].float().mean()
-        y = weight
+        y = weight * batch.data["frame"].float().mean()
         for _ in range(40):  # a few milliseconds of learner compute
             y = torch.tanh(y @ weight)
         end.record()

@@ -5,7 +5,10 @@ pure-protobuf ones through the generated stubs. Each must be refused with
 INVALID_ARGUMENT or NOT_FOUND and the trailing metadata ``replay-error-kind``,
 and leave the server serving (health SERVING, a valid insert and sample work)
 with its tables unchanged. A bounded hypothesis fuzz of Insert, UpdatePriorities
-and Sample bodies must never get INTERNAL or UNKNOWN, nor kill the server.
+and Sample bodies must never get INTERNAL or UNKNOWN, nor kill the server; a
+refused fuzzed request must leave every table's info (sizes, counters, rate
+limiter state) as it was, and fuzzing must not grow the server's resident
+memory.
 
 One server serves the whole module.
 """
@@ -16,6 +19,7 @@ from collections.abc import Iterator
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -62,6 +66,15 @@ name = "slices"
 capacity = 100
 sampler = "slice"
 slice_len = 2
+
+[[tables]]
+name = "limited"              # a rate limiter that always admits once filled
+capacity = 100
+sampler = "prioritized"
+min_size_to_sample = 2
+samples_per_insert = 1.0
+error_buffer = 1e12
+max_times_sampled = 1000000
 """
 
 
@@ -74,6 +87,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     client = ReplayClient(proc.address, timeout=30)
     client.insert("u", {"obs": torch.arange(12.0).reshape(4, 3)})
     client.insert("p", {"obs": torch.arange(12.0).reshape(4, 3)}, priorities=torch.ones(4))
+    client.insert("limited", {"obs": torch.ones(4, 3)})
     client.close()
     yield proc
     proc.stop()
@@ -294,6 +308,10 @@ SEEDS: tuple[tuple[str, bytes], ...] = (
     ("Sample", pb.SampleRequest(table="u", batch_size=4).SerializeToString()),
     ("Sample", pb.SampleRequest(table="p", batch_size=4).SerializeToString()),
     ("Sample", pb.SampleRequest(table="slices", batch_size=2).SerializeToString()),
+    ("Insert", messages.encode_insert("limited", {"obs": torch.ones(2, 3)})),
+    ("Sample", pb.SampleRequest(table="limited", batch_size=4).SerializeToString()),
+    ("UpdatePriorities", messages.encode_update("limited", np.array([0, 1]),
+                                                np.array([2.0, 0.5]))),
 )
 
 
@@ -358,3 +376,58 @@ def test_server_is_healthy_after_fuzzing(served, channel) -> None:
     health = health_pb2_grpc.HealthStub(channel).Check(
         health_pb2.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT_S)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+# ----------------------------------------- fuzzing: tables unchanged, memory flat
+
+WARM_UP_CASES = 100
+MEASURED_CASES = 400
+RSS_SLACK_BYTES = 8 << 20  # allocator and gRPC buffer noise
+
+
+def fill_every_table(address: str) -> None:
+    """Give every table its schema first, so no fuzzed insert allocates storage."""
+    with ReplayClient(address, timeout=CALL_TIMEOUT_S) as client:
+        client.insert("open", {"a": torch.arange(3), "b": torch.ones(3, 2).bool()})
+        client.insert("slices", {"episode": torch.tensor([1, 1, 2]),
+                                 "done": torch.tensor([False, True, False]),
+                                 "x": torch.ones(3, 2, dtype=torch.float16)})
+
+
+def fuzz_cases(channel: grpc.Channel, stub, count: int, refused: list[int]) -> None:
+    """Send ``count`` fuzzed requests; each one refused must leave ``Info`` exactly as it was."""
+
+    @settings(max_examples=count, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(request=st.one_of(mutated_requests(),
+                             st.tuples(st.sampled_from(FUZZED_METHODS), st.binary(max_size=256))))
+    def check(request: tuple[str, bytes]) -> None:
+        method, raw = request
+        before = snapshot(stub)
+        error = send_raw(channel, method, raw)
+        if error is None:
+            return  # the edit left a valid request, which did its work
+        assert error.code() not in NEVER, f"{method} {raw!r}: {error.code()} {error.details()}"
+        assert error.code() != grpc.StatusCode.DEADLINE_EXCEEDED, error.details()
+        assert snapshot(stub) == before, f"{method} {raw!r} was refused but changed a table"
+        refused[0] += 1
+
+    check()
+
+
+def test_fuzzed_refused_requests_change_nothing_and_server_memory_stays_flat(
+    served, channel, stub
+) -> None:
+    fill_every_table(served.address)
+    process = psutil.Process(served.process.pid)
+    refused = [0]
+    fuzz_cases(channel, stub, WARM_UP_CASES, refused)
+    warm = process.memory_info().rss
+    fuzz_cases(channel, stub, MEASURED_CASES, refused)
+    after = process.memory_info().rss
+    assert served.process.poll() is None, served.log()[-3000:]
+    assert refused[0] > (WARM_UP_CASES + MEASURED_CASES) // 2
+    assert after <= warm * 1.05 + RSS_SLACK_BYTES, (
+        f"server RSS grew from {warm >> 20} MiB to {after >> 20} MiB over "
+        f"{MEASURED_CASES} fuzzed requests")
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -66,3 +67,22 @@ def test_an_address_in_use_is_a_config_error():
         taken = dict(SETTINGS, server={"address": first.address})
         with pytest.raises(ConfigError, match="cannot listen"):
             EmbeddedServer(settings_from_dict(taken))
+
+
+def test_in_process_stream_waits_for_the_rate_limiter():
+    settings = settings_from_dict({"server": {"address": "127.0.0.1:0"}, "tables": [
+        {"name": "limited", "capacity": 1000, "min_size_to_sample": 100}]})
+    with EmbeddedServer(settings, listen=False) as server:
+        table = server.tables["limited"]
+        table.insert({"row": torch.arange(50)})
+        stream = server.stream("limited", 8, num_batches=2)
+
+        def fill_later():
+            time.sleep(0.3)
+            table.insert({"row": torch.arange(50, 150)})
+
+        filler = threading.Thread(target=fill_later)
+        filler.start()
+        batches = [batch.ids.clone() for batch in stream]  # blocks until the table holds 100 rows
+        filler.join()
+        assert len(batches) == 2 and table.info().size == 150

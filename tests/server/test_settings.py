@@ -20,8 +20,8 @@ from replay_server.errors import ConfigError
 from replay_server.settings import ServerSettings, load_settings
 
 # DESIGN.md's example, minus the keys this version refuses (checkpoint_dir,
-# checkpoint_interval_s, metrics_address, min_size_to_sample, samples_per_insert)
-# and minus slice_len, which a prioritized (non-slice) table refuses.
+# checkpoint_interval_s, metrics_address) and minus slice_len, which a
+# prioritized (non-slice) table refuses.
 DESIGN_EXAMPLE = """
 [server]
 address = "127.0.0.1:50051"
@@ -34,6 +34,8 @@ capacity = 1_000_000
 sampler = "prioritized"             # uniform | prioritized | slice | prioritized_slice
 alpha = 0.6
 beta = 0.4
+min_size_to_sample = 1000
+samples_per_insert = 8.0            # omitted: no ratio limit
 """
 
 ONE_TABLE = '[[tables]]\nname = "t"\ncapacity = 10\n'
@@ -66,6 +68,22 @@ def test_design_example_loads(tmp_path: Path) -> None:
     [table] = settings.tables
     assert (table.name, table.capacity, table.sampler, table.alpha, table.beta) == (
         "replay", 1_000_000, SamplerKind.PRIORITIZED, 0.6, 0.4)
+    assert (table.min_size_to_sample, table.samples_per_insert, table.error_buffer) == (
+        1000, 8.0, None)
+    assert table.effective_error_buffer == 8.0 * 1000
+
+
+def test_flow_control_keys_load(tmp_path: Path) -> None:
+    text = ONE_TABLE + ("min_size_to_sample = 5\nsamples_per_insert = 2\nerror_buffer = 20\n"
+                        "max_times_sampled = 3\n")
+    [table] = load_text(tmp_path, text).tables
+    assert (table.min_size_to_sample, table.samples_per_insert, table.error_buffer,
+            table.max_times_sampled) == (5, 2.0, 20.0, 3)
+
+
+def test_bad_flow_control_value_is_refused_naming_the_table_and_key(tmp_path: Path) -> None:
+    assert_config_error(tmp_path, ONE_TABLE + "min_size_to_sample = 11\n", "table 't'",
+                        "min_size_to_sample", "capacity=10", "11")
 
 
 def test_design_example_slice_len_loads_on_a_slice_sampler(tmp_path: Path) -> None:
@@ -186,9 +204,6 @@ def test_schema_that_is_not_a_table_is_an_error(tmp_path: Path) -> None:
     ("server", 'checkpoint_dir = "checkpoints"', "checkpoint_dir"),
     ("server", "checkpoint_interval_s = 600", "checkpoint_interval_s"),
     ("server", 'metrics_address = "127.0.0.1:9100"', "metrics_address"),
-    ("table", "samples_per_insert = 8.0", "samples_per_insert"),
-    ("table", "min_size_to_sample = 1000", "min_size_to_sample"),
-    ("table", "max_times_sampled = 2", "max_times_sampled"),
 ])
 def test_not_yet_supported_key_is_refused_by_name(
     tmp_path: Path, section: str, line: str, key: str

@@ -184,3 +184,21 @@ def test_every_engine_error_is_typed():
     table = _table()
     with pytest.raises(ReplayServerError):
         table.sample(1)
+
+
+def test_sample_into_caller_buffers_and_refuse_ones_that_do_not_fit():
+    from replay_server.errors import InvalidArgumentError
+
+    table = Table(TableConfig(name="t", capacity=100, sampler="uniform", seed=0))
+    table.insert({"row": torch.arange(50), "obs": torch.arange(50).float().view(50, 1).expand(50, 3).clone()})
+    layout = table.batch_layout(8)
+    assert layout == {"row": (torch.int64, (8,)), "obs": (torch.float32, (8, 3))}
+    out = {key: torch.empty(shape, dtype=dtype) for key, (dtype, shape) in layout.items()}
+    batch = table.sample(8, out=out)
+    assert batch.data["obs"].data_ptr() == out["obs"].data_ptr()
+    assert torch.equal(out["row"], batch.ids) and torch.equal(out["obs"][:, 2], batch.ids.float())
+    before = table.state_dict()
+    with pytest.raises(InvalidArgumentError, match=r"out\['obs'\] must be a contiguous torch.float32 tensor of shape \[8, 3\]"):
+        table.sample(8, out={"obs": torch.empty(8, 4)})
+    after = table.state_dict()
+    assert before["generator"] == after["generator"] and before["counters"] == after["counters"]

@@ -76,7 +76,10 @@ class ReplayServiceServicer:
         """Appends rows to a table. All columns share their leading dimension (rows).
         The first insert into a table fixes its schema unless the config declared
         one; a mismatching insert is refused whole. The new rows' ids are
-        consecutive: first_id .. first_id + count - 1.
+        consecutive: first_id .. first_id + count - 1. An insert the table's rate
+        limiter holds back waits (holding no server thread) until samples let it
+        through or its deadline comes (DEADLINE_EXCEEDED); with no deadline it
+        waits until cancelled.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,7 +88,8 @@ class ReplayServiceServicer:
     def Sample(self, request, context):
         """Draws one batch (with replacement) with the table's sampler. The whole
         batch is one message; a batch too large for the message-size limit is
-        refused with RESOURCE_EXHAUSTED (use SampleStream, which chunks).
+        refused with RESOURCE_EXHAUSTED (use SampleStream, which chunks). A
+        sample the rate limiter holds back waits like an Insert.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,7 +124,8 @@ class ReplayServiceServicer:
         the message carries `shared_memory` (offsets) instead of a payload. The
         server unlinks the ring's name once the answer arrives, so nothing is
         left in /dev/shm whoever exits first. When the server cannot or will not
-        offer a ring, the first batch says why in `transport_note`.
+        offer a ring, the first batch says why in `transport_note`. A batch the
+        rate limiter holds back waits like a Sample (groups shrink to one batch).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -29,7 +29,7 @@ def make_sampler(config: TableConfig, ring: IdRing) -> Sampler:
     """The sampler ``config.sampler`` names, over ``ring``."""
     kind = config.sampler
     if kind is SamplerKind.UNIFORM:
-        return UniformSampler(ring)
+        return UniformSampler(ring, retiring=config.max_times_sampled > 0)
     if kind is SamplerKind.PRIORITIZED:
         return PrioritizedSampler(ring, config.alpha, config.beta)
     assert config.slice_len is not None

@@ -16,6 +16,7 @@ Thread-safety: none of their own. Every method is called under the table's lock.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,15 @@ class Sampler(ABC):
     def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         """Set the priorities (float64, validated) of the live rows at ``slots``."""
         raise NoPrioritiesError("this table's sampler does not use priorities")
+
+    def remove(self, slots: np.ndarray) -> Callable[[], None]:
+        """Stop drawing the rows at ``slots`` (distinct, live, not removed yet).
+
+        The rows stay stored until overwritten; this is how ``max_times_sampled``
+        retires a row. Returns a function that undoes the removal, for a table
+        call that fails after removing. Row samplers only.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot remove single rows")
 
     @property
     def max_priority(self) -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -100,6 +101,12 @@ class PrioritizedSampler(Sampler):
     def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         self._prio.observe(priorities)
         self._tree.set(slots, self._prio.mass(priorities))
+
+    def remove(self, slots: np.ndarray) -> Callable[[], None]:
+        """Zero the rows' sampling mass; the undo writes it back."""
+        mass = self._tree.get(slots)
+        self._tree.set(slots, np.zeros(slots.size, dtype=np.float32))
+        return lambda: self._tree.set(slots, mass)
 
     def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         total = self._tree.total()

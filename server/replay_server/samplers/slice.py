@@ -16,9 +16,10 @@ import torch
 
 from replay_server.errors import EmptyTableError
 from replay_server.ids import IdRing
-from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex, uniform_draws
-from replay_server.samplers.episodes import EpisodeIndex, index_dtype
+from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex
+from replay_server.samplers.episodes import EpisodeIndex
 from replay_server.samplers.prioritized import PriorityState, draw_by_priority
+from replay_server.samplers.slotset import SlotSet
 from replay_server.sumtree import SumTree
 
 
@@ -29,54 +30,6 @@ def _no_slices(ring: IdRing, slice_len: int) -> EmptyTableError:
         f"no episode has {slice_len} consecutive steps stored yet "
         f"({ring.size} rows stored); episodes shorter than slice_len are never sampled"
     )
-
-
-class StartSet:
-    """A set of slots with O(1) membership and O(B) uniform draws.
-
-    Dense array of members plus each slot's position in it; removal moves the
-    last members into the holes (vectorized for a batch of removals).
-    Memory: 8 bytes per slot (4 when capacity < 2**31).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        dtype = index_dtype(capacity)
-        self._pos = np.full(capacity, -1, dtype=dtype)
-        self._dense = np.zeros(capacity, dtype=dtype)
-        self.count = 0
-
-    def add(self, slots: np.ndarray) -> None:
-        k = slots.size
-        self._pos[slots] = np.arange(self.count, self.count + k)
-        self._dense[self.count : self.count + k] = slots
-        self.count += k
-
-    def remove(self, slots: np.ndarray) -> None:
-        """Remove those of ``slots`` that are members."""
-        positions = self._pos[slots]
-        member = positions >= 0
-        slots, positions = slots[member], positions[member]
-        k = slots.size
-        if k == 0:
-            return
-        new_count = self.count - k
-        self._pos[slots] = -1
-        holes = positions[positions < new_count]
-        tail = self._dense[new_count : self.count]
-        fillers = tail[self._pos[tail] >= 0]
-        self._dense[holes] = fillers
-        self._pos[fillers] = holes
-        self.count = new_count
-
-    def draw(self, batch_size: int, generator: np.random.Generator) -> np.ndarray:
-        return self._dense[uniform_draws(generator, self.count, batch_size)]
-
-    def members(self) -> np.ndarray:
-        return self._dense[: self.count]
-
-    def clear(self) -> None:
-        self._pos[self._dense[: self.count]] = -1
-        self.count = 0
 
 
 class SliceSampler(Sampler):
@@ -90,7 +43,7 @@ class SliceSampler(Sampler):
     def __init__(self, ring: IdRing, slice_len: int) -> None:
         super().__init__(ring)
         self._episodes = EpisodeIndex(ring, slice_len)
-        self._starts = StartSet(ring.capacity)
+        self._starts = SlotSet(ring.capacity)
 
     def insert(self, event: InsertEvent) -> None:
         cap = self._ring.capacity

@@ -3,6 +3,9 @@
 Handlers receive and return raw message bytes (so tensor payloads are never
 copied through protobuf fields; see :mod:`replay_proto.codec`). Engine work,
 decoding included, runs in a bounded thread pool, never on the event loop.
+Calls a table's rate limiter holds back wait in
+:mod:`replay_server.service.waiting`, holding no thread; every call that
+changes a table reports it there.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import grpc
 from replay_proto import messages
 from replay_proto.codec import CodecError
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.errors import InvalidArgumentError
 from replay_server.service.status import (
     ERROR_KIND_KEY,
     MessageTooLargeError,
@@ -27,6 +29,7 @@ from replay_server.service.status import (
     status_of,
 )
 from replay_server.service.streaming import SampleStreamCall, _estimated_bytes
+from replay_server.service.waiting import BlockedCalls
 from replay_server.tables import Tables
 
 log = logging.getLogger("replay_server.service")
@@ -53,7 +56,26 @@ class ReplayServicer:
         self._executor = executor
         self._max_message = max_message_bytes
         self.shared_memory = shared_memory
-        self.draining = False
+        self._draining = False
+        self._blocked = BlockedCalls(self._may_pass)
+
+    @property
+    def draining(self) -> bool:
+        """Set when the server starts draining: new calls are refused, waiting ones give up."""
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        if value:
+            self._blocked.changed()
+
+    def tables_changed(self, table: str | None = None) -> None:
+        """Wake calls waiting on ``table`` (``None``: all tables; e.g. after a restore).
+
+        Event-loop only.
+        """
+        self._blocked.changed(table)
 
     def handler(self) -> grpc.GenericRpcHandler:
         """A generic handler serving every RPC of ``replay.v1.ReplayService``."""
@@ -73,21 +95,22 @@ class ReplayServicer:
     # ---------------------------------------------------------------- handlers
 
     async def insert(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._run(context, self._insert, raw)
+        return await self._change(context, self._insert, raw)
 
-    def _insert(self, raw: bytes) -> bytes:
+    def _insert(self, raw: bytes) -> tuple[str, bytes]:
         call = messages.decode_insert(raw)
         ids = self._tables[call.table].insert(call.columns, call.priorities)
-        return messages.encode_insert_response(int(ids[0]) if len(ids) else 0, len(ids))
+        return call.table, messages.encode_insert_response(int(ids[0]) if len(ids) else 0, len(ids))
 
     async def sample(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._run(context, self._sample, raw)
+        return await self._change(context, self._sample, raw)
 
-    def _sample(self, raw: bytes) -> bytes:
+    def _sample(self, raw: bytes) -> tuple[str, bytes]:
         request = _parse(pb.SampleRequest, raw)
         table = self._tables[request.table]
         self._check_unary_size(table, request.batch_size)
-        return messages.encode_sample(table.sample(request.batch_size), 0, self._max_message)[0]
+        batch = table.sample(request.batch_size)
+        return request.table, messages.encode_sample(batch, 0, self._max_message)[0]
 
     async def sample_stream(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -96,20 +119,29 @@ class ReplayServicer:
             yield chunk
 
     async def update_priorities(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._run(context, self._update_priorities, raw)
+        return await self._change(context, self._update_priorities, raw)
 
-    def _update_priorities(self, raw: bytes) -> bytes:
+    def _update_priorities(self, raw: bytes) -> tuple[str, bytes]:
         name, ids, priorities = messages.decode_update(raw)
         applied = self._tables[name].update_priorities(ids, priorities)
-        return pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied).SerializeToString()
+        response = pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied)
+        return name, response.SerializeToString()
 
     async def info(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._run(context, self._info)
+        waiting = {
+            table.name: (self._blocked.waiting(table.name, "insert"),
+                         self._blocked.waiting(table.name, "sample"))
+            for table in self._tables
+        }
+        return await self._run(context, self._info, waiting)
 
-    def _info(self) -> bytes:
+    def _info(self, waiting: dict[str, tuple[int, int]]) -> bytes:
         tables = []
         for table in self._tables:
             info = table.info()
+            limiter = info.rate_limiter
+            assert limiter is not None
+            blocked_inserts, blocked_samples = waiting.get(table.name, (0, 0))
             tables.append(pb.TableInfo(
                 name=info.name,
                 sampler=info.sampler,
@@ -123,15 +155,21 @@ class ReplayServicer:
                 alpha=info.config["alpha"],
                 beta=info.config["beta"],
                 slice_len=info.config["slice_len"] or 0,
+                rate_limiter=pb.RateLimiterInfo(
+                    **asdict(limiter), blocked_inserts=blocked_inserts,
+                    blocked_samples=blocked_samples,
+                ),
+                max_times_sampled=info.config["max_times_sampled"],
             ))
         return pb.InfoResponse(tables=tables).SerializeToString()
 
     async def reset(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._run(context, self._reset, raw)
+        return await self._change(context, self._reset, raw)
 
-    def _reset(self, raw: bytes) -> bytes:
-        self._tables[_parse(pb.ResetRequest, raw).table].reset()
-        return pb.ResetResponse().SerializeToString()
+    def _reset(self, raw: bytes) -> tuple[str, bytes]:
+        name = _parse(pb.ResetRequest, raw).table
+        self._tables[name].reset()
+        return name, pb.ResetResponse().SerializeToString()
 
     # ---------------------------------------------------------------- helpers
 
@@ -143,6 +181,38 @@ class ReplayServicer:
                 f"over the {self._max_message >> 20} MiB message limit; use SampleStream "
                 f"(client.stream), which splits batches, or a smaller batch_size"
             )
+
+    def _may_pass(self, table: str, operation: str, count: int) -> bool:
+        """Lock-free hint for :class:`BlockedCalls`: might a held-back call pass now?"""
+        limiter = self._tables[table].rate_limiter
+        return limiter.can_insert(1) if operation == "insert" else limiter.can_sample(1)
+
+    async def _change(
+        self,
+        context: grpc.aio.ServicerContext,
+        fn: Callable[..., tuple[str, T]],
+        *args: Any,
+        aborting: bool = True,
+    ) -> T:
+        """Run ``fn`` (which returns ``(table, result)``) in the pool, waiting while it is
+        rate-limited; then report the table changed and return ``result``.
+
+        Errors abort the call with their status, or propagate (``aborting=False``).
+        """
+        if self.draining:
+            refused = ShuttingDownError("the server is shutting down")
+            if aborting:
+                await self._abort(context, refused)
+            raise refused
+        loop = asyncio.get_running_loop()
+        work = self._blocked.run(
+            lambda: loop.run_in_executor(self._executor, fn, *args),
+            time_remaining=context.time_remaining,
+            stopping=lambda: self.draining,
+        )
+        table, result = await (self._await(context, work) if aborting else work)
+        self._blocked.changed(table)
+        return result
 
     async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
         if self.draining:

@@ -35,6 +35,7 @@ _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
     (CodecError, grpc.StatusCode.INVALID_ARGUMENT, "malformed_request"),
     (errors.UnknownTableError, grpc.StatusCode.NOT_FOUND, "unknown_table"),
+    (errors.RateLimitedError, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"),
     (errors.EmptyTableError, grpc.StatusCode.FAILED_PRECONDITION, "empty_table"),
     (errors.NoPrioritiesError, grpc.StatusCode.FAILED_PRECONDITION, "no_priorities"),
     (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"),

@@ -33,7 +33,7 @@ from replay_proto.codec import spec_of
 from replay_proto.keys import flatten
 from replay_proto.shm import SharedMemoryError, SharedRing, align, host_id
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.errors import InvalidArgumentError
+from replay_server.errors import InvalidArgumentError, RateLimitedError
 from replay_server.service.status import ShuttingDownError
 from replay_server.table import MAX_BATCH_SIZE, Table
 
@@ -106,23 +106,21 @@ class SampleStreamCall:
         table = await servicer._run(self._context, servicer._tables.__getitem__, request.table)
         self._credits = self._window = first.credits
         reader = asyncio.create_task(self._read())
-        loop = asyncio.get_running_loop()
         want_ring = first.shared_memory and servicer.shared_memory
         note = ""
         if first.shared_memory and not servicer.shared_memory:
             note = "the server has shared_memory = false"
         elif want_ring and first.host_id != host_id():
             want_ring, note = False, "the learner runs on another host"
+        index = 0
+        pending: asyncio.Future | None = None
         try:
-            index = 0
-            pending: asyncio.Future | None = None
             while True:
                 if pending is None:
                     count = await self._next_count(request, table, index)
                     if count == 0:
                         return
-                    pending = loop.run_in_executor(servicer._executor, self._draw, table,
-                                                   request, index, count, index == 0 and want_ring)
+                    pending = self._start_draw(table, request, index, count, index == 0 and want_ring)
                 if servicer.draining:
                     pending.cancel()
                     await servicer._abort(self._context, ShuttingDownError("the server is shutting down"))
@@ -135,11 +133,14 @@ class SampleStreamCall:
                     chunks[0] = _with_note(chunks[0], note)
                 ahead = await self._next_count(request, table, index, wait=False)
                 if ahead:
-                    pending = loop.run_in_executor(servicer._executor, self._draw, table,
-                                                   request, index, ahead, False)
+                    pending = self._start_draw(table, request, index, ahead, False)
                 for chunk in chunks:
                     yield chunk
         finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+            elif pending is not None and not pending.cancelled():
+                pending.exception()  # retrieved, so asyncio does not log it as lost
             reader.cancel()
             self._close_ring()
 
@@ -200,11 +201,23 @@ class SampleStreamCall:
 
     # ------------------------------------------------------------ drawing (engine threads)
 
+    def _start_draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
+                    offer_ring: bool) -> asyncio.Future:
+        """Draw in the engine's pool, waiting (without a thread) while the rate limiter holds it."""
+        return asyncio.ensure_future(self._servicer._change(
+            self._context, self._draw, table, request, index, count, offer_ring, aborting=False))
+
     def _draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
-              offer_ring: bool) -> tuple[list[bytes], int, str]:
+              offer_ring: bool) -> tuple[str, tuple[list[bytes], int, str]]:
         if self._ring_accepted and self._ring is not None and self._layout is not None:
-            return [self._draw_into_ring(table, request, index)], 1, ""
-        batch = table.sample(request.batch_size * count)
+            return table.name, ([self._draw_into_ring(table, request, index)], 1, "")
+        try:
+            batch = table.sample(request.batch_size * count)
+        except RateLimitedError:
+            if count == 1:
+                raise
+            count = 1  # a group the limiter holds back is drawn as a single batch
+            batch = table.sample(request.batch_size)
         chunk_bytes = max(1, min(_STREAM_CHUNK, self._servicer._max_message - _HEADROOM))
         chunks = messages.encode_sample(batch, index, chunk_bytes, batch_count=count)
         note = ""
@@ -212,7 +225,7 @@ class SampleStreamCall:
             note = self._create_ring(batch, request.batch_size)
             if self._ring is not None:
                 chunks[0] = _with_offer(chunks[0], self._ring)
-        return chunks, count, note
+        return table.name, (chunks, count, note)
 
     def _create_ring(self, batch: SampleBatch, batch_size: int) -> str:
         layout = _RingLayout(batch, batch_size)

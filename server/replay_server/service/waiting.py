@@ -1,0 +1,153 @@
+"""Calls held back by a table's rate limiter wait here, on the event loop, holding no thread.
+
+The engine never blocks: a table whose rate limiter (or ``max_times_sampled``)
+holds an insert or a sample back raises
+:class:`~replay_server.errors.RateLimitedError` at once, having changed
+nothing. :meth:`BlockedCalls.run` catches that and waits for the table to
+change (the servicer reports every insert, sample, priority update and reset
+through :meth:`BlockedCalls.changed`; a restore reports ``changed()`` for all
+tables), then tries again in the engine's thread pool. So a thousand blocked
+samplers cost a thousand small coroutines, not a thousand threads, and never
+starve the inserts that would unblock them.
+
+No wake-up is lost: every attempt notes the change clock before it starts,
+and a change reported after that clock makes the waiter try again. Before
+retrying, a waiter asks the limiter (read without the table's lock: only a
+hint, the retry decides) whether the call would pass, so a change that cannot
+help wakes it without engine work.
+
+Deadlines: a call waits until shortly before its gRPC deadline (a tenth of
+the time it had left when it first blocked, at most 0.2 s, so the reason
+reaches the client before the client's own deadline fires), then fails with
+the limiter's last message plus "until the deadline", which the status
+mapping turns into DEADLINE_EXCEEDED. A call with no deadline waits until the
+client cancels it. While the server drains, waiters give up with
+:class:`~replay_server.service.status.ShuttingDownError` (UNAVAILABLE).
+
+Thread-safety: event-loop only (the attempt itself runs in the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from replay_server.errors import RateLimitedError
+from replay_server.service.status import ShuttingDownError
+
+T = TypeVar("T")
+
+GIVE_UP_EARLY_MAX_S = 0.2
+"""A blocked call gives up at most this long before its deadline."""
+
+GIVE_UP_EARLY_FRACTION = 0.1
+"""... and at most this fraction of the time it had left when it first blocked."""
+
+Hint = Callable[[str, str, int], bool]
+"""``hint(table, operation, count)``: might the call pass now? (True when unsure)."""
+
+
+class BlockedCalls:
+    """Where rate-limited calls wait for their table to change.
+
+    Args:
+        hint: cheap, lock-free guess whether a blocked call would pass now.
+    """
+
+    def __init__(self, hint: Hint) -> None:
+        self._hint = hint
+        self._clock = 0
+        self._changed_at: dict[str, int] = {}
+        self._all_changed_at = 0
+        self._wakeups: dict[str, asyncio.Event] = {}
+        self._waiting: Counter[tuple[str, str]] = Counter()
+
+    def changed(self, table: str | None = None) -> None:
+        """``table`` (``None``: every table) changed: wake the calls waiting on it."""
+        self._clock += 1
+        if table is None:
+            self._all_changed_at = self._clock
+            wakeups, self._wakeups = list(self._wakeups.values()), {}
+        else:
+            self._changed_at[table] = self._clock
+            wakeup = self._wakeups.pop(table, None)
+            wakeups = [] if wakeup is None else [wakeup]
+        for wakeup in wakeups:
+            wakeup.set()
+
+    def waiting(self, table: str, operation: str) -> int:
+        """Calls of ``operation`` (``"insert"``/``"sample"``) waiting on ``table`` now."""
+        return self._waiting[(table, operation)]
+
+    async def run(
+        self,
+        attempt: Callable[[], Awaitable[T]],
+        *,
+        time_remaining: Callable[[], float | None],
+        stopping: Callable[[], bool],
+    ) -> T:
+        """``await attempt()`` until it does not raise RateLimitedError, waiting in between.
+
+        Args:
+            attempt: starts the engine call (in the thread pool) and returns its future.
+            time_remaining: seconds to the call's deadline (``None``: no deadline).
+            stopping: whether the server is draining.
+
+        Raises:
+            RateLimitedError: still held back shortly before the deadline.
+            ShuttingDownError: the server started draining while the call waited.
+            Exception: whatever else the attempt raises.
+        """
+        loop = asyncio.get_running_loop()
+        give_up_at: float | None = None
+        first = True
+        while True:
+            since = self._clock
+            try:
+                return await attempt()
+            except RateLimitedError as exc:
+                blocked = exc
+            if first:
+                first = False
+                remaining = time_remaining()
+                if remaining is not None:
+                    early = min(GIVE_UP_EARLY_MAX_S, GIVE_UP_EARLY_FRACTION * remaining)
+                    give_up_at = loop.time() + remaining - early
+            await self._wait(blocked, since, give_up_at, stopping)
+
+    async def _wait(
+        self,
+        blocked: RateLimitedError,
+        since: int,
+        give_up_at: float | None,
+        stopping: Callable[[], bool],
+    ) -> None:
+        """Return once ``blocked``'s table changed after ``since`` in a way that may let it pass."""
+        loop = asyncio.get_running_loop()
+        table, key = blocked.table, (blocked.table, blocked.operation)
+        self._waiting[key] += 1
+        try:
+            while True:
+                if stopping():
+                    raise ShuttingDownError("the server is shutting down")
+                if max(self._changed_at.get(table, 0), self._all_changed_at) > since:
+                    if self._hint(table, blocked.operation, blocked.count):
+                        return
+                    since = self._clock
+                timeout = None if give_up_at is None else give_up_at - loop.time()
+                if timeout is not None and timeout <= 0:
+                    raise RateLimitedError(
+                        f"{blocked} until the deadline", table=table,
+                        operation=blocked.operation, count=blocked.count,
+                    )
+                wakeup = self._wakeups.setdefault(table, asyncio.Event())
+                try:
+                    await asyncio.wait_for(wakeup.wait(), timeout)
+                except TimeoutError:
+                    pass
+        finally:
+            self._waiting[key] -= 1
+            if not self._waiting[key]:
+                del self._waiting[key]
