@@ -154,9 +154,18 @@ class NetworkSource:
 
     def _run_call(self, core: FeedCore, remaining: int, reconnected: bool) -> bool:
         """One call until it ends; True when the stream is complete."""
-        with self.lock:
-            # The new server may run `prefetch + taken` ahead of the learner, minus what arrived.
-            credits = core.prefetch + self.granted - self._received
+        while True:
+            with self.lock:
+                # A new server may run `prefetch + taken` ahead of the learner, minus what arrived.
+                credits = core.prefetch + self.granted - self._received
+            if credits >= 1:
+                break
+            # Reconnecting while the learner's window is full: wait until it takes a batch.
+            taken = core.wait_credits()
+            if core.stopping.is_set():
+                return True
+            with self.lock:
+                self.granted += taken
         request = pb.SampleRequest(table=self.table, batch_size=self.batch_size,
                                    num_batches=remaining,
                                    batches_per_message=self.batches_per_message)

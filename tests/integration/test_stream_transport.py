@@ -159,6 +159,7 @@ def test_stream_resumes_after_a_server_restart(server_factory, shared_memory):
     with stream:
         for _ in range(3):
             batch = next(stream)
+        time.sleep(0.5)  # the window fills: the learner holds prefetch batches when the server dies
         first.stop(signal.SIGKILL)
         second = server_factory(CONFIG, port=port)
         _fill_when_up(ReplayClient(second.address))  # an actor of the new server
