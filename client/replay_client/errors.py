@@ -53,6 +53,17 @@ class NoPrioritiesError(FailedPreconditionError):
     """The table's sampler does not use priorities."""
 
 
+class NoCheckpointDirError(FailedPreconditionError):
+    """A checkpoint was requested from a server that has no ``checkpoint_dir``."""
+
+
+class CheckpointError(ReplayError):
+    """The server could not write the checkpoint (disk full, directory unwritable, ...).
+
+    Nothing of it was kept; the server goes on serving. The message says why.
+    """
+
+
 class MessageTooLargeError(ReplayError):
     """A request or response exceeds the message-size limit."""
 
@@ -91,6 +102,8 @@ _BY_KIND: dict[str, type[ReplayError]] = {
     "empty_table": EmptyTableError,
     "no_priorities": NoPrioritiesError,
     "failed_precondition": FailedPreconditionError,
+    "no_checkpoint_dir": NoCheckpointDirError,
+    "checkpoint_failed": CheckpointError,
     "message_too_large": MessageTooLargeError,
     "unauthenticated": UnauthenticatedError,
     "unavailable": UnavailableError,

@@ -48,3 +48,22 @@ class EmptyTableError(FailedPreconditionError):
 
 class NoPrioritiesError(FailedPreconditionError):
     """The table's sampler does not use priorities."""
+
+
+class MalformedStateError(ConfigError):
+    """A saved state (state dict or checkpoint) is malformed, as opposed to contradicting the config."""
+
+
+class CheckpointsDisabledError(FailedPreconditionError):
+    """A checkpoint was requested but the server has no ``checkpoint_dir``."""
+
+
+class CheckpointWriteError(ReplayServerError):
+    """Writing a checkpoint failed (the checkpoint directory is unwritable, a file failed, ...).
+
+    Nothing of the failed checkpoint remains; the tables are unaffected.
+    """
+
+
+class CheckpointSpaceError(CheckpointWriteError):
+    """Writing a checkpoint failed for lack of space (disk full, quota, file size limit)."""

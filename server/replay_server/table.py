@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import operator
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,12 +36,15 @@ from replay_server.errors import (
     InvalidArgumentError,
     InvalidIdsError,
     InvalidPriorityError,
+    MalformedStateError,
     NoPrioritiesError,
     SchemaMismatchError,
 )
 from replay_server.ids import IdRing
+from replay_server.rng import generator_from_state, generator_state
 from replay_server.samplers import InsertEvent, make_sampler
 from replay_server.schema import FieldSpec, Schema
+from replay_server.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
 from replay_server.storage import ColumnStorage
 
 STATE_VERSION = 1
@@ -447,53 +450,79 @@ class Table:
 
     # ------------------------------------------------------------ persistence
 
-    def state_dict(self) -> dict[str, Any]:
-        """A consistent snapshot of the whole table: tensors and plain values only.
+    def snapshot(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TableSnapshot:
+        """Begin a consistent snapshot of the table as it is now (:mod:`replay_server.snapshot`).
 
-        Loadable with ``torch.load(..., weights_only=True)``; no code runs on load.
-        Copies the stored rows (O(rows stored)) under the lock.
+        Copies everything but the rows under the lock (O(slots used) of small
+        per-slot sampler arrays); the rows are read out afterwards in pieces
+        of ``chunk_bytes``, under short lock holds. Close the snapshot when done.
         """
         with self._lock:
             used = min(self._ring.next_id, self._ring.capacity)
-            return {
+            state = {
                 "version": STATE_VERSION,
                 "config": self.config.describe(),
                 "schema": None if self._schema is None else self._schema.state_dict(),
                 "ring": self._ring.state_dict(),
-                "columns": {} if self._storage is None else self._storage.state_dict(used),
+                "columns": {},  # the rows: read from the snapshot's ``rows``
                 "sampler": self._sampler.state_dict(),
                 "counters": asdict(self._counters),
-                "generator": _generator_state(self._generator),
+                "generator": generator_state(self._generator),
             }
+            rows = None if self._storage is None else self._storage.snapshot(
+                self._lock, self._ring.next_id % self._ring.capacity, used, chunk_bytes)
+        return TableSnapshot(state, rows)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """A consistent snapshot of the whole table: tensors and plain values only.
+
+        Loadable with ``torch.load(..., weights_only=True)``; no code runs on
+        load. ``"columns"``: the slots ever written, in slot order, copied in
+        pieces under short lock holds (:meth:`snapshot`).
+        """
+        with self.snapshot() as snap:
+            state = snap.state
+            if snap.rows is not None and self._schema is not None:
+                dtypes = {key: spec.dtype for key, spec in self._schema.items()}
+                state["columns"] = snap.rows.columns(dtypes)
+        return state
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], read_rows: Callable[[dict], None] | None = None
+    ) -> None:
         """Replace this table's contents with a :meth:`state_dict`, all or nothing.
 
         The state is loaded into a fresh table first and swapped in only once
         it has loaded completely, so a malformed state changes nothing (the
-        cost: twice the table's memory while loading).
+        cost: twice the table's memory while loading). ``read_rows``, if
+        given, fills the rows instead of ``state["columns"]``: it is called
+        with numpy views of the fresh table's whole columns (bfloat16 as
+        int16), e.g. to read them from files; what it raises propagates as is.
 
         Raises:
             ConfigError: the state has another layout version, contradicts this
                 table's config (capacity, sampler, slice_len, alpha, keys) or
-                schema (the message names both values), or is malformed.
+                schema (the message names both values).
+            MalformedStateError: the state is malformed.
         """
         fresh = Table(self.config)
         try:
-            fresh._load(state, self._schema)
+            fresh._load(state, self._schema, read_rows is None)
         except ConfigError:
             raise
         except Exception as exc:
-            raise ConfigError(
+            raise MalformedStateError(
                 f"table {self.name!r}: saved state is malformed ({type(exc).__name__}: {exc})"
             ) from exc
+        if read_rows is not None and fresh._storage is not None:
+            read_rows(fresh._storage.views)
         with self._lock:
             self._ring, self._sampler = fresh._ring, fresh._sampler
             self._storage, self._schema = fresh._storage, fresh._schema
             self._counters, self._generator = fresh._counters, fresh._generator
 
-    def _load(self, state: Mapping[str, Any], schema_now: Schema | None) -> None:
-        """Load ``state`` into this (fresh, unshared) table; may fail half-way."""
+    def _load(self, state: Mapping[str, Any], schema_now: Schema | None, columns: bool) -> None:
+        """Load ``state`` (its rows too if ``columns``) into this fresh table; may fail half-way."""
         version = state.get("version")
         if version != STATE_VERSION:
             raise ConfigError(
@@ -517,43 +546,20 @@ class Table:
         if schema is not None and self._storage is None:
             self._allocate(schema)
         self._ring.load_state_dict(state["ring"])
-        if self._storage is not None:
+        if self._storage is not None and columns:
             used = min(self._ring.next_id, self._ring.capacity)
             for key, column in state["columns"].items():
                 if key not in self._storage.columns or column.shape[0] != used:
-                    raise ConfigError(
+                    raise MalformedStateError(
                         f"table {self.name!r}: saved column {key!r} does not fit the schema "
                         f"and {used} stored slots"
                     )
             self._storage.load_state_dict(state["columns"])
         self._sampler.load_state_dict(state["sampler"])
         self._counters = TableCounters(**state["counters"])
-        self._generator.bit_generator.state = _generator_from_state(state["generator"])
+        self._generator.bit_generator.state = generator_from_state(state["generator"])
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a CPU tensor (one that requires grad is detached first)."""
     return tensor.detach().numpy()
-
-
-def _generator_state(generator: np.random.Generator) -> dict[str, Any]:
-    """PCG64 state as plain values (its 128-bit integers as decimal strings)."""
-    state = generator.bit_generator.state
-    return {
-        "bit_generator": state["bit_generator"],
-        "state": str(state["state"]["state"]),
-        "inc": str(state["state"]["inc"]),
-        "has_uint32": int(state["has_uint32"]),
-        "uinteger": int(state["uinteger"]),
-    }
-
-
-def _generator_from_state(saved: Mapping[str, Any]) -> dict[str, Any]:
-    if saved["bit_generator"] != "PCG64":
-        raise ConfigError(f"saved random generator is {saved['bit_generator']!r}, expected PCG64")
-    return {
-        "bit_generator": "PCG64",
-        "state": {"state": int(saved["state"]), "inc": int(saved["inc"])},
-        "has_uint32": int(saved["has_uint32"]),
-        "uinteger": int(saved["uinteger"]),
-    }

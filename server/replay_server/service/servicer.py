@@ -19,7 +19,8 @@ import grpc
 from replay_proto import messages
 from replay_proto.codec import CodecError
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.errors import InvalidArgumentError
+from replay_server.checkpoint import Checkpointer, CheckpointResult
+from replay_server.errors import CheckpointsDisabledError, InvalidArgumentError
 from replay_server.service.status import (
     ERROR_KIND_KEY,
     MessageTooLargeError,
@@ -45,13 +46,25 @@ class ReplayServicer:
         tables: the engine's tables.
         executor: where engine work runs (bounded thread pool).
         max_message_bytes: the gRPC message-size limit, both ways.
+        checkpointer: writes checkpoints (``None``: the server has no checkpoint_dir).
+        checkpoint_executor: where checkpoint calls wait and run (not the engine's pool).
     """
 
-    def __init__(self, tables: Tables, executor: Executor, max_message_bytes: int) -> None:
+    def __init__(
+        self, tables: Tables, executor: Executor, max_message_bytes: int, *,
+        checkpointer: Checkpointer | None = None, checkpoint_executor: Executor | None = None,
+    ) -> None:
         self._tables = tables
         self._executor = executor
         self._max_message = max_message_bytes
+        self._checkpointer = checkpointer
+        self._checkpoint_executor = checkpoint_executor or executor
         self.draining = False
+        self.restoring = False  # tables are being restored: calls are refused (UNAVAILABLE)
+
+    def use_tables(self, tables: Tables) -> None:
+        """Serve ``tables`` from now on (the restored ones, before SERVING)."""
+        self._tables = tables
 
     def handler(self) -> grpc.GenericRpcHandler:
         """A generic handler serving every RPC of ``replay.v1.ReplayService``."""
@@ -65,6 +78,7 @@ class ReplayServicer:
                 "UpdatePriorities": unary(self.update_priorities),
                 "Info": unary(self.info),
                 "Reset": unary(self.reset),
+                "Checkpoint": unary(self.checkpoint),
             },
         )
 
@@ -162,7 +176,11 @@ class ReplayServicer:
                 beta=info.config["beta"],
                 slice_len=info.config["slice_len"] or 0,
             ))
-        return pb.InfoResponse(tables=tables).SerializeToString()
+        response = pb.InfoResponse(tables=tables)
+        last = None if self._checkpointer is None else self._checkpointer.last
+        if last is not None:
+            response.last_checkpoint.CopyFrom(_checkpoint_response(last))
+        return response.SerializeToString()
 
     async def reset(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return await self._run(context, self._reset, raw)
@@ -170,6 +188,18 @@ class ReplayServicer:
     def _reset(self, raw: bytes) -> bytes:
         self._tables[_parse(pb.ResetRequest, raw).table].reset()
         return pb.ResetResponse().SerializeToString()
+
+    async def checkpoint(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return await self._run(context, self._checkpoint, raw, executor=self._checkpoint_executor)
+
+    def _checkpoint(self, raw: bytes) -> bytes:
+        _parse(pb.CheckpointRequest, raw)
+        if self._checkpointer is None:
+            raise CheckpointsDisabledError(
+                "this server has no checkpoint directory: set server.checkpoint_dir in its "
+                "config to enable checkpoints")
+        result = self._checkpointer.checkpoint(self._tables, "Checkpoint RPC")
+        return _checkpoint_response(result).SerializeToString()
 
     # ---------------------------------------------------------------- helpers
 
@@ -182,11 +212,18 @@ class ReplayServicer:
                 f"(client.stream), which splits batches, or a smaller batch_size"
             )
 
-    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(
+        self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any,
+        executor: Executor | None = None,
+    ) -> T:
         if self.draining:
             await self._abort(context, ShuttingDownError("the server is shutting down"))
+        if self.restoring:
+            await self._abort(context, ShuttingDownError(
+                "the server is restoring its tables from a checkpoint; try again shortly"))
         loop = asyncio.get_running_loop()
-        return await self._await(context, loop.run_in_executor(self._executor, fn, *args))
+        future = loop.run_in_executor(executor or self._executor, fn, *args)
+        return await self._await(context, future)
 
     async def _await(self, context: grpc.aio.ServicerContext, future: Awaitable[T]) -> T:
         """The result of engine work, with its errors turned into the RPC's status."""
@@ -216,6 +253,13 @@ def _estimated_bytes(table: Any, batch_size: int) -> int:
         return 0  # nothing to send yet, or the engine refuses the batch size itself
     steps = table.config.slice_len or 1
     return batch_size * (steps * (schema.row_bytes + 8) + 4 + 8)
+
+
+def _checkpoint_response(result: CheckpointResult) -> pb.CheckpointResponse:
+    return pb.CheckpointResponse(
+        path=str(result.path), sequence=result.sequence, created=result.created,
+        bytes=result.nbytes, seconds=result.seconds, table_rows=result.tables,
+    )
 
 
 def _parse(message_type: type, raw: bytes) -> Any:

@@ -1,0 +1,206 @@
+"""Consistent snapshots of a table that cost its users only short pauses.
+
+A checkpoint must save a table exactly as it was at one instant while
+inserts and samples go on. Copying a table's rows under its lock would stop
+every caller for the whole copy (about half a second per GB here), so a
+snapshot is taken in two parts:
+
+* At the **instant**, under the table's lock, everything except the rows is
+  copied: the id counters, the sampler's state (priorities, episode index),
+  counters and random generator (:meth:`Table.snapshot
+  <replay_server.table.Table.snapshot>`). These are a few bytes per slot.
+* The **rows** are read out afterwards, in pieces of about ``chunk_bytes``,
+  each copied under a short hold of the lock (:class:`StorageSnapshot`).
+
+The rows are read in *ring order*: starting with the slot the next insert
+will overwrite (the oldest row) and following the ring, which is exactly the
+order in which inserts overwrite slots. An insert that is about to overwrite
+rows the reader has not copied yet first copies them aside itself (copy on
+write, at row-range granularity, inside the insert's own lock hold), and the
+reader hands those copies out in turn. So every piece holds the rows of the
+instant, whatever was inserted since, and an insert pays at most one extra
+copy of its own rows, only while it runs ahead of the reader.
+
+Extra memory: one piece being read, plus the rows inserts had to copy aside
+(at most the rows inserted during the snapshot, never more than the table).
+
+Ring positions: position ``j`` (0 <= j < capacity) is slot
+``(origin + j) % capacity``, where ``origin`` is the slot the next insert
+writes. Slots ever written are ``0 .. used - 1``; they occupy the last
+``used`` positions, so the saved rows are positions ``capacity - used ..
+capacity - 1``, and saved row ``i`` (in the order pieces come out) is slot
+``(first_slot + i) % capacity``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+"""Bytes of rows copied per lock hold: about 2 ms of copying here."""
+
+
+@dataclass(frozen=True, slots=True)
+class RowPiece:
+    """Saved rows ``row .. row + count - 1`` (in ring order), which sit in slots
+    ``slot .. slot + count - 1`` (never wrapping).
+
+    ``columns`` maps each flat key to a ``[count, *shape]`` numpy array the
+    piece owns (bfloat16 columns as int16 of the same bits).
+    """
+
+    row: int
+    slot: int
+    count: int
+    columns: dict[str, np.ndarray]
+
+
+class StorageSnapshot:
+    """The rows of a :class:`~replay_server.storage.ColumnStorage` as they were at one instant.
+
+    Created by :meth:`ColumnStorage.snapshot
+    <replay_server.storage.ColumnStorage.snapshot>` under the table's lock;
+    read with :meth:`pieces` (or :meth:`columns`) from any one thread; must be
+    closed (it is a context manager) so inserts stop copying rows aside.
+
+    Thread-safety: :meth:`before_write` runs inside the storage's writes,
+    under the table's lock; the reader takes the same lock for each piece.
+    """
+
+    def __init__(
+        self,
+        views: dict[str, np.ndarray],
+        lock: threading.Lock,
+        origin: int,
+        used: int,
+        row_bytes: int,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        on_close: Any = None,
+    ) -> None:
+        capacity = next(iter(views.values())).shape[0]
+        self.capacity = capacity
+        self.used = used
+        self.first_slot = (origin + capacity - used) % capacity
+        self._views = views
+        self._lock = lock
+        self._origin = origin
+        self._skip = capacity - used  # positions before this hold nothing to save
+        self._taken = self._skip  # positions < _taken were copied (by the reader or aside)
+        self._written = 0  # positions overwritten since the instant
+        self._aside: deque[RowPiece] = deque()
+        self._chunk_rows = max(1, chunk_bytes // row_bytes) if row_bytes else capacity
+        self._on_close = on_close
+        self.closed = False
+
+    # --------------------------------------------------------- writer side
+
+    def before_write(self, first_slot: int, count: int) -> None:
+        """Copy aside the saved rows that writing ``count`` rows at ``first_slot`` would
+        overwrite before the reader got them. Called under the table's lock.
+
+        Inserts write the ring in order from ``origin``; a write anywhere else
+        (never expected) copies every row not read yet, which is always correct.
+        """
+        if self.closed or self._taken >= self.capacity:
+            return
+        if first_slot == (self._origin + self._written) % self.capacity:
+            end = min(self.capacity, self._written + count)
+        else:
+            end = self.capacity
+        self._written += count
+        if end > self._taken:
+            self._aside.extend(self._copy(self._taken, end))
+            self._taken = end
+
+    # --------------------------------------------------------- reader side
+
+    def pieces(self) -> Iterator[RowPiece]:
+        """The saved rows, in ring order (oldest first), one short lock hold per piece."""
+        while True:
+            with self._lock:
+                if self._aside:
+                    piece = self._aside.popleft()
+                elif self._taken < self.capacity:
+                    end = min(self.capacity, self._taken + self._chunk_rows)
+                    piece = self._copy(self._taken, end)[0]
+                    self._taken = piece.row + self._skip + piece.count
+                else:
+                    return
+            yield piece
+
+    def columns(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        """All saved rows as ``[used, ...]`` tensors in slot order (slot ``i`` at row ``i``)."""
+        out = {
+            key: np.empty((self.used, *view.shape[1:]), dtype=view.dtype)
+            for key, view in self._views.items()
+        }
+        for piece in self.pieces():
+            for key, rows in piece.columns.items():
+                out[key][piece.slot : piece.slot + piece.count] = rows
+        return {
+            key: torch.from_numpy(array).view(dtypes[key]) if dtypes[key] == torch.bfloat16
+            else torch.from_numpy(array)
+            for key, array in out.items()
+        }
+
+    def close(self) -> None:
+        """Stop tracking writes and drop rows copied aside (idempotent)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._aside.clear()
+            if self._on_close is not None:
+                self._on_close(self)
+
+    def __enter__(self) -> StorageSnapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _copy(self, start: int, end: int) -> list[RowPiece]:
+        """Copies of positions ``start .. end - 1``, split where the slots wrap."""
+        pieces = []
+        wrap = self.capacity - self._origin  # position of slot 0
+        for a, b in ((start, min(end, wrap)), (max(start, wrap), end)):
+            if a >= b:
+                continue
+            slot = (self._origin + a) % self.capacity
+            pieces.append(RowPiece(
+                row=a - self._skip,
+                slot=slot,
+                count=b - a,
+                columns={k: v[slot : slot + b - a].copy() for k, v in self._views.items()},
+            ))
+        return pieces
+
+
+class TableSnapshot:
+    """A table at one instant: ``state`` (everything but the rows) and ``rows``.
+
+    ``state`` is :meth:`Table.state_dict <replay_server.table.Table.state_dict>`'s
+    layout with ``"columns"`` left empty; ``rows`` is ``None`` before the
+    table's first insert. Close it (it is a context manager) when done.
+    """
+
+    def __init__(self, state: dict[str, Any], rows: StorageSnapshot | None) -> None:
+        self.state = state
+        self.rows = rows
+
+    def close(self) -> None:
+        if self.rows is not None:
+            self.rows.close()
+
+    def __enter__(self) -> TableSnapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
