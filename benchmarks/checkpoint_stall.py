@@ -114,6 +114,51 @@ def run_threads(sample, insert, stop: threading.Event, with_inserter: bool):
     return sampler, inserter, threads, errors
 
 
+class _Holds(dict):
+    def clear(self) -> None:
+        for value in self.values():
+            value.clear()
+
+
+def instrument_lock_holds() -> dict[str, list[float]]:
+    """Record how long the checkpoint holds the table's lock: at the snapshot instant, for
+    each piece the reader copies, and for each copy an insert makes aside (engine mode)."""
+    from replay_server import Table
+    from replay_server.snapshot import StorageSnapshot
+
+    holds = _Holds(instant=[], reader_piece=[], insert_copy_aside=[])
+    copy, before_write, snapshot = (StorageSnapshot._copy, StorageSnapshot.before_write,
+                                    Table.snapshot)
+
+    def timed_copy(self, start, end, out=None):  # noqa: ANN001
+        t = time.perf_counter()
+        try:
+            return copy(self, start, end, out)
+        finally:
+            if not getattr(self, "_in_write", False):
+                holds["reader_piece"].append(time.perf_counter() - t)
+
+    def timed_before_write(self, first_slot, count):  # noqa: ANN001
+        t = time.perf_counter()
+        self._in_write = True
+        try:
+            return before_write(self, first_slot, count)
+        finally:
+            self._in_write = False
+            holds["insert_copy_aside"].append(time.perf_counter() - t)
+
+    def timed_snapshot(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        t = time.perf_counter()
+        result = snapshot(self, *a, **k)
+        holds["instant"].append(time.perf_counter() - t)  # includes waiting for the lock
+        return result
+
+    StorageSnapshot._copy = timed_copy
+    StorageSnapshot.before_write = timed_before_write
+    Table.snapshot = timed_snapshot
+    return holds
+
+
 def engine(args: argparse.Namespace, root: Path) -> dict:
     import torch
 
@@ -121,6 +166,7 @@ def engine(args: argparse.Namespace, root: Path) -> dict:
     from replay_server.checkpoint import CheckpointDirectory, write_checkpoint
 
     torch.set_num_threads(1)
+    holds = instrument_lock_holds()
     rb = row_bytes(args.rows)
     capacity = int(args.gb * 1e9) // rb
     table = Table(TableConfig(name="bench", capacity=capacity, sampler="prioritized", seed=0))
@@ -141,6 +187,7 @@ def engine(args: argparse.Namespace, root: Path) -> dict:
         t0 = time.perf_counter()
         time.sleep(args.baseline_s)
         t1 = time.perf_counter()
+        holds.clear()
         written = write_checkpoint([table], directory, keep_latest=1, server_version="bench")
         t2 = time.perf_counter()
         time.sleep(0.2)
@@ -156,6 +203,8 @@ def engine(args: argparse.Namespace, root: Path) -> dict:
             "inserts_during_checkpoint": inserter.window(t1, t2) if with_inserter else None,
             "checkpoint_s": written.seconds, "checkpoint_gb": written.nbytes / 1e9,
             "checkpoint_gb_per_s": written.gb_per_s,
+            # the checkpoint's own lock holds: the instant, the reader's pieces, copies aside
+            "lock_holds_ms": {k: max(v, default=0.0) * 1e3 for k, v in holds.items()},
         }
     # What the alternatives would stall, for comparison.
     storage = table._storage
@@ -277,7 +326,9 @@ def main() -> None:
                   f"{ins['p99_ms']:.2f} ms ({ins['calls']} calls)", file=sys.stderr)
         if "checkpoint_s" in r:
             print(f"  checkpoint: {r['checkpoint_gb']:.2f} GB in {r['checkpoint_s']:.2f} s "
-                  f"({r['checkpoint_gb_per_s']:.2f} GB/s)", file=sys.stderr)
+                  f"({r['checkpoint_gb_per_s']:.2f} GB/s); longest lock holds: "
+                  + ", ".join(f"{k} {v:.1f} ms" for k, v in r["lock_holds_ms"].items()),
+                  file=sys.stderr)
     if "fork_ms" in result:
         print(f"alternatives: copy under the lock {result['copy_under_lock_ms']:.0f} ms, "
               f"fork() {result['fork_ms']:.1f} ms", file=sys.stderr)

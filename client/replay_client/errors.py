@@ -118,6 +118,9 @@ _BY_CODE: dict[grpc.StatusCode, type[ReplayError]] = {
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    # The client never cancels a call it still waits for: a CANCELLED status comes from
+    # the server, which cancels calls not yet started when it shuts down.
+    grpc.StatusCode.CANCELLED: UnavailableError,
 }
 
 
@@ -131,6 +134,8 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> ReplayError:
         if key == "replay-error-kind":
             kind = value
     cls = _BY_KIND.get(kind or "") or _BY_CODE.get(code, InternalError)
+    if cls is UnavailableError and code == grpc.StatusCode.CANCELLED:
+        return cls(f"replay server at {address} cancelled the call (it is shutting down?)")
     if cls is UnavailableError:
         return cls(f"replay server at {address} is unavailable: {details}")
     if cls is DeadlineExceededError:

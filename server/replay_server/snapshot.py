@@ -122,14 +122,24 @@ class StorageSnapshot:
     # --------------------------------------------------------- reader side
 
     def pieces(self) -> Iterator[RowPiece]:
-        """The saved rows, in ring order (oldest first), one short lock hold per piece."""
+        """The saved rows, in ring order (oldest first), one short lock hold per piece.
+
+        A piece's arrays are valid until the next piece is asked for: pieces
+        read from storage reuse one buffer per column, touched once before the
+        first copy, so the copy under the lock never waits for the kernel to
+        hand out fresh pages (which costs more than the copy itself).
+        """
+        buffers = {
+            key: np.ones((min(self._chunk_rows, self.used), *view.shape[1:]), dtype=view.dtype)
+            for key, view in self._views.items()
+        } if self.used else {}
         while True:
             with self._lock:
                 if self._aside:
                     piece = self._aside.popleft()
                 elif self._taken < self.capacity:
                     end = min(self.capacity, self._taken + self._chunk_rows)
-                    piece = self._copy(self._taken, end)[0]
+                    piece = self._copy(self._taken, end, buffers)[0]
                     self._taken = piece.row + self._skip + piece.count
                 else:
                     return
@@ -166,20 +176,26 @@ class StorageSnapshot:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _copy(self, start: int, end: int) -> list[RowPiece]:
-        """Copies of positions ``start .. end - 1``, split where the slots wrap."""
+    def _copy(
+        self, start: int, end: int, out: dict[str, np.ndarray] | None = None
+    ) -> list[RowPiece]:
+        """Copies of positions ``start .. end - 1``, split where the slots wrap (into
+        ``out``'s leading rows when given: then only the first piece is made)."""
         pieces = []
         wrap = self.capacity - self._origin  # position of slot 0
         for a, b in ((start, min(end, wrap)), (max(start, wrap), end)):
             if a >= b:
                 continue
             slot = (self._origin + a) % self.capacity
-            pieces.append(RowPiece(
-                row=a - self._skip,
-                slot=slot,
-                count=b - a,
-                columns={k: v[slot : slot + b - a].copy() for k, v in self._views.items()},
-            ))
+            if out is None:
+                columns = {k: v[slot : slot + b - a].copy() for k, v in self._views.items()}
+            else:
+                columns = {k: out[k][: b - a] for k in self._views}
+                for key, view in self._views.items():
+                    np.copyto(columns[key], view[slot : slot + b - a])
+            pieces.append(RowPiece(row=a - self._skip, slot=slot, count=b - a, columns=columns))
+            if out is not None:
+                break
         return pieces
 
 

@@ -41,8 +41,10 @@ def _fill(table: Table, rows: int, step: int = 5) -> int:
 
 def _read(table: Table, snapshot, actions: list[int], next_row: int) -> tuple[dict, int]:
     """Read all pieces, inserting ``actions[i]`` rows before piece i; return columns in slot order."""
-    pieces = []
+    used = snapshot.rows.used
+    out: dict[str, torch.Tensor] = {}
     iterator = snapshot.rows.pieces()
+    expected_row = 0
     for step in range(10_000):  # bounded: a piece per step
         if step < len(actions) and actions[step]:
             table.insert(_rows(next_row, actions[step]))
@@ -50,18 +52,13 @@ def _read(table: Table, snapshot, actions: list[int], next_row: int) -> tuple[di
         piece = next(iterator, None)
         if piece is None:
             break
-        pieces.append(piece)
-    used = snapshot.rows.used
-    out = {key: torch.empty((used, *view.shape[1:]), dtype=view.dtype)
-           for key, view in ((k, torch.from_numpy(v)) for k, v in pieces[0].columns.items())} \
-        if pieces else {}
-    expected_row = 0
-    for piece in pieces:
         assert piece.row == expected_row  # pieces come out in ring order, no gaps
         assert piece.slot == (snapshot.rows.first_slot + piece.row) % snapshot.rows.capacity
         expected_row += piece.count
-        for key, rows in piece.columns.items():
-            out[key][piece.slot : piece.slot + piece.count] = torch.from_numpy(rows)
+        for key, rows in piece.columns.items():  # valid until the next piece is asked for
+            column = out.setdefault(key, torch.empty((used, *rows.shape[1:]),
+                                                     dtype=torch.from_numpy(rows).dtype))
+            column[piece.slot : piece.slot + piece.count] = torch.from_numpy(rows)
     assert expected_row == used
     return out, next_row
 
@@ -101,8 +98,8 @@ def test_pieces_never_wrap_past_the_last_slot() -> None:
     table = _table(capacity=10)
     _fill(table, 23, step=1)
     with table.snapshot(chunk_bytes=ROW_BYTES * 100) as snapshot:
-        pieces = list(snapshot.rows.pieces())
-    assert [(p.slot, p.count) for p in pieces] == [(3, 7), (0, 3)]
+        pieces = [(p.slot, p.count) for p in snapshot.rows.pieces()]
+    assert pieces == [(3, 7), (0, 3)]
 
 
 def test_a_closed_snapshot_no_longer_copies_rows_aside() -> None:
@@ -172,8 +169,8 @@ def test_state_dict_is_unchanged_by_inserts_made_while_it_copies() -> None:
     expected = {k: v.clone() for k, v in table.state_dict()["columns"].items()}
     with table.snapshot(chunk_bytes=ROW_BYTES) as snapshot:
         it = snapshot.rows.pieces()
-        first = next(it)
+        rows = [torch.from_numpy(next(it).columns["row"].copy())]
         table.insert(_rows(1000, 64))  # overwrite the whole ring
-        rest = list(it)
-    rows = torch.cat([torch.from_numpy(p.columns["row"]) for p in [first, *rest]])
+        rows += [torch.from_numpy(p.columns["row"].copy()) for p in it]
+    rows = torch.cat(rows)
     assert sorted(rows.tolist()) == sorted(expected["row"].tolist())

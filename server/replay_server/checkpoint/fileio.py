@@ -19,6 +19,10 @@ from replay_server.checkpoint.manifest import CorruptCheckpointError, FileEntry
 READ_CHUNK = 64 << 20
 """Bytes read per system call when loading."""
 
+SYNC_EVERY = 32 << 20
+"""Bytes written between flushes to disk: writeback goes on steadily instead of piling
+up gigabytes of dirty pages that stall the whole machine when they are flushed."""
+
 
 class RestoreCancelled(Exception):
     """A restore was cancelled (the server was told to stop while loading)."""
@@ -43,6 +47,7 @@ class HashedWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._hash = hashlib.sha256()
         self._size = 0
+        self._synced = 0
 
     def write(self, array: np.ndarray) -> None:
         data = as_bytes(array)
@@ -52,6 +57,12 @@ class HashedWriter:
             written = os.write(self._fd, view)
             view = view[written:]
         self._size += data.size
+        if self._size - self._synced >= SYNC_EVERY:
+            os.fdatasync(self._fd)
+            # Written and on disk: the page cache need not keep it.
+            os.posix_fadvise(self._fd, self._synced, self._size - self._synced,
+                             os.POSIX_FADV_DONTNEED)
+            self._synced = self._size
 
     def finish(self) -> FileEntry:
         """fsync and close; the file's manifest entry."""
