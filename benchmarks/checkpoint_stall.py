@@ -10,6 +10,10 @@ no checkpoint, then while a checkpoint of the table is written; optionally an
 inserter thread (32 rows per call) runs throughout. Prints, per phase, the
 longest sample call, p99 and p50, and the checkpoint's write time and GB/s.
 
+Engine mode also records the checkpoint's own longest lock holds (at the
+instant, per piece read, per copy aside), which separate what the design
+costs from the machine's noise, and times a restore of the checkpoint.
+
 For comparison (engine mode) it also times what the other designs would
 stall: copying the whole table under its lock (what ``state_dict`` did
 before snapshots), and ``fork()`` of the process holding the table (the
@@ -31,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -123,12 +128,10 @@ class _Holds(dict):
 def instrument_lock_holds() -> dict[str, list[float]]:
     """Record how long the checkpoint holds the table's lock: at the snapshot instant, for
     each piece the reader copies, and for each copy an insert makes aside (engine mode)."""
-    from replay_server import Table
-    from replay_server.snapshot import StorageSnapshot
+    from replay_server.snapshot import Arena, StorageSnapshot
 
     holds = _Holds(instant=[], reader_piece=[], insert_copy_aside=[])
-    copy, before_write, snapshot = (StorageSnapshot._copy, StorageSnapshot.before_write,
-                                    Table.snapshot)
+    copy, before_write, active = StorageSnapshot._copy, StorageSnapshot.before_write, Arena.active
 
     def timed_copy(self, start, end, out=None):  # noqa: ANN001
         t = time.perf_counter()
@@ -147,23 +150,24 @@ def instrument_lock_holds() -> dict[str, list[float]]:
             self._in_write = False
             holds["insert_copy_aside"].append(time.perf_counter() - t)
 
-    def timed_snapshot(self, *a, **k):  # noqa: ANN001, ANN002, ANN003
+    @contextmanager
+    def timed_instant(self):  # noqa: ANN001 - the arena is active exactly while the lock is held
         t = time.perf_counter()
-        result = snapshot(self, *a, **k)
-        holds["instant"].append(time.perf_counter() - t)  # includes waiting for the lock
-        return result
+        with active(self):
+            yield self
+        holds["instant"].append(time.perf_counter() - t)
 
     StorageSnapshot._copy = timed_copy
     StorageSnapshot.before_write = timed_before_write
-    Table.snapshot = timed_snapshot
+    Arena.active = timed_instant
     return holds
 
 
 def engine(args: argparse.Namespace, root: Path) -> dict:
     import torch
 
-    from replay_server import Table, TableConfig
-    from replay_server.checkpoint import CheckpointDirectory, write_checkpoint
+    from replay_server import Table, TableConfig, Tables
+    from replay_server.checkpoint import CheckpointDirectory, load_checkpoint, write_checkpoint
 
     torch.set_num_threads(1)
     holds = instrument_lock_holds()
@@ -206,6 +210,15 @@ def engine(args: argparse.Namespace, root: Path) -> dict:
             # the checkpoint's own lock holds: the instant, the reader's pieces, copies aside
             "lock_holds_ms": {k: max(v, default=0.0) * 1e3 for k, v in holds.items()},
         }
+    # Restore speed: load the last checkpoint into a fresh table (its pages were dropped
+    # from the page cache as they were written, so this reads the disk).
+    fresh = Tables([table.config])
+    t = time.perf_counter()
+    load_checkpoint(written.path, fresh)
+    result["restore_s"] = time.perf_counter() - t
+    result["restore_gb_per_s"] = written.nbytes / 1e9 / result["restore_s"]
+    assert fresh["bench"].size == table.size
+    del fresh
     # What the alternatives would stall, for comparison.
     storage = table._storage
     assert storage is not None
@@ -329,6 +342,9 @@ def main() -> None:
                   f"({r['checkpoint_gb_per_s']:.2f} GB/s); longest lock holds: "
                   + ", ".join(f"{k} {v:.1f} ms" for k, v in r["lock_holds_ms"].items()),
                   file=sys.stderr)
+    if "restore_s" in result:
+        print(f"restore: {result['restore_s']:.2f} s ({result['restore_gb_per_s']:.2f} GB/s)",
+              file=sys.stderr)
     if "fork_ms" in result:
         print(f"alternatives: copy under the lock {result['copy_under_lock_ms']:.0f} ms, "
               f"fork() {result['fork_ms']:.1f} ms", file=sys.stderr)

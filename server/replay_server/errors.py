@@ -51,7 +51,7 @@ class NoPrioritiesError(FailedPreconditionError):
 
 
 class MalformedStateError(ConfigError):
-    """A saved state (state dict or checkpoint) is malformed, as opposed to contradicting the config."""
+    """A saved state (state dict or checkpoint) is malformed, not just contradicting the config."""
 
 
 class CheckpointsDisabledError(FailedPreconditionError):

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,14 +48,72 @@ import torch
 DEFAULT_CHUNK_BYTES = 8 << 20
 """Bytes of rows copied per lock hold: about 2 ms of copying here."""
 
+_ALIGN = 64
+
+
+class Arena:
+    """Memory for the copies made at a snapshot's instant, touched before the lock is taken.
+
+    The instant copies the samplers' per-slot arrays (priority leaves,
+    episode links: 100 MB and more for tens of millions of rows) under the
+    table's lock. Into fresh memory, each first touch of a page faults into the
+    kernel (and, on a virtual machine, into the host), which can cost far more
+    than the copy itself; into an arena touched beforehand, outside the lock,
+    the copy runs at memory speed. Sized from the previous snapshot (its
+    :attr:`wanted`); what does not fit is copied the ordinary way.
+
+    Activate it around the copies with :meth:`active`; :func:`saved_copy`
+    draws from it. Not thread-safe: one thread uses it.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        self._buffer = np.ones(nbytes, dtype=np.uint8)  # ones: every page touched now
+        self._used = 0
+        self.wanted = 0  # bytes the copies asked for (the next arena's size)
+
+    def take(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray | None:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = -(-nbytes // _ALIGN) * _ALIGN
+        self.wanted += size
+        if self._used + size > self._buffer.size:
+            return None
+        out = self._buffer[self._used : self._used + nbytes].view(dtype).reshape(shape)
+        self._used += size
+        return out
+
+    @contextmanager
+    def active(self) -> Iterator[Arena]:
+        token = _ARENA.set(self)
+        try:
+            yield self
+        finally:
+            _ARENA.reset(token)
+
+
+_ARENA: ContextVar[Arena | None] = ContextVar("replay_server_snapshot_arena", default=None)
+
+
+def saved_copy(array: np.ndarray, dtype: Any = None) -> np.ndarray:
+    """A copy of ``array`` (as ``dtype``) for a state dict: from the active :class:`Arena`
+    of a snapshot's instant when there is one, else a fresh array. O(array)."""
+    dtype = array.dtype if dtype is None else np.dtype(dtype)
+    arena = _ARENA.get()
+    out = None if arena is None else arena.take(array.shape, dtype)
+    if out is None:
+        return array.astype(dtype, copy=True)
+    np.copyto(out, array, casting="safe")
+    return out
+
 
 @dataclass(frozen=True, slots=True)
 class RowPiece:
     """Saved rows ``row .. row + count - 1`` (in ring order), which sit in slots
     ``slot .. slot + count - 1`` (never wrapping).
 
-    ``columns`` maps each flat key to a ``[count, *shape]`` numpy array the
-    piece owns (bfloat16 columns as int16 of the same bits).
+    ``columns`` maps each flat key to a ``[count, *shape]`` numpy array
+    (bfloat16 columns as int16 of the same bits): the piece's own copy, or,
+    for pieces read from storage, a reused buffer (see
+    :meth:`StorageSnapshot.pieces`).
     """
 
     row: int
@@ -77,18 +137,20 @@ class StorageSnapshot:
     def __init__(
         self,
         views: dict[str, np.ndarray],
+        dtypes: dict[str, torch.dtype],
         lock: threading.Lock,
         origin: int,
         used: int,
         row_bytes: int,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        on_close: Any = None,
+        on_close: Callable[[StorageSnapshot], None] | None = None,
     ) -> None:
         capacity = next(iter(views.values())).shape[0]
         self.capacity = capacity
         self.used = used
         self.first_slot = (origin + capacity - used) % capacity
         self._views = views
+        self._dtypes = dtypes
         self._lock = lock
         self._origin = origin
         self._skip = capacity - used  # positions before this hold nothing to save
@@ -145,7 +207,7 @@ class StorageSnapshot:
                     return
             yield piece
 
-    def columns(self, dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+    def columns(self) -> dict[str, torch.Tensor]:
         """All saved rows as ``[used, ...]`` tensors in slot order (slot ``i`` at row ``i``)."""
         out = {
             key: np.empty((self.used, *view.shape[1:]), dtype=view.dtype)
@@ -155,8 +217,8 @@ class StorageSnapshot:
             for key, rows in piece.columns.items():
                 out[key][piece.slot : piece.slot + piece.count] = rows
         return {
-            key: torch.from_numpy(array).view(dtypes[key]) if dtypes[key] == torch.bfloat16
-            else torch.from_numpy(array)
+            key: torch.from_numpy(array).view(self._dtypes[key])
+            if self._dtypes[key] == torch.bfloat16 else torch.from_numpy(array)
             for key, array in out.items()
         }
 

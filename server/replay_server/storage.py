@@ -103,8 +103,10 @@ class ColumnStorage:
         Call under the owning table's ``lock`` (which the snapshot takes to
         read); ``next_slot`` is the slot the next insert writes. O(1).
         """
-        snapshot = StorageSnapshot(self._views, lock, next_slot, used, self.schema.row_bytes,
-                                   chunk_bytes, on_close=self._snapshots.remove)
+        dtypes = {key: spec.dtype for key, spec in self.schema.items()}
+        snapshot = StorageSnapshot(self._views, dtypes, lock, next_slot, used,
+                                   self.schema.row_bytes, chunk_bytes,
+                                   on_close=self._snapshots.remove)
         self._snapshots.append(snapshot)
         return snapshot
 

@@ -44,7 +44,7 @@ from replay_server.ids import IdRing
 from replay_server.rng import generator_from_state, generator_state
 from replay_server.samplers import InsertEvent, make_sampler
 from replay_server.schema import FieldSpec, Schema
-from replay_server.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
+from replay_server.snapshot import DEFAULT_CHUNK_BYTES, Arena, TableSnapshot
 from replay_server.storage import ColumnStorage
 
 STATE_VERSION = 1
@@ -450,14 +450,19 @@ class Table:
 
     # ------------------------------------------------------------ persistence
 
+    _instant_bytes = 0  # what the last snapshot's instant copied: the next one's Arena size
+
     def snapshot(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TableSnapshot:
         """Begin a consistent snapshot of the table as it is now (:mod:`replay_server.snapshot`).
 
         Copies everything but the rows under the lock (O(slots used) of small
-        per-slot sampler arrays); the rows are read out afterwards in pieces
-        of ``chunk_bytes``, under short lock holds. Close the snapshot when done.
+        per-slot sampler arrays, into memory touched before the lock); the rows
+        are read out afterwards in pieces of ``chunk_bytes``, under short lock
+        holds. Close the snapshot when done.
         """
-        with self._lock:
+        # The first time, a bound: no sampler keeps more than 16 bytes per slot.
+        arena = Arena(self._instant_bytes or 16 * min(self._ring.next_id, self._ring.capacity))
+        with self._lock, arena.active():
             used = min(self._ring.next_id, self._ring.capacity)
             state = {
                 "version": STATE_VERSION,
@@ -471,6 +476,7 @@ class Table:
             }
             rows = None if self._storage is None else self._storage.snapshot(
                 self._lock, self._ring.next_id % self._ring.capacity, used, chunk_bytes)
+        self._instant_bytes = arena.wanted
         return TableSnapshot(state, rows)
 
     def state_dict(self) -> dict[str, Any]:
@@ -481,11 +487,9 @@ class Table:
         pieces under short lock holds (:meth:`snapshot`).
         """
         with self.snapshot() as snap:
-            state = snap.state
-            if snap.rows is not None and self._schema is not None:
-                dtypes = {key: spec.dtype for key, spec in self._schema.items()}
-                state["columns"] = snap.rows.columns(dtypes)
-        return state
+            if snap.rows is not None:
+                snap.state["columns"] = snap.rows.columns()
+        return snap.state
 
     def load_state_dict(
         self, state: Mapping[str, Any], read_rows: Callable[[dict], None] | None = None

@@ -233,7 +233,8 @@ def test_a_truncated_newest_checkpoint_is_skipped_with_the_reason_logged(tmp_pat
         assert ReplayClient(again.address).info()["prioritized"].size == 50
         log = again.log()
         assert f"WARNING replay_server.checkpoint: skipping checkpoint {newest}: " in log, log
-        assert "prioritized/column-0.bin is 1600 bytes but the manifest says 3200 (truncated)" in log
+        assert "prioritized/column-0.bin is 1600 bytes but the manifest says 3200 " \
+               "(truncated)" in log
         assert f"restored 2 table(s) from {older}" in log
     finally:
         again.stop()

@@ -10,10 +10,12 @@ from __future__ import annotations
 import random
 import threading
 
+import numpy as np
 import pytest
 import torch
 
 from replay_server import Table, TableConfig
+from replay_server.snapshot import Arena, saved_copy
 from tests.server.test_table_errors import assert_same_state
 
 ROW_BYTES = 4 * 3 + 8  # obs float32[3] + row int64
@@ -40,7 +42,7 @@ def _fill(table: Table, rows: int, step: int = 5) -> int:
 
 
 def _read(table: Table, snapshot, actions: list[int], next_row: int) -> tuple[dict, int]:
-    """Read all pieces, inserting ``actions[i]`` rows before piece i; return columns in slot order."""
+    """Read all pieces, inserting ``actions[i]`` rows before piece i; columns in slot order."""
     used = snapshot.rows.used
     out: dict[str, torch.Tensor] = {}
     iterator = snapshot.rows.pieces()
@@ -152,8 +154,7 @@ def test_snapshot_under_concurrent_inserts_and_samples_equals_its_instant() -> N
         threads = [threading.Thread(target=insert), threading.Thread(target=sample)]
         for thread in threads:
             thread.start()
-        columns = snapshot.rows.columns({"obs": torch.float32, "row": torch.int64,
-                                         "episode": torch.int64, "done": torch.bool})
+        columns = snapshot.rows.columns()
         stop.set()
         for thread in threads:
             thread.join(60)
@@ -174,3 +175,29 @@ def test_state_dict_is_unchanged_by_inserts_made_while_it_copies() -> None:
         rows += [torch.from_numpy(p.columns["row"].copy()) for p in it]
     rows = torch.cat(rows)
     assert sorted(rows.tolist()) == sorted(expected["row"].tolist())
+
+
+def test_saved_copy_draws_from_the_active_arena_and_falls_back_when_full() -> None:
+    arena = Arena(1000)
+    source = np.arange(10, dtype=np.int32)
+    with arena.active():
+        same = saved_copy(source)
+        wider = saved_copy(source, np.int64)
+        too_big = saved_copy(np.zeros(1000))
+    outside = saved_copy(source)
+    assert np.shares_memory(same, arena._buffer) and np.shares_memory(wider, arena._buffer)
+    assert not np.shares_memory(too_big, arena._buffer)
+    assert not np.shares_memory(outside, arena._buffer) and not np.shares_memory(outside, source)
+    assert same.tolist() == wider.tolist() == source.tolist() and wider.dtype == np.int64
+    assert arena.wanted == 64 + 128 + 8000  # aligned sizes, the next arena's size
+
+
+@pytest.mark.parametrize("kind", ["prioritized", "slice", "prioritized_slice"])
+def test_later_snapshots_copy_the_instant_into_an_arena_sized_by_the_last(kind: str) -> None:
+    table = _table(kind, capacity=200)
+    _fill(table, 150)
+    assert table._instant_bytes == 0
+    first = table.state_dict()  # into an arena of the bound: 16 bytes per slot
+    assert 150 * 4 <= table._instant_bytes <= 150 * 16 + 1024  # what the copies took
+    second = table.state_dict()  # into an arena of that size
+    assert_same_state(second, first)

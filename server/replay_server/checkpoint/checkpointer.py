@@ -60,7 +60,11 @@ class Checkpointer:
         return self.directory.path
 
     def open(self) -> None:
-        """Create and lock the directory, remove unfinished checkpoints (ConfigError if unusable)."""
+        """Create and lock the directory, remove unfinished checkpoints.
+
+        Raises:
+            ConfigError: the directory cannot be used (see CheckpointDirectory.open).
+        """
         self.directory.open()
 
     def close(self) -> None:

@@ -80,7 +80,7 @@ def read_manifest(path: Path) -> Manifest:
 def load_checkpoint(
     path: Path, tables: Tables, cancel: threading.Event | None = None
 ) -> Manifest:
-    """Load the checkpoint at ``path`` into ``tables`` (fresh ones: a failure leaves them half-loaded).
+    """Load the checkpoint at ``path`` into fresh ``tables`` (a failure leaves them half-loaded).
 
     Raises:
         CorruptCheckpointError, MalformedStateError: the checkpoint is unusable.

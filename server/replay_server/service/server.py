@@ -72,6 +72,14 @@ class ReplayServer:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.tables = self._make_tables()
+        self._token = None
+        if settings.auth_token_env is not None:
+            self._token = os.environ.get(settings.auth_token_env)
+            if not self._token:
+                raise ConfigError(
+                    f"server.auth_token_env is {settings.auth_token_env!r} but that environment "
+                    f"variable is unset or empty"
+                )
         self.checkpointer: Checkpointer | None = None
         if settings.checkpoint_dir is not None:
             self.checkpointer = Checkpointer(settings.checkpoint_dir,
@@ -81,15 +89,7 @@ class ReplayServer:
                 self.checkpointer.open()
             except ConfigError as exc:
                 raise ConfigError(f"server.checkpoint_dir: {exc}") from None
-        self.exit_code = 0
-        self._token = None
-        if settings.auth_token_env is not None:
-            self._token = os.environ.get(settings.auth_token_env)
-            if not self._token:
-                raise ConfigError(
-                    f"server.auth_token_env is {settings.auth_token_env!r} but that environment "
-                    f"variable is unset or empty"
-                )
+        self.exit_code = 0  # 1 when the final checkpoint failed
         self._executor = ThreadPoolExecutor(settings.workers, thread_name_prefix="replay-engine")
         # Checkpoints block their thread for seconds: never on the engine's workers.
         self._checkpoint_executor = ThreadPoolExecutor(2, thread_name_prefix="replay-checkpoint")

@@ -197,7 +197,8 @@ def test_no_usable_checkpoint_starts_empty_and_says_so(directory, caplog) -> Non
     _remove_complete(result.path)
     with caplog.at_level(logging.WARNING, logger="replay_server.checkpoint"):
         assert restore_latest(directory, lambda: Tables(CONFIGS)) is None
-    assert "none of the 1 checkpoints" in caplog.text and "starting with empty tables" in caplog.text
+    assert "none of the 1 checkpoints" in caplog.text
+    assert "starting with empty tables" in caplog.text
 
 
 def test_an_empty_directory_restores_nothing(directory) -> None:
