@@ -25,6 +25,7 @@ Prints one JSON object at the end.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -180,6 +181,7 @@ def engine(args: argparse.Namespace, root: Path) -> dict:
         table.insert(block)
     fill_s = time.perf_counter() - t
     small = make_rows(args.rows, INSERT_ROWS, seed=1)
+    gc.freeze()  # as the server does once started
     directory = CheckpointDirectory(root / "ckpt")
     directory.open()
     result: dict = {"mode": "engine", "rows": args.rows, "capacity": capacity,
