@@ -294,6 +294,18 @@ def test_a_config_contradicting_the_checkpoint_stops_the_start_naming_both(
     assert "Traceback" not in result.stderr
 
 
+def test_a_checkpoint_dir_that_is_a_file_stops_the_start_naming_the_field(
+    tmp_path: Path
+) -> None:
+    (tmp_path / "ckpt").write_text("not a directory")
+    path = tmp_path / "config.toml"
+    path.write_text(config(tmp_path / "ckpt"))
+    result = _cli("serve", "--config", str(path), "--address", "127.0.0.1:0")
+    assert result.returncode == 2, result.stderr
+    assert f"server.checkpoint_dir: checkpoint directory '{tmp_path / 'ckpt'}' is not a " \
+           "directory" in result.stderr
+
+
 def test_checkpoints_are_written_on_a_timer_and_pruned(tmp_path: Path) -> None:
     server = start_server(tmp_path, config(tmp_path / "ckpt", interval=0.2, keep=2))
     try:
