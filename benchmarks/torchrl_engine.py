@@ -31,7 +31,6 @@ ordinary public API:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,8 +51,13 @@ def start_server(
     port: int = 0,
     env: dict[str, str] | None = None,
     name: str = "server",
+    preexec_fn: Callable[[], None] | None = None,
 ) -> ServerProcess:
-    """Start ``replay-server serve`` (with ``config`` TOML text, if given) and wait for its port."""
+    """Start ``replay-server serve`` (with ``config`` TOML text, if given) and wait for its port.
+
+    The port file is written once the server is SERVING (tables restored).
+    ``preexec_fn`` runs in the child before it starts (e.g. to set resource limits).
+    """
     port_file = tmp_path / f"{name}.port"
     port_file.unlink(missing_ok=True)
     log_path = tmp_path / f"{name}.log"
@@ -65,7 +70,8 @@ def start_server(
         args += ["--config", str(config_path)]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     log_file = log_path.open("a")
-    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env,
+                               preexec_fn=preexec_fn)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():

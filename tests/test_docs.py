@@ -1,8 +1,8 @@
 """Every Python and TOML example in README.md and docs/*.md works as written.
 
 Python blocks run in order, each in a fresh namespace, against one real server
-with the default tables (``localhost:50051`` in the text is rewritten to its
-address); TOML blocks must load as server configs.
+with the default tables and a checkpoint directory (``localhost:50051`` in the
+text is rewritten to its address); TOML blocks must load as server configs.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ TOML = _blocks("toml")
 def address(tmp_path_factory):
     from tests.conftest import start_server
 
-    proc = start_server(tmp_path_factory.mktemp("docs"))
+    tmp = tmp_path_factory.mktemp("docs")
+    proc = start_server(tmp, f'[server]\ncheckpoint_dir = "{tmp / "checkpoints"}"\n'
+                             f'checkpoint_interval_s = 0\n')
     yield proc.address
     proc.stop()
 

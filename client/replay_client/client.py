@@ -34,6 +34,7 @@ from replay_proto.v1 import replay_pb2 as pb
 _SERVICE = "/replay.v1.ReplayService/"
 _COUNTER_FIELDS = tuple(pb.TableCounters.DESCRIPTOR.fields_by_name)
 _LIMITER_FIELDS = tuple(pb.RateLimiterInfo.DESCRIPTOR.fields_by_name)
+_CLIENT_TIMEOUT = object()  # _unary's default: the client's own timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +166,11 @@ class ReplayClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _unary(self, method: str, request: bytes, *, retry: bool) -> bytes:
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+    def _unary(
+        self, method: str, request: bytes, *, retry: bool, timeout: Any = _CLIENT_TIMEOUT
+    ) -> bytes:
+        timeout = self.timeout if timeout is _CLIENT_TIMEOUT else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         retry_until = time.monotonic() + self._max_retry_s
         delay = 0.05
         while True:
@@ -288,6 +292,23 @@ class ReplayClient:
             )
             for t in response.tables
         }
+
+    def checkpoint(self, *, timeout: float | None = 600.0) -> str:
+        """Have the server write a checkpoint of every table; returns its path (on the server).
+
+        The checkpoint starts after this call arrives, so it holds every row
+        acknowledged before it. Not retried (a retry could start a second
+        checkpoint). ``timeout``: seconds to wait (writing takes about a
+        second per GB here); ``None``: no limit.
+
+        Raises:
+            NoCheckpointDirError: the server has no ``checkpoint_dir``.
+            CheckpointError: the write failed (e.g. disk full); the server keeps serving.
+            UnavailableError, DeadlineExceededError, ...
+        """
+        request = pb.CheckpointRequest().SerializeToString()
+        raw = self._unary("Checkpoint", request, retry=False, timeout=timeout)
+        return pb.CheckpointResponse.FromString(raw).path
 
     def reset(self, table: str) -> None:
         """Remove every row of ``table`` (its schema stays; old ids become stale)."""

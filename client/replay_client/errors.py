@@ -53,6 +53,17 @@ class NoPrioritiesError(FailedPreconditionError):
     """The table's sampler does not use priorities."""
 
 
+class NoCheckpointDirError(FailedPreconditionError):
+    """A checkpoint was requested from a server that has no ``checkpoint_dir``."""
+
+
+class CheckpointError(ReplayError):
+    """The server could not write the checkpoint (disk full, directory unwritable, ...).
+
+    Nothing of it was kept; the server goes on serving. The message says why.
+    """
+
+
 class MessageTooLargeError(ReplayError):
     """A request or response exceeds the message-size limit."""
 
@@ -91,6 +102,8 @@ _BY_KIND: dict[str, type[ReplayError]] = {
     "empty_table": EmptyTableError,
     "no_priorities": NoPrioritiesError,
     "failed_precondition": FailedPreconditionError,
+    "no_checkpoint_dir": NoCheckpointDirError,
+    "checkpoint_failed": CheckpointError,
     "message_too_large": MessageTooLargeError,
     "unauthenticated": UnauthenticatedError,
     "deadline_exceeded": DeadlineExceededError,
@@ -106,6 +119,9 @@ _BY_CODE: dict[grpc.StatusCode, type[ReplayError]] = {
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    # The client never cancels a call it still waits for: a CANCELLED status comes from
+    # the server, which cancels calls not yet started when it shuts down.
+    grpc.StatusCode.CANCELLED: UnavailableError,
 }
 
 
@@ -119,6 +135,8 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> ReplayError:
         if key == "replay-error-kind":
             kind = value
     cls = _BY_KIND.get(kind or "") or _BY_CODE.get(code, InternalError)
+    if cls is UnavailableError and code == grpc.StatusCode.CANCELLED:
+        return cls(f"replay server at {address} cancelled the call (it is shutting down?)")
     if cls is UnavailableError:
         return cls(f"replay server at {address} is unavailable: {details}")
     if cls is DeadlineExceededError:

@@ -3,10 +3,12 @@
     replay-server serve [--config FILE] [--address HOST:PORT] [--port-file PATH]
     replay-server health --address HOST:PORT
     replay-server info   --address HOST:PORT
+    replay-server checkpoint --address HOST:PORT
 
 ``serve`` with no config listens on 127.0.0.1:50051 with the default tables
 (one per sampler kind) and says so. ``health`` exits 0 when the server is
 SERVING, 1 otherwise. ``info`` prints every table's size and counters.
+``checkpoint`` has the server write a checkpoint and prints its path.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _serve(args: argparse.Namespace) -> int:
     server = ReplayServer(settings)
     run(server.serve(port_file=Path(args.port_file) if args.port_file else None,
                      grace=args.grace))
-    return 0
+    return server.exit_code
 
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -80,6 +82,22 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.address) as channel:
+        stub = replay_pb2_grpc.ReplayServiceStub(channel)
+        try:
+            response = stub.Checkpoint(pb.CheckpointRequest(), timeout=args.timeout,
+                                       metadata=_metadata(args))
+        except grpc.RpcError as exc:
+            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(response.path)
+    print(f"{response.bytes / 1e6:.1f} MB in {response.seconds:.2f} s; rows: "
+          + ", ".join(f"{name} {rows:,}" for name, rows in sorted(response.table_rows.items())),
+          file=sys.stderr)
+    return 0
+
+
 def format_info(response: pb.InfoResponse) -> str:
     """A readable table of every table's figures."""
     header = ("table", "sampler", "size", "capacity", "fill", "inserted", "sampled",
@@ -100,6 +118,9 @@ def format_info(response: pb.InfoResponse) -> str:
             lines.append(f"{t.name} columns: {columns}")
         if t.rate_limiter.enabled or t.max_times_sampled:
             lines.append(f"{t.name} flow control: {format_flow_control(t)}")
+    if response.HasField("last_checkpoint"):
+        last = response.last_checkpoint
+        lines.append(f"last checkpoint: {last.path} ({last.created}, {last.bytes / 1e6:.1f} MB)")
     return "\n".join(lines)
 
 
@@ -133,11 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace", type=float, default=10.0,
                        help="seconds in-flight calls get to finish at shutdown (default 10)")
     serve.set_defaults(run=_serve)
-    for name, fn, text in (("health", _health, "check a server's health"),
-                           ("info", _info, "print a server's tables")):
+    for name, fn, text, timeout in (
+        ("health", _health, "check a server's health", 5.0),
+        ("info", _info, "print a server's tables", 5.0),
+        ("checkpoint", _checkpoint, "have a server write a checkpoint; prints its path", 600.0),
+    ):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--address", required=True, help="server host:port")
-        sub.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+        sub.add_argument("--timeout", type=float, default=timeout,
+                         help=f"seconds (default {timeout:g})")
         sub.add_argument("--token-env", default="REPLAY_TOKEN",
                          help="environment variable holding the auth token, if any")
         sub.set_defaults(run=fn)

@@ -70,3 +70,22 @@ class RateLimitedError(ReplayServerError):
         self.table = table
         self.operation = operation
         self.count = count
+
+
+class MalformedStateError(ConfigError):
+    """A saved state (state dict or checkpoint) is malformed, not just contradicting the config."""
+
+
+class CheckpointsDisabledError(FailedPreconditionError):
+    """A checkpoint was requested but the server has no ``checkpoint_dir``."""
+
+
+class CheckpointWriteError(ReplayServerError):
+    """Writing a checkpoint failed (the checkpoint directory is unwritable, a file failed, ...).
+
+    Nothing of the failed checkpoint remains; the tables are unaffected.
+    """
+
+
+class CheckpointSpaceError(CheckpointWriteError):
+    """Writing a checkpoint failed for lack of space (disk full, quota, file size limit)."""

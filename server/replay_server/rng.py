@@ -1,8 +1,4 @@
-"""The table's random generator state as plain values, for ``state_dict``.
-
-numpy's PCG64 has 128-bit integers in its state; they are saved as decimal
-strings so the state loads with ``torch.load(..., weights_only=True)``.
-"""
+"""A table's random generator state as plain values (for state dicts and checkpoints)."""
 
 from __future__ import annotations
 
@@ -27,7 +23,11 @@ def generator_state(generator: np.random.Generator) -> dict[str, Any]:
 
 
 def generator_from_state(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """The numpy ``bit_generator.state`` of a :func:`generator_state`."""
+    """The ``bit_generator.state`` to assign for a :func:`generator_state`.
+
+    Raises:
+        ConfigError: the saved generator is not PCG64.
+    """
     if saved["bit_generator"] != "PCG64":
         raise ConfigError(f"saved random generator is {saved['bit_generator']!r}, expected PCG64")
     return {

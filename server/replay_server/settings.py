@@ -10,6 +10,9 @@
     workers = 4                    # threads running engine work
     log_format = "text"            # text | json
     shared_memory = true           # offer same-host learners a /dev/shm ring
+    checkpoint_dir = "checkpoints" # omitted: no persistence
+    checkpoint_interval_s = 600    # 0: only on request and at shutdown
+    keep_latest = 3                # complete checkpoints kept
 
     [[tables]]
     name = "replay"
@@ -25,8 +28,8 @@
     obs = "float32[17]"
 
 Every problem is a :class:`~replay_server.errors.ConfigError` naming the
-field and the value. Keys this version does not implement yet (checkpoints,
-metrics) are refused, never silently ignored.
+field and the value. Keys this version does not implement yet (metrics) are
+refused, never silently ignored.
 """
 
 from __future__ import annotations
@@ -53,12 +56,12 @@ _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 _SPEC = re.compile(r"^([a-z0-9]+)\[([0-9, ]*)\]$")
 
 _SERVER_KEYS = {"address", "pin_memory", "auth_token_env", "max_message_mb", "workers",
-                "log_format", "shared_memory"}
+                "log_format", "shared_memory", "checkpoint_dir", "checkpoint_interval_s",
+                "keep_latest"}
 _TABLE_KEYS = {"name", "capacity", "sampler", "alpha", "beta", "slice_len", "episode_key",
                "done_key", "truncated_key", "seed", "schema", "min_size_to_sample",
                "samples_per_insert", "error_buffer", "max_times_sampled"}
 _NOT_YET = {
-    "checkpoint_dir": "checkpoints", "checkpoint_interval_s": "checkpoints",
     "metrics_address": "metrics",
 }
 
@@ -78,6 +81,12 @@ class ServerSettings:
         log_format: ``"text"`` or ``"json"`` (one JSON object per line).
         shared_memory: offer learners on this host a shared-memory ring for
             ``SampleStream`` batches (they fall back to gRPC when they cannot map it).
+        checkpoint_dir: where checkpoints are written and restored from
+            (relative: to the working directory; created if missing);
+            ``None``: no persistence.
+        checkpoint_interval_s: seconds between timed checkpoints (counted
+            from the end of the previous one); 0: only on request and at shutdown.
+        keep_latest: complete checkpoints kept (older ones are removed).
         tables: the tables to serve.
     """
 
@@ -88,6 +97,9 @@ class ServerSettings:
     workers: int = 4
     log_format: str = "text"
     shared_memory: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_interval_s: float = 600.0
+    keep_latest: int = 3
     tables: tuple[TableConfig, ...] = field(default_factory=lambda: tuple(default_table_configs()))
 
     def __post_init__(self) -> None:
@@ -117,6 +129,19 @@ class ServerSettings:
             raise ConfigError(f"server.shared_memory must be true or false, got {self.shared_memory!r}")
         if self.log_format not in ("text", "json"):
             raise ConfigError(f"server.log_format must be 'text' or 'json', got {self.log_format!r}")
+        if self.checkpoint_dir is not None and (
+            not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir
+        ):
+            raise ConfigError(
+                f"server.checkpoint_dir must be a directory path, got {self.checkpoint_dir!r}")
+        interval = self.checkpoint_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
+            0 <= interval < float("inf")
+        ):
+            raise ConfigError(
+                f"server.checkpoint_interval_s must be a number of seconds >= 0 (0: only on "
+                f"request and at shutdown), got {interval!r}")
+        _check_int("server.keep_latest", self.keep_latest, 1, 1_000_000)
         names = [t.name for t in self.tables]
         if not names:
             raise ConfigError("the config declares no [[tables]]")

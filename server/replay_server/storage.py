@@ -25,6 +25,7 @@ import torch
 
 from replay_server.errors import ConfigError
 from replay_server.schema import Schema
+from replay_server.snapshot import DEFAULT_CHUNK_BYTES, StorageSnapshot
 
 
 class ColumnStorage:
@@ -54,6 +55,7 @@ class ColumnStorage:
             for key, spec in schema.items()
         }
         self._views = {key: _numpy_view(col) for key, col in self.columns.items()}
+        self._snapshots: list[StorageSnapshot] = []
 
     @property
     def nbytes(self) -> int:
@@ -66,6 +68,8 @@ class ColumnStorage:
         Cost: one contiguous copy per column (two where the range wraps).
         """
         n = next(iter(columns.values())).shape[0]
+        for snapshot in self._snapshots:
+            snapshot.before_write(first_slot, n)
         head = min(n, self.capacity - first_slot)
         for key, dest in self._views.items():
             src = _numpy_view(columns[key].detach())
@@ -103,14 +107,31 @@ class ColumnStorage:
             result[key] = rows if slots.ndim == 1 else rows.reshape(*slots.shape, *col.shape[1:])
         return result
 
-    def state_dict(self, used: int) -> dict[str, torch.Tensor]:
-        """Copies of the first ``used`` slots of each column (the slots ever written)."""
-        return {key: col[:used].clone() for key, col in self.columns.items()}
+    @property
+    def views(self) -> dict[str, np.ndarray]:
+        """Numpy views of the whole columns (bfloat16 as int16), e.g. to read a checkpoint into."""
+        return dict(self._views)
+
+    def snapshot(
+        self, lock: threading.Lock, next_slot: int, used: int,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    ) -> StorageSnapshot:
+        """Begin a :class:`~replay_server.snapshot.StorageSnapshot` of slots ``0 .. used - 1``.
+
+        Call under the owning table's ``lock`` (which the snapshot takes to
+        read); ``next_slot`` is the slot the next insert writes. O(1).
+        """
+        dtypes = {key: spec.dtype for key, spec in self.schema.items()}
+        snapshot = StorageSnapshot(self._views, dtypes, lock, next_slot, used,
+                                   self.schema.row_bytes, chunk_bytes,
+                                   on_close=self._snapshots.remove)
+        self._snapshots.append(snapshot)
+        return snapshot
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        for key, col in self.columns.items():
-            saved = state[key]
-            col[: saved.shape[0]].copy_(saved)
+        for key, view in self._views.items():
+            saved = _numpy_view(state[key].detach())
+            np.copyto(view[: saved.shape[0]], saved)
 
 
 _PARALLEL_BYTES = 2 << 20  # gathers at least this large are split across threads

@@ -34,6 +34,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from replay_server.snapshot import saved_copy
+
 BLOCK = 16
 """Leaves per block (the fan-in of the bottom level)."""
 
@@ -248,7 +250,7 @@ class SumTree:
 
     def state_dict(self, used: int) -> dict[str, torch.Tensor]:
         """The first ``used`` leaves (inner nodes are rebuilt on load)."""
-        return {"leaves": torch.from_numpy(self._leaves[:used].copy())}
+        return {"leaves": torch.from_numpy(saved_copy(self._leaves[:used]))}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         leaves = np.asarray(state["leaves"], dtype=np.float32)

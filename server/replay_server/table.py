@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import operator
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -33,8 +33,7 @@ import numpy as np
 import torch
 
 from replay_proto.batch import SampleBatch
-from replay_proto.dtypes import DTYPES
-from replay_proto.keys import flatten, unflatten
+from replay_proto.keys import unflatten
 from replay_server.config import TableConfig
 from replay_server.errors import (
     ConfigError,
@@ -42,15 +41,18 @@ from replay_server.errors import (
     InvalidArgumentError,
     InvalidIdsError,
     InvalidPriorityError,
+    MalformedStateError,
     NoPrioritiesError,
     SchemaMismatchError,
 )
 from replay_server.ids import IdRing
+from replay_server.inputs import as_tensor, columns_of, row_count
 from replay_server.ratelimit import RateLimiter
 from replay_server.retirement import Retirement, load_retirement
 from replay_server.rng import generator_from_state, generator_state
 from replay_server.samplers import InsertEvent, make_sampler
 from replay_server.schema import FieldSpec, Schema
+from replay_server.snapshot import DEFAULT_CHUNK_BYTES, Arena, TableSnapshot
 from replay_server.storage import ColumnStorage
 from replay_server.table_info import TableCounters, TableInfo
 
@@ -60,7 +62,6 @@ STATE_VERSION = 1
 MAX_BATCH_SIZE = 1 << 24
 """Largest ``batch_size`` a single sample may ask for."""
 
-_STORABLE = frozenset(DTYPES.values())
 _LOG_FLOAT32_MAX = math.log(float(torch.finfo(torch.float32).max))
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
@@ -145,8 +146,8 @@ class Table:
         Cost: one copy of the rows into storage plus the sampler's insert
         (O(rows * log capacity) at worst).
         """
-        columns = self._columns(data)
-        rows = self._row_count(columns)
+        columns = columns_of(data, self.name)
+        rows = row_count(columns, self.name)
         checked_priorities = self._insert_priorities(priorities, rows)
         with self._lock:
             schema = self._schema
@@ -191,51 +192,6 @@ class Table:
             self._limiter.deleted(deleted)
         return torch.from_numpy(self._ring.range(first_id, rows))
 
-    def _columns(self, data: Any) -> dict[str, torch.Tensor]:
-        try:
-            flat = flatten(data)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgumentError(f"table {self.name!r}: {exc}") from None
-        if not flat:
-            raise InvalidArgumentError(f"table {self.name!r}: insert has no columns")
-        columns = {}
-        for key, value in flat.items():
-            columns[key] = self._as_tensor(value, f"key {key!r}")
-            if columns[key].dtype not in _STORABLE:
-                raise SchemaMismatchError(
-                    f"table {self.name!r}: key {key!r} has dtype {columns[key].dtype}, which a "
-                    f"table cannot store; supported dtypes: {', '.join(DTYPES)}"
-                )
-            if columns[key].dim() == 0:
-                raise InvalidArgumentError(
-                    f"table {self.name!r}: key {key!r} is a scalar; every column needs a "
-                    f"leading dimension of rows (use shape [1] for one row)"
-                )
-        return columns
-
-    def _as_tensor(self, value: Any, what: str) -> torch.Tensor:
-        if isinstance(value, torch.Tensor):
-            return value if value.device.type == "cpu" else value.cpu()
-        try:
-            array = np.asarray(value)
-            if any(stride < 0 for stride in array.strides):  # torch refuses reversed views
-                array = array.copy()
-            return torch.as_tensor(array)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise InvalidArgumentError(
-                f"table {self.name!r}: {what} is not a tensor or array "
-                f"({type(value).__name__}): {exc}"
-            ) from None
-
-    def _row_count(self, columns: Mapping[str, torch.Tensor]) -> int:
-        counts = {key: int(col.shape[0]) for key, col in columns.items()}
-        if len(set(counts.values())) > 1:
-            raise InvalidArgumentError(
-                f"table {self.name!r}: columns have different numbers of rows "
-                f"(leading dims): {counts}"
-            )
-        return next(iter(counts.values()))
-
     def _insert_priorities(self, priorities: Any, rows: int) -> np.ndarray | None:
         if priorities is None:
             return None
@@ -257,7 +213,7 @@ class Table:
         if isinstance(priorities, np.ndarray) and priorities.dtype == np.float64:
             values = priorities  # what the service decodes: no conversion
         else:
-            tensor = self._as_tensor(priorities, "priorities")
+            tensor = as_tensor(priorities, "priorities", self.name)
             if tensor.dtype == torch.bool or tensor.is_complex():
                 raise InvalidPriorityError(
                     f"table {self.name!r}: priorities must be real numbers, got dtype "
@@ -425,7 +381,7 @@ class Table:
         if isinstance(ids, np.ndarray) and ids.dtype == np.int64:
             id_array = ids  # what the service decodes: no conversion
         else:
-            id_tensor = self._as_tensor(ids, "ids")
+            id_tensor = as_tensor(ids, "ids", self.name)
             if id_tensor.dtype != torch.int64:
                 raise InvalidIdsError(
                     f"table {self.name!r}: ids must be int64 (as returned by insert and "
@@ -490,56 +446,86 @@ class Table:
 
     # ------------------------------------------------------------ persistence
 
-    def state_dict(self) -> dict[str, Any]:
-        """A consistent snapshot of the whole table: tensors and plain values only.
+    _instant_bytes = 0  # what the last snapshot's instant copied: the next one's Arena size
 
-        Loadable with ``torch.load(..., weights_only=True)``; no code runs on load.
-        Copies the stored rows (O(rows stored)) under the lock.
+    def snapshot(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TableSnapshot:
+        """Begin a consistent snapshot of the table as it is now (:mod:`replay_server.snapshot`).
+
+        Copies everything but the rows under the lock (O(slots used) of small
+        per-slot sampler arrays, into memory touched before the lock); the rows
+        are read out afterwards in pieces of ``chunk_bytes``, under short lock
+        holds. Close the snapshot when done.
         """
-        with self._lock:
+        # The first time, a bound: no sampler keeps more than 16 bytes per slot.
+        arena = Arena(self._instant_bytes or 16 * min(self._ring.next_id, self._ring.capacity))
+        with self._lock, arena.active():
             used = min(self._ring.next_id, self._ring.capacity)
-            return {
+            state = {
                 "version": STATE_VERSION,
                 "config": self.config.describe(),
                 "schema": None if self._schema is None else self._schema.state_dict(),
                 "ring": self._ring.state_dict(),
-                "columns": {} if self._storage is None else self._storage.state_dict(used),
+                "columns": {},  # the rows: read from the snapshot's ``rows``
                 "sampler": self._sampler.state_dict(),
                 "counters": asdict(self._counters),
                 "generator": generator_state(self._generator),
                 "rate_limiter": self._limiter.state_dict(),
                 "times_sampled": self._retirement.state_dict(used) if self._retirement else None,
             }
+            rows = None if self._storage is None else self._storage.snapshot(
+                self._lock, self._ring.next_id % self._ring.capacity, used, chunk_bytes)
+        self._instant_bytes = arena.wanted
+        return TableSnapshot(state, rows)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """A consistent snapshot of the whole table: tensors and plain values only.
+
+        Loadable with ``torch.load(..., weights_only=True)``; no code runs on
+        load. ``"columns"``: the slots ever written, in slot order, copied in
+        pieces under short lock holds (:meth:`snapshot`).
+        """
+        with self.snapshot() as snap:
+            if snap.rows is not None:
+                snap.state["columns"] = snap.rows.columns()
+        return snap.state
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], read_rows: Callable[[dict], None] | None = None
+    ) -> None:
         """Replace this table's contents with a :meth:`state_dict`, all or nothing.
 
         The state is loaded into a fresh table first and swapped in only once
         it has loaded completely, so a malformed state changes nothing (the
-        cost: twice the table's memory while loading).
+        cost: twice the table's memory while loading). ``read_rows``, if
+        given, fills the rows instead of ``state["columns"]``: it is called
+        with numpy views of the fresh table's whole columns (bfloat16 as
+        int16), e.g. to read them from files; what it raises propagates as is.
 
         Raises:
             ConfigError: the state has another layout version, contradicts this
                 table's config (capacity, sampler, slice_len, alpha, keys) or
-                schema (the message names both values), or is malformed.
+                schema (the message names both values).
+            MalformedStateError: the state is malformed.
         """
         fresh = Table(self.config)
         try:
-            fresh._load(state, self._schema)
+            fresh._load(state, self._schema, read_rows is None)
         except ConfigError:
             raise
         except Exception as exc:
-            raise ConfigError(
+            raise MalformedStateError(
                 f"table {self.name!r}: saved state is malformed ({type(exc).__name__}: {exc})"
             ) from exc
+        if read_rows is not None and fresh._storage is not None:
+            read_rows(fresh._storage.views)
         with self._lock:
             self._ring, self._sampler = fresh._ring, fresh._sampler
             self._storage, self._schema = fresh._storage, fresh._schema
             self._counters, self._generator = fresh._counters, fresh._generator
             self._limiter, self._retirement = fresh._limiter, fresh._retirement
 
-    def _load(self, state: Mapping[str, Any], schema_now: Schema | None) -> None:
-        """Load ``state`` into this (fresh, unshared) table; may fail half-way."""
+    def _load(self, state: Mapping[str, Any], schema_now: Schema | None, columns: bool) -> None:
+        """Load ``state`` (its rows too if ``columns``) into this fresh table; may fail half-way."""
         version = state.get("version")
         if version != STATE_VERSION:
             raise ConfigError(
@@ -563,11 +549,11 @@ class Table:
         if schema is not None and self._storage is None:
             self._allocate(schema)
         self._ring.load_state_dict(state["ring"])
-        if self._storage is not None:
+        if self._storage is not None and columns:
             used = min(self._ring.next_id, self._ring.capacity)
             for key, column in state["columns"].items():
                 if key not in self._storage.columns or column.shape[0] != used:
-                    raise ConfigError(
+                    raise MalformedStateError(
                         f"table {self.name!r}: saved column {key!r} does not fit the schema "
                         f"and {used} stored slots"
                     )

@@ -573,6 +573,11 @@ def test_numpy_insert_round_trips(client) -> None:
         assert bool(batch.data["flag"][i]) == data["flag"][k]
 
 
+def test_checkpoint_without_a_checkpoint_dir_raises_no_checkpoint_dir_error(client) -> None:
+    with pytest.raises(errors.NoCheckpointDirError, match="set server.checkpoint_dir"):
+        client.checkpoint()
+
+
 def test_server_logged_no_internal_error(served: ServerProcess, stored) -> None:
     log = served.log()
     assert "internal error" not in log and "Traceback" not in log, log[-3000:]

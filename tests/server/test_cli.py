@@ -76,3 +76,9 @@ def test_json_log_format_writes_one_object_per_line(server_factory):
     records = [json.loads(line) for line in proc.log().splitlines() if line.startswith("{")]
     assert any(r["msg"].startswith("listening on") for r in records)
     assert all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
+
+
+def test_checkpoint_without_a_checkpoint_dir_exits_1_saying_why(server):
+    result = _cli("checkpoint", "--address", server.address)
+    assert result.returncode == 1
+    assert "FAILED_PRECONDITION" in result.stderr and "server.checkpoint_dir" in result.stderr

@@ -66,6 +66,11 @@ class ReplayServiceStub:
                 request_serializer=replay_dot_v1_dot_replay__pb2.ResetRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/replay.v1.ReplayService/Checkpoint',
+                request_serializer=replay_dot_v1_dot_replay__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.CheckpointResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServiceServicer:
@@ -154,6 +159,21 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Writes a checkpoint of every table into the server's checkpoint_dir and
+        says where. The checkpoint starts after the call arrives, so it holds
+        every row acknowledged before the call; a call that arrives while a
+        checkpoint is being written waits for it to end, then shares the next one
+        with every other call that waited. Inserts and samples go on meanwhile.
+        Errors: FAILED_PRECONDITION, kind "no_checkpoint_dir", when the server
+        has no checkpoint_dir; a failed write leaves nothing behind and the
+        server keeps serving: RESOURCE_EXHAUSTED (disk full, quota, file-size
+        limit) or FAILED_PRECONDITION (other I/O errors), kind "checkpoint_failed".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +206,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=replay_dot_v1_dot_replay__pb2.ResetRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.ResetResponse.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.CheckpointRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.CheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -351,6 +376,33 @@ class ReplayService:
             '/replay.v1.ReplayService/Reset',
             replay_dot_v1_dot_replay__pb2.ResetRequest.SerializeToString,
             replay_dot_v1_dot_replay__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replay.v1.ReplayService/Checkpoint',
+            replay_dot_v1_dot_replay__pb2.CheckpointRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.CheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,

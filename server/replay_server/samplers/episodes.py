@@ -41,6 +41,7 @@ import torch
 
 from replay_server.ids import IdRing
 from replay_server.samplers.base import InsertEvent
+from replay_server.snapshot import saved_copy
 
 _EMPTY = np.empty(0, dtype=np.int64)
 _MIN_SWEEP = 1024
@@ -169,7 +170,7 @@ class EpisodeIndex:
             lengths[row] = tail.size
             tails[row, : tail.size] = torch.from_numpy(tail)
         return {
-            "next": torch.from_numpy(self._next[:used].copy()),
+            "next": torch.from_numpy(saved_copy(self._next[:used])),
             "open_episodes": torch.tensor(episodes, dtype=torch.int64),
             "open_last_ids": torch.tensor(
                 [o.last_id for o in self._open.values()], dtype=torch.int64

@@ -20,6 +20,7 @@ from replay_server.samplers.base import InsertEvent, Sampler, SampleIndex
 from replay_server.samplers.episodes import EpisodeIndex
 from replay_server.samplers.prioritized import PriorityState, draw_by_priority
 from replay_server.samplers.slotset import SlotSet
+from replay_server.snapshot import saved_copy
 from replay_server.sumtree import SumTree
 
 
@@ -73,7 +74,7 @@ class SliceSampler(Sampler):
     def state_dict(self) -> dict[str, Any]:
         return {
             "episodes": self._episodes.state_dict(self._used),
-            "starts": torch.from_numpy(self._starts.members().astype(np.int64)),
+            "starts": torch.from_numpy(saved_copy(self._starts.members(), np.int64)),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -164,8 +165,8 @@ class PrioritizedSliceSampler(Sampler):
         return {
             "episodes": self._episodes.state_dict(used),
             "priority": self._prio.state_dict(),
-            "row_mass": torch.from_numpy(self._row_mass[:used].copy()),
-            "is_start": torch.from_numpy(self._is_start[:used].copy()),
+            "row_mass": torch.from_numpy(saved_copy(self._row_mass[:used])),
+            "is_start": torch.from_numpy(saved_copy(self._is_start[:used])),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -22,6 +22,8 @@ import grpc
 from replay_proto import messages
 from replay_proto.codec import CodecError
 from replay_proto.v1 import replay_pb2 as pb
+from replay_server.checkpoint import Checkpointer, CheckpointResult
+from replay_server.errors import CheckpointsDisabledError
 from replay_server.service.status import (
     ERROR_KIND_KEY,
     MessageTooLargeError,
@@ -48,16 +50,24 @@ class ReplayServicer:
         executor: where engine work runs (bounded thread pool).
         max_message_bytes: the gRPC message-size limit, both ways.
         shared_memory: offer same-host learners a shared-memory ring for streams.
+        checkpointer: writes checkpoints (``None``: the server has no checkpoint_dir).
+        checkpoint_executor: where checkpoint calls wait and run (not the engine's pool).
     """
 
-    def __init__(self, tables: Tables, executor: Executor, max_message_bytes: int,
-                 shared_memory: bool = True) -> None:
+    def __init__(
+        self, tables: Tables, executor: Executor, max_message_bytes: int, *,
+        shared_memory: bool = True, checkpointer: Checkpointer | None = None,
+        checkpoint_executor: Executor | None = None,
+    ) -> None:
         self._tables = tables
         self._executor = executor
         self._max_message = max_message_bytes
         self.shared_memory = shared_memory
+        self._checkpointer = checkpointer
+        self._checkpoint_executor = checkpoint_executor or executor
         self._draining = False
         self._blocked = BlockedCalls(self._may_pass)
+        self.restoring = False  # tables are being restored: calls are refused (UNAVAILABLE)
 
     @property
     def draining(self) -> bool:
@@ -77,6 +87,10 @@ class ReplayServicer:
         """
         self._blocked.changed(table)
 
+    def use_tables(self, tables: Tables) -> None:
+        """Serve ``tables`` from now on (the restored ones, before SERVING)."""
+        self._tables = tables
+
     def handler(self) -> grpc.GenericRpcHandler:
         """A generic handler serving every RPC of ``replay.v1.ReplayService``."""
         unary = grpc.unary_unary_rpc_method_handler
@@ -89,6 +103,7 @@ class ReplayServicer:
                 "UpdatePriorities": unary(self.update_priorities),
                 "Info": unary(self.info),
                 "Reset": unary(self.reset),
+                "Checkpoint": unary(self.checkpoint),
             },
         )
 
@@ -161,7 +176,11 @@ class ReplayServicer:
                 ),
                 max_times_sampled=info.config["max_times_sampled"],
             ))
-        return pb.InfoResponse(tables=tables).SerializeToString()
+        response = pb.InfoResponse(tables=tables)
+        last = None if self._checkpointer is None else self._checkpointer.last
+        if last is not None:
+            response.last_checkpoint.CopyFrom(_checkpoint_response(last))
+        return response.SerializeToString()
 
     async def reset(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return await self._change(context, self._reset, raw)
@@ -170,6 +189,18 @@ class ReplayServicer:
         name = _parse(pb.ResetRequest, raw).table
         self._tables[name].reset()
         return name, pb.ResetResponse().SerializeToString()
+
+    async def checkpoint(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return await self._run(context, self._checkpoint, raw, executor=self._checkpoint_executor)
+
+    def _checkpoint(self, raw: bytes) -> bytes:
+        _parse(pb.CheckpointRequest, raw)
+        if self._checkpointer is None:
+            raise CheckpointsDisabledError(
+                "this server has no checkpoint directory: set server.checkpoint_dir in its "
+                "config to enable checkpoints")
+        result = self._checkpointer.checkpoint(self._tables, "Checkpoint RPC")
+        return _checkpoint_response(result).SerializeToString()
 
     # ---------------------------------------------------------------- helpers
 
@@ -187,6 +218,15 @@ class ReplayServicer:
         limiter = self._tables[table].rate_limiter
         return limiter.can_insert(1) if operation == "insert" else limiter.can_sample(1)
 
+    def _refusal(self) -> ShuttingDownError | None:
+        """Why new work is refused now (UNAVAILABLE): draining, or still restoring at start."""
+        if self.draining:
+            return ShuttingDownError("the server is shutting down")
+        if self.restoring:
+            return ShuttingDownError(
+                "the server is restoring its tables from a checkpoint; try again shortly")
+        return None
+
     async def _change(
         self,
         context: grpc.aio.ServicerContext,
@@ -199,8 +239,8 @@ class ReplayServicer:
 
         Errors abort the call with their status, or propagate (``aborting=False``).
         """
-        if self.draining:
-            refused = ShuttingDownError("the server is shutting down")
+        refused = self._refusal()
+        if refused is not None:
             if aborting:
                 await self._abort(context, refused)
             raise refused
@@ -214,11 +254,16 @@ class ReplayServicer:
         self._blocked.changed(table)
         return result
 
-    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any) -> T:
-        if self.draining:
-            await self._abort(context, ShuttingDownError("the server is shutting down"))
+    async def _run(
+        self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any,
+        executor: Executor | None = None,
+    ) -> T:
+        refused = self._refusal()
+        if refused is not None:
+            await self._abort(context, refused)
         loop = asyncio.get_running_loop()
-        return await self._await(context, loop.run_in_executor(self._executor, fn, *args))
+        future = loop.run_in_executor(executor or self._executor, fn, *args)
+        return await self._await(context, future)
 
     async def _await(self, context: grpc.aio.ServicerContext, future: Awaitable[T]) -> T:
         """The result of engine work, with its errors turned into the RPC's status."""
@@ -239,6 +284,13 @@ class ReplayServicer:
             )
         code, kind = mapped
         await context.abort(code, str(exc), trailing_metadata=((ERROR_KIND_KEY, kind),))
+
+
+def _checkpoint_response(result: CheckpointResult) -> pb.CheckpointResponse:
+    return pb.CheckpointResponse(
+        path=str(result.path), sequence=result.sequence, created=result.created,
+        bytes=result.nbytes, seconds=result.seconds, table_rows=result.tables,
+    )
 
 
 def _parse(message_type: type, raw: bytes) -> Any:

@@ -21,7 +21,7 @@ class MessageTooLargeError(errors.InvalidArgumentError):
 
 
 class ShuttingDownError(Exception):
-    """The server is draining; new work is refused."""
+    """The server is draining (or still restoring at start); new work is refused."""
 
 
 # Most specific first: the first isinstance match wins.
@@ -36,6 +36,9 @@ _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
     (CodecError, grpc.StatusCode.INVALID_ARGUMENT, "malformed_request"),
     (errors.UnknownTableError, grpc.StatusCode.NOT_FOUND, "unknown_table"),
     (errors.RateLimitedError, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"),
+    (errors.CheckpointSpaceError, grpc.StatusCode.RESOURCE_EXHAUSTED, "checkpoint_failed"),
+    (errors.CheckpointWriteError, grpc.StatusCode.FAILED_PRECONDITION, "checkpoint_failed"),
+    (errors.CheckpointsDisabledError, grpc.StatusCode.FAILED_PRECONDITION, "no_checkpoint_dir"),
     (errors.EmptyTableError, grpc.StatusCode.FAILED_PRECONDITION, "empty_table"),
     (errors.NoPrioritiesError, grpc.StatusCode.FAILED_PRECONDITION, "no_priorities"),
     (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"),

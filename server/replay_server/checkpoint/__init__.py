@@ -1,0 +1,31 @@
+"""Checkpoints: a table set saved to disk while it serves, and restored at start.
+
+Modules, one concept each: ``manifest`` (the versioned JSON description and
+its checks), ``statecodec`` (table state as JSON plus raw arrays, no pickle),
+``fileio`` (hashed, fsynced files; verified reads), ``directory`` (naming,
+locking, atomic commit, pruning), ``writer`` (one checkpoint), ``reader``
+(restore rules), ``checkpointer`` (one at a time, shared by concurrent
+requests). The consistent snapshot itself is :mod:`replay_server.snapshot`.
+No grpc here: the service calls in.
+"""
+
+from replay_server.checkpoint.checkpointer import Checkpointer
+from replay_server.checkpoint.directory import CheckpointDirectory
+from replay_server.checkpoint.fileio import RestoreCancelled
+from replay_server.checkpoint.manifest import FORMAT_VERSION, CorruptCheckpointError, Manifest
+from replay_server.checkpoint.reader import RestoreResult, load_checkpoint, read_manifest
+from replay_server.checkpoint.writer import CheckpointResult, write_checkpoint
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointDirectory",
+    "CheckpointResult",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "Manifest",
+    "RestoreCancelled",
+    "RestoreResult",
+    "load_checkpoint",
+    "read_manifest",
+    "write_checkpoint",
+]

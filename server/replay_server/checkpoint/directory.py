@@ -1,0 +1,170 @@
+"""The checkpoint directory: naming, listing, locking, atomic commit and pruning.
+
+Layout of ``checkpoint_dir``::
+
+    LOCK                                  flock()ed by the server using the directory
+    ckpt-20261121T212800.123Z-000007/     complete checkpoints (see manifest.py)
+    ckpt-20261121T213800.456Z-000008.tmp/ one being written (or left by a crash)
+
+A checkpoint is written under its ``.tmp`` name, every file fsynced, then the
+directory is renamed to its final name and the parent directory fsynced: a
+final name is only ever seen on a finished checkpoint (and the COMPLETE
+marker inside, written last, double-checks that). ``.tmp`` directories are
+leftovers of interrupted writes: removed at start and after each checkpoint.
+The sequence number orders checkpoints (clocks can go backwards); it is one
+more than the largest on disk.
+
+Thread-safety: one checkpoint is written at a time (the
+:class:`~replay_server.checkpoint.checkpointer.Checkpointer` sees to it);
+the LOCK keeps a second server away from the directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from replay_server.errors import ConfigError
+
+log = logging.getLogger("replay_server.checkpoint")
+
+_COMPLETE_NAME = re.compile(r"^ckpt-(\d{8}T\d{6}\.\d{3}Z)-(\d{6,})$")
+_TEMP_NAME = re.compile(r"^ckpt-(\d{8}T\d{6}\.\d{3}Z)-(\d{6,})\.tmp$")
+LOCK_NAME = "LOCK"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class CheckpointRef:
+    """A complete-looking checkpoint directory (by its name), ordered by sequence."""
+
+    sequence: int
+    path: Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointDirectory:
+    """One server's ``checkpoint_dir``. See the module docstring.
+
+    Args:
+        path: the directory; created (with parents) by :meth:`open` if missing.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).absolute()
+        self._lock_fd: int | None = None
+
+    def open(self) -> None:
+        """Create the directory if needed, lock it and remove unfinished checkpoints.
+
+        Raises:
+            ConfigError: the path is not a directory, cannot be created or
+                written, or another server holds its lock.
+        """
+        where = f"checkpoint directory {str(self.path)!r}"
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"{where} is not a directory")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"{where} cannot be created or written: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ConfigError(
+                    f"{where} is in use by another server (it holds {LOCK_NAME}); each server "
+                    f"needs its own checkpoint_dir") from None
+            raise ConfigError(f"{where}: cannot lock {LOCK_NAME}: {exc.strerror}") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+        for temp in self.temporaries():
+            log.warning("removing unfinished checkpoint %s (a write was interrupted)", temp)
+            self.discard(temp)
+
+    def close(self) -> None:
+        """Release the lock (idempotent)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def complete(self) -> list[CheckpointRef]:
+        """Checkpoints with a final name, oldest first (their contents are not checked here)."""
+        refs = []
+        for entry in self._entries():
+            match = _COMPLETE_NAME.match(entry.name)
+            if match and entry.is_dir():
+                refs.append(CheckpointRef(int(match.group(2)), entry))
+        return sorted(refs)
+
+    def temporaries(self) -> list[Path]:
+        """``.tmp`` directories: checkpoints being written or left by an interrupted write."""
+        return sorted(e for e in self._entries() if _TEMP_NAME.match(e.name))
+
+    def begin(self) -> tuple[int, Path, Path]:
+        """Create the temporary directory of the next checkpoint.
+
+        Returns:
+            ``(sequence, temporary path, final path)``.
+        """
+        names = [_COMPLETE_NAME.match(e.name) or _TEMP_NAME.match(e.name) for e in self._entries()]
+        sequence = 1 + max((int(m.group(2)) for m in names if m), default=0)
+        now = time.time()
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
+        final = self.path / f"ckpt-{stamp}-{sequence:06d}"
+        temp = final.with_name(final.name + ".tmp")
+        temp.mkdir()
+        return sequence, temp, final
+
+    def commit(self, temp: Path, final: Path) -> None:
+        """Atomically give a fully written (and fsynced) checkpoint its final name."""
+        fsync_dir(temp)
+        os.rename(temp, final)
+        fsync_dir(self.path)
+
+    def discard(self, path: Path) -> None:
+        """Remove a checkpoint directory; failures are logged, never raised."""
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove %s: %s", path, exc)
+
+    def prune(self, keep_latest: int) -> list[Path]:
+        """Remove all but the newest ``keep_latest`` checkpoints, and leftover temporaries.
+
+        Call only while no checkpoint is being written. Returns what was removed.
+        """
+        removed = [ref.path for ref in self.complete()[:-keep_latest]] + self.temporaries()
+        for path in removed:
+            self.discard(path)
+        if removed:
+            try:
+                fsync_dir(self.path)
+            except OSError as exc:
+                log.warning("could not fsync %s: %s", self.path, exc)
+        return removed
+
+    def _entries(self) -> list[Path]:
+        try:
+            return list(self.path.iterdir())
+        except FileNotFoundError:
+            return []

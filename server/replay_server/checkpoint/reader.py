@@ -1,0 +1,192 @@
+"""Restoring tables from the newest usable checkpoint.
+
+Rules, newest checkpoint (by sequence number) first:
+
+* Incomplete or damaged (no COMPLETE marker, a manifest that does not match
+  it or does not parse, a file missing, truncated or failing its sha256, a
+  state that does not load): skipped, with a WARNING naming the directory
+  and the reason, and the next older one is tried.
+* A checkpoint that contradicts the config (a table's capacity, sampler,
+  slice_len, alpha, episode keys or schema; a table the config no longer
+  declares), or that a newer server wrote: a startup error naming both
+  values. Skipping it would silently throw its data away.
+* Tables the config declares but the checkpoint lacks start empty.
+
+Every attempt loads into fresh tables, so a checkpoint that fails half-way
+leaves nothing behind. Rows are read from the files straight into table
+storage (no second copy in memory), checked against their sha256 as they go.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+
+from replay_server.checkpoint.directory import CheckpointDirectory
+from replay_server.checkpoint.fileio import RestoreCancelled, VerifiedReader, read_file
+from replay_server.checkpoint.manifest import (
+    COMPLETE,
+    MANIFEST,
+    CorruptCheckpointError,
+    Manifest,
+    NewerFormatError,
+    TableEntry,
+    check_complete_marker,
+)
+from replay_server.checkpoint.statecodec import StateFormatError, decode_state
+from replay_server.errors import ConfigError, MalformedStateError
+from replay_server.tables import Tables
+
+log = logging.getLogger("replay_server.checkpoint")
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """The checkpoint tables were restored from, and the ones skipped on the way (with why)."""
+
+    path: Path
+    manifest: Manifest
+    seconds: float
+    skipped: tuple[tuple[Path, str], ...] = ()
+
+
+def read_manifest(path: Path) -> Manifest:
+    """The manifest of the checkpoint at ``path``, checked against its COMPLETE marker.
+
+    Raises:
+        CorruptCheckpointError: incomplete, or the manifest is damaged.
+        NewerFormatError: written in a format this server cannot read.
+    """
+    try:
+        marker = (path / COMPLETE).read_bytes()
+    except FileNotFoundError:
+        raise CorruptCheckpointError(
+            f"no {COMPLETE} marker: the checkpoint was never finished") from None
+    try:
+        data = (path / MANIFEST).read_bytes()
+    except OSError as exc:
+        raise CorruptCheckpointError(f"cannot read {MANIFEST}: {exc.strerror}") from None
+    check_complete_marker(marker, data)
+    return Manifest.from_json(data)
+
+
+def load_checkpoint(
+    path: Path, tables: Tables, cancel: threading.Event | None = None
+) -> Manifest:
+    """Load the checkpoint at ``path`` into fresh ``tables`` (a failure leaves them half-loaded).
+
+    Raises:
+        CorruptCheckpointError, MalformedStateError: the checkpoint is unusable.
+        NewerFormatError: see :func:`read_manifest`.
+        ConfigError: the checkpoint contradicts the tables' configs.
+        RestoreCancelled: ``cancel`` was set.
+    """
+    manifest = read_manifest(path)
+    unknown = [t.name for t in manifest.tables if t.name not in tables.names]
+    if unknown:
+        raise ConfigError(
+            f"it holds table(s) {unknown} which the config does not declare (tables: "
+            f"{tables.names})")
+    for entry in manifest.tables:
+        table = tables[entry.name]
+        blob = read_file(path, entry.state_file, cancel)
+        try:
+            state = decode_state(entry.state, blob)
+        except StateFormatError as exc:
+            raise CorruptCheckpointError(f"table {entry.name!r}: {exc}") from None
+        if not isinstance(state, dict) or state.get("columns") != {}:
+            raise CorruptCheckpointError(f"table {entry.name!r}: the saved state is malformed")
+        try:
+            next_id = int(state["ring"]["next_id"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpointError(
+                f"table {entry.name!r}: the saved state has no id counters") from None
+        table.load_state_dict(state, read_rows=partial(_read_rows, path, entry, next_id, cancel))
+    return manifest
+
+
+def _read_rows(
+    path: Path, entry: TableEntry, next_id: int, cancel: threading.Event | None,
+    views: dict[str, np.ndarray],
+) -> None:
+    """Fill a fresh table's columns (``views``; the config already checked) from the files."""
+    used = min(next_id, next(iter(views.values())).shape[0])
+    if entry.rows != used:
+        raise CorruptCheckpointError(
+            f"table {entry.name!r}: the manifest lists {entry.rows} rows but the id counters "
+            f"imply {used}")
+    keys = [c.key for c in entry.columns]
+    if sorted(keys) != sorted(views):
+        raise CorruptCheckpointError(
+            f"table {entry.name!r}: the manifest has columns {keys}, the saved schema "
+            f"{list(views)}")
+    for column in entry.columns:
+        view = views[column.key]
+        capacity = view.shape[0]
+        row_bytes = view.itemsize * int(np.prod(view.shape[1:], dtype=np.int64))
+        if entry.rows > capacity or (entry.rows and not 0 <= entry.first_slot < capacity):
+            raise CorruptCheckpointError(
+                f"table {entry.name!r}: {entry.rows} rows from slot {entry.first_slot} do not "
+                f"fit a capacity of {capacity}")
+        if column.file.nbytes != entry.rows * row_bytes:
+            raise CorruptCheckpointError(
+                f"table {entry.name!r}: {column.file.name} should hold {entry.rows} rows of "
+                f"{row_bytes} bytes, the manifest says {column.file.nbytes} bytes")
+        reader = VerifiedReader(path, column.file, cancel)
+        try:
+            head = min(entry.rows, capacity - entry.first_slot)
+            reader.read_into(view[entry.first_slot : entry.first_slot + head])
+            reader.read_into(view[: entry.rows - head])
+        finally:
+            reader.close()
+        reader.finish()
+
+
+def restore_latest(
+    directory: CheckpointDirectory,
+    make_tables: Callable[[], Tables],
+    cancel: threading.Event | None = None,
+) -> tuple[Tables, RestoreResult] | None:
+    """Tables loaded from the newest usable checkpoint in ``directory`` (None: there is none).
+
+    Raises:
+        ConfigError: the newest usable checkpoint contradicts the config, or
+            was written in a newer format; the message names the checkpoint
+            and both values.
+        RestoreCancelled: ``cancel`` was set.
+    """
+    skipped: list[tuple[Path, str]] = []
+    refs = directory.complete()
+    for ref in reversed(refs):
+        if cancel is not None and cancel.is_set():
+            raise RestoreCancelled("restore cancelled")
+        start = time.perf_counter()
+        tables = make_tables()
+        try:
+            manifest = load_checkpoint(ref.path, tables, cancel)
+        except (CorruptCheckpointError, MalformedStateError) as exc:
+            log.warning("skipping checkpoint %s: %s", ref.path, exc)
+            skipped.append((ref.path, str(exc)))
+            continue
+        except NewerFormatError as exc:
+            raise ConfigError(
+                f"checkpoint {ref.path} has {exc}; upgrade the server, or move the checkpoint "
+                f"out of the checkpoint directory") from None
+        except ConfigError as exc:
+            raise ConfigError(
+                f"checkpoint {ref.path} does not fit the config: {exc}. Start with the config "
+                f"it was written with, or move it out of the checkpoint directory to start "
+                f"without it") from None
+        return tables, RestoreResult(ref.path, manifest, time.perf_counter() - start,
+                                     tuple(skipped))
+    if refs:
+        log.error("none of the %d checkpoints in %s is usable; starting with empty tables",
+                  len(refs), directory.path)
+    return None

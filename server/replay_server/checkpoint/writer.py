@@ -1,0 +1,149 @@
+"""Writing one checkpoint of a set of tables (layout: manifest.py and directory.py).
+
+Each table is snapshotted at its own instant (:meth:`Table.snapshot
+<replay_server.table.Table.snapshot>`: a short lock hold), then its rows are
+streamed to the column files piece by piece while the table keeps serving.
+Tables are written one after another; no invariant spans tables.
+
+Any failure removes the temporary directory and raises
+:class:`~replay_server.errors.CheckpointWriteError` (or its
+:class:`~replay_server.errors.CheckpointSpaceError` for a full disk, a quota
+or a file-size limit) naming the file and the cause. The tables are never
+affected by a failed checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from replay_server.checkpoint.directory import CheckpointDirectory
+from replay_server.checkpoint.fileio import HashedWriter, write_file
+from replay_server.checkpoint.manifest import (
+    COMPLETE,
+    MANIFEST,
+    ColumnEntry,
+    Manifest,
+    TableEntry,
+    complete_marker,
+)
+from replay_server.checkpoint.statecodec import encode_state
+from replay_server.errors import CheckpointSpaceError, CheckpointWriteError
+from replay_server.snapshot import DEFAULT_CHUNK_BYTES
+from replay_server.table import Table
+
+_SPACE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointResult:
+    """A checkpoint that was written: where, what, how big and how long it took."""
+
+    path: Path
+    sequence: int
+    created: str
+    nbytes: int
+    seconds: float
+    tables: dict[str, int]  # table name -> rows saved (slots ever written)
+    removed: tuple[Path, ...] = ()  # older checkpoints pruned after it
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
+
+
+def write_checkpoint(
+    tables: Iterable[Table],
+    directory: CheckpointDirectory,
+    *,
+    keep_latest: int,
+    server_version: str,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> CheckpointResult:
+    """Write a checkpoint of ``tables`` into ``directory``, then prune old ones.
+
+    Raises:
+        CheckpointWriteError: the checkpoint could not be written (nothing of
+            it remains); CheckpointSpaceError when space ran out.
+    """
+    start = time.perf_counter()
+    created_unix = time.time()
+    temp: Path | None = None
+    current = [str(directory.path)]  # what was being written, for the error message
+    try:
+        sequence, temp, final = directory.begin()
+        entries = tuple(_write_table(temp, table, chunk_bytes, current) for table in tables)
+        manifest = Manifest(
+            server_version=server_version,
+            created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created_unix))
+            + f".{int(created_unix * 1000) % 1000:03d}Z",
+            created_unix=created_unix,
+            sequence=sequence,
+            tables=entries,
+        )
+        data = manifest.to_json()
+        current[0] = str(temp / MANIFEST)
+        write_file(temp, MANIFEST, np.frombuffer(data, dtype=np.uint8))
+        current[0] = str(temp / COMPLETE)
+        write_file(temp, COMPLETE, np.frombuffer(complete_marker(data), dtype=np.uint8))
+        current[0] = str(final)
+        directory.commit(temp, final)
+        temp = None
+    except OSError as exc:
+        kind = CheckpointSpaceError if exc.errno in _SPACE_ERRORS else CheckpointWriteError
+        name = errno.errorcode.get(exc.errno or 0, "error")
+        raise kind(
+            f"checkpoint failed writing {current[0]}: {exc.strerror or exc} ({name}); the "
+            f"tables are unaffected and keep serving"
+        ) from exc
+    finally:
+        if temp is not None:
+            directory.discard(temp)
+    removed = tuple(directory.prune(keep_latest))
+    return CheckpointResult(
+        path=final, sequence=sequence, created=manifest.created, nbytes=manifest.nbytes,
+        seconds=time.perf_counter() - start, tables={t.name: t.rows for t in entries},
+        removed=removed,
+    )
+
+
+def _write_table(root: Path, table: Table, chunk_bytes: int, current: list[str]) -> TableEntry:
+    (root / table.name).mkdir()
+    with table.snapshot(chunk_bytes) as snap:
+        state = snap.state
+        schema = state["schema"]
+        rows = snap.rows
+        columns: list[ColumnEntry] = []
+        if rows is not None and schema is not None:
+            keys = list(schema)
+            writers = [HashedWriter(root, f"{table.name}/column-{i}.bin") for i in range(len(keys))]
+            try:
+                for piece in rows.pieces():
+                    for key, writer in zip(keys, writers):
+                        current[0] = str(writer.path)
+                        writer.write(piece.columns[key])
+                for key, writer in zip(keys, writers):
+                    current[0] = str(writer.path)
+                    spec = schema[key]
+                    columns.append(ColumnEntry(key, spec["dtype"], tuple(spec["shape"]),
+                                               writer.finish()))
+            finally:
+                for writer in writers:
+                    writer.close()
+        used = 0 if rows is None else rows.used
+        first_slot = 0 if rows is None else rows.first_slot
+    tree, blob = encode_state(state)
+    current[0] = str(root / table.name / "state.bin")
+    state_file = write_file(root, f"{table.name}/state.bin", *blob)
+    return TableEntry(
+        name=table.name, config=state["config"],
+        schema=None if schema is None else {
+            k: f"{v['dtype']}{list(v['shape'])}" for k, v in schema.items()},
+        rows=used, first_slot=first_slot, columns=tuple(columns), state_file=state_file,
+        state=tree,
+    )

@@ -1,0 +1,402 @@
+"""Durability through real server processes and real files: crashes, shutdowns,
+damaged checkpoints, a full disk, contradicting configs and the restore itself.
+
+Rows carry a ``tag`` the client chose, so every restored row can be checked
+against what the client was told when it inserted it (ids -> tags).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from replay_client import ReplayClient, ReplayError, errors
+from replay_server import Tables
+from replay_server.checkpoint import load_checkpoint
+from replay_server.settings import settings_from_dict
+from tests.conftest import ServerProcess, start_server
+from tests.integration.test_unavailable import free_port
+
+WAIT_S = 60
+MAX_CALLS = 100_000
+
+
+def config(directory: Path, *, capacity: int = 50_000, interval: float = 0, keep: int = 3) -> str:
+    return f"""
+[server]
+checkpoint_dir = "{directory}"
+checkpoint_interval_s = {interval}
+keep_latest = {keep}
+
+[[tables]]
+name = "prioritized"
+capacity = {capacity}
+sampler = "prioritized"
+seed = 1
+
+[[tables]]
+name = "sequences"
+capacity = 20_000
+sampler = "prioritized_slice"
+slice_len = 4
+seed = 2
+"""
+
+
+def rows(tags: torch.Tensor, episode: int | None = None) -> dict[str, torch.Tensor]:
+    data = {"obs": tags.to(torch.float32).unsqueeze(1).repeat(1, 8), "tag": tags}
+    if episode is not None:
+        data["episode"] = torch.full_like(tags, episode)
+        data["done"] = torch.arange(len(tags)) == len(tags) - 1
+    return data
+
+
+class Load:
+    """Client threads inserting continuously, remembering every acknowledged id -> tag."""
+
+    def __init__(self, address: str, threads: int = 3, rows_per_call: int = 16) -> None:
+        self.stop = threading.Event()
+        self.acked: dict[int, int] = {}  # id -> tag, per table below
+        self.acked_sequences: dict[int, int] = {}
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._insert, args=(address, i, rows_per_call), daemon=True)
+            for i in range(threads)
+        ]
+        self._threads.append(threading.Thread(target=self._sequences, args=(address,),
+                                              daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def _insert(self, address: str, worker: int, n: int) -> None:
+        client = ReplayClient(address, timeout=20)
+        for call in range(MAX_CALLS):
+            if self.stop.is_set():
+                return
+            tags = torch.arange(n) + (worker + 1) * 10**9 + call * n
+            try:
+                ids = client.insert("prioritized", rows(tags), priorities=torch.rand(n) + 0.1)
+            except ReplayError as exc:
+                self.errors.append(exc)
+                return
+            with self._lock:
+                self.acked.update(zip(ids.tolist(), tags.tolist()))
+
+    def _sequences(self, address: str) -> None:
+        client = ReplayClient(address, timeout=20)
+        for episode in range(MAX_CALLS):
+            if self.stop.is_set():
+                return
+            tags = torch.arange(6) + episode * 6
+            try:
+                ids = client.insert("sequences", rows(tags, episode))
+            except ReplayError as exc:
+                self.errors.append(exc)
+                return
+            with self._lock:
+                self.acked_sequences.update(zip(ids.tolist(), tags.tolist()))
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.acked)
+
+    def wait_for(self, count: int) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while self.count() < count and time.monotonic() < deadline and not self.errors:
+            time.sleep(0.01)
+        assert self.count() >= count, (self.count(), self.errors)
+
+    def join(self) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(WAIT_S)
+        assert not any(t.is_alive() for t in self._threads)
+
+
+def offline_tables(text: str) -> Tables:
+    import tomllib
+
+    return Tables(settings_from_dict(tomllib.loads(text)).tables)
+
+
+def assert_tags_match(batch, acked: dict[int, int]) -> None:
+    ids, tags = batch.ids.reshape(-1).tolist(), batch.data["tag"].reshape(-1).tolist()
+    assert all(acked[i] == t for i, t in zip(ids, tags))
+
+
+def test_kill_9_under_insert_load_restores_the_last_checkpoint_exactly(tmp_path: Path) -> None:
+    text = config(tmp_path / "ckpt")
+    server = start_server(tmp_path, text)
+    load = Load(server.address)
+    load.wait_for(2000)
+    before = dict(load.acked)  # acknowledged before the checkpoint was asked for
+    path = ReplayClient(server.address).checkpoint()
+    load.wait_for(len(before) + 2000)  # more inserts after it, then a crash
+    server.process.kill()
+    server.process.wait(WAIT_S)
+    load.join()
+    assert all(isinstance(e, errors.UnavailableError) for e in load.errors), load.errors
+
+    offline = offline_tables(text)
+    load_checkpoint(Path(path), offline)
+    again = start_server(tmp_path, text, name="again")
+    try:
+        client = ReplayClient(again.address)
+        assert f"restored 2 table(s) from {path}" in again.log()
+        info = client.info()
+        for name in ("prioritized", "sequences"):
+            expected = offline[name].info()
+            assert info[name].size == expected.size > 0
+            assert info[name].counters == {k: getattr(expected.counters, k)
+                                           for k in info[name].counters}
+            # Same rows, priorities, episode index and generator: the same next batch.
+            got, want = client.sample(name, 64), offline[name].sample(64)
+            assert torch.equal(got.ids, want.ids)
+            assert torch.equal(got.probabilities, want.probabilities)
+            assert torch.equal(got.weights, want.weights)
+            assert torch.equal(got.data["tag"], want.data["tag"])
+            assert torch.equal(got.data["obs"], want.data["obs"])
+        assert_tags_match(client.sample("prioritized", 512), load.acked)
+        assert_tags_match(client.sample("sequences", 64), load.acked_sequences)
+        # Every insert acknowledged before the checkpoint was asked for is in it.
+        ids = torch.tensor(sorted(before))
+        assert client.update_priorities("prioritized", ids, torch.ones(len(ids))) == len(ids)
+        # And the server works.
+        new = client.insert("prioritized", rows(torch.arange(5) - 100))
+        assert new[0] == offline["prioritized"].info().counters.inserted
+        assert client.sample("prioritized", 8).ids.shape == (8,)
+    finally:
+        again.stop()
+
+
+def test_sigterm_under_load_keeps_every_acknowledged_insert(tmp_path: Path) -> None:
+    text = config(tmp_path / "ckpt")
+    server = start_server(tmp_path, text)
+    load = Load(server.address)
+    load.wait_for(3000)
+    assert server.stop(signal.SIGTERM, timeout=WAIT_S) == 0
+    load.join()
+    assert all(isinstance(e, errors.UnavailableError) for e in load.errors), load.errors
+    log = server.log()
+    assert "SIGTERM received: draining" in log and "checkpoint (shutdown) written" in log
+
+    again = start_server(tmp_path, text, name="again")
+    try:
+        client = ReplayClient(again.address)
+        ids = torch.tensor(sorted(load.acked))
+        assert client.update_priorities("prioritized", ids, torch.ones(len(ids))) == len(ids)
+        seq_ids = torch.tensor(sorted(load.acked_sequences))
+        assert client.info()["sequences"].counters["inserted"] >= len(seq_ids)
+        assert client.info()["prioritized"].size >= len(ids)
+        assert_tags_match(client.sample("prioritized", 1024), load.acked)
+        assert_tags_match(client.sample("sequences", 64), load.acked_sequences)
+    finally:
+        again.stop()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replay_server.cli", *args],
+                          capture_output=True, text=True, timeout=WAIT_S, check=False)
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_with_the_reason_logged(tmp_path: Path) -> None:
+    text = config(tmp_path / "ckpt")
+    server = start_server(tmp_path, text)
+    client = ReplayClient(server.address)
+    client.insert("prioritized", rows(torch.arange(50)))
+    older = client.checkpoint()
+    client.insert("prioritized", rows(torch.arange(50, 100)))
+    result = _cli("checkpoint", "--address", server.address)
+    assert result.returncode == 0, result.stderr
+    newest = result.stdout.strip()
+    assert Path(newest).parent == Path(older).parent and newest != older
+    server.process.kill()  # no final checkpoint
+    server.process.wait(WAIT_S)
+    column = Path(newest) / "prioritized" / "column-0.bin"
+    with open(column, "r+b") as f:
+        f.truncate(column.stat().st_size // 2)
+
+    again = start_server(tmp_path, text, name="again")
+    try:
+        assert ReplayClient(again.address).info()["prioritized"].size == 50
+        log = again.log()
+        assert f"WARNING replay_server.checkpoint: skipping checkpoint {newest}: " in log, log
+        assert "prioritized/column-0.bin is 1600 bytes but the manifest says 3200 " \
+               "(truncated)" in log
+        assert f"restored 2 table(s) from {older}" in log
+    finally:
+        again.stop()
+
+
+def _limit_file_size() -> None:
+    """In the server process: writes past 1 MiB fail with EFBIG (SIGXFSZ ignored), like a
+    full disk does with ENOSPC. Real, reliable, needs no privileges, and root (which
+    ignores permission bits) cannot bypass it; the test lifts it with prlimit."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+
+
+def test_a_full_disk_fails_the_checkpoint_clearly_and_the_server_keeps_serving(
+    tmp_path: Path
+) -> None:
+    text = config(tmp_path / "ckpt")
+    server = start_server(tmp_path, text, preexec_fn=_limit_file_size)
+    try:
+        client = ReplayClient(server.address)
+        client.insert("prioritized", rows(torch.arange(40_000)))  # 1.6 MB of obs
+        with pytest.raises(errors.CheckpointError) as info:
+            client.checkpoint()
+        message = str(info.value)
+        assert "checkpoint failed writing" in message and "column-0.bin" in message
+        assert "File too large (EFBIG)" in message and "keep serving" in message
+        assert "checkpoint (Checkpoint RPC) failed: checkpoint failed writing" in server.log()
+        assert list((tmp_path / "ckpt").iterdir()) == [tmp_path / "ckpt" / "LOCK"]
+        # The server keeps serving.
+        client.insert("prioritized", rows(torch.arange(10) + 10**6))
+        assert client.sample("prioritized", 16).ids.shape == (16,)
+        assert client.info()["prioritized"].size == 40_010
+        # Once the cause is gone, the next checkpoint works.
+        resource.prlimit(server.process.pid, resource.RLIMIT_FSIZE,
+                         (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        path = Path(client.checkpoint())
+        assert path.is_dir() and (path / "COMPLETE").is_file()
+    finally:
+        server.stop()
+
+
+def test_a_config_contradicting_the_checkpoint_stops_the_start_naming_both(
+    tmp_path: Path
+) -> None:
+    server = start_server(tmp_path, config(tmp_path / "ckpt", capacity=1000))
+    ReplayClient(server.address).insert("prioritized", rows(torch.arange(10)))
+    assert server.stop(signal.SIGTERM) == 0  # writes the final checkpoint
+    [checkpoint] = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("ckpt-")]
+    contradicting = tmp_path / "contradicting.toml"
+    contradicting.write_text(config(tmp_path / "ckpt", capacity=500))
+    result = _cli("serve", "--config", str(contradicting), "--address", "127.0.0.1:0")
+    assert result.returncode == 2, result.stderr
+    assert "replay-server: configuration error: checkpoint " in result.stderr
+    assert str(checkpoint) in result.stderr
+    assert "table 'prioritized': config says capacity=500 but the saved state has " \
+           "capacity=1000" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_checkpoint_dir_that_is_a_file_stops_the_start_naming_the_field(
+    tmp_path: Path
+) -> None:
+    (tmp_path / "ckpt").write_text("not a directory")
+    path = tmp_path / "config.toml"
+    path.write_text(config(tmp_path / "ckpt"))
+    result = _cli("serve", "--config", str(path), "--address", "127.0.0.1:0")
+    assert result.returncode == 2, result.stderr
+    assert f"server.checkpoint_dir: checkpoint directory '{tmp_path / 'ckpt'}' is not a " \
+           "directory" in result.stderr
+
+
+def test_checkpoints_are_written_on_a_timer_and_pruned(tmp_path: Path) -> None:
+    server = start_server(tmp_path, config(tmp_path / "ckpt", interval=0.2, keep=2))
+    try:
+        ReplayClient(server.address).insert("prioritized", rows(torch.arange(10)))
+        deadline = time.monotonic() + WAIT_S
+        while server.log().count("checkpoint (timer) written") < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.log().count("checkpoint (timer) written") >= 4
+        complete = [p for p in (tmp_path / "ckpt").iterdir() if p.name.startswith("ckpt-")]
+        assert 1 <= len(complete) <= 3  # keep 2, plus possibly one being written
+    finally:
+        server.stop()
+
+
+def _health(address: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=2)
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def _wait_health(address: str, wanted: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    status = None
+    while time.monotonic() < deadline:
+        status = _health(address)
+        if status == wanted:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"health stayed {status}, expected {wanted}")
+
+
+def _start_blocking(tmp_path: Path, text: str, port: int, name: str) -> ServerProcess:
+    """A server whose restore will block (the port file only appears once SERVING)."""
+    (tmp_path / f"{name}.toml").write_text(text)
+    log_path = tmp_path / f"{name}.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "replay_server.cli", "serve", "--config",
+         str(tmp_path / f"{name}.toml"), "--address", f"127.0.0.1:{port}", "--grace", "5"],
+        stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return ServerProcess(process, port, log_path)
+
+
+def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
+    tmp_path: Path
+) -> None:
+    text = config(tmp_path / "ckpt")
+    server = start_server(tmp_path, text)
+    client = ReplayClient(server.address)
+    client.insert("prioritized", rows(torch.arange(10)))
+    older = client.checkpoint()
+    client.insert("prioritized", rows(torch.arange(10, 20)))
+    newest = Path(client.checkpoint())
+    server.process.kill()
+    server.process.wait(WAIT_S)
+    # Reading the newest checkpoint's first column blocks until the test writes to it.
+    fifo = newest / "prioritized" / "column-0.bin"
+    fifo.unlink()
+    os.mkfifo(fifo)
+
+    port = free_port()
+    blocked = _start_blocking(tmp_path, text, port, "blocked")
+    try:
+        _wait_health(blocked.address, "NOT_SERVING")
+        with pytest.raises(errors.UnavailableError, match="restoring"):
+            ReplayClient(blocked.address, max_retry_s=0).insert(
+                "prioritized", rows(torch.arange(3)))
+        os.close(os.open(fifo, os.O_WRONLY))  # unblocks the reader: an empty file
+        _wait_health(blocked.address, "SERVING")
+        assert ReplayClient(blocked.address).info()["prioritized"].size == 10
+        log = blocked.log()
+        assert f"skipping checkpoint {newest}: prioritized/column-0.bin is 0 bytes" in log
+        assert f"restored 2 table(s) from {older}" in log
+    finally:
+        blocked.process.kill()
+        blocked.process.wait(WAIT_S)
+
+    # A stop requested during the restore exits 0 and writes no checkpoint.
+    before = sorted((tmp_path / "ckpt").iterdir())
+    stopped = _start_blocking(tmp_path, text, free_port(), "stopped")
+    try:
+        _wait_health(stopped.address, "NOT_SERVING")
+        stopped.process.send_signal(signal.SIGTERM)
+        os.close(os.open(fifo, os.O_WRONLY))
+        assert stopped.process.wait(WAIT_S) == 0
+    finally:
+        if stopped.process.poll() is None:
+            stopped.process.kill()
+    assert "stopped while restoring: no checkpoint written" in stopped.log()
+    assert sorted((tmp_path / "ckpt").iterdir()) == before
