@@ -101,7 +101,8 @@ def _ours(kind: str, case: str, seconds: float) -> list[dict]:
                 for first in range(0, prefill, chunk):
                     client.insert(kind, _rows_as_torch(w.make_rows(kind, first, chunk)))
                 if case == "sample":
-                    for api, per_message in (("sample", 1), ("stream", 1), ("stream", 8)):
+                    for api, per_message, shm in (("sample", 1, False), ("stream", 1, False),
+                                                  ("stream", 8, False), ("stream", 1, True)):
                         rows = 0
                         start = time.perf_counter()
                         if api == "sample":
@@ -109,12 +110,14 @@ def _ours(kind: str, case: str, seconds: float) -> list[dict]:
                                 rows += client.sample(kind, w.SAMPLE_BATCH).batch_size
                         else:
                             for batch in client.stream(kind, w.SAMPLE_BATCH,
-                                                       batches_per_message=per_message):
+                                                       batches_per_message=per_message,
+                                                       shared_memory=shm):
                                 rows += batch.batch_size
                                 if time.perf_counter() - start > seconds:
                                     break
                         elapsed = time.perf_counter() - start
                         grouped = f", {per_message} per message" if per_message > 1 else ""
+                        grouped += ", same-host shared memory" if shm else ""
                         out.append({"api": f"{api} (batch {w.SAMPLE_BATCH}{grouped})",
                                     "rows_per_s": rows / elapsed})
                 else:
@@ -151,11 +154,13 @@ def main() -> None:
     parser.add_argument("--reverb-python", help="python of Reverb's virtualenv")
     parser.add_argument("--seconds", type=float, default=w.SECONDS)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--cases", default="insert,sample,update",
+                        help="comma-separated subset of insert,sample,update")
     args = parser.parse_args()
 
     results = []
     for kind in w.ROW_KINDS:
-        for case in ("insert", "sample", "update"):
+        for case in args.cases.split(","):
             print(f"{kind} {case}", file=sys.stderr)
             ours = _ours(kind, case, args.seconds)
             theirs = _reverb(args.reverb_python, kind, case, args.seconds) if args.reverb_python else None

@@ -366,8 +366,10 @@ class ReplayClient:
                 structure of tensors (dict, TensorDict, tuple, SampleBatch).
             num_batches: batches in all (0: until the loop stops).
             batches_per_message: let the server draw that many batches at once
-                and send them together (gRPC path; far higher rates for small
-                rows, at the cost of those batches not seeing updates made in between).
+                and send them together over gRPC (far higher rates for small
+                rows, at the cost of those batches not seeing updates made in
+                between); > 1 selects the gRPC path and raises ``prefetch`` to
+                at least this many.
             shared_memory: use a same-host ring when the server offers one.
             reconnect: resume after a lost connection instead of raising.
 
@@ -384,12 +386,22 @@ class ReplayClient:
                                  ("batches_per_message", batches_per_message, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+        if batches_per_message > 1:
+            # Groups travel in gRPC messages (one shared-memory descriptor per batch would
+            # cost more for the small rows grouping is for), and need a window that holds one.
+            shared_memory = False
+            if prefetch < batches_per_message:
+                core = FeedCore(batches_per_message, delivery, transform)
         source = NetworkSource(
             self, table, batch_size, num_batches=num_batches,
             batches_per_message=batches_per_message,
             shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
             reconnect=reconnect)
-        return BatchStream(core, source, table)
+        stream = BatchStream(core, source, table)
+        if core.prefetch > prefetch:
+            stream.stats.notes.append(f"prefetch raised to batches_per_message "
+                                      f"({batches_per_message}) so a group fits the window")
+        return stream
 
 
 def _update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -70,7 +70,19 @@ def test_num_batches_are_delivered_whole_and_match_their_ids(client, per_message
         assert torch.equal(batch.weights, torch.ones(32))
         count += 1
     assert count == 10
-    assert stream.transport == ("shared_memory" if shared_memory else "grpc")
+    # Grouped batches travel in gRPC messages; single ones take the ring on this host.
+    assert stream.transport == ("shared_memory" if shared_memory and per_message == 1 else "grpc")
+
+
+def test_grouping_raises_the_window_to_hold_a_group(client, proc):
+    before = _sampled(client, "rows")
+    stream = client.stream("rows", 8, prefetch=2, batches_per_message=4)
+    with stream:
+        next(stream)
+        # One group of 4 drawn at once, then another once the learner has room for 4 more.
+        assert _wait_for(lambda: _sampled(client, "rows") - before >= 4 * 8)
+        assert any("prefetch raised to batches_per_message (4)" in n for n in stream.stats.notes)
+        assert stream.transport == "grpc"
 
 
 def test_grouped_batches_of_slices_keep_their_shape(client):
