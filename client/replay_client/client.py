@@ -369,7 +369,7 @@ class ReplayClient:
                 and send them together over gRPC (far higher rates for small
                 rows, at the cost of those batches not seeing updates made in
                 between); > 1 selects the gRPC path and raises ``prefetch`` to
-                at least this many.
+                at least twice this many (one group drawn while one is consumed).
             shared_memory: use a same-host ring when the server offers one.
             reconnect: resume after a lost connection instead of raising.
 
@@ -390,8 +390,8 @@ class ReplayClient:
             # Groups travel in gRPC messages (one shared-memory descriptor per batch would
             # cost more for the small rows grouping is for), and need a window that holds one.
             shared_memory = False
-            if prefetch < batches_per_message:
-                core = FeedCore(batches_per_message, delivery, transform)
+            if prefetch < 2 * batches_per_message:  # one group drawn while one is consumed
+                core = FeedCore(2 * batches_per_message, delivery, transform)
         source = NetworkSource(
             self, table, batch_size, num_batches=num_batches,
             batches_per_message=batches_per_message,
@@ -399,8 +399,8 @@ class ReplayClient:
             reconnect=reconnect)
         stream = BatchStream(core, source, table)
         if core.prefetch > prefetch:
-            stream.stats.notes.append(f"prefetch raised to batches_per_message "
-                                      f"({batches_per_message}) so a group fits the window")
+            stream.stats.notes.append(f"prefetch raised to {core.prefetch}: two groups of "
+                                      f"batches_per_message={batches_per_message} fit the window")
         return stream
 
 

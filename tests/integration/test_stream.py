@@ -79,9 +79,11 @@ def test_grouping_raises_the_window_to_hold_a_group(client, proc):
     stream = client.stream("rows", 8, prefetch=2, batches_per_message=4)
     with stream:
         next(stream)
-        # One group of 4 drawn at once, then another once the learner has room for 4 more.
-        assert _wait_for(lambda: _sampled(client, "rows") - before >= 4 * 8)
-        assert any("prefetch raised to batches_per_message (4)" in n for n in stream.stats.notes)
+        # The window holds two groups of 4: the learner has taken 1 batch, so 8 + 1 drawn at most.
+        assert _wait_for(lambda: _sampled(client, "rows") - before >= 8 * 8)
+        time.sleep(0.3)
+        assert _sampled(client, "rows") - before <= 9 * 8
+        assert any("prefetch raised to 8" in n for n in stream.stats.notes)
         assert stream.transport == "grpc"
 
 
