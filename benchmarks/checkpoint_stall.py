@@ -30,8 +30,6 @@ import json
 import os
 import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,6 +38,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
+from sides import replay_server  # benchmarks/ is on sys.path: this script's directory
 
 BATCH = 32
 INSERT_ROWS = 32
@@ -120,6 +120,35 @@ def run_threads(sample, insert, stop: threading.Event, with_inserter: bool):
     return sampler, inserter, threads, errors
 
 
+def measure(sample, insert, checkpoint, with_inserter: bool, baseline_s: float):  # noqa: ANN001, ANN201
+    """Sample (and insert) in threads: ``baseline_s`` without a checkpoint, then during one.
+
+    Returns the case's name, the sampler's (and inserter's) figures in both
+    windows plus how long the checkpoint call took, and what it returned.
+    """
+    stop = threading.Event()
+    sampler, inserter, threads, errors = run_threads(sample, insert, stop, with_inserter)
+    t0 = time.perf_counter()
+    time.sleep(baseline_s)
+    t1 = time.perf_counter()
+    written = checkpoint()
+    t2 = time.perf_counter()
+    time.sleep(0.2)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    if errors:
+        raise errors[0]
+    name = "sampler_and_inserter" if with_inserter else "sampler_only"
+    figures = {
+        "baseline": sampler.window(t0, t1),
+        "during_checkpoint": sampler.window(t1, t2),
+        "inserts_during_checkpoint": inserter.window(t1, t2) if with_inserter else None,
+        "checkpoint_call_s": t2 - t1,
+    }
+    return name, figures, written
+
+
 class _Holds(dict):
     def clear(self) -> None:
         for value in self.values():
@@ -187,26 +216,16 @@ def engine(args: argparse.Namespace, root: Path) -> dict:
     result: dict = {"mode": "engine", "rows": args.rows, "capacity": capacity,
                     "table_gb": capacity * rb / 1e9, "fill_s": fill_s}
     for with_inserter in (False, True):
-        stop = threading.Event()
-        sampler, inserter, threads, errors = run_threads(
-            lambda: table.sample(BATCH), lambda: table.insert(small), stop, with_inserter)
-        t0 = time.perf_counter()
-        time.sleep(args.baseline_s)
-        t1 = time.perf_counter()
-        holds.clear()
-        written = write_checkpoint([table], directory, keep_latest=1, server_version="bench")
-        t2 = time.perf_counter()
-        time.sleep(0.2)
-        stop.set()
-        for thread in threads:
-            thread.join(30)
-        if errors:
-            raise errors[0]
-        name = "sampler_and_inserter" if with_inserter else "sampler_only"
+
+        def checkpoint():  # noqa: ANN202
+            holds.clear()
+            return write_checkpoint([table], directory, keep_latest=1, server_version="bench")
+
+        name, figures, written = measure(
+            lambda: table.sample(BATCH), lambda: table.insert(small), checkpoint,
+            with_inserter, args.baseline_s)
         result[name] = {
-            "baseline": sampler.window(t0, t1),
-            "during_checkpoint": sampler.window(t1, t2),
-            "inserts_during_checkpoint": inserter.window(t1, t2) if with_inserter else None,
+            **figures,
             "checkpoint_s": written.seconds, "checkpoint_gb": written.nbytes / 1e9,
             "checkpoint_gb_per_s": written.gb_per_s,
             # the checkpoint's own lock holds: the instant, the reader's pieces, copies aside
@@ -247,24 +266,11 @@ def service(args: argparse.Namespace, root: Path) -> dict:
     torch.set_num_threads(1)
     rb = row_bytes(args.rows)
     capacity = int(args.gb * 1e9) // rb
-    config = root / "bench.toml"
-    config.write_text(
+    config = (
         f'[server]\ncheckpoint_dir = "{root / "ckpt"}"\ncheckpoint_interval_s = 0\n'
         f'keep_latest = 1\nworkers = 2\n'
         f'[[tables]]\nname = "bench"\ncapacity = {capacity}\nsampler = "prioritized"\n')
-    port_file = root / "port"
-    log = (root / "server.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "replay_server.cli", "serve", "--config", str(config),
-         "--address", "127.0.0.1:0", "--port-file", str(port_file)],
-        stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError("replay-server did not start")
-            time.sleep(0.05)
-        address = f"127.0.0.1:{port_file.read_text().strip()}"
+    with replay_server(root, config, log_path=root / "server.log") as address:
         client = ReplayClient(address, timeout=600)
         per_call = max(1, (16 << 20) // rb)
         block = make_rows(args.rows, per_call)
@@ -277,40 +283,15 @@ def service(args: argparse.Namespace, root: Path) -> dict:
                         "table_gb": capacity * rb / 1e9, "fill_s": fill_s}
         sample_client, insert_client = ReplayClient(address), ReplayClient(address)
         for with_inserter in (False, True):
-            stop = threading.Event()
-            sampler, inserter, threads, errors = run_threads(
+            name, figures, _ = measure(
                 lambda: sample_client.sample("bench", BATCH),
-                lambda: insert_client.insert("bench", small), stop, with_inserter)
-            t0 = time.perf_counter()
-            time.sleep(args.baseline_s)
-            t1 = time.perf_counter()
-            client.checkpoint()
-            t2 = time.perf_counter()
-            time.sleep(0.2)
-            stop.set()
-            for thread in threads:
-                thread.join(30)
-            if errors:
-                raise errors[0]
-            name = "sampler_and_inserter" if with_inserter else "sampler_only"
-            info = client.info()  # noqa: F841 - keeps the connection honest
-            result[name] = {
-                "baseline": sampler.window(t0, t1),
-                "during_checkpoint": sampler.window(t1, t2),
-                "inserts_during_checkpoint": inserter.window(t1, t2) if with_inserter else None,
-                "checkpoint_call_s": t2 - t1,
-            }
-        return result
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
-        for line in (root / "server.log").read_text().splitlines():
-            if "checkpoint (" in line:
-                print("  server:", line.split(": ", 1)[-1], file=sys.stderr)
+                lambda: insert_client.insert("bench", small), client.checkpoint,
+                with_inserter, args.baseline_s)
+            result[name] = figures
+    for line in (root / "server.log").read_text().splitlines():
+        if "checkpoint (" in line:
+            print("  server:", line.split(": ", 1)[-1], file=sys.stderr)
+    return result
 
 
 def main() -> None:

@@ -27,43 +27,28 @@ import argparse
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import service_workload as w  # noqa: E402
-from sides import run_side  # noqa: E402
+from sides import replay_server, run_side  # noqa: E402
 
 KIND = "atari"
 PREFILL = 20_000
 WARMUP_BATCHES = 5
 
 
-def _start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
-    config = tmp / "bench.toml"
-    config.write_text(
-        "[server]\nmax_message_mb = 64\nworkers = 2\n"
-        f'[[tables]]\nname = "{KIND}"\ncapacity = {w.CAPACITY[KIND]}\n'
-        f'sampler = "prioritized"\nalpha = {w.ALPHA}\nbeta = {w.BETA}\n'
-    )
-    port_file = tmp / "port"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "replay_server.cli", "serve", "--config", str(config),
-         "--address", "127.0.0.1:0", "--port-file", str(port_file)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if time.monotonic() > deadline or process.poll() is not None:
-            raise RuntimeError("replay-server did not start")
-        time.sleep(0.05)
-    return process, f"127.0.0.1:{port_file.read_text().strip()}"
+_CONFIG = (
+    "[server]\nmax_message_mb = 64\nworkers = 2\n"
+    f'[[tables]]\nname = "{KIND}"\ncapacity = {w.CAPACITY[KIND]}\n'
+    f'sampler = "prioritized"\nalpha = {w.ALPHA}\nbeta = {w.BETA}\n'
+)
 
 
 def _fill(insert) -> None:  # type: ignore[no-untyped-def]
@@ -127,8 +112,7 @@ def ours(seconds: float, device: str | None) -> dict[str, dict]:
     torch.set_num_threads(1)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        process, address = _start_server(Path(tmp))
-        try:
+        with replay_server(Path(tmp), _CONFIG) as address:
             client = ReplayClient(address, timeout=120)
             _fill(lambda rows: client.insert(KIND, rows))
             for name, shm in (("grpc", False), ("shared memory", True)):
@@ -137,12 +121,7 @@ def ours(seconds: float, device: str | None) -> dict[str, dict]:
                 results[name] = _drive(stream, seconds)
                 print(f"  {name}: {results[name]}", file=sys.stderr)
             client.close()
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=30)
-    settings = settings_from_dict({"tables": [{
-        "name": KIND, "capacity": w.CAPACITY[KIND], "sampler": "prioritized",
-        "alpha": w.ALPHA, "beta": w.BETA}]})
+    settings = settings_from_dict(tomllib.loads(_CONFIG))  # the same table, in this process
     with EmbeddedServer(settings, listen=False) as server:
         _fill(server.tables[KIND].insert)
         results["in process"] = _drive(

@@ -16,8 +16,6 @@ import argparse
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,31 +25,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import service_workload as w  # noqa: E402
-from sides import run_side  # noqa: E402
+from sides import replay_server, run_side  # noqa: E402
 
 
-def _start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
-    config = tmp / "bench.toml"
-    config.write_text(
-        "[server]\nmax_message_mb = 64\nworkers = 2\n"
-        + "".join(
-            f'[[tables]]\nname = "{kind}"\ncapacity = {w.CAPACITY[kind]}\n'
-            f'sampler = "prioritized"\nalpha = {w.ALPHA}\nbeta = {w.BETA}\n'
-            for kind in w.ROW_KINDS
-        )
-    )
-    port_file = tmp / "port"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "replay_server.cli", "serve", "--config", str(config),
-         "--address", "127.0.0.1:0", "--port-file", str(port_file)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if time.monotonic() > deadline or process.poll() is not None:
-            raise RuntimeError("replay-server did not start")
-        time.sleep(0.05)
-    return process, f"127.0.0.1:{port_file.read_text().strip()}"
+_CONFIG = "[server]\nmax_message_mb = 64\nworkers = 2\n" + "".join(
+    f'[[tables]]\nname = "{kind}"\ncapacity = {w.CAPACITY[kind]}\n'
+    f'sampler = "prioritized"\nalpha = {w.ALPHA}\nbeta = {w.BETA}\n'
+    for kind in w.ROW_KINDS
+)
 
 
 def _rows_as_torch(rows):
@@ -67,8 +48,7 @@ def _ours(kind: str, case: str, seconds: float) -> list[dict]:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        process, address = _start_server(Path(tmp))
-        try:
+        with replay_server(Path(tmp), _CONFIG) as address:
             client = ReplayClient(address, timeout=120)
             mb = w.row_bytes(kind) / 1e6
             out = []
@@ -138,9 +118,6 @@ def _ours(kind: str, case: str, seconds: float) -> list[dict]:
                 if "rows_per_s" in record:
                     record["mb_per_s"] = record["rows_per_s"] * mb
             return out
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=30)
 
 
 def _reverb(python: str, kind: str, case: str, seconds: float) -> dict | None:

@@ -1,10 +1,15 @@
-"""Running one side of a side-by-side benchmark in its own process (and virtualenv)."""
+"""Running one side of a side-by-side benchmark in its own process (and virtualenv), and our server."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 
 def run_side(cmd: list[str], timeout: float) -> dict | None:
@@ -20,3 +25,42 @@ def run_side(cmd: list[str], timeout: float) -> dict | None:
               file=sys.stderr)
         return None
     return json.loads(lines[-1])
+
+
+@contextmanager
+def replay_server(
+    tmp: Path, config: str, *, log_path: Path | None = None, start_timeout_s: float = 60.0,
+    stop_timeout_s: float = 60.0,
+) -> Iterator[str]:
+    """Run ``replay-server serve`` with the TOML ``config`` in its own process; yield its address.
+
+    It listens on 127.0.0.1 (any free port); its output goes to ``log_path``
+    (default: discarded). At exit it gets SIGTERM (drain, final checkpoint if
+    configured), and is killed if it has not exited within ``stop_timeout_s``.
+    """
+    config_path = tmp / "bench.toml"
+    config_path.write_text(config)
+    port_file = tmp / "port"
+    port_file.unlink(missing_ok=True)
+    log = open(log_path, "w") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
+    process = subprocess.Popen(
+        [sys.executable, "-m", "replay_server.cli", "serve", "--config", str(config_path),
+         "--address", "127.0.0.1:0", "--port-file", str(port_file)],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError("replay-server did not start")
+            time.sleep(0.05)
+        yield f"127.0.0.1:{port_file.read_text().strip()}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if log_path is not None:
+            log.close()  # type: ignore[union-attr]
