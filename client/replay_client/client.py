@@ -377,29 +377,30 @@ class ReplayClient:
             InvalidArgumentError: a bad option (``pin_memory=True`` or a CUDA
                 device without CUDA, ``prefetch < 1``, ...), before any network call.
         """
-        try:
-            delivery = resolve_delivery(device, pin_memory)
-            core = FeedCore(prefetch, delivery, transform)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-        for name, value, low in (("batch_size", batch_size, 1), ("num_batches", num_batches, 0),
+        for name, value, low in (("prefetch", prefetch, 1), ("batch_size", batch_size, 1),
+                                 ("num_batches", num_batches, 0),
                                  ("batches_per_message", batches_per_message, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+        window = prefetch
         if batches_per_message > 1:
             # Groups travel in gRPC messages (one shared-memory descriptor per batch would
-            # cost more for the small rows grouping is for), and need a window that holds one.
+            # cost more for the small rows grouping is for), and the window holds two groups
+            # so the server draws one while the learner consumes the other.
             shared_memory = False
-            if prefetch < 2 * batches_per_message:  # one group drawn while one is consumed
-                core = FeedCore(2 * batches_per_message, delivery, transform)
+            window = max(prefetch, 2 * batches_per_message)
+        try:
+            core = FeedCore(window, resolve_delivery(device, pin_memory), transform)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
         source = NetworkSource(
             self, table, batch_size, num_batches=num_batches,
             batches_per_message=batches_per_message,
             shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
             reconnect=reconnect)
         stream = BatchStream(core, source, table)
-        if core.prefetch > prefetch:
-            stream.stats.notes.append(f"prefetch raised to {core.prefetch}: two groups of "
+        if window > prefetch:
+            stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
                                       f"batches_per_message={batches_per_message} fit the window")
         return stream
 

@@ -47,11 +47,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from replay_proto.accel import Accelerator, detect_accelerator
 from replay_proto.batch import SampleBatch
+from replay_proto.codec import copy_rows
 from replay_proto.keys import flatten, unflatten
 
 log = logging.getLogger("replay.feed")
@@ -177,13 +177,6 @@ def _combine(parts: list[tuple[list[torch.Tensor], Callable]], build: Callable[[
     return leaves, lambda ts: build([rebuild(ts[a:b]) for a, b, rebuild in spans])
 
 
-def _copy_into(dest: torch.Tensor, src: torch.Tensor) -> None:
-    """``dest[...] = src`` as one single-threaded copy (numpy; bfloat16 as int16)."""
-    if src.dtype == torch.bfloat16:
-        dest, src = dest.view(torch.int16), src.view(torch.int16)
-    np.copyto(dest.numpy(), src.detach().numpy())
-
-
 class _Ring:
     """``slots`` sets of reused buffers, reallocated only when a slot's layout changes."""
 
@@ -290,7 +283,7 @@ class FeedCore:
             if host:
                 pinned = self._pinned_out.get(index, [(t.dtype, tuple(t.shape)) for _, t in host])
                 for (i, t), dest in zip(host, pinned):
-                    _copy_into(dest, t)
+                    copy_rows(dest, 0, t.detach())
                     leaves[i] = dest
                 changed = True
         event = None

@@ -30,14 +30,13 @@ from replay_server.service.status import (
     ShuttingDownError,
     status_of,
 )
-from replay_server.service.streaming import SampleStreamCall, _estimated_bytes
+from replay_server.service.streaming import HEADROOM, SampleStreamCall, estimated_bytes
 from replay_server.service.waiting import BlockedCalls
 from replay_server.tables import Tables
 
 log = logging.getLogger("replay_server.service")
 
 SERVICE_NAME = "replay.v1.ReplayService"
-_HEADROOM = 64 * 1024  # bytes kept free for the header in a chunk
 
 T = TypeVar("T")
 
@@ -205,8 +204,8 @@ class ReplayServicer:
     # ---------------------------------------------------------------- helpers
 
     def _check_unary_size(self, table: Any, batch_size: int) -> None:
-        estimate = _estimated_bytes(table, batch_size)
-        if estimate > self._max_message - _HEADROOM:
+        estimate = estimated_bytes(table, batch_size)
+        if estimate > self._max_message - HEADROOM:
             raise MessageTooLargeError(
                 f"table {table.name!r}: a batch of {batch_size} is about {estimate >> 20} MiB, "
                 f"over the {self._max_message >> 20} MiB message limit; use SampleStream "

@@ -43,8 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("replay_server.service")
 
 _STREAM_CHUNK = 4 * 1024 * 1024  # Python gRPC moves 1-4 MB messages fastest
-_HEADROOM = 64 * 1024
-_EXTRAS = ("ids", "weights", "probabilities")
+HEADROOM = 64 * 1024
+"""Bytes of a message kept free for its header (the rest may carry tensor bytes)."""
 
 
 class _RingLayout:
@@ -192,7 +192,7 @@ class SampleStreamCall:
         if self._ring_accepted:
             return 1
         count = min(max(1, request.batches_per_message), remaining, self._credits - index)
-        batch_bytes = _estimated_bytes(table, request.batch_size)
+        batch_bytes = estimated_bytes(table, request.batch_size)
         if batch_bytes:
             count = max(1, min(count, _STREAM_CHUNK // batch_bytes))
         if count > 1 and request.batch_size * count > MAX_BATCH_SIZE:
@@ -218,7 +218,7 @@ class SampleStreamCall:
                 raise
             count = 1  # a group the limiter holds back is drawn as a single batch
             batch = table.sample(request.batch_size)
-        chunk_bytes = max(1, min(_STREAM_CHUNK, self._servicer._max_message - _HEADROOM))
+        chunk_bytes = max(1, min(_STREAM_CHUNK, self._servicer._max_message - HEADROOM))
         chunks = messages.encode_sample(batch, index, chunk_bytes, batch_count=count)
         note = ""
         if offer_ring:
@@ -296,7 +296,7 @@ def _with_note(chunk: bytes, note: str) -> bytes:
     return pb.SampleResponse(transport_note=note).SerializeToString() + chunk
 
 
-def _estimated_bytes(table: Any, batch_size: int) -> int:
+def estimated_bytes(table: Any, batch_size: int) -> int:
     """About how many bytes a batch of ``batch_size`` takes on the wire (0: unknown or invalid)."""
     schema = table.schema
     if schema is None or not 1 <= batch_size <= MAX_BATCH_SIZE:
