@@ -84,6 +84,16 @@ def start_server(
     raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()}")
 
 
+def wait_for(predicate, timeout: float = 20.0, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
 def module_server(config: str | None, **kwargs):
     """A module-scoped fixture serving ``config`` (one server shared by a module's tests)."""
 

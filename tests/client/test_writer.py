@@ -11,7 +11,7 @@ import pytest
 import torch
 from replay_client import ReplayClient, Writer, errors
 
-from tests.conftest import module_server
+from tests.conftest import module_server, wait_for
 
 CONFIG = """
 [[tables]]
@@ -33,15 +33,6 @@ slice_len = 3
 server = module_server(CONFIG)
 
 
-def _wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_flush_stores_every_appended_step(server):
     client = ReplayClient(server.address)
     client.reset("t")
@@ -60,7 +51,7 @@ def test_a_partial_batch_is_sent_after_max_delay(server):
     try:
         for _ in range(3):
             writer.append({"obs": torch.zeros(3), "r": 1.0})
-        assert _wait_for(lambda: client.info()["t"].size == 3)
+        assert wait_for(lambda: client.info()["t"].size == 3)
     finally:
         writer.close()
 

@@ -19,7 +19,7 @@ from replay_client import ReplayClient, errors
 from replay_proto.v1 import replay_pb2 as pb
 from replay_proto.v1 import replay_pb2_grpc
 from replay_server.cli import format_info
-from tests.conftest import module_server
+from tests.conftest import module_server, wait_for
 
 WORKERS = 2
 WAITERS = 8  # more blocked calls than engine threads
@@ -83,15 +83,9 @@ def rows(n: int, first: int = 0) -> dict[str, torch.Tensor]:
 
 
 def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Poll ``condition`` (bounded in count and time)."""
-    deadline = time.monotonic() + WAIT_LIMIT_S
-    for _ in range(10_000):
-        if condition():
-            return
-        if time.monotonic() > deadline:
-            break
-        time.sleep(0.02)
-    raise AssertionError(f"gave up waiting for {what}")
+    """Poll ``condition`` (bounded in time); fail the test naming ``what`` if it never holds."""
+    if not wait_for(condition, WAIT_LIMIT_S):
+        raise AssertionError(f"gave up waiting for {what}")
 
 
 def limiter(client: ReplayClient, table: str) -> dict:

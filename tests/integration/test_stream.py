@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from replay_client import ReplayClient, errors
+from tests.conftest import wait_for
 
 CONFIG = """
 [server]
@@ -80,7 +81,7 @@ def test_grouping_raises_the_window_to_hold_a_group(client, proc):
     with stream:
         next(stream)
         # The window holds two groups of 4: the learner has taken 1 batch, so 8 + 1 drawn at most.
-        assert _wait_for(lambda: _sampled(client, "rows") - before >= 8 * 8)
+        assert wait_for(lambda: _sampled(client, "rows") - before >= 8 * 8)
         time.sleep(0.3)
         assert _sampled(client, "rows") - before <= 9 * 8
         assert any("prefetch raised to 8" in n for n in stream.stats.notes)
@@ -132,15 +133,6 @@ def _sampled(client, table):
     return client.info()[table].counters["sampled"]
 
 
-def _wait_for(predicate, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
 def test_the_server_runs_at_most_prefetch_batches_ahead(client, shared_memory):
     before = _sampled(client, "rows")
@@ -149,11 +141,11 @@ def test_the_server_runs_at_most_prefetch_batches_ahead(client, shared_memory):
         for _ in range(4):
             next(stream)
         # The learner holds batch 3 and has room for 3 more: exactly 7 batches drawn, no more.
-        assert _wait_for(lambda: _sampled(client, "rows") - before == 7 * 16)
+        assert wait_for(lambda: _sampled(client, "rows") - before == 7 * 16)
         time.sleep(0.3)
         assert _sampled(client, "rows") - before == 7 * 16
         next(stream)
-        assert _wait_for(lambda: _sampled(client, "rows") - before == 8 * 16)
+        assert wait_for(lambda: _sampled(client, "rows") - before == 8 * 16)
 
 
 def test_memory_does_not_grow_while_streaming(client):
@@ -178,11 +170,11 @@ def test_break_stops_the_background_thread_and_frees_shared_memory(client, proc,
     for n, _ in enumerate(client.stream("frames", 64, shared_memory=shared_memory)):
         if n == 5:
             break
-    assert _wait_for(lambda: not _stream_threads(), timeout=10)
+    assert wait_for(lambda: not _stream_threads(), timeout=10)
     assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"replay-{proc.process.pid}-")]
     with client.stream("rows", 8) as stream:
         next(stream)
-    assert _wait_for(lambda: not _stream_threads(), timeout=10)
+    assert wait_for(lambda: not _stream_threads(), timeout=10)
 
 
 def test_a_server_error_mid_stream_reaches_the_learner_typed(client, tmp_path):
