@@ -158,7 +158,7 @@ class _Holds(dict):
 def instrument_lock_holds() -> dict[str, list[float]]:
     """Record how long the checkpoint holds the table's lock: at the snapshot instant, for
     each piece the reader copies, and for each copy an insert makes aside (engine mode)."""
-    from replay_server.snapshot import Arena, StorageSnapshot
+    from replay_server.engine.snapshot import Arena, StorageSnapshot
 
     holds = _Holds(instant=[], reader_piece=[], insert_copy_aside=[])
     copy, before_write, active = StorageSnapshot._copy, StorageSnapshot.before_write, Arena.active
@@ -196,7 +196,7 @@ def instrument_lock_holds() -> dict[str, list[float]]:
 def engine(args: argparse.Namespace, root: Path) -> dict:
     import torch
 
-    from replay_server import Table, TableConfig, Tables
+    from replay_server import Table, TableConfig, TableSet
     from replay_server.checkpoint import CheckpointDirectory, load_checkpoint, write_checkpoint
 
     torch.set_num_threads(1)
@@ -233,7 +233,7 @@ def engine(args: argparse.Namespace, root: Path) -> dict:
         }
     # Restore speed: load the last checkpoint into a fresh table (its pages were dropped
     # from the page cache as they were written, so this reads the disk).
-    fresh = Tables([table.config])
+    fresh = TableSet([table.config])
     t = time.perf_counter()
     load_checkpoint(written.path, fresh)
     result["restore_s"] = time.perf_counter() - t

@@ -106,8 +106,8 @@ def ours(seconds: float, device: str | None) -> dict[str, dict]:
     import torch
 
     from replay_client import ReplayClient
-    from replay_server.embedded import EmbeddedServer
-    from replay_server.settings import settings_from_dict
+    from replay_server.app.embedded import EmbeddedServer
+    from replay_server.app.config_file import settings_from_dict
 
     torch.set_num_threads(1)
     results = {}

@@ -44,7 +44,7 @@ def replay_server(
     port_file.unlink(missing_ok=True)
     log = open(log_path, "w") if log_path is not None else subprocess.DEVNULL  # noqa: SIM115
     process = subprocess.Popen(
-        [sys.executable, "-m", "replay_server.cli", "serve", "--config", str(config_path),
+        [sys.executable, "-m", "replay_server.app.cli", "serve", "--config", str(config_path),
          "--address", "127.0.0.1:0", "--port-file", str(port_file)],
         stdout=log, stderr=subprocess.STDOUT,
     )

@@ -61,7 +61,7 @@ def start_server(
     port_file = tmp_path / f"{name}.port"
     port_file.unlink(missing_ok=True)
     log_path = tmp_path / f"{name}.log"
-    args = [sys.executable, "-m", "replay_server.cli", "serve",
+    args = [sys.executable, "-m", "replay_server.app.cli", "serve",
             "--address", f"127.0.0.1:{port}", "--port-file", str(port_file), "--grace", "5"]
     config_path = None
     if config is not None:
@@ -90,6 +90,21 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.02) -> bool:
     while time.monotonic() < deadline:
         if predicate():
             return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def stays(predicate, seconds: float = 0.5, interval: float = 0.02) -> bool:
+    """Whether ``predicate`` holds throughout ``seconds`` (False the moment it fails).
+
+    How a test proves a negative: it waits for the violation with a deadline,
+    failing as soon as it happens, after a positive event showed the system
+    had every chance to act.
+    """
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not predicate():
+            return False
         time.sleep(interval)
     return bool(predicate())
 

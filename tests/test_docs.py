@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from replay_server.settings import settings_from_dict
+from replay_server.app.config_file import settings_from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

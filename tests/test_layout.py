@@ -1,79 +1,196 @@
-"""The import direction the design fixes: replay_proto <- engine <- service <- app.
+"""The import rules the design fixes, checked on every module (submodules included).
 
-Checked statically (by reading imports), so a violation fails even in code no
-test executes.
+Packages: ``replay_proto`` (the wire) <- ``replay_feed`` (the learner runtime) <-
+``replay_client`` and ``replay_server``; inside ``replay_server`` the layers
+``engine`` <- ``checkpoint`` <- ``service`` <- ``app``, with ``errors`` shared
+by all. Checked statically, by reading every import statement (function-level
+and ``TYPE_CHECKING`` ones too), so a violation fails even in code no test
+executes; "reaches" follows imports transitively through our own modules.
 """
 
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {
     "replay_proto": ROOT / "proto" / "replay_proto",
+    "replay_feed": ROOT / "feed" / "replay_feed",
     "replay_server": ROOT / "server" / "replay_server",
     "replay_client": ROOT / "client" / "replay_client",
 }
-# Modules of replay_server that may talk to the network (the service and the app).
-SERVER_NETWORK_PARTS = {"service", "cli.py", "embedded.py"}
+NETWORK = ("grpc", "grpc_health")
 
 
-def _imports(path: Path) -> set[str]:
+def _module_name(package: str, path: Path) -> str:
+    parts = path.relative_to(PACKAGES[package]).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join((package, *parts))
+
+
+@cache
+def _modules() -> dict[str, Path]:
+    """Every first-party module by dotted name."""
+    return {
+        _module_name(package, path): path
+        for package, root in PACKAGES.items()
+        for path in sorted(root.rglob("*.py"))
+    }
+
+
+@cache
+def _imports(module: str) -> frozenset[str]:
+    """Dotted names ``module`` imports: our modules where they resolve, else top-level names."""
+    path = _modules()[module]
     tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+            found.update(_resolve(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                found.add(_resolve(f"{base}.{alias.name}") if f"{base}.{alias.name}" in _modules()
+                          else _resolve(base))
+    return frozenset(found)
+
+
+def _resolve(name: str) -> str:
+    """``name`` if it is one of our modules (or the longest one containing it), else its top level."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:end])
+        if candidate in _modules():
+            return candidate
+    return parts[0]
+
+
+@cache
+def _reaches(module: str) -> frozenset[str]:
+    """Everything ``module`` imports, transitively through our own modules."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for name in _imports(todo.pop()):
+            if name not in seen:
+                seen.add(name)
+                if name in _modules():
+                    todo.append(name)
+    return frozenset(seen)
+
+
+def _in(module: str, *prefixes: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _modules_in(*prefixes: str) -> list[str]:
+    found = [m for m in _modules() if _in(m, *prefixes)]
+    assert found, f"no modules under {prefixes}"
     return found
 
 
-def _modules(package: str):
-    return sorted(PACKAGES[package].rglob("*.py"))
+def test_every_package_is_found() -> None:
+    assert {m.split(".")[0] for m in _modules()} == set(PACKAGES)
+    assert len(_modules_in("replay_server.engine")) >= 15
 
 
-def test_replay_proto_imports_neither_server_nor_client():
-    for path in _modules("replay_proto"):
-        assert not _imports(path) & {"replay_server", "replay_client"}, path
+@pytest.mark.parametrize("module", _modules_in("replay_proto"))
+def test_the_wire_imports_no_runtime_server_or_client(module: str) -> None:
+    assert not any(_in(m, "replay_feed", "replay_server", "replay_client")
+                   for m in _imports(module)), module
 
 
-def test_server_and_client_never_import_each_other():
-    for path in _modules("replay_server"):
-        assert "replay_client" not in _imports(path), path
-    for path in _modules("replay_client"):
-        assert "replay_server" not in _imports(path), path
+@pytest.mark.parametrize("module", _modules_in("replay_feed"))
+def test_the_runtime_imports_neither_server_nor_client(module: str) -> None:
+    assert not any(_in(m, "replay_server", "replay_client") for m in _imports(module)), module
 
 
-def test_engine_never_imports_grpc():
-    engine = [
-        path
-        for path in _modules("replay_server")
-        if path.relative_to(PACKAGES["replay_server"]).parts[0] not in SERVER_NETWORK_PARTS
-    ]
-    assert len(engine) >= 10
-    for path in engine:
-        assert not _imports(path) & {"grpc", "grpcio"}, path
+def test_server_and_client_never_import_each_other() -> None:
+    for module in _modules_in("replay_server"):
+        assert not any(_in(m, "replay_client") for m in _imports(module)), module
+    for module in _modules_in("replay_client"):
+        assert not any(_in(m, "replay_server") for m in _imports(module)), module
 
 
-def test_engine_never_imports_the_service_or_the_app():
-    app = ("replay_server.service", "replay_server.cli", "replay_server.embedded")
-    for path in _modules("replay_server"):
-        if path.relative_to(PACKAGES["replay_server"]).parts[0] in SERVER_NETWORK_PARTS:
-            continue
-        tree = ast.parse(path.read_text(), filename=str(path))
-        for node in ast.walk(tree):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            for name in names:
-                assert not name.startswith(app), f"{path} imports {name}"
+@pytest.mark.parametrize("module", _modules_in("replay_server.engine"))
+def test_the_engine_reaches_no_network_and_no_layer_above_it(module: str) -> None:
+    above = ("replay_server.checkpoint", "replay_server.service", "replay_server.app",
+             "replay_feed", "replay_client")
+    reached = _reaches(module)
+    assert not set(NETWORK) & reached, f"{module} reaches {set(NETWORK) & reached}"
+    assert not any(_in(m, *above) for m in reached), (
+        module, sorted(m for m in reached if _in(m, *above)))
 
 
-def test_no_module_is_over_600_lines():
-    for package in PACKAGES:
-        for path in _modules(package):
-            assert len(path.read_text().splitlines()) <= 600, path
+@pytest.mark.parametrize("module", _modules_in("replay_server.checkpoint"))
+def test_checkpoints_reach_no_network_service_or_app(module: str) -> None:
+    reached = _reaches(module)
+    assert not set(NETWORK) & reached, module
+    assert not any(_in(m, "replay_server.service", "replay_server.app") for m in reached), module
+
+
+@pytest.mark.parametrize("module", _modules_in("replay_server.service"))
+def test_the_service_never_imports_the_app(module: str) -> None:
+    assert not any(_in(m, "replay_server.app") for m in _reaches(module)), module
+
+
+def test_the_server_packages_root_is_the_engine_and_the_errors() -> None:
+    assert not set(NETWORK) & _reaches("replay_server"), "import replay_server must not load grpc"
+    assert not any(_in(m, "replay_server.engine", "replay_server.checkpoint",
+                       "replay_server.service", "replay_server.app", "replay_feed")
+                   for m in _reaches("replay_server.errors"))
+
+
+def test_there_is_no_import_cycle() -> None:
+    graph = {m: sorted(i for i in _imports(m) if i in _modules() and i != m) for m in _modules()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph[node]:
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_cycle_check_would_see_a_cycle() -> None:
+    """The resolver maps a ``from package import module`` to the module (what cycles go through)."""
+    assert "replay_client.connection" in _imports("replay_client.client")
+    assert "replay_server.engine.table" in _imports("replay_server.engine.table_set")
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_no_module_is_over_600_lines(module: str) -> None:
+    assert len(_modules()[module].read_text().splitlines()) <= 600, module

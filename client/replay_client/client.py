@@ -3,38 +3,36 @@
 from __future__ import annotations
 
 import os
-import random
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import numpy as np
 import torch
 
+from replay_client.connection import Connection
 from replay_client.errors import (
     InvalidArgumentError,
     InvalidIdsError,
     InvalidPriorityError,
     MessageTooLargeError,
-    UnavailableError,
-    from_rpc_error,
 )
 from replay_client.stream import NetworkSource
 from replay_client.updates import PriorityUpdater
+from replay_client.writer import Writer
+from replay_feed.core import FeedCore
+from replay_feed.delivery import resolve_delivery
+from replay_feed.stream import BatchStream
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.dtypes import dtype_name
-from replay_proto.feed import BatchStream, FeedCore, resolve_delivery
 from replay_proto.keys import flatten
+from replay_proto.sample_codec import decode_sample
 from replay_proto.v1 import replay_pb2 as pb
 
-_SERVICE = "/replay.v1.ReplayService/"
 _COUNTER_FIELDS = tuple(pb.TableCounters.DESCRIPTOR.fields_by_name)
 _LIMITER_FIELDS = tuple(pb.RateLimiterInfo.DESCRIPTOR.fields_by_name)
-_CLIENT_TIMEOUT = object()  # _unary's default: the client's own timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,52 +98,32 @@ class ReplayClient:
         max_retry_s: float = 10.0,
     ) -> None:
         if not isinstance(address, str):
-            raise TypeError(
+            raise InvalidArgumentError(
                 f"address must be 'host:port' (sharding over several servers is not supported "
                 f"yet), got {type(address).__name__}"
             )
-        self.address = address
-        self.timeout = timeout
-        self._token = token if token is not None else os.environ.get("REPLAY_TOKEN")
-        self._max_message = max_message_mb * 1024 * 1024
-        self._max_retry_s = max_retry_s
-        self._channel: grpc.Channel | None = None
-        self._calls: dict[str, Any] = {}
+        self._connection = Connection(
+            address, timeout=timeout, token=token if token is not None else os.environ.get(
+                "REPLAY_TOKEN"), max_message_mb=max_message_mb, max_retry_s=max_retry_s)
         self._lock = threading.Lock()
-        self._pid = os.getpid()
         self._updater: PriorityUpdater | None = None
         self._updater_pid = 0
+
+    @property
+    def address(self) -> str:
+        return self._connection.address
+
+    @property
+    def timeout(self) -> float | None:
+        return self._connection.timeout
 
     # ------------------------------------------------------------ connection
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"address": self.address, "timeout": self.timeout, "token": self._token,
-                "max_message_mb": self._max_message // (1024 * 1024),
-                "max_retry_s": self._max_retry_s}
+        return self._connection.__getstate__()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state.pop("address"), **state)  # type: ignore[misc]
-
-    def _call(self, method: str, kind: str = "unary_unary") -> Any:
-        call = self._calls.get(method)
-        if call is not None and self._pid == os.getpid():
-            return call
-        with self._lock:
-            if self._pid != os.getpid():  # a forked child: gRPC channels don't survive fork
-                self._channel, self._calls, self._pid = None, {}, os.getpid()
-            if self._channel is None:
-                self._channel = grpc.insecure_channel(
-                    self.address,
-                    options=[("grpc.max_receive_message_length", self._max_message),
-                             ("grpc.max_send_message_length", self._max_message)],
-                )
-            if method not in self._calls:
-                self._calls[method] = getattr(self._channel, kind)(_SERVICE + method)
-            return self._calls[method]
-
-    @property
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self._token}"),) if self._token else ()
 
     def close(self) -> None:
         """Send pending ``wait=False`` updates, then close the connection (a later call reconnects)."""
@@ -155,40 +133,13 @@ class ReplayClient:
                 updater.flush()
             finally:
                 updater.close()
-        with self._lock:
-            if self._channel is not None:
-                self._channel.close()
-                self._channel, self._calls = None, {}
+        self._connection.close()
 
     def __enter__(self) -> ReplayClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _unary(
-        self, method: str, request: bytes, *, retry: bool, timeout: Any = _CLIENT_TIMEOUT
-    ) -> bytes:
-        timeout = self.timeout if timeout is _CLIENT_TIMEOUT else timeout
-        deadline = None if timeout is None else time.monotonic() + timeout
-        retry_until = time.monotonic() + self._max_retry_s
-        delay = 0.05
-        while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                return self._call(method)(request, timeout=remaining, metadata=self._metadata)
-            except grpc.RpcError as exc:
-                error = from_rpc_error(exc, self.address)
-            now = time.monotonic()
-            if (
-                not retry
-                or not isinstance(error, UnavailableError)
-                or now + delay > retry_until
-                or (deadline is not None and now + delay >= deadline)
-            ):
-                raise error from None
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, 1.0)
 
     # ------------------------------------------------------------------- API
 
@@ -214,20 +165,27 @@ class ReplayClient:
                     f"priorities must have shape [{rows}] (one per row), got {list(prios.shape)}"
                 )
         raw = messages.encode_insert(table, columns, prios)
-        if len(raw) > self._max_message:
+        limit = self._connection.max_message_bytes
+        if len(raw) > limit:
             rows = next(iter(columns.values())).shape[0] if columns else 0
-            fit = max(1, rows * self._max_message // (2 * len(raw)))
+            fit = max(1, rows * limit // (2 * len(raw)))
             raise MessageTooLargeError(
                 f"an insert of {rows} rows is {len(raw) / 2**20:.1f} MiB, over the "
-                f"{self._max_message >> 20} MiB message limit; insert at most about {fit} rows "
+                f"{limit >> 20} MiB message limit; insert at most about {fit} rows "
                 f"per call (or use a Writer, which batches for you)"
             )
-        return messages.decode_insert_response(self._unary("Insert", raw, retry=False))
+        return messages.decode_insert_response(self._connection.unary("Insert", raw, retry=False))
 
     def sample(self, table: str, batch_size: int) -> SampleBatch:
-        """Draw one batch; ``batch.data`` keeps the inserted (nested) structure."""
+        """Draw one batch; ``batch.data`` keeps the inserted (nested) structure.
+
+        Raises:
+            InvalidArgumentError: ``batch_size`` is not a positive integer (checked here).
+            EmptyTableError, UnknownTableError, DeadlineExceededError, ...: from the server.
+        """
+        _check_int("batch_size", batch_size, 1)
         request = pb.SampleRequest(table=table, batch_size=batch_size).SerializeToString()
-        return messages.decode_sample(self._unary("Sample", request, retry=True))
+        return decode_sample(self._connection.unary("Sample", request, retry=True))
 
     def update_priorities(
         self, table: str, ids: Any, priorities: Any, *, wait: bool = True
@@ -265,7 +223,7 @@ class ReplayClient:
     def _send_update(self, table: str, ids: np.ndarray, priorities: np.ndarray) -> int:
         raw = messages.encode_update(table, ids, priorities)
         response = pb.UpdatePrioritiesResponse.FromString(
-            self._unary("UpdatePriorities", raw, retry=True)
+            self._connection.unary("UpdatePriorities", raw, retry=True)
         )
         return int(response.applied)
 
@@ -278,7 +236,7 @@ class ReplayClient:
     def info(self) -> dict[str, TableInfo]:
         """Every table's sizes, counters and settings, by name."""
         response = pb.InfoResponse.FromString(
-            self._unary("Info", pb.InfoRequest().SerializeToString(), retry=True)
+            self._connection.unary("Info", pb.InfoRequest().SerializeToString(), retry=True)
         )
         return {
             t.name: TableInfo(
@@ -307,17 +265,16 @@ class ReplayClient:
             UnavailableError, DeadlineExceededError, ...
         """
         request = pb.CheckpointRequest().SerializeToString()
-        raw = self._unary("Checkpoint", request, retry=False, timeout=timeout)
+        raw = self._connection.unary("Checkpoint", request, retry=False, timeout=timeout)
         return pb.CheckpointResponse.FromString(raw).path
 
     def reset(self, table: str) -> None:
         """Remove every row of ``table`` (its schema stays; old ids become stale)."""
-        self._unary("Reset", pb.ResetRequest(table=table).SerializeToString(), retry=True)
+        self._connection.unary("Reset", pb.ResetRequest(table=table).SerializeToString(),
+                               retry=True)
 
-    def writer(self, table: str, **options: Any) -> Any:
+    def writer(self, table: str, **options: Any) -> Writer:
         """A :class:`~replay_client.writer.Writer` appending steps to ``table``."""
-        from replay_client.writer import Writer
-
         return Writer(self, table, **options)
 
     def stream(
@@ -380,8 +337,7 @@ class ReplayClient:
         for name, value, low in (("prefetch", prefetch, 1), ("batch_size", batch_size, 1),
                                  ("num_batches", num_batches, 0),
                                  ("batches_per_message", batches_per_message, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+            _check_int(name, value, low)
         window = prefetch
         if batches_per_message > 1:
             # Groups travel in gRPC messages (one shared-memory descriptor per batch would
@@ -394,7 +350,7 @@ class ReplayClient:
         except ValueError as exc:
             raise InvalidArgumentError(str(exc)) from None
         source = NetworkSource(
-            self, table, batch_size, num_batches=num_batches,
+            self._connection, table, batch_size, num_batches=num_batches,
             batches_per_message=batches_per_message,
             shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
             reconnect=reconnect)
@@ -403,6 +359,11 @@ class ReplayClient:
             stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
                                       f"batches_per_message={batches_per_message} fit the window")
         return stream
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def _update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -1,9 +1,11 @@
 """The client's typed errors, and the one place gRPC failures become them.
 
 Every failure a caller can act on has its own class under :class:`ReplayError`.
-The server names the precise kind in the trailing metadata
-``replay-error-kind``; the status code is the fallback. Messages are for
-people: never match on them.
+The server names the precise kind in the trailing metadata (see
+:mod:`replay_proto.error_kinds`); the status code is the fallback. Messages
+are for people: never match on them. Errors about the caller's own arguments
+are also ``ValueError``s, timeouts ``TimeoutError``s and lost servers
+``ConnectionError``s, so generic handlers catch them too.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ import builtins
 
 import grpc
 
+from replay_proto.error_kinds import ErrorKind, kind_of
+
 
 class ReplayError(Exception):
     """Base class of every error the client raises."""
 
 
-class InvalidArgumentError(ReplayError):
+class InvalidArgumentError(ReplayError, ValueError):
     """The request is wrong; retrying it unchanged cannot succeed."""
 
 
@@ -92,24 +96,25 @@ class WriterError(ReplayError):
     """A background insert of a :class:`~replay_client.Writer` failed; ``__cause__`` says why."""
 
 
-_BY_KIND: dict[str, type[ReplayError]] = {
-    "schema_mismatch": SchemaMismatchError,
-    "invalid_priority": InvalidPriorityError,
-    "invalid_ids": InvalidIdsError,
-    "invalid_argument": InvalidArgumentError,
-    "malformed_request": MalformedRequestError,
-    "unknown_table": UnknownTableError,
-    "empty_table": EmptyTableError,
-    "no_priorities": NoPrioritiesError,
-    "failed_precondition": FailedPreconditionError,
-    "no_checkpoint_dir": NoCheckpointDirError,
-    "checkpoint_failed": CheckpointError,
-    "message_too_large": MessageTooLargeError,
-    "unauthenticated": UnauthenticatedError,
-    "deadline_exceeded": DeadlineExceededError,
-    "unavailable": UnavailableError,
-    "internal": InternalError,
+_BY_KIND: dict[ErrorKind, type[ReplayError]] = {
+    ErrorKind.SCHEMA_MISMATCH: SchemaMismatchError,
+    ErrorKind.INVALID_PRIORITY: InvalidPriorityError,
+    ErrorKind.INVALID_IDS: InvalidIdsError,
+    ErrorKind.INVALID_ARGUMENT: InvalidArgumentError,
+    ErrorKind.MALFORMED_REQUEST: MalformedRequestError,
+    ErrorKind.UNKNOWN_TABLE: UnknownTableError,
+    ErrorKind.EMPTY_TABLE: EmptyTableError,
+    ErrorKind.NO_PRIORITIES: NoPrioritiesError,
+    ErrorKind.FAILED_PRECONDITION: FailedPreconditionError,
+    ErrorKind.NO_CHECKPOINT_DIR: NoCheckpointDirError,
+    ErrorKind.CHECKPOINT_FAILED: CheckpointError,
+    ErrorKind.MESSAGE_TOO_LARGE: MessageTooLargeError,
+    ErrorKind.UNAUTHENTICATED: UnauthenticatedError,
+    ErrorKind.DEADLINE_EXCEEDED: DeadlineExceededError,
+    ErrorKind.UNAVAILABLE: UnavailableError,
+    ErrorKind.INTERNAL: InternalError,
 }
+assert set(_BY_KIND) == set(ErrorKind), "every error kind needs a client class"
 
 _BY_CODE: dict[grpc.StatusCode, type[ReplayError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
@@ -129,12 +134,9 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> ReplayError:
     """The typed error for a failed call to the server at ``address``."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
-    kind = None
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    for key, value in trailing or ():
-        if key == "replay-error-kind":
-            kind = value
-    cls = _BY_KIND.get(kind or "") or _BY_CODE.get(code, InternalError)
+    kind = kind_of(trailing)
+    cls = _BY_KIND[kind] if kind is not None else _BY_CODE.get(code, InternalError)
     if cls is UnavailableError and code == grpc.StatusCode.CANCELLED:
         return cls(f"replay server at {address} cancelled the call (it is shutting down?)")
     if cls is UnavailableError:

@@ -1,15 +1,17 @@
 """The learner's network stream: SampleStream over gRPC, or a same-host shared-memory ring.
 
-:class:`NetworkSource` is the :class:`~replay_proto.feed.Source` behind
+:class:`NetworkSource` is the :class:`~replay_feed.core.Source` behind
 ``ReplayClient.stream``: on the feed's background thread it runs the
 bidirectional ``SampleStream`` call, grants one credit per batch the learner
 takes, and turns each message into a batch in the feed's staging ring
-(payload chunks decoded in place) or into views of the shared-memory ring
-the server offered (nothing to decode).
+(payload chunks decoded in place by the wire package's one
+:class:`~replay_proto.sample_codec.SampleDecoder`) or into views of the
+shared-memory ring the server offered (nothing to copy).
 
 Restart policy: when the connection is lost (UNAVAILABLE: server restarted,
 draining or unreachable) the stream reconnects with backoff for up to the
-client's ``max_retry_s`` and goes on with new batches (sampling has no
+connection's ``max_retry_s`` (the client's one
+:class:`~replay_client.backoff.Backoff` schedule) and goes on with new batches (sampling has no
 position to resume from; the batch in flight is dropped); the learner's loop
 does not notice beyond ``stream.stats.reconnects``. With ``reconnect=False``,
 or when the server stays away longer, the learner gets
@@ -21,31 +23,22 @@ from __future__ import annotations
 
 import logging
 import queue
-import random
 import threading
-import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 import torch
 
+from replay_client.backoff import Backoff
+from replay_client.connection import Connection
 from replay_client.errors import UnavailableError, from_rpc_error
-from replay_proto.batch import SampleBatch
-from replay_proto.codec import CodecError, copy_rows, decode_tensors, expect_end, split_payload
-from replay_proto.dtypes import dtype_from_name
-from replay_proto.feed import FeedCore, Layout
-from replay_proto.keys import unflatten
-from replay_proto.shm import SharedMemoryError, SharedRing, host_id
+from replay_feed.core import FeedCore
+from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
+from replay_proto.sample_codec import Layout, SampleDecoder, split_sample
 from replay_proto.v1 import replay_pb2 as pb
 
-if TYPE_CHECKING:
-    from replay_client.client import ReplayClient
-
 log = logging.getLogger("replay_client.stream")
-
-# Internal keys of the extras in a staging slot (cannot clash with column keys).
-_EXTRAS = ("\0ids", "\0weights", "\0probabilities")
 
 
 class _Call:
@@ -85,7 +78,7 @@ class NetworkSource:
     """Produces a feed's batches from a server's SampleStream (see the module docstring).
 
     Args:
-        client: the connection (address, token, retry window).
+        connection: the server (address, token, retry window).
         table: table name.
         batch_size: rows (or slices) per batch.
         num_batches: batches to deliver in all (0: until the learner stops).
@@ -96,9 +89,9 @@ class NetworkSource:
         reconnect: reconnect after a lost connection (see the restart policy).
     """
 
-    def __init__(self, client: ReplayClient, table: str, batch_size: int, *, num_batches: int,
+    def __init__(self, connection: Connection, table: str, batch_size: int, *, num_batches: int,
                  batches_per_message: int, shared_memory: bool, reconnect: bool) -> None:
-        self.client = client
+        self.connection = connection
         self.table = table
         self.batch_size = batch_size
         self.num_batches = num_batches
@@ -110,7 +103,6 @@ class NetworkSource:
         self.core: FeedCore = None  # type: ignore[assignment]  # set by run()
         self._received = 0
         self._call: Any = None
-        self._outgoing: _Call | None = None
         self._ring: SharedRing | None = None
         self._registered = False
         self._stopped = threading.Event()
@@ -120,35 +112,34 @@ class NetworkSource:
     def run(self, core: FeedCore) -> None:
         self.core = core
         core.stats.transport = "grpc"
-        retry_until: float | None = None
-        delay = 0.05
+        address, window = self.connection.address, self.connection.max_retry_s
+        backoff: Backoff | None = None
         try:
             while not self._stopped.is_set():
                 remaining = self.num_batches - self._received if self.num_batches else 0
                 if self.num_batches and remaining <= 0:
                     return
                 try:
-                    if self._run_call(core, remaining, reconnected=retry_until is not None):
+                    if self._run_call(core, remaining, reconnected=backoff is not None):
                         return
                 except grpc.RpcError as exc:
                     if self._stopped.is_set():
                         return
-                    error = from_rpc_error(exc, self.client.address)
+                    error = from_rpc_error(exc, address)
                     if not (self.reconnect and isinstance(error, UnavailableError)):
                         raise error from None
-                    now = time.monotonic()
-                    if retry_until is None:
-                        retry_until = now + self.client._max_retry_s
+                    if backoff is None:
+                        backoff = Backoff(window)
                         log.warning("stream from %s lost (%s); reconnecting for up to %.0f s",
-                                    self.client.address, error, self.client._max_retry_s)
-                    if now + delay > retry_until:
+                                    address, error, window)
+                    delay = backoff.next_delay()
+                    if delay is None:
                         raise UnavailableError(
-                            f"stream from {self.client.address} lost and not back within "
-                            f"{self.client._max_retry_s:.0f} s: {error}") from None
-                    self._stopped.wait(delay * (0.5 + random.random()))
-                    delay = min(delay * 2, 1.0)
+                            f"stream from {address} lost and not back within "
+                            f"{window:.0f} s: {error}") from None
+                    self._stopped.wait(delay)
                     continue
-                retry_until, delay = None, 0.05
+                backoff = None
         finally:
             self._release_ring()
 
@@ -173,26 +164,26 @@ class NetworkSource:
                                        shared_memory=self.shared_memory, host_id=host_id())
         outgoing = _Call(self, first.SerializeToString())
         self._release_ring()
-        call = self.client._call("SampleStream", kind="stream_stream")(
-            outgoing.requests(), metadata=self.client._metadata)
-        self._call, self._outgoing = call, outgoing
+        connection = self.connection
+        call = connection.method("SampleStream", kind="stream_stream")(
+            outgoing.requests(), metadata=connection.metadata)
+        self._call = call
         if self._stopped.is_set():
             call.cancel()
         base = self._received
-        decoder = _GroupDecoder(core, self.batch_size)
+
+        def staging(index: int, layout: Layout) -> list[torch.Tensor]:
+            return core.staging(base + index, layout)
+
+        decoder = SampleDecoder(self.batch_size, allocate=staging, ring_view=self._ring_view)
         first_message = True
         try:
             for raw in call:
-                header, payload = split_payload(raw, pb.SampleResponse)
+                header, payload = split_sample(raw)
                 if first_message:
                     first_message = False
                     self._on_first(core, header, outgoing, reconnected)
-                index = base + header.batch_index
-                if header.HasField("shared_memory"):
-                    batches = [self._ring_batch(header)]
-                else:
-                    batches = decoder.add(header, payload, index)
-                for batch in batches:
+                for batch in decoder.add(header, payload):
                     core.deliver(self._received, batch)
                     self._received += 1
         finally:
@@ -212,7 +203,7 @@ class NetworkSource:
                   reconnected: bool) -> None:
         if reconnected:
             core.stats.reconnects += 1
-            log.info("stream from %s resumed", self.client.address)
+            log.info("stream from %s resumed", self.connection.address)
         if header.HasField("shared_memory_offer"):
             offer = header.shared_memory_offer
             try:
@@ -245,6 +236,13 @@ class NetworkSource:
             elif self.shared_memory:
                 core.stats.notes.append("gRPC: the server offered no shared-memory ring")
 
+    def _ring_view(self, slot: int, offset: int, dtype: torch.dtype,
+                   shape: tuple[int, ...]) -> torch.Tensor:
+        ring = self._ring
+        if ring is None:
+            raise SharedMemoryError("no shared-memory ring is mapped")
+        return ring.view(slot, offset, dtype, shape)
+
     def _register(self, core: FeedCore, ring: SharedRing) -> None:
         accel = core.delivery.accelerator
         if core.delivery.pin and accel is not None:
@@ -253,24 +251,6 @@ class NetworkSource:
             except Exception as exc:  # a driver refusing is not fatal: staging copies instead
                 log.info("could not pin the shared-memory ring (%s); copying to pinned staging", exc)
                 self._registered = False
-
-    def _ring_batch(self, header: pb.SampleResponse) -> SampleBatch:
-        ring = self._ring
-        if ring is None:
-            raise CodecError("a shared-memory batch arrived but no ring is mapped")
-        specs = [*header.columns, header.ids, header.weights, header.probabilities]
-        offsets = header.shared_memory.offsets
-        if len(offsets) != len(specs):
-            raise CodecError(f"{len(offsets)} offsets for {len(specs)} tensors")
-        tensors = {}
-        for spec, offset in zip(specs, offsets):
-            try:
-                tensors[spec.key] = ring.view(header.shared_memory.slot, offset,
-                                              dtype_from_name(spec.dtype), tuple(spec.shape))
-            except (SharedMemoryError, ValueError) as exc:
-                raise CodecError(f"bad shared-memory descriptor for {spec.key!r}: {exc}") from None
-        extras = [tensors.pop(name) for name in ("ids", "weights", "probabilities")]
-        return SampleBatch(unflatten(tensors), *extras)
 
     def _release_ring(self) -> None:
         ring, self._ring = self._ring, None
@@ -283,59 +263,3 @@ class NetworkSource:
                 pass
         self._registered = False
         ring.close()
-
-
-class _GroupDecoder:
-    """Decodes payload chunks of a group of batches straight into the feed's staging slots."""
-
-    def __init__(self, core: FeedCore, batch_size: int) -> None:
-        self._core = core
-        self._batch_size = batch_size
-        self._group: int | None = None
-        self._next_row = 0
-        self._rows = 0
-        self._slots: list[dict[str, torch.Tensor]] = []
-        self._keys: list[str] = []
-
-    def add(self, header: pb.SampleResponse, payload: memoryview, index: int) -> list[SampleBatch]:
-        specs = [*header.columns, header.ids, header.weights, header.probabilities]
-        tensors, offset = decode_tensors(specs, payload)
-        expect_end(payload, offset)
-        size = self._batch_size
-        if header.row_start == 0:
-            count = max(1, header.batch_count)
-            if header.batch_rows != count * size:
-                raise CodecError(f"a group of {count} batches of {size} has {header.batch_rows} rows")
-            self._group, self._next_row, self._rows = index, 0, header.batch_rows
-            self._keys = [s.key for s in header.columns]
-            names = [*self._keys, *_EXTRAS]
-            layout: Layout = tuple(
-                (name, t.dtype, (size, *t.shape[1:])) for name, t in zip(names, tensors.values()))
-            self._slots = [self._core.staging(index + i, layout) for i in range(count)]
-        if self._group is None or index != self._group or header.row_start != self._next_row:
-            raise CodecError(f"chunk of batch {header.batch_index} at row {header.row_start} "
-                             f"arrived out of order")
-        names = [*self._keys, *_EXTRAS]
-        rows = 0
-        for name, tensor in zip(names, tensors.values()):
-            rows = tensor.shape[0]
-            start = header.row_start
-            while start < header.row_start + rows:  # rows may span several batches of the group
-                b, r = divmod(start, size)
-                n = min(size - r, header.row_start + rows - start)
-                src = tensor[start - header.row_start : start - header.row_start + n]
-                copy_rows(self._slots[b][name], r, src)
-                start += n
-        self._next_row += rows
-        if not header.last_chunk:
-            return []
-        if self._next_row != self._rows:
-            raise CodecError(f"batch {header.batch_index} ended after {self._next_row} of "
-                             f"{self._rows} rows")
-        self._group = None
-        out = []
-        for slot in self._slots:
-            columns = {key: slot[key] for key in self._keys}
-            out.append(SampleBatch(unflatten(columns), *(slot[name] for name in _EXTRAS)))
-        return out
-

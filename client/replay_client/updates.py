@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from replay_client.errors import PriorityUpdateError
+from replay_client.errors import DeadlineExceededError, PriorityUpdateError
 
 Send = Callable[[str, np.ndarray, np.ndarray], int]
 
@@ -66,14 +66,15 @@ class PriorityUpdater:
 
         Raises:
             PriorityUpdateError: a background update failed.
-            TimeoutError: not done within ``timeout`` seconds.
+            DeadlineExceededError: not done within ``timeout`` seconds (a ``TimeoutError``).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._pending and self._error is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"{self._pending} priority updates still pending")
+                    raise DeadlineExceededError(
+                        f"flush timed out with {self._pending} priority updates still pending")
                 self._cond.wait(remaining)
             self._raise_error()
 

@@ -26,25 +26,34 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from replay_client.errors import InvalidArgumentError, ReplayError, WriterError
+from replay_client.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    ReplayError,
+    WriterError,
+)
 from replay_proto.dtypes import dtype_name
 from replay_proto.keys import flatten
 
-if TYPE_CHECKING:
-    from replay_client.client import ReplayClient
-
 _STOP = object()
+
+
+class Inserter(Protocol):
+    """What a writer sends its rows through (a ``ReplayClient``)."""
+
+    def insert(self, table: str, data: Any) -> Any:
+        """Insert ``data`` (columns with a leading dim of rows) into ``table``; raise on failure."""
 
 
 class Writer:
     """Appends steps to one table of a replay server.
 
     Args:
-        client: the server connection.
+        client: what inserts the rows (a ``ReplayClient``; see :class:`Inserter`).
         table: table name.
         batch_rows: steps per insert.
         max_pending_rows: steps buffered or in flight before ``append`` blocks.
@@ -54,7 +63,7 @@ class Writer:
 
     def __init__(
         self,
-        client: ReplayClient,
+        client: Inserter,
         table: str,
         *,
         batch_rows: int = 256,
@@ -62,15 +71,22 @@ class Writer:
         max_delay_s: float = 0.2,
         episode_key: str | None = "episode",
     ) -> None:
-        if not isinstance(batch_rows, int) or batch_rows < 1:
-            raise ValueError(f"batch_rows must be an integer >= 1, got {batch_rows!r}")
-        if not isinstance(max_pending_rows, int) or max_pending_rows < batch_rows:
-            raise ValueError(
+        if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
+            raise InvalidArgumentError(f"batch_rows must be an integer >= 1, got {batch_rows!r}")
+        if (isinstance(max_pending_rows, bool) or not isinstance(max_pending_rows, int)
+                or max_pending_rows < batch_rows):
+            raise InvalidArgumentError(
                 f"max_pending_rows must be an integer >= batch_rows ({batch_rows}), "
                 f"got {max_pending_rows!r}"
             )
-        if not max_delay_s > 0:
-            raise ValueError(f"max_delay_s must be > 0, got {max_delay_s!r}")
+        if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, (int, float)) or not (
+            0 < max_delay_s < float("inf")
+        ):
+            raise InvalidArgumentError(f"max_delay_s must be a number of seconds > 0, got "
+                                       f"{max_delay_s!r}")
+        if episode_key is not None and (not isinstance(episode_key, str) or not episode_key):
+            raise InvalidArgumentError(f"episode_key must be a column name or None, got "
+                                       f"{episode_key!r}")
         self.table = table
         self._client = client
         self._batch_rows = batch_rows
@@ -142,7 +158,7 @@ class Writer:
 
         Raises:
             WriterError: a background insert failed.
-            TimeoutError: not done within ``timeout`` seconds.
+            DeadlineExceededError: not done within ``timeout`` seconds (a ``TimeoutError``).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -152,7 +168,9 @@ class Writer:
             while self._in_flight and self._error is None:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"writer flush: {self._in_flight} rows still in flight")
+                    raise DeadlineExceededError(
+                        f"writer for table {self.table!r}: flush timed out with "
+                        f"{self._in_flight} rows still in flight")
                 self._cond.wait(remaining)
             self._raise_error()
 

@@ -1,38 +1,92 @@
-"""The container a sample comes back in, on the server and on the client."""
+"""The container a sample comes back in, on the server and on the client.
+
+Inside the system a batch is flat: one tensor per flat key (``"obs.pixels"``,
+see :mod:`replay_proto.keys`), plus the three *extras* every sample carries.
+Tables gather into flat columns, the wire encodes flat columns, the learner's
+feed pins and copies flat tensors. Only a user looking at ``batch.data`` sees
+the nested structure that was inserted; it is built on first access.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from replay_proto.keys import flatten, unflatten
 
-@dataclass(frozen=True, slots=True)
+EXTRAS = ("ids", "weights", "probabilities")
+"""The tensors every sample carries besides its columns, in wire order."""
+
+
+@dataclass(frozen=True, init=False, eq=False)
 class SampleBatch:
     """One sampled batch and what the learner needs to use it.
 
     Attributes:
-        data: the sampled rows as a nested dict of tensors (the structure that
-            was inserted). Leading dims are ``[batch]`` for row samplers and
-            ``[batch, slice_len]`` for slice samplers.
-        ids: int64 row ids, shaped like the leading dims of ``data``. Pass them
-            (or, for slices, ``ids[:, 0]``) to ``update_priorities``.
+        columns: the sampled rows by flat key (``"obs.pixels"``). Leading dims
+            are ``[batch]`` for row samplers and ``[batch, slice_len]`` for
+            slice samplers.
+        ids: int64 row ids, shaped like the leading dims of the columns. Pass
+            them (or, for slices, ``ids[:, 0]``) to ``update_priorities``.
         weights: float32 ``[batch]`` importance weights,
             ``(N * P(i)) ** -beta / max_j w_j``; ones for non-prioritized samplers.
         probabilities: float64 ``[batch]`` probability with which each row (or
             slice start) was drawn.
+
+    Args:
+        data: the rows as a nested mapping, a TensorDict or flat keys.
+        ids, weights, probabilities: as above.
     """
 
-    data: dict[str, Any]
+    columns: dict[str, torch.Tensor]
     ids: torch.Tensor
     weights: torch.Tensor
     probabilities: torch.Tensor
+    _nested: dict[str, Any] | None = field(default=None, repr=False)
+
+    def __init__(self, data: Any, ids: torch.Tensor, weights: torch.Tensor,
+                 probabilities: torch.Tensor) -> None:
+        _set(self, flatten(data), ids, weights, probabilities)
+
+    @classmethod
+    def from_columns(cls, columns: Mapping[str, torch.Tensor], ids: torch.Tensor,
+                     weights: torch.Tensor, probabilities: torch.Tensor) -> SampleBatch:
+        """A batch over already-flat ``columns`` (taken as they are: no copy, no checks)."""
+        batch = cls.__new__(cls)
+        _set(batch, dict(columns), ids, weights, probabilities)
+        return batch
+
+    @property
+    def data(self) -> dict[str, Any]:
+        """The rows as the nested dict of tensors that was inserted (built once, on first use)."""
+        if self._nested is None:
+            object.__setattr__(self, "_nested", unflatten(self.columns))
+        assert self._nested is not None
+        return self._nested
+
+    @property
+    def extras(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids, weights, probabilities)``, in the order of :data:`EXTRAS`."""
+        return self.ids, self.weights, self.probabilities
 
     @property
     def batch_size(self) -> int:
         """Number of rows (or slices) in the batch."""
         return int(self.ids.shape[0])
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch: the columns in key order, then the extras."""
+        return [*self.columns.values(), *self.extras]
+
+    def with_tensors(self, tensors: Sequence[torch.Tensor]) -> SampleBatch:
+        """The same batch over replacement ``tensors``, given in :meth:`tensors` order."""
+        n = len(self.columns)
+        if len(tensors) != n + len(EXTRAS):
+            raise ValueError(f"expected {n + len(EXTRAS)} tensors, got {len(tensors)}")
+        return SampleBatch.from_columns(dict(zip(self.columns, tensors[:n])), *tensors[n:])
 
     def to_tensordict(self) -> Any:
         """``data`` as a ``tensordict.TensorDict`` with the batch's leading dims.
@@ -43,3 +97,14 @@ class SampleBatch:
         from tensordict import TensorDict
 
         return TensorDict(self.data, batch_size=self.ids.shape)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{key}: {list(t.shape)}" for key, t in self.columns.items())
+        return f"SampleBatch({self.batch_size} rows; {shapes})"
+
+
+def _set(batch: SampleBatch, columns: dict[str, torch.Tensor], ids: torch.Tensor,
+         weights: torch.Tensor, probabilities: torch.Tensor) -> None:
+    for name, value in (("columns", columns), ("ids", ids), ("weights", weights),
+                        ("probabilities", probabilities), ("_nested", None)):
+        object.__setattr__(batch, name, value)

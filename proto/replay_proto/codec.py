@@ -172,15 +172,15 @@ def spec_nbytes(spec: pb.TensorSpec) -> int:
     return _ITEMSIZE[spec.dtype] * (0 if 0 in spec.shape else elements)
 
 
-def decode_tensors(
+def decode_tensor_list(
     specs: Sequence[pb.TensorSpec], payload: memoryview, offset: int = 0
-) -> tuple[dict[str, torch.Tensor], int]:
-    """Tensors of ``specs`` read from ``payload`` at ``offset``: ``(tensors, end offset)``.
+) -> tuple[list[torch.Tensor], int]:
+    """Tensors of ``specs`` read from ``payload`` at ``offset``, in order: ``(tensors, end offset)``.
 
     The tensors are views of ``payload``'s memory (read-only if it is). Raises
     :class:`CodecError` if the payload is too short or a spec is invalid.
     """
-    out: dict[str, torch.Tensor] = {}
+    out: list[torch.Tensor] = []
     for spec in specs:
         nbytes = spec_nbytes(spec)
         if offset + nbytes > len(payload):
@@ -188,11 +188,21 @@ def decode_tensors(
                 f"key {spec.key!r}: shape {list(spec.shape)} of {spec.dtype} needs {nbytes} bytes "
                 f"but the payload has {len(payload) - offset} left"
             )
-        if spec.key in out:
-            raise CodecError(f"key {spec.key!r} appears twice")
-        out[spec.key] = _view(payload, offset, nbytes, spec)
+        out.append(_view(payload, offset, nbytes, spec))
         offset += nbytes
     return out, offset
+
+
+def decode_tensors(
+    specs: Sequence[pb.TensorSpec], payload: memoryview, offset: int = 0
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Like :func:`decode_tensor_list`, keyed by the specs' keys (each key at most once)."""
+    keys = [spec.key for spec in specs]
+    if len(set(keys)) != len(keys):
+        twice = next(key for key in keys if keys.count(key) > 1)
+        raise CodecError(f"key {twice!r} appears twice")
+    tensors, offset = decode_tensor_list(specs, payload, offset)
+    return dict(zip(keys, tensors)), offset
 
 
 def expect_end(payload: memoryview, offset: int) -> None:

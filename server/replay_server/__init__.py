@@ -1,15 +1,28 @@
-"""replay_server: the replay engine (tables, ids, samplers) and, on top, the service.
+"""replay_server: the replay engine and, in layers above it, the service and the app.
 
-The engine modules (everything importable from here) never import grpc.
+Layers, each a subpackage, imports pointing one way only::
+
+    engine      tables, storage, ids, samplers, rate limiting   (no grpc)
+    checkpoint  checkpoints of an engine's tables on disk        (no grpc)
+    service     the gRPC server over the tables
+    app         the ``replay-server`` command, settings files, the embedded server
+
+``replay_server.errors`` is the server's one error hierarchy, shared by all
+layers. Importing this package loads the engine only: the names below.
 """
 
 from replay_proto.batch import SampleBatch
-from replay_server.config import SamplerKind, TableConfig, default_table_configs
+from replay_server.engine import (
+    FieldSpec,
+    SamplerKind,
+    Schema,
+    Table,
+    TableConfig,
+    TableInfo,
+    TableSet,
+    default_table_configs,
+)
 from replay_server.errors import ReplayServerError
-from replay_server.schema import FieldSpec, Schema
-from replay_server.table import Table
-from replay_server.table_info import TableInfo
-from replay_server.tables import Tables
 
 __all__ = [
     "FieldSpec",
@@ -20,6 +33,6 @@ __all__ = [
     "Table",
     "TableConfig",
     "TableInfo",
-    "Tables",
+    "TableSet",
     "default_table_configs",
 ]

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 import pytest
 import torch
 from replay_client import ReplayClient, Writer, errors
 
-from tests.conftest import module_server, wait_for
+from tests.conftest import module_server, stays, wait_for
 
 CONFIG = """
 [[tables]]
@@ -118,9 +117,9 @@ def test_append_blocks_at_max_pending_rows_while_the_server_is_stalled(tmp_path)
 
         thread = threading.Thread(target=actor, daemon=True)
         thread.start()
-        time.sleep(1.0)
-        stalled_at = len(appended)
-        assert stalled_at <= 30, "append must block once max_pending_rows are in flight"
+        assert wait_for(lambda: len(appended) >= 30)
+        assert stays(lambda: len(appended) == 30), (
+            "append must block once max_pending_rows are in flight")
         assert thread.is_alive()
         os.kill(proc.process.pid, signal.SIGCONT)
         thread.join(timeout=30)

@@ -13,10 +13,10 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 from replay_client import ReplayClient  # noqa: E402
-from replay_proto.accel import CudaAccelerator  # noqa: E402
-from replay_proto.feed import BatchStream, FeedCore, resolve_delivery  # noqa: E402
+from replay_feed.accelerator import CudaAccelerator  # noqa: E402
+from replay_feed import BatchStream, FeedCore, resolve_delivery  # noqa: E402
 from replay_server import Table, TableConfig  # noqa: E402
-from replay_server.embedded import TableSource  # noqa: E402
+from replay_server.app.embedded import TableSource  # noqa: E402
 
 CONFIG = """
 [[tables]]
@@ -122,8 +122,8 @@ def test_the_copy_of_the_next_batch_overlaps_compute_on_this_one():
 
 
 def test_embedded_storage_is_pinned_and_feeds_the_device():
-    from replay_server.embedded import EmbeddedServer
-    from replay_server.settings import settings_from_dict
+    from replay_server.app.embedded import EmbeddedServer
+    from replay_server.app.config_file import settings_from_dict
 
     settings = settings_from_dict({"server": {"address": "127.0.0.1:0"},
                                    "tables": [{"name": "r", "capacity": 500}]})

@@ -38,7 +38,7 @@ def test_the_right_token_works(server):
 
 def test_health_needs_no_token(server):
     result = subprocess.run(
-        [sys.executable, "-m", "replay_server.cli", "health", "--address", server.address],
+        [sys.executable, "-m", "replay_server.app.cli", "health", "--address", server.address],
         capture_output=True, text=True, timeout=30, check=False,
     )
     assert result.returncode == 0 and "SERVING" in result.stdout

@@ -22,9 +22,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replay_client import ReplayClient, ReplayError, errors
-from replay_server import Tables
+from replay_server import TableSet
 from replay_server.checkpoint import load_checkpoint
-from replay_server.settings import settings_from_dict
+from replay_server.app.config_file import settings_from_dict
 from tests.conftest import ServerProcess, start_server
 from tests.integration.test_unavailable import free_port
 
@@ -125,10 +125,10 @@ class Load:
         assert not any(t.is_alive() for t in self._threads)
 
 
-def offline_tables(text: str) -> Tables:
+def offline_tables(text: str) -> TableSet:
     import tomllib
 
-    return Tables(settings_from_dict(tomllib.loads(text)).tables)
+    return TableSet(settings_from_dict(tomllib.loads(text)).tables)
 
 
 def assert_tags_match(batch, acked: dict[int, int]) -> None:
@@ -207,7 +207,7 @@ def test_sigterm_under_load_keeps_every_acknowledged_insert(tmp_path: Path) -> N
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "replay_server.cli", *args],
+    return subprocess.run([sys.executable, "-m", "replay_server.app.cli", *args],
                           capture_output=True, text=True, timeout=WAIT_S, check=False)
 
 
@@ -346,7 +346,7 @@ def _start_blocking(tmp_path: Path, text: str, port: int, name: str) -> ServerPr
     (tmp_path / f"{name}.toml").write_text(text)
     log_path = tmp_path / f"{name}.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "replay_server.cli", "serve", "--config",
+        [sys.executable, "-m", "replay_server.app.cli", "serve", "--config",
          str(tmp_path / f"{name}.toml"), "--address", f"127.0.0.1:{port}", "--grace", "5"],
         stdout=log_path.open("w"), stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -283,6 +283,34 @@ def test_bad_protobuf_request_leaves_the_server_serving_and_unchanged(
     assert_still_serves(served, channel, stub, before)
 
 
+LATER_STREAM_MESSAGES = {
+    "not-protobuf": b"\xff\xff\xff",
+    "negative-credits": pb.SampleStreamRequest(credits=-1).SerializeToString(),
+    "a-second-request": pb.SampleStreamRequest(
+        request=pb.SampleRequest(table="u", batch_size=2), credits=1).SerializeToString(),
+}
+
+
+@pytest.mark.parametrize("later", list(LATER_STREAM_MESSAGES))
+def test_a_malformed_later_stream_message_ends_the_stream_with_invalid_argument(
+    served, channel, stub, later
+) -> None:
+    """A learner speaking another protocol is told so, not silently ignored."""
+    first = pb.SampleStreamRequest(request=pb.SampleRequest(table="u", batch_size=2),
+                                   credits=1).SerializeToString()
+    call = channel.stream_stream(SERVICE + "SampleStream")  # raw bytes both ways
+    responses = call(iter([first, LATER_STREAM_MESSAGES[later]]), timeout=CALL_TIMEOUT_S)
+    received = []
+    with pytest.raises(grpc.RpcError) as info:
+        for raw in responses:
+            received.append(raw)
+    assert len(received) <= 1  # at most the batch its one credit allowed
+    assert (info.value.code(), kind_of(info.value)) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                        "invalid_argument")
+    assert "SampleStream" in info.value.details()
+    assert_still_serves(served, channel, stub, snapshot(stub))
+
+
 def test_generated_stub_sample_decodes_as_plain_protobuf(stub) -> None:
     response = stub.Sample(pb.SampleRequest(table="u", batch_size=3), timeout=CALL_TIMEOUT_S)
     assert response.batch_rows == 3 and response.last_chunk

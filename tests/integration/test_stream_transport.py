@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from replay_client import ReplayClient, errors
+from tests.conftest import wait_for
 
 CONFIG = """
 [[tables]]
@@ -159,7 +160,8 @@ def test_stream_resumes_after_a_server_restart(server_factory, shared_memory):
     with stream:
         for _ in range(3):
             batch = next(stream)
-        time.sleep(0.5)  # the window fills: the learner holds prefetch batches when the server dies
+        # The window fills: the learner holds prefetch batches when the server dies.
+        assert wait_for(lambda: client.info()["replay"].counters["sampled"] >= (3 + 2) * 8)
         first.stop(signal.SIGKILL)
         second = server_factory(CONFIG, port=port)
         _fill_when_up(ReplayClient(second.address))  # an actor of the new server

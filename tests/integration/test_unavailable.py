@@ -212,8 +212,9 @@ def test_insert_is_not_retried_while_the_server_is_down(served) -> None:
 def test_client_pickles_as_its_settings() -> None:
     client = ReplayClient("127.0.0.1:1", timeout=7.5, max_retry_s=3, token="secret")
     copy = pickle.loads(pickle.dumps(client))
-    assert (copy.address, copy.timeout, copy._max_retry_s, copy._token) == (
-        "127.0.0.1:1", 7.5, 3, "secret")
+    assert (copy.address, copy.timeout) == ("127.0.0.1:1", 7.5)
+    assert copy.__getstate__() == {"address": "127.0.0.1:1", "timeout": 7.5, "token": "secret",
+                                   "max_message_mb": 64, "max_retry_s": 3}
 
 
 def insert_from_child(client: ReplayClient, results) -> None:  # runs in a spawned process

@@ -22,6 +22,7 @@ from replay_proto.codec import (
 )
 from replay_proto.dtypes import DTYPES
 from replay_proto.keys import flatten, unflatten
+from replay_proto.sample_codec import decode_sample, encode_sample
 from replay_proto.v1 import replay_pb2 as pb
 
 PAYLOAD_TAG = bytes([(15 << 3) | 2])
@@ -209,114 +210,6 @@ def test_insert_response_decodes_to_consecutive_ids() -> None:
     assert ids.dtype == torch.int64 and ids.tolist() == [41, 42, 43]
 
 
-def test_a_one_chunk_sample_round_trips_nested_data_and_extras() -> None:
-    batch = row_batch()
-    [raw] = messages.encode_sample(batch, 0, 1 << 20)
-    assert_batches_equal(messages.decode_sample(raw), batch)
-
-
-def test_a_slice_sample_round_trips_two_dimensional_ids() -> None:
-    batch = SampleBatch(data={"obs": torch.arange(24, dtype=torch.float32).reshape(3, 4, 2)},
-                        ids=torch.arange(12, dtype=torch.int64).reshape(3, 4),
-                        weights=torch.ones(3), probabilities=torch.full((3,), 1 / 3,
-                                                                        dtype=torch.float64))
-    [raw] = messages.encode_sample(batch, 0, 1 << 20)
-    assert_batches_equal(messages.decode_sample(raw), batch)
-
-
-# ------------------------------------------------------------- chunked batches
-
-
-def test_small_chunk_limit_splits_a_batch_into_several_messages() -> None:
-    chunks = messages.encode_sample(row_batch(10), 0, 64)
-    assert len(chunks) > 1
-    headers = [split_payload(c, pb.SampleResponse)[0] for c in chunks]
-    assert [h.last_chunk for h in headers] == [False] * (len(chunks) - 1) + [True]
-    assert all(h.batch_rows == 10 for h in headers)
-
-
-def test_chunks_cover_the_rows_in_order_contiguously() -> None:
-    chunks = messages.encode_sample(row_batch(10), 0, 64)
-    headers = [split_payload(c, pb.SampleResponse)[0] for c in chunks]
-    expected_start = 0
-    for header in headers:
-        assert header.row_start == expected_start
-        expected_start += header.ids.shape[0]
-    assert expected_start == 10
-
-
-def test_assembler_rebuilds_a_chunked_batch_in_row_order() -> None:
-    batch = row_batch(10)
-    assembler = messages.BatchAssembler()
-    results = [assembler.add(c) for c in messages.encode_sample(batch, 0, 64)]
-    assert all(r is None for r in results[:-1])
-    assert_batches_equal(results[-1], batch)
-
-
-def test_assembler_rebuilds_consecutive_batches_of_a_stream() -> None:
-    first, second = row_batch(6), row_batch(6)
-    second = SampleBatch(second.data, second.ids + 1000, second.weights, second.probabilities)
-    assembler = messages.BatchAssembler()
-    out = []
-    for index, batch in enumerate((first, second)):
-        for chunk in messages.encode_sample(batch, index, 40):
-            done = assembler.add(chunk)
-            if done is not None:
-                out.append(done)
-    assert len(out) == 2
-    assert_batches_equal(out[0], first)
-    assert_batches_equal(out[1], second)
-
-
-def test_assembled_batch_is_independent_of_the_message_bytes() -> None:
-    raw = bytearray(messages.encode_sample(row_batch(4), 0, 1 << 20)[0])
-    batch = messages.BatchAssembler().add(bytes(raw))
-    batch.ids.add_(1)  # writable, owned by the caller
-    assert batch.ids.tolist() == [101, 102, 103, 104]
-
-
-def test_out_of_order_chunk_raises_codec_error() -> None:
-    chunks = messages.encode_sample(row_batch(10), 0, 64)
-    assert len(chunks) >= 3
-    assembler = messages.BatchAssembler()
-    assembler.add(chunks[0])
-    with pytest.raises(CodecError, match="out of order"):
-        assembler.add(chunks[2])
-
-
-def test_chunk_without_its_batch_start_raises_codec_error() -> None:
-    chunks = messages.encode_sample(row_batch(10), 0, 64)
-    with pytest.raises(CodecError, match="out of order"):
-        messages.BatchAssembler().add(chunks[1])
-
-
-def test_chunk_of_another_batch_mid_batch_raises_codec_error() -> None:
-    first = messages.encode_sample(row_batch(10), 0, 64)
-    other = messages.encode_sample(row_batch(10), 1, 64)
-    assembler = messages.BatchAssembler()
-    assembler.add(first[0])
-    with pytest.raises(CodecError, match="batch 1"):
-        assembler.add(other[1])
-
-
-def test_batch_that_ends_early_raises_codec_error_naming_the_rows() -> None:
-    chunks = messages.encode_sample(row_batch(4), 0, 1)  # one row per chunk
-    header, payload = split_payload(chunks[2], pb.SampleResponse)
-    header.last_chunk = True
-    forged = frame(header, [payload])
-    assembler = messages.BatchAssembler()
-    assembler.add(chunks[0])
-    assembler.add(chunks[1])
-    with pytest.raises(CodecError, match="ended after 3 of 4 rows"):
-        assembler.add(forged)
-
-
-def test_unary_decode_of_a_partial_batch_raises_codec_error() -> None:
-    chunks = messages.encode_sample(row_batch(10), 0, 64)
-    with pytest.raises(CodecError, match="whole batch"):
-        messages.decode_sample(chunks[0])
-
-
 # ------------------------------------------------------------- malformed input
 
 
@@ -425,10 +318,10 @@ def test_fixed_array_with_negative_count_raises_codec_error() -> None:
 
 
 def test_sample_response_with_short_payload_names_the_extra_tensor() -> None:
-    [raw] = messages.encode_sample(row_batch(4), 0, 1 << 20)
+    [raw] = encode_sample(row_batch(4), 0, 1 << 20)
     header, payload = split_payload(raw, pb.SampleResponse)
     with pytest.raises(CodecError, match="key 'probabilities'"):
-        messages.decode_sample(frame(header, [payload[:-8]]))
+        decode_sample(frame(header, [payload[:-8]]))
 
 
 def test_zero_byte_shape_whose_dims_overflow_raises_codec_error() -> None:

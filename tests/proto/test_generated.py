@@ -30,13 +30,13 @@ def test_every_rpc_in_the_proto_has_a_server_handler():
     from concurrent.futures import ThreadPoolExecutor
 
     from replay_proto.v1 import replay_pb2
-    from replay_server import Tables, default_table_configs
+    from replay_server import TableSet, default_table_configs
     from replay_server.service.servicer import ReplayServicer
 
     Details = namedtuple("Details", "method invocation_metadata")
     service = replay_pb2.DESCRIPTOR.services_by_name["ReplayService"]
     with ThreadPoolExecutor(1) as pool:
-        handler = ReplayServicer(Tables(default_table_configs(100)), pool, 1 << 20).handler()
+        handler = ReplayServicer(TableSet(default_table_configs(100)), pool, 1 << 20).handler()
     for method in service.methods:
         path = f"/{service.full_name}/{method.name}"
         served = handler.service(Details(path, ()))

@@ -106,7 +106,9 @@ class ReplayServiceServicer:
         Client messages: the first carries `request` and `credits` (the prefetch
         window: how many batches may be in flight or buffered at the client);
         every later one grants more `credits` (one per batch the learner has
-        taken) or answers a shared-memory offer. The server sends a batch only
+        taken) or answers a shared-memory offer; any other message (malformed,
+        negative credits, a second `request`) ends the stream with
+        INVALID_ARGUMENT. The server sends a batch only
         while batches sent < credits granted, so it never runs more than the
         window ahead of the learner and each batch is drawn as late as possible
         (it sees every priority update made before it was drawn).

@@ -5,7 +5,7 @@ its checks), ``statecodec`` (table state as JSON plus raw arrays, no pickle),
 ``fileio`` (hashed, fsynced files; verified reads), ``directory`` (naming,
 locking, atomic commit, pruning), ``writer`` (one checkpoint), ``reader``
 (restore rules), ``checkpointer`` (one at a time, shared by concurrent
-requests). The consistent snapshot itself is :mod:`replay_server.snapshot`.
+requests). The consistent snapshot itself is :mod:`replay_server.engine.snapshot`.
 No grpc here: the service calls in.
 """
 

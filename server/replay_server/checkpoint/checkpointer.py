@@ -21,9 +21,9 @@ from replay_server.checkpoint.directory import CheckpointDirectory
 from replay_server.checkpoint.reader import RestoreResult, restore_latest
 from replay_server.checkpoint.writer import CheckpointResult, write_checkpoint
 from replay_server.errors import CheckpointWriteError
-from replay_server.snapshot import DEFAULT_CHUNK_BYTES
-from replay_server.table import Table
-from replay_server.tables import Tables
+from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
+from replay_server.engine.table import Table
+from replay_server.engine.table_set import TableSet
 
 log = logging.getLogger("replay_server.checkpoint")
 
@@ -71,8 +71,8 @@ class Checkpointer:
         self.directory.close()
 
     def restore(
-        self, make_tables: Callable[[], Tables], cancel: threading.Event | None = None
-    ) -> tuple[Tables, RestoreResult] | None:
+        self, make_tables: Callable[[], TableSet], cancel: threading.Event | None = None
+    ) -> tuple[TableSet, RestoreResult] | None:
         """See :func:`~replay_server.checkpoint.reader.restore_latest`."""
         return restore_latest(self.directory, make_tables, cancel)
 

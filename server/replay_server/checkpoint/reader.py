@@ -42,7 +42,7 @@ from replay_server.checkpoint.manifest import (
 )
 from replay_server.checkpoint.statecodec import StateFormatError, decode_state
 from replay_server.errors import ConfigError, MalformedStateError
-from replay_server.tables import Tables
+from replay_server.engine.table_set import TableSet
 
 log = logging.getLogger("replay_server.checkpoint")
 
@@ -78,7 +78,7 @@ def read_manifest(path: Path) -> Manifest:
 
 
 def load_checkpoint(
-    path: Path, tables: Tables, cancel: threading.Event | None = None
+    path: Path, tables: TableSet, cancel: threading.Event | None = None
 ) -> Manifest:
     """Load the checkpoint at ``path`` into fresh ``tables`` (a failure leaves them half-loaded).
 
@@ -151,9 +151,9 @@ def _read_rows(
 
 def restore_latest(
     directory: CheckpointDirectory,
-    make_tables: Callable[[], Tables],
+    make_tables: Callable[[], TableSet],
     cancel: threading.Event | None = None,
-) -> tuple[Tables, RestoreResult] | None:
+) -> tuple[TableSet, RestoreResult] | None:
     """Tables loaded from the newest usable checkpoint in ``directory`` (None: there is none).
 
     Raises:

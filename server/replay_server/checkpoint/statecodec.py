@@ -1,6 +1,6 @@
 """A table's state (nested dicts of tensors and plain values) as JSON plus one binary blob.
 
-:meth:`Table.snapshot <replay_server.table.Table.snapshot>` gives nested
+:meth:`Table.snapshot <replay_server.engine.table.Table.snapshot>` gives nested
 mappings whose leaves are torch tensors, numpy arrays, ints, floats, bools,
 strings and ``None`` (lists and tuples of those too). :func:`encode_state`
 turns that into a JSON tree, in which each array is replaced by a reference

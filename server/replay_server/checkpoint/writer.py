@@ -1,7 +1,7 @@
 """Writing one checkpoint of a set of tables (layout: manifest.py and directory.py).
 
 Each table is snapshotted at its own instant (:meth:`Table.snapshot
-<replay_server.table.Table.snapshot>`: a short lock hold), then its rows are
+<replay_server.engine.table.Table.snapshot>`: a short lock hold), then its rows are
 streamed to the column files piece by piece while the table keeps serving.
 Tables are written one after another; no invariant spans tables.
 
@@ -34,8 +34,8 @@ from replay_server.checkpoint.manifest import (
 )
 from replay_server.checkpoint.statecodec import encode_state
 from replay_server.errors import CheckpointSpaceError, CheckpointWriteError
-from replay_server.snapshot import DEFAULT_CHUNK_BYTES
-from replay_server.table import Table
+from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
+from replay_server.engine.table import Table
 
 _SPACE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 

@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
@@ -20,8 +19,9 @@ from replay_server.checkpoint import Checkpointer, RestoreCancelled
 from replay_server.errors import CheckpointWriteError, ConfigError
 from replay_server.service.loop import loop_name
 from replay_server.service.servicer import SERVICE_NAME, ReplayServicer
-from replay_server.settings import ServerSettings
-from replay_server.tables import Tables
+from replay_server.service.settings import ServerSettings
+from replay_server.service.status import UnauthenticatedError, abort
+from replay_server.engine.table_set import TableSet
 
 log = logging.getLogger("replay_server")
 
@@ -35,12 +35,8 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
         self._expected = f"Bearer {token}"
 
         async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or wrong token: send metadata 'authorization: Bearer <token>'",
-                trailing_metadata=(("replay-error-kind", "unauthenticated"),),
-            )
-            return b""
+            await abort(context, UnauthenticatedError(
+                "missing or wrong token: send metadata 'authorization: Bearer <token>'"))
 
         self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
         self._refuse_stream = grpc.stream_stream_rpc_method_handler(refuse)
@@ -104,9 +100,8 @@ class ReplayServer:
         self._restored = False
         self.port: int | None = None
 
-    def _make_tables(self) -> Tables:
-        pinned = self.settings.pinned
-        return Tables(replace(t, pin_memory=pinned) for t in self.settings.tables)
+    def _make_tables(self) -> TableSet:
+        return TableSet(self.settings.table_configs)
 
     async def start(self, cancel: threading.Event | None = None) -> int:
         """Bind, restore the tables from the newest checkpoint, report SERVING; returns the port.
@@ -137,7 +132,7 @@ class ReplayServer:
             raise ConfigError(f"cannot listen on {self.settings.address}: {exc}") from None
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._servicer.restoring = self.checkpointer is not None
+        self._servicer.calls.restoring = self.checkpointer is not None
         await self._server.start()
         host = self.settings.address.rsplit(":", 1)[0]
         log.info("listening on %s:%d (event loop: %s, engine threads: %d, auth: %s)",
@@ -173,7 +168,7 @@ class ReplayServer:
                      len(result.manifest.tables), result.path, rows,
                      result.manifest.nbytes / 1e6, result.seconds)
         self._restored = True
-        self._servicer.restoring = False
+        self._servicer.calls.restoring = False
 
     async def _checkpoint_every(self, interval: float) -> None:
         """Timed checkpoints, ``interval`` seconds after the end of the previous one."""
@@ -194,7 +189,7 @@ class ReplayServer:
         ``exit_code`` to 1."""
         if self._server is None:
             return
-        self._servicer.draining = True
+        self._servicer.calls.draining = True
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._timer is not None:

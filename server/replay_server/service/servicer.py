@@ -2,43 +2,35 @@
 
 Handlers receive and return raw message bytes (so tensor payloads are never
 copied through protobuf fields; see :mod:`replay_proto.codec`). Engine work,
-decoding included, runs in a bounded thread pool, never on the event loop.
-Calls a table's rate limiter holds back wait in
-:mod:`replay_server.service.waiting`, holding no thread; every call that
-changes a table reports it there.
+decoding included, runs through a :class:`~replay_server.service.calls.CallRunner`:
+in a bounded thread pool, never on the event loop, waiting without a thread
+while a table's rate limiter holds it back. ``SampleStream`` is its own
+handler (:mod:`replay_server.service.sample_stream`), sharing the runner.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
 from replay_proto import messages
 from replay_proto.codec import CodecError
+from replay_proto.sample_codec import HEADROOM, encode_sample
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.checkpoint import Checkpointer, CheckpointResult
+from replay_server.engine.inputs import MAX_BATCH_SIZE
+from replay_server.engine.table import Table
+from replay_server.engine.table_set import TableSet
 from replay_server.errors import CheckpointsDisabledError
-from replay_server.service.status import (
-    ERROR_KIND_KEY,
-    MessageTooLargeError,
-    ShuttingDownError,
-    status_of,
-)
-from replay_server.service.streaming import HEADROOM, SampleStreamCall, estimated_bytes
-from replay_server.service.waiting import BlockedCalls
-from replay_server.tables import Tables
-
-log = logging.getLogger("replay_server.service")
+from replay_server.service.calls import CallRunner
+from replay_server.service.sample_stream import SampleStreamCall, StreamLimits
+from replay_server.service.status import MessageTooLargeError
 
 SERVICE_NAME = "replay.v1.ReplayService"
-
-T = TypeVar("T")
 
 
 class ReplayServicer:
@@ -54,39 +46,20 @@ class ReplayServicer:
     """
 
     def __init__(
-        self, tables: Tables, executor: Executor, max_message_bytes: int, *,
+        self, tables: TableSet, executor: Executor, max_message_bytes: int, *,
         shared_memory: bool = True, checkpointer: Checkpointer | None = None,
         checkpoint_executor: Executor | None = None,
     ) -> None:
         self._tables = tables
-        self._executor = executor
         self._max_message = max_message_bytes
-        self.shared_memory = shared_memory
+        self._stream_limits = StreamLimits(max_message_bytes=max_message_bytes,
+                                           shared_memory=shared_memory)
         self._checkpointer = checkpointer
         self._checkpoint_executor = checkpoint_executor or executor
-        self._draining = False
-        self._blocked = BlockedCalls(self._may_pass)
-        self.restoring = False  # tables are being restored: calls are refused (UNAVAILABLE)
+        self.calls = CallRunner(executor, self._may_pass)
+        """Runs every call's engine work; the server sets its ``draining``/``restoring``."""
 
-    @property
-    def draining(self) -> bool:
-        """Set when the server starts draining: new calls are refused, waiting ones give up."""
-        return self._draining
-
-    @draining.setter
-    def draining(self, value: bool) -> None:
-        self._draining = value
-        if value:
-            self._blocked.changed()
-
-    def tables_changed(self, table: str | None = None) -> None:
-        """Wake calls waiting on ``table`` (``None``: all tables; e.g. after a restore).
-
-        Event-loop only.
-        """
-        self._blocked.changed(table)
-
-    def use_tables(self, tables: Tables) -> None:
+    def use_tables(self, tables: TableSet) -> None:
         """Serve ``tables`` from now on (the restored ones, before SERVING)."""
         self._tables = tables
 
@@ -109,7 +82,7 @@ class ReplayServicer:
     # ---------------------------------------------------------------- handlers
 
     async def insert(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._change(context, self._insert, raw)
+        return await self.calls.change(context, self._insert, raw)
 
     def _insert(self, raw: bytes) -> tuple[str, bytes]:
         call = messages.decode_insert(raw)
@@ -117,23 +90,24 @@ class ReplayServicer:
         return call.table, messages.encode_insert_response(int(ids[0]) if len(ids) else 0, len(ids))
 
     async def sample(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._change(context, self._sample, raw)
+        return await self.calls.change(context, self._sample, raw)
 
     def _sample(self, raw: bytes) -> tuple[str, bytes]:
         request = _parse(pb.SampleRequest, raw)
         table = self._tables[request.table]
         self._check_unary_size(table, request.batch_size)
         batch = table.sample(request.batch_size)
-        return request.table, messages.encode_sample(batch, 0, self._max_message)[0]
+        return request.table, encode_sample(batch, 0, self._max_message)[0]
 
     async def sample_stream(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        async for chunk in SampleStreamCall(self, requests, context).run():
+        call = SampleStreamCall(self.calls, self._tables, self._stream_limits, requests, context)
+        async for chunk in call.run():
             yield chunk
 
     async def update_priorities(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._change(context, self._update_priorities, raw)
+        return await self.calls.change(context, self._update_priorities, raw)
 
     def _update_priorities(self, raw: bytes) -> tuple[str, bytes]:
         name, ids, priorities = messages.decode_update(raw)
@@ -142,12 +116,12 @@ class ReplayServicer:
         return name, response.SerializeToString()
 
     async def info(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        blocked = self.calls.blocked
         waiting = {
-            table.name: (self._blocked.waiting(table.name, "insert"),
-                         self._blocked.waiting(table.name, "sample"))
+            table.name: (blocked.waiting(table.name, "insert"), blocked.waiting(table.name, "sample"))
             for table in self._tables
         }
-        return await self._run(context, self._info, waiting)
+        return await self.calls.run(context, self._info, waiting)
 
     def _info(self, waiting: dict[str, tuple[int, int]]) -> bytes:
         tables = []
@@ -182,7 +156,7 @@ class ReplayServicer:
         return response.SerializeToString()
 
     async def reset(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._change(context, self._reset, raw)
+        return await self.calls.change(context, self._reset, raw)
 
     def _reset(self, raw: bytes) -> tuple[str, bytes]:
         name = _parse(pb.ResetRequest, raw).table
@@ -190,7 +164,8 @@ class ReplayServicer:
         return name, pb.ResetResponse().SerializeToString()
 
     async def checkpoint(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self._run(context, self._checkpoint, raw, executor=self._checkpoint_executor)
+        return await self.calls.run(context, self._checkpoint, raw,
+                                    executor=self._checkpoint_executor)
 
     def _checkpoint(self, raw: bytes) -> bytes:
         _parse(pb.CheckpointRequest, raw)
@@ -203,8 +178,9 @@ class ReplayServicer:
 
     # ---------------------------------------------------------------- helpers
 
-    def _check_unary_size(self, table: Any, batch_size: int) -> None:
-        estimate = estimated_bytes(table, batch_size)
+    def _check_unary_size(self, table: Table, batch_size: int) -> None:
+        # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT), not a size problem.
+        estimate = table.batch_nbytes(batch_size) if 1 <= batch_size <= MAX_BATCH_SIZE else 0
         if estimate > self._max_message - HEADROOM:
             raise MessageTooLargeError(
                 f"table {table.name!r}: a batch of {batch_size} is about {estimate >> 20} MiB, "
@@ -213,76 +189,9 @@ class ReplayServicer:
             )
 
     def _may_pass(self, table: str, operation: str, count: int) -> bool:
-        """Lock-free hint for :class:`BlockedCalls`: might a held-back call pass now?"""
+        """Lock-free hint for blocked calls: might a held-back call pass now?"""
         limiter = self._tables[table].rate_limiter
         return limiter.can_insert(1) if operation == "insert" else limiter.can_sample(1)
-
-    def _refusal(self) -> ShuttingDownError | None:
-        """Why new work is refused now (UNAVAILABLE): draining, or still restoring at start."""
-        if self.draining:
-            return ShuttingDownError("the server is shutting down")
-        if self.restoring:
-            return ShuttingDownError(
-                "the server is restoring its tables from a checkpoint; try again shortly")
-        return None
-
-    async def _change(
-        self,
-        context: grpc.aio.ServicerContext,
-        fn: Callable[..., tuple[str, T]],
-        *args: Any,
-        aborting: bool = True,
-    ) -> T:
-        """Run ``fn`` (which returns ``(table, result)``) in the pool, waiting while it is
-        rate-limited; then report the table changed and return ``result``.
-
-        Errors abort the call with their status, or propagate (``aborting=False``).
-        """
-        refused = self._refusal()
-        if refused is not None:
-            if aborting:
-                await self._abort(context, refused)
-            raise refused
-        loop = asyncio.get_running_loop()
-        work = self._blocked.run(
-            lambda: loop.run_in_executor(self._executor, fn, *args),
-            time_remaining=context.time_remaining,
-            stopping=lambda: self.draining,
-        )
-        table, result = await (self._await(context, work) if aborting else work)
-        self._blocked.changed(table)
-        return result
-
-    async def _run(
-        self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: Any,
-        executor: Executor | None = None,
-    ) -> T:
-        refused = self._refusal()
-        if refused is not None:
-            await self._abort(context, refused)
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(executor or self._executor, fn, *args)
-        return await self._await(context, future)
-
-    async def _await(self, context: grpc.aio.ServicerContext, future: Awaitable[T]) -> T:
-        """The result of engine work, with its errors turned into the RPC's status."""
-        try:
-            return await future
-        except Exception as exc:
-            await self._abort(context, exc)
-            raise  # unreachable: abort raises
-
-    async def _abort(self, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-        mapped = status_of(exc)
-        if mapped is None:
-            log.error("internal error while serving a request", exc_info=exc)
-            await context.abort(
-                grpc.StatusCode.INTERNAL,
-                "internal server error (the server logged the details)",
-                trailing_metadata=((ERROR_KIND_KEY, "internal"),),
-            )
-        code, kind = mapped
-        await context.abort(code, str(exc), trailing_metadata=((ERROR_KIND_KEY, kind),))
 
 
 def _checkpoint_response(result: CheckpointResult) -> pb.CheckpointResponse:

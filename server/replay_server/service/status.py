@@ -1,19 +1,25 @@
-"""The one place engine errors become gRPC statuses.
+"""The one place server errors become gRPC statuses.
 
-Each expected error maps to a status code and a machine-readable kind, sent
-as the trailing metadata ``replay-error-kind`` so clients map errors to types
-without reading messages. Anything else is a bug: logged with its traceback
-and answered INTERNAL with a generic message.
+Each expected error maps to a status code and an
+:class:`~replay_proto.error_kinds.ErrorKind`, sent as the trailing metadata
+``replay-error-kind`` so clients map errors to types without reading
+messages. Anything else is a bug: logged with its traceback and answered
+INTERNAL with a generic message. :func:`abort` is how every handler (and the
+auth interceptor) ends a call with an error.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import NoReturn
+
 import grpc
 
 from replay_proto.codec import CodecError
+from replay_proto.error_kinds import ERROR_KIND_KEY, ErrorKind
 from replay_server import errors
 
-ERROR_KIND_KEY = "replay-error-kind"
+log = logging.getLogger("replay_server.service")
 
 
 class MessageTooLargeError(errors.InvalidArgumentError):
@@ -24,32 +30,52 @@ class ShuttingDownError(Exception):
     """The server is draining (or still restoring at start); new work is refused."""
 
 
+class UnauthenticatedError(Exception):
+    """The call carries no token, or the wrong one."""
+
+
 # Most specific first: the first isinstance match wins.
-_MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
-    (MessageTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED, "message_too_large"),
-    (ShuttingDownError, grpc.StatusCode.UNAVAILABLE, "unavailable"),
-    (errors.SchemaMismatchError, grpc.StatusCode.INVALID_ARGUMENT, "schema_mismatch"),
-    (errors.InvalidPriorityError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_priority"),
-    (errors.InvalidIdsError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_ids"),
-    (errors.ConfigError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
-    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
-    (CodecError, grpc.StatusCode.INVALID_ARGUMENT, "malformed_request"),
-    (errors.UnknownTableError, grpc.StatusCode.NOT_FOUND, "unknown_table"),
-    (errors.RateLimitedError, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded"),
-    (errors.CheckpointSpaceError, grpc.StatusCode.RESOURCE_EXHAUSTED, "checkpoint_failed"),
-    (errors.CheckpointWriteError, grpc.StatusCode.FAILED_PRECONDITION, "checkpoint_failed"),
-    (errors.CheckpointsDisabledError, grpc.StatusCode.FAILED_PRECONDITION, "no_checkpoint_dir"),
-    (errors.EmptyTableError, grpc.StatusCode.FAILED_PRECONDITION, "empty_table"),
-    (errors.NoPrioritiesError, grpc.StatusCode.FAILED_PRECONDITION, "no_priorities"),
-    (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"),
+_MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, ErrorKind], ...] = (
+    (MessageTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.MESSAGE_TOO_LARGE),
+    (ShuttingDownError, grpc.StatusCode.UNAVAILABLE, ErrorKind.UNAVAILABLE),
+    (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, ErrorKind.UNAUTHENTICATED),
+    (errors.SchemaMismatchError, grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.SCHEMA_MISMATCH),
+    (errors.InvalidPriorityError, grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.INVALID_PRIORITY),
+    (errors.InvalidIdsError, grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.INVALID_IDS),
+    (errors.InvalidArgumentError, grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.INVALID_ARGUMENT),
+    (CodecError, grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.MALFORMED_REQUEST),
+    (errors.UnknownTableError, grpc.StatusCode.NOT_FOUND, ErrorKind.UNKNOWN_TABLE),
+    (errors.RateLimitedError, grpc.StatusCode.DEADLINE_EXCEEDED, ErrorKind.DEADLINE_EXCEEDED),
+    (errors.CheckpointSpaceError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.CHECKPOINT_FAILED),
+    (errors.CheckpointWriteError, grpc.StatusCode.FAILED_PRECONDITION,
+     ErrorKind.CHECKPOINT_FAILED),
+    (errors.CheckpointsDisabledError, grpc.StatusCode.FAILED_PRECONDITION,
+     ErrorKind.NO_CHECKPOINT_DIR),
+    (errors.EmptyTableError, grpc.StatusCode.FAILED_PRECONDITION, ErrorKind.EMPTY_TABLE),
+    (errors.NoPrioritiesError, grpc.StatusCode.FAILED_PRECONDITION, ErrorKind.NO_PRIORITIES),
+    (errors.FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION,
+     ErrorKind.FAILED_PRECONDITION),
 )
 
 EXPECTED = tuple(error for error, _, _ in _MAPPING)
 
 
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, ErrorKind] | None:
     """``(code, kind)`` for an expected error, ``None`` for a bug."""
     for error, code, kind in _MAPPING:
         if isinstance(exc, error):
             return code, kind
     return None
+
+
+async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    """End the call with ``exc``'s status and kind (a bug: logged, answered INTERNAL)."""
+    mapped = status_of(exc)
+    if mapped is None:
+        log.error("internal error while serving a request", exc_info=exc)
+        code, kind, message = (grpc.StatusCode.INTERNAL, ErrorKind.INTERNAL,
+                               "internal server error (the server logged the details)")
+    else:
+        (code, kind), message = mapped, str(exc)
+    await context.abort(code, message, trailing_metadata=((ERROR_KIND_KEY, kind.value),))
+    raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises

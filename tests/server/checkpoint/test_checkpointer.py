@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from replay_server import TableConfig, Tables
+from replay_server import TableConfig, TableSet
 from replay_server.checkpoint import Checkpointer
 from replay_server.errors import CheckpointWriteError
 
 WAIT_S = 30
 
 
-def _tables() -> Tables:
-    tables = Tables([TableConfig(name="t", capacity=100)])
+def _tables() -> TableSet:
+    tables = TableSet([TableConfig(name="t", capacity=100)])
     tables["t"].insert({"x": torch.arange(10.0)})
     return tables
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from replay_server import TableConfig, Tables
+from replay_server import TableConfig, TableSet
 from replay_server.checkpoint import CheckpointDirectory, load_checkpoint, write_checkpoint
 from replay_server.checkpoint.manifest import complete_marker
 from replay_server.checkpoint.reader import restore_latest
 from replay_server.errors import CheckpointSpaceError, CheckpointWriteError, ConfigError
-from tests.server.test_table_errors import assert_same_draw, assert_same_state
+from tests.server.engine.test_table_errors import assert_same_draw, assert_same_state
 
 CONFIGS = [
     TableConfig(name="uniform", capacity=50, sampler="uniform", seed=1),
@@ -40,8 +40,8 @@ def _rows(start: int, n: int) -> dict:
             "row": row, "episode": row // 9, "done": row % 9 == 8}
 
 
-def _filled(configs: list[TableConfig] = CONFIGS, rows: int = 130) -> Tables:
-    tables = Tables(configs)
+def _filled(configs: list[TableConfig] = CONFIGS, rows: int = 130) -> TableSet:
+    tables = TableSet(configs)
     for table in tables:
         if table.name == "empty":
             continue
@@ -61,14 +61,14 @@ def directory(tmp_path: Path):
     directory.close()
 
 
-def _write(tables: Tables, directory: CheckpointDirectory, keep: int = 10):
+def _write(tables: TableSet, directory: CheckpointDirectory, keep: int = 10):
     return write_checkpoint(tables, directory, keep_latest=keep, server_version="test")
 
 
 def test_a_checkpoint_restores_every_table_exactly(directory) -> None:
     tables = _filled()
     result = _write(tables, directory)
-    restored = Tables(CONFIGS)
+    restored = TableSet(CONFIGS)
     load_checkpoint(result.path, restored)
     for table in tables:
         assert_same_state(restored[table.name].state_dict(), table.state_dict())
@@ -183,7 +183,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(
     newest = _write(tables, directory)
     reason = corrupt(newest.path)
     with caplog.at_level(logging.WARNING, logger="replay_server.checkpoint"):
-        restored, result = restore_latest(directory, lambda: Tables(CONFIGS))
+        restored, result = restore_latest(directory, lambda: TableSet(CONFIGS))
     assert result.path == older.path
     assert [p for p, _ in result.skipped] == [newest.path]
     assert f"skipping checkpoint {newest.path}: " in caplog.text
@@ -196,13 +196,13 @@ def test_no_usable_checkpoint_starts_empty_and_says_so(directory, caplog) -> Non
     result = _write(_filled(), directory)
     _remove_complete(result.path)
     with caplog.at_level(logging.WARNING, logger="replay_server.checkpoint"):
-        assert restore_latest(directory, lambda: Tables(CONFIGS)) is None
+        assert restore_latest(directory, lambda: TableSet(CONFIGS)) is None
     assert "none of the 1 checkpoints" in caplog.text
     assert "starting with empty tables" in caplog.text
 
 
 def test_an_empty_directory_restores_nothing(directory) -> None:
-    assert restore_latest(directory, lambda: Tables(CONFIGS)) is None
+    assert restore_latest(directory, lambda: TableSet(CONFIGS)) is None
 
 
 def _reconfigured(name: str, **changes) -> list[TableConfig]:
@@ -226,7 +226,7 @@ def test_a_checkpoint_contradicting_the_config_is_an_error_naming_both(
 ) -> None:
     result = _write(_filled(), directory)
     with pytest.raises(ConfigError) as info:
-        restore_latest(directory, lambda: Tables(configs))
+        restore_latest(directory, lambda: TableSet(configs))
     assert f"checkpoint {result.path} does not fit the config" in str(info.value)
     for fragment in fragments:
         assert fragment in str(info.value)
@@ -236,18 +236,18 @@ def test_a_schema_contradicting_the_config_is_an_error_naming_both(directory) ->
     from replay_server import FieldSpec
 
     configs = [TableConfig(name="t", capacity=8, schema={"x": FieldSpec(torch.float32, (2,))})]
-    tables = Tables([TableConfig(name="t", capacity=8)])
+    tables = TableSet([TableConfig(name="t", capacity=8)])
     tables["t"].insert({"x": torch.zeros(3, 4)})
     _write(tables, directory)
     with pytest.raises(ConfigError, match=r"schema is \{'x': 'float32\[2\]'\} but the saved "
                                           r"state has \{'x': 'float32\[4\]'\}"):
-        restore_latest(directory, lambda: Tables(configs))
+        restore_latest(directory, lambda: TableSet(configs))
 
 
 def test_a_table_added_to_the_config_starts_empty(directory) -> None:
     _write(_filled(), directory)
     configs = [*CONFIGS, TableConfig(name="new", capacity=5)]
-    restored, _ = restore_latest(directory, lambda: Tables(configs))
+    restored, _ = restore_latest(directory, lambda: TableSet(configs))
     assert restored["new"].size == 0 and restored["uniform"].size == 50
 
 
@@ -259,7 +259,7 @@ def test_a_newer_format_is_an_error_not_a_skip(directory) -> None:
     (result.path / "manifest.json").write_bytes(data)
     (result.path / "COMPLETE").write_bytes(complete_marker(data))
     with pytest.raises(ConfigError, match="format version 99; this server reads version 1"):
-        restore_latest(directory, lambda: Tables(CONFIGS))
+        restore_latest(directory, lambda: TableSet(CONFIGS))
 
 
 # ------------------------------------------------------------------- write errors

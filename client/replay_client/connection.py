@@ -1,0 +1,118 @@
+"""``Connection``: one gRPC channel to one server, and how a unary call is made and retried.
+
+What every part of the client needs to talk to a server (the address, the
+token, the message limit, the call timeout and the retry window) lives here;
+``ReplayClient``, the learner's network stream and the priority updater
+each hold the connection, never the whole client.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from replay_client.backoff import Backoff
+from replay_client.errors import UnavailableError, from_rpc_error
+
+SERVICE_PATH = "/replay.v1.ReplayService/"
+CLIENT_TIMEOUT: Any = object()
+"""``timeout`` default of :meth:`Connection.unary`: the connection's own timeout."""
+
+
+class Connection:
+    """A lazily opened channel to one replay server.
+
+    Safe to share between threads. After ``fork()`` the child opens its own
+    channel on first use (gRPC channels do not survive a fork). Pickles as
+    its settings.
+
+    Args:
+        address: ``host:port`` of the server.
+        timeout: seconds each call may take, retries included (``None``: no limit).
+        token: auth token, sent as ``authorization: Bearer <token>``.
+        max_message_mb: the message-size limit (match the server's).
+        max_retry_s: longest total time spent retrying an unavailable server.
+    """
+
+    def __init__(self, address: str, *, timeout: float | None, token: str | None,
+                 max_message_mb: int, max_retry_s: float) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.token = token
+        self.max_message_mb = max_message_mb
+        self.max_retry_s = max_retry_s
+        self.metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ())
+        self._channel: grpc.Channel | None = None
+        self._calls: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self.address, "timeout": self.timeout, "token": self.token,
+                "max_message_mb": self.max_message_mb, "max_retry_s": self.max_retry_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state.pop("address"), **state)  # type: ignore[misc]
+
+    def method(self, name: str, kind: str = "unary_unary") -> Any:
+        """The callable of RPC ``name`` (``kind``: ``unary_unary`` or ``stream_stream``)."""
+        call = self._calls.get(name)
+        if call is not None and self._pid == os.getpid():
+            return call
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: open its own channel
+                self._channel, self._calls, self._pid = None, {}, os.getpid()
+            if self._channel is None:
+                size = self.max_message_bytes
+                self._channel = grpc.insecure_channel(
+                    self.address,
+                    options=[("grpc.max_receive_message_length", size),
+                             ("grpc.max_send_message_length", size)],
+                )
+            if name not in self._calls:
+                self._calls[name] = getattr(self._channel, kind)(SERVICE_PATH + name)
+            return self._calls[name]
+
+    def unary(self, name: str, request: bytes, *, retry: bool,
+              timeout: Any = CLIENT_TIMEOUT) -> bytes:
+        """Call RPC ``name`` with raw ``request`` bytes; return the raw answer.
+
+        Retries (``retry``: the call is safe to repeat) while the server is
+        UNAVAILABLE, on the :class:`~replay_client.backoff.Backoff` schedule,
+        within the call's timeout.
+
+        Raises:
+            ReplayError: the typed error of the failure (see ``replay_client.errors``).
+        """
+        timeout = self.timeout if timeout is CLIENT_TIMEOUT else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        backoff: Backoff | None = None
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return self.method(name)(request, timeout=remaining, metadata=self.metadata)
+            except grpc.RpcError as exc:
+                error = from_rpc_error(exc, self.address)
+            if not retry or not isinstance(error, UnavailableError):
+                raise error from None
+            backoff = backoff or Backoff(self.max_retry_s, deadline=deadline)
+            delay = backoff.next_delay()
+            if delay is None:
+                raise error from None
+            time.sleep(delay)
+
+    def close(self) -> None:
+        """Close the channel (a later call opens a new one)."""
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+                self._channel, self._calls = None, {}

@@ -1,0 +1,271 @@
+"""A learner's batch feed: background production, bounded prefetch, pinned staging, device copies.
+
+Both learner paths share this machinery: ``replay_client``'s network stream
+(gRPC or a same-host shared-memory ring) and ``replay_server``'s embedded
+stream (sampling the tables of a server running in the learner's process).
+A *source* produces batches on one background thread; the feed turns each
+into what the learner receives and hands it over in order.
+
+Per batch, on the background thread:
+
+1. the source fills slot ``k % slots`` of a reused ring of staging buffers
+   (``slots = prefetch + 1``; pinned when pinning is on; no per-batch
+   allocation) or hands over views of a shared-memory slot;
+2. ``transform`` runs on it, if given;
+3. pinning applies to exactly what the transform returned: every host
+   tensor that is not page-locked is copied into a reused pinned buffer
+   (TorchRL's issue #2404 was the opposite: outputs with ``device=None``
+   silently skipped);
+4. with a ``device``, the tensors are copied with ``non_blocking=True`` on a
+   side stream and an event is recorded after the copy.
+
+On the learner's thread, ``next()`` makes the current stream wait for that
+event (no host wait) and returns the batch, so it never sees a partial copy
+while the copy of the next batch overlaps its compute.
+
+Flow control: the feed grants one *credit* per batch the learner takes and
+the source never produces batch ``k`` unless ``k < prefetch + taken``: at most
+``prefetch`` batches are in flight or buffered beside the one the learner
+holds, and memory does not grow. A slot is reused only once the learner has
+taken the batch after it and that batch's device copy has finished (the
+credit is granted only after its event completed), so buffers are never
+overwritten under a pending copy.
+
+Lifetime: batches delivered on the host (``device=None``) are views of the
+ring and stay valid until the learner asks for the next one (clone to keep
+one longer); batches delivered to a device are fresh device tensors the
+learner owns.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from replay_feed.delivery import Delivery
+from replay_feed.tree import tree_leaves
+from replay_proto.batch import SampleBatch
+from replay_proto.codec import copy_rows
+
+Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+"""One batch's tensors as ``(dtype, shape)``, in a fixed order."""
+
+_END: Any = object()
+_STOP: Any = object()
+_WAKE: Any = object()
+
+
+class _Ring:
+    """``slots`` sets of reused buffers, reallocated only when a slot's layout changes."""
+
+    def __init__(self, slots: int, allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
+        self._buffers: list[list[torch.Tensor] | None] = [None] * slots
+        self._layouts: list[Any] = [None] * slots
+        self._allocate = allocate
+
+    def get(self, index: int, layout: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+        i = index % len(self._buffers)
+        layout = tuple(layout)
+        if self._layouts[i] != layout:
+            self._buffers[i] = [self._allocate(shape, dtype) for dtype, shape in layout]
+            self._layouts[i] = layout
+        buffers = self._buffers[i]
+        assert buffers is not None
+        return buffers
+
+    def clear(self) -> None:
+        self._buffers = [None] * len(self._buffers)
+        self._layouts = [None] * len(self._layouts)
+
+
+# ------------------------------------------------------------------ the feed
+
+
+class Source(Protocol):
+    """What produces a feed's batches on its background thread."""
+
+    def run(self, feed: FeedCore) -> None:
+        """Produce batches with :meth:`FeedCore.deliver` until done; raise on failure."""
+
+    def stop(self) -> None:
+        """Unblock :meth:`run` from another thread (it then returns or raises)."""
+
+
+@dataclass(slots=True)
+class _Ready:
+    index: int
+    value: Any
+    leaves: list[torch.Tensor]
+    event: Any
+    nbytes: int
+
+
+@dataclass
+class FeedStats:
+    """What a feed has done so far (read from the learner's thread)."""
+
+    batches: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+    """Seconds the learner spent waiting in ``next()`` for a batch."""
+    reconnects: int = 0
+    transport: str = "?"
+    notes: list[str] = field(default_factory=list)
+
+
+class FeedCore:
+    """The state a feed's background thread and the learner share.
+
+    Thread-safety: :meth:`staging`, :meth:`deliver`, :meth:`fail` and
+    :meth:`wait_credits` are for the producer thread; :meth:`take` for the
+    learner's; queues carry everything between them.
+    """
+
+    def __init__(self, prefetch: int, delivery: Delivery,
+                 transform: Callable[[SampleBatch], Any] | None = None) -> None:
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"prefetch must be an integer >= 1, got {prefetch!r}")
+        if transform is not None and not callable(transform):
+            raise ValueError(f"transform must be callable, got {type(transform).__name__}")
+        self.prefetch = prefetch
+        self.slots = prefetch + 1
+        self.delivery = delivery
+        self.transform = transform
+        self.stopping = threading.Event()
+        self.stats = FeedStats()
+        self._ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._credits: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        accel = delivery.accelerator
+        pinned = delivery.pin and accel is not None
+        self._staging = _Ring(self.slots, accel.pinned_empty if pinned else _host_empty)  # type: ignore[union-attr]
+        self._pinned_out = _Ring(self.slots, accel.pinned_empty if pinned else _host_empty)  # type: ignore[union-attr]
+        self._held: _Ready | None = None
+        self._taken = 0
+
+    # ------------------------------------------------------------ producer side
+
+    def staging(self, index: int, layout: Layout) -> list[torch.Tensor]:
+        """The reused staging buffers of batch ``index``, in ``layout`` order (pinned when pinning is on)."""
+        return self._staging.get(index, layout)
+
+    def deliver(self, index: int, batch: SampleBatch) -> None:
+        """Transform, pin and copy batch ``index`` per the delivery, then queue it for the learner."""
+        value = self.transform(batch) if self.transform is not None else batch
+        leaves, rebuild = tree_leaves(value)
+        delivery, accel = self.delivery, self.delivery.accelerator
+        changed = False
+        if delivery.pin and accel is not None:
+            host = [(i, t) for i, t in enumerate(leaves)
+                    if t.device.type == "cpu" and not accel.is_pinned(t)]
+            if host:
+                pinned = self._pinned_out.get(index, [(t.dtype, tuple(t.shape)) for _, t in host])
+                for (i, t), dest in zip(host, pinned):
+                    copy_rows(dest, 0, t.detach())
+                    leaves[i] = dest
+                changed = True
+        event = None
+        if delivery.device is not None and accel is not None and leaves:
+            leaves, event = accel.copy(leaves, delivery.device)
+            changed = True
+        if changed:
+            value = rebuild(leaves)
+        nbytes = sum(t.numel() * t.element_size() for t in leaves)
+        self._ready.put(_Ready(index, value, leaves, event, nbytes))
+
+    def fail(self, exc: BaseException) -> None:
+        """End the feed with ``exc``, raised to the learner after the batches before it."""
+        self._ready.put(exc)
+
+    def finish(self) -> None:
+        """End the feed normally (the learner's loop stops after the queued batches)."""
+        self._ready.put(_END)
+
+    def wait_credits(self) -> int:
+        """Block until the learner has taken more batches; return how many (0: woken for nothing).
+
+        Each credit is granted only after the device copy of the batch the
+        learner gave back has finished, so its slot may be overwritten. Check
+        :attr:`stopping` after a return of 0.
+        """
+        items = [self._credits.get()]
+        while True:
+            try:
+                items.append(self._credits.get_nowait())
+            except queue.Empty:
+                break
+        count = 0
+        for item in items:
+            if item is _STOP:
+                self._credits.put(_STOP)  # every waiter must see it
+                continue
+            if item is _WAKE:
+                continue
+            if item is not None and self.delivery.accelerator is not None:
+                self.delivery.accelerator.synchronize(item)
+            count += 1
+        return count
+
+    def return_credits(self, count: int) -> None:
+        """Give back credits taken by :meth:`wait_credits` but not used."""
+        for _ in range(count):
+            self._credits.put(None)
+
+    def wake(self) -> None:
+        """Make a :meth:`wait_credits` call return (with 0 if no credit came)."""
+        self._credits.put(_WAKE)
+
+    # ------------------------------------------------------------ learner side
+
+    def take(self) -> Any:
+        """The next batch (blocking); raises the producer's error, or StopIteration at the end."""
+        held, self._held = self._held, None
+        start = time.perf_counter()
+        item = self._ready.get()
+        self.stats.wait_s += time.perf_counter() - start
+        if item is _END:
+            self._ready.put(_END)
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._ready.put(item)
+            raise item
+        # Give back the previous batch: its slot is reusable once its copy is done.
+        self._credits.put(None if held is None else held.event)
+        self._held = item
+        self._taken += 1
+        if item.event is not None and self.delivery.accelerator is not None:
+            self.delivery.accelerator.consume(item.leaves, item.event)
+        self.stats.batches += 1
+        self.stats.bytes += item.nbytes
+        return item.value
+
+    @property
+    def taken(self) -> int:
+        return self._taken
+
+    def stop(self) -> None:
+        """Wake the producer and the learner so both can end."""
+        self.stopping.set()
+        self._credits.put(_STOP)
+        self._ready.put(_END)
+
+    def release(self) -> None:
+        """Drop buffers and queued batches (after the producer has ended)."""
+        self._held = None
+        self._staging.clear()
+        self._pinned_out.clear()
+        while True:
+            try:
+                self._ready.get_nowait()
+            except queue.Empty:
+                break
+        self._ready.put(_END)
+
+
+def _host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)

@@ -1,0 +1,148 @@
+"""The TOML config file, parsed into :class:`~replay_server.service.settings.ServerSettings`.
+
+::
+
+    [server]
+    address = "127.0.0.1:50051"
+    pin_memory = "auto"            # auto | true | false
+    auth_token_env = "REPLAY_TOKEN"  # omitted: no auth
+    max_message_mb = 64
+    workers = 4                    # threads running engine work
+    log_format = "text"            # text | json
+    shared_memory = true           # offer same-host learners a /dev/shm ring
+    checkpoint_dir = "checkpoints" # omitted: no persistence
+    checkpoint_interval_s = 600    # 0: only on request and at shutdown
+    keep_latest = 3                # complete checkpoints kept
+
+    [[tables]]
+    name = "replay"
+    capacity = 1_000_000
+    sampler = "prioritized"        # uniform | prioritized | slice | prioritized_slice
+    alpha = 0.6
+    beta = 0.4
+    min_size_to_sample = 1000      # rate limiter (optional; see replay_server.engine.rate_limiter)
+    samples_per_insert = 8.0       # omitted: no ratio limit
+    error_buffer = 8000.0          # omitted: a default from the two above
+    max_times_sampled = 0          # 0: no limit
+    [tables.schema]                # optional; else the first insert fixes it
+    obs = "float32[17]"
+
+Every problem is a :class:`~replay_server.errors.ConfigError` naming the
+field and the value. Keys this version does not implement yet (metrics) are
+refused, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import tomllib
+from collections.abc import Iterator, Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from replay_proto.dtypes import dtype_from_name
+from replay_server.engine.config import TableConfig
+from replay_server.engine.schema import FieldSpec
+from replay_server.errors import ConfigError
+from replay_server.service.settings import ServerSettings
+
+log = logging.getLogger("replay_server")
+
+_SPEC = re.compile(r"^([a-z0-9]+)\[([0-9, ]*)\]$")
+
+# The keys a section accepts are the fields of what it configures (the server sets
+# each table's pin_memory from [server]).
+_SERVER_KEYS = {f.name for f in fields(ServerSettings)} - {"tables"}
+_TABLE_KEYS = {f.name for f in fields(TableConfig)} - {"pin_memory"}
+_NOT_YET = {
+    "metrics_address": "metrics",
+}
+
+
+def load_settings(path: str | Path) -> ServerSettings:
+    """Read and validate a TOML config file.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, or a value is invalid.
+    """
+    path = Path(path)
+    try:
+        document = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    try:
+        return settings_from_dict(document)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
+    """Validate an already-parsed config document."""
+    unknown = set(document) - {"server", "tables"}
+    if unknown:
+        raise ConfigError(f"unknown top-level sections {sorted(unknown)}; expected [server] "
+                          f"and [[tables]]")
+    server = dict(document.get("server", {}))
+    _check_keys("server", server, _SERVER_KEYS)
+    tables = document.get("tables")
+    if tables is None:
+        log.info("the config declares no [[tables]]: serving the default tables "
+                 "(one per sampler kind)")
+        return ServerSettings(**server)
+    if not isinstance(tables, list):
+        raise ConfigError("tables must be an array of tables ([[tables]])")
+    configs = []
+    for index, table in enumerate(tables):
+        where = f"tables[{index}]" + (f" ({table.get('name')!r})" if "name" in table else "")
+        _check_keys(where, table, _TABLE_KEYS)
+        options = dict(table)
+        if "schema" in options:
+            options["schema"] = _schema(where, options["schema"])
+        if "name" not in options or "capacity" not in options:
+            raise ConfigError(f"{where}: every table needs a name and a capacity")
+        configs.append(TableConfig(**options))
+    return ServerSettings(**server, tables=tuple(configs))
+
+
+def parse_field_spec(text: str) -> FieldSpec:
+    """``"float32[84, 84, 4]"`` -> FieldSpec (``"int64[]"`` for one value per row)."""
+    match = _SPEC.match(text.strip()) if isinstance(text, str) else None
+    if not match:
+        raise ValueError(f"expected 'dtype[dims]' like 'float32[17]' or 'int64[]', got {text!r}")
+    dims = [d.strip() for d in match.group(2).split(",") if d.strip()]
+    return FieldSpec(dtype_from_name(match.group(1)), tuple(int(d) for d in dims))
+
+
+def _schema(where: str, raw: Any) -> dict[str, FieldSpec]:
+    if not isinstance(raw, Mapping) or not raw:
+        raise ConfigError(f"{where}.schema must map column keys to 'dtype[dims]' strings")
+    flat: dict[str, FieldSpec] = {}
+    for key, value in _flatten_schema(raw):
+        try:
+            flat[key] = parse_field_spec(value)
+        except ValueError as exc:
+            raise ConfigError(f"{where}.schema.{key}: {exc}") from None
+    return flat
+
+
+def _flatten_schema(raw: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    for key, value in raw.items():
+        if isinstance(value, Mapping):
+            yield from _flatten_schema(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _check_keys(where: str, section: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in section:
+        if key in _NOT_YET:
+            raise ConfigError(
+                f"{where}.{key} is not supported by this version yet ({_NOT_YET[key]} are not "
+                f"built); remove it"
+            )
+        if key not in allowed:
+            raise ConfigError(f"{where}: unknown key {key!r}; allowed: {sorted(allowed)}")

@@ -1,0 +1,280 @@
+"""Table configuration: frozen, validated at construction.
+
+A bad value raises :class:`~replay_server.errors.ConfigError` whose message
+names the table, the field and the value; nothing is silently corrected.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from replay_server.errors import ConfigError
+from replay_server.engine.schema import FieldSpec
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}")
+
+MAX_CAPACITY = 2**40
+"""Rows per table, at most (ids are int64 insertion numbers, slots fit int64)."""
+
+MAX_TIMES_SAMPLED = 2**32 - 1
+"""Largest ``max_times_sampled`` (per-row counts are uint32)."""
+
+DEFAULT_ERROR_ROWS = 1000
+"""``error_buffer`` defaults to ``max(1, samples_per_insert) * max(min_size_to_sample, this)``."""
+
+
+class SamplerKind(str, Enum):
+    """How a table picks the rows of a sample (see ``replay_server.engine.samplers``)."""
+
+    UNIFORM = "uniform"
+    PRIORITIZED = "prioritized"
+    SLICE = "slice"
+    PRIORITIZED_SLICE = "prioritized_slice"
+
+    @property
+    def is_prioritized(self) -> bool:
+        return self in (SamplerKind.PRIORITIZED, SamplerKind.PRIORITIZED_SLICE)
+
+    @property
+    def is_slice(self) -> bool:
+        return self in (SamplerKind.SLICE, SamplerKind.PRIORITIZED_SLICE)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableConfig:
+    """Everything that defines one table.
+
+    Attributes:
+        name: the table's name (letters, digits, ``_`` and ``-``).
+        capacity: rows kept; when full, the oldest row is overwritten (FIFO).
+        sampler: ``uniform``, ``prioritized``, ``slice`` or ``prioritized_slice``.
+        alpha: priority exponent, P(i) = p_i^alpha / sum_k p_k^alpha (prioritized kinds).
+        beta: importance-weight exponent (prioritized kinds).
+        slice_len: steps per sampled slice (slice kinds; required there, refused elsewhere).
+        episode_key: int64 column holding each row's episode id (slice kinds need it).
+        done_key: bool column whose True ends an episode (optional column).
+        truncated_key: bool column whose True also ends an episode (optional column).
+        schema: columns declared up front (flat key -> FieldSpec); ``None``: the
+            first insert fixes it.
+        pin_memory: allocate storage in page-locked memory (needs an accelerator).
+        seed: seed of the table's random generator; ``None``: nondeterministic.
+        min_size_to_sample: samples wait until the table holds this many rows
+            (Reverb's ``MinSize``); ``None``: 1 with ``samples_per_insert``,
+            else no rate limiter at all.
+        samples_per_insert: the ratio of sampled rows to inserted rows the rate
+            limiter holds (Reverb's ``SampleToInsertRatio``); ``None``: no ratio limit.
+        error_buffer: how far the ratio's count may drift either way before
+            calls wait, in sampled rows (see :mod:`replay_server.engine.rate_limiter`);
+            ``None``: ``max(1, samples_per_insert) * max(min_size_to_sample, 1000)``.
+        max_times_sampled: a row drawn this many times is retired (no longer
+            sampled); 0: no limit. Row samplers only.
+    """
+
+    name: str
+    capacity: int
+    sampler: SamplerKind = SamplerKind.UNIFORM
+    alpha: float = 0.6
+    beta: float = 0.4
+    slice_len: int | None = None
+    episode_key: str = "episode"
+    done_key: str = "done"
+    truncated_key: str = "truncated"
+    schema: dict[str, FieldSpec] | None = field(default=None, hash=False)
+    pin_memory: bool = False
+    seed: int | None = None
+    min_size_to_sample: int | None = None
+    samples_per_insert: float | None = None
+    error_buffer: float | None = None
+    max_times_sampled: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ConfigError(
+                f"table name {self.name!r} is invalid: use 1-128 letters, digits, '_' or '-'"
+            )
+        where = f"table {self.name!r}"
+        if not _is_int(self.capacity) or not 1 <= self.capacity <= MAX_CAPACITY:
+            raise ConfigError(
+                f"{where}: capacity must be an integer in [1, {MAX_CAPACITY}], got {self.capacity!r}"
+            )
+        try:
+            object.__setattr__(self, "sampler", SamplerKind(self.sampler))
+        except ValueError:
+            kinds = ", ".join(k.value for k in SamplerKind)
+            raise ConfigError(
+                f"{where}: sampler must be one of {kinds}, got {self.sampler!r}"
+            ) from None
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if self.sampler.is_slice:
+            if self.slice_len is None:
+                raise ConfigError(f"{where}: sampler {self.sampler.value!r} needs slice_len")
+            if not _is_int(self.slice_len) or not 1 <= self.slice_len <= self.capacity:
+                raise ConfigError(
+                    f"{where}: slice_len must be an integer in [1, capacity={self.capacity}], "
+                    f"got {self.slice_len!r}"
+                )
+        elif self.slice_len is not None:
+            raise ConfigError(
+                f"{where}: slice_len={self.slice_len!r} is only used by the slice samplers, and "
+                f"sampler is {self.sampler.value!r}; remove slice_len or choose sampler 'slice'"
+            )
+        for name in ("episode_key", "done_key", "truncated_key"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{where}: {name} must be a non-empty string, got {value!r}")
+        keys = (self.episode_key, self.done_key, self.truncated_key)
+        if len(set(keys)) != len(keys):
+            raise ConfigError(
+                f"{where}: episode_key, done_key and truncated_key must be different columns, "
+                f"got {keys!r}"
+            )
+        if self.seed is not None and not _is_int(self.seed):
+            raise ConfigError(f"{where}: seed must be an integer or omitted, got {self.seed!r}")
+        if not isinstance(self.pin_memory, bool):
+            raise ConfigError(f"{where}: pin_memory must be true or false, got {self.pin_memory!r}")
+        if self.schema is not None:
+            if not isinstance(self.schema, dict) or not self.schema:
+                raise ConfigError(f"{where}: schema must be a non-empty mapping of key -> FieldSpec")
+            for key, spec in self.schema.items():
+                if not isinstance(spec, FieldSpec):
+                    raise ConfigError(
+                        f"{where}: schema[{key!r}] must be a FieldSpec, got {type(spec).__name__}"
+                    )
+        self._check_flow_control(where)
+
+    def _check_flow_control(self, where: str) -> None:
+        """Rate limiter and max_times_sampled: refuse settings that can never make progress."""
+        if self.min_size_to_sample is not None and (
+            not _is_int(self.min_size_to_sample)
+            or not 1 <= self.min_size_to_sample <= self.capacity
+        ):
+            raise ConfigError(
+                f"{where}: min_size_to_sample must be an integer in [1, capacity={self.capacity}] "
+                f"(the table never holds more than capacity rows, so sampling would wait "
+                f"forever), got {self.min_size_to_sample!r}"
+            )
+        spi = self.samples_per_insert
+        if spi is not None:
+            if not _is_real(spi) or not math.isfinite(spi) or spi <= 0:
+                raise ConfigError(
+                    f"{where}: samples_per_insert must be a finite number > 0, got {spi!r}"
+                )
+            object.__setattr__(self, "samples_per_insert", float(spi))
+        buffer = self.error_buffer
+        if buffer is not None:
+            if spi is None:
+                raise ConfigError(
+                    f"{where}: error_buffer={buffer!r} only applies with samples_per_insert; "
+                    f"set samples_per_insert or remove error_buffer"
+                )
+            if not _is_real(buffer) or not math.isfinite(buffer) or buffer <= 0:
+                raise ConfigError(
+                    f"{where}: error_buffer must be a finite number > 0, got {buffer!r}"
+                )
+            if buffer < max(1.0, spi):
+                raise ConfigError(
+                    f"{where}: error_buffer={buffer!r} is below max(1, samples_per_insert="
+                    f"{spi!r}) = {max(1.0, spi)!r}: a single insert and a single sample could "
+                    f"then both be blocked at once, forever (Reverb's rule)"
+                )
+            object.__setattr__(self, "error_buffer", float(buffer))
+        limit = self.max_times_sampled
+        if not _is_int(limit) or not 0 <= limit <= MAX_TIMES_SAMPLED:
+            raise ConfigError(
+                f"{where}: max_times_sampled must be an integer in [0, {MAX_TIMES_SAMPLED}] "
+                f"(0: no limit), got {limit!r}"
+            )
+        if limit and self.sampler.is_slice:
+            raise ConfigError(
+                f"{where}: max_times_sampled={limit} is not supported by sampler "
+                f"{self.sampler.value!r}: a step belongs to up to slice_len overlapping slices, "
+                f"so how often it was sampled has no single meaning; remove max_times_sampled "
+                f"or use a row sampler"
+            )
+        if limit and spi is not None and spi > limit:
+            raise ConfigError(
+                f"{where}: samples_per_insert={spi!r} asks for more samples per row than "
+                f"max_times_sampled={limit} allows (a row is retired after {limit} draws), so "
+                f"the ratio could never be held"
+            )
+
+    @property
+    def rate_limited(self) -> bool:
+        """Whether a rate limiter is configured (``min_size_to_sample``/``samples_per_insert``)."""
+        return self.min_size_to_sample is not None or self.samples_per_insert is not None
+
+    @property
+    def effective_min_size_to_sample(self) -> int:
+        """``min_size_to_sample`` with its default resolved (0: no rate limiter)."""
+        if self.min_size_to_sample is not None:
+            return self.min_size_to_sample
+        return 1 if self.samples_per_insert is not None else 0
+
+    @property
+    def effective_error_buffer(self) -> float | None:
+        """``error_buffer`` with its default resolved (``None``: no ratio limit)."""
+        spi = self.samples_per_insert
+        if spi is None:
+            return None
+        if self.error_buffer is not None:
+            return self.error_buffer
+        return max(1.0, spi) * max(self.effective_min_size_to_sample, DEFAULT_ERROR_ROWS)
+
+    @property
+    def episode_end_keys(self) -> tuple[str, str]:
+        """Columns whose True ends an episode, in the order they are checked."""
+        return (self.done_key, self.truncated_key)
+
+    def describe(self) -> dict[str, Any]:
+        """The config as plain values (for logs, ``info`` and checkpoints)."""
+        return {
+            "name": self.name,
+            "capacity": self.capacity,
+            "sampler": self.sampler.value,
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "slice_len": self.slice_len,
+            "episode_key": self.episode_key,
+            "done_key": self.done_key,
+            "truncated_key": self.truncated_key,
+            "min_size_to_sample": self.min_size_to_sample,
+            "samples_per_insert": self.samples_per_insert,
+            "error_buffer": self.error_buffer,
+            "max_times_sampled": self.max_times_sampled,
+        }
+
+
+def default_table_configs(capacity: int = 100_000) -> list[TableConfig]:
+    """The tables a server starts with when it is given no config: one per sampler kind.
+
+    ``replay`` is prioritized (as in the design's examples); ``uniform``,
+    ``slice`` and ``prioritized_slice`` are named after their sampler; slices
+    are 32 steps long.
+    """
+    return [
+        TableConfig(name="replay", capacity=capacity, sampler=SamplerKind.PRIORITIZED),
+        TableConfig(name="uniform", capacity=capacity, sampler=SamplerKind.UNIFORM),
+        TableConfig(name="slice", capacity=capacity, sampler=SamplerKind.SLICE, slice_len=32),
+        TableConfig(
+            name="prioritized_slice",
+            capacity=capacity,
+            sampler=SamplerKind.PRIORITIZED_SLICE,
+            slice_len=32,
+        ),
+    ]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

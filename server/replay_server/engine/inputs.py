@@ -1,0 +1,200 @@
+"""Turning what callers hand a table into values it can use, or a typed error naming why.
+
+Columns of an insert, priorities, ids and batch sizes are checked and
+converted here, before the table takes its lock; the table itself only
+orchestrates. Every function raises a
+:class:`~replay_server.errors.ReplayServerError` subclass whose message names
+the table and the offending key or value.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_proto.dtypes import DTYPES
+from replay_proto.keys import flatten
+from replay_server.engine.config import TableConfig
+from replay_server.engine.schema import Schema
+from replay_server.errors import (
+    InvalidArgumentError,
+    InvalidIdsError,
+    InvalidPriorityError,
+    NoPrioritiesError,
+    SchemaMismatchError,
+)
+
+MAX_BATCH_SIZE = 1 << 24
+"""Largest ``batch_size`` a single sample may ask for."""
+
+_LOG_FLOAT32_MAX = math.log(float(torch.finfo(torch.float32).max))
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+_STORABLE = frozenset(DTYPES.values())
+
+
+def columns_of(data: Any, table: str) -> dict[str, torch.Tensor]:
+    """An insert's columns as CPU tensors by flat key, or an error naming the problem."""
+    try:
+        flat = flatten(data)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"table {table!r}: {exc}") from None
+    if not flat:
+        raise InvalidArgumentError(f"table {table!r}: insert has no columns")
+    columns = {}
+    for key, value in flat.items():
+        columns[key] = as_tensor(value, f"key {key!r}", table)
+        if columns[key].dtype not in _STORABLE:
+            raise SchemaMismatchError(
+                f"table {table!r}: key {key!r} has dtype {columns[key].dtype}, which a "
+                f"table cannot store; supported dtypes: {', '.join(DTYPES)}"
+            )
+        if columns[key].dim() == 0:
+            raise InvalidArgumentError(
+                f"table {table!r}: key {key!r} is a scalar; every column needs a "
+                f"leading dimension of rows (use shape [1] for one row)"
+            )
+    return columns
+
+
+def as_tensor(value: Any, what: str, table: str) -> torch.Tensor:
+    """``value`` as a CPU tensor (numpy arrays and sequences converted), or an error naming ``what``."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "cpu" else value.cpu()
+    try:
+        array = np.asarray(value)
+        if any(stride < 0 for stride in array.strides):  # torch refuses reversed views
+            array = array.copy()
+        return torch.as_tensor(array)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidArgumentError(
+            f"table {table!r}: {what} is not a tensor or array "
+            f"({type(value).__name__}): {exc}"
+        ) from None
+
+
+def row_count(columns: Mapping[str, torch.Tensor], table: str) -> int:
+    """The common leading dimension of ``columns``, or an error listing them."""
+    counts = {key: int(col.shape[0]) for key, col in columns.items()}
+    if len(set(counts.values())) > 1:
+        raise InvalidArgumentError(
+            f"table {table!r}: columns have different numbers of rows "
+            f"(leading dims): {counts}"
+        )
+    return next(iter(counts.values()))
+
+
+def batch_size_of(batch_size: Any, table: str) -> int:
+    """``batch_size`` as an int in ``[1, MAX_BATCH_SIZE]``, or InvalidArgumentError."""
+    if isinstance(batch_size, (bool, np.bool_)) or not isinstance(
+        batch_size, (int, np.integer)
+    ) or not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise InvalidArgumentError(
+            f"table {table!r}: batch_size must be an integer in [1, {MAX_BATCH_SIZE}], "
+            f"got {batch_size!r}"
+        )
+    return operator.index(batch_size)
+
+
+def max_priority(alpha: float) -> float:
+    """The largest priority whose sampling mass ``p ** alpha`` fits a float32 sum tree."""
+    return math.exp(_LOG_FLOAT32_MAX / alpha) if alpha > 0 else math.inf
+
+
+def priority_values(priorities: Any, table: str, alpha: float) -> np.ndarray:
+    """Priorities as float64 numpy (any shape), or an error naming the first bad value.
+
+    Raises:
+        InvalidPriorityError: not real numbers, not finite and >= 0, or so
+            large that ``p ** alpha`` overflows float32.
+    """
+    if isinstance(priorities, np.ndarray) and priorities.dtype == np.float64:
+        values = priorities  # what the service decodes: no conversion
+    else:
+        tensor = as_tensor(priorities, "priorities", table)
+        if tensor.dtype == torch.bool or tensor.is_complex():
+            raise InvalidPriorityError(
+                f"table {table!r}: priorities must be real numbers, got dtype {tensor.dtype}"
+            )
+        values = tensor.detach().numpy().astype(np.float64)
+    bad = ~(np.isfinite(values) & (values >= 0))
+    if bad.any():
+        where = np.flatnonzero(bad)
+        first = int(where[0])
+        raise InvalidPriorityError(
+            f"table {table!r}: priorities must be finite and >= 0; {where.size} "
+            f"are not (first at index {first}: {float(values.reshape(-1)[first])})"
+        )
+    top = float(values.max()) if values.size else 0.0
+    if top > max_priority(alpha):
+        raise InvalidPriorityError(
+            f"table {table!r}: priority {top} is too large: its sampling mass p**alpha "
+            f"(alpha={alpha}) exceeds float32's range"
+        )
+    return values
+
+
+def insert_priorities(priorities: Any, rows: int, config: TableConfig) -> np.ndarray | None:
+    """An insert's ``[rows]`` priorities, checked (``None`` when none were given).
+
+    Raises:
+        NoPrioritiesError: the table's sampler has no priorities.
+        InvalidPriorityError: see :func:`priority_values`, or the shape is not ``[rows]``.
+    """
+    if priorities is None:
+        return None
+    if not config.sampler.is_prioritized:
+        raise NoPrioritiesError(
+            f"table {config.name!r} uses sampler {config.sampler.value!r}, which has "
+            f"no priorities; insert without priorities"
+        )
+    values = priority_values(priorities, config.name, config.alpha)
+    if tuple(values.shape) != (rows,):
+        raise InvalidPriorityError(
+            f"table {config.name!r}: priorities must have shape [{rows}] (one per row), "
+            f"got {list(values.shape)}"
+        )
+    return values
+
+
+def id_values(ids: Any, table: str) -> np.ndarray:
+    """Ids as int64 numpy (any shape), or InvalidIdsError."""
+    if isinstance(ids, np.ndarray) and ids.dtype == np.int64:
+        return ids  # what the service decodes: no conversion
+    tensor = as_tensor(ids, "ids", table)
+    if tensor.dtype != torch.int64:
+        raise InvalidIdsError(
+            f"table {table!r}: ids must be int64 (as returned by insert and sample), "
+            f"got dtype {tensor.dtype}"
+        )
+    return tensor.detach().numpy()
+
+
+def check_sampler_columns(config: TableConfig, schema: Schema) -> None:
+    """Slice samplers need an integer episode column and bool end columns, one value per row.
+
+    Raises:
+        SchemaMismatchError: naming the column and what it holds.
+    """
+    if not config.sampler.is_slice:
+        return
+    key = config.episode_key
+    spec = schema.get(key)
+    if spec is None or spec.dtype not in _INTEGER_DTYPES or spec.shape != ():
+        got = "no such key" if spec is None else spec.describe()
+        raise SchemaMismatchError(
+            f"table {config.name!r}: sampler {config.sampler.value!r} needs key "
+            f"{key!r} holding one integer episode id per row (e.g. int64[]), got {got}"
+        )
+    for key in config.episode_end_keys:
+        spec = schema.get(key)
+        if spec is not None and (spec.dtype != torch.bool or spec.shape != ()):
+            raise SchemaMismatchError(
+                f"table {config.name!r}: key {key!r} marks episode ends and must hold one "
+                f"bool per row (bool[]), got {spec.describe()}"
+            )

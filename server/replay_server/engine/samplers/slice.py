@@ -1,0 +1,183 @@
+"""Slice samplers: batches of ``[B, slice_len]`` consecutive steps of one episode each.
+
+Both are built on :class:`~replay_server.engine.samplers.episodes.EpisodeIndex`, which
+yields each row the moment it becomes a valid slice start; they differ only in
+how a start is drawn: uniformly (:class:`SliceSampler`) or by priority
+(:class:`PrioritizedSliceSampler`, R2D2-style sequence replay). Sampling cost
+depends on neither capacity nor the number of rows stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_server.errors import EmptyTableError
+from replay_server.engine.ids import IdRing
+from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex
+from replay_server.engine.samplers.episodes import EpisodeIndex
+from replay_server.engine.samplers.prioritized import PriorityState, draw_by_priority
+from replay_server.engine.samplers.slotset import SlotSet
+from replay_server.engine.snapshot import saved_copy
+from replay_server.engine.sumtree import SumTree
+
+
+def _no_slices(ring: IdRing, slice_len: int) -> EmptyTableError:
+    if ring.size == 0:
+        return EmptyTableError("the table is empty")
+    return EmptyTableError(
+        f"no episode has {slice_len} consecutive steps stored yet "
+        f"({ring.size} rows stored); episodes shorter than slice_len are never sampled"
+    )
+
+
+class SliceSampler(Sampler):
+    """Slices whose starts are drawn uniformly among all valid starts.
+
+    Cost: ``sample`` O(B * slice_len); ``insert`` O(n) for n rows (see
+    :class:`~replay_server.engine.samplers.episodes.EpisodeIndex`). Memory: 12 bytes
+    per slot (20 when capacity >= 2**31).
+    """
+
+    def __init__(self, ring: IdRing, slice_len: int) -> None:
+        super().__init__(ring)
+        self._episodes = EpisodeIndex(ring, slice_len)
+        self._starts = SlotSet(ring.capacity)
+
+    def insert(self, event: InsertEvent) -> None:
+        cap = self._ring.capacity
+        if event.evicted:
+            self._starts.remove(event.evicted_ids % cap)
+        self._starts.add(self._episodes.insert(event) % cap)
+
+    def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
+        n = self._starts.count
+        if n == 0:
+            raise _no_slices(self._ring, self._episodes.slice_len)
+        slots = self._episodes.chain(self._starts.draw(batch_size, generator))
+        return SampleIndex(
+            ids=self._ring.ids_of_slots(slots),
+            slots=slots,
+            probabilities=np.full(batch_size, 1.0 / n),
+            weights=np.ones(batch_size, dtype=np.float32),
+        )
+
+    def clear(self) -> None:
+        self._episodes.clear()
+        self._starts.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {"slices": self._starts.count, "open_episodes": self._episodes.open_episodes}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "episodes": self._episodes.state_dict(self._used),
+            "starts": torch.from_numpy(saved_copy(self._starts.members(), np.int64)),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._episodes.load_state_dict(state["episodes"])
+        self._starts.clear()
+        self._starts.add(state["starts"].numpy())
+
+
+class PrioritizedSliceSampler(Sampler):
+    """Slices whose starts are drawn by priority: P(slice at row i) ∝ p_i^alpha.
+
+    Every row has a priority (given at insert, else the largest seen so far,
+    updated through its id); only rows that are valid starts carry sampling
+    mass. The priority of a slice is the priority of its first row, so a
+    learner updates with ``batch.ids[:, 0]`` (updating other rows is allowed
+    and takes effect when those rows start a slice). Importance weights use
+    N = number of valid starts.
+
+    Cost: ``sample`` O(B * (log capacity + slice_len)); ``insert`` and
+    ``update`` O(n * log capacity). Memory: about 14 bytes per slot.
+    """
+
+    def __init__(self, ring: IdRing, slice_len: int, alpha: float, beta: float) -> None:
+        super().__init__(ring)
+        cap = ring.capacity
+        self._episodes = EpisodeIndex(ring, slice_len)
+        self._prio = PriorityState(alpha, beta)
+        self._tree = SumTree(cap)
+        self._row_mass = np.zeros(cap, dtype=np.float32)
+        self._is_start = np.zeros(cap, dtype=bool)
+        self._num_starts = 0
+
+    @property
+    def max_priority(self) -> float:
+        return self._prio.max_priority
+
+    def insert(self, event: InsertEvent) -> None:
+        assert event.priorities is not None
+        cap = self._ring.capacity
+        if event.evicted:
+            evicted = self._ring.slots(event.evicted_ids)
+            gone = evicted[self._is_start[evicted]]
+            self._tree.set(gone, np.zeros(gone.size, dtype=np.float32))
+            self._is_start[gone] = False
+            self._num_starts -= int(gone.size)
+        self._prio.observe(event.priorities)
+        self._row_mass[self._ring.slots(event.ids)] = self._prio.mass(event.priorities)
+        new = self._episodes.insert(event) % cap
+        self._is_start[new] = True
+        self._tree.set(new, self._row_mass[new])
+        self._num_starts += int(new.size)
+
+    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        self._prio.observe(priorities)
+        mass = self._prio.mass(priorities)
+        self._row_mass[slots] = mass  # a repeated id keeps its last priority (see SumTree.set)
+        starts = slots[self._is_start[slots]]
+        self._tree.set(starts, self._row_mass[starts])
+
+    def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
+        total = self._tree.total()
+        if self._num_starts == 0:
+            raise _no_slices(self._ring, self._episodes.slice_len)
+        if total <= 0.0:
+            raise EmptyTableError("every slice start has priority 0, so none can be drawn")
+        slots, probabilities, weights = draw_by_priority(
+            self._tree, batch_size, generator, self._prio.beta
+        )
+        chains = self._episodes.chain(slots)
+        return SampleIndex(self._ring.ids_of_slots(chains), chains, probabilities, weights)
+
+    def clear(self) -> None:
+        self._episodes.clear()
+        self._tree.clear()
+        self._is_start.fill(False)
+        self._num_starts = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "slices": self._num_starts,
+            "open_episodes": self._episodes.open_episodes,
+            "max_priority": self._prio.max_priority,
+            "priority_mass": self._tree.total(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        used = self._used
+        return {
+            "episodes": self._episodes.state_dict(used),
+            "priority": self._prio.state_dict(),
+            "row_mass": torch.from_numpy(saved_copy(self._row_mass[:used])),
+            "is_start": torch.from_numpy(saved_copy(self._is_start[:used])),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._episodes.load_state_dict(state["episodes"])
+        self._prio.load_state_dict(state["priority"])
+        row_mass, is_start = state["row_mass"].numpy(), state["is_start"].numpy()
+        used = row_mass.size
+        self._row_mass.fill(0)
+        self._row_mass[:used] = row_mass
+        self._is_start.fill(False)
+        self._is_start[:used] = is_start
+        self._num_starts = int(is_start.sum())
+        self._tree.load_state_dict({"leaves": torch.from_numpy(np.where(is_start, row_mass, 0.0))})
+

@@ -1,0 +1,407 @@
+"""A table: a fixed-capacity FIFO ring of rows, stored column-wise, with one sampler.
+
+Rows go in through :meth:`Table.insert` (leading dim = rows) and get int64 ids
+(see :mod:`replay_server.engine.ids`); samples come out as
+:class:`~replay_proto.batch.SampleBatch`; priorities are updated by id. The
+table is the only orchestrator: under its lock it writes storage and tells
+its sampler exactly once. What it is handed is checked and converted before
+the lock (:mod:`~replay_server.engine.inputs`); its state is saved and loaded
+by :mod:`~replay_server.engine.table_state`; everything it mutates is one
+:class:`~replay_server.engine.table_parts.TableParts`.
+
+Every method either succeeds or raises a
+:class:`~replay_server.errors.ReplayServerError` having changed nothing.
+
+Flow control: the table's :class:`~replay_server.engine.rate_limiter.RateLimiter`
+is consulted under the lock by ``insert`` and ``sample``; a call it holds back
+raises :class:`~replay_server.errors.RateLimitedError` at once (the service
+turns that into waiting; an in-process caller can wait on :attr:`Table.changes`).
+``max_times_sampled`` retires rows (see :mod:`replay_server.engine.retirement`).
+
+Thread-safety: all public methods may be called from any thread; one lock per
+table serializes them (tables do not block each other). Tensor conversion of
+inputs happens before the lock is taken, the copies in and out under it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_proto.batch import SampleBatch
+from replay_server.engine.change_clock import ChangeClock
+from replay_server.engine.config import TableConfig
+from replay_server.engine.inputs import (
+    MAX_BATCH_SIZE,
+    batch_size_of,
+    check_sampler_columns,
+    columns_of,
+    id_values,
+    insert_priorities,
+    priority_values,
+    row_count,
+)
+from replay_server.engine.rate_limiter import RateLimiter
+from replay_server.engine.samplers import InsertEvent
+from replay_server.engine.schema import FieldSpec, Schema
+from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
+from replay_server.engine.table_info import TableCounters, TableInfo
+from replay_server.engine.table_parts import TableParts, fresh_parts
+from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
+from replay_server.errors import (
+    EmptyTableError,
+    InvalidArgumentError,
+    InvalidIdsError,
+    InvalidPriorityError,
+    NoPrioritiesError,
+)
+
+__all__ = ["MAX_BATCH_SIZE", "STATE_VERSION", "Table"]
+
+
+class Table:
+    """A named replay table. See the module docstring for the concepts.
+
+    Args:
+        config: the table's validated configuration.
+
+    Raises:
+        ConfigError: the declared schema cannot serve the sampler (e.g. a slice
+            table without an integer episode column), or pinned memory was
+            requested without an accelerator.
+    """
+
+    def __init__(self, config: TableConfig) -> None:
+        self.config = config
+        self._lock = threading.Lock()
+        self._parts = fresh_parts(config)
+        self._instant_bytes = 0  # what the last snapshot's instant copied: the next one's arena
+        self.changes = ChangeClock()
+        """Ticks once per insert, sample, priority update, reset and load."""
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def schema(self) -> Schema | None:
+        """The columns, fixed by the config or the first insert (``None`` before)."""
+        return self._parts.schema
+
+    @property
+    def size(self) -> int:
+        """Rows present (retired rows excluded)."""
+        return self._parts.size
+
+    @property
+    def rate_limiter(self) -> RateLimiter:
+        """The table's rate limiter (``can_*`` may be read without the lock, as hints)."""
+        return self._parts.limiter
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(self, data: Any, priorities: Any = None) -> torch.Tensor:
+        """Append rows; the oldest rows are overwritten once the table is full.
+
+        Args:
+            data: mapping (possibly nested) or TensorDict of tensors/arrays whose
+                leading dim is rows. Must match the schema exactly.
+            priorities: ``[rows]`` finite priorities >= 0 (prioritized samplers
+                only); omitted: each row gets the largest priority seen so far.
+
+        Returns:
+            int64 ``[rows]`` ids of the new rows.
+
+        Raises:
+            SchemaMismatchError, InvalidArgumentError, InvalidPriorityError,
+            NoPrioritiesError: nothing was stored.
+            RateLimitedError: the rate limiter holds the insert back now.
+
+        Cost: one copy of the rows into storage plus the sampler's insert
+        (O(rows * log capacity) at worst).
+        """
+        columns = columns_of(data, self.name)
+        rows = row_count(columns, self.name)
+        checked_priorities = insert_priorities(priorities, rows, self.config)
+        with self._lock:
+            parts = self._parts
+            schema = parts.schema
+            if schema is None:
+                schema = Schema({k: FieldSpec.of_column(c) for k, c in columns.items()})
+                check_sampler_columns(self.config, schema)
+            schema.check(columns, self.name)
+            if rows == 0:
+                return torch.empty(0, dtype=torch.int64)
+            ring = parts.ring
+            if rows > ring.capacity:
+                raise InvalidArgumentError(
+                    f"table {self.name!r}: an insert of {rows} rows exceeds the table's "
+                    f"capacity of {ring.capacity} rows; split it"
+                )
+            parts.limiter.check_insert(rows, self.name)
+            if parts.storage is None:
+                parts.allocate(schema, self.config.pin_memory)
+            assert parts.storage is not None
+            event = self._insert_event(columns, rows, checked_priorities)
+            evicted_first_id = ring.first_live
+            first_id, evicted = ring.allocate(rows)
+            deleted = evicted
+            if parts.retirement is not None:
+                deleted -= parts.retirement.inserted(
+                    ring.slots(ring.range(first_id, rows)),
+                    ring.slots(ring.range(evicted_first_id, evicted)),
+                )
+            parts.storage.write(first_id % ring.capacity, columns)
+            parts.sampler.insert(InsertEvent(first_id=first_id, count=rows,
+                                             evicted_first_id=evicted_first_id,
+                                             evicted=evicted, **event))
+            parts.counters.inserted += rows
+            parts.counters.evicted += evicted
+            parts.limiter.inserted(rows)
+            parts.limiter.deleted(deleted)
+            self.changes.tick()
+        return torch.from_numpy(ring.range(first_id, rows))
+
+    def _insert_event(
+        self, columns: Mapping[str, torch.Tensor], rows: int, priorities: np.ndarray | None
+    ) -> dict[str, np.ndarray | None]:
+        """What the sampler needs of the new rows: priorities, episode ids and ends."""
+        kind = self.config.sampler
+        event: dict[str, np.ndarray | None] = {}
+        if kind.is_prioritized:
+            event["priorities"] = (
+                priorities if priorities is not None
+                else np.full(rows, self._parts.sampler.max_priority)
+            )
+        if kind.is_slice:
+            ends = np.zeros(rows, dtype=bool)
+            for key in self.config.episode_end_keys:
+                if key in columns:
+                    ends |= columns[key].detach().numpy()
+            event["episodes"] = columns[self.config.episode_key].detach().numpy().astype(np.int64)
+            event["ends"] = ends
+        return event
+
+    # ------------------------------------------------------------------ sample
+
+    def sample(
+        self, batch_size: int, *, out: Mapping[str, torch.Tensor] | None = None
+    ) -> SampleBatch:
+        """Draw ``batch_size`` rows (or slices) with replacement, per the table's sampler.
+
+        ``out`` (flat key -> contiguous tensor shaped like that column of the
+        batch) receives the rows instead of new tensors: a learner's pinned or
+        shared-memory staging buffer (see :meth:`batch_layout`).
+
+        Raises:
+            InvalidArgumentError: ``batch_size`` is not an integer in [1, MAX_BATCH_SIZE],
+                larger than ``max_times_sampled`` can ever serve, or ``out`` does
+                not fit the batch.
+            EmptyTableError: nothing can be sampled yet.
+            RateLimitedError: the rate limiter (or ``max_times_sampled``) holds the
+                sample back now. The limiter counts ``batch_size * slice_len`` rows
+                for slice samplers.
+
+        Cost: the sampler's draw (see its docstring) plus one gather per column.
+        """
+        batch_size = batch_size_of(batch_size, self.name)
+        schema = self._parts.schema
+        if out is not None and schema is not None:
+            problem = schema.out_problem(self._lead(batch_size), out)
+            if problem:
+                raise InvalidArgumentError(f"table {self.name!r}: {problem}")
+        rows = batch_size * (self.config.slice_len or 1)
+        with self._lock:
+            parts = self._parts
+            parts.limiter.check_sample(rows, self.name)
+            retired = None
+            try:
+                if parts.retirement is None:
+                    index = parts.sampler.sample(batch_size, parts.generator)
+                else:
+                    index, retired = parts.retirement.sample(
+                        parts.sampler, batch_size, parts.generator, self.name,
+                        can_wait=parts.limiter.enabled)
+            except EmptyTableError as exc:
+                raise EmptyTableError(f"table {self.name!r}: {exc}") from None
+            assert parts.storage is not None
+            columns = parts.storage.gather(index.slots, out)
+            parts.counters.sample_calls += 1
+            parts.counters.sampled += batch_size
+            parts.limiter.sampled(rows)
+            if retired is not None:
+                parts.counters.retired += retired.size
+                parts.limiter.deleted(retired.size)
+            self.changes.tick()
+        return SampleBatch.from_columns(
+            columns,
+            torch.from_numpy(index.ids),
+            torch.from_numpy(index.weights),
+            torch.from_numpy(index.probabilities),
+        )
+
+    def batch_layout(self, batch_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Flat key -> (dtype, shape) of each column of a batch of ``batch_size`` ({} before a schema)."""
+        schema = self._parts.schema
+        return {} if schema is None else schema.batch_layout(self._lead(batch_size))
+
+    def batch_nbytes(self, batch_size: int) -> int:
+        """Bytes of a batch of ``batch_size``, extras included (0 before a schema)."""
+        schema = self._parts.schema
+        if schema is None:
+            return 0
+        steps = self.config.slice_len or 1
+        # per step: the row and its int64 id; per row or slice: a float32 weight, a float64 probability
+        return batch_size * (steps * (schema.row_bytes + 8) + 4 + 8)
+
+    def _lead(self, batch_size: int) -> tuple[int, ...]:
+        slice_len = self.config.slice_len
+        return (batch_size,) if slice_len is None else (batch_size, slice_len)
+
+    # -------------------------------------------------------------- priorities
+
+    def update_priorities(self, ids: Any, priorities: Any) -> int:
+        """Set the priorities of the rows named by ``ids``.
+
+        Ids whose rows have since been overwritten (or reset) are ignored and
+        counted in ``stale_priority_updates``; they never touch the newer row.
+        For a repeated id, the last priority wins.
+
+        Args:
+            ids: int64 ids, any shape.
+            priorities: finite values >= 0, same shape as ``ids``.
+
+        Returns:
+            How many of ``ids`` named rows still present (and were applied).
+
+        Raises:
+            NoPrioritiesError: the sampler has no priorities.
+            InvalidIdsError: ids are not int64, or were never issued by this table.
+            InvalidPriorityError: a priority is negative or not finite, or the
+                shapes differ. Nothing is applied.
+
+        Cost: O(n * log capacity).
+        """
+        if not self.config.sampler.is_prioritized:
+            raise NoPrioritiesError(
+                f"table {self.name!r} uses sampler {self.config.sampler.value!r}, which has "
+                f"no priorities to update"
+            )
+        id_array = id_values(ids, self.name)
+        values = priority_values(priorities, self.name, self.config.alpha)
+        if values.shape != id_array.shape:
+            raise InvalidPriorityError(
+                f"table {self.name!r}: priorities must have the same shape as ids "
+                f"{list(id_array.shape)}, got {list(values.shape)}"
+            )
+        id_array, values = id_array.reshape(-1), values.reshape(-1)
+        with self._lock:
+            parts = self._parts
+            ring = parts.ring
+            never = (id_array < 0) | (id_array >= ring.next_id)
+            if never.any():
+                raise InvalidIdsError(
+                    f"table {self.name!r}: id {int(id_array[never][0])} was never issued by "
+                    f"this table (ids so far: 0..{ring.next_id - 1}); "
+                    f"{int(never.sum())} such ids"
+                )
+            live = ring.live(id_array)
+            if parts.retirement is not None:  # a retired row's priority stays 0
+                live &= parts.retirement.drawable(ring.slots(id_array))
+            applied = int(live.sum())
+            if applied == id_array.size:
+                parts.sampler.update(ring.slots(id_array), values)
+            elif applied:
+                parts.sampler.update(ring.slots(id_array[live]), values[live])
+            parts.counters.priority_updates += applied
+            parts.counters.stale_priority_updates += id_array.size - applied
+            self.changes.tick()
+        return applied
+
+    # ------------------------------------------------------------------- admin
+
+    def reset(self) -> None:
+        """Remove every row. Ids keep counting (old ids become stale); the schema stays."""
+        with self._lock:
+            parts = self._parts
+            parts.ring.clear()
+            parts.sampler.clear()
+            parts.limiter.reset()
+            if parts.retirement is not None:
+                parts.retirement.clear()
+            parts.counters.resets += 1
+            self.changes.tick()
+
+    def info(self) -> TableInfo:
+        """A consistent snapshot of sizes, counters and sampler figures."""
+        with self._lock:
+            parts = self._parts
+            return TableInfo(
+                name=self.name,
+                sampler=self.config.sampler.value,
+                capacity=parts.ring.capacity,
+                size=parts.size,
+                schema=None if parts.schema is None else parts.schema.describe(),
+                pinned=parts.storage is not None and parts.storage.pinned,
+                storage_bytes=0 if parts.storage is None else parts.storage.nbytes,
+                counters=TableCounters(**asdict(parts.counters)),
+                sampler_stats=parts.sampler.stats(),
+                config=self.config.describe(),
+                rate_limiter=parts.limiter.info(),
+            )
+
+    # ------------------------------------------------------------ persistence
+
+    def snapshot(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TableSnapshot:
+        """Begin a consistent snapshot of the table as it is now (:mod:`replay_server.engine.snapshot`).
+
+        Copies everything but the rows under the lock (O(slots used) of small
+        per-slot sampler arrays, into memory touched before the lock); the rows
+        are read out afterwards in pieces of ``chunk_bytes``, under short lock
+        holds. Close the snapshot when done.
+        """
+        snapshot, self._instant_bytes = snapshot_parts(
+            self.config, self._parts, self._lock, self._instant_bytes, chunk_bytes)
+        return snapshot
+
+    def state_dict(self) -> dict[str, Any]:
+        """A consistent snapshot of the whole table: tensors and plain values only.
+
+        Loadable with ``torch.load(..., weights_only=True)``; no code runs on
+        load. ``"columns"``: the slots ever written, in slot order, copied in
+        pieces under short lock holds (:meth:`snapshot`).
+        """
+        with self.snapshot() as snap:
+            if snap.rows is not None:
+                snap.state["columns"] = snap.rows.columns()
+        return snap.state
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], read_rows: Callable[[dict], None] | None = None
+    ) -> None:
+        """Replace this table's contents with a :meth:`state_dict`, all or nothing.
+
+        The state is loaded into fresh parts first and swapped in only once
+        it has loaded completely, so a malformed state changes nothing (the
+        cost: twice the table's memory while loading). ``read_rows``, if
+        given, fills the rows instead of ``state["columns"]``: it is called
+        with numpy views of the fresh table's whole columns (bfloat16 as
+        int16), e.g. to read them from files; what it raises propagates as is.
+
+        Raises:
+            ConfigError: the state has another layout version, contradicts this
+                table's config (capacity, sampler, slice_len, alpha, keys) or
+                schema (the message names both values).
+            MalformedStateError: the state is malformed.
+        """
+        parts: TableParts = load_parts(self.config, state, self._parts.schema, read_rows is None)
+        if read_rows is not None and parts.storage is not None:
+            read_rows(parts.storage.views)
+        with self._lock:
+            self._parts = parts
+            self.changes.tick()

@@ -1,0 +1,39 @@
+"""What ``Table.info`` reports: counters and a consistent snapshot of one table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from replay_server.engine.rate_limiter import RateLimiterInfo
+
+
+@dataclass(slots=True)
+class TableCounters:
+    """Monotonic counts since the table was created (kept across reset and restore)."""
+
+    inserted: int = 0
+    evicted: int = 0
+    sample_calls: int = 0
+    sampled: int = 0
+    priority_updates: int = 0
+    stale_priority_updates: int = 0
+    resets: int = 0
+    retired: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TableInfo:
+    """A snapshot of one table, for ``info``."""
+
+    name: str
+    sampler: str
+    capacity: int
+    size: int
+    schema: dict[str, str] | None
+    pinned: bool
+    storage_bytes: int
+    counters: TableCounters
+    sampler_stats: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    rate_limiter: RateLimiterInfo | None = None

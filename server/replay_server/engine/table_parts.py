@@ -1,0 +1,80 @@
+"""Everything a table mutates, held together so that a load can replace it whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from replay_server.engine.config import TableConfig
+from replay_server.engine.ids import IdRing
+from replay_server.engine.inputs import check_sampler_columns
+from replay_server.engine.rate_limiter import RateLimiter
+from replay_server.engine.retirement import Retirement
+from replay_server.engine.samplers import Sampler, make_sampler
+from replay_server.engine.schema import Schema
+from replay_server.engine.storage import ColumnStorage
+from replay_server.engine.table_info import TableCounters
+from replay_server.errors import ConfigError, SchemaMismatchError
+
+
+@dataclass(slots=True)
+class TableParts:
+    """The id ring, sampler, storage, counters, generator, limiter and retirement of one table.
+
+    Owned by one :class:`~replay_server.engine.table.Table` and guarded by its
+    lock. A restore builds a new set (:func:`fresh`, then loads it) and the
+    table swaps it in with one assignment, so a failed load changes nothing.
+    """
+
+    ring: IdRing
+    sampler: Sampler
+    generator: np.random.Generator
+    counters: TableCounters
+    limiter: RateLimiter
+    retirement: Retirement | None
+    schema: Schema | None = None
+    storage: ColumnStorage | None = None
+
+    @property
+    def size(self) -> int:
+        """Rows present (retired rows excluded)."""
+        return self.ring.size - (self.retirement.retired if self.retirement else 0)
+
+    @property
+    def used(self) -> int:
+        """Slots ever written."""
+        return min(self.ring.next_id, self.ring.capacity)
+
+    def allocate(self, schema: Schema, pin_memory: bool) -> None:
+        """Fix the schema and allocate storage for the table's capacity."""
+        self.storage = ColumnStorage(schema, self.ring.capacity, pin_memory=pin_memory)
+        self.schema = schema
+
+
+def fresh_parts(config: TableConfig) -> TableParts:
+    """An empty table's parts; storage allocated now if the config declares a schema.
+
+    Raises:
+        ConfigError: the declared schema cannot serve the sampler, or pinned
+            memory was requested without an accelerator.
+    """
+    ring = IdRing(config.capacity)
+    parts = TableParts(
+        ring=ring,
+        sampler=make_sampler(config, ring),
+        # numpy's PCG64: single-threaded draws, and a state of plain integers to save.
+        generator=np.random.Generator(np.random.PCG64(config.seed)),
+        counters=TableCounters(),
+        limiter=RateLimiter.from_config(config),
+        retirement=(Retirement(config.capacity, config.max_times_sampled)
+                    if config.max_times_sampled else None),
+    )
+    if config.schema is not None:
+        schema = Schema(config.schema)
+        try:
+            check_sampler_columns(config, schema)
+        except SchemaMismatchError as exc:
+            raise ConfigError(str(exc)) from None
+        parts.allocate(schema, config.pin_memory)
+    return parts

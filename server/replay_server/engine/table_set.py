@@ -1,0 +1,44 @@
+"""The set of named tables a server holds."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from replay_server.engine.config import TableConfig
+from replay_server.errors import ConfigError, UnknownTableError
+from replay_server.engine.table import Table
+
+
+class TableSet:
+    """Named tables, fixed at construction.
+
+    Thread-safety: the set never changes after construction, so lookups need no
+    lock; each :class:`~replay_server.engine.table.Table` guards itself.
+    """
+
+    def __init__(self, configs: Iterable[TableConfig]) -> None:
+        self._tables: dict[str, Table] = {}
+        for config in configs:
+            if config.name in self._tables:
+                raise ConfigError(f"two tables are named {config.name!r}; table names must be unique")
+            self._tables[config.name] = Table(config)
+        if not self._tables:
+            raise ConfigError("a server needs at least one table")
+
+    def __getitem__(self, name: str) -> Table:
+        try:
+            return self._tables[name]
+        except KeyError:
+            raise UnknownTableError(
+                f"no table named {name!r}; tables: {', '.join(sorted(self._tables))}"
+            ) from None
+
+    def __iter__(self) -> Iterator[Table]:
+        return iter(self._tables.values())
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tables)

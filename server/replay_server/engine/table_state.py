@@ -1,0 +1,121 @@
+"""A table's state as tensors and plain values: the snapshot side and the load side.
+
+:func:`snapshot_parts` copies everything but the rows at one instant, under
+the table's lock, and starts a row snapshot that reads the rows afterwards
+in pieces (see :mod:`replay_server.engine.snapshot`). :func:`load_parts`
+builds a fresh :class:`~replay_server.engine.table_parts.TableParts` from a
+saved state, refusing one that contradicts the table's config. Nothing here
+pickles or runs code on load: a state is loadable with
+``torch.load(..., weights_only=True)``.
+
+Layout (``STATE_VERSION``): ``version``, ``config`` (plain values),
+``schema``, ``ring`` (id counters), ``columns`` (the slots ever written, in
+slot order; empty in a snapshot, whose rows are read from ``rows``),
+``sampler``, ``counters``, ``generator``, ``rate_limiter``, ``times_sampled``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+from replay_server.engine.config import TableConfig
+from replay_server.engine.retirement import load_retirement
+from replay_server.engine.rng import generator_from_state, generator_state
+from replay_server.engine.schema import Schema
+from replay_server.engine.snapshot import Arena, TableSnapshot
+from replay_server.engine.table_info import TableCounters
+from replay_server.engine.table_parts import TableParts, fresh_parts
+from replay_server.errors import ConfigError, MalformedStateError
+
+STATE_VERSION = 1
+"""Version of a table state's layout; bumped on any incompatible change."""
+
+_MUST_MATCH = ("capacity", "sampler", "slice_len", "alpha", "episode_key", "done_key",
+               "truncated_key")
+"""Config fields a saved state must agree with (the rest may change between runs)."""
+
+
+def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
+                   arena_bytes: int, chunk_bytes: int) -> tuple[TableSnapshot, int]:
+    """Begin a consistent snapshot of ``parts`` as they are now.
+
+    Takes ``lock`` once, to copy everything but the rows into memory touched
+    before it (an :class:`~replay_server.engine.snapshot.Arena` of
+    ``arena_bytes``; 0: a bound of 16 bytes per used slot); rows are read
+    later. Returns the snapshot and the arena size the next one should use.
+    """
+    arena = Arena(arena_bytes or 16 * parts.used)
+    with lock, arena.active():
+        used = parts.used
+        state = {
+            "version": STATE_VERSION,
+            "config": config.describe(),
+            "schema": None if parts.schema is None else parts.schema.state_dict(),
+            "ring": parts.ring.state_dict(),
+            "columns": {},  # the rows: read from the snapshot's ``rows``
+            "sampler": parts.sampler.state_dict(),
+            "counters": asdict(parts.counters),
+            "generator": generator_state(parts.generator),
+            "rate_limiter": parts.limiter.state_dict(),
+            "times_sampled": parts.retirement.state_dict(used) if parts.retirement else None,
+        }
+        rows = None if parts.storage is None else parts.storage.snapshot(
+            lock, parts.ring.next_id % parts.ring.capacity, used, chunk_bytes)
+    return TableSnapshot(state, rows), arena.wanted
+
+
+def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
+               with_columns: bool) -> TableParts:
+    """Fresh parts holding ``state`` (its rows too, if ``with_columns``).
+
+    Raises:
+        ConfigError: another layout version, or the state contradicts the
+            config or ``schema_now`` (the message names both values).
+        MalformedStateError: the state is malformed.
+    """
+    try:
+        return _load(config, state, schema_now, with_columns)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise MalformedStateError(
+            f"table {config.name!r}: saved state is malformed ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
+          with_columns: bool) -> TableParts:
+    name = config.name
+    version = state.get("version")
+    if version != STATE_VERSION:
+        raise ConfigError(f"table {name!r}: saved state has layout version {version!r}, this "
+                          f"server reads version {STATE_VERSION}")
+    mine = config.describe()
+    for key in _MUST_MATCH:
+        if state["config"][key] != mine[key]:
+            raise ConfigError(f"table {name!r}: config says {key}={mine[key]!r} but the saved "
+                              f"state has {key}={state['config'][key]!r}")
+    parts = fresh_parts(config)
+    schema = None if state["schema"] is None else Schema.from_state_dict(state["schema"])
+    if schema_now is not None and schema is not None and dict(schema) != dict(schema_now):
+        raise ConfigError(f"table {name!r}: the table's schema is {schema_now.describe()} but "
+                          f"the saved state has {schema.describe()}")
+    if schema is not None and parts.storage is None:
+        parts.allocate(schema, config.pin_memory)
+    parts.ring.load_state_dict(state["ring"])
+    if parts.storage is not None and with_columns:
+        used = parts.used
+        for key, column in state["columns"].items():
+            if key not in parts.storage.columns or column.shape[0] != used:
+                raise MalformedStateError(f"table {name!r}: saved column {key!r} does not fit "
+                                          f"the schema and {used} stored slots")
+        parts.storage.load_state_dict(state["columns"])
+    parts.sampler.load_state_dict(state["sampler"])
+    load_retirement(parts.retirement, state.get("times_sampled"), parts.ring, name)
+    parts.limiter.load_state_dict(state.get("rate_limiter"), size=parts.size)
+    parts.counters = TableCounters(**state["counters"])
+    parts.generator.bit_generator.state = generator_from_state(state["generator"])
+    return parts

@@ -1,0 +1,307 @@
+"""``SampleStream``: batches to a learner, flow-controlled by its credits, over gRPC or shared memory.
+
+One :class:`SampleStreamCall` per call. The learner's first message names the
+table and batch size and grants ``credits`` (its prefetch window); each later
+message grants one credit per batch it took. The server draws batch ``k``
+only once ``k < credits``, so it never runs more than the window ahead and
+each batch sees every priority update made before it was drawn. While a
+group is being sent the next is drawn, when credits allow.
+
+Same host: if the learner asked for shared memory and runs on this host
+(same boot id), the server creates a ring of ``credits + 1`` slots in
+/dev/shm sized for one batch each and offers it with the first batch. Once
+the learner accepts, batches are gathered straight from table storage into
+the ring (no serialization, no copy through gRPC) and messages carry only
+offsets. Batch ``k`` goes into slot ``k % slots``; the credit rule guarantees
+the learner has given that slot back. The ring's name is unlinked as soon as
+the learner answers, so nothing is left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from replay_feed.shared_ring import SharedMemoryError, SharedRing, align, host_id
+from replay_proto.batch import SampleBatch
+from replay_proto.sample_codec import (
+    HEADROOM,
+    STREAM_CHUNK_BYTES,
+    encode_ring_batch,
+    encode_sample,
+    with_note,
+    with_offer,
+)
+from replay_proto.v1 import replay_pb2 as pb
+from replay_server.engine.inputs import MAX_BATCH_SIZE
+from replay_server.engine.table import Table
+from replay_server.engine.table_set import TableSet
+from replay_server.errors import InvalidArgumentError, RateLimitedError
+from replay_server.service.calls import CallRunner
+from replay_server.service.status import ShuttingDownError
+
+log = logging.getLogger("replay_server.service")
+
+MAX_CREDITS = 1024
+"""Largest prefetch window a learner may grant in its first message."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """What the server allows a stream: message size, and whether it offers shared memory."""
+
+    max_message_bytes: int
+    shared_memory: bool
+
+
+class _RingLayout:
+    """Where each tensor of one batch lies in a ring slot (64-byte aligned offsets).
+
+    Args:
+        batch: a drawn batch or group (its first ``batch_size`` rows give the layout).
+        batch_size: rows per batch.
+    """
+
+    def __init__(self, batch: SampleBatch, batch_size: int) -> None:
+        self.keys = list(batch.columns)
+        tensors = [t[:batch_size] for t in batch.tensors()]
+        self.specs = [(t.dtype, tuple(t.shape)) for t in tensors]
+        self.offsets = []
+        offset = 0
+        for t in tensors:
+            self.offsets.append(offset)
+            offset = align(offset + t.numel() * t.element_size())
+        self.slot_bytes = max(offset, 1)
+
+    def views(self, ring: SharedRing, slot: int) -> list[torch.Tensor]:
+        return [ring.view(slot, off, dtype, shape)
+                for off, (dtype, shape) in zip(self.offsets, self.specs)]
+
+
+class SampleStreamCall:
+    """One SampleStream call: reads credits, draws batches, sends them.
+
+    Args:
+        calls: runs engine work and ends the call with an error's status.
+        tables: the tables served when the call started.
+        limits: message size and shared-memory policy.
+        requests: the learner's messages (raw bytes).
+        context: the call's context.
+    """
+
+    def __init__(self, calls: CallRunner, tables: TableSet, limits: StreamLimits,
+                 requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        self._calls = calls
+        self._tables = tables
+        self._limits = limits
+        self._requests = requests
+        self._context = context
+        self._credits = 0
+        self._window = 1
+        self._credit_event = asyncio.Event()
+        self._client_done = False
+        self._refused: InvalidArgumentError | None = None  # a malformed learner message
+        self._ring: SharedRing | None = None
+        self._layout: _RingLayout | None = None
+        self._ring_accepted = False
+
+    async def run(self) -> AsyncIterator[bytes]:
+        calls, context = self._calls, self._context
+        try:
+            first_raw = await self._requests.__anext__()
+        except StopAsyncIteration:
+            return
+        first = await calls.run(context, _parse_first, first_raw)
+        request = first.request
+        table = await calls.run(context, self._tables.__getitem__, request.table)
+        self._credits = self._window = first.credits
+        reader = asyncio.create_task(self._read())
+        want_ring = first.shared_memory and self._limits.shared_memory
+        note = ""
+        if first.shared_memory and not self._limits.shared_memory:
+            note = "the server has shared_memory = false"
+        elif want_ring and first.host_id != host_id():
+            want_ring, note = False, "the learner runs on another host"
+        index = 0
+        pending: asyncio.Future | None = None
+        try:
+            while True:
+                if pending is None:
+                    count = await self._next_count(request, table, index)
+                    if count == 0:
+                        break
+                    pending = self._start_draw(table, request, index, count, index == 0 and want_ring)
+                if calls.draining:
+                    pending.cancel()
+                    await calls.fail(context, ShuttingDownError("the server is shutting down"))
+                chunks, count, ring_note = await calls.settle(context, pending)
+                index += count
+                pending = None
+                if ring_note:
+                    note = ring_note
+                if note and index == count:  # first group: say why there is no ring
+                    chunks[0] = with_note(chunks[0], note)
+                ahead = await self._next_count(request, table, index, wait=False)
+                if ahead:
+                    pending = self._start_draw(table, request, index, ahead, False)
+                for chunk in chunks:
+                    yield chunk
+            if self._refused is not None:
+                await calls.fail(context, self._refused)
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+            elif pending is not None and not pending.cancelled():
+                pending.exception()  # retrieved, so asyncio does not log it as lost
+            reader.cancel()
+            self._close_ring()
+
+    # ------------------------------------------------------------ credits
+
+    async def _read(self) -> None:
+        """Take credits and the shared-memory answer from the learner's messages.
+
+        A malformed message ends the stream with INVALID_ARGUMENT (after the
+        batch being drawn, if any): the learner speaks another protocol.
+        """
+        try:
+            async for raw in self._requests:
+                try:
+                    message = pb.SampleStreamRequest.FromString(raw)
+                except Exception as exc:
+                    self._refused = InvalidArgumentError(
+                        f"malformed SampleStream credit message: {exc}")
+                    return
+                if message.credits < 0 or message.HasField("request"):
+                    self._refused = InvalidArgumentError(
+                        "a later SampleStream message may only grant credits >= 0 or answer "
+                        "a shared-memory offer")
+                    return
+                self._credits += message.credits
+                if message.HasField("shared_memory_answer"):
+                    self._on_answer(message.shared_memory_answer)
+                self._credit_event.set()
+        except (asyncio.CancelledError, grpc.RpcError):
+            pass
+        finally:
+            self._client_done = True
+            self._credit_event.set()
+
+    def _on_answer(self, answer: pb.SharedMemoryAnswer) -> None:
+        ring = self._ring
+        if ring is None:
+            return
+        ring.unlink()  # both sides hold a mapping now (or never will): the name can go
+        if answer.accepted:
+            self._ring_accepted = True
+        else:
+            log.info("SampleStream: the learner refused the shared-memory ring (%s); using gRPC",
+                     answer.reason)
+            self._close_ring()
+
+    async def _next_count(self, request: pb.SampleRequest, table: Table, index: int,
+                          wait: bool = True) -> int:
+        """How many batches to draw next at ``index`` (0: the stream is over or, if not wait, no credit)."""
+        remaining = request.num_batches - index if request.num_batches else MAX_BATCH_SIZE
+        if remaining <= 0 or self._refused is not None:
+            return 0
+        while self._credits <= index:
+            if not wait or self._client_done:
+                return 0
+            self._credit_event.clear()
+            await self._credit_event.wait()
+        if self._refused is not None:
+            return 0
+        if self._ring_accepted:
+            return 1
+        count = min(max(1, request.batches_per_message), remaining, self._credits - index)
+        batch_bytes = table.batch_nbytes(request.batch_size) if (
+            1 <= request.batch_size <= MAX_BATCH_SIZE) else 0
+        if batch_bytes:
+            count = max(1, min(count, STREAM_CHUNK_BYTES // batch_bytes))
+        if count > 1 and request.batch_size * count > MAX_BATCH_SIZE:
+            count = 1
+        return count
+
+    # ------------------------------------------------------------ drawing (engine threads)
+
+    def _start_draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
+                    offer_ring: bool) -> asyncio.Future:
+        """Draw in the engine's pool, waiting (without a thread) while the rate limiter holds it."""
+        return asyncio.ensure_future(self._calls.change(
+            self._context, self._draw, table, request, index, count, offer_ring, aborting=False))
+
+    def _draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
+              offer_ring: bool) -> tuple[str, tuple[list[bytes], int, str]]:
+        if self._ring_accepted and self._ring is not None and self._layout is not None:
+            return table.name, ([self._draw_into_ring(table, request, index)], 1, "")
+        try:
+            batch = table.sample(request.batch_size * count)
+        except RateLimitedError:
+            if count == 1:
+                raise
+            count = 1  # a group the limiter holds back is drawn as a single batch
+            batch = table.sample(request.batch_size)
+        chunk_bytes = max(1, min(STREAM_CHUNK_BYTES, self._limits.max_message_bytes - HEADROOM))
+        chunks = encode_sample(batch, index, chunk_bytes, batch_count=count)
+        note = ""
+        if offer_ring:
+            note = self._create_ring(batch, request.batch_size)
+            ring = self._ring
+            if ring is not None:
+                chunks[0] = with_offer(chunks[0], pb.SharedMemoryOffer(
+                    name=ring.name, token=ring.token, slots=ring.slots,
+                    slot_bytes=ring.slot_bytes, header_bytes=ring.header_bytes))
+        return table.name, (chunks, count, note)
+
+    def _create_ring(self, batch: SampleBatch, batch_size: int) -> str:
+        layout = _RingLayout(batch, batch_size)
+        try:
+            self._ring = SharedRing.create(self._window + 1, layout.slot_bytes)
+        except SharedMemoryError as exc:
+            log.warning("SampleStream: no shared-memory ring (%s); using gRPC", exc)
+            return f"the server could not create a shared-memory ring: {exc}"
+        self._layout = layout
+        return ""
+
+    def _draw_into_ring(self, table: Table, request: pb.SampleRequest, index: int) -> bytes:
+        ring, layout = self._ring, self._layout
+        assert ring is not None and layout is not None
+        slot = index % ring.slots
+        views = layout.views(ring, slot)
+        n = len(layout.keys)
+        columns = dict(zip(layout.keys, views[:n]))
+        batch = table.sample(request.batch_size, out=columns)
+        for dest, src in zip(views[n:], batch.extras):
+            dest.copy_(src)
+        return encode_ring_batch(columns, views[n:], index, slot, layout.offsets)
+
+    def _close_ring(self) -> None:
+        ring, self._ring = self._ring, None
+        self._ring_accepted = False
+        if ring is not None:
+            ring.unlink()
+            ring.close()
+
+
+def _parse_first(raw: bytes) -> pb.SampleStreamRequest:
+    try:
+        first = pb.SampleStreamRequest.FromString(raw)
+    except Exception as exc:
+        raise InvalidArgumentError(f"malformed SampleStreamRequest: {exc}") from None
+    if not first.HasField("request"):
+        raise InvalidArgumentError("the first SampleStream message must carry `request`")
+    request = first.request
+    for name in ("num_batches", "batches_per_message"):
+        if getattr(request, name) < 0:
+            raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(request, name)}")
+    if not 1 <= first.credits <= MAX_CREDITS:
+        raise InvalidArgumentError(
+            f"the first SampleStream message must grant credits in [1, {MAX_CREDITS}] (the "
+            f"prefetch window), got {first.credits}")
+    return first

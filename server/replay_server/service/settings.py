@@ -1,0 +1,128 @@
+"""How the server listens and runs: a frozen dataclass, validated at construction.
+
+The ``[server]`` section of a config file (read by
+:mod:`replay_server.app.config_file`) becomes a :class:`ServerSettings`;
+so can a program that builds one directly (the embedded server). Every bad
+value raises :class:`~replay_server.errors.ConfigError` naming the field and
+the value.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from replay_server.engine.config import TableConfig, default_table_configs
+from replay_server.errors import ConfigError
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    """How the server listens and runs.
+
+    Attributes:
+        address: ``host:port`` to listen on (port 0: any free port).
+        pin_memory: ``"auto"`` pins table storage when a CUDA device is
+            present; ``"true"`` without one is an error; ``"false"`` never pins.
+        auth_token_env: environment variable holding the token clients must
+            send (``authorization: Bearer <token>``); ``None``: no auth.
+        max_message_mb: largest gRPC message either way, in MiB.
+        workers: threads that run engine work off the event loop.
+        log_format: ``"text"`` or ``"json"`` (one JSON object per line).
+        shared_memory: offer learners on this host a shared-memory ring for
+            ``SampleStream`` batches (they fall back to gRPC when they cannot map it).
+        checkpoint_dir: where checkpoints are written and restored from
+            (relative: to the working directory; created if missing);
+            ``None``: no persistence.
+        checkpoint_interval_s: seconds between timed checkpoints (counted
+            from the end of the previous one); 0: only on request and at shutdown.
+        keep_latest: complete checkpoints kept (older ones are removed).
+        tables: the tables to serve.
+    """
+
+    address: str = DEFAULT_ADDRESS
+    pin_memory: str = "auto"
+    auth_token_env: str | None = None
+    max_message_mb: int = 64
+    workers: int = 4
+    log_format: str = "text"
+    shared_memory: bool = True
+    checkpoint_dir: str | None = None
+    checkpoint_interval_s: float = 600.0
+    keep_latest: int = 3
+    tables: tuple[TableConfig, ...] = field(default_factory=lambda: tuple(default_table_configs()))
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.address, str) or not _ADDRESS.match(self.address) or not (
+            0 <= int(self.address.rsplit(":", 1)[1]) <= 65535
+        ):
+            raise ConfigError(f"server.address must be 'host:port', got {self.address!r}")
+        if self.pin_memory not in ("auto", "true", "false"):
+            raise ConfigError(
+                f"server.pin_memory must be 'auto', 'true' or 'false', got {self.pin_memory!r}"
+            )
+        if self.pin_memory == "true" and not torch.cuda.is_available():
+            raise ConfigError(
+                "server.pin_memory is 'true' but no CUDA device is available; use 'auto' to pin "
+                "only where an accelerator is present, or 'false'"
+            )
+        if self.auth_token_env is not None and (
+            not isinstance(self.auth_token_env, str) or not self.auth_token_env
+        ):
+            raise ConfigError(
+                f"server.auth_token_env must name an environment variable, got "
+                f"{self.auth_token_env!r}"
+            )
+        _check_int("server.max_message_mb", self.max_message_mb, 1, 2047)
+        _check_int("server.workers", self.workers, 1, 256)
+        if not isinstance(self.shared_memory, bool):
+            raise ConfigError(f"server.shared_memory must be true or false, got {self.shared_memory!r}")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"server.log_format must be 'text' or 'json', got {self.log_format!r}")
+        if self.checkpoint_dir is not None and (
+            not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir
+        ):
+            raise ConfigError(
+                f"server.checkpoint_dir must be a directory path, got {self.checkpoint_dir!r}")
+        interval = self.checkpoint_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
+            0 <= interval < float("inf")
+        ):
+            raise ConfigError(
+                f"server.checkpoint_interval_s must be a number of seconds >= 0 (0: only on "
+                f"request and at shutdown), got {interval!r}")
+        _check_int("server.keep_latest", self.keep_latest, 1, 1_000_000)
+        names = [t.name for t in self.tables]
+        if not names:
+            raise ConfigError("the config declares no [[tables]]")
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(f"table names must be unique; repeated: {duplicates}")
+
+    @property
+    def pinned(self) -> bool:
+        """Whether table storage is pinned, ``pin_memory`` resolved."""
+        return self.pin_memory == "true" or (
+            self.pin_memory == "auto" and torch.cuda.is_available()
+        )
+
+    @property
+    def table_configs(self) -> tuple[TableConfig, ...]:
+        """The tables, each with ``pin_memory`` resolved from the server's setting."""
+        pinned = self.pinned
+        return tuple(replace(t, pin_memory=pinned) for t in self.tables)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_message_mb * 1024 * 1024
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")

@@ -1,0 +1,84 @@
+"""``replay-server`` as a real process: serve, health, info, shutdown."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from tests.conftest import start_server
+
+
+def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "replay_server.app.cli", *args],
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_serve_without_config_announces_the_default_tables(server):
+    log = server.log()
+    assert "no config given: serving the default tables" in log
+    for name in ("replay", "uniform", "slice", "prioritized_slice"):
+        assert f"table {name!r}" in log
+    assert f"listening on 127.0.0.1:{server.port}" in log
+
+
+def test_health_reports_serving(server):
+    result = _cli("health", "--address", server.address)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SERVING" in result.stdout
+
+
+def test_health_of_a_dead_address_fails_naming_it():
+    result = _cli("health", "--address", "127.0.0.1:1", "--timeout", "2")
+    assert result.returncode == 1
+    assert "127.0.0.1:1" in result.stdout and "UNAVAILABLE" in result.stdout
+
+
+def test_info_prints_every_table_as_a_readable_table(server):
+    from replay_client import ReplayClient
+
+    import torch
+
+    ReplayClient(server.address).insert("uniform", {"obs": torch.zeros(3, 2)})
+    result = _cli("info", "--address", server.address)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split()[:4] == ["table", "sampler", "size", "capacity"]
+    uniform = next(line for line in lines if line.startswith("uniform "))
+    assert uniform.split()[1:4] == ["uniform", "3", "100,000"]
+    assert "uniform columns: obs: float32[2]" in result.stdout
+
+
+def test_sigterm_drains_and_exits_zero(tmp_path):
+    proc = start_server(tmp_path)
+    assert proc.stop(signal.SIGTERM) == 0
+    log = proc.log()
+    assert "SIGTERM received: draining" in log and "stopped" in log
+
+
+def test_sigint_also_stops_cleanly(tmp_path):
+    proc = start_server(tmp_path)
+    assert proc.stop(signal.SIGINT) == 0
+
+
+def test_bad_config_exits_2_with_the_reason(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('[[tables]]\nname = "t"\ncapacity = 0\n')
+    result = _cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "capacity must be an integer" in result.stderr and "0" in result.stderr
+
+
+def test_json_log_format_writes_one_object_per_line(server_factory):
+    import json
+
+    proc = server_factory('[server]\nlog_format = "json"\n[[tables]]\nname = "t"\ncapacity = 10\n')
+    records = [json.loads(line) for line in proc.log().splitlines() if line.startswith("{")]
+    assert any(r["msg"].startswith("listening on") for r in records)
+    assert all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
+
+
+def test_checkpoint_without_a_checkpoint_dir_exits_1_saying_why(server):
+    result = _cli("checkpoint", "--address", server.address)
+    assert result.returncode == 1
+    assert "FAILED_PRECONDITION" in result.stderr and "server.checkpoint_dir" in result.stderr

@@ -1,0 +1,88 @@
+"""Embedded mode: the server in the learner's process; actors over gRPC, sampling without sockets."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from replay_client import ReplayClient
+from replay_server.app.embedded import EmbeddedServer
+from replay_server.errors import ConfigError, InvalidArgumentError, UnknownTableError
+from replay_server.app.config_file import settings_from_dict
+from tests.conftest import wait_for
+
+SETTINGS = {
+    "server": {"address": "127.0.0.1:0"},
+    "tables": [{"name": "replay", "capacity": 1000, "sampler": "prioritized", "seed": 1},
+               {"name": "seq", "capacity": 1000, "sampler": "slice", "slice_len": 4}],
+}
+
+
+def test_actors_insert_over_grpc_and_the_learner_samples_in_process():
+    with EmbeddedServer(settings_from_dict(SETTINGS)) as server:
+        actor = ReplayClient(server.address)
+        actor.insert("replay", {"row": torch.arange(300), "obs": torch.randn(300, 4)})
+        stream = server.stream("replay", 32, num_batches=20)
+        count = 0
+        for batch in stream:
+            assert torch.equal(batch.data["row"], batch.ids)
+            count += 1
+        assert count == 20 and stream.transport == "in_process"
+        # The learner's priority updates go straight to the table, too.
+        assert server.tables["replay"].update_priorities(batch.ids, torch.full((32,), 5.0)) == 32
+        actor.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("replay-")]
+
+
+def test_slices_and_a_transform_in_process():
+    with EmbeddedServer(settings_from_dict(SETTINGS), listen=False) as server:
+        assert server.address is None
+        steps = torch.arange(400)
+        server.tables["seq"].insert({"row": steps, "episode": steps // 40})
+
+        def transform(batch):
+            return {"row": batch.data["row"], "episode": batch.data["episode"]}
+
+        for out in server.stream("seq", 8, num_batches=5, transform=transform):
+            assert out["row"].shape == (8, 4)
+            assert bool((out["episode"] == out["episode"][:, :1]).all())
+            assert bool((out["row"][:, 1:] - out["row"][:, :-1] == 1).all())
+
+
+def test_embedded_errors_are_typed():
+    with EmbeddedServer(settings_from_dict(SETTINGS), listen=False) as server:
+        with pytest.raises(UnknownTableError):
+            server.stream("nope", 8)
+        with pytest.raises(InvalidArgumentError, match="batch_size"):
+            server.stream("replay", 0)
+        if not torch.cuda.is_available():
+            with pytest.raises(InvalidArgumentError, match="pin_memory=True needs an accelerator"):
+                server.stream("replay", 8, pin_memory=True)
+
+
+def test_an_address_in_use_is_a_config_error():
+    with EmbeddedServer(settings_from_dict(SETTINGS)) as first:
+        taken = dict(SETTINGS, server={"address": first.address})
+        with pytest.raises(ConfigError, match="cannot listen"):
+            EmbeddedServer(settings_from_dict(taken))
+
+
+def test_in_process_stream_waits_for_the_rate_limiter():
+    settings = settings_from_dict({"server": {"address": "127.0.0.1:0"}, "tables": [
+        {"name": "limited", "capacity": 1000, "min_size_to_sample": 100}]})
+    with EmbeddedServer(settings, listen=False) as server:
+        table = server.tables["limited"]
+        table.insert({"row": torch.arange(50)})
+        stream = server.stream("limited", 8, num_batches=2)
+
+        def fill_later():
+            assert wait_for(lambda: table.changes.waiters == 1)  # the stream waits on the table
+            table.insert({"row": torch.arange(50, 150)})
+
+        filler = threading.Thread(target=fill_later)
+        filler.start()
+        batches = [batch.ids.clone() for batch in stream]  # blocks until the table holds 100 rows
+        filler.join()
+        assert len(batches) == 2 and table.info().size == 150

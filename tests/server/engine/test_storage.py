@@ -1,0 +1,45 @@
+"""Column storage: every supported dtype round-trips, wrapping writes, strided inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replay_proto.dtypes import DTYPES
+from replay_server.engine.schema import FieldSpec, Schema
+from replay_server.engine.storage import ColumnStorage
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_every_supported_dtype_round_trips(name):
+    dtype = DTYPES[name]
+    storage = ColumnStorage(Schema({"x": FieldSpec(dtype, (2,))}), capacity=8)
+    rows = (torch.arange(12).reshape(6, 2) % 3).to(dtype)
+    storage.write(5, {"x": rows})  # slots 5, 6, 7, 0, 1, 2
+    got = storage.gather(torch.tensor([[5, 6, 7], [0, 1, 2]]))["x"]
+    assert got.dtype == dtype and got.shape == (2, 3, 2)
+    assert torch.equal(got.reshape(6, 2), rows)
+
+
+def test_strided_and_grad_requiring_inputs_are_copied_as_values():
+    storage = ColumnStorage(Schema({"x": FieldSpec(torch.float32, ())}), capacity=4)
+    source = torch.arange(8, dtype=torch.float32, requires_grad=True)
+    storage.write(0, {"x": source[::2]})
+    assert storage.gather(torch.arange(4))["x"].tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+def test_gather_returns_copies_not_views_of_storage():
+    storage = ColumnStorage(Schema({"x": FieldSpec(torch.int64, ())}), capacity=4)
+    storage.write(0, {"x": torch.arange(4)})
+    got = storage.gather(torch.tensor([1]))["x"]
+    storage.write(1, {"x": torch.tensor([99])})
+    assert got.tolist() == [1]
+
+
+def test_pin_memory_without_an_accelerator_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("an accelerator is present")
+    from replay_server.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="pin_memory is true but no CUDA device"):
+        ColumnStorage(Schema({"x": FieldSpec(torch.float32, ())}), capacity=4, pin_memory=True)
