@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install proto serve test soak bench bench-engine bench-service bench-learner clean
+.PHONY: install proto serve lint test soak bench bench-engine bench-service bench-learner clean
 
 $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +23,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/replay-server serve $(if $(CONFIG),--config $(CONFIG),)
 
-test: $(STAMP)
+# Pyflakes-level checks first (undefined or unused names), then the suite.
+lint: $(STAMP)
+	$(BIN)/ruff check --quiet --select F,E9 .
+
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 soak: $(STAMP)
