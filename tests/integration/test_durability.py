@@ -25,7 +25,7 @@ from replay_client import ReplayClient, ReplayError, errors
 from replay_server import TableSet
 from replay_server.checkpoint import load_checkpoint
 from replay_server.app.config_file import settings_from_dict
-from tests.conftest import ServerProcess, start_server
+from tests.conftest import ServerProcess, start_server, wait_for
 from tests.integration.test_unavailable import free_port
 
 WAIT_S = 60
@@ -393,6 +393,9 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
     try:
         _wait_health(stopped.address, "NOT_SERVING")
         stopped.process.send_signal(signal.SIGTERM)
+        # Unblock the reader only once the server has taken the signal (else the restore may
+        # finish first, and the server then drains normally).
+        assert wait_for(lambda: "SIGTERM received" in stopped.log())
         os.close(os.open(fifo, os.O_WRONLY))
         assert stopped.process.wait(WAIT_S) == 0
     finally:
