@@ -27,7 +27,7 @@ from replay_feed.stream import BatchStream
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.dtypes import dtype_name
-from replay_proto.keys import flatten
+from replay_proto.rows import rows_of
 from replay_proto.sample_codec import decode_sample
 from replay_proto.v1 import replay_pb2 as pb
 
@@ -404,9 +404,9 @@ def _tensor(value: Any, what: str) -> torch.Tensor:
         raise InvalidArgumentError(f"{what} is not a tensor or array: {exc}") from None
 
 
-def _columns(data: Any) -> dict[str, torch.Tensor]:
+def _columns(data: Any, **rows: Any) -> dict[str, torch.Tensor]:
     try:
-        flat = flatten(data)
+        flat = rows_of(data, **rows)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(str(exc)) from None
     columns = {}
