@@ -1,7 +1,8 @@
 """replay_client: the client library of replay-server.
 
 ``ReplayClient`` talks to a server over gRPC; ``Writer`` appends an actor's
-steps in the background; errors are typed (``replay_client.errors``). This
+steps in the background; ``RemoteReplayBuffer`` puts a table behind TorchRL's
+replay-buffer API; errors are typed (``replay_client.errors``). This
 package never imports ``replay_server``.
 """
 
@@ -12,5 +13,14 @@ from replay_client.variables import Variable
 from replay_client.writer import Writer
 from replay_proto.batch import SampleBatch
 
-__all__ = ["ReplayClient", "ReplayError", "SampleBatch", "TableInfo", "Variable", "Writer",
-           "errors"]
+__all__ = ["RemoteReplayBuffer", "ReplayClient", "ReplayError", "SampleBatch", "TableInfo",
+           "Variable", "Writer", "errors"]
+
+
+def __getattr__(name: str) -> object:
+    # RemoteReplayBuffer imports tensordict: only when asked for.
+    if name == "RemoteReplayBuffer":
+        from replay_client.torchrl_buffer import RemoteReplayBuffer
+
+        return RemoteReplayBuffer
+    raise AttributeError(f"module 'replay_client' has no attribute {name!r}")

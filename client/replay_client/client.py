@@ -146,11 +146,13 @@ class ReplayClient:
     # ------------------------------------------------------------------- API
 
     def insert(self, table: str, data: Any, priorities: Any = None) -> torch.Tensor:
-        """Append rows (leading dim = rows) to ``table``; returns their int64 ids.
+        """Append rows to ``table``; returns their int64 ids.
 
         Args:
             table: table name.
-            data: mapping (nested allowed), TensorDict, tensors or numpy arrays.
+            data: mapping (nested allowed) of tensors or numpy arrays, rows along
+                the leading dim; or a TensorDict, whose batch dims say what a row
+                is (``[n_envs, T]``: ``n_envs * T`` rows, see :mod:`replay_proto.rows`).
             priorities: ``[rows]`` priorities (prioritized tables only).
 
         Raises:
@@ -468,9 +470,9 @@ def _tensor(value: Any, what: str) -> torch.Tensor:
         raise InvalidArgumentError(f"{what} is not a tensor or array: {exc}") from None
 
 
-def _columns(data: Any, **rows: Any) -> dict[str, torch.Tensor]:
+def _columns(data: Any) -> dict[str, torch.Tensor]:
     try:
-        flat = rows_of(data, **rows)
+        flat = rows_of(data)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(str(exc)) from None
     columns = {}

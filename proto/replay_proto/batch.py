@@ -20,9 +20,6 @@ from replay_proto.keys import flatten, unflatten
 EXTRAS = ("ids", "weights", "probabilities")
 """The tensors every sample carries besides its columns, in wire order."""
 
-TORCHRL_KEYS = {"index": "ids", "_weight": "importance weights"}
-"""The keys :meth:`SampleBatch.to_tensordict` adds, as TorchRL's samplers name them."""
-
 
 @dataclass(frozen=True, init=False, eq=False)
 class SampleBatch:
@@ -91,12 +88,14 @@ class SampleBatch:
             raise ValueError(f"expected {n + len(EXTRAS)} tensors, got {len(tensors)}")
         return SampleBatch.from_columns(dict(zip(self.columns, tensors[:n])), *tensors[n:])
 
-    def to_tensordict(self) -> Any:
+    def to_tensordict(self, weight_key: str = "_weight") -> Any:
         """The batch as a ``tensordict.TensorDict``, with TorchRL's names for the extras.
 
         The data keep their nested keys; ``"index"`` holds the ids and
-        ``"_weight"`` the importance weights, as TorchRL's samplers name them.
-        The batch dimensions are the ids' shape: ``[batch]`` for row
+        ``weight_key`` the importance weights: ``"_weight"`` by default (the
+        design's name, TorchRL's before 0.10); current TorchRL releases and
+        their losses read ``"priority_weight"``, which ``RemoteReplayBuffer``
+        uses. The batch dimensions are the ids' shape: ``[batch]`` for row
         samplers, ``[batch, slice_len]`` for slice samplers, where each step
         carries its slice's weight. Tensors are shared, not copied (a view
         of a stream's staging buffer stays one). Usable as a stream's
@@ -104,21 +103,21 @@ class SampleBatch:
 
         Raises:
             ModuleNotFoundError: tensordict is not installed.
-            ValueError: the data has a column named ``index`` or ``_weight``.
+            ValueError: the data has a column named ``index`` or ``weight_key``.
         """
         from tensordict import TensorDict
 
-        clash = [key for key in TORCHRL_KEYS if key in self.columns]
-        if clash:
-            raise ValueError(f"the batch has a column named {clash[0]!r}, which to_tensordict "
-                             f"uses for the {TORCHRL_KEYS[clash[0]]}; rename that column")
+        for key, what in (("index", "ids"), (weight_key, "importance weights")):
+            if key in self.columns:
+                raise ValueError(f"the batch has a column named {key!r}, which to_tensordict "
+                                 f"uses for the {what}; rename that column")
         lead = self.ids.shape
         weights = self.weights
         if len(lead) > 1:
             weights = weights.reshape(-1, *([1] * (len(lead) - 1))).expand(lead)
         td = TensorDict(self.data, batch_size=lead, device=self.ids.device)
         td.set("index", self.ids)
-        td.set("_weight", weights)
+        td.set(weight_key, weights)
         return td
 
     def __repr__(self) -> str:

@@ -104,3 +104,8 @@ def test_to_tensordict_refuses_a_column_named_like_an_extra() -> None:
 def test_to_tensordict_works_as_an_unbound_transform() -> None:
     transform = SampleBatch.to_tensordict
     assert set(transform(row_batch()).keys()) == {"obs", "action", "index", "_weight"}
+
+
+def test_to_tensordict_weight_key_can_be_torchrls_current_name() -> None:
+    td = row_batch().to_tensordict("priority_weight")
+    assert "priority_weight" in td.keys() and "_weight" not in td.keys()
