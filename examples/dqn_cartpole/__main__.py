@@ -167,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     reached: tuple[float, int] | None = None
     next_eval = time.monotonic() + args.eval_every_s
     stream = client.stream("replay", args.batch_size, prefetch=4, wait_timeout=60)
-    stopping_since: float | None = None
     error = ""
 
     def drain() -> None:
@@ -187,43 +186,37 @@ def main(argv: list[str] | None = None) -> int:
             learner.update(batch)
             drain()
             steps = sum(actor_steps)
-            elapsed = time.monotonic() - start
-            if stopping_since is None:
-                out_of_budget = elapsed > args.max_seconds or (
-                    args.max_env_steps and steps >= args.max_env_steps)
-                if time.monotonic() >= next_eval or out_of_budget:
-                    score = evaluate(learner.net)
-                    evals.append((steps, score))
-                    next_eval = time.monotonic() + args.eval_every_s
-                    if score >= args.target and reached is None:
-                        reached = (time.monotonic() - start, steps)
-                if reached is not None or out_of_budget or finished:
-                    stop.set()
-                    stopping_since = time.monotonic()
-            elif len(finished) == args.actors or time.monotonic() - stopping_since > 30:
+            out_of_budget = time.monotonic() - start > args.max_seconds or (
+                args.max_env_steps and steps >= args.max_env_steps)
+            if time.monotonic() >= next_eval or out_of_budget:
+                score = evaluate(learner.net)
+                evals.append((steps, score))
+                next_eval = time.monotonic() + args.eval_every_s
+                if score >= args.target:
+                    reached = (time.monotonic() - start, steps)
+            if reached is not None or out_of_budget or finished:
                 break
-            info = client.info()["replay"] if learner.updates % 50 == 0 else None
-            if info is not None:
+            if learner.updates % 50 == 0:
+                info = client.info()["replay"]
                 progress.show(steps, [r for _, r in episodes], evals[-1][1] if evals else None,
                               info.size / info.capacity, learner.updates)
     except errors.DeadlineExceededError as exc:
-        if stopping_since is None:
-            error = f"the learner's stream timed out: {exc}"
+        error = f"the learner's stream timed out (did the actors stop?): {exc}"
     except KeyboardInterrupt:
         error = "interrupted"
     finally:
+        # Learner first, then the server (waiting inserts end at once), then the actors.
         stream.close()
         stop.set()
-        drain()
-        for proc in actors:
-            proc.join(timeout=20)
-            if proc.is_alive():
-                proc.terminate()
-        drain()
         client.flush_updates()
         info = client.info()["replay"]
         server.send_signal(signal.SIGTERM)
-        server.wait(timeout=30)
+        server.wait(timeout=60)
+        for proc in actors:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+        drain()
     progress.show(sum(actor_steps), [r for _, r in episodes], evals[-1][1] if evals else None,
                   info.size / info.capacity, learner.updates, force=True)
     print()

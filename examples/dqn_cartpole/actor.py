@@ -63,7 +63,7 @@ def run_actor(index: int, address: str, report: multiprocessing.Queue, stop: mul
     """Act until ``stop`` is set; report ``("episode", index, env_steps, return)`` and,
     at the end, ``("actor_done", index, env_steps, versions_loaded, error)``."""
     torch.set_num_threads(1)
-    client = ReplayClient(address, timeout=None)  # inserts may wait for the rate limiter
+    client = ReplayClient(address, timeout=60)  # inserts may wait for the rate limiter
     net = q_network()
     versions: list[int] = []
     generator = torch.Generator().manual_seed(seed)
@@ -105,7 +105,8 @@ def run_actor(index: int, address: str, report: multiprocessing.Queue, stop: mul
                         versions.append(newer.version)
                     report.put(("steps", index, steps, 0.0))
     except Exception as exc:  # reported to the demo, which fails loudly
-        error = f"{type(exc).__name__}: {exc}"
+        if not stop.is_set():  # once stopping, the server going away is expected
+            error = f"{type(exc).__name__}: {exc}"
     finally:
         report.put(("actor_done", index, steps, versions, error))
         time.sleep(0.1)  # let the queue's feeder thread flush
