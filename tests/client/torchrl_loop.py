@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -136,5 +135,3 @@ def run_torchrl(kind: str) -> dict[str, Any]:
 if __name__ == "__main__":
     print(json.dumps(run_torchrl(sys.argv[1])))
 
-
-Factory = Callable[[], Any]
