@@ -17,6 +17,11 @@ does not notice beyond ``stream.stats.reconnects``. With ``reconnect=False``,
 or when the server stays away longer, the learner gets
 :class:`~replay_client.errors.UnavailableError` after the batches already
 received. Every other server error ends the stream with its typed exception.
+
+Waiting for data (``wait``, the default): each request asks the server to
+hold a batch while the table cannot serve it, so a learner that starts
+before its actors, or reconnects to a restarted server whose tables are
+empty, waits instead of failing with ``EmptyTableError``.
 """
 
 from __future__ import annotations

@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress(args.max_seconds)
     actor_steps = [0] * args.actors
     finished: dict[int, tuple[list[int], str]] = {}
+    ready: set[int] = set()  # actors that loaded the first weights
     episodes: list[tuple[int, float]] = []
     evals: list[tuple[int, float]] = []
     reached: tuple[float, int] | None = None
@@ -180,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
                 episodes.append((sum(actor_steps), rest[0]))
             elif kind == "actor_done":
                 finished[index] = (rest[0], rest[1])
+            elif kind == "ready":
+                ready.add(index)
 
     try:
         for batch in stream:
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             drain()
             steps = sum(actor_steps)
             out_of_budget = time.monotonic() - start > args.max_seconds or (
-                args.max_env_steps and steps >= args.max_env_steps)
+                args.max_env_steps and steps >= args.max_env_steps and len(ready) == args.actors)
             if time.monotonic() >= next_eval or out_of_budget:
                 score = evaluate(learner.net)
                 evals.append((steps, score))

@@ -60,8 +60,9 @@ class NStep:
 
 def run_actor(index: int, address: str, report: multiprocessing.Queue, stop: multiprocessing.Event,
               *, envs: int, epsilon_steps: int, seed: int) -> None:
-    """Act until ``stop`` is set; report ``("episode", index, env_steps, return)`` and,
-    at the end, ``("actor_done", index, env_steps, versions_loaded, error)``."""
+    """Act until ``stop`` is set; report ``("ready", index, 0, version)`` once the first
+    weights are loaded, ``("episode", index, env_steps, return)`` per episode and, at the
+    end, ``("actor_done", index, env_steps, versions_loaded, error)``."""
     torch.set_num_threads(1)
     client = ReplayClient(address, timeout=60)  # inserts may wait for the rate limiter
     net = q_network()
@@ -75,6 +76,7 @@ def run_actor(index: int, address: str, report: multiprocessing.Queue, stop: mul
             raise TimeoutError("no policy was published within 120 s")
         net.load_state_dict(policy)
         versions.append(policy.version)
+        report.put(("ready", index, 0, policy.version))
         vec = [gym.make("CartPole-v1") for _ in range(envs)]
         obs = np.stack([env.reset(seed=seed * 1000 + i)[0] for i, env in enumerate(vec)])
         returns = np.zeros(envs)

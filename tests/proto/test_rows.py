@@ -116,3 +116,14 @@ def test_episode_key_name_is_configurable() -> None:
 def test_non_mappings_are_refused(bad) -> None:
     with pytest.raises(TypeError):
         rows_of(bad)
+
+
+def test_the_wire_package_does_not_import_tensordict() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, replay_proto, replay_proto.rows, replay_proto.batch, "
+            "replay_proto.variable_codec, replay_proto.sample_codec, replay_proto.messages; "
+            "assert 'tensordict' not in sys.modules, 'tensordict was imported'")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
