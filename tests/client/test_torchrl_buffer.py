@@ -71,7 +71,7 @@ def compare(theirs: dict, mine: dict, prioritized: bool) -> None:
     assert mine["extend_sets_index"]
     structural = ["extend_returns", "len", "add_returns_int",
                   "len_after_add", "sample_keys", "sample_batch_size", "index_names_extended_rows",
-                  "sample_of_8", "info_keys", "iter_batch_size"]
+                  "sample_of_8", "info_keys", "iter_batch_size", "update_priority_warns"]
     if prioritized:
         structural += ["weights", "weights_in_0_1", "hot_rows_weigh_less"]
     for key in structural:

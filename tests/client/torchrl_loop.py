@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -85,7 +86,9 @@ def run_loop(rb: Any, prioritized: bool) -> dict[str, Any]:
     record["sample_keys"] = describe(s)
     record["sample_batch_size"] = list(s.batch_size)
     record["index_names_extended_rows"] = set(s["index"].tolist()) <= extended | {added}
-    record["sample_of_8"] = list(rb.sample(8).batch_size)
+    with warnings.catch_warnings():  # TorchRL warns that 8 differs from batch_size
+        warnings.simplefilter("ignore")
+        record["sample_of_8"] = list(rb.sample(8).batch_size)
     _, info = rb.sample(return_info=True)
     record["info_keys"] = sorted(info)
     if prioritized:
@@ -95,18 +98,23 @@ def run_loop(rb: Any, prioritized: bool) -> dict[str, Any]:
 
     record["uniform_hot_share"] = hot_share(rb)[0]
     # A loss step: td_error from the batch, priorities updated through the TensorDict.
-    for _ in range(60):
-        s = rb.sample()
-        s["td_error"] = torch.where(s["observation"][:, 0] < HOT, 100.0, 0.01)
-        rb.update_tensordict_priority(s)
+    with warnings.catch_warnings():  # a uniform buffer may warn: it has no priorities
+        warnings.simplefilter("ignore")
+        for _ in range(60):
+            s = rb.sample()
+            s["td_error"] = torch.where(s["observation"][:, 0] < HOT, 100.0, 0.01)
+            rb.update_tensordict_priority(s)
     share, hot_w, cold_w = hot_share(rb)
     record["hot_share_after_td_updates"] = share
     if prioritized:
         record["hot_rows_weigh_less"] = hot_w is not None and cold_w is not None and hot_w < cold_w
-    # Direct updates by index: every sampled row back to one priority.
-    for _ in range(60):
-        s = rb.sample()
-        rb.update_priority(s["index"], torch.ones(s.batch_size))
+    # Direct updates by index: every sampled row back to one priority (a uniform buffer warns).
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(60):
+            s = rb.sample()
+            rb.update_priority(s["index"], torch.ones(s.batch_size))
+    record["update_priority_warns"] = any("priorit" in str(w.message) for w in caught)
     record["hot_share_after_reset"] = hot_share(rb)[0]
     batch = next(iter(rb))
     record["iter_batch_size"] = list(batch.batch_size)
