@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_client import variables
 from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import (
     InvalidArgumentError,
@@ -19,7 +20,6 @@ from replay_client.errors import (
     MessageTooLargeError,
 )
 from replay_client.stream import NetworkSource
-from replay_client import variables
 from replay_client.updates import PriorityUpdater
 from replay_client.variables import Variable
 from replay_client.writer import Writer

@@ -234,8 +234,7 @@ class SampleStreamCall:
     def _start_draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
                     offer_ring: bool) -> asyncio.Future:
         """Draw in the engine's pool, waiting (without a thread) while the rate limiter holds it."""
-        timeout = request.wait_timeout_s
-        limit = timeout if request.wait_for_data and timeout > 0 else None
+        limit = request.wait_timeout_s if request.wait_timeout_s > 0 else None
         return asyncio.ensure_future(self._calls.change(
             self._context, self._draw, table, request, index, count, offer_ring, aborting=False,
             time_remaining=None if limit is None else lambda: limit))
