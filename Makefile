@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install proto serve lint test soak bench bench-engine bench-service bench-learner clean
+.PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner clean
 
 $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test: $(STAMP) lint
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
+
+# DQN on CartPole through a replay server (examples/dqn_cartpole): server, actors, learner,
+# a progress bar, and dqn_cartpole.png (return against environment steps).
+demo: $(STAMP)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[examples]'
+	$(BIN)/python -m examples.dqn_cartpole $(DEMO_ARGS)
 
 # Side-by-side benchmarks. The anchors live in their own virtualenvs
 # (TorchRL needs torch 2.14.x for its compiled extension).

@@ -1,14 +1,26 @@
 """replay_client: the client library of replay-server.
 
 ``ReplayClient`` talks to a server over gRPC; ``Writer`` appends an actor's
-steps in the background; errors are typed (``replay_client.errors``). This
+steps in the background; ``RemoteReplayBuffer`` puts a table behind TorchRL's
+replay-buffer API; errors are typed (``replay_client.errors``). This
 package never imports ``replay_server``.
 """
 
 from replay_client import errors
 from replay_client.client import ReplayClient, TableInfo
 from replay_client.errors import ReplayError
+from replay_client.variables import Variable
 from replay_client.writer import Writer
 from replay_proto.batch import SampleBatch
 
-__all__ = ["ReplayClient", "ReplayError", "SampleBatch", "TableInfo", "Writer", "errors"]
+__all__ = ["RemoteReplayBuffer", "ReplayClient", "ReplayError", "SampleBatch", "TableInfo",
+           "Variable", "Writer", "errors"]
+
+
+def __getattr__(name: str) -> object:
+    # RemoteReplayBuffer imports tensordict: only when asked for.
+    if name == "RemoteReplayBuffer":
+        from replay_client.torchrl_buffer import RemoteReplayBuffer
+
+        return RemoteReplayBuffer
+    raise AttributeError(f"module 'replay_client' has no attribute {name!r}")

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_client.connection import Connection
+from replay_client import variables
+from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import (
     InvalidArgumentError,
     InvalidIdsError,
@@ -20,6 +21,7 @@ from replay_client.errors import (
 )
 from replay_client.stream import NetworkSource
 from replay_client.updates import PriorityUpdater
+from replay_client.variables import Variable
 from replay_client.writer import Writer
 from replay_feed.core import FeedCore
 from replay_feed.delivery import resolve_delivery
@@ -27,7 +29,7 @@ from replay_feed.stream import BatchStream
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.dtypes import dtype_name
-from replay_proto.keys import flatten
+from replay_proto.rows import rows_of
 from replay_proto.sample_codec import decode_sample
 from replay_proto.v1 import replay_pb2 as pb
 
@@ -144,11 +146,13 @@ class ReplayClient:
     # ------------------------------------------------------------------- API
 
     def insert(self, table: str, data: Any, priorities: Any = None) -> torch.Tensor:
-        """Append rows (leading dim = rows) to ``table``; returns their int64 ids.
+        """Append rows to ``table``; returns their int64 ids.
 
         Args:
             table: table name.
-            data: mapping (nested allowed), TensorDict, tensors or numpy arrays.
+            data: mapping (nested allowed) of tensors or numpy arrays, rows along
+                the leading dim; or a TensorDict, whose batch dims say what a row
+                is (``[n_envs, T]``: ``n_envs * T`` rows, see :mod:`replay_proto.rows`).
             priorities: ``[rows]`` priorities (prioritized tables only).
 
         Raises:
@@ -176,16 +180,28 @@ class ReplayClient:
             )
         return messages.decode_insert_response(self._connection.unary("Insert", raw, retry=False))
 
-    def sample(self, table: str, batch_size: int) -> SampleBatch:
+    def sample(self, table: str, batch_size: int, *, wait: bool = False,
+               timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
         """Draw one batch; ``batch.data`` keeps the inserted (nested) structure.
+
+        Args:
+            table: table name.
+            batch_size: rows (or slices).
+            wait: while the table is empty, wait on the server (holding no
+                thread there) for rows to arrive instead of raising
+                :class:`EmptyTableError`; a rate-limited sample always waits.
+            timeout: seconds the call may take, waiting included (default: the
+                client's; ``None``: no limit), then :class:`DeadlineExceededError`.
 
         Raises:
             InvalidArgumentError: ``batch_size`` is not a positive integer (checked here).
             EmptyTableError, UnknownTableError, DeadlineExceededError, ...: from the server.
         """
         _check_int("batch_size", batch_size, 1)
-        request = pb.SampleRequest(table=table, batch_size=batch_size).SerializeToString()
-        return decode_sample(self._connection.unary("Sample", request, retry=True))
+        request = pb.SampleRequest(table=table, batch_size=batch_size,
+                                   wait_for_data=bool(wait)).SerializeToString()
+        return decode_sample(self._connection.unary("Sample", request, retry=True,
+                                                    timeout=timeout))
 
     def update_priorities(
         self, table: str, ids: Any, priorities: Any, *, wait: bool = True
@@ -273,6 +289,43 @@ class ReplayClient:
         self._connection.unary("Reset", pb.ResetRequest(table=table).SerializeToString(),
                                retry=True)
 
+    def publish(self, name: str, state_dict: Any) -> int:
+        """Store ``state_dict`` (tensors only) as the next version of variable ``name``.
+
+        The server keeps the newest version of each name, within its budget
+        (``server.variables_max_mb``), in its checkpoints too; fetches waiting
+        for a newer version are answered at once. Not retried (a retry could
+        publish twice). See :mod:`replay_client.variables`.
+
+        Returns:
+            The version it got: 1 for a new name, then 2, 3, ...
+
+        Raises:
+            InvalidVariableError: not a mapping of non-empty string keys to dense
+                tensors of a supported dtype, empty, or a bad name (nothing sent
+                when the client can tell).
+            VariableBudgetError: the server's variables would exceed its budget.
+            MessageTooLargeError: larger than the message-size limit.
+        """
+        return variables.publish(self._connection, name, state_dict)
+
+    def fetch(self, name: str, newer_than: int | None = None,
+              timeout: float | None = None) -> Variable | None:
+        """The newest version of variable ``name``, as a :class:`~replay_client.variables.Variable`.
+
+        A ``Variable`` is a dict of fresh tensors (``model.load_state_dict(v)``)
+        with ``.version`` attached. With ``newer_than``, only a version newer
+        than that one is returned: the call waits on the server (holding no
+        thread there) until one is published, for at most ``timeout`` seconds
+        (``None``: as long as it takes), and returns ``None`` if none came.
+        ``newer_than=0`` waits for the first publish of a name.
+
+        Raises:
+            UnknownVariableError: nothing was published under ``name`` (without ``newer_than``).
+            InvalidArgumentError: a bad ``newer_than`` or ``timeout``.
+        """
+        return variables.fetch(self._connection, name, newer_than, timeout)
+
     def writer(self, table: str, **options: Any) -> Writer:
         """A :class:`~replay_client.writer.Writer` appending steps to ``table``."""
         return Writer(self, table, **options)
@@ -290,6 +343,8 @@ class ReplayClient:
         batches_per_message: int = 1,
         shared_memory: bool = True,
         reconnect: bool = True,
+        wait: bool = True,
+        wait_timeout: float | None = None,
     ) -> BatchStream:
         """A learner's stream of batches, produced in the background (see ``docs/learner.md``).
 
@@ -329,11 +384,22 @@ class ReplayClient:
                 at least twice this many (one group drawn while one is consumed).
             shared_memory: use a same-host ring when the server offers one.
             reconnect: resume after a lost connection instead of raising.
+            wait: while the table cannot serve a batch (empty, or below its
+                ``min_size_to_sample``), wait on the server for data, also after
+                a reconnect to a restarted server; ``False``: an empty table
+                ends the stream with :class:`EmptyTableError`.
+            wait_timeout: seconds a batch may wait for data (or for the rate
+                limiter) before the stream ends with :class:`DeadlineExceededError`;
+                ``None``: no limit.
 
         Raises:
             InvalidArgumentError: a bad option (``pin_memory=True`` or a CUDA
                 device without CUDA, ``prefetch < 1``, ...), before any network call.
         """
+        if wait_timeout is not None and not (isinstance(wait_timeout, (int, float)) and not
+                                             isinstance(wait_timeout, bool) and wait_timeout > 0):
+            raise InvalidArgumentError(
+                f"wait_timeout must be a number of seconds > 0 or None, got {wait_timeout!r}")
         for name, value, low in (("prefetch", prefetch, 1), ("batch_size", batch_size, 1),
                                  ("num_batches", num_batches, 0),
                                  ("batches_per_message", batches_per_message, 0)):
@@ -353,7 +419,7 @@ class ReplayClient:
             self._connection, table, batch_size, num_batches=num_batches,
             batches_per_message=batches_per_message,
             shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
-            reconnect=reconnect)
+            reconnect=reconnect, wait=wait, wait_timeout=wait_timeout)
         stream = BatchStream(core, source, table)
         if window > prefetch:
             stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
@@ -406,7 +472,7 @@ def _tensor(value: Any, what: str) -> torch.Tensor:
 
 def _columns(data: Any) -> dict[str, torch.Tensor]:
     try:
-        flat = flatten(data)
+        flat = rows_of(data)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(str(exc)) from None
     columns = {}

@@ -96,6 +96,18 @@ class WriterError(ReplayError):
     """A background insert of a :class:`~replay_client.Writer` failed; ``__cause__`` says why."""
 
 
+class InvalidVariableError(InvalidArgumentError):
+    """A state dict cannot be published: not tensors only, empty, a bad name, key or dtype."""
+
+
+class UnknownVariableError(ReplayError):
+    """No variable has been published under that name (fetch with ``newer_than`` to wait)."""
+
+
+class VariableBudgetError(ReplayError):
+    """The server's budget for variables (``server.variables_max_mb``) would be exceeded."""
+
+
 _BY_KIND: dict[ErrorKind, type[ReplayError]] = {
     ErrorKind.SCHEMA_MISMATCH: SchemaMismatchError,
     ErrorKind.INVALID_PRIORITY: InvalidPriorityError,
@@ -113,6 +125,9 @@ _BY_KIND: dict[ErrorKind, type[ReplayError]] = {
     ErrorKind.DEADLINE_EXCEEDED: DeadlineExceededError,
     ErrorKind.UNAVAILABLE: UnavailableError,
     ErrorKind.INTERNAL: InternalError,
+    ErrorKind.INVALID_VARIABLE: InvalidVariableError,
+    ErrorKind.UNKNOWN_VARIABLE: UnknownVariableError,
+    ErrorKind.VARIABLE_BUDGET: VariableBudgetError,
 }
 assert set(_BY_KIND) == set(ErrorKind), "every error kind needs a client class"
 

@@ -17,6 +17,11 @@ does not notice beyond ``stream.stats.reconnects``. With ``reconnect=False``,
 or when the server stays away longer, the learner gets
 :class:`~replay_client.errors.UnavailableError` after the batches already
 received. Every other server error ends the stream with its typed exception.
+
+Waiting for data (``wait``, the default): each request asks the server to
+hold a batch while the table cannot serve it, so a learner that starts
+before its actors, or reconnects to a restarted server whose tables are
+empty, waits instead of failing with ``EmptyTableError``.
 """
 
 from __future__ import annotations
@@ -87,10 +92,13 @@ class NetworkSource:
         shared_memory: offer to read a same-host ring (falls back to gRPC when
             the server cannot or the ring cannot be mapped).
         reconnect: reconnect after a lost connection (see the restart policy).
+        wait: the server waits while the table cannot serve a batch (also after a reconnect).
+        wait_timeout: seconds a batch may wait (``None``: no limit).
     """
 
     def __init__(self, connection: Connection, table: str, batch_size: int, *, num_batches: int,
-                 batches_per_message: int, shared_memory: bool, reconnect: bool) -> None:
+                 batches_per_message: int, shared_memory: bool, reconnect: bool,
+                 wait: bool = True, wait_timeout: float | None = None) -> None:
         self.connection = connection
         self.table = table
         self.batch_size = batch_size
@@ -98,6 +106,8 @@ class NetworkSource:
         self.batches_per_message = batches_per_message
         self.shared_memory = shared_memory
         self.reconnect = reconnect
+        self.wait = wait
+        self.wait_timeout = wait_timeout
         self.lock = threading.Lock()
         self.granted = 0  # credits sent to servers beyond the window (one per batch taken)
         self.core: FeedCore = None  # type: ignore[assignment]  # set by run()
@@ -159,7 +169,9 @@ class NetworkSource:
                 self.granted += taken
         request = pb.SampleRequest(table=self.table, batch_size=self.batch_size,
                                    num_batches=remaining,
-                                   batches_per_message=self.batches_per_message)
+                                   batches_per_message=self.batches_per_message,
+                                   wait_for_data=self.wait,
+                                   wait_timeout_s=self.wait_timeout or 0.0)
         first = pb.SampleStreamRequest(request=request, credits=credits,
                                        shared_memory=self.shared_memory, host_id=host_id())
         outgoing = _Call(self, first.SerializeToString())

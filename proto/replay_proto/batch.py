@@ -88,15 +88,37 @@ class SampleBatch:
             raise ValueError(f"expected {n + len(EXTRAS)} tensors, got {len(tensors)}")
         return SampleBatch.from_columns(dict(zip(self.columns, tensors[:n])), *tensors[n:])
 
-    def to_tensordict(self) -> Any:
-        """``data`` as a ``tensordict.TensorDict`` with the batch's leading dims.
+    def to_tensordict(self, weight_key: str = "_weight") -> Any:
+        """The batch as a ``tensordict.TensorDict``, with TorchRL's names for the extras.
+
+        The data keep their nested keys; ``"index"`` holds the ids and
+        ``weight_key`` the importance weights: ``"_weight"`` by default (the
+        design's name, TorchRL's before 0.10); current TorchRL releases and
+        their losses read ``"priority_weight"``, which ``RemoteReplayBuffer``
+        uses. The batch dimensions are the ids' shape: ``[batch]`` for row
+        samplers, ``[batch, slice_len]`` for slice samplers, where each step
+        carries its slice's weight. Tensors are shared, not copied (a view
+        of a stream's staging buffer stays one). Usable as a stream's
+        transform: ``client.stream(..., transform=SampleBatch.to_tensordict)``.
 
         Raises:
             ModuleNotFoundError: tensordict is not installed.
+            ValueError: the data has a column named ``index`` or ``weight_key``.
         """
         from tensordict import TensorDict
 
-        return TensorDict(self.data, batch_size=self.ids.shape)
+        for key, what in (("index", "ids"), (weight_key, "importance weights")):
+            if key in self.columns:
+                raise ValueError(f"the batch has a column named {key!r}, which to_tensordict "
+                                 f"uses for the {what}; rename that column")
+        lead = self.ids.shape
+        weights = self.weights
+        if len(lead) > 1:
+            weights = weights.reshape(-1, *([1] * (len(lead) - 1))).expand(lead)
+        td = TensorDict(self.data, batch_size=lead, device=self.ids.device)
+        td.set("index", self.ids)
+        td.set(weight_key, weights)
+        return td
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{key}: {list(t.shape)}" for key, t in self.columns.items())

@@ -33,6 +33,9 @@ class ErrorKind(str, Enum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
+    INVALID_VARIABLE = "invalid_variable"
+    UNKNOWN_VARIABLE = "unknown_variable"
+    VARIABLE_BUDGET = "variable_budget"
 
 
 def kind_of(trailing_metadata: object) -> ErrorKind | None:

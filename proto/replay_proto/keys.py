@@ -18,8 +18,8 @@ from typing import Any
 KEY_SEPARATOR = "."
 
 
-def _is_tensordict(obj: object) -> bool:
-    # Duck-typed so that tensordict stays an optional dependency.
+def is_tensordict(obj: object) -> bool:
+    """Whether ``obj`` is a TensorDict (duck typed, so tensordict stays optional here)."""
     return hasattr(obj, "flatten_keys") and hasattr(obj, "batch_size")
 
 
@@ -38,7 +38,7 @@ def flatten(data: Any) -> dict[str, Any]:
         ValueError: a key is empty or contains the separator, or a nested
             mapping is empty.
     """
-    if _is_tensordict(data):
+    if is_tensordict(data):
         data = data.to_dict()
     if not isinstance(data, Mapping):
         raise TypeError(
@@ -72,10 +72,10 @@ def _flatten_into(data: Mapping[Any, Any], prefix: str, out: dict[str, Any]) -> 
         path = prefix + key
         if path in out:
             raise ValueError(f"key {path!r} is given twice (once as a dotted path)")
-        if hasattr(value, "shape") and not _is_tensordict(value):
+        if hasattr(value, "shape") and not is_tensordict(value):
             out[path] = value  # tensors and arrays: skip the (slow) Mapping ABC check
             continue
-        if _is_tensordict(value):
+        if is_tensordict(value):
             value = value.to_dict()
         if isinstance(value, Mapping):
             if not value:

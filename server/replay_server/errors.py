@@ -89,3 +89,15 @@ class CheckpointWriteError(ReplayServerError):
 
 class CheckpointSpaceError(CheckpointWriteError):
     """Writing a checkpoint failed for lack of space (disk full, quota, file size limit)."""
+
+
+class InvalidVariableError(InvalidArgumentError):
+    """A published variable is malformed: bad name, no tensors, an empty key, a bad dtype."""
+
+
+class UnknownVariableError(ReplayServerError):
+    """No variable has been published under the requested name."""
+
+
+class VariableBudgetError(ReplayServerError):
+    """Storing a variable would exceed the server's budget for variables (nothing changed)."""

@@ -228,3 +228,13 @@ def test_bad_feed_options_are_refused():
         FeedCore(0, delivery)
     with pytest.raises(ValueError, match="transform must be callable"):
         FeedCore(2, delivery, transform="not a function")  # type: ignore[arg-type]
+
+
+def test_tensordict_with_index_and_weight_arrives_on_the_device():
+    accel = SlowAccelerator()
+    stream = _stream(RowSource(num_batches=5), accel, transform=SampleBatch.to_tensordict)
+    for out in stream:
+        assert torch.equal(out["index"], out["row"]) and out["index"].dtype == torch.int64
+        assert torch.equal(out["_weight"], torch.ones(16))
+        assert torch.equal(out["obs"][:, 3], out["index"].float())
+    assert accel.copies == 5

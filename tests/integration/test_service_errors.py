@@ -233,7 +233,8 @@ def assert_error(error: BaseException, cls: type[ReplayError], *fragments: str) 
 
 
 def first_batch(client: ReplayClient, table: str, batch_size: int) -> Any:
-    return next(iter(client.stream(table, batch_size, num_batches=1)))
+    # wait=False: a stream waits for data by default (tests/integration/test_data_waits.py)
+    return next(iter(client.stream(table, batch_size, num_batches=1, wait=False)))
 
 
 # --------------------------------------------------------------- unknown table

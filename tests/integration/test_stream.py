@@ -181,7 +181,7 @@ def test_a_server_error_mid_stream_reaches_the_learner_typed(client, tmp_path):
     try:
         other = ReplayClient(proc.address)
         other.insert("rows", {"row": torch.arange(10), "x": torch.zeros(10)})
-        stream = other.stream("rows", 4, prefetch=1)
+        stream = other.stream("rows", 4, prefetch=1, wait=False)  # waiting: test_data_waits
         next(stream)
         other.reset("rows")
         with pytest.raises(errors.EmptyTableError, match="rows"):

@@ -68,3 +68,44 @@ def test_sample_batch_is_frozen() -> None:
     batch = row_batch()
     with pytest.raises(dataclasses.FrozenInstanceError):
         batch.ids = torch.zeros(1)  # type: ignore[misc]
+
+
+def test_to_tensordict_names_ids_index_and_weights_weight_as_torchrl_does() -> None:
+    batch = row_batch()
+    td = row_batch().to_tensordict()
+    assert torch.equal(td["index"], batch.ids) and td["index"].dtype == torch.int64
+    assert torch.equal(td["_weight"], batch.weights) and td["_weight"].dtype == torch.float32
+
+
+def test_to_tensordict_of_slice_sample_gives_each_step_its_slices_weight() -> None:
+    batch = slice_batch()
+    batch = SampleBatch(batch.data, batch.ids, torch.arange(B, dtype=torch.float32),
+                        batch.probabilities)
+    td = batch.to_tensordict()
+    assert td["index"].shape == (B, L) and torch.equal(td["index"], batch.ids)
+    assert td["_weight"].shape == (B, L)
+    assert (td["_weight"] == torch.arange(B, dtype=torch.float32)[:, None]).all()
+
+
+def test_to_tensordict_shares_memory_with_the_batch() -> None:
+    batch = row_batch()
+    td = batch.to_tensordict()
+    assert td["obs", "state"].data_ptr() == batch.columns["obs.state"].data_ptr()
+    assert td["index"].data_ptr() == batch.ids.data_ptr()
+
+
+def test_to_tensordict_refuses_a_column_named_like_an_extra() -> None:
+    batch = SampleBatch({"index": torch.zeros(B)}, torch.arange(B), torch.ones(B),
+                        torch.ones(B, dtype=torch.float64))
+    with pytest.raises(ValueError, match="column named 'index'"):
+        batch.to_tensordict()
+
+
+def test_to_tensordict_works_as_an_unbound_transform() -> None:
+    transform = SampleBatch.to_tensordict
+    assert set(transform(row_batch()).keys()) == {"obs", "action", "index", "_weight"}
+
+
+def test_to_tensordict_weight_key_can_be_torchrls_current_name() -> None:
+    td = row_batch().to_tensordict("priority_weight")
+    assert "priority_weight" in td.keys() and "_weight" not in td.keys()

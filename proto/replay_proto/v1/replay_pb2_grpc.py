@@ -71,6 +71,16 @@ class ReplayServiceStub:
                 request_serializer=replay_dot_v1_dot_replay__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.CheckpointResponse.FromString,
                 _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/replay.v1.ReplayService/Publish',
+                request_serializer=replay_dot_v1_dot_replay__pb2.PublishRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.PublishResponse.FromString,
+                _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/replay.v1.ReplayService/Fetch',
+                request_serializer=replay_dot_v1_dot_replay__pb2.FetchRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.FetchResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServiceServicer:
@@ -176,6 +186,31 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Publish(self, request, context):
+        """Stores a named variable (e.g. a policy's state dict): tensors only, by
+        key, in the tensor codec's layout. The server gives it the next version
+        of that name (1, 2, ...; never reused, kept across checkpoints) and keeps
+        only the newest. Refused whole: INVALID_ARGUMENT (kind
+        "invalid_variable": empty or bad name, no tensors, an empty or repeated
+        key) or RESOURCE_EXHAUSTED (kind "variable_budget": the server's
+        variables would exceed server.variables_max_mb). Waiting Fetch calls of
+        that name are answered.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fetch(self, request, context):
+        """Reads a named variable: the newest version, or, with `newer_than`, the
+        first version newer than that, waiting (holding no server thread) up to
+        `timeout_s` for one to be published. Not found: NOT_FOUND (kind
+        "unknown_variable") when no version exists and no newer_than was given.
+        A wait that ends without a newer version answers `found = false`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -213,6 +248,16 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=replay_dot_v1_dot_replay__pb2.CheckpointRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.CheckpointResponse.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.PublishRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.PublishResponse.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.FetchRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.FetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -405,6 +450,60 @@ class ReplayService:
             '/replay.v1.ReplayService/Checkpoint',
             replay_dot_v1_dot_replay__pb2.CheckpointRequest.SerializeToString,
             replay_dot_v1_dot_replay__pb2.CheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replay.v1.ReplayService/Publish',
+            replay_dot_v1_dot_replay__pb2.PublishRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replay.v1.ReplayService/Fetch',
+            replay_dot_v1_dot_replay__pb2.FetchRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.FetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

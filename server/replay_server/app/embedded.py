@@ -32,7 +32,12 @@ from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
-from replay_server.errors import ConfigError, InvalidArgumentError, RateLimitedError
+from replay_server.errors import (
+    ConfigError,
+    EmptyTableError,
+    InvalidArgumentError,
+    RateLimitedError,
+)
 from replay_server.service.server import ReplayServer
 from replay_server.service.settings import ServerSettings
 
@@ -42,7 +47,8 @@ log = logging.getLogger("replay_server")
 class TableSource:
     """Produces a feed's batches by sampling a table in this process (no sockets, no codec).
 
-    A sample the table's rate limiter holds back waits for the table to change
+    A sample the table's rate limiter holds back, or (``wait``) one from an
+    empty table, waits for the table to change
     (:attr:`Table.changes <replay_server.engine.table.Table.changes>`), then
     tries again, until it passes or the stream stops.
 
@@ -50,12 +56,15 @@ class TableSource:
         table: the table.
         batch_size: rows (or slices) per batch.
         num_batches: batches in all (0: until the learner stops).
+        wait: wait while the table is empty (``False``: raise EmptyTableError).
     """
 
-    def __init__(self, table: Table, batch_size: int, num_batches: int = 0) -> None:
+    def __init__(self, table: Table, batch_size: int, num_batches: int = 0,
+                 wait: bool = True) -> None:
         self.table = table
         self.batch_size = batch_size
         self.num_batches = num_batches
+        self.wait = wait
         self._stopped = threading.Event()
 
     def run(self, core: FeedCore) -> None:
@@ -87,6 +96,10 @@ class TableSource:
                 return self.table.sample(self.batch_size, out=out)
             except RateLimitedError:
                 changes.wait(mark)
+            except EmptyTableError:
+                if not self.wait:
+                    raise
+                changes.wait(mark)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -96,7 +109,7 @@ class TableSource:
 def stream_table(
     table: Table, batch_size: int, *, prefetch: int = 2, device: Any = None,
     pin_memory: bool | str = "auto", transform: Callable[[SampleBatch], Any] | None = None,
-    num_batches: int = 0,
+    num_batches: int = 0, wait: bool = True,
 ) -> BatchStream:
     """A learner's stream over an in-process table (arguments as ``ReplayClient.stream``).
 
@@ -109,7 +122,7 @@ def stream_table(
         raise InvalidArgumentError(str(exc)) from None
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    return BatchStream(core, TableSource(table, batch_size, num_batches), table.name)
+    return BatchStream(core, TableSource(table, batch_size, num_batches, wait), table.name)
 
 
 class EmbeddedServer:

@@ -24,6 +24,7 @@ from replay_server.errors import CheckpointWriteError
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
+from replay_server.engine.variables import VariableStore
 
 log = logging.getLogger("replay_server.checkpoint")
 
@@ -71,16 +72,20 @@ class Checkpointer:
         self.directory.close()
 
     def restore(
-        self, make_tables: Callable[[], TableSet], cancel: threading.Event | None = None
+        self, make_tables: Callable[[], TableSet], cancel: threading.Event | None = None,
+        make_variables: Callable[[], VariableStore] | None = None,
     ) -> tuple[TableSet, RestoreResult] | None:
         """See :func:`~replay_server.checkpoint.reader.restore_latest`."""
-        return restore_latest(self.directory, make_tables, cancel)
+        return restore_latest(self.directory, make_tables, cancel, make_variables)
 
-    def checkpoint(self, tables: Iterable[Table], reason: str = "request") -> CheckpointResult:
+    def checkpoint(self, tables: Iterable[Table], reason: str = "request", *,
+                   variables: VariableStore | None = None) -> CheckpointResult:
         """Write a checkpoint that starts after this call (shared with concurrent callers).
 
         Each write is logged once: INFO with its path, size and speed, or
         ERROR with the cause. ``reason`` (what asked for it) goes in the log.
+        ``variables``: the named variables, saved with the tables. A caller
+        sharing a write that another caller started gets that write.
 
         Raises:
             CheckpointWriteError: the write failed (every caller sharing it gets the error).
@@ -99,7 +104,8 @@ class Checkpointer:
         try:
             outcome = write_checkpoint(
                 tables, self.directory, keep_latest=self.keep_latest,
-                server_version=self._server_version, chunk_bytes=self._chunk_bytes)
+                server_version=self._server_version, chunk_bytes=self._chunk_bytes,
+                variables=variables)
         except CheckpointWriteError as exc:
             log.error("checkpoint (%s) failed: %s", reason, exc)
             outcome = exc

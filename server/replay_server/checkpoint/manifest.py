@@ -8,6 +8,8 @@ One checkpoint is one directory::
         <table>/state.bin     the table's state arrays (see statecodec)
         <table>/column-<i>.bin  the rows of column i: raw little-endian, C order,
                               oldest row first (row 0 sits in slot first_slot)
+        variables.bin         the named variables' tensors (optional part, see
+                              checkpoint.variables_part; older checkpoints lack it)
 
 ``manifest.json`` records the format version, the server version and the
 time, and per table: its config, schema, the rows saved and where they go,
@@ -34,6 +36,7 @@ MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
 _COMPLETE_LINE = re.compile(r"^sha256 ([0-9a-f]{64})  manifest\.json\n$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_\-]{1,128}/[a-z0-9\-]{1,64}\.bin$")
+VARIABLES_FILE = "variables.bin"
 
 
 class CorruptCheckpointError(Exception):
@@ -99,6 +102,18 @@ class TableEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class VariablesEntry:
+    """The named variables: their layout version, state tree (statecodec) and file."""
+
+    version: int
+    state: Any
+    file: FileEntry
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": self.version, "state": self.state, "file": self.file.to_json()}
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     """Everything a checkpoint holds. See the module docstring."""
 
@@ -108,6 +123,7 @@ class Manifest:
     sequence: int
     tables: tuple[TableEntry, ...]
     format_version: int = FORMAT_VERSION
+    variables: VariablesEntry | None = None
 
     @property
     def nbytes(self) -> int:
@@ -120,6 +136,7 @@ class Manifest:
             "server_version": self.server_version, "created": self.created,
             "created_unix": self.created_unix, "sequence": self.sequence,
             "byteorder": "little", "tables": [t.to_json() for t in self.tables],
+            **({} if self.variables is None else {"variables": self.variables.to_json()}),
         }, indent=1, allow_nan=False).encode()
 
     @classmethod
@@ -154,6 +171,7 @@ class Manifest:
             sequence=_get(doc, "sequence", int, "manifest"),
             tables=entries,
             format_version=version,
+            variables=_variables(doc["variables"]) if "variables" in doc else None,
         )
 
 
@@ -208,11 +226,22 @@ def _table(doc: Any, where: str) -> TableEntry:
     )
 
 
+def _variables(doc: Any) -> VariablesEntry:
+    if not isinstance(doc, dict) or "state" not in doc:
+        raise CorruptCheckpointError(f"{MANIFEST}: variables: not an object with a state")
+    entry = VariablesEntry(version=_get(doc, "version", int, "variables"), state=doc["state"],
+                           file=_file(doc.get("file"), "variables"))
+    if entry.file.name != VARIABLES_FILE:
+        raise CorruptCheckpointError(
+            f"{MANIFEST}: variables: file name {entry.file.name!r} is not allowed")
+    return entry
+
+
 def _file(doc: Any, where: str) -> FileEntry:
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{MANIFEST}: {where}: file entry is missing")
     name = _get(doc, "name", str, where)
-    if not _FILE_NAME.match(name):
+    if not (_FILE_NAME.match(name) or name == VARIABLES_FILE):
         raise CorruptCheckpointError(f"{MANIFEST}: {where}: file name {name!r} is not allowed")
     digest = _get(doc, "sha256", str, where)
     if not re.fullmatch(r"[0-9a-f]{64}", digest):

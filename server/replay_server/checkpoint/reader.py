@@ -41,8 +41,10 @@ from replay_server.checkpoint.manifest import (
     check_complete_marker,
 )
 from replay_server.checkpoint.statecodec import StateFormatError, decode_state
+from replay_server.checkpoint.variables_part import read_variables
 from replay_server.errors import ConfigError, MalformedStateError
 from replay_server.engine.table_set import TableSet
+from replay_server.engine.variables import VariableStore
 
 log = logging.getLogger("replay_server.checkpoint")
 
@@ -55,6 +57,7 @@ class RestoreResult:
     manifest: Manifest
     seconds: float
     skipped: tuple[tuple[Path, str], ...] = ()
+    variables: VariableStore | None = None  # restored variables (None: none asked for)
 
 
 def read_manifest(path: Path) -> Manifest:
@@ -78,9 +81,11 @@ def read_manifest(path: Path) -> Manifest:
 
 
 def load_checkpoint(
-    path: Path, tables: TableSet, cancel: threading.Event | None = None
+    path: Path, tables: TableSet, cancel: threading.Event | None = None,
+    variables: VariableStore | None = None,
 ) -> Manifest:
-    """Load the checkpoint at ``path`` into fresh ``tables`` (a failure leaves them half-loaded).
+    """Load the checkpoint at ``path`` into fresh ``tables`` (a failure leaves them half-loaded),
+    and its named variables into a fresh ``variables`` store, if given (none saved: it stays empty).
 
     Raises:
         CorruptCheckpointError, MalformedStateError: the checkpoint is unusable.
@@ -109,6 +114,8 @@ def load_checkpoint(
             raise CorruptCheckpointError(
                 f"table {entry.name!r}: the saved state has no id counters") from None
         table.load_state_dict(state, read_rows=partial(_read_rows, path, entry, next_id, cancel))
+    if variables is not None and manifest.variables is not None:
+        read_variables(path, manifest.variables, variables, cancel)
     return manifest
 
 
@@ -153,8 +160,10 @@ def restore_latest(
     directory: CheckpointDirectory,
     make_tables: Callable[[], TableSet],
     cancel: threading.Event | None = None,
+    make_variables: Callable[[], VariableStore] | None = None,
 ) -> tuple[TableSet, RestoreResult] | None:
-    """Tables loaded from the newest usable checkpoint in ``directory`` (None: there is none).
+    """Tables loaded from the newest usable checkpoint in ``directory`` (None: there is none),
+    with its named variables in ``RestoreResult.variables`` when ``make_variables`` is given.
 
     Raises:
         ConfigError: the newest usable checkpoint contradicts the config, or
@@ -169,8 +178,9 @@ def restore_latest(
             raise RestoreCancelled("restore cancelled")
         start = time.perf_counter()
         tables = make_tables()
+        variables = None if make_variables is None else make_variables()
         try:
-            manifest = load_checkpoint(ref.path, tables, cancel)
+            manifest = load_checkpoint(ref.path, tables, cancel, variables)
         except (CorruptCheckpointError, MalformedStateError) as exc:
             log.warning("skipping checkpoint %s: %s", ref.path, exc)
             skipped.append((ref.path, str(exc)))
@@ -185,7 +195,7 @@ def restore_latest(
                 f"it was written with, or move it out of the checkpoint directory to start "
                 f"without it") from None
         return tables, RestoreResult(ref.path, manifest, time.perf_counter() - start,
-                                     tuple(skipped))
+                                     tuple(skipped), variables)
     if refs:
         log.error("none of the %d checkpoints in %s is usable; starting with empty tables",
                   len(refs), directory.path)

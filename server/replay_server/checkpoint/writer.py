@@ -27,15 +27,18 @@ from replay_server.checkpoint.fileio import HashedWriter, write_file
 from replay_server.checkpoint.manifest import (
     COMPLETE,
     MANIFEST,
+    VARIABLES_FILE,
     ColumnEntry,
     Manifest,
     TableEntry,
     complete_marker,
 )
 from replay_server.checkpoint.statecodec import encode_state
+from replay_server.checkpoint.variables_part import write_variables
 from replay_server.errors import CheckpointSpaceError, CheckpointWriteError
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
 from replay_server.engine.table import Table
+from replay_server.engine.variables import VariableStore
 
 _SPACE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
@@ -64,8 +67,9 @@ def write_checkpoint(
     keep_latest: int,
     server_version: str,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    variables: VariableStore | None = None,
 ) -> CheckpointResult:
-    """Write a checkpoint of ``tables`` into ``directory``, then prune old ones.
+    """Write a checkpoint of ``tables`` (and ``variables``) into ``directory``, then prune old ones.
 
     Raises:
         CheckpointWriteError: the checkpoint could not be written (nothing of
@@ -78,6 +82,8 @@ def write_checkpoint(
     try:
         sequence, temp, final = directory.begin()
         entries = tuple(_write_table(temp, table, chunk_bytes, current) for table in tables)
+        current[0] = str(temp / VARIABLES_FILE)
+        saved_variables = None if variables is None else write_variables(temp, variables)
         manifest = Manifest(
             server_version=server_version,
             created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created_unix))
@@ -85,6 +91,7 @@ def write_checkpoint(
             created_unix=created_unix,
             sequence=sequence,
             tables=entries,
+            variables=saved_variables,
         )
         data = manifest.to_json()
         current[0] = str(temp / MANIFEST)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from replay_proto.dtypes import DTYPES
-from replay_proto.keys import flatten
+from replay_proto.rows import EPISODE_KEY, rows_of
 from replay_server.engine.config import TableConfig
 from replay_server.engine.schema import Schema
 from replay_server.errors import (
@@ -38,10 +38,14 @@ _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint
 _STORABLE = frozenset(DTYPES.values())
 
 
-def columns_of(data: Any, table: str) -> dict[str, torch.Tensor]:
-    """An insert's columns as CPU tensors by flat key, or an error naming the problem."""
+def columns_of(data: Any, table: str, episode_key: str = EPISODE_KEY) -> dict[str, torch.Tensor]:
+    """An insert's columns as CPU tensors by flat key, or an error naming the problem.
+
+    Rows are what :func:`~replay_proto.rows.rows_of` says (a TensorDict's batch
+    dimensions decide; ``[*envs, T]`` batches get ``episode_key`` ids if they lack them).
+    """
     try:
-        flat = flatten(data)
+        flat = rows_of(data, episode_key=episode_key)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"table {table!r}: {exc}") from None
     if not flat:
@@ -176,7 +180,8 @@ def id_values(ids: Any, table: str) -> np.ndarray:
 
 
 def check_sampler_columns(config: TableConfig, schema: Schema) -> None:
-    """Slice samplers need an integer episode column and bool end columns, one value per row.
+    """Slice samplers need an integer episode column and bool end columns, one value per row
+    (end flags shaped ``[1]`` per row, as TorchRL's ``done``, count as one value).
 
     Raises:
         SchemaMismatchError: naming the column and what it holds.
@@ -193,8 +198,8 @@ def check_sampler_columns(config: TableConfig, schema: Schema) -> None:
         )
     for key in config.episode_end_keys:
         spec = schema.get(key)
-        if spec is not None and (spec.dtype != torch.bool or spec.shape != ()):
+        if spec is not None and (spec.dtype != torch.bool or spec.shape not in ((), (1,))):
             raise SchemaMismatchError(
                 f"table {config.name!r}: key {key!r} marks episode ends and must hold one "
-                f"bool per row (bool[]), got {spec.describe()}"
+                f"bool per row (bool[], or bool[1] as TorchRL's flags), got {spec.describe()}"
             )

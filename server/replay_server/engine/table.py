@@ -125,7 +125,7 @@ class Table:
         Cost: one copy of the rows into storage plus the sampler's insert
         (O(rows * log capacity) at worst).
         """
-        columns = columns_of(data, self.name)
+        columns = columns_of(data, self.name, self.config.episode_key)
         rows = row_count(columns, self.name)
         checked_priorities = insert_priorities(priorities, rows, self.config)
         with self._lock:
@@ -182,7 +182,7 @@ class Table:
             ends = np.zeros(rows, dtype=bool)
             for key in self.config.episode_end_keys:
                 if key in columns:
-                    ends |= columns[key].detach().numpy()
+                    ends |= columns[key].detach().numpy().reshape(rows)
             event["episodes"] = columns[self.config.episode_key].detach().numpy().astype(np.int64)
             event["ends"] = ends
         return event

@@ -42,6 +42,8 @@ class CallRunner:
         self.executor = executor
         self.blocked = BlockedCalls(hint)
         self.restoring = False
+        self.on_drain: list[Callable[[], None]] = []
+        """Called (on the loop) when draining starts, so waiters of other kinds give up too."""
         self._draining = False
 
     @property
@@ -54,6 +56,8 @@ class CallRunner:
         self._draining = value
         if value:
             self.blocked.changed()
+            for wake in self.on_drain:
+                wake()
 
     def refusal(self) -> ShuttingDownError | None:
         """Why new work is refused now (UNAVAILABLE): draining, or still restoring at start."""
@@ -74,11 +78,13 @@ class CallRunner:
         return await self.settle(context, loop.run_in_executor(executor or self.executor, fn, *args))
 
     async def change(self, context: grpc.aio.ServicerContext, fn: Callable[..., tuple[str, T]],
-                     *args: Any, aborting: bool = True) -> T:
+                     *args: Any, aborting: bool = True,
+                     time_remaining: Callable[[], float | None] | None = None) -> T:
         """Run ``fn`` (returning ``(table, result)``) in the pool, waiting while it is
         rate-limited; then report the table changed and return ``result``.
 
         Errors end the call with their status, or propagate (``aborting=False``).
+        ``time_remaining``: how long it may wait (default: until the call's deadline).
         """
         refused = self.refusal()
         if refused is not None:
@@ -88,7 +94,7 @@ class CallRunner:
         loop = asyncio.get_running_loop()
         work = self.blocked.run(
             lambda: loop.run_in_executor(self.executor, fn, *args),
-            time_remaining=context.time_remaining,
+            time_remaining=time_remaining or context.time_remaining,
             stopping=lambda: self._draining,
         )
         table, result = await (self.settle(context, work) if aborting else work)

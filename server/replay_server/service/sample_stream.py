@@ -44,6 +44,7 @@ from replay_server.engine.table_set import TableSet
 from replay_server.errors import InvalidArgumentError, RateLimitedError
 from replay_server.service.calls import CallRunner
 from replay_server.service.status import ShuttingDownError
+from replay_server.service.waiting import draw
 
 log = logging.getLogger("replay_server.service")
 
@@ -233,20 +234,23 @@ class SampleStreamCall:
     def _start_draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
                     offer_ring: bool) -> asyncio.Future:
         """Draw in the engine's pool, waiting (without a thread) while the rate limiter holds it."""
+        limit = request.wait_timeout_s if request.wait_timeout_s > 0 else None
         return asyncio.ensure_future(self._calls.change(
-            self._context, self._draw, table, request, index, count, offer_ring, aborting=False))
+            self._context, self._draw, table, request, index, count, offer_ring, aborting=False,
+            time_remaining=None if limit is None else lambda: limit))
 
     def _draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
               offer_ring: bool) -> tuple[str, tuple[list[bytes], int, str]]:
         if self._ring_accepted and self._ring is not None and self._layout is not None:
             return table.name, ([self._draw_into_ring(table, request, index)], 1, "")
+        wait = request.wait_for_data
         try:
-            batch = table.sample(request.batch_size * count)
+            batch = draw(table, request.batch_size * count, wait_for_data=wait)
         except RateLimitedError:
             if count == 1:
                 raise
             count = 1  # a group the limiter holds back is drawn as a single batch
-            batch = table.sample(request.batch_size)
+            batch = draw(table, request.batch_size, wait_for_data=wait)
         chunk_bytes = max(1, min(STREAM_CHUNK_BYTES, self._limits.max_message_bytes - HEADROOM))
         chunks = encode_sample(batch, index, chunk_bytes, batch_count=count)
         note = ""
@@ -276,7 +280,7 @@ class SampleStreamCall:
         views = layout.views(ring, slot)
         n = len(layout.keys)
         columns = dict(zip(layout.keys, views[:n]))
-        batch = table.sample(request.batch_size, out=columns)
+        batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data, out=columns)
         for dest, src in zip(views[n:], batch.extras):
             dest.copy_(src)
         return encode_ring_batch(columns, views[n:], index, slot, layout.offsets)

@@ -22,6 +22,7 @@ from replay_server.service.servicer import SERVICE_NAME, ReplayServicer
 from replay_server.service.settings import ServerSettings
 from replay_server.service.status import UnauthenticatedError, abort
 from replay_server.engine.table_set import TableSet
+from replay_server.engine.variables import VariableStore
 
 log = logging.getLogger("replay_server")
 
@@ -93,7 +94,8 @@ class ReplayServer:
         self._servicer = ReplayServicer(self.tables, self._executor, settings.max_message_bytes,
                                         shared_memory=settings.shared_memory,
                                         checkpointer=self.checkpointer,
-                                        checkpoint_executor=self._checkpoint_executor)
+                                        checkpoint_executor=self._checkpoint_executor,
+                                        variables=self._make_variables())
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._timer: asyncio.Task | None = None
@@ -102,6 +104,14 @@ class ReplayServer:
 
     def _make_tables(self) -> TableSet:
         return TableSet(self.settings.table_configs)
+
+    def _make_variables(self) -> VariableStore:
+        return VariableStore(self.settings.variables_max_bytes)
+
+    @property
+    def variables(self) -> VariableStore:
+        """The named variables (``client.publish``/``fetch``)."""
+        return self._servicer.variables.store
 
     async def start(self, cancel: threading.Event | None = None) -> int:
         """Bind, restore the tables from the newest checkpoint, report SERVING; returns the port.
@@ -156,19 +166,26 @@ class ReplayServer:
             return
         loop = asyncio.get_running_loop()
         restored = await loop.run_in_executor(
-            self._checkpoint_executor, self.checkpointer.restore, self._make_tables, cancel)
+            self._checkpoint_executor, self.checkpointer.restore, self._make_tables, cancel,
+            self._make_variables)
         if restored is None:
             log.info("no checkpoint to restore in %s: starting with empty tables",
                      self.checkpointer.path)
         else:
             self.tables, result = restored
             self._servicer.use_tables(self.tables)
+            if result.variables is not None:
+                self._servicer.variables.use_store(result.variables)
             rows = sum(t.rows for t in result.manifest.tables)
             log.info("restored %d table(s) from %s (%d rows, %.1f MB in %.2f s)",
                      len(result.manifest.tables), result.path, rows,
                      result.manifest.nbytes / 1e6, result.seconds)
         self._restored = True
         self._servicer.calls.restoring = False
+
+    def _checkpoint(self, reason: str) -> None:
+        assert self.checkpointer is not None
+        self.checkpointer.checkpoint(self.tables, reason, variables=self.variables)
 
     async def _checkpoint_every(self, interval: float) -> None:
         """Timed checkpoints, ``interval`` seconds after the end of the previous one."""
@@ -177,8 +194,8 @@ class ReplayServer:
         while True:
             await asyncio.sleep(interval)
             try:
-                await loop.run_in_executor(self._checkpoint_executor, self.checkpointer.checkpoint,
-                                           self.tables, "timer")
+                await loop.run_in_executor(self._checkpoint_executor, self._checkpoint,
+                                           "timer")
             except CheckpointWriteError:
                 pass  # logged by the checkpointer; the next tick tries again
 
@@ -199,8 +216,8 @@ class ReplayServer:
         if checkpoint and self.checkpointer is not None and self._restored:
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(self._checkpoint_executor, self.checkpointer.checkpoint,
-                                           self.tables, "shutdown")
+                await loop.run_in_executor(self._checkpoint_executor, self._checkpoint,
+                                           "shutdown")
             except CheckpointWriteError:
                 self.exit_code = 1  # logged by the checkpointer
         self._checkpoint_executor.shutdown(wait=True)

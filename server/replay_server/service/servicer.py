@@ -25,10 +25,13 @@ from replay_server.checkpoint import Checkpointer, CheckpointResult
 from replay_server.engine.inputs import MAX_BATCH_SIZE
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
+from replay_server.engine.variables import VariableStore
 from replay_server.errors import CheckpointsDisabledError
 from replay_server.service.calls import CallRunner
 from replay_server.service.sample_stream import SampleStreamCall, StreamLimits
 from replay_server.service.status import MessageTooLargeError
+from replay_server.service.variables import VariableService
+from replay_server.service.waiting import draw
 
 SERVICE_NAME = "replay.v1.ReplayService"
 
@@ -43,12 +46,13 @@ class ReplayServicer:
         shared_memory: offer same-host learners a shared-memory ring for streams.
         checkpointer: writes checkpoints (``None``: the server has no checkpoint_dir).
         checkpoint_executor: where checkpoint calls wait and run (not the engine's pool).
+        variables: the named variables (``None``: an empty store with no budget).
     """
 
     def __init__(
         self, tables: TableSet, executor: Executor, max_message_bytes: int, *,
         shared_memory: bool = True, checkpointer: Checkpointer | None = None,
-        checkpoint_executor: Executor | None = None,
+        checkpoint_executor: Executor | None = None, variables: VariableStore | None = None,
     ) -> None:
         self._tables = tables
         self._max_message = max_message_bytes
@@ -58,6 +62,9 @@ class ReplayServicer:
         self._checkpoint_executor = checkpoint_executor or executor
         self.calls = CallRunner(executor, self._may_pass)
         """Runs every call's engine work; the server sets its ``draining``/``restoring``."""
+        self.variables = VariableService(
+            VariableStore(0) if variables is None else variables, self.calls)
+        """Publish and Fetch (named variables)."""
 
     def use_tables(self, tables: TableSet) -> None:
         """Serve ``tables`` from now on (the restored ones, before SERVING)."""
@@ -76,6 +83,8 @@ class ReplayServicer:
                 "Info": unary(self.info),
                 "Reset": unary(self.reset),
                 "Checkpoint": unary(self.checkpoint),
+                "Publish": unary(self.variables.publish),
+                "Fetch": unary(self.variables.fetch),
             },
         )
 
@@ -96,7 +105,7 @@ class ReplayServicer:
         request = _parse(pb.SampleRequest, raw)
         table = self._tables[request.table]
         self._check_unary_size(table, request.batch_size)
-        batch = table.sample(request.batch_size)
+        batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data)
         return request.table, encode_sample(batch, 0, self._max_message)[0]
 
     async def sample_stream(
@@ -173,7 +182,8 @@ class ReplayServicer:
             raise CheckpointsDisabledError(
                 "this server has no checkpoint directory: set server.checkpoint_dir in its "
                 "config to enable checkpoints")
-        result = self._checkpointer.checkpoint(self._tables, "Checkpoint RPC")
+        result = self._checkpointer.checkpoint(self._tables, "Checkpoint RPC",
+                                               variables=self.variables.store)
         return _checkpoint_response(result).SerializeToString()
 
     # ---------------------------------------------------------------- helpers
@@ -190,8 +200,11 @@ class ReplayServicer:
 
     def _may_pass(self, table: str, operation: str, count: int) -> bool:
         """Lock-free hint for blocked calls: might a held-back call pass now?"""
-        limiter = self._tables[table].rate_limiter
-        return limiter.can_insert(1) if operation == "insert" else limiter.can_sample(1)
+        found = self._tables[table]
+        limiter = found.rate_limiter
+        if operation == "insert":
+            return limiter.can_insert(1)
+        return limiter.can_sample(1) and found.size > 0
 
 
 def _checkpoint_response(result: CheckpointResult) -> pb.CheckpointResponse:

@@ -44,6 +44,8 @@ class ServerSettings:
             from the end of the previous one); 0: only on request and at shutdown.
         keep_latest: complete checkpoints kept (older ones are removed).
         tables: the tables to serve.
+        variables_max_mb: budget, in MiB, for all named variables together
+            (``client.publish``); a publish past it is refused.
     """
 
     address: str = DEFAULT_ADDRESS
@@ -57,6 +59,7 @@ class ServerSettings:
     checkpoint_interval_s: float = 600.0
     keep_latest: int = 3
     tables: tuple[TableConfig, ...] = field(default_factory=lambda: tuple(default_table_configs()))
+    variables_max_mb: int = 256
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or not _ADDRESS.match(self.address) or not (
@@ -98,6 +101,7 @@ class ServerSettings:
                 f"server.checkpoint_interval_s must be a number of seconds >= 0 (0: only on "
                 f"request and at shutdown), got {interval!r}")
         _check_int("server.keep_latest", self.keep_latest, 1, 1_000_000)
+        _check_int("server.variables_max_mb", self.variables_max_mb, 0, 1 << 20)
         names = [t.name for t in self.tables]
         if not names:
             raise ConfigError("the config declares no [[tables]]")
@@ -121,6 +125,10 @@ class ServerSettings:
     @property
     def max_message_bytes(self) -> int:
         return self.max_message_mb * 1024 * 1024
+
+    @property
+    def variables_max_bytes(self) -> int:
+        return self.variables_max_mb * 1024 * 1024
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:

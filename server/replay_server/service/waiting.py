@@ -24,6 +24,12 @@ mapping turns into DEADLINE_EXCEEDED. A call with no deadline waits until the
 client cancels it. While the server drains, waiters give up with
 :class:`~replay_server.service.status.ShuttingDownError` (UNAVAILABLE).
 
+Waiting for data: a sample that asks to wait (``wait_for_data``) while its
+table is empty is held back the same way: :func:`draw` turns the engine's
+:class:`~replay_server.errors.EmptyTableError` into a ``RateLimitedError``,
+so the call waits for an insert (or a restore) without a thread and without
+polling, until its deadline.
+
 Thread-safety: event-loop only (the attempt itself runs in the pool).
 """
 
@@ -31,10 +37,14 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
-from replay_server.errors import RateLimitedError
+import torch
+
+from replay_proto.batch import SampleBatch
+from replay_server.engine.table import Table
+from replay_server.errors import EmptyTableError, RateLimitedError
 from replay_server.service.status import ShuttingDownError
 
 T = TypeVar("T")
@@ -151,3 +161,22 @@ class BlockedCalls:
             self._waiting[key] -= 1
             if not self._waiting[key]:
                 del self._waiting[key]
+
+
+def draw(table: Table, batch_size: int, *, wait_for_data: bool,
+         out: Mapping[str, torch.Tensor] | None = None) -> SampleBatch:
+    """``table.sample(batch_size, out=out)``; with ``wait_for_data``, an empty table blocks.
+
+    Raises:
+        RateLimitedError: held back by the rate limiter, or (``wait_for_data``)
+            the table has nothing to sample yet; :meth:`BlockedCalls.run` waits.
+        EmptyTableError: the table is empty and the caller did not ask to wait.
+    """
+    try:
+        return table.sample(batch_size, out=out)
+    except EmptyTableError as exc:
+        if not wait_for_data:
+            raise
+        raise RateLimitedError(
+            f"{exc}; waited for data", table=table.name, operation="sample",
+            count=batch_size * (table.config.slice_len or 1)) from None

@@ -517,7 +517,7 @@ BAD_FIRST_INSERTS = [
         "int-done-key",
         lambda d: d.update(done=torch.zeros(3, dtype=torch.int64)),
         SchemaMismatchError,
-        r"key 'done' marks episode ends and must hold one bool per row \(bool\[\]\), got int64\[\]",
+        r"key 'done' marks episode ends and must hold one bool per row \(bool\[\], or bool\[1\] as TorchRL's flags\), got int64\[\]",
         SLICED,
     ),
     BadFirstInsert(
@@ -529,9 +529,9 @@ BAD_FIRST_INSERTS = [
     ),
     BadFirstInsert(
         "done-key-not-one-per-row",
-        lambda d: d.update(done=torch.zeros(3, 1, dtype=torch.bool)),
+        lambda d: d.update(done=torch.zeros(3, 2, dtype=torch.bool)),  # [1] is TorchRL's: fine
         SchemaMismatchError,
-        r"key 'done' marks episode ends .*got bool\[1\]",
+        r"key 'done' marks episode ends .*got bool\[2\]",
         SLICED,
     ),
     BadFirstInsert(

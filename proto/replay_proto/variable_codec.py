@@ -1,0 +1,94 @@
+"""Publish and Fetch bodies of replay.v1 (named variables), encoded and decoded in one place.
+
+A variable's tensors travel like rows do (see :mod:`replay_proto.codec`): a
+TensorSpec per tensor, their raw bytes in the payload, never a pickle. Keys
+are a state dict's keys taken as they are (``"net.0.weight"`` is one key, not
+a path). :func:`check_state` is the one definition of what a variable may
+hold, used by the client before sending and by the server before storing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from replay_proto.codec import decode_tensors, encode_tensors, expect_end, frame, split_payload
+from replay_proto.dtypes import DTYPES
+from replay_proto.v1 import replay_pb2 as pb
+
+_STORABLE = frozenset(DTYPES.values())
+
+
+class VariableFormatError(ValueError):
+    """A state dict cannot be a variable; the message names the key and why."""
+
+
+def check_state(state: Any) -> dict[str, torch.Tensor]:
+    """``state`` as ``{key: tensor}`` if it can be a variable, else :class:`VariableFormatError`.
+
+    A variable holds at least one dense tensor of a supported dtype, under
+    non-empty string keys; anything else (numbers, strings, nested dicts such
+    as an optimizer's state, sparse or complex tensors) is refused.
+    """
+    if not isinstance(state, Mapping):
+        raise VariableFormatError(
+            f"a variable is a mapping of key -> tensor (a state dict), got {type(state).__name__}")
+    if not state:
+        raise VariableFormatError("a variable needs at least one tensor, got an empty mapping")
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if not isinstance(key, str) or not key:
+            raise VariableFormatError(f"keys must be non-empty strings, got {key!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise VariableFormatError(
+                f"key {key!r} holds a {type(tensor).__name__}; variables hold tensors only")
+        if tensor.dtype not in _STORABLE or tensor.layout != torch.strided:
+            raise VariableFormatError(
+                f"key {key!r} has dtype {tensor.dtype} ({tensor.layout}); supported: dense "
+                f"tensors of {', '.join(DTYPES)}")
+        out[key] = tensor
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class FetchAnswer:
+    """A decoded Fetch answer (``found`` False: no newer version came in time)."""
+
+    found: bool
+    name: str
+    version: int
+    tensors: dict[str, torch.Tensor]
+
+
+def encode_publish(name: str, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    specs, buffers = encode_tensors(tensors)
+    return frame(pb.PublishRequest(name=name, tensors=specs), buffers)
+
+
+def decode_publish(raw: bytes) -> tuple[str, dict[str, torch.Tensor]]:
+    """``(name, tensors)``; the tensors are read-only views of ``raw``."""
+    header, payload = split_payload(raw, pb.PublishRequest)
+    tensors, offset = decode_tensors(header.tensors, payload)
+    expect_end(payload, offset)
+    return header.name, tensors
+
+
+def encode_fetch(name: str, version: int, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    specs, buffers = encode_tensors(tensors)
+    return frame(pb.FetchResponse(found=True, name=name, version=version, tensors=specs), buffers)
+
+
+def encode_not_newer(name: str) -> bytes:
+    return pb.FetchResponse(found=False, name=name).SerializeToString()
+
+
+def decode_fetch(raw: bytes) -> FetchAnswer:
+    """The answer, its tensors copied out of ``raw`` (the caller owns them)."""
+    header, payload = split_payload(raw, pb.FetchResponse)
+    tensors, offset = decode_tensors(header.tensors, payload)
+    expect_end(payload, offset)
+    return FetchAnswer(header.found, header.name, header.version,
+                       {key: t.clone() for key, t in tensors.items()})

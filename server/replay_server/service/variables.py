@@ -1,0 +1,106 @@
+"""``Publish`` and ``Fetch``: named variables over gRPC, and fetches that wait for a newer version.
+
+Publishing decodes and copies the tensors in the engine's pool (never on the
+event loop), stores them in the :class:`~replay_server.engine.variables.VariableStore`,
+then wakes the fetches waiting on that name. A fetch with ``newer_than``
+that finds nothing newer waits on an event of its name, on the event loop,
+holding no thread and polling nothing, until a publish wakes it, its
+``timeout_s`` passes (answered ``found = false``), shortly before its gRPC
+deadline (the same: so the answer reaches the client in time), or the server
+drains (UNAVAILABLE).
+
+Thread-safety: event-loop only (the engine work runs in the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import grpc
+
+from replay_proto import variable_codec
+from replay_proto.codec import CodecError
+from replay_proto.v1 import replay_pb2 as pb
+from replay_server.engine.variables import Variable, VariableStore, check_name
+from replay_server.service.calls import CallRunner
+from replay_server.service.status import ShuttingDownError
+from replay_server.service.waiting import GIVE_UP_EARLY_FRACTION, GIVE_UP_EARLY_MAX_S
+
+
+class VariableService:
+    """The Publish and Fetch handlers over one variable store.
+
+    Args:
+        store: the server's variables.
+        calls: runs engine work; its ``draining`` ends waiting fetches.
+    """
+
+    def __init__(self, store: VariableStore, calls: CallRunner) -> None:
+        self.store = store
+        self._calls = calls
+        self._published: dict[str, asyncio.Event] = {}
+        calls.on_drain.append(self._wake_all)
+
+    def use_store(self, store: VariableStore) -> None:
+        """Serve ``store`` from now on (the restored one, before SERVING)."""
+        self.store = store
+
+    async def publish(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        variable = await self._calls.run(context, self._publish, raw)
+        event = self._published.pop(variable.name, None)
+        if event is not None:
+            event.set()
+        return pb.PublishResponse(version=variable.version,
+                                  bytes=self.store.nbytes).SerializeToString()
+
+    def _publish(self, raw: bytes) -> Variable:
+        name, tensors = variable_codec.decode_publish(raw)
+        return self.store.publish(name, tensors)
+
+    async def fetch(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await self._calls.run(context, _parse_fetch, raw)
+        if not request.HasField("newer_than"):
+            return await self._calls.run(context, self._encode, request.name)
+        check = await self._calls.run(context, check_name, request.name)  # refuse bad names now
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + request.timeout_s
+        remaining = context.time_remaining()
+        if remaining is not None:  # answer before the client's own deadline fires
+            early = min(GIVE_UP_EARLY_MAX_S, GIVE_UP_EARLY_FRACTION * remaining)
+            give_up_at = min(give_up_at, loop.time() + remaining - early)
+        while True:
+            if self._calls.draining:
+                await self._calls.fail(context, ShuttingDownError("the server is shutting down"))
+            if self.store.version(check) > request.newer_than:
+                return await self._calls.run(context, self._encode, check)
+            left = give_up_at - loop.time()
+            if left <= 0:
+                return variable_codec.encode_not_newer(check)
+            event = self._published.setdefault(check, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), None if math.isinf(left) else left)
+            except TimeoutError:
+                pass
+
+    def _encode(self, name: str) -> bytes:
+        variable = self.store.get(name)
+        return variable_codec.encode_fetch(variable.name, variable.version, variable.tensors)
+
+    def _wake_all(self) -> None:
+        events, self._published = list(self._published.values()), {}
+        for event in events:
+            event.set()
+
+
+def _parse_fetch(raw: bytes) -> pb.FetchRequest:
+    try:
+        request = pb.FetchRequest.FromString(raw)
+    except Exception as exc:
+        raise CodecError(f"malformed FetchRequest: {exc}") from None
+    if request.HasField("newer_than") and (
+            request.newer_than < 0 or math.isnan(request.timeout_s) or request.timeout_s < 0):
+        raise CodecError(
+            f"FetchRequest: newer_than must be >= 0 and timeout_s >= 0, got "
+            f"{request.newer_than} and {request.timeout_s}")
+    return request

@@ -1,0 +1,89 @@
+"""Named variables in checkpoints: saved and restored, older checkpoints without them still load,
+a damaged part makes the checkpoint skipped like any damaged one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay_server import TableConfig, TableSet
+from replay_server.checkpoint import CheckpointDirectory, write_checkpoint
+from replay_server.checkpoint.manifest import MANIFEST, VARIABLES_FILE
+from replay_server.checkpoint.reader import restore_latest
+from replay_server.engine.variables import VariableStore
+
+CONFIGS = [TableConfig(name="t", capacity=10)]
+
+
+@pytest.fixture
+def directory(tmp_path: Path):
+    directory = CheckpointDirectory(tmp_path / "ckpt")
+    directory.open()
+    yield directory
+    directory.close()
+
+
+def write(directory: CheckpointDirectory, variables: VariableStore | None):
+    tables = TableSet(CONFIGS)
+    tables["t"].insert({"x": torch.arange(4.0)})
+    return write_checkpoint(tables, directory, keep_latest=5, server_version="test",
+                            variables=variables)
+
+
+def restore(directory: CheckpointDirectory):
+    return restore_latest(directory, lambda: TableSet(CONFIGS),
+                          make_variables=lambda: VariableStore(1 << 20))
+
+
+def store_with_policy(value: float) -> VariableStore:
+    store = VariableStore(1 << 20)
+    store.publish("policy", {"w": torch.full((3,), value), "n": torch.tensor([1], dtype=torch.int32)})
+    store.publish("policy", {"w": torch.full((3,), value + 1), "n": torch.tensor([2], dtype=torch.int32)})
+    return store
+
+
+def test_variables_round_trip_with_their_versions(directory) -> None:
+    write(directory, store_with_policy(1.0))
+    tables, result = restore(directory)
+    got = result.variables.get("policy")
+    assert got.version == 2 and torch.equal(got.tensors["w"], torch.full((3,), 2.0))
+    assert got.tensors["n"].dtype == torch.int32
+    assert tables["t"].size == 4
+    manifest = json.loads((result.path / MANIFEST).read_text())
+    assert manifest["variables"]["version"] == 1
+    assert manifest["variables"]["file"]["name"] == VARIABLES_FILE
+
+
+def test_a_checkpoint_without_variables_still_loads_with_none(directory) -> None:
+    result = write(directory, None)  # as servers before named variables wrote them
+    assert "variables" not in json.loads((result.path / MANIFEST).read_text())
+    tables, restored = restore(directory)
+    assert restored.variables.names() == [] and tables["t"].size == 4
+
+
+def test_a_damaged_variables_file_makes_the_checkpoint_skipped(directory) -> None:
+    older = write(directory, store_with_policy(1.0))
+    newer = write(directory, store_with_policy(5.0))
+    data = bytearray((newer.path / VARIABLES_FILE).read_bytes())
+    data[0] ^= 0xFF
+    (newer.path / VARIABLES_FILE).write_bytes(bytes(data))
+    _, result = restore(directory)
+    assert result.path == older.path
+    assert result.skipped and "variables.bin" in result.skipped[0][1]
+    assert torch.equal(result.variables.get("policy").tensors["w"], torch.full((3,), 2.0))
+
+
+def test_a_variables_part_of_a_newer_layout_is_not_half_used(directory) -> None:
+    older = write(directory, store_with_policy(1.0))
+    newer = write(directory, store_with_policy(5.0))
+    from replay_server.checkpoint.manifest import complete_marker
+    doc = json.loads((newer.path / MANIFEST).read_text())
+    doc["variables"]["version"] = 99
+    data = json.dumps(doc).encode()
+    (newer.path / MANIFEST).write_bytes(data)
+    (newer.path / "COMPLETE").write_bytes(complete_marker(data))
+    _, result = restore(directory)
+    assert result.path == older.path and "layout version 99" in result.skipped[0][1]
