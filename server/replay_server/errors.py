@@ -72,6 +72,12 @@ class RateLimitedError(ReplayServerError):
         self.count = count
 
 
+class InsufficientMemoryError(ReplayServerError):
+    """A table would need more memory than the server may give it (its capacity times
+    its row size, plus sampler state), or the allocation itself failed. Nothing was
+    allocated or stored."""
+
+
 class MalformedStateError(ConfigError):
     """A saved state (state dict or checkpoint) is malformed, not just contradicting the config."""
 

@@ -34,9 +34,23 @@ class UnauthenticatedError(Exception):
     """The call carries no token, or the wrong one."""
 
 
+class OverloadedError(Exception):
+    """The server's call limits are reached *now* (memory budget, concurrent calls);
+    the call was not run, so it may be tried again later."""
+
+
+class LimitExceededError(Exception):
+    """The call alone asks for more than a configured limit allows (a batch over
+    max_batch_mb, more memory than the budget); it can never succeed as it is."""
+
+
 # Most specific first: the first isinstance match wins.
 _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, ErrorKind], ...] = (
     (MessageTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.MESSAGE_TOO_LARGE),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.OVERLOADED),
+    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.LIMIT_EXCEEDED),
+    (errors.InsufficientMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED,
+     ErrorKind.LIMIT_EXCEEDED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE, ErrorKind.UNAVAILABLE),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, ErrorKind.UNAUTHENTICATED),
     (errors.SchemaMismatchError, grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.SCHEMA_MISMATCH),

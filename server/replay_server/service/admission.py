@@ -1,0 +1,120 @@
+"""Admitting calls: a cap on calls in flight, and memory reserved before a request is read.
+
+Every replay call goes through :class:`Admission` before anything of it is
+read or run:
+
+1. It is counted against ``max_concurrent_calls`` until it ends (a call whose
+   response a slow reader has not taken yet is still in flight); over the
+   cap it is refused with RESOURCE_EXHAUSTED (kind ``overloaded``).
+2. The memory its request will take is reserved from the
+   :class:`~replay_server.service.budget.MemoryBudget`: the size the client
+   declared (``replay_proto.call_metadata``), else the message-size limit.
+   Only then is the request read. A request larger than declared is refused.
+3. The reservation travels with the call: a handler grows it before it
+   draws a batch, and it is released when the call ends, i.e. when gRPC has
+   handed the last response byte to the socket.
+
+That is why the unary RPCs are served by *stream*-unary handlers: gRPC reads
+a unary handler's request before the handler runs, while a stream handler
+reads it when asked (the bytes on the wire are the same). A refused call's
+request is never read: it costs a few kilobytes of HTTP/2 window at most.
+
+Thread-safety: event-loop only (reservations themselves are thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from replay_proto.call_metadata import declared_request_bytes
+from replay_proto.codec import CodecError
+from replay_server.service.budget import MemoryBudget, Reservation
+from replay_server.service.limits import ServiceLimits
+from replay_server.service.status import LimitExceededError, OverloadedError, abort
+
+UnaryBehaviour = Callable[[bytes, grpc.aio.ServicerContext, Reservation], Awaitable[bytes]]
+StreamBehaviour = Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext, Reservation],
+                           AsyncIterator[bytes]]
+
+
+class Admission:
+    """Admits the service's calls (see the module docstring).
+
+    Args:
+        limits: the service's limits.
+        budget: the memory budget calls reserve from.
+
+    Attributes:
+        in_flight: replay calls admitted and not yet ended.
+        refused: calls refused for the cap on calls in flight.
+    """
+
+    def __init__(self, limits: ServiceLimits, budget: MemoryBudget) -> None:
+        self.limits = limits
+        self.budget = budget
+        self.in_flight = 0
+        self.refused = 0
+
+    def unary(self, name: str, behaviour: UnaryBehaviour) -> grpc.RpcMethodHandler:
+        """A handler serving unary RPC ``name`` with ``behaviour(raw, context, reservation)``."""
+
+        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+            reservation = await self._admit(name, context)
+            try:
+                raw = await requests.__anext__()
+            except StopAsyncIteration:
+                await abort(context, CodecError(f"{name}: the call carried no request"))
+            await self._check_size(name, raw, reservation, context)
+            return await behaviour(raw, context, reservation)
+
+        return grpc.stream_unary_rpc_method_handler(handle)
+
+    def stream(self, name: str, behaviour: StreamBehaviour) -> grpc.RpcMethodHandler:
+        """A handler serving bidirectional RPC ``name`` with ``behaviour(requests, context, reservation)``.
+
+        The reservation covers one client message at a time (the declared
+        size); the behaviour checks each message against it and reserves
+        what it draws.
+        """
+
+        async def handle(requests: AsyncIterator[bytes],
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            reservation = await self._admit(name, context)
+            async for message in behaviour(requests, context, reservation):
+                yield message
+
+        return grpc.stream_stream_rpc_method_handler(handle)
+
+    async def _admit(self, name: str, context: grpc.aio.ServicerContext) -> Reservation:
+        """Count the call and reserve its request's memory, or end it with RESOURCE_EXHAUSTED."""
+        if self.in_flight >= self.limits.max_concurrent_calls:
+            self.refused += 1
+            await abort(context, OverloadedError(
+                f"{name}: the server is serving server.max_concurrent_calls = "
+                f"{self.limits.max_concurrent_calls} calls already; the call was not run: try "
+                f"again later"))
+        self.in_flight += 1
+        context.add_done_callback(self._ended)
+        declared = declared_request_bytes(context.invocation_metadata(),
+                                          self.limits.max_message_bytes)
+        try:
+            reservation = self.budget.reserve(declared, f"{name}: its request")
+        except (OverloadedError, LimitExceededError) as exc:
+            await abort(context, exc)
+        context.add_done_callback(reservation.release)
+        return reservation
+
+    async def _check_size(self, name: str, raw: bytes, reservation: Reservation,
+                          context: grpc.aio.ServicerContext) -> None:
+        if len(raw) > reservation.nbytes:
+            await abort(context, CodecError(
+                f"{name}: the request has {len(raw)} bytes but the call declared "
+                f"{reservation.nbytes} (metadata replay-request-bytes)"))
+
+    def _ended(self, _context: object) -> None:
+        self.in_flight -= 1
+
+    def describe(self) -> dict[str, int]:
+        return {"calls_in_flight": self.in_flight, "calls_refused": self.refused}
