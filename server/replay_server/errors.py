@@ -78,6 +78,12 @@ class InsufficientMemoryError(ReplayServerError):
     allocated or stored."""
 
 
+class RestoreError(ConfigError):
+    """Checkpoints exist but none could be restored, or loading one failed for a reason
+    other than damage (out of memory, a bug): the server does not start, so that no
+    checkpoint is thrown away (the message names each one and why)."""
+
+
 class MalformedStateError(ConfigError):
     """A saved state (state dict or checkpoint) is malformed, not just contradicting the config."""
 

@@ -71,10 +71,11 @@ class Checkpointer:
         self.directory.close()
 
     def restore(
-        self, make_tables: Callable[[], TableSet], cancel: threading.Event | None = None
+        self, make_tables: Callable[[], TableSet], cancel: threading.Event | None = None,
+        *, start_empty: bool = False,
     ) -> tuple[TableSet, RestoreResult] | None:
         """See :func:`~replay_server.checkpoint.reader.restore_latest`."""
-        return restore_latest(self.directory, make_tables, cancel)
+        return restore_latest(self.directory, make_tables, cancel, start_empty=start_empty)
 
     def checkpoint(self, tables: Iterable[Table], reason: str = "request") -> CheckpointResult:
         """Write a checkpoint that starts after this call (shared with concurrent callers).

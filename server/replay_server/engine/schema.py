@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from replay_proto.dtypes import dtype_from_name, dtype_name
+from replay_proto.keys import check_prefixes
 from replay_server.errors import InvalidArgumentError, SchemaMismatchError
 
 MAX_ROW_BYTES = 2**31 - 1
@@ -145,6 +146,12 @@ class Schema(Mapping[str, FieldSpec]):
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> Schema:
+        """The schema :meth:`state_dict` saved.
+
+        Raises:
+            ValueError: a dtype, shape or key is invalid (keys colliding as paths included).
+        """
+        check_prefixes(state)
         return cls(
             {
                 key: FieldSpec(dtype_from_name(value["dtype"]), tuple(value["shape"]))

@@ -56,12 +56,12 @@ from replay_server.errors import InvalidArgumentError, RateLimitedError
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.status import (
+    CLIENT_LOG,
     LimitExceededError,
     OverloadedError,
     ShuttingDownError,
 )
 
-log = logging.getLogger("replay_server.service")
 
 MAX_CREDITS = 1024
 """Largest prefetch window a learner may grant in its first message."""
@@ -286,8 +286,9 @@ class SampleStreamCall:
         if answer.accepted:
             self._ring_accepted = True
         else:
-            log.info("SampleStream: the learner refused the shared-memory ring (%s); using gRPC",
-                     answer.reason)
+            CLIENT_LOG.log(self._context.peer(), logging.INFO, "SampleStream from %s: the "
+                           "learner refused the shared-memory ring (%s); using gRPC",
+                           self._context.peer(), answer.reason)
             self._close_ring()
 
     async def _next_count(self, request: pb.SampleRequest, table: Table, index: int,
@@ -357,13 +358,15 @@ class SampleStreamCall:
             reservation = self._limits.shared_memory_budget.reserve(
                 size, f"a shared-memory ring of {slots} batches")
         except (OverloadedError, LimitExceededError) as exc:
-            log.info("SampleStream: no shared-memory ring (%s); using gRPC", exc)
+            CLIENT_LOG.log(self._context.peer(), logging.INFO, "SampleStream from %s: no "
+                           "shared-memory ring (%s); using gRPC", self._context.peer(), exc)
             return f"no shared-memory ring: {exc}"
         try:
             self._ring = SharedRing.create(slots, layout.slot_bytes)
         except SharedMemoryError as exc:
             reservation.release()
-            log.warning("SampleStream: no shared-memory ring (%s); using gRPC", exc)
+            CLIENT_LOG.log(self._context.peer(), logging.WARNING, "SampleStream from %s: no "
+                           "shared-memory ring (%s); using gRPC", self._context.peer(), exc)
             return f"the server could not create a shared-memory ring: {exc}"
         self._ring_reservation = reservation
         self._layout = layout

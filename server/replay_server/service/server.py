@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -196,9 +197,11 @@ class ReplayServer:
             return
         loop = asyncio.get_running_loop()
         restored = await loop.run_in_executor(
-            self._checkpoint_executor, self.checkpointer.restore, self._make_tables, cancel)
+            self._checkpoint_executor, functools.partial(
+                self.checkpointer.restore, self._make_tables, cancel,
+                start_empty=self.settings.start_empty_if_unrestorable))
         if restored is None:
-            log.info("no checkpoint to restore in %s: starting with empty tables",
+            log.info("nothing restored from %s: starting with empty tables",
                      self.checkpointer.path)
         else:
             self.tables, result = restored

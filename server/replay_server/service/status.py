@@ -18,8 +18,12 @@ import grpc
 from replay_proto.codec import CodecError
 from replay_proto.error_kinds import ERROR_KIND_KEY, ErrorKind
 from replay_server import errors
+from replay_server.service.peer_log import PeerLog
 
 log = logging.getLogger("replay_server.service")
+
+CLIENT_LOG = PeerLog(log)
+"""Where lines about a client's calls go: at most a few per client host per minute."""
 
 
 class MessageTooLargeError(errors.InvalidArgumentError):
@@ -82,14 +86,48 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, ErrorKind] | None:
     return None
 
 
+_ROUTINE = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE}
+"""Refusals that are part of normal operation (a rate limiter's wait ran out, draining)."""
+
+
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the call with ``exc``'s status and kind (a bug: logged, answered INTERNAL)."""
+    """End the call with ``exc``'s status and kind (a bug: logged, answered INTERNAL).
+
+    Refusals are logged per client, rate-limited (:mod:`~replay_server.service.peer_log`):
+    a wrong token at WARNING, other client mistakes and limits at INFO, routine
+    ones (a rate limiter's deadline, draining) at DEBUG; a bug with its traceback
+    at ERROR, also rate-limited per client; a call the client already cancelled
+    at DEBUG (its end is expected, whatever it raised).
+    """
+    peer = _peer(context)
     mapped = status_of(exc)
     if mapped is None:
-        log.error("internal error while serving a request", exc_info=exc)
+        if _cancelled(context):
+            log.debug("call from %s ended after the client cancelled it (%r)", peer, exc)
+        else:
+            CLIENT_LOG.log(peer, logging.ERROR, "internal error while serving a request from %s",
+                           peer, exc_info=exc)
         code, kind, message = (grpc.StatusCode.INTERNAL, ErrorKind.INTERNAL,
                                "internal server error (the server logged the details)")
     else:
         (code, kind), message = mapped, str(exc)
+        level = (logging.WARNING if code == grpc.StatusCode.UNAUTHENTICATED
+                 else logging.DEBUG if code in _ROUTINE else logging.INFO)
+        CLIENT_LOG.log(peer, level, "refused a call from %s: %s (%s): %s", peer, code.name,
+                       kind.value, message)
     await context.abort(code, message, trailing_metadata=((ERROR_KIND_KEY, kind.value),))
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
+
+
+def _peer(context: grpc.aio.ServicerContext) -> str:
+    try:
+        return context.peer() or "unknown"
+    except Exception:  # a context that has no peer (a test double)
+        return "unknown"
+
+
+def _cancelled(context: grpc.aio.ServicerContext) -> bool:
+    try:
+        return bool(context.cancelled())
+    except Exception:
+        return False
