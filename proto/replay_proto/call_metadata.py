@@ -3,9 +3,9 @@
 A server reserves memory for a request *before* it reads it (see
 ``replay_server.service.budget``). The client says how large its request is
 in the metadata :data:`REQUEST_BYTES_KEY` (for a stream: the largest message
-it will send), so the server reserves exactly that; a call without it is
-charged the full message-size limit. A message larger than declared is
-refused.
+it will send), so the server reserves exactly that; a unary call without it
+is charged the full message-size limit while its request is read, a stream
+:data:`STREAM_MESSAGE_BYTES`. A message larger than declared is refused.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ def request_bytes_metadata(nbytes: int) -> tuple[tuple[str, str], ...]:
     return ((REQUEST_BYTES_KEY, str(nbytes)),)
 
 
-def declared_request_bytes(metadata: object, default: int) -> int:
-    """The size declared in ``metadata`` (pairs), or ``default`` when absent or malformed."""
+def declared_request_bytes(metadata: object, default: int, most: int) -> int:
+    """The size declared in ``metadata`` (pairs), at most ``most``; ``default`` when absent or
+    malformed."""
     for key, value in metadata or ():  # type: ignore[attr-defined]
         if key == REQUEST_BYTES_KEY:
             text = value.decode() if isinstance(value, bytes) else str(value)
-            if text.isdigit() and int(text) <= default:
-                return int(text)
-            return default
+            return min(int(text), most) if text.isdigit() else default
     return default

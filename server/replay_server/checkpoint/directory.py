@@ -17,7 +17,8 @@ one on: verified are the checkpoint the server restored from and those it
 wrote and read back. So a damaged or unreadable checkpoint never costs an
 older good one its place, and a server that started empty (by the
 operator's choice) removes nothing until it has written ``keep_latest``
-checkpoints of its own.
+checkpoints of its own. Checkpoints found damaged at start are never
+removed: they are left for the operator (the start-up log names them).
 
 Files and directories are created owner-only (0600 and 0700): a checkpoint
 holds the replay data, which other local users must not read.
@@ -78,6 +79,7 @@ class CheckpointDirectory:
         self.path = Path(path).absolute()
         self._lock_fd: int | None = None
         self._verified: set[Path] = set()
+        self._damaged: set[Path] = set()
 
     def open(self) -> None:
         """Create the directory if needed, lock it and remove unfinished checkpoints.
@@ -163,6 +165,10 @@ class CheckpointDirectory:
         """``path`` is known good: restored from, or written and read back."""
         self._verified.add(path)
 
+    def mark_damaged(self, path: Path) -> None:
+        """``path`` was found damaged at start: pruning leaves it for the operator."""
+        self._damaged.add(path)
+
     def prune(self, keep_latest: int) -> list[Path]:
         """Remove checkpoints older than the ``keep_latest``-th newest verified one, and
         leftover temporaries (see the module docstring).
@@ -174,7 +180,8 @@ class CheckpointDirectory:
         old: list[Path] = []
         if len(verified) >= keep_latest:
             oldest_kept = verified[-keep_latest].sequence
-            old = [ref.path for ref in complete if ref.sequence < oldest_kept]
+            old = [ref.path for ref in complete
+                   if ref.sequence < oldest_kept and ref.path not in self._damaged]
         self._verified.difference_update(old)
         removed = old + self.temporaries()
         for path in removed:

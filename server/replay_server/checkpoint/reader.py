@@ -18,8 +18,9 @@ Rules, newest checkpoint (by sequence number) first:
   opted in to start empty (``start_empty``), which keeps them on disk.
 * Tables the config declares but the checkpoint lacks start empty.
 
-The checkpoint restored from is marked verified in its directory: pruning
-never removes a checkpoint unless newer verified ones take its place
+The checkpoint restored from is marked verified in its directory, the
+damaged ones damaged: pruning never removes a checkpoint unless newer
+verified ones take its place, and never removes a damaged one
 (:meth:`~replay_server.checkpoint.directory.CheckpointDirectory.prune`).
 
 Every attempt loads into fresh tables, so a checkpoint that fails half-way
@@ -197,6 +198,7 @@ def restore_latest(
         except (CorruptCheckpointError, MalformedStateError) as exc:
             log.warning("skipping checkpoint %s: %s", ref.path, exc)
             skipped.append((ref.path, str(exc)))
+            directory.mark_damaged(ref.path)
             continue
         except NewerFormatError as exc:
             raise ConfigError(

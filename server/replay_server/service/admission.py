@@ -9,10 +9,22 @@ read or run:
 2. The memory its request will take is reserved from the
    :class:`~replay_server.service.budget.MemoryBudget`: the size the client
    declared (``replay_proto.call_metadata``), else the message-size limit.
-   Only then is the request read. A request larger than declared is refused.
+   A unary call waits up to :data:`ADMISSION_WAIT_S` (within its deadline)
+   for room, then is refused (RESOURCE_EXHAUSTED, kind ``overloaded``).
+   Only then is the request read, and the reservation shrinks to its real
+   size. A request larger than declared is refused.
 3. The reservation travels with the call: a handler grows it before it
    draws a batch, and it is released when the call ends, i.e. when gRPC has
    handed the last response byte to the socket.
+
+A ``SampleStream`` reserves, for its whole life, room for one learner
+message at a time: the size it declared, else
+:data:`~replay_proto.call_metadata.STREAM_MESSAGE_BYTES` (the protocol's
+messages are a few hundred bytes). A message over that ends the stream
+(INVALID_ARGUMENT); as gRPC reads a message before its size is known, a
+client holding the token can make the server hold one message of up to
+``max_message_mb`` per stream for that moment: the one bound not kept by the
+budget, and the reason a client should declare its sizes.
 
 That is why the unary RPCs are served by *stream*-unary handlers: gRPC reads
 a unary handler's request before the handler runs, while a stream handler
@@ -24,15 +36,19 @@ Thread-safety: event-loop only (reservations themselves are thread-safe).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from replay_proto.call_metadata import declared_request_bytes
+from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, declared_request_bytes
 from replay_proto.codec import CodecError
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.limits import ServiceLimits
 from replay_server.service.status import LimitExceededError, OverloadedError, abort
+
+ADMISSION_WAIT_S = 1.0
+"""How long a unary call may wait for room in the budget to read its request."""
 
 UnaryBehaviour = Callable[[bytes, grpc.aio.ServicerContext, Reservation], Awaitable[bytes]]
 StreamBehaviour = Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext, Reservation],
@@ -61,12 +77,14 @@ class Admission:
         """A handler serving unary RPC ``name`` with ``behaviour(raw, context, reservation)``."""
 
         async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
-            reservation = await self._admit(name, context)
+            reservation = await self._admit(name, context, self.limits.max_message_bytes,
+                                            wait=True)
             try:
                 raw = await requests.__anext__()
             except StopAsyncIteration:
                 await abort(context, CodecError(f"{name}: the call carried no request"))
             await self._check_size(name, raw, reservation, context)
+            reservation.resize(len(raw), "")  # read: it holds exactly its request now
             return await behaviour(raw, context, reservation)
 
         return grpc.stream_unary_rpc_method_handler(handle)
@@ -81,14 +99,16 @@ class Admission:
 
         async def handle(requests: AsyncIterator[bytes],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-            reservation = await self._admit(name, context)
+            reservation = await self._admit(name, context, STREAM_MESSAGE_BYTES, wait=False)
             async for message in behaviour(requests, context, reservation):
                 yield message
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
-    async def _admit(self, name: str, context: grpc.aio.ServicerContext) -> Reservation:
-        """Count the call and reserve its request's memory, or end it with RESOURCE_EXHAUSTED."""
+    async def _admit(self, name: str, context: grpc.aio.ServicerContext, default: int,
+                     wait: bool) -> Reservation:
+        """Count the call and reserve its request's memory (what it declared, else
+        ``default``; waiting for room if ``wait``), or end it with RESOURCE_EXHAUSTED."""
         if self.in_flight >= self.limits.max_concurrent_calls:
             self.refused += 1
             await abort(context, OverloadedError(
@@ -97,14 +117,30 @@ class Admission:
                 f"again later"))
         self.in_flight += 1
         context.add_done_callback(self._ended)
-        declared = declared_request_bytes(context.invocation_metadata(),
+        declared = declared_request_bytes(context.invocation_metadata(), default,
                                           self.limits.max_message_bytes)
+        purpose = f"{name}: its request"
         try:
-            reservation = self.budget.reserve(declared, f"{name}: its request")
-        except (OverloadedError, LimitExceededError) as exc:
+            reservation = self.budget.reserve(declared, purpose)
+        except OverloadedError as exc:
+            if not wait:
+                await abort(context, exc)
+            reservation = await self._wait(declared, purpose, context, exc)
+        except LimitExceededError as exc:
             await abort(context, exc)
         context.add_done_callback(reservation.release)
         return reservation
+
+    async def _wait(self, nbytes: int, purpose: str, context: grpc.aio.ServicerContext,
+                    refusal: OverloadedError) -> Reservation:
+        """Wait up to ADMISSION_WAIT_S (within the deadline) for room, or end the call."""
+        remaining = context.time_remaining()
+        timeout = ADMISSION_WAIT_S if remaining is None else min(ADMISSION_WAIT_S, remaining)
+        try:
+            return await asyncio.wait_for(self.budget.wait(nbytes, purpose), max(0.0, timeout))
+        except TimeoutError:
+            await abort(context, refusal)
+        raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
     async def _check_size(self, name: str, raw: bytes, reservation: Reservation,
                           context: grpc.aio.ServicerContext) -> None:

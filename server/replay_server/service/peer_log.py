@@ -4,13 +4,14 @@ A client that repeats a mistake (malformed requests, a wrong token, a
 shared-memory ring it keeps refusing) or keeps triggering the same failure
 would otherwise write one line per call: tens of thousands of lines a
 second, drowning everything else and filling disks. :class:`PeerLog` lets
-through at most ``burst`` lines per peer (client host) per ``window_s``;
-the lines it holds back are counted and reported in one line when the
-window ends and that peer is heard from again.
+through at most ``burst`` lines per peer (client host) and topic (a kind of
+refusal, say) per ``window_s``; the lines it holds back are counted and
+reported in one line when the window ends and that peer is heard from again.
 
 Peers are keyed by host (``ipv4:10.0.0.7``; the port changes with every
-connection), and at most ``max_peers`` are tracked (the least recently
-heard from is forgotten first), so the bookkeeping itself is bounded.
+connection), and at most ``max_peers`` (host, topic) pairs are tracked (the
+least recently heard from is forgotten first), so the bookkeeping itself is
+bounded.
 
 Thread-safety: any thread (a lock guards the counts).
 """
@@ -64,24 +65,26 @@ class PeerLog:
         self._burst = burst
         self._window_s = window_s
         self._max_peers = max_peers
-        self._windows: OrderedDict[str, _Window] = OrderedDict()
+        self._windows: OrderedDict[tuple[str, str], _Window] = OrderedDict()
         self._lock = threading.Lock()
 
-    def log(self, peer: str | None, level: int, message: str, *args: object,
+    def log(self, peer: str | None, topic: str, level: int, message: str, *args: object,
             exc_info: BaseException | None = None) -> bool:
-        """Log ``message % args`` about ``peer`` unless its window is used up; True if logged."""
+        """Log ``message % args`` about ``peer`` unless its window for ``topic`` is used up;
+        True if logged."""
         if not self._logger.isEnabledFor(level):
             return False
         host = peer_host(peer)
+        key = (host, topic)
         now = time.monotonic()
         summary = 0
         with self._lock:
-            window = self._windows.get(host)
+            window = self._windows.get(key)
             if window is None or now - window.start >= self._window_s:
                 summary = window.suppressed if window is not None else 0
                 window = _Window(now)
-                self._windows[host] = window
-            self._windows.move_to_end(host)
+                self._windows[key] = window
+            self._windows.move_to_end(key)
             while len(self._windows) > self._max_peers:
                 self._windows.popitem(last=False)
             allowed = window.logged < self._burst
@@ -90,8 +93,8 @@ class PeerLog:
             else:
                 window.suppressed += 1
         if summary:
-            self._logger.log(level, "%d similar messages about %s were not logged in the last "
-                             "%.0f s", summary, host, self._window_s)
+            self._logger.log(level, "%d more messages about %s (%s) were not logged in the last "
+                             "%.0f s", summary, host, topic, self._window_s)
         if allowed:
             suffix = (" (more about this peer in the next %.0f s are counted, not logged)"
                       if window.logged == self._burst else "")

@@ -286,9 +286,8 @@ class SampleStreamCall:
         if answer.accepted:
             self._ring_accepted = True
         else:
-            CLIENT_LOG.log(self._context.peer(), logging.INFO, "SampleStream from %s: the "
-                           "learner refused the shared-memory ring (%s); using gRPC",
-                           self._context.peer(), answer.reason)
+            self._log("ring_refused", logging.INFO, f"the learner refused the shared-memory ring "
+                      f"({answer.reason}); using gRPC")
             self._close_ring()
 
     async def _next_count(self, request: pb.SampleRequest, table: Table, index: int,
@@ -358,15 +357,13 @@ class SampleStreamCall:
             reservation = self._limits.shared_memory_budget.reserve(
                 size, f"a shared-memory ring of {slots} batches")
         except (OverloadedError, LimitExceededError) as exc:
-            CLIENT_LOG.log(self._context.peer(), logging.INFO, "SampleStream from %s: no "
-                           "shared-memory ring (%s); using gRPC", self._context.peer(), exc)
+            self._log("ring_over_budget", logging.INFO, f"no shared-memory ring ({exc}); using gRPC")
             return f"no shared-memory ring: {exc}"
         try:
             self._ring = SharedRing.create(slots, layout.slot_bytes)
         except SharedMemoryError as exc:
             reservation.release()
-            CLIENT_LOG.log(self._context.peer(), logging.WARNING, "SampleStream from %s: no "
-                           "shared-memory ring (%s); using gRPC", self._context.peer(), exc)
+            self._log("ring_failed", logging.WARNING, f"no shared-memory ring ({exc}); using gRPC")
             return f"the server could not create a shared-memory ring: {exc}"
         self._ring_reservation = reservation
         self._layout = layout
@@ -383,6 +380,11 @@ class SampleStreamCall:
         for dest, src in zip(views[n:], batch.extras):
             dest.copy_(src)
         return encode_ring_batch(columns, views[n:], index, slot, layout.offsets)
+
+    def _log(self, topic: str, level: int, what: str) -> None:
+        """A line about this stream's client (rate-limited per client: see ``peer_log``)."""
+        peer = self._context.peer()
+        CLIENT_LOG.log(peer, topic, level, "SampleStream from %s: %s", peer, what)
 
     def _close_ring(self) -> None:
         ring, self._ring = self._ring, None

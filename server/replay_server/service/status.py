@@ -105,16 +105,16 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoRetu
         if _cancelled(context):
             log.debug("call from %s ended after the client cancelled it (%r)", peer, exc)
         else:
-            CLIENT_LOG.log(peer, logging.ERROR, "internal error while serving a request from %s",
-                           peer, exc_info=exc)
+            CLIENT_LOG.log(peer, "internal", logging.ERROR,
+                           "internal error while serving a request from %s", peer, exc_info=exc)
         code, kind, message = (grpc.StatusCode.INTERNAL, ErrorKind.INTERNAL,
                                "internal server error (the server logged the details)")
     else:
         (code, kind), message = mapped, str(exc)
         level = (logging.WARNING if code == grpc.StatusCode.UNAUTHENTICATED
                  else logging.DEBUG if code in _ROUTINE else logging.INFO)
-        CLIENT_LOG.log(peer, level, "refused a call from %s: %s (%s): %s", peer, code.name,
-                       kind.value, message)
+        CLIENT_LOG.log(peer, kind.value, level, "refused a call from %s: %s (%s): %s", peer,
+                       code.name, kind.value, message)
     await context.abort(code, message, trailing_metadata=((ERROR_KIND_KEY, kind.value),))
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
 

@@ -103,6 +103,16 @@ def test_an_unverified_newer_checkpoint_does_not_push_out_a_verified_older_one(
     assert [r.path for r in directory.complete()] == [good, *damaged]
 
 
+def test_a_checkpoint_found_damaged_is_never_pruned(tmp_path: Path) -> None:
+    directory = _opened(tmp_path)
+    damaged = _commit(directory, verified=False)
+    directory.mark_damaged(damaged)
+    plain_old = _commit(directory, verified=False)
+    written = [_commit(directory) for _ in range(2)]
+    assert set(directory.prune(1)) == {plain_old, written[0]}
+    assert [r.path for r in directory.complete()] == [damaged, written[1]]
+
+
 def test_files_and_directories_are_created_owner_only(tmp_path: Path) -> None:
     directory = _opened(tmp_path / "ckpt")
     path = _commit(directory)
