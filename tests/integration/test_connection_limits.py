@@ -1,4 +1,5 @@
-"""Idle connections cannot lock everyone out: ~1,000 idle sockets against a real server.
+"""Idle connections cannot lock everyone out: ~1,000 idle sockets against a real server;
+calls over ``max_concurrent_calls`` are refused before they are read.
 
 Issue 10, finding 6: about 1,010 idle TCP sockets, at the usual 1,024
 open-file limit, made every new connection (health checks included) time
@@ -19,23 +20,33 @@ import socket
 import threading
 import time
 
+from collections.abc import Iterator
+
 import grpc
 import psutil
+import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from replay_client import ReplayClient
-from tests.conftest import start_server, wait_for
+from replay_client import ReplayClient, errors
+from tests.conftest import ServerProcess, start_server, wait_for
 
 IDLE_S = 2
+CALLS = 20
 CONFIG = f"""
 [server]
 idle_timeout_s = {IDLE_S}
 max_connections = 500
+max_concurrent_calls = {CALLS}
 
 [[tables]]
 name = "replay"
 capacity = 100
+
+[[tables]]
+name = "gate"
+capacity = 100
+min_size_to_sample = 50
 """
 
 
@@ -75,8 +86,47 @@ def _closed_by_server(sockets: list[socket.socket]) -> int:
     return closed
 
 
-def test_a_thousand_idle_sockets_do_not_lock_out_health_checks_or_clients(tmp_path) -> None:
-    server = start_server(tmp_path, CONFIG, preexec_fn=_usual_open_file_limit)
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("limits"), CONFIG,
+                        preexec_fn=_usual_open_file_limit)
+    yield proc
+    proc.stop()
+
+
+def test_calls_over_max_concurrent_calls_are_refused_unread_naming_the_limit(server) -> None:
+    waiting = ReplayClient(server.address, timeout=3)
+    errors_seen: list[BaseException] = []
+
+    def blocked_sample() -> None:
+        try:
+            waiting.sample("gate", 1)  # held back by the rate limiter until its deadline
+        except BaseException as exc:  # every one ends with DEADLINE_EXCEEDED
+            errors_seen.append(exc)
+
+    threads = [threading.Thread(target=blocked_sample) for _ in range(CALLS)]
+    for thread in threads:
+        thread.start()
+    extra = ReplayClient(server.address, timeout=10, max_retry_s=0)
+
+    def refused() -> bool:
+        try:
+            extra.info()
+        except errors.OverloadedError as exc:
+            assert "server.max_concurrent_calls = 20" in str(exc)
+            return True
+        return False
+
+    assert wait_for(refused, timeout=10)
+    assert _serving(server.address)  # health checks are not replay calls: never refused
+    for thread in threads:
+        thread.join(30)
+    assert len(errors_seen) == CALLS
+    assert all(isinstance(e, errors.DeadlineExceededError) for e in errors_seen), errors_seen
+    assert extra.server_info().limits["calls_in_flight"] == 1  # this Info call itself
+
+
+def test_a_thousand_idle_sockets_do_not_lock_out_health_checks_or_clients(server) -> None:
     process = psutil.Process(server.process.pid)
     count = _idle_sockets_we_can_open()
     sockets: list[socket.socket] = []
@@ -114,4 +164,3 @@ def test_a_thousand_idle_sockets_do_not_lock_out_health_checks_or_clients(tmp_pa
     finally:
         for sock in sockets:
             sock.close()
-        server.stop()

@@ -305,6 +305,8 @@ class IdSpace:
             raise ValueError("no id segments")
         for k, (incarnation, first, end) in enumerate(segments):
             last = k == len(segments) - 1
+            if last and end != -1:
+                raise ValueError(f"the last id segment {segments[k]} is not the open one")
             end = next_position if last else end
             if not 0 <= incarnation <= MAX_INCARNATION or not 0 <= first <= end <= next_position:
                 raise ValueError(f"inconsistent id segment {segments[k]} (next position "

@@ -68,6 +68,12 @@ class PeerLog:
         self._windows: OrderedDict[tuple[str, str], _Window] = OrderedDict()
         self._lock = threading.Lock()
 
+    @property
+    def tracked(self) -> int:
+        """(host, topic) pairs tracked now."""
+        with self._lock:
+            return len(self._windows)
+
     def log(self, peer: str | None, topic: str, level: int, message: str, *args: object,
             exc_info: BaseException | None = None) -> bool:
         """Log ``message % args`` about ``peer`` unless its window for ``topic`` is used up;
