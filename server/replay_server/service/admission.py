@@ -84,7 +84,8 @@ class Admission:
             except StopAsyncIteration:
                 await abort(context, CodecError(f"{name}: the call carried no request"))
             await self._check_size(name, raw, reservation, context)
-            reservation.resize(len(raw), "")  # read: it holds exactly its request now
+            if len(raw) != reservation.nbytes:
+                reservation.resize(len(raw), "")  # read: it holds exactly its request now
             return await behaviour(raw, context, reservation)
 
         return grpc.stream_unary_rpc_method_handler(handle)
@@ -116,7 +117,8 @@ class Admission:
                 f"{self.limits.max_concurrent_calls} calls already; the call was not run: try "
                 f"again later"))
         self.in_flight += 1
-        context.add_done_callback(self._ended)
+        ended = _Ended(self)
+        context.add_done_callback(ended)
         declared = declared_request_bytes(context.invocation_metadata(), default,
                                           self.limits.max_message_bytes)
         purpose = f"{name}: its request"
@@ -128,7 +130,7 @@ class Admission:
             reservation = await self._wait(declared, purpose, context, exc)
         except LimitExceededError as exc:
             await abort(context, exc)
-        context.add_done_callback(reservation.release)
+        ended.reservation = reservation
         return reservation
 
     async def _wait(self, nbytes: int, purpose: str, context: grpc.aio.ServicerContext,
@@ -149,8 +151,20 @@ class Admission:
                 f"{name}: the request has {len(raw)} bytes but the call declared "
                 f"{reservation.nbytes} (metadata replay-request-bytes)"))
 
-    def _ended(self, _context: object) -> None:
-        self.in_flight -= 1
-
     def describe(self) -> dict[str, int]:
         return {"calls_in_flight": self.in_flight, "calls_refused": self.refused}
+
+
+class _Ended:
+    """A call's done-callback: it is no longer in flight, and its memory is free."""
+
+    __slots__ = ("_admission", "reservation")
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+        self.reservation: Reservation | None = None
+
+    def __call__(self, _context: object) -> None:
+        self._admission.in_flight -= 1
+        if self.reservation is not None:
+            self.reservation.release()
