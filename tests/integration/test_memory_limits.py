@@ -16,12 +16,10 @@ throughout. Every attack is bounded in calls and time, on loopback.
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import socket
+import struct
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import grpc
 import psutil
@@ -30,6 +28,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replay_client import ReplayClient, errors
+from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import ServerProcess, module_server, wait_for
 
 TOKEN = "budget-test-token"
@@ -159,44 +158,95 @@ def test_a_stream_of_huge_batches_is_refused_naming_the_limit(server, client) ->
     assert wait_for(lambda: in_use(client) == 0)
 
 
-ATTACKER = """
-import os, signal, sys, grpc
-from replay_proto.v1 import replay_pb2 as pb
-address, calls, token = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)])
-sample = channel.unary_unary("/replay.v1.ReplayService/Sample")
-request = pb.SampleRequest(table="small", batch_size=700_000).SerializeToString()
-futures = [sample.future(request, timeout=120, metadata=(("authorization", f"Bearer {token}"),))
-           for _ in range(calls)]
-print("sent", flush=True)
-os.kill(os.getpid(), signal.SIGSTOP)  # a reader that never reads its answers
-"""
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(
+        ">I", stream) + payload
 
 
-@contextmanager
-def stopped_reader(server: ServerProcess, calls: int) -> Iterator[subprocess.Popen]:
-    """A client process that sends ``calls`` Sample calls of 700,000 rows (62 MB answers each),
-    then stops (SIGSTOP) without reading a byte of them; killed on exit."""
-    process = subprocess.Popen([sys.executable, "-c", ATTACKER, server.address, str(calls), TOKEN],
-                               stdout=subprocess.PIPE, text=True)
-    try:
-        assert process.stdout.readline().strip() == "sent"
-        yield process
-    finally:
-        process.kill()
-        process.wait(30)
+def _hpack(headers: list[tuple[str, str]]) -> bytes:
+    """Literal header fields without indexing, new names, no Huffman (RFC 7541 6.2.2)."""
+
+    def length(n: int) -> bytes:  # a 7-bit prefix integer, H bit clear
+        if n < 127:
+            return bytes([n])
+        out, n = bytearray([127]), n - 127
+        while n >= 128:
+            out.append(n % 128 + 128)
+            n //= 128
+        return bytes(out + bytearray([n]))
+
+    block = bytearray()
+    for name, value in headers:
+        block += b"\0" + length(len(name)) + name.encode() + length(len(value)) + value.encode()
+    return bytes(block)
+
+
+class ReaderThatNeverReads:
+    """A raw HTTP/2 client that sends its calls but grants the server no flow-control
+    window (SETTINGS_INITIAL_WINDOW_SIZE = 0): not one byte of its answers' data can
+    leave the server. It acknowledges SETTINGS and PINGs, as a live peer does."""
+
+    def __init__(self, address: str, calls: int) -> None:
+        host, port = address.rsplit(":", 1)
+        self._sock = socket.create_connection((host, int(port)), timeout=30)
+        request = pb.SampleRequest(table="small", batch_size=700_000).SerializeToString()
+        out = bytearray(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        out += _frame(0x4, 0, 0, struct.pack(">HI", 0x4, 0))  # SETTINGS: initial window 0
+        for call in range(calls):
+            stream = 1 + 2 * call
+            out += _frame(0x1, 0x4, stream, _hpack([  # HEADERS, END_HEADERS
+                (":method", "POST"), (":scheme", "http"), (":authority", address),
+                (":path", "/replay.v1.ReplayService/Sample"), ("content-type", "application/grpc"),
+                ("te", "trailers"), ("authorization", f"Bearer {TOKEN}")]))
+            message = b"\0" + struct.pack(">I", len(request)) + request
+            out += _frame(0x0, 0x1, stream, message)  # DATA, END_STREAM
+        self._sock.sendall(out)
+        self._reader = threading.Thread(target=self._answer_control_frames, daemon=True)
+        self._reader.start()
+
+    def _answer_control_frames(self) -> None:
+        buffer = b""
+        try:
+            while True:
+                data = self._sock.recv(1 << 16)
+                if not data:
+                    return
+                buffer += data
+                while len(buffer) >= 9:
+                    size = int.from_bytes(buffer[:3], "big")
+                    if len(buffer) < 9 + size:
+                        break
+                    kind, flags, payload = buffer[3], buffer[4], buffer[9:9 + size]
+                    buffer = buffer[9 + size:]
+                    if kind == 0x4 and not flags & 0x1:
+                        self._sock.sendall(_frame(0x4, 0x1, 0, b""))  # SETTINGS ACK
+                    elif kind == 0x6 and not flags & 0x1:
+                        self._sock.sendall(_frame(0x6, 0x1, 0, payload))  # PING ACK
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader thread; the server sees EOF
+        self._reader.join(10)
+        self._sock.close()
 
 
 def test_answers_held_for_readers_that_never_read_stay_within_the_budget(server, client) -> None:
-    with Watch(server) as watch, stopped_reader(server, calls=30):
-        # The unread answers hold the budget: a large sample is refused now, naming it.
-        assert wait_for(lambda: in_use(client) >= 100 * 2**20)
-        with pytest.raises(errors.OverloadedError, match="server.memory_budget_mb"):
-            client.sample("small", 500_000)
-        time.sleep(1.0)  # let the probe run while the answers are held
+    with Watch(server) as watch:
+        # 30 calls for 62 MB answers, over one connection that never takes any of them.
+        reader = ReaderThatNeverReads(server.address, calls=30)
+        try:
+            # Each call reserved its answer before drawing it: the budget admits one, and
+            # the others are refused (RESOURCE_EXHAUSTED, kind overloaded) with nothing drawn.
+            assert wait_for(lambda: client.server_info().limits["refused_calls"] >= 29)
+            assert in_use(client) >= 100 * 2**20  # the unread answer stays reserved
+            with pytest.raises(errors.OverloadedError, match="server.memory_budget_mb"):
+                client.sample("small", 500_000)  # so a large sample is refused, naming it
+            time.sleep(1.0)  # the probe goes on while the answer is held
+        finally:
+            reader.close()
     watch.check()
-    limits = client.server_info().limits
-    assert limits["refused_calls"] >= 25 and limits["memory_peak_bytes"] <= BUDGET_MIB * 2**20
+    assert client.server_info().limits["memory_peak_bytes"] <= BUDGET_MIB * 2**20
     assert wait_for(lambda: in_use(client) == 0)  # released once the reader was gone
 
 
