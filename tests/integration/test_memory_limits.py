@@ -264,3 +264,25 @@ def test_calls_without_the_token_are_refused_before_their_body_is_read(server, c
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 20
     watch.check()
     assert watch.peak_rss <= watch.start_rss + 128 * 2**20  # no body was read
+
+
+@pytest.mark.slow
+def test_the_reported_floods_at_their_full_size_stay_within_the_budget(server, client) -> None:
+    """The sizes of the report: 100 unread 62 MB answers, 100 large inserts without the token."""
+    with Watch(server) as watch:
+        reader = ReaderThatNeverReads(server.address, calls=100)
+        try:
+            assert wait_for(lambda: client.server_info().limits["refused_calls"] >= 99,
+                            timeout=120)
+            with grpc.insecure_channel(
+                    server.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+                insert = channel.unary_unary("/replay.v1.ReplayService/Insert")
+                futures = [insert.future(b"\0" * (60 << 20), timeout=300) for _ in range(100)]
+                for future in futures:
+                    with pytest.raises(grpc.RpcError) as info:
+                        future.result()
+                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        finally:
+            reader.close()
+    watch.check()
+    assert wait_for(lambda: in_use(client) == 0)
