@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from replay_proto.call_metadata import request_bytes_metadata
 from replay_proto.v1 import replay_pb2 as pb
 from replay_proto.v1 import replay_pb2_grpc
 from replay_server.app import logs
@@ -58,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     token = os.environ.get(args.token_env) if args.token_env else None
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    # Info and Checkpoint requests are empty: say so, so the server reserves nothing to read them.
+    return ((("authorization", f"Bearer {token}"),) if token else ()) + request_bytes_metadata(0)
 
 
 def _health(args: argparse.Namespace) -> int:
