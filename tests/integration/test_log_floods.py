@@ -57,7 +57,7 @@ def test_a_learner_refusing_every_ring_is_logged_a_few_times_not_each_time(serve
                                    credits=1, shared_memory=True, host_id=host_id())
     refusal = pb.SampleStreamRequest(credits=1, shared_memory_answer=pb.SharedMemoryAnswer(
         accepted=False, reason="this learner refuses every ring"))
-    for _ in range(200):
+    for _ in range(100):
         answers: queue.SimpleQueue = queue.SimpleQueue()
 
         def requests(answers=answers):
@@ -77,7 +77,7 @@ def test_a_learner_refusing_every_ring_is_logged_a_few_times_not_each_time(serve
 
 def test_a_flood_of_bad_calls_is_logged_a_few_times(server, channel):
     sample = channel.unary_unary("/replay.v1.ReplayService/Sample")
-    for _ in range(2000):
+    for _ in range(500):
         with pytest.raises(grpc.RpcError) as info:
             sample(pb.SampleRequest(table="no_such_table", batch_size=4).SerializeToString(),
                    timeout=10)
