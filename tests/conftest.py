@@ -52,11 +52,13 @@ def start_server(
     env: dict[str, str] | None = None,
     name: str = "server",
     preexec_fn: Callable[[], None] | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> ServerProcess:
     """Start ``replay-server serve`` (with ``config`` TOML text, if given) and wait for its port.
 
     The port file is written once the server is SERVING (tables restored).
-    ``preexec_fn`` runs in the child before it starts (e.g. to set resource limits).
+    ``preexec_fn`` runs in the child before it starts (e.g. to set resource limits);
+    ``extra_args`` are added to its command line.
     """
     port_file = tmp_path / f"{name}.port"
     port_file.unlink(missing_ok=True)
@@ -68,6 +70,7 @@ def start_server(
         config_path = tmp_path / f"{name}.toml"
         config_path.write_text(config)
         args += ["--config", str(config_path)]
+    args += list(extra_args)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     log_file = log_path.open("a")
     process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env,
@@ -82,6 +85,30 @@ def start_server(
         time.sleep(0.05)
     process.kill()
     raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()}")
+
+
+def serve_until_exit(tmp_path: Path, config: str, *, extra_args: tuple[str, ...] = (),
+                     timeout: float = START_TIMEOUT_S) -> tuple[int, str]:
+    """Run ``replay-server serve --config`` expecting it to stop on its own (a start-up error).
+
+    Returns its exit code and output. A server that starts serving instead is
+    stopped and reported as a test failure.
+    """
+    config_path = tmp_path / "exits.toml"
+    config_path.write_text(config)
+    port_file = tmp_path / "exits.port"
+    port_file.unlink(missing_ok=True)
+    args = [sys.executable, "-m", "replay_server.app.cli", "serve", "--address", "127.0.0.1:0",
+            "--config", str(config_path), "--port-file", str(port_file), *extra_args]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout
+    while process.poll() is None and time.monotonic() < deadline and not port_file.exists():
+        time.sleep(0.05)
+    if process.poll() is None:
+        process.kill()
+        output = process.communicate()[0]
+        pytest.fail(f"the server did not stop on its own (it started serving):\n{output}")
+    return process.returncode, process.communicate()[0]
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.02) -> bool:

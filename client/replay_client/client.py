@@ -35,6 +35,7 @@ from replay_proto.v1 import replay_pb2 as pb
 
 _COUNTER_FIELDS = tuple(pb.TableCounters.DESCRIPTOR.fields_by_name)
 _LIMITER_FIELDS = tuple(pb.RateLimiterInfo.DESCRIPTOR.fields_by_name)
+_SERVER_LIMIT_FIELDS = tuple(pb.ServerLimits.DESCRIPTOR.fields_by_name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,23 @@ class TableInfo:
     slice_len: int | None
     rate_limiter: dict[str, Any]
     max_times_sampled: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """The server as a whole: its shard and id incarnation, its limits, and its tables.
+
+    ``shard`` is bits 56..62 of every id the server issues (a sharded client
+    routes an id to shard ``id >> 56``); ``incarnation`` is bits 40..55 of
+    the ids it issues now. ``limits`` holds the fields of ``ServerLimits`` in
+    ``replay.proto`` (``memory_budget_bytes``, ``memory_in_use_bytes``,
+    ``max_concurrent_calls``, ``calls_in_flight``, ``max_connections``, ...).
+    """
+
+    shard: int
+    incarnation: int
+    limits: dict[str, int | float]
+    tables: dict[str, TableInfo]
 
 
 class ReplayClient:
@@ -251,9 +269,19 @@ class ReplayClient:
 
     def info(self) -> dict[str, TableInfo]:
         """Every table's sizes, counters and settings, by name."""
+        return self.server_info().tables
+
+    def server_info(self) -> ServerInfo:
+        """The server's shard, id incarnation and limits (with what is in use), and its tables."""
         response = pb.InfoResponse.FromString(
             self._connection.unary("Info", pb.InfoRequest().SerializeToString(), retry=True)
         )
+        limits = {f: getattr(response.limits, f) for f in _SERVER_LIMIT_FIELDS}
+        return ServerInfo(shard=response.shard, incarnation=response.incarnation,
+                          limits=limits, tables=self._tables(response))
+
+    @staticmethod
+    def _tables(response: pb.InfoResponse) -> dict[str, TableInfo]:
         return {
             t.name: TableInfo(
                 name=t.name, sampler=t.sampler, capacity=t.capacity, size=t.size,

@@ -16,7 +16,8 @@ from typing import Any
 import grpc
 
 from replay_client.backoff import Backoff
-from replay_client.errors import UnavailableError, from_rpc_error
+from replay_client.errors import OverloadedError, UnavailableError, from_rpc_error
+from replay_proto.call_metadata import request_bytes_metadata
 
 SERVICE_PATH = "/replay.v1.ReplayService/"
 CLIENT_TIMEOUT: Any = object()
@@ -87,22 +88,29 @@ class Connection:
         """Call RPC ``name`` with raw ``request`` bytes; return the raw answer.
 
         Retries (``retry``: the call is safe to repeat) while the server is
-        UNAVAILABLE, on the :class:`~replay_client.backoff.Backoff` schedule,
-        within the call's timeout.
+        UNAVAILABLE, and any call the server refused as overloaded (it ran
+        nothing of it), on the :class:`~replay_client.backoff.Backoff`
+        schedule, within the call's timeout and ``max_retry_s``. Sends the
+        request's size (``replay_proto.call_metadata``) so the server reserves
+        just that much memory before reading it.
 
         Raises:
             ReplayError: the typed error of the failure (see ``replay_client.errors``).
         """
         timeout = self.timeout if timeout is CLIENT_TIMEOUT else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        metadata = self.metadata + request_bytes_metadata(len(request))
         backoff: Backoff | None = None
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                return self.method(name)(request, timeout=remaining, metadata=self.metadata)
+                return self.method(name)(request, timeout=remaining, metadata=metadata)
             except grpc.RpcError as exc:
                 error = from_rpc_error(exc, self.address)
-            if not retry or not isinstance(error, UnavailableError):
+            # An overloaded server ran nothing of the call: even an insert may be repeated.
+            if not isinstance(error, OverloadedError) and not (
+                retry and isinstance(error, UnavailableError)
+            ):
                 raise error from None
             backoff = backoff or Backoff(self.max_retry_s, deadline=deadline)
             delay = backoff.next_delay()

@@ -72,6 +72,20 @@ class MessageTooLargeError(ReplayError):
     """A request or response exceeds the message-size limit."""
 
 
+class OverloadedError(ReplayError):
+    """The server is at its call limits now (memory budget, concurrent calls).
+
+    The call was not run, so retrying it later is safe, inserts included;
+    the message names the limit.
+    """
+
+
+class LimitExceededError(ReplayError):
+    """The call asks for more than a server limit ever allows (a batch over
+    ``max_batch_mb``, a table's rows at its capacity beyond the server's
+    memory); the message names the limit. Nothing was changed."""
+
+
 class UnauthenticatedError(ReplayError):
     """The server wants a token (``ReplayClient(token=...)``) and got none or a wrong one."""
 
@@ -121,6 +135,8 @@ _BY_KIND: dict[ErrorKind, type[ReplayError]] = {
     ErrorKind.NO_CHECKPOINT_DIR: NoCheckpointDirError,
     ErrorKind.CHECKPOINT_FAILED: CheckpointError,
     ErrorKind.MESSAGE_TOO_LARGE: MessageTooLargeError,
+    ErrorKind.OVERLOADED: OverloadedError,
+    ErrorKind.LIMIT_EXCEEDED: LimitExceededError,
     ErrorKind.UNAUTHENTICATED: UnauthenticatedError,
     ErrorKind.DEADLINE_EXCEEDED: DeadlineExceededError,
     ErrorKind.UNAVAILABLE: UnavailableError,

@@ -40,6 +40,7 @@ from replay_client.connection import Connection
 from replay_client.errors import UnavailableError, from_rpc_error
 from replay_feed.core import FeedCore
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
+from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, request_bytes_metadata
 from replay_proto.sample_codec import Layout, SampleDecoder, split_sample
 from replay_proto.v1 import replay_pb2 as pb
 
@@ -178,7 +179,8 @@ class NetworkSource:
         self._release_ring()
         connection = self.connection
         call = connection.method("SampleStream", kind="stream_stream")(
-            outgoing.requests(), metadata=connection.metadata)
+            outgoing.requests(),
+            metadata=connection.metadata + request_bytes_metadata(STREAM_MESSAGE_BYTES))
         self._call = call
         if self._stopped.is_set():
             call.cancel()
@@ -227,6 +229,7 @@ class NetworkSource:
                 core.stats.transport = "grpc"
                 return
             if ring.slots != core.slots:
+                ring.unlink()
                 ring.close()
                 reason = f"the ring has {offer.slots} slots, this stream needs {core.slots}"
                 outgoing.answer(False, reason)

@@ -4,10 +4,18 @@ A learner on the server's host does not need gRPC to move its batches: the
 server writes each batch into a slot of a POSIX shared-memory object, and the
 gRPC stream carries only where it lies. The server creates the ring (it knows
 a batch's layout), the client maps it by name and proves it mapped the right
-object by reading the random ``token`` the server wrote into the header. Once
-both sides hold a mapping the server unlinks the name, so the pages live
-exactly as long as the two mappings: nothing is left in ``/dev/shm`` whichever
-process exits first, even under ``kill -9``.
+object by reading the random ``token`` the server wrote into the header.
+
+Lifetime: once a side holds a mapping it may unlink the name (the client
+does so right after mapping, the server when the client answers), and from
+then on the pages live exactly as long as the mappings: nothing is left in
+``/dev/shm`` whichever process exits first, even under ``kill -9``. Before
+that, the name is the only reference: if the server dies (``kill -9``)
+between creating a ring and the client mapping it, the object stays in
+``/dev/shm`` until the next server on the host starts, which removes every
+``replay-<pid>-*`` object whose creating process is gone
+(:func:`sweep_stale_rings`). A stream the client abandons before mapping is
+unlinked by the server when the stream ends.
 
 Layout: a ``header_bytes`` header (the token, then zeros), then ``slots``
 slots of ``slot_bytes`` each, all page-aligned (so a slot can be registered
@@ -87,6 +95,11 @@ class SharedRing:
     def path(self) -> Path:
         return shm_dir() / self.name
 
+    @staticmethod
+    def size_for(slots: int, slot_bytes: int) -> int:
+        """Bytes a ring of ``slots`` slots of ``slot_bytes`` takes in /dev/shm (header included)."""
+        return PAGE + slots * align(slot_bytes, PAGE)
+
     @classmethod
     def create(cls, slots: int, slot_bytes: int) -> SharedRing:
         """Create, reserve and map a new ring (server side).
@@ -98,8 +111,8 @@ class SharedRing:
         if slots < 1 or slot_bytes < 1:
             raise SharedMemoryError(f"a ring needs slots >= 1 and slot_bytes >= 1, got "
                                     f"{slots} and {slot_bytes}")
+        size = cls.size_for(slots, slot_bytes)
         slot_bytes = align(slot_bytes, PAGE)
-        size = PAGE + slots * slot_bytes
         name = f"replay-{os.getpid()}-{secrets.token_hex(8)}"
         path = shm_dir() / name
         try:
@@ -197,3 +210,36 @@ class SharedRing:
     def __repr__(self) -> str:
         return (f"SharedRing({self.name!r}, slots={self.slots}, "
                 f"slot_bytes={self.slot_bytes})")
+
+
+def sweep_stale_rings() -> list[str]:
+    """Remove rings in :func:`shm_dir` whose creating process no longer exists.
+
+    A ring's name holds its creator's pid (``replay-<pid>-<hex>``); a ring
+    whose creator is gone and that no one unlinked was left by a server
+    killed between creating it and the learner mapping it. Processes of this
+    host's pid namespace only: a ring whose pid is alive (or not ours to
+    signal) is kept. Returns the names removed.
+    """
+    removed = []
+    try:
+        entries = list(shm_dir().iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not _NAME.match(entry.name):
+            continue
+        pid = int(entry.name.split("-")[1])
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or reused): keep it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # someone else's live process
+        try:
+            entry.unlink()
+            removed.append(entry.name)
+        except OSError:
+            pass
+    return removed

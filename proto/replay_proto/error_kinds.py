@@ -29,6 +29,8 @@ class ErrorKind(str, Enum):
     NO_CHECKPOINT_DIR = "no_checkpoint_dir"
     CHECKPOINT_FAILED = "checkpoint_failed"
     MESSAGE_TOO_LARGE = "message_too_large"
+    OVERLOADED = "overloaded"
+    LIMIT_EXCEEDED = "limit_exceeded"
     UNAUTHENTICATED = "unauthenticated"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     UNAVAILABLE = "unavailable"

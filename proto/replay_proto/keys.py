@@ -12,7 +12,7 @@ nor be both a leaf and a prefix of another path.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 KEY_SEPARATOR = "."
@@ -47,17 +47,27 @@ def flatten(data: Any) -> dict[str, Any]:
         )
     out: dict[str, Any] = {}
     _flatten_into(data, "", out)
-    _check_prefixes(out)
+    check_prefixes(out)
     return out
 
 
-def _check_prefixes(flat: dict[str, Any]) -> None:
-    keys = sorted(flat)
-    for shorter, longer in zip(keys, keys[1:]):
-        if longer.startswith(shorter + KEY_SEPARATOR):
-            raise ValueError(
-                f"key {shorter!r} is both a value and the parent of {longer!r}"
-            )
+def check_prefixes(keys: Iterable[str]) -> None:
+    """Raise unless no key equals another key's path prefix (``"a"`` and ``"a.b"``).
+
+    Every prefix of every key is looked up, so keys that sort between the
+    two (``"a-b"`` sorts between ``"a"`` and ``"a.b"``) hide nothing.
+    Cost: O(total length of the keys).
+
+    Raises:
+        ValueError: naming both keys.
+    """
+    present = set(keys)
+    for key in present:
+        end = key.find(KEY_SEPARATOR)
+        while end >= 0:
+            if key[:end] in present:
+                raise ValueError(f"key {key[:end]!r} is both a value and the parent of {key!r}")
+            end = key.find(KEY_SEPARATOR, end + 1)
 
 
 def _flatten_into(data: Mapping[Any, Any], prefix: str, out: dict[str, Any]) -> None:

@@ -72,6 +72,18 @@ class RateLimitedError(ReplayServerError):
         self.count = count
 
 
+class InsufficientMemoryError(ReplayServerError):
+    """A table would need more memory than the server may give it (its capacity times
+    its row size, plus sampler state), or the allocation itself failed. Nothing was
+    allocated or stored."""
+
+
+class RestoreError(ConfigError):
+    """Checkpoints exist but none could be restored, or loading one failed for a reason
+    other than damage (out of memory, a bug): the server does not start, so that no
+    checkpoint is thrown away (the message names each one and why)."""
+
+
 class MalformedStateError(ConfigError):
     """A saved state (state dict or checkpoint) is malformed, not just contradicting the config."""
 

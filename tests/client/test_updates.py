@@ -61,12 +61,13 @@ def test_a_waiting_update_comes_after_earlier_async_ones(server):
 def test_a_background_failure_is_raised_by_the_next_call_with_its_cause(server):
     client = ReplayClient(server.address)
     client.reset("per")
-    client.insert("per", {"x": torch.zeros(2)})
-    client.update_priorities("per", torch.tensor([10**9]), torch.tensor([1.0]), wait=False)
+    ids = client.insert("per", {"x": torch.zeros(2)})
+    never_issued = torch.tensor([int(ids[-1]) + 10**9])  # this id segment's, far ahead
+    client.update_priorities("per", never_issued, torch.tensor([1.0]), wait=False)
     with pytest.raises(errors.PriorityUpdateError, match="1 ids were not applied") as raised:
         client.flush_updates()
     assert isinstance(raised.value.__cause__, errors.InvalidIdsError)
-    client.update_priorities("per", torch.tensor([0]), torch.tensor([1.0]), wait=False)
+    client.update_priorities("per", ids[:1], torch.tensor([1.0]), wait=False)
     client.flush_updates()  # reported once; the updater goes on
 
 

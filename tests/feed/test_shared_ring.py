@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from replay_feed.shared_ring import SharedMemoryError, SharedRing, shm_dir
+from replay_feed.shared_ring import SharedMemoryError, SharedRing, shm_dir, sweep_stale_rings
 
 
 def test_a_mapped_ring_shares_bytes_with_its_creator():
@@ -67,3 +67,30 @@ def test_a_missing_or_full_directory_is_an_error_at_creation(monkeypatch, tmp_pa
     with pytest.raises(SharedMemoryError, match="--shm-size"):
         SharedRing.create(2, free)
     assert not os.listdir(tmp_path)
+
+
+def test_the_size_of_a_ring_is_a_page_of_header_and_page_aligned_slots():
+    import mmap
+
+    assert SharedRing.size_for(3, 100) == mmap.PAGESIZE * 4
+    ring = SharedRing.create(3, 100)
+    try:
+        assert ring.nbytes == SharedRing.size_for(3, 100) == os.path.getsize(ring.path)
+    finally:
+        ring.unlink()
+
+
+def test_the_sweep_removes_rings_of_dead_processes_only(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("REPLAY_SHM_DIR", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(dead.stdout)  # exited: its pid names no process (unless reused at once)
+    names = {"dead": f"replay-{dead_pid}-{'0' * 16}", "alive": f"replay-{os.getpid()}-{'1' * 16}",
+             "other": "replay-notes", "unrelated": "someone-elses"}
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    assert sweep_stale_rings() == [names["dead"]]
+    assert sorted(os.listdir(tmp_path)) == sorted(v for k, v in names.items() if k != "dead")

@@ -395,12 +395,26 @@ def test_priorities_shaped_unlike_ids_raise_invalid_priority_before_sending(
     assert_error(error, errors.InvalidPriorityError, "[3]", "[2]")
 
 
-@pytest.mark.parametrize("bad_id", [10**9, -1], ids=["future", "negative"])
-def test_never_issued_id_raises_invalid_ids_naming_it(client, stored, bad_id) -> None:
-    ids = torch.tensor([*list(stored["prioritized"].rows)[:2], bad_id])
+def test_never_issued_id_raises_invalid_ids_naming_it(client, stored) -> None:
+    issued = list(stored["prioritized"].rows)
+    bad_id = max(issued) + 10**9  # the current id segment's, far past what it has issued
+    ids = torch.tensor([*issued[:2], bad_id])
     with unchanged(client, stored, "prioritized"):
         error = raised(lambda: client.update_priorities("prioritized", ids, torch.ones(3)))
     assert_error(error, errors.InvalidIdsError, f"id {bad_id}", "never issued")
+
+
+@pytest.mark.parametrize(("bad_id", "fragments"), [
+    (-1, ["-1 is not an id"]),
+    ((5 << 56) | 7, [f"id {(5 << 56) | 7} belongs to shard 5", "this server is shard 0"]),
+], ids=["negative", "other-shard"])
+def test_an_id_that_is_no_id_of_this_server_raises_invalid_ids(
+    client, stored, bad_id, fragments
+) -> None:
+    ids = torch.tensor([*list(stored["prioritized"].rows)[:2], bad_id])
+    with unchanged(client, stored, "prioritized"):
+        error = raised(lambda: client.update_priorities("prioritized", ids, torch.ones(3)))
+    assert_error(error, errors.InvalidIdsError, *fragments)
 
 
 @pytest.mark.parametrize("value", [math.nan, -0.5, math.inf], ids=["nan", "negative", "inf"])

@@ -32,14 +32,19 @@ seed = 7
 """
 
 
-def _fill(client: ReplayClient) -> None:
+def _fill(client: ReplayClient) -> dict[str, torch.Tensor]:
+    """Fill both tables; the ids insert returned, per table, indexed by the ``row`` column."""
     rows = torch.arange(500)
-    client.insert("replay", {"row": rows, "obs": torch.randn(500, 3, 8, generator=torch.Generator().manual_seed(0))},
-                  priorities=(rows % 7 + 1).double())
-    client.insert("seq", {"row": rows, "episode": rows // 50, "pixels": (rows % 251).to(torch.uint8).view(-1, 1).expand(500, 64).clone()})
+    return {
+        "replay": client.insert(
+            "replay", {"row": rows, "obs": torch.randn(500, 3, 8, generator=torch.Generator().manual_seed(0))},
+            priorities=(rows % 7 + 1).double()),
+        "seq": client.insert(
+            "seq", {"row": rows, "episode": rows // 50, "pixels": (rows % 251).to(torch.uint8).view(-1, 1).expand(500, 64).clone()}),
+    }
 
 
-def _fill_when_up(client: ReplayClient, timeout: float = 30.0) -> None:
+def _fill_when_up(client: ReplayClient, timeout: float = 30.0) -> dict[str, torch.Tensor]:
     """Fill once the channel's reconnect backoff lets the restarted server be reached."""
     deadline = time.monotonic() + timeout
     while True:
@@ -61,19 +66,18 @@ def test_shared_memory_and_grpc_deliver_identical_batches(server_factory, table,
     # Two servers with the same seed and contents draw the same sequence of batches.
     shm_server, grpc_server = server_factory(CONFIG), server_factory(CONFIG)
     by_shm, by_grpc = ReplayClient(shm_server.address), ReplayClient(grpc_server.address)
-    _fill(by_shm)
-    _fill(by_grpc)
+    issued_shm, issued_grpc = _fill(by_shm), _fill(by_grpc)
     a = by_shm.stream(table, 16, num_batches=12, shared_memory=True, batches_per_message=per_message)
     b = by_grpc.stream(table, 16, num_batches=12, shared_memory=False, batches_per_message=per_message)
     count = 0
     for x, y in zip(a, b):
-        assert torch.equal(x.ids, y.ids)
         assert torch.equal(x.weights, y.weights)
         assert torch.equal(x.probabilities, y.probabilities)
         assert x.data.keys() == y.data.keys()
-        for key in x.data:
+        for key in x.data:  # the same rows (each server issues its own ids for them)
             assert torch.equal(x.data[key], y.data[key]), key
-        assert torch.equal(x.data["row"], x.ids)
+        assert torch.equal(issued_shm[table][x.data["row"]], x.ids)
+        assert torch.equal(issued_grpc[table][y.data["row"]], y.ids)
         count += 1
     assert count == 12
     assert b.transport == "grpc"
@@ -123,10 +127,10 @@ def test_learner_that_cannot_map_the_ring_falls_back_and_nothing_leaks(server_fa
     # Another container's /dev/shm: the server's ring is not visible to the learner.
     proc = server_factory(CONFIG)
     client = ReplayClient(proc.address)
-    _fill(client)
+    issued = _fill(client)["replay"]
     monkeypatch.setenv("REPLAY_SHM_DIR", str(tmp_path))
     stream = client.stream("replay", 8, num_batches=5)
-    assert sum(1 for batch in stream if torch.equal(batch.data["row"], batch.ids)) == 5
+    assert sum(1 for batch in stream if torch.equal(issued[batch.data["row"]], batch.ids)) == 5
     assert stream.transport == "grpc"
     assert any("could not map" in note for note in stream.stats.notes)
     assert not _leaked_rings(proc)
@@ -155,7 +159,7 @@ def test_stream_resumes_after_a_server_restart(server_factory, shared_memory):
     port = _free_port()
     client = ReplayClient(f"127.0.0.1:{port}", max_retry_s=60)
     first = server_factory(CONFIG, port=port)
-    _fill(client)
+    issued_first = _fill(client)["replay"]
     stream = client.stream("replay", 8, shared_memory=shared_memory)
     with stream:
         for _ in range(3):
@@ -164,10 +168,14 @@ def test_stream_resumes_after_a_server_restart(server_factory, shared_memory):
         assert wait_for(lambda: client.info()["replay"].counters["sampled"] >= (3 + 2) * 8)
         first.stop(signal.SIGKILL)
         second = server_factory(CONFIG, port=port)
-        _fill_when_up(ReplayClient(second.address))  # an actor of the new server
+        issued = _fill_when_up(ReplayClient(second.address))["replay"]  # the new server's actor
+        by_server = []
         for _ in range(5):
             batch = next(stream)
-            assert torch.equal(batch.data["row"], batch.ids)
+            # The batches the learner held come from the first server, the rest from the second.
+            by_server.append(next(n for n, ids in enumerate((issued_first, issued))
+                                  if torch.equal(ids[batch.data["row"]], batch.ids)))
+        assert by_server == sorted(by_server) and by_server.count(1) >= 3
         assert stream.stats.reconnects == 1
         assert stream.transport == ("shared_memory" if shared_memory else "grpc")
     second.stop()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from replay_proto.keys import KEY_SEPARATOR, flatten, unflatten
+from replay_proto.keys import KEY_SEPARATOR, check_prefixes, flatten, unflatten
 
 NESTED: dict[str, Any] = {
     "obs": {"pixels": 1, "state": {"pos": 2, "vel": 3}},
@@ -142,6 +142,23 @@ def test_the_same_path_given_twice_raises_value_error_naming_it() -> None:
 def test_a_path_that_is_both_a_leaf_and_a_parent_raises_value_error() -> None:
     with pytest.raises(ValueError, match=r"key 'obs' is both a value and the parent of 'obs\.a'"):
         flatten({"obs": 1, "obs.a": 2})
+
+
+@pytest.mark.parametrize("keys", [
+    ["a", "a-b", "a.b"],        # "-" sorts between "a" and "a.b"
+    ["a", "a+", "a.b.c"],       # a grandchild, with a key sorting between
+    ["x.y", "x", "x.y.z"],      # two levels at once
+], ids=["sibling-sorts-between", "grandchild", "two-levels"])
+def test_a_key_equal_to_another_keys_prefix_is_refused_whatever_sorts_between(keys) -> None:
+    with pytest.raises(ValueError, match=r"is both a value and the parent of"):
+        flatten({key: 1 for key in keys})
+    with pytest.raises(ValueError, match=r"is both a value and the parent of"):
+        check_prefixes(keys)
+
+
+def test_keys_sharing_only_a_text_prefix_are_fine() -> None:
+    check_prefixes(["a", "ab", "a-b", "a_b.c", "b.a"])
+    assert list(flatten({"a": 1, "ab": 2, "a-b": 3})) == ["a", "ab", "a-b"]
 
 
 def test_a_dotted_key_with_an_empty_part_raises_value_error_naming_it() -> None:

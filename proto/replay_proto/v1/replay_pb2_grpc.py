@@ -149,9 +149,12 @@ class ReplayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdatePriorities(self, request, context):
-        """Sets the priorities of rows by id. Ids whose rows were overwritten since
-        are ignored and counted as stale; any invalid priority (negative, NaN,
-        infinite) refuses the whole update.
+        """Sets the priorities of rows by id. Ids whose rows were overwritten since,
+        or that a crashed run issued after its last checkpoint, are ignored and
+        counted as stale; an id that cannot be this server's (negative, another
+        shard's, never issued) or any invalid priority (negative, NaN, infinite)
+        refuses the whole update. Ids: shard (bits 56..62) | incarnation
+        (40..55) | sequence (0..39), never issued twice (docs/durability.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

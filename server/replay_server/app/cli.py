@@ -1,6 +1,7 @@
 """The ``replay-server`` command.
 
     replay-server serve [--config FILE] [--address HOST:PORT] [--port-file PATH]
+                        [--start-empty-if-unrestorable]
     replay-server health --address HOST:PORT
     replay-server info   --address HOST:PORT
     replay-server checkpoint --address HOST:PORT
@@ -23,6 +24,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from replay_proto.call_metadata import request_bytes_metadata
 from replay_proto.v1 import replay_pb2 as pb
 from replay_proto.v1 import replay_pb2_grpc
 from replay_server.app import logs
@@ -40,6 +42,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(args.config) if args.config else ServerSettings()
     if args.address:
         settings = dataclasses.replace(settings, address=args.address)
+    if args.start_empty_if_unrestorable:
+        settings = dataclasses.replace(settings, start_empty_if_unrestorable=True)
     logs.configure(settings.log_format)
     if not args.config:
         log.info("no config given: serving the default tables (one per sampler kind)")
@@ -55,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
     token = os.environ.get(args.token_env) if args.token_env else None
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    # Info and Checkpoint requests are empty: say so, so the server reserves nothing to read them.
+    return ((("authorization", f"Bearer {token}"),) if token else ()) + request_bytes_metadata(0)
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -122,7 +127,24 @@ def format_info(response: pb.InfoResponse) -> str:
     if response.HasField("last_checkpoint"):
         last = response.last_checkpoint
         lines.append(f"last checkpoint: {last.path} ({last.created}, {last.bytes / 1e6:.1f} MB)")
+    if response.HasField("limits"):
+        lines.append(f"shard {response.shard}, id incarnation {response.incarnation}; "
+                     f"{format_limits(response.limits)}")
     return "\n".join(lines)
+
+
+def format_limits(limits: pb.ServerLimits) -> str:
+    """One line: the server's limits and what is in use."""
+    mib = 1 << 20
+    return (f"calls hold {limits.memory_in_use_bytes / mib:.1f} of "
+            f"{limits.memory_budget_bytes / mib:.0f} MiB (peak {limits.memory_peak_bytes / mib:.1f}); "
+            f"{limits.calls_in_flight} of {limits.max_concurrent_calls} calls; "
+            f"{limits.max_connections} connections, idle {limits.idle_timeout_s:g} s; "
+            f"batches up to {limits.max_batch_bytes / mib:.0f} MiB; rings "
+            f"{limits.shared_memory_in_use_bytes / mib:.1f} of "
+            f"{limits.shared_memory_bytes / mib:.0f} MiB; tables "
+            f"{limits.table_memory_committed_bytes / mib:.0f} of "
+            f"{limits.table_memory_bytes / mib:.0f} MiB; {limits.refused_calls} calls refused")
 
 
 def format_flow_control(table: pb.TableInfo) -> str:
@@ -154,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port-file", help="write the bound port to this file once listening")
     serve.add_argument("--grace", type=float, default=10.0,
                        help="seconds in-flight calls get to finish at shutdown (default 10)")
+    serve.add_argument("--start-empty-if-unrestorable", action="store_true",
+                       help="start with empty tables when checkpoints exist but none can be "
+                            "restored (default: refuse to start); the checkpoints are kept")
     serve.set_defaults(run=_serve)
     for name, fn, text, timeout in (
         ("health", _health, "check a server's health", 5.0),

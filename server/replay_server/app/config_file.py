@@ -86,6 +86,9 @@ def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
     if unknown:
         raise ConfigError(f"unknown top-level sections {sorted(unknown)}; expected [server] "
                           f"and [[tables]]")
+    if not isinstance(document.get("server", {}), Mapping):
+        raise ConfigError(f"server must be a table ([server] with key = value lines), got "
+                          f"{document['server']!r}")
     server = dict(document.get("server", {}))
     _check_keys("server", server, _SERVER_KEYS)
     tables = document.get("tables")
@@ -97,6 +100,9 @@ def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
         raise ConfigError("tables must be an array of tables ([[tables]])")
     configs = []
     for index, table in enumerate(tables):
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"tables[{index}] must be a table ([[tables]] with key = value "
+                              f"lines), got {table!r}")
         where = f"tables[{index}]" + (f" ({table.get('name')!r})" if "name" in table else "")
         _check_keys(where, table, _TABLE_KEYS)
         options = dict(table)

@@ -73,10 +73,11 @@ class Checkpointer:
 
     def restore(
         self, make_tables: Callable[[], TableSet], cancel: threading.Event | None = None,
-        make_variables: Callable[[], VariableStore] | None = None,
+        make_variables: Callable[[], VariableStore] | None = None, *, start_empty: bool = False,
     ) -> tuple[TableSet, RestoreResult] | None:
         """See :func:`~replay_server.checkpoint.reader.restore_latest`."""
-        return restore_latest(self.directory, make_tables, cancel, make_variables)
+        return restore_latest(self.directory, make_tables, cancel, make_variables,
+                              start_empty=start_empty)
 
     def checkpoint(self, tables: Iterable[Table], reason: str = "request", *,
                    variables: VariableStore | None = None) -> CheckpointResult:

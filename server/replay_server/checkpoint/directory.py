@@ -11,6 +11,17 @@ directory is renamed to its final name and the parent directory fsynced: a
 final name is only ever seen on a finished checkpoint (and the COMPLETE
 marker inside, written last, double-checks that). ``.tmp`` directories are
 leftovers of interrupted writes: removed at start and after each checkpoint.
+
+Pruning keeps every checkpoint from the ``keep_latest``-th newest *verified*
+one on: verified are the checkpoint the server restored from and those it
+wrote and read back. So a damaged or unreadable checkpoint never costs an
+older good one its place, and a server that started empty (by the
+operator's choice) removes nothing until it has written ``keep_latest``
+checkpoints of its own. Checkpoints found damaged at start are never
+removed: they are left for the operator (the start-up log names them).
+
+Files and directories are created owner-only (0600 and 0700): a checkpoint
+holds the replay data, which other local users must not read.
 The sequence number orders checkpoints (clocks can go backwards); it is one
 more than the largest on disk.
 
@@ -67,6 +78,8 @@ class CheckpointDirectory:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path).absolute()
         self._lock_fd: int | None = None
+        self._verified: set[Path] = set()
+        self._damaged: set[Path] = set()
 
     def open(self) -> None:
         """Create the directory if needed, lock it and remove unfinished checkpoints.
@@ -79,8 +92,8 @@ class CheckpointDirectory:
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"{where} is not a directory")
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise ConfigError(f"{where} cannot be created or written: {exc.strerror}") from None
         try:
@@ -130,7 +143,7 @@ class CheckpointDirectory:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f".{int(now * 1000) % 1000:03d}Z"
         final = self.path / f"ckpt-{stamp}-{sequence:06d}"
         temp = final.with_name(final.name + ".tmp")
-        temp.mkdir()
+        temp.mkdir(mode=0o700)
         return sequence, temp, final
 
     def commit(self, temp: Path, final: Path) -> None:
@@ -148,12 +161,29 @@ class CheckpointDirectory:
         except OSError as exc:
             log.warning("could not remove %s: %s", path, exc)
 
+    def mark_verified(self, path: Path) -> None:
+        """``path`` is known good: restored from, or written and read back."""
+        self._verified.add(path)
+
+    def mark_damaged(self, path: Path) -> None:
+        """``path`` was found damaged at start: pruning leaves it for the operator."""
+        self._damaged.add(path)
+
     def prune(self, keep_latest: int) -> list[Path]:
-        """Remove all but the newest ``keep_latest`` checkpoints, and leftover temporaries.
+        """Remove checkpoints older than the ``keep_latest``-th newest verified one, and
+        leftover temporaries (see the module docstring).
 
         Call only while no checkpoint is being written. Returns what was removed.
         """
-        removed = [ref.path for ref in self.complete()[:-keep_latest]] + self.temporaries()
+        complete = self.complete()
+        verified = [ref for ref in complete if ref.path in self._verified]
+        old: list[Path] = []
+        if len(verified) >= keep_latest:
+            oldest_kept = verified[-keep_latest].sequence
+            old = [ref.path for ref in complete
+                   if ref.sequence < oldest_kept and ref.path not in self._damaged]
+        self._verified.difference_update(old)
+        removed = old + self.temporaries()
         for path in removed:
             self.discard(path)
         if removed:

@@ -44,7 +44,7 @@ class HashedWriter:
     def __init__(self, root: Path, name: str) -> None:
         self.path = root / name
         self.name = name
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # owner only
         self._hash = hashlib.sha256()
         self._size = 0
         self._synced = 0

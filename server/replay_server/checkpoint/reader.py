@@ -4,13 +4,24 @@ Rules, newest checkpoint (by sequence number) first:
 
 * Incomplete or damaged (no COMPLETE marker, a manifest that does not match
   it or does not parse, a file missing, truncated or failing its sha256, a
-  state that does not load): skipped, with a WARNING naming the directory
-  and the reason, and the next older one is tried.
+  state that is malformed): skipped, with a WARNING naming the directory
+  and the reason, and the next older one is tried. Only damage falls back.
 * A checkpoint that contradicts the config (a table's capacity, sampler,
-  slice_len, alpha, episode keys or schema; a table the config no longer
-  declares), or that a newer server wrote: a startup error naming both
-  values. Skipping it would silently throw its data away.
+  slice_len, alpha, episode keys, schema or shard; a table the config no
+  longer declares), or that a newer server wrote: a startup error naming
+  both values. Skipping it would silently throw its data away.
+* Any other failure while loading one (out of memory, more memory than the
+  tables may take, a bug): a startup error naming the checkpoint and the
+  reason; nothing older is tried.
+* Checkpoints exist but every one is damaged: a startup error naming each
+  and why (:class:`~replay_server.errors.RestoreError`), unless the operator
+  opted in to start empty (``start_empty``), which keeps them on disk.
 * Tables the config declares but the checkpoint lacks start empty.
+
+The checkpoint restored from is marked verified in its directory, the
+damaged ones damaged: pruning never removes a checkpoint unless newer
+verified ones take its place, and never removes a damaged one
+(:meth:`~replay_server.checkpoint.directory.CheckpointDirectory.prune`).
 
 Every attempt loads into fresh tables, so a checkpoint that fails half-way
 leaves nothing behind. Rows are read from the files straight into table
@@ -42,7 +53,12 @@ from replay_server.checkpoint.manifest import (
 )
 from replay_server.checkpoint.statecodec import StateFormatError, decode_state
 from replay_server.checkpoint.variables_part import read_variables
-from replay_server.errors import ConfigError, MalformedStateError
+from replay_server.errors import (
+    ConfigError,
+    InsufficientMemoryError,
+    MalformedStateError,
+    RestoreError,
+)
 from replay_server.engine.table_set import TableSet
 from replay_server.engine.variables import VariableStore
 
@@ -161,14 +177,22 @@ def restore_latest(
     make_tables: Callable[[], TableSet],
     cancel: threading.Event | None = None,
     make_variables: Callable[[], VariableStore] | None = None,
+    *,
+    start_empty: bool = False,
 ) -> tuple[TableSet, RestoreResult] | None:
-    """Tables loaded from the newest usable checkpoint in ``directory`` (None: there is none),
-    with its named variables in ``RestoreResult.variables`` when ``make_variables`` is given.
+    """Tables loaded from the newest usable checkpoint in ``directory``, with its named
+    variables in ``RestoreResult.variables`` when ``make_variables`` is given.
+
+    Returns ``None`` when there is no checkpoint, or (with ``start_empty``)
+    when none is usable.
 
     Raises:
         ConfigError: the newest usable checkpoint contradicts the config, or
             was written in a newer format; the message names the checkpoint
             and both values.
+        RestoreError: every checkpoint is damaged (and not ``start_empty``),
+            or loading one failed for another reason; the message names
+            each checkpoint and why.
         RestoreCancelled: ``cancel`` was set.
     """
     skipped: list[tuple[Path, str]] = []
@@ -184,6 +208,7 @@ def restore_latest(
         except (CorruptCheckpointError, MalformedStateError) as exc:
             log.warning("skipping checkpoint %s: %s", ref.path, exc)
             skipped.append((ref.path, str(exc)))
+            directory.mark_damaged(ref.path)
             continue
         except NewerFormatError as exc:
             raise ConfigError(
@@ -194,9 +219,33 @@ def restore_latest(
                 f"checkpoint {ref.path} does not fit the config: {exc}. Start with the config "
                 f"it was written with, or move it out of the checkpoint directory to start "
                 f"without it") from None
+        except (InsufficientMemoryError, MemoryError) as exc:
+            raise RestoreError(
+                f"checkpoint {ref.path} could not be loaded: {type(exc).__name__}"
+                f"{': ' if str(exc) else ''}{exc}. The "
+                f"server does not start (nothing is thrown away); give it more memory, or "
+                f"raise server.table_memory_mb") from None
+        except RestoreCancelled:
+            raise
+        except Exception as exc:
+            log.error("loading checkpoint %s failed unexpectedly", ref.path, exc_info=exc)
+            raise RestoreError(
+                f"checkpoint {ref.path} could not be loaded: {type(exc).__name__}: {exc} (the "
+                f"log has the traceback). The server does not start (nothing is thrown "
+                f"away)") from None
+        directory.mark_verified(ref.path)
         return tables, RestoreResult(ref.path, manifest, time.perf_counter() - start,
                                      tuple(skipped), variables)
     if refs:
-        log.error("none of the %d checkpoints in %s is usable; starting with empty tables",
-                  len(refs), directory.path)
+        reasons = "; ".join(f"{path.name}: {why}" for path, why in skipped)
+        if not start_empty:
+            raise RestoreError(
+                f"none of the {len(refs)} checkpoint(s) in {directory.path} can be restored "
+                f"({reasons}). The server does not start, so that nothing is lost by mistake: "
+                f"repair or move them, or set server.start_empty_if_unrestorable = true (or "
+                f"pass --start-empty-if-unrestorable) to start with empty tables; the damaged "
+                f"checkpoints are kept either way")
+        log.error("none of the %d checkpoint(s) in %s can be restored (%s); starting with "
+                  "empty tables as server.start_empty_if_unrestorable asks (they are kept)",
+                  len(refs), directory.path, reasons)
     return None

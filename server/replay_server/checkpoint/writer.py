@@ -10,6 +10,11 @@ Any failure removes the temporary directory and raises
 :class:`~replay_server.errors.CheckpointSpaceError` for a full disk, a quota
 or a file-size limit) naming the file and the cause. The tables are never
 affected by a failed checkpoint.
+
+A committed checkpoint is read back (its manifest against COMPLETE, every
+file's size against the manifest) before it counts as verified; only then
+may older checkpoints be pruned for it (see
+:meth:`~replay_server.checkpoint.directory.CheckpointDirectory.prune`).
 """
 
 from __future__ import annotations
@@ -100,7 +105,10 @@ def write_checkpoint(
         write_file(temp, COMPLETE, np.frombuffer(complete_marker(data), dtype=np.uint8))
         current[0] = str(final)
         directory.commit(temp, final)
+        temp = final  # removed again if it does not read back as written
+        _verify(final, data, manifest)
         temp = None
+        directory.mark_verified(final)
     except OSError as exc:
         kind = CheckpointSpaceError if exc.errno in _SPACE_ERRORS else CheckpointWriteError
         name = errno.errorcode.get(exc.errno or 0, "error")
@@ -119,8 +127,21 @@ def write_checkpoint(
     )
 
 
+def _verify(path: Path, data: bytes, manifest: Manifest) -> None:
+    """Read back what a committed checkpoint's files say; raise OSError if anything differs."""
+    if (path / MANIFEST).read_bytes() != data or (path / COMPLETE).read_bytes() != complete_marker(
+            data):
+        raise OSError(errno.EIO, f"{path} reads back differently from what was written")
+    for entry in manifest.tables:
+        for file in (entry.state_file, *(column.file for column in entry.columns)):
+            size = (path / file.name).stat().st_size
+            if size != file.nbytes:
+                raise OSError(errno.EIO, f"{path / file.name} reads back {size} bytes, "
+                                         f"{file.nbytes} were written")
+
+
 def _write_table(root: Path, table: Table, chunk_bytes: int, current: list[str]) -> TableEntry:
-    (root / table.name).mkdir()
+    (root / table.name).mkdir(mode=0o700)
     with table.snapshot(chunk_bytes) as snap:
         state = snap.state
         schema = state["schema"]

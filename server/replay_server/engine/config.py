@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from replay_proto.keys import check_prefixes
 from replay_server.errors import ConfigError
 from replay_server.engine.schema import FieldSpec
 
@@ -136,8 +137,9 @@ class TableConfig:
                 f"{where}: episode_key, done_key and truncated_key must be different columns, "
                 f"got {keys!r}"
             )
-        if self.seed is not None and not _is_int(self.seed):
-            raise ConfigError(f"{where}: seed must be an integer or omitted, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**128):
+            raise ConfigError(f"{where}: seed must be an integer in [0, 2**128) or omitted, got "
+                              f"{self.seed!r}")
         if not isinstance(self.pin_memory, bool):
             raise ConfigError(f"{where}: pin_memory must be true or false, got {self.pin_memory!r}")
         if self.schema is not None:
@@ -148,6 +150,10 @@ class TableConfig:
                     raise ConfigError(
                         f"{where}: schema[{key!r}] must be a FieldSpec, got {type(spec).__name__}"
                     )
+            try:
+                check_prefixes(self.schema)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: schema: {exc}") from None
         self._check_flow_control(where)
 
     def _check_flow_control(self, where: str) -> None:

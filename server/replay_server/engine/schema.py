@@ -13,21 +13,37 @@ from typing import Any
 import torch
 
 from replay_proto.dtypes import dtype_from_name, dtype_name
-from replay_server.errors import SchemaMismatchError
+from replay_proto.keys import check_prefixes
+from replay_server.errors import InvalidArgumentError, SchemaMismatchError
+
+MAX_ROW_BYTES = 2**31 - 1
+"""Largest row of one column, in bytes (a row must fit a gRPC message, which is below 2 GiB)."""
 
 
 @dataclass(frozen=True, slots=True)
 class FieldSpec:
-    """dtype and per-row shape of one column (the shape excludes the row dim)."""
+    """dtype and per-row shape of one column (the shape excludes the row dim).
+
+    Every dimension is at least 1 (a column of zero-size rows stores nothing
+    and would fix a table's schema to nonsense) and one row is at most
+    :data:`MAX_ROW_BYTES`.
+
+    Raises:
+        ValueError: an unsupported dtype, a dimension below 1, or a row too large.
+    """
 
     dtype: torch.dtype
     shape: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         dtype_name(self.dtype)  # raises ValueError for unsupported dtypes
-        if any(not isinstance(d, int) or d < 0 for d in self.shape):
-            raise ValueError(f"shape must be non-negative integers, got {self.shape!r}")
+        if any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in self.shape):
+            raise ValueError(f"every dimension of a row must be an integer >= 1, got shape "
+                             f"{list(self.shape)}")
         object.__setattr__(self, "shape", tuple(self.shape))
+        if self.row_bytes > MAX_ROW_BYTES:
+            raise ValueError(f"a row of shape {list(self.shape)} would take "
+                             f"{self.row_bytes:,} bytes, over the limit of {MAX_ROW_BYTES:,}")
 
     @property
     def row_bytes(self) -> int:
@@ -130,10 +146,33 @@ class Schema(Mapping[str, FieldSpec]):
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> Schema:
+        """The schema :meth:`state_dict` saved.
+
+        Raises:
+            ValueError: a dtype, shape or key is invalid (keys colliding as paths included).
+        """
+        check_prefixes(state)
         return cls(
             {
                 key: FieldSpec(dtype_from_name(value["dtype"]), tuple(value["shape"]))
                 for key, value in state.items()
             }
         )
+
+
+def schema_of(columns: Mapping[str, torch.Tensor], table: str) -> Schema:
+    """The schema a first insert of ``columns`` fixes.
+
+    Raises:
+        InvalidArgumentError: a column's rows have a zero-size or absurd shape
+            (the message names the key).
+    """
+    fields = {}
+    for key, column in columns.items():
+        try:
+            fields[key] = FieldSpec.of_column(column)
+        except ValueError as exc:
+            raise InvalidArgumentError(
+                f"table {table!r}: key {key!r} cannot fix the table's schema: {exc}") from None
+    return Schema(fields)
 

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from replay_server.errors import ConfigError
+from replay_server.errors import ConfigError, InsufficientMemoryError
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, StorageSnapshot
 
@@ -39,6 +39,7 @@ class ColumnStorage:
 
     Raises:
         ConfigError: ``pin_memory`` is requested without an accelerator.
+        InsufficientMemoryError: the allocation failed.
     """
 
     def __init__(self, schema: Schema, capacity: int, *, pin_memory: bool = False) -> None:
@@ -50,10 +51,15 @@ class ColumnStorage:
         self.schema = schema
         self.capacity = capacity
         self.pinned = pin_memory
-        self.columns: dict[str, torch.Tensor] = {
-            key: torch.empty((capacity, *spec.shape), dtype=spec.dtype, pin_memory=pin_memory)
-            for key, spec in schema.items()
-        }
+        try:
+            self.columns: dict[str, torch.Tensor] = {
+                key: torch.empty((capacity, *spec.shape), dtype=spec.dtype, pin_memory=pin_memory)
+                for key, spec in schema.items()
+            }
+        except (MemoryError, RuntimeError) as exc:  # torch reports a failed allocation as either
+            raise InsufficientMemoryError(
+                f"cannot allocate {capacity * schema.row_bytes:,} bytes of storage for "
+                f"{capacity:,} rows of {schema.describe()}: {exc}") from None
         self._views = {key: _numpy_view(col) for key, col in self.columns.items()}
         self._snapshots: list[StorageSnapshot] = []
 

@@ -1,7 +1,9 @@
 """A table: a fixed-capacity FIFO ring of rows, stored column-wise, with one sampler.
 
 Rows go in through :meth:`Table.insert` (leading dim = rows) and get int64 ids
-(see :mod:`replay_server.engine.ids`); samples come out as
+that are never issued twice, not even across crashes (see
+:mod:`replay_server.engine.id_space`; inside, rows are counted by position:
+:mod:`replay_server.engine.ids`); samples come out as
 :class:`~replay_proto.batch.SampleBatch`; priorities are updated by id. The
 table is the only orchestrator: under its lock it writes storage and tells
 its sampler exactly once. What it is handed is checked and converted before
@@ -36,6 +38,7 @@ import torch
 from replay_proto.batch import SampleBatch
 from replay_server.engine.change_clock import ChangeClock
 from replay_server.engine.config import TableConfig
+from replay_server.engine.id_space import IncarnationSource
 from replay_server.engine.inputs import (
     MAX_BATCH_SIZE,
     batch_size_of,
@@ -46,17 +49,19 @@ from replay_server.engine.inputs import (
     priority_values,
     row_count,
 )
+from replay_server.engine.memory import MemoryLedger, table_bytes
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.samplers import InsertEvent
-from replay_server.engine.schema import FieldSpec, Schema
+from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
 from replay_server.engine.table_info import TableCounters, TableInfo
 from replay_server.engine.table_parts import TableParts, fresh_parts
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
+    ConfigError,
     EmptyTableError,
+    InsufficientMemoryError,
     InvalidArgumentError,
-    InvalidIdsError,
     InvalidPriorityError,
     NoPrioritiesError,
 )
@@ -69,17 +74,32 @@ class Table:
 
     Args:
         config: the table's validated configuration.
+        incarnations: where its id segments get their incarnation and shard
+            (a server's; ``None``: in-process, shard 0 and incarnation 0).
+        memory: the ledger its memory is promised from (a server's tables
+            share one; ``None``: this machine's memory, for this table alone).
 
     Raises:
         ConfigError: the declared schema cannot serve the sampler (e.g. a slice
-            table without an integer episode column), or pinned memory was
-            requested without an accelerator.
+            table without an integer episode column), pinned memory was
+            requested without an accelerator, or the table's sampler state (and
+            declared schema) at its capacity need more memory than ``memory`` allows.
     """
 
-    def __init__(self, config: TableConfig) -> None:
+    def __init__(self, config: TableConfig, incarnations: IncarnationSource | None = None,
+                 memory: MemoryLedger | None = None) -> None:
         self.config = config
         self._lock = threading.Lock()
-        self._parts = fresh_parts(config)
+        self._incarnations = incarnations
+        self._memory = memory or MemoryLedger()
+        declared = None if config.schema is None else Schema(config.schema)
+        try:
+            self._memory.require(config.name, table_bytes(config, declared),
+                                 f"capacity {config.capacity:,} (sampler state"
+                                 f"{'' if declared is None else ' and the declared schema'})")
+            self._parts = fresh_parts(config, incarnations)
+        except InsufficientMemoryError as exc:
+            raise ConfigError(str(exc)) from None
         self._instant_bytes = 0  # what the last snapshot's instant copied: the next one's arena
         self.changes = ChangeClock()
         """Ticks once per insert, sample, priority update, reset and load."""
@@ -120,6 +140,8 @@ class Table:
         Raises:
             SchemaMismatchError, InvalidArgumentError, InvalidPriorityError,
             NoPrioritiesError: nothing was stored.
+            InsufficientMemoryError: the first insert's rows at the table's
+                capacity need more memory than the server may give it.
             RateLimitedError: the rate limiter holds the insert back now.
 
         Cost: one copy of the rows into storage plus the sampler's insert
@@ -132,7 +154,7 @@ class Table:
             parts = self._parts
             schema = parts.schema
             if schema is None:
-                schema = Schema({k: FieldSpec.of_column(c) for k, c in columns.items()})
+                schema = schema_of(columns, self.name)
                 check_sampler_columns(self.config, schema)
             schema.check(columns, self.name)
             if rows == 0:
@@ -144,12 +166,17 @@ class Table:
                     f"capacity of {ring.capacity} rows; split it"
                 )
             parts.limiter.check_insert(rows, self.name)
+            parts.ids.reserve(ring.next_id, rows)
             if parts.storage is None:
+                self._memory.require(self.name, table_bytes(self.config, schema),
+                                     f"capacity {ring.capacity:,} x {schema.row_bytes:,} bytes "
+                                     f"per row ({schema.describe()})")
                 parts.allocate(schema, self.config.pin_memory)
             assert parts.storage is not None
             event = self._insert_event(columns, rows, checked_priorities)
             evicted_first_id = ring.first_live
             first_id, evicted = ring.allocate(rows)
+            first_row_id = parts.ids.id_of(first_id)
             deleted = evicted
             if parts.retirement is not None:
                 deleted -= parts.retirement.inserted(
@@ -165,7 +192,7 @@ class Table:
             parts.limiter.inserted(rows)
             parts.limiter.deleted(deleted)
             self.changes.tick()
-        return torch.from_numpy(ring.range(first_id, rows))
+        return torch.from_numpy(ring.range(first_row_id, rows))
 
     def _insert_event(
         self, columns: Mapping[str, torch.Tensor], rows: int, priorities: np.ndarray | None
@@ -231,6 +258,7 @@ class Table:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
             assert parts.storage is not None
             columns = parts.storage.gather(index.slots, out)
+            ids = parts.ids.ids_of(index.ids, parts.ring.first_live)
             parts.counters.sample_calls += 1
             parts.counters.sampled += batch_size
             parts.limiter.sampled(rows)
@@ -240,7 +268,7 @@ class Table:
             self.changes.tick()
         return SampleBatch.from_columns(
             columns,
-            torch.from_numpy(index.ids),
+            torch.from_numpy(ids),
             torch.from_numpy(index.weights),
             torch.from_numpy(index.probabilities),
         )
@@ -268,9 +296,10 @@ class Table:
     def update_priorities(self, ids: Any, priorities: Any) -> int:
         """Set the priorities of the rows named by ``ids``.
 
-        Ids whose rows have since been overwritten (or reset) are ignored and
-        counted in ``stale_priority_updates``; they never touch the newer row.
-        For a repeated id, the last priority wins.
+        Ids whose rows have since been overwritten (or reset, or retired), and
+        ids of a run that crashed after its last checkpoint, are *stale*:
+        ignored and counted in ``stale_priority_updates``; they never touch
+        a newer row. For a repeated id, the last priority wins.
 
         Args:
             ids: int64 ids, any shape.
@@ -281,7 +310,8 @@ class Table:
 
         Raises:
             NoPrioritiesError: the sampler has no priorities.
-            InvalidIdsError: ids are not int64, or were never issued by this table.
+            InvalidIdsError: ids are not int64, negative, of another shard, or
+                never issued by this table (see :mod:`~replay_server.engine.id_space`).
             InvalidPriorityError: a priority is negative or not finite, or the
                 shapes differ. Nothing is applied.
 
@@ -303,21 +333,15 @@ class Table:
         with self._lock:
             parts = self._parts
             ring = parts.ring
-            never = (id_array < 0) | (id_array >= ring.next_id)
-            if never.any():
-                raise InvalidIdsError(
-                    f"table {self.name!r}: id {int(id_array[never][0])} was never issued by "
-                    f"this table (ids so far: 0..{ring.next_id - 1}); "
-                    f"{int(never.sum())} such ids"
-                )
-            live = ring.live(id_array)
+            positions = parts.ids.positions_of(id_array, ring.next_id, self.name)
+            live = ring.live(positions)
             if parts.retirement is not None:  # a retired row's priority stays 0
-                live &= parts.retirement.drawable(ring.slots(id_array))
+                live &= parts.retirement.drawable(ring.slots(positions))
             applied = int(live.sum())
             if applied == id_array.size:
-                parts.sampler.update(ring.slots(id_array), values)
+                parts.sampler.update(ring.slots(positions), values)
             elif applied:
-                parts.sampler.update(ring.slots(id_array[live]), values[live])
+                parts.sampler.update(ring.slots(positions[live]), values[live])
             parts.counters.priority_updates += applied
             parts.counters.stale_priority_updates += id_array.size - applied
             self.changes.tick()
@@ -396,10 +420,13 @@ class Table:
         Raises:
             ConfigError: the state has another layout version, contradicts this
                 table's config (capacity, sampler, slice_len, alpha, keys) or
-                schema (the message names both values).
+                schema (the message names both values), or was saved by another shard.
             MalformedStateError: the state is malformed.
+            InsufficientMemoryError: the saved schema at the table's capacity
+                needs more memory than the server may give it.
         """
-        parts: TableParts = load_parts(self.config, state, self._parts.schema, read_rows is None)
+        parts: TableParts = load_parts(self.config, state, self._parts.schema, read_rows is None,
+                                       self._incarnations, self._memory)
         if read_rows is not None and parts.storage is not None:
             read_rows(parts.storage.views)
         with self._lock:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from replay_server.engine.config import TableConfig
+from replay_server.engine.id_space import IdSpace, IncarnationSource, LocalIncarnations
 from replay_server.engine.ids import IdRing
 from replay_server.engine.inputs import check_sampler_columns
 from replay_server.engine.rate_limiter import RateLimiter
@@ -15,12 +16,13 @@ from replay_server.engine.samplers import Sampler, make_sampler
 from replay_server.engine.schema import Schema
 from replay_server.engine.storage import ColumnStorage
 from replay_server.engine.table_info import TableCounters
-from replay_server.errors import ConfigError, SchemaMismatchError
+from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMismatchError
 
 
 @dataclass(slots=True)
 class TableParts:
-    """The id ring, sampler, storage, counters, generator, limiter and retirement of one table.
+    """The id ring and id space, sampler, storage, counters, generator, limiter and retirement
+    of one table.
 
     Owned by one :class:`~replay_server.engine.table.Table` and guarded by its
     lock. A restore builds a new set (:func:`fresh`, then loads it) and the
@@ -28,6 +30,7 @@ class TableParts:
     """
 
     ring: IdRing
+    ids: IdSpace
     sampler: Sampler
     generator: np.random.Generator
     counters: TableCounters
@@ -52,23 +55,37 @@ class TableParts:
         self.schema = schema
 
 
-def fresh_parts(config: TableConfig) -> TableParts:
+def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = None) -> TableParts:
     """An empty table's parts; storage allocated now if the config declares a schema.
+
+    ``incarnations``: where its id segments get their incarnation (``None``:
+    an in-process table's, shard 0 and incarnation 0).
 
     Raises:
         ConfigError: the declared schema cannot serve the sampler, or pinned
             memory was requested without an accelerator.
+        InsufficientMemoryError: an allocation failed.
     """
     ring = IdRing(config.capacity)
+    ids = IdSpace(incarnations or LocalIncarnations())
+    ids.begin(0)
+    try:
+        sampler = make_sampler(config, ring)
+        retirement = (Retirement(config.capacity, config.max_times_sampled)
+                      if config.max_times_sampled else None)
+    except MemoryError:
+        raise InsufficientMemoryError(
+            f"table {config.name!r}: cannot allocate the {config.sampler.value} sampler's "
+            f"state for capacity {config.capacity:,}") from None
     parts = TableParts(
         ring=ring,
-        sampler=make_sampler(config, ring),
+        ids=ids,
+        sampler=sampler,
         # numpy's PCG64: single-threaded draws, and a state of plain integers to save.
         generator=np.random.Generator(np.random.PCG64(config.seed)),
         counters=TableCounters(),
         limiter=RateLimiter.from_config(config),
-        retirement=(Retirement(config.capacity, config.max_times_sampled)
-                    if config.max_times_sampled else None),
+        retirement=retirement,
     )
     if config.schema is not None:
         schema = Schema(config.schema)

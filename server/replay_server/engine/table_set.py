@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from replay_server.engine.config import TableConfig
+from replay_server.engine.id_space import IncarnationSource
+from replay_server.engine.memory import MemoryLedger
 from replay_server.errors import ConfigError, UnknownTableError
 from replay_server.engine.table import Table
 
@@ -12,16 +14,29 @@ from replay_server.engine.table import Table
 class TableSet:
     """Named tables, fixed at construction.
 
+    Args:
+        configs: one per table.
+        incarnations: the server's shard and id incarnations (``None``: in-process).
+        memory: the ledger all tables' memory is promised from (``None``: a new
+            one over this machine's memory).
+
+    Raises:
+        ConfigError: names repeat, no table is given, or a table cannot be made
+            (see :class:`~replay_server.engine.table.Table`).
+
     Thread-safety: the set never changes after construction, so lookups need no
     lock; each :class:`~replay_server.engine.table.Table` guards itself.
     """
 
-    def __init__(self, configs: Iterable[TableConfig]) -> None:
+    def __init__(self, configs: Iterable[TableConfig],
+                 incarnations: IncarnationSource | None = None,
+                 memory: MemoryLedger | None = None) -> None:
         self._tables: dict[str, Table] = {}
+        self.memory = memory or MemoryLedger()
         for config in configs:
             if config.name in self._tables:
                 raise ConfigError(f"two tables are named {config.name!r}; table names must be unique")
-            self._tables[config.name] = Table(config)
+            self._tables[config.name] = Table(config, incarnations, self.memory)
         if not self._tables:
             raise ConfigError("a server needs at least one table")
 

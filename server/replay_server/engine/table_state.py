@@ -9,7 +9,9 @@ pickles or runs code on load: a state is loadable with
 ``torch.load(..., weights_only=True)``.
 
 Layout (``STATE_VERSION``): ``version``, ``config`` (plain values),
-``schema``, ``ring`` (id counters), ``columns`` (the slots ever written, in
+``schema``, ``ring`` (position counters), ``ids`` (shard and id segments:
+:mod:`~replay_server.engine.id_space`; absent in states saved before ids
+had segments, whose ids were positions), ``columns`` (the slots ever written, in
 slot order; empty in a snapshot, whose rows are read from ``rows``),
 ``sampler``, ``counters``, ``generator``, ``rate_limiter``, ``times_sampled``.
 """
@@ -22,13 +24,15 @@ from dataclasses import asdict
 from typing import Any
 
 from replay_server.engine.config import TableConfig
+from replay_server.engine.id_space import IncarnationSource
+from replay_server.engine.memory import MemoryLedger, table_bytes
 from replay_server.engine.retirement import load_retirement
 from replay_server.engine.rng import generator_from_state, generator_state
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import Arena, TableSnapshot
 from replay_server.engine.table_info import TableCounters
 from replay_server.engine.table_parts import TableParts, fresh_parts
-from replay_server.errors import ConfigError, MalformedStateError
+from replay_server.errors import ConfigError, InsufficientMemoryError, MalformedStateError
 
 STATE_VERSION = 1
 """Version of a table state's layout; bumped on any incompatible change."""
@@ -55,6 +59,7 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
             "config": config.describe(),
             "schema": None if parts.schema is None else parts.schema.state_dict(),
             "ring": parts.ring.state_dict(),
+            "ids": parts.ids.state_dict(),
             "columns": {},  # the rows: read from the snapshot's ``rows``
             "sampler": parts.sampler.state_dict(),
             "counters": asdict(parts.counters),
@@ -68,18 +73,25 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
 
 
 def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
-               with_columns: bool) -> TableParts:
+               with_columns: bool, incarnations: IncarnationSource | None = None,
+               memory: MemoryLedger | None = None) -> TableParts:
     """Fresh parts holding ``state`` (its rows too, if ``with_columns``).
+
+    The restored ids keep their segments, and a new segment (of
+    ``incarnations``) begins where the saved ring stopped, so no id the saved
+    table (or a run that went on after it and crashed) issued is issued again.
 
     Raises:
         ConfigError: another layout version, or the state contradicts the
             config or ``schema_now`` (the message names both values).
         MalformedStateError: the state is malformed.
+        InsufficientMemoryError: the saved schema needs more than ``memory`` allows.
+        MemoryError, OSError: the machine failed (never taken for a malformed state).
     """
     try:
-        return _load(config, state, schema_now, with_columns)
-    except ConfigError:
-        raise
+        return _load(config, state, schema_now, with_columns, incarnations, memory)
+    except (ConfigError, InsufficientMemoryError, MemoryError, OSError):
+        raise  # a contradiction, or the machine failing: not a malformed state
     except Exception as exc:
         raise MalformedStateError(
             f"table {config.name!r}: saved state is malformed ({type(exc).__name__}: {exc})"
@@ -87,7 +99,8 @@ def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema
 
 
 def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
-          with_columns: bool) -> TableParts:
+          with_columns: bool, incarnations: IncarnationSource | None,
+          memory: MemoryLedger | None) -> TableParts:
     name = config.name
     version = state.get("version")
     if version != STATE_VERSION:
@@ -98,14 +111,19 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
         if state["config"][key] != mine[key]:
             raise ConfigError(f"table {name!r}: config says {key}={mine[key]!r} but the saved "
                               f"state has {key}={state['config'][key]!r}")
-    parts = fresh_parts(config)
+    parts = fresh_parts(config, incarnations)
     schema = None if state["schema"] is None else Schema.from_state_dict(state["schema"])
     if schema_now is not None and schema is not None and dict(schema) != dict(schema_now):
         raise ConfigError(f"table {name!r}: the table's schema is {schema_now.describe()} but "
                           f"the saved state has {schema.describe()}")
     if schema is not None and parts.storage is None:
+        if memory is not None:
+            memory.require(name, table_bytes(config, schema),
+                           f"capacity {config.capacity:,} x {schema.row_bytes:,} bytes per row "
+                           f"(the saved schema {schema.describe()})")
         parts.allocate(schema, config.pin_memory)
     parts.ring.load_state_dict(state["ring"])
+    parts.ids.load(state.get("ids"), parts.ring.next_id, name)
     if parts.storage is not None and with_columns:
         used = parts.used
         for key, column in state["columns"].items():

@@ -14,7 +14,18 @@ the learner accepts, batches are gathered straight from table storage into
 the ring (no serialization, no copy through gRPC) and messages carry only
 offsets. Batch ``k`` goes into slot ``k % slots``; the credit rule guarantees
 the learner has given that slot back. The ring's name is unlinked as soon as
-the learner answers, so nothing is left in /dev/shm.
+the learner answers (the learner unlinks it too, once mapped), and a server
+removes rings that dead servers left behind when it starts
+(:func:`~replay_feed.shared_ring.sweep_stale_rings`). All rings together may
+take ``shared_memory_mb``; a ring that would not fit is not offered (the
+first batch says why) and the stream uses gRPC.
+
+Memory: each group of batches reserves what it will hold (the batch and its
+encoded chunks) from the server's :class:`~replay_server.service.budget.MemoryBudget`
+before it is drawn, waiting for room when the budget is in use, and releases
+it once its last chunk was sent; a batch over ``max_batch_mb`` ends the
+stream with RESOURCE_EXHAUSTED (kind ``limit_exceeded``). A learner
+message larger than the call declared ends it with INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -42,11 +53,16 @@ from replay_server.engine.inputs import MAX_BATCH_SIZE
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
 from replay_server.errors import InvalidArgumentError, RateLimitedError
+from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner
-from replay_server.service.status import ShuttingDownError
+from replay_server.service.status import (
+    CLIENT_LOG,
+    LimitExceededError,
+    OverloadedError,
+    ShuttingDownError,
+)
 from replay_server.service.waiting import draw
 
-log = logging.getLogger("replay_server.service")
 
 MAX_CREDITS = 1024
 """Largest prefetch window a learner may grant in its first message."""
@@ -54,10 +70,14 @@ MAX_CREDITS = 1024
 
 @dataclass(frozen=True, slots=True)
 class StreamLimits:
-    """What the server allows a stream: message size, and whether it offers shared memory."""
+    """What the server allows a stream: message size, whether it offers shared memory, the
+    largest batch, and the budgets its batches and rings are reserved from."""
 
     max_message_bytes: int
     shared_memory: bool
+    max_batch_bytes: int
+    budget: MemoryBudget
+    shared_memory_budget: MemoryBudget
 
 
 class _RingLayout:
@@ -93,11 +113,14 @@ class SampleStreamCall:
         limits: message size and shared-memory policy.
         requests: the learner's messages (raw bytes).
         context: the call's context.
+        max_request_bytes: the largest learner message accepted (what the call declared).
     """
 
     def __init__(self, calls: CallRunner, tables: TableSet, limits: StreamLimits,
-                 requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+                 requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext, *,
+                 max_request_bytes: int) -> None:
         self._calls = calls
+        self._max_request = max_request_bytes
         self._tables = tables
         self._limits = limits
         self._requests = requests
@@ -108,8 +131,10 @@ class SampleStreamCall:
         self._client_done = False
         self._refused: InvalidArgumentError | None = None  # a malformed learner message
         self._ring: SharedRing | None = None
+        self._ring_reservation: Reservation | None = None
         self._layout: _RingLayout | None = None
         self._ring_accepted = False
+        self._held: dict[asyncio.Future, Reservation] = {}  # each drawn group's memory
 
     async def run(self) -> AsyncIterator[bytes]:
         calls, context = self._calls, self._context
@@ -117,9 +142,14 @@ class SampleStreamCall:
             first_raw = await self._requests.__anext__()
         except StopAsyncIteration:
             return
+        if len(first_raw) > self._max_request:
+            await calls.fail(context, self._oversized(first_raw))
         first = await calls.run(context, _parse_first, first_raw)
         request = first.request
         table = await calls.run(context, self._tables.__getitem__, request.table)
+        batch_bytes = self._batch_bytes(table, request.batch_size)
+        if batch_bytes > self._limits.max_batch_bytes:
+            await calls.fail(context, self._too_large(table, request.batch_size, batch_bytes))
         self._credits = self._window = first.credits
         reader = asyncio.create_task(self._read())
         want_ring = first.shared_memory and self._limits.shared_memory
@@ -136,11 +166,14 @@ class SampleStreamCall:
                     count = await self._next_count(request, table, index)
                     if count == 0:
                         break
-                    pending = self._start_draw(table, request, index, count, index == 0 and want_ring)
+                    reservation = await self._reserve(table, request, count, wait=True)
+                    pending = self._start_draw(table, request, index, count,
+                                               index == 0 and want_ring, reservation)
                 if calls.draining:
                     pending.cancel()
                     await calls.fail(context, ShuttingDownError("the server is shutting down"))
                 chunks, count, ring_note = await calls.settle(context, pending)
+                sent = self._held.pop(pending, None)
                 index += count
                 pending = None
                 if ring_note:
@@ -149,9 +182,15 @@ class SampleStreamCall:
                     chunks[0] = with_note(chunks[0], note)
                 ahead = await self._next_count(request, table, index, wait=False)
                 if ahead:
-                    pending = self._start_draw(table, request, index, ahead, False)
+                    reservation = await self._reserve(table, request, ahead, wait=False)
+                    if reservation is not None:
+                        pending = self._start_draw(table, request, index, ahead, False,
+                                                   reservation)
                 for chunk in chunks:
                     yield chunk
+                del chunks
+                if sent is not None:
+                    sent.release()  # the group was handed to gRPC whole: its bytes are gone
             if self._refused is not None:
                 await calls.fail(context, self._refused)
         finally:
@@ -159,8 +198,52 @@ class SampleStreamCall:
                 pending.cancel()
             elif pending is not None and not pending.cancelled():
                 pending.exception()  # retrieved, so asyncio does not log it as lost
+            for held in self._held.values():
+                held.release()
             reader.cancel()
             self._close_ring()
+
+    # ------------------------------------------------------------ memory
+
+    @staticmethod
+    def _batch_bytes(table: Table, batch_size: int) -> int:
+        return table.batch_nbytes(batch_size) if 1 <= batch_size <= MAX_BATCH_SIZE else 0
+
+    def _too_large(self, table: Table, batch_size: int, nbytes: int) -> LimitExceededError:
+        return LimitExceededError(
+            f"table {table.name!r}: a batch of {batch_size} is about {nbytes >> 20} MiB, over "
+            f"server.max_batch_mb = {self._limits.max_batch_bytes >> 20}; stream smaller "
+            f"batches")
+
+    def _oversized(self, raw: bytes) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"a SampleStream message of {len(raw)} bytes is larger than the call declared "
+            f"({self._max_request} bytes, metadata replay-request-bytes)")
+
+    async def _reserve(self, table: Table, request: pb.SampleRequest, count: int,
+                       wait: bool) -> Reservation | None:
+        """The memory the next group will hold, reserved (waiting for room if ``wait``).
+
+        A group drawn into the accepted shared-memory ring holds only its ids,
+        weights and probabilities beside the ring; any other, the batches and
+        their encoded chunks. ``None``: no room now (``wait`` False).
+        """
+        batch_bytes = self._batch_bytes(table, request.batch_size)
+        if batch_bytes > self._limits.max_batch_bytes:  # the schema was fixed since the start
+            await self._calls.fail(self._context,
+                                   self._too_large(table, request.batch_size, batch_bytes))
+        # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT) when it draws.
+        rows = request.batch_size if 1 <= request.batch_size <= MAX_BATCH_SIZE else 0
+        extras = rows * 12 + rows * (table.config.slice_len or 1) * 8
+        nbytes = extras if self._ring_accepted else 2 * count * batch_bytes + extras
+        purpose = f"SampleStream: {count} batch(es) of {request.batch_size} from {table.name!r}"
+        budget = self._limits.budget
+        try:
+            return await budget.wait(nbytes, purpose) if wait else budget.reserve(nbytes, purpose)
+        except OverloadedError:
+            return None
+        except LimitExceededError as exc:
+            await self._calls.fail(self._context, exc)
 
     # ------------------------------------------------------------ credits
 
@@ -172,6 +255,9 @@ class SampleStreamCall:
         """
         try:
             async for raw in self._requests:
+                if len(raw) > self._max_request:
+                    self._refused = self._oversized(raw)
+                    return
                 try:
                     message = pb.SampleStreamRequest.FromString(raw)
                 except Exception as exc:
@@ -201,8 +287,8 @@ class SampleStreamCall:
         if answer.accepted:
             self._ring_accepted = True
         else:
-            log.info("SampleStream: the learner refused the shared-memory ring (%s); using gRPC",
-                     answer.reason)
+            self._log("ring_refused", logging.INFO, f"the learner refused the shared-memory ring "
+                      f"({answer.reason}); using gRPC")
             self._close_ring()
 
     async def _next_count(self, request: pb.SampleRequest, table: Table, index: int,
@@ -232,12 +318,17 @@ class SampleStreamCall:
     # ------------------------------------------------------------ drawing (engine threads)
 
     def _start_draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
-                    offer_ring: bool) -> asyncio.Future:
-        """Draw in the engine's pool, waiting (without a thread) while the rate limiter holds it."""
+                    offer_ring: bool, reservation: Reservation | None) -> asyncio.Future:
+        """Draw in the engine's pool, waiting (without a thread) while the rate limiter holds
+        it (or, with ``wait_for_data``, while the table is empty; at most ``wait_timeout_s``);
+        ``reservation`` (the group's memory) is released once the group was sent."""
         limit = request.wait_timeout_s if request.wait_timeout_s > 0 else None
-        return asyncio.ensure_future(self._calls.change(
+        future = asyncio.ensure_future(self._calls.change(
             self._context, self._draw, table, request, index, count, offer_ring, aborting=False,
             time_remaining=None if limit is None else lambda: limit))
+        if reservation is not None:
+            self._held[future] = reservation
+        return future
 
     def _draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
               offer_ring: bool) -> tuple[str, tuple[list[bytes], int, str]]:
@@ -265,11 +356,21 @@ class SampleStreamCall:
 
     def _create_ring(self, batch: SampleBatch, batch_size: int) -> str:
         layout = _RingLayout(batch, batch_size)
+        slots = self._window + 1
+        size = SharedRing.size_for(slots, layout.slot_bytes)
         try:
-            self._ring = SharedRing.create(self._window + 1, layout.slot_bytes)
+            reservation = self._limits.shared_memory_budget.reserve(
+                size, f"a shared-memory ring of {slots} batches")
+        except (OverloadedError, LimitExceededError) as exc:
+            self._log("ring_over_budget", logging.INFO, f"no shared-memory ring ({exc}); using gRPC")
+            return f"no shared-memory ring: {exc}"
+        try:
+            self._ring = SharedRing.create(slots, layout.slot_bytes)
         except SharedMemoryError as exc:
-            log.warning("SampleStream: no shared-memory ring (%s); using gRPC", exc)
+            reservation.release()
+            self._log("ring_failed", logging.WARNING, f"no shared-memory ring ({exc}); using gRPC")
             return f"the server could not create a shared-memory ring: {exc}"
+        self._ring_reservation = reservation
         self._layout = layout
         return ""
 
@@ -285,12 +386,20 @@ class SampleStreamCall:
             dest.copy_(src)
         return encode_ring_batch(columns, views[n:], index, slot, layout.offsets)
 
+    def _log(self, topic: str, level: int, what: str) -> None:
+        """A line about this stream's client (rate-limited per client: see ``peer_log``)."""
+        peer = self._context.peer()
+        CLIENT_LOG.log(peer, topic, level, "SampleStream from %s: %s", peer, what)
+
     def _close_ring(self) -> None:
         ring, self._ring = self._ring, None
+        reservation, self._ring_reservation = self._ring_reservation, None
         self._ring_accepted = False
         if ring is not None:
             ring.unlink()
             ring.close()
+        if reservation is not None:
+            reservation.release()
 
 
 def _parse_first(raw: bytes) -> pb.SampleStreamRequest:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -15,14 +16,21 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from replay_feed.shared_ring import sweep_stale_rings
 from replay_server.checkpoint import Checkpointer, RestoreCancelled
+from replay_server.checkpoint.incarnation import IncarnationFile
+from replay_server.engine.id_space import IncarnationSource, RandomIncarnations
+from replay_server.engine.memory import MemoryLedger, format_bytes
+from replay_server.engine.table_set import TableSet
+from replay_server.engine.variables import VariableStore
 from replay_server.errors import CheckpointWriteError, ConfigError
+from replay_server.service.admission import Admission
+from replay_server.service.budget import MemoryBudget
+from replay_server.service.limits import MIB, ServiceLimits
 from replay_server.service.loop import loop_name
 from replay_server.service.servicer import SERVICE_NAME, ReplayServicer
 from replay_server.service.settings import ServerSettings
 from replay_server.service.status import UnauthenticatedError, abort
-from replay_server.engine.table_set import TableSet
-from replay_server.engine.variables import VariableStore
 
 log = logging.getLogger("replay_server")
 
@@ -30,16 +38,21 @@ HEALTH_SERVICE = "grpc.health.v1.Health"
 
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
-    """Refuses calls without ``authorization: Bearer <token>`` (health checks excepted)."""
+    """Refuses calls without ``authorization: Bearer <token>`` (health checks excepted).
+
+    The refusal never reads the request: it is served by a *stream* handler
+    (a unary one would have gRPC read the whole message first), so a flood
+    of large calls without the token costs no memory.
+    """
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}"
 
-        async def refuse(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        async def refuse(requests: object, context: grpc.aio.ServicerContext) -> bytes:
             await abort(context, UnauthenticatedError(
                 "missing or wrong token: send metadata 'authorization: Bearer <token>'"))
 
-        self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
+        self._refuse = grpc.stream_unary_rpc_method_handler(refuse)
         self._refuse_stream = grpc.stream_stream_rpc_method_handler(refuse)
 
     async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
@@ -62,14 +75,37 @@ class ReplayServer:
     Args:
         settings: validated server settings.
 
+    Ids: with a checkpoint_dir, the run's id incarnation is taken from its
+    ``INCARNATION`` counter (written durably) before anything is served;
+    without one it is random (see :mod:`replay_server.engine.id_space`).
+
     Raises:
         ConfigError: the auth token variable is unset, a table config is
-            invalid, or the checkpoint directory cannot be used.
+            invalid (or needs more memory than ``table_memory_mb``), the
+            checkpoint directory or its incarnation counter cannot be used.
     """
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
-        self.tables = self._make_tables()
+        self.limits = ServiceLimits.of(settings)
+        self.checkpointer: Checkpointer | None = None
+        self.incarnations: IncarnationSource = RandomIncarnations(settings.shard)
+        if settings.checkpoint_dir is not None:
+            self.checkpointer = Checkpointer(settings.checkpoint_dir,
+                                             keep_latest=settings.keep_latest,
+                                             server_version=server_version())
+            try:
+                self.checkpointer.open()
+                self.incarnations = IncarnationFile.claim(self.checkpointer.path, settings.shard)
+            except ConfigError as exc:
+                self.checkpointer.close()
+                raise ConfigError(f"server.checkpoint_dir: {exc}") from None
+        try:
+            self.tables = self._make_tables()
+        except ConfigError:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            raise
         self._token = None
         if settings.auth_token_env is not None:
             self._token = os.environ.get(settings.auth_token_env)
@@ -78,24 +114,19 @@ class ReplayServer:
                     f"server.auth_token_env is {settings.auth_token_env!r} but that environment "
                     f"variable is unset or empty"
                 )
-        self.checkpointer: Checkpointer | None = None
-        if settings.checkpoint_dir is not None:
-            self.checkpointer = Checkpointer(settings.checkpoint_dir,
-                                             keep_latest=settings.keep_latest,
-                                             server_version=server_version())
-            try:
-                self.checkpointer.open()
-            except ConfigError as exc:
-                raise ConfigError(f"server.checkpoint_dir: {exc}") from None
         self.exit_code = 0  # 1 when the final checkpoint failed
         self._executor = ThreadPoolExecutor(settings.workers, thread_name_prefix="replay-engine")
         # Checkpoints block their thread for seconds: never on the engine's workers.
         self._checkpoint_executor = ThreadPoolExecutor(2, thread_name_prefix="replay-checkpoint")
-        self._servicer = ReplayServicer(self.tables, self._executor, settings.max_message_bytes,
-                                        shared_memory=settings.shared_memory,
-                                        checkpointer=self.checkpointer,
-                                        checkpoint_executor=self._checkpoint_executor,
-                                        variables=self._make_variables())
+        self.admission = Admission(self.limits, MemoryBudget(self.limits.memory_budget_bytes))
+        self._servicer = ReplayServicer(
+            self.tables, self._executor, settings.max_message_bytes,
+            shared_memory=settings.shared_memory, checkpointer=self.checkpointer,
+            checkpoint_executor=self._checkpoint_executor, admission=self.admission,
+            incarnations=self.incarnations,
+            shared_memory_budget=MemoryBudget(self.limits.shared_memory_bytes,
+                                              "server.shared_memory_mb", bulk_share=1.0),
+            variables=self._make_variables())
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._timer: asyncio.Task | None = None
@@ -103,7 +134,9 @@ class ReplayServer:
         self.port: int | None = None
 
     def _make_tables(self) -> TableSet:
-        return TableSet(self.settings.table_configs)
+        mb = self.settings.table_memory_mb
+        memory = MemoryLedger(mb * MIB, "server.table_memory_mb") if mb else MemoryLedger()
+        return TableSet(self.settings.table_configs, self.incarnations, memory)
 
     def _make_variables(self) -> VariableStore:
         return VariableStore(self.settings.variables_max_bytes)
@@ -121,18 +154,18 @@ class ReplayServer:
         stops the restore (:class:`~replay_server.checkpoint.RestoreCancelled`).
 
         Raises:
-            ConfigError: the address cannot be bound, or the newest usable
-                checkpoint contradicts the config.
+            ConfigError: the address cannot be bound, the open-file limit is
+                below what ``max_connections`` needs, or the checkpoints cannot
+                be restored (see :mod:`replay_server.checkpoint.reader`).
         """
-        size = self.settings.max_message_bytes
+        self.limits.ensure_open_files()
+        if self.settings.shared_memory:
+            for name in sweep_stale_rings():
+                log.warning("removed shared-memory ring %s left by a server that is gone", name)
         interceptors = [_TokenAuth(self._token)] if self._token else []
         self._server = grpc.aio.server(
             interceptors=interceptors,
-            options=[
-                ("grpc.max_receive_message_length", size),
-                ("grpc.max_send_message_length", size),
-                ("grpc.so_reuseport", 0),
-            ],
+            options=[*self.limits.grpc_options(), ("grpc.so_reuseport", 0)],
         )
         self._server.add_generic_rpc_handlers((self._servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -145,9 +178,17 @@ class ReplayServer:
         self._servicer.calls.restoring = self.checkpointer is not None
         await self._server.start()
         host = self.settings.address.rsplit(":", 1)[0]
-        log.info("listening on %s:%d (event loop: %s, engine threads: %d, auth: %s)",
-                 host, self.port, loop_name(), self.settings.workers,
-                 "token" if self._token else "off")
+        log.info("listening on %s:%d (event loop: %s, engine threads: %d, auth: %s, shard %d, "
+                 "id incarnation %d)", host, self.port, loop_name(), self.settings.workers,
+                 "token" if self._token else "off", self.settings.shard,
+                 self.incarnations.current)
+        limits = self.limits
+        log.info("limits: calls may hold %s at once, %d calls, %d connections (idle %.0f s), "
+                 "batches up to %s, shared-memory rings %s, tables %s",
+                 format_bytes(limits.memory_budget_bytes), limits.max_concurrent_calls,
+                 limits.max_connections, limits.idle_timeout_s,
+                 format_bytes(limits.max_batch_bytes), format_bytes(limits.shared_memory_bytes),
+                 format_bytes(self.tables.memory.limit))
         await self._restore(cancel)
         # What start-up created (modules, tables) is never garbage: out of the cyclic
         # collector's sight, a full collection takes well under a millisecond instead of
@@ -166,10 +207,11 @@ class ReplayServer:
             return
         loop = asyncio.get_running_loop()
         restored = await loop.run_in_executor(
-            self._checkpoint_executor, self.checkpointer.restore, self._make_tables, cancel,
-            self._make_variables)
+            self._checkpoint_executor, functools.partial(
+                self.checkpointer.restore, self._make_tables, cancel, self._make_variables,
+                start_empty=self.settings.start_empty_if_unrestorable))
         if restored is None:
-            log.info("no checkpoint to restore in %s: starting with empty tables",
+            log.info("nothing restored from %s: starting with empty tables",
                      self.checkpointer.path)
         else:
             self.tables, result = restored

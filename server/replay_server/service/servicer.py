@@ -1,7 +1,10 @@
 """``replay.v1.ReplayService`` handlers: decode, call the engine, encode.
 
 Handlers receive and return raw message bytes (so tensor payloads are never
-copied through protobuf fields; see :mod:`replay_proto.codec`). Engine work,
+copied through protobuf fields; see :mod:`replay_proto.codec`). Every call is
+admitted first (:mod:`replay_server.service.admission`: a cap on calls in
+flight, its request's memory reserved before it is read); a handler grows
+the call's reservation before it draws a batch. Engine work,
 decoding included, runs through a :class:`~replay_server.service.calls.CallRunner`:
 in a bounded thread pool, never on the event loop, waiting without a thread
 while a table's rate limiter holds it back. ``SampleStream`` is its own
@@ -22,14 +25,18 @@ from replay_proto.codec import CodecError
 from replay_proto.sample_codec import HEADROOM, encode_sample
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.checkpoint import Checkpointer, CheckpointResult
+from replay_server.engine.id_space import IncarnationSource, LocalIncarnations
 from replay_server.engine.inputs import MAX_BATCH_SIZE
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
 from replay_server.engine.variables import VariableStore
 from replay_server.errors import CheckpointsDisabledError
+from replay_server.service.admission import Admission
+from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner
+from replay_server.service.limits import ServiceLimits
 from replay_server.service.sample_stream import SampleStreamCall, StreamLimits
-from replay_server.service.status import MessageTooLargeError
+from replay_server.service.status import LimitExceededError, MessageTooLargeError
 from replay_server.service.variables import VariableService
 from replay_server.service.waiting import draw
 
@@ -47,17 +54,34 @@ class ReplayServicer:
         checkpointer: writes checkpoints (``None``: the server has no checkpoint_dir).
         checkpoint_executor: where checkpoint calls wait and run (not the engine's pool).
         variables: the named variables (``None``: an empty store with no budget).
+        admission: admits calls (their count and memory); ``None``: the default limits.
+        incarnations: the server's shard and id incarnation (for ``info``).
+        shared_memory_budget: /dev/shm the streams' rings may take together
+            (``None``: the admission limits' ``shared_memory_bytes``).
     """
 
     def __init__(
         self, tables: TableSet, executor: Executor, max_message_bytes: int, *,
         shared_memory: bool = True, checkpointer: Checkpointer | None = None,
-        checkpoint_executor: Executor | None = None, variables: VariableStore | None = None,
+        checkpoint_executor: Executor | None = None, admission: Admission | None = None,
+        incarnations: IncarnationSource | None = None,
+        shared_memory_budget: MemoryBudget | None = None, variables: VariableStore | None = None,
     ) -> None:
+        if admission is None:  # the default limits (a servicer built outside ReplayServer)
+            limits = ServiceLimits.defaults(max_message_bytes)
+            admission = Admission(limits, MemoryBudget(limits.memory_budget_bytes))
+        if shared_memory_budget is None:
+            shared_memory_budget = MemoryBudget(admission.limits.shared_memory_bytes,
+                                                "server.shared_memory_mb", bulk_share=1.0)
         self._tables = tables
         self._max_message = max_message_bytes
+        self._admission = admission
+        self._incarnations = incarnations or LocalIncarnations()
         self._stream_limits = StreamLimits(max_message_bytes=max_message_bytes,
-                                           shared_memory=shared_memory)
+                                           shared_memory=shared_memory,
+                                           max_batch_bytes=admission.limits.max_batch_bytes,
+                                           budget=admission.budget,
+                                           shared_memory_budget=shared_memory_budget)
         self._checkpointer = checkpointer
         self._checkpoint_executor = checkpoint_executor or executor
         self.calls = CallRunner(executor, self._may_pass)
@@ -72,25 +96,25 @@ class ReplayServicer:
 
     def handler(self) -> grpc.GenericRpcHandler:
         """A generic handler serving every RPC of ``replay.v1.ReplayService``."""
-        unary = grpc.unary_unary_rpc_method_handler
+        unary, stream = self._admission.unary, self._admission.stream
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
-                "Insert": unary(self.insert),
-                "Sample": unary(self.sample),
-                "SampleStream": grpc.stream_stream_rpc_method_handler(self.sample_stream),
-                "UpdatePriorities": unary(self.update_priorities),
-                "Info": unary(self.info),
-                "Reset": unary(self.reset),
-                "Checkpoint": unary(self.checkpoint),
-                "Publish": unary(self.variables.publish),
-                "Fetch": unary(self.variables.fetch),
+                "Insert": unary("Insert", self.insert),
+                "Sample": unary("Sample", self.sample),
+                "SampleStream": stream("SampleStream", self.sample_stream),
+                "UpdatePriorities": unary("UpdatePriorities", self.update_priorities),
+                "Info": unary("Info", self.info),
+                "Reset": unary("Reset", self.reset),
+                "Checkpoint": unary("Checkpoint", self.checkpoint),
+                "Publish": unary("Publish", self.variables.publish),
+                "Fetch": unary("Fetch", self.variables.fetch),
             },
         )
 
     # ---------------------------------------------------------------- handlers
 
-    async def insert(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def insert(self, raw: bytes, context: grpc.aio.ServicerContext, _: Reservation) -> bytes:
         return await self.calls.change(context, self._insert, raw)
 
     def _insert(self, raw: bytes) -> tuple[str, bytes]:
@@ -98,33 +122,46 @@ class ReplayServicer:
         ids = self._tables[call.table].insert(call.columns, call.priorities)
         return call.table, messages.encode_insert_response(int(ids[0]) if len(ids) else 0, len(ids))
 
-    async def sample(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self.calls.change(context, self._sample, raw)
+    async def sample(self, raw: bytes, context: grpc.aio.ServicerContext,
+                     reservation: Reservation) -> bytes:
+        return await self.calls.change(context, self._sample, raw, reservation)
 
-    def _sample(self, raw: bytes) -> tuple[str, bytes]:
+    def _sample(self, raw: bytes, reservation: Reservation) -> tuple[str, bytes]:
         request = _parse(pb.SampleRequest, raw)
         table = self._tables[request.table]
-        self._check_unary_size(table, request.batch_size)
-        batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data)
+        estimate = self._check_unary_size(table, request.batch_size)
+        # The batch and its encoded message, held until the client has taken the answer.
+        reservation.resize(len(raw) + 2 * estimate,
+                           f"Sample: a batch of {request.batch_size} from table {table.name!r}")
+        try:
+            batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data)
+        except BaseException:
+            reservation.resize(len(raw), "")
+            raise
         return request.table, encode_sample(batch, 0, self._max_message)[0]
 
     async def sample_stream(
-        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+        reservation: Reservation,
     ) -> AsyncIterator[bytes]:
-        call = SampleStreamCall(self.calls, self._tables, self._stream_limits, requests, context)
+        call = SampleStreamCall(self.calls, self._tables, self._stream_limits, requests, context,
+                                max_request_bytes=reservation.nbytes)
         async for chunk in call.run():
             yield chunk
 
-    async def update_priorities(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        return await self.calls.change(context, self._update_priorities, raw)
+    async def update_priorities(self, raw: bytes, context: grpc.aio.ServicerContext,
+                                reservation: Reservation) -> bytes:
+        return await self.calls.change(context, self._update_priorities, raw, reservation)
 
-    def _update_priorities(self, raw: bytes) -> tuple[str, bytes]:
+    def _update_priorities(self, raw: bytes, reservation: Reservation) -> tuple[str, bytes]:
+        # The request, and as much again for its ids' positions and masks.
+        reservation.resize(2 * len(raw), "UpdatePriorities")
         name, ids, priorities = messages.decode_update(raw)
         applied = self._tables[name].update_priorities(ids, priorities)
         response = pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied)
         return name, response.SerializeToString()
 
-    async def info(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def info(self, raw: bytes, context: grpc.aio.ServicerContext, _: Reservation) -> bytes:
         blocked = self.calls.blocked
         waiting = {
             table.name: (blocked.waiting(table.name, "insert"), blocked.waiting(table.name, "sample"))
@@ -158,13 +195,15 @@ class ReplayServicer:
                 ),
                 max_times_sampled=info.config["max_times_sampled"],
             ))
-        response = pb.InfoResponse(tables=tables)
+        response = pb.InfoResponse(tables=tables, shard=self._incarnations.shard,
+                                   incarnation=self._incarnations.current,
+                                   limits=self._limits_info())
         last = None if self._checkpointer is None else self._checkpointer.last
         if last is not None:
             response.last_checkpoint.CopyFrom(_checkpoint_response(last))
         return response.SerializeToString()
 
-    async def reset(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def reset(self, raw: bytes, context: grpc.aio.ServicerContext, _: Reservation) -> bytes:
         return await self.calls.change(context, self._reset, raw)
 
     def _reset(self, raw: bytes) -> tuple[str, bytes]:
@@ -172,7 +211,8 @@ class ReplayServicer:
         self._tables[name].reset()
         return name, pb.ResetResponse().SerializeToString()
 
-    async def checkpoint(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def checkpoint(self, raw: bytes, context: grpc.aio.ServicerContext,
+                         _: Reservation) -> bytes:
         return await self.calls.run(context, self._checkpoint, raw,
                                     executor=self._checkpoint_executor)
 
@@ -188,7 +228,8 @@ class ReplayServicer:
 
     # ---------------------------------------------------------------- helpers
 
-    def _check_unary_size(self, table: Table, batch_size: int) -> None:
+    def _check_unary_size(self, table: Table, batch_size: int) -> int:
+        """The bytes of a batch of ``batch_size``, refused if over the message or batch limit."""
         # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT), not a size problem.
         estimate = table.batch_nbytes(batch_size) if 1 <= batch_size <= MAX_BATCH_SIZE else 0
         if estimate > self._max_message - HEADROOM:
@@ -197,6 +238,28 @@ class ReplayServicer:
                 f"over the {self._max_message >> 20} MiB message limit; use SampleStream "
                 f"(client.stream), which splits batches, or a smaller batch_size"
             )
+        limit = self._stream_limits.max_batch_bytes
+        if estimate > limit:
+            raise LimitExceededError(
+                f"table {table.name!r}: a batch of {batch_size} is about {estimate >> 20} MiB, "
+                f"over server.max_batch_mb = {limit >> 20}; ask for a smaller batch_size")
+        return estimate
+
+    def _limits_info(self) -> pb.ServerLimits:
+        limits, budget = self._admission.limits, self._admission.budget
+        rings = self._stream_limits.shared_memory_budget
+        memory = self._tables.memory
+        return pb.ServerLimits(
+            memory_budget_bytes=limits.memory_budget_bytes, memory_in_use_bytes=budget.in_use,
+            memory_peak_bytes=budget.peak, max_concurrent_calls=limits.max_concurrent_calls,
+            calls_in_flight=self._admission.in_flight, max_connections=limits.max_connections,
+            idle_timeout_s=limits.idle_timeout_s, max_batch_bytes=limits.max_batch_bytes,
+            max_message_bytes=limits.max_message_bytes,
+            shared_memory_bytes=limits.shared_memory_bytes,
+            shared_memory_in_use_bytes=rings.in_use, table_memory_bytes=memory.limit,
+            table_memory_committed_bytes=memory.committed,
+            refused_calls=budget.refused + self._admission.refused,
+        )
 
     def _may_pass(self, table: str, operation: str, count: int) -> bool:
         """Lock-free hint for blocked calls: might a held-back call pass now?"""

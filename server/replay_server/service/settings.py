@@ -17,6 +17,8 @@ import torch
 
 from replay_server.engine.config import TableConfig, default_table_configs
 from replay_server.errors import ConfigError
+from replay_server.service.limits import DEFAULTS as LIMIT_DEFAULTS
+from replay_server.service.limits import check_limits
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
@@ -46,6 +48,25 @@ class ServerSettings:
         tables: the tables to serve.
         variables_max_mb: budget, in MiB, for all named variables together
             (``client.publish``); a publish past it is refused.
+        shard: this server's shard index (0..127), carried in every row id it
+            issues (see :mod:`replay_server.engine.id_space`).
+        start_empty_if_unrestorable: when checkpoints exist but none can be
+            restored, start with empty tables (and keep the checkpoints) instead
+            of refusing to start.
+        memory_budget_mb: bytes all calls together may hold at once (requests
+            read, batches drawn, responses not yet taken by slow readers), in
+            MiB; a call that does not fit is refused (RESOURCE_EXHAUSTED).
+        max_concurrent_calls: replay calls served at once (health checks aside).
+        max_connections: open client connections; more are closed at once.
+        idle_timeout_s: a connection with no call for this long is closed (and
+            one that has not finished its HTTP/2 handshake after
+            ``min(idle_timeout_s, 10)`` seconds).
+        max_batch_mb: largest batch (or group of batches) one Sample call or
+            SampleStream draws, in MiB; at most 3/8 of ``memory_budget_mb``.
+        shared_memory_mb: bytes all shared-memory rings together may take in
+            /dev/shm, in MiB; a stream whose ring would not fit uses gRPC.
+        table_memory_mb: memory all tables together may take at their
+            capacity, in MiB; 0: this machine's memory (or its cgroup's limit).
     """
 
     address: str = DEFAULT_ADDRESS
@@ -60,6 +81,15 @@ class ServerSettings:
     keep_latest: int = 3
     tables: tuple[TableConfig, ...] = field(default_factory=lambda: tuple(default_table_configs()))
     variables_max_mb: int = 256
+    shard: int = 0
+    start_empty_if_unrestorable: bool = False
+    memory_budget_mb: int = LIMIT_DEFAULTS["memory_budget_mb"]
+    max_concurrent_calls: int = LIMIT_DEFAULTS["max_concurrent_calls"]
+    max_connections: int = LIMIT_DEFAULTS["max_connections"]
+    idle_timeout_s: float = LIMIT_DEFAULTS["idle_timeout_s"]
+    max_batch_mb: int = LIMIT_DEFAULTS["max_batch_mb"]
+    shared_memory_mb: int = LIMIT_DEFAULTS["shared_memory_mb"]
+    table_memory_mb: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or not _ADDRESS.match(self.address) or not (
@@ -102,6 +132,7 @@ class ServerSettings:
                 f"request and at shutdown), got {interval!r}")
         _check_int("server.keep_latest", self.keep_latest, 1, 1_000_000)
         _check_int("server.variables_max_mb", self.variables_max_mb, 0, 1 << 20)
+        check_limits(self)
         names = [t.name for t in self.tables]
         if not names:
             raise ConfigError("the config declares no [[tables]]")

@@ -18,8 +18,12 @@ import grpc
 from replay_proto.codec import CodecError
 from replay_proto.error_kinds import ERROR_KIND_KEY, ErrorKind
 from replay_server import errors
+from replay_server.service.peer_log import PeerLog
 
 log = logging.getLogger("replay_server.service")
+
+CLIENT_LOG = PeerLog(log)
+"""Where lines about a client's calls go: at most a few per client host per minute."""
 
 
 class MessageTooLargeError(errors.InvalidArgumentError):
@@ -34,9 +38,23 @@ class UnauthenticatedError(Exception):
     """The call carries no token, or the wrong one."""
 
 
+class OverloadedError(Exception):
+    """The server's call limits are reached *now* (memory budget, concurrent calls);
+    the call was not run, so it may be tried again later."""
+
+
+class LimitExceededError(Exception):
+    """The call alone asks for more than a configured limit allows (a batch over
+    max_batch_mb, more memory than the budget); it can never succeed as it is."""
+
+
 # Most specific first: the first isinstance match wins.
 _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, ErrorKind], ...] = (
     (MessageTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.MESSAGE_TOO_LARGE),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.OVERLOADED),
+    (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.LIMIT_EXCEEDED),
+    (errors.InsufficientMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED,
+     ErrorKind.LIMIT_EXCEEDED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE, ErrorKind.UNAVAILABLE),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, ErrorKind.UNAUTHENTICATED),
     (errors.SchemaMismatchError, grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.SCHEMA_MISMATCH),
@@ -71,14 +89,48 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, ErrorKind] | None:
     return None
 
 
+_ROUTINE = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE}
+"""Refusals that are part of normal operation (a rate limiter's wait ran out, draining)."""
+
+
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
-    """End the call with ``exc``'s status and kind (a bug: logged, answered INTERNAL)."""
+    """End the call with ``exc``'s status and kind (a bug: logged, answered INTERNAL).
+
+    Refusals are logged per client, rate-limited (:mod:`~replay_server.service.peer_log`):
+    a wrong token at WARNING, other client mistakes and limits at INFO, routine
+    ones (a rate limiter's deadline, draining) at DEBUG; a bug with its traceback
+    at ERROR, also rate-limited per client; a call the client already cancelled
+    at DEBUG (its end is expected, whatever it raised).
+    """
+    peer = _peer(context)
     mapped = status_of(exc)
     if mapped is None:
-        log.error("internal error while serving a request", exc_info=exc)
+        if _cancelled(context):
+            log.debug("call from %s ended after the client cancelled it (%r)", peer, exc)
+        else:
+            CLIENT_LOG.log(peer, "internal", logging.ERROR,
+                           "internal error while serving a request from %s", peer, exc_info=exc)
         code, kind, message = (grpc.StatusCode.INTERNAL, ErrorKind.INTERNAL,
                                "internal server error (the server logged the details)")
     else:
         (code, kind), message = mapped, str(exc)
+        level = (logging.WARNING if code == grpc.StatusCode.UNAUTHENTICATED
+                 else logging.DEBUG if code in _ROUTINE else logging.INFO)
+        CLIENT_LOG.log(peer, kind.value, level, "refused a call from %s: %s (%s): %s", peer,
+                       code.name, kind.value, message)
     await context.abort(code, message, trailing_metadata=((ERROR_KIND_KEY, kind.value),))
     raise AssertionError("context.abort returned")  # pragma: no cover - abort always raises
+
+
+def _peer(context: grpc.aio.ServicerContext) -> str:
+    try:
+        return context.peer() or "unknown"
+    except Exception:  # a context that has no peer (a test double)
+        return "unknown"
+
+
+def _cancelled(context: grpc.aio.ServicerContext) -> bool:
+    try:
+        return bool(context.cancelled())
+    except Exception:
+        return False

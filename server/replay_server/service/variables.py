@@ -23,6 +23,7 @@ from replay_proto import variable_codec
 from replay_proto.codec import CodecError
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.engine.variables import Variable, VariableStore, check_name
+from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.status import ShuttingDownError
 from replay_server.service.waiting import GIVE_UP_EARLY_FRACTION, GIVE_UP_EARLY_MAX_S
@@ -46,7 +47,9 @@ class VariableService:
         """Serve ``store`` from now on (the restored one, before SERVING)."""
         self.store = store
 
-    async def publish(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def publish(self, raw: bytes, context: grpc.aio.ServicerContext,
+                      reservation: Reservation) -> bytes:
+        """Publish (the reservation holds the request while it is decoded and stored)."""
         variable = await self._calls.run(context, self._publish, raw)
         event = self._published.pop(variable.name, None)
         if event is not None:
@@ -58,7 +61,17 @@ class VariableService:
         name, tensors = variable_codec.decode_publish(raw)
         return self.store.publish(name, tensors)
 
-    async def fetch(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def fetch(self, raw: bytes, context: grpc.aio.ServicerContext,
+                    reservation: Reservation) -> bytes:
+        """Fetch; the answer's bytes are reserved until the client has taken them."""
+        answer = await self._fetch(raw, context)
+        try:
+            reservation.resize(len(raw) + len(answer), f"Fetch: an answer of {len(answer)} bytes")
+        except Exception as exc:  # over the memory budget: refused with its status
+            await self._calls.fail(context, exc)
+        return answer
+
+    async def _fetch(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await self._calls.run(context, _parse_fetch, raw)
         if not request.HasField("newer_than"):
             return await self._calls.run(context, self._encode, request.name)

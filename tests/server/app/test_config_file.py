@@ -145,10 +145,23 @@ def test_port_zero_means_any_free_port_and_is_accepted(tmp_path: Path) -> None:
     ('checkpoint_interval_s = "600"', ("server.checkpoint_interval_s", "'600'")),
     ("keep_latest = 0", ("server.keep_latest", "0")),
     ("keep_latest = 2.5", ("server.keep_latest", "2.5")),
+    ("shard = 128", ("server.shard", "[0, 127]", "128")),
+    ("shard = -1", ("server.shard", "-1")),
+    ('start_empty_if_unrestorable = "yes"', ("server.start_empty_if_unrestorable", "'yes'")),
+    ("memory_budget_mb = 0", ("server.memory_budget_mb", "0")),
+    ("max_concurrent_calls = 0", ("server.max_concurrent_calls", "0")),
+    ("max_connections = 1.5", ("server.max_connections", "1.5")),
+    ("idle_timeout_s = 0", ("server.idle_timeout_s", "0")),
+    ("idle_timeout_s = inf", ("server.idle_timeout_s", "inf")),
+    ("max_batch_mb = 400", ("server.max_batch_mb", "[1, 384]", "400")),
+    ("shared_memory_mb = -1", ("server.shared_memory_mb", "-1")),
+    ("table_memory_mb = true", ("server.table_memory_mb", "True")),
 ], ids=["address-without-port", "port-70000", "address-without-host", "pin-memory-maybe",
         "workers-0", "workers-float", "max-message-0", "log-format-xml", "empty-token-env",
         "empty-checkpoint-dir", "checkpoint-dir-number", "interval-negative", "interval-inf",
-        "interval-string", "keep-latest-0", "keep-latest-float"])
+        "interval-string", "keep-latest-0", "keep-latest-float", "shard-128", "shard-negative",
+        "start-empty-string", "budget-0", "calls-0", "connections-float", "idle-0", "idle-inf",
+        "batch-over-budget", "rings-negative", "table-memory-bool"])
 def test_bad_server_value_names_the_field_and_value(
     tmp_path: Path, line: str, fragments: tuple[str, ...]
 ) -> None:
@@ -209,6 +222,40 @@ def test_bad_schema_string_names_the_key_and_value(
 ) -> None:
     assert_config_error(tmp_path, ONE_TABLE + f'[tables.schema]\nobs = "{spec}"\n',
                         "tables[0]", "schema.obs", fragment)
+
+
+@pytest.mark.parametrize(("schema", "fragments"), [
+    ('obs = "float32[3, 0]"', ("schema.obs", "got shape [3, 0]")),
+    ('obs = "uint8[1099511627776]"', ("schema.obs", "over the limit")),
+    ('a = "float32[]"\n"a.b" = "float32[]"', ("key 'a' is both a value and the parent of 'a.b'",)),
+], ids=["zero-size", "absurd", "colliding-keys"])
+def test_bad_declared_schema_is_named(tmp_path: Path, schema: str, fragments: tuple) -> None:
+    assert_config_error(tmp_path, ONE_TABLE + f"[tables.schema]\n{schema}\n", "'t'", *fragments)
+
+
+@pytest.mark.parametrize("text", ['server = "x"\n', "server = 1\n", "server = []\n"])
+def test_a_server_section_that_is_not_a_table_is_named(tmp_path: Path, text: str) -> None:
+    assert_config_error(tmp_path, text + ONE_TABLE, "server must be a table")
+
+
+@pytest.mark.parametrize("text", ['tables = ["x"]\n', "tables = [1]\n", "tables = [[]]\n"])
+def test_a_table_that_is_not_a_table_is_named(tmp_path: Path, text: str) -> None:
+    assert_config_error(tmp_path, text, "tables[0] must be a table")
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized", "slice", "prioritized_slice"])
+def test_a_table_needing_more_than_the_machine_is_a_config_error_not_a_traceback(
+    tmp_path: Path, sampler: str
+) -> None:
+    from replay_server import TableSet
+
+    extra = "slice_len = 4\nmax_times_sampled = 0\n" if "slice" in sampler else (
+        "max_times_sampled = 2\n")
+    settings = load_text(tmp_path, f'[[tables]]\nname = "t"\ncapacity = 1_000_000_000_000\n'
+                                   f'sampler = "{sampler}"\n{extra}')
+    with pytest.raises(ConfigError, match=r"table 't': capacity 1,000,000,000,000 \(sampler "
+                                          r"state\) needs .* TiB, more than this machine's memory"):
+        TableSet(settings.tables)
 
 
 def test_schema_that_is_not_a_table_is_an_error(tmp_path: Path) -> None:

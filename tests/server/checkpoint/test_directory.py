@@ -16,10 +16,13 @@ def _opened(path: Path) -> CheckpointDirectory:
     return directory
 
 
-def _commit(directory: CheckpointDirectory) -> Path:
+def _commit(directory: CheckpointDirectory, verified: bool = True) -> Path:
+    """A committed checkpoint, marked verified as the writer marks one it read back."""
     _, temp, final = directory.begin()
     (temp / "COMPLETE").write_text("x")
     directory.commit(temp, final)
+    if verified:
+        directory.mark_verified(final)
     return final
 
 
@@ -76,6 +79,45 @@ def test_prune_keeps_the_newest_and_removes_temporaries(tmp_path: Path, keep: in
     assert [r.path for r in directory.complete()] == paths[-keep:]
     assert set(removed) == set(paths[:-keep]) | {leftover}
     assert not leftover.exists()
+
+
+def test_prune_removes_nothing_until_keep_latest_newer_checkpoints_are_verified(
+    tmp_path: Path
+) -> None:
+    directory = _opened(tmp_path)
+    found = [_commit(directory, verified=False) for _ in range(3)]  # on disk at start, unread
+    written = [_commit(directory)]
+    assert directory.prune(2) == [] and [r.path for r in directory.complete()] == [*found, *written]
+    written.append(_commit(directory))
+    assert set(directory.prune(2)) == set(found)  # two verified ones now: the older go
+    assert [r.path for r in directory.complete()] == written
+
+
+def test_an_unverified_newer_checkpoint_does_not_push_out_a_verified_older_one(
+    tmp_path: Path
+) -> None:
+    directory = _opened(tmp_path)
+    good = _commit(directory)  # e.g. the one the server restored from
+    damaged = [_commit(directory, verified=False) for _ in range(3)]
+    assert directory.prune(1) == []
+    assert [r.path for r in directory.complete()] == [good, *damaged]
+
+
+def test_a_checkpoint_found_damaged_is_never_pruned(tmp_path: Path) -> None:
+    directory = _opened(tmp_path)
+    damaged = _commit(directory, verified=False)
+    directory.mark_damaged(damaged)
+    plain_old = _commit(directory, verified=False)
+    written = [_commit(directory) for _ in range(2)]
+    assert set(directory.prune(1)) == {plain_old, written[0]}
+    assert [r.path for r in directory.complete()] == [damaged, written[1]]
+
+
+def test_files_and_directories_are_created_owner_only(tmp_path: Path) -> None:
+    directory = _opened(tmp_path / "ckpt")
+    path = _commit(directory)
+    for made in (tmp_path / "ckpt", tmp_path / "ckpt" / "LOCK", path):
+        assert made.stat().st_mode & 0o077 == 0, (made, oct(made.stat().st_mode))
 
 
 def test_names_that_are_not_checkpoints_are_left_alone(tmp_path: Path) -> None:

@@ -20,7 +20,12 @@ from replay_server import TableConfig, TableSet
 from replay_server.checkpoint import CheckpointDirectory, load_checkpoint, write_checkpoint
 from replay_server.checkpoint.manifest import complete_marker
 from replay_server.checkpoint.reader import restore_latest
-from replay_server.errors import CheckpointSpaceError, CheckpointWriteError, ConfigError
+from replay_server.errors import (
+    CheckpointSpaceError,
+    CheckpointWriteError,
+    ConfigError,
+    RestoreError,
+)
 from tests.server.engine.test_table_errors import assert_same_draw, assert_same_state
 
 CONFIGS = [
@@ -53,6 +58,25 @@ def _filled(configs: list[TableConfig] = CONFIGS, rows: int = 130) -> TableSet:
     return tables
 
 
+def assert_restored_state(got: dict, saved: dict) -> None:
+    """``got`` (a restored table's state) is ``saved`` but for one new id segment.
+
+    The restored table keeps every saved id segment, the current one ending
+    where the saved ring stopped, and begins a segment of an incarnation the
+    saved table never used: ids it issues next are new ids.
+    """
+    got, saved = dict(got), dict(saved)
+    got_ids, saved_ids = got.pop("ids"), saved.pop("ids")
+    assert_same_state(got, saved)
+    next_position = saved["ring"]["next_id"]
+    *older, (incarnation, first, _) = saved_ids["segments"]
+    assert got_ids["shard"] == saved_ids["shard"]
+    assert got_ids["segments"][:-1] == [*older, [incarnation, first, next_position]]
+    new_incarnation, new_first, new_end = got_ids["segments"][-1]
+    assert (new_first, new_end) == (next_position, -1)
+    assert new_incarnation not in [s[0] for s in saved_ids["segments"]]
+
+
 @pytest.fixture
 def directory(tmp_path: Path):
     directory = CheckpointDirectory(tmp_path / "ckpt")
@@ -71,7 +95,7 @@ def test_a_checkpoint_restores_every_table_exactly(directory) -> None:
     restored = TableSet(CONFIGS)
     load_checkpoint(result.path, restored)
     for table in tables:
-        assert_same_state(restored[table.name].state_dict(), table.state_dict())
+        assert_restored_state(restored[table.name].state_dict(), table.state_dict())
         draw_a = table.sample(7) if table.size else None
         draw_b = restored[table.name].sample(7) if table.size else None
         if draw_a is not None:
@@ -189,16 +213,69 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(
     assert f"skipping checkpoint {newest.path}: " in caplog.text
     assert reason in caplog.text, caplog.text
     for name, state in expected.items():
-        assert_same_state(restored[name].state_dict(), state)
+        assert_restored_state(restored[name].state_dict(), state)
 
 
-def test_no_usable_checkpoint_starts_empty_and_says_so(directory, caplog) -> None:
+def test_no_usable_checkpoint_refuses_to_start_naming_each_and_why(directory) -> None:
+    first, second = _write(_filled(), directory), _write(_filled(), directory)
+    _remove_complete(first.path)
+    _truncate(second.path)
+    with pytest.raises(RestoreError) as info:
+        restore_latest(directory, lambda: TableSet(CONFIGS))
+    message = str(info.value)
+    assert "none of the 2 checkpoint(s)" in message and "does not start" in message
+    assert f"{first.path.name}: no COMPLETE marker" in message
+    assert f"{second.path.name}: prioritized/column-0.bin is 230 bytes" in message
+    assert "start_empty_if_unrestorable" in message
+
+
+def test_no_usable_checkpoint_starts_empty_only_when_asked_and_keeps_them(
+    directory, caplog
+) -> None:
     result = _write(_filled(), directory)
     _remove_complete(result.path)
     with caplog.at_level(logging.WARNING, logger="replay_server.checkpoint"):
-        assert restore_latest(directory, lambda: TableSet(CONFIGS)) is None
-    assert "none of the 1 checkpoints" in caplog.text
-    assert "starting with empty tables" in caplog.text
+        assert restore_latest(directory, lambda: TableSet(CONFIGS), start_empty=True) is None
+    assert "none of the 1 checkpoint(s)" in caplog.text
+    assert "starting with empty tables as server.start_empty_if_unrestorable asks" in caplog.text
+    assert [r.path for r in directory.complete()] == [result.path]
+
+
+def test_a_failure_that_is_not_damage_stops_the_restore_without_trying_older(
+    directory, monkeypatch
+) -> None:
+    older = _write(_filled(), directory)
+    newest = _write(_filled(), directory)
+    from replay_server.engine.table import Table
+
+    loaded = []
+
+    def out_of_memory(self, state, read_rows=None):
+        loaded.append(self.name)
+        raise MemoryError()
+
+    monkeypatch.setattr(Table, "load_state_dict", out_of_memory)
+    with pytest.raises(RestoreError, match=f"checkpoint {newest.path} could not be loaded: "
+                                           f"MemoryError"):
+        restore_latest(directory, lambda: TableSet(CONFIGS))
+    assert len(loaded) == 1  # the older one was not tried: it is no fallback for a full machine
+    assert [r.path for r in directory.complete()] == [older.path, newest.path]
+
+
+def test_a_written_checkpoint_that_does_not_read_back_is_removed_and_prunes_nothing(
+    directory, monkeypatch
+) -> None:
+    import replay_server.checkpoint.writer as writer
+
+    kept = _write(_filled(), directory, keep=1)
+
+    def differs(path, data, manifest):
+        raise OSError(5, "reads back differently")
+
+    monkeypatch.setattr(writer, "_verify", differs)
+    with pytest.raises(CheckpointWriteError, match="reads back differently"):
+        _write(_filled(), directory, keep=1)
+    assert [r.path for r in directory.complete()] == [kept.path]
 
 
 def test_an_empty_directory_restores_nothing(directory) -> None:

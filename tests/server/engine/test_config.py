@@ -182,9 +182,11 @@ def test_episode_end_keys_are_done_then_truncated() -> None:
 # ------------------------------------------------------------- seed / pinning
 
 
-@pytest.mark.parametrize("seed", [1.5, "7", True], ids=["float", "str", "bool"])
-def test_non_integer_seed_raises_config_error_naming_table_field_and_value(seed: Any) -> None:
-    pattern = rf"table 'replay': seed must be an integer or omitted, got {re.escape(repr(seed))}"
+@pytest.mark.parametrize("seed", [1.5, "7", True, -1, 2**128],
+                         ids=["float", "str", "bool", "negative", "too-large"])
+def test_bad_seed_raises_config_error_naming_table_field_and_value(seed: Any) -> None:
+    pattern = (rf"table 'replay': seed must be an integer in \[0, 2\*\*128\) or omitted, got "
+               rf"{re.escape(repr(seed))}")
     with pytest.raises(ConfigError, match=pattern):
         config(seed=seed)
 

@@ -115,8 +115,10 @@ def _round_trip(state: dict) -> dict:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_state_dict_restores_an_identical_table(kind):
     original = _table(kind, capacity=23)
+    saved_ids = {}  # row -> id, as insert returned them
     for start in range(0, 60, 6):
         ids = original.insert(_rows(start, 6))
+        saved_ids.update(zip(range(start, start + 6), ids.tolist()))
         if original.config.sampler.is_prioritized:
             original.update_priorities(ids, torch.rand(6) + 0.1)
     restored = _table(kind, capacity=23, seed=99)
@@ -124,10 +126,18 @@ def test_state_dict_restores_an_identical_table(kind):
 
     assert restored.info().counters == original.info().counters
     assert restored.info().sampler_stats == original.info().sampler_stats
+    id_of_row = {}
     for table in (original, restored):  # both go on the same way
-        table.insert(_rows(60, 4))
+        new_ids = table.insert(_rows(60, 4)).tolist()
+        id_of_row[table] = {**saved_ids, **dict(zip(range(60, 64), new_ids))}
+    # The restored table issues its new rows ids of a new segment: never the ids the
+    # original issued after the state was saved.
+    assert not set(id_of_row[restored].values()) & set(range(60, 64))
     a, b = original.sample(50), restored.sample(50)
-    assert torch.equal(a.ids, b.ids)
+    assert torch.equal(a.data["row"], b.data["row"])  # the same rows drawn ...
+    for batch, table in ((a, original), (b, restored)):  # ... each with the id it was issued
+        rows = batch.data["row"].reshape(-1).tolist()
+        assert batch.ids.reshape(-1).tolist() == [id_of_row[table][r] for r in rows]
     assert torch.equal(a.probabilities, b.probabilities)
     assert torch.equal(a.weights, b.weights)
     assert torch.equal(a.data["obs"]["state"], b.data["obs"]["state"])

@@ -804,7 +804,8 @@ BAD_UPDATES = [
         torch.tensor([0, STORED]),
         [7.0, 7.0],
         InvalidIdsError,
-        rf"id {STORED} was never issued by this table \(ids so far: 0\.\.{STORED - 1}\)",
+        rf"id {STORED} was never issued by this table \(incarnation 0 has issued sequences "
+        rf"0\.\.{STORED - 1} so far",
     ),
     BadUpdate(
         "far-future-id",
@@ -818,7 +819,14 @@ BAD_UPDATES = [
         torch.tensor([1, -1]),
         [7.0, 7.0],
         InvalidIdsError,
-        r"id -1 was never issued",
+        r"-1 is not an id \(ids are non-negative int64",
+    ),
+    BadUpdate(
+        "other-shard-id",
+        torch.tensor([1, (3 << 56) | 1]),
+        [7.0, 7.0],
+        InvalidIdsError,
+        r"id 216172782113783809 belongs to shard 3, and this server is shard 0",
     ),
     BadUpdate(
         "priorities-longer-than-ids",

@@ -1,0 +1,71 @@
+"""budget: bytes calls reserve before they hold them; refusals name the limit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from replay_server.service.budget import SMALL_BYTES, MemoryBudget
+from replay_server.service.status import LimitExceededError, OverloadedError
+
+MIB = 1 << 20
+
+
+def test_reservations_add_up_resize_and_release() -> None:
+    budget = MemoryBudget(100 * MIB)
+    a = budget.reserve(10 * MIB, "a")
+    b = budget.reserve(20 * MIB, "b")
+    assert budget.in_use == 30 * MIB
+    a.resize(5 * MIB, "a")
+    assert budget.in_use == 25 * MIB
+    b.release()
+    b.release()  # idempotent
+    assert budget.in_use == 5 * MIB and budget.peak == 30 * MIB
+    a.release(object())  # as a done-callback
+    assert budget.in_use == 0
+
+
+def test_a_call_that_does_not_fit_now_is_overloaded_and_one_that_never_fits_is_over_limit() -> None:
+    budget = MemoryBudget(100 * MIB)
+    held = budget.reserve(70 * MIB, "held")
+    with pytest.raises(OverloadedError, match="calls in flight hold 70.0 MiB of "
+                                              "server.memory_budget_mb = 100.0 MiB"):
+        budget.reserve(10 * MIB, "a batch")
+    with pytest.raises(LimitExceededError, match="more than the 75.0 MiB server.memory_budget_mb "
+                                                 "allows any call this large"):
+        budget.reserve(80 * MIB, "a huge batch")
+    assert budget.refused == 2 and budget.in_use == 70 * MIB
+    held.release()
+    assert budget.reserve(75 * MIB, "the largest call").nbytes == 75 * MIB
+
+
+def test_small_calls_keep_the_last_quarter_when_large_ones_fill_their_share() -> None:
+    budget = MemoryBudget(100 * MIB)
+    budget.reserve(75 * MIB, "large")
+    smalls = [budget.reserve(SMALL_BYTES, f"small {i}") for i in range(25)]
+    assert budget.in_use == 100 * MIB and len(smalls) == 25
+    with pytest.raises(OverloadedError):
+        budget.reserve(1, "one more")
+
+
+def test_a_failed_resize_keeps_the_old_size() -> None:
+    budget = MemoryBudget(10 * MIB)
+    reservation = budget.reserve(MIB, "x")
+    with pytest.raises(LimitExceededError):
+        reservation.resize(20 * MIB, "x grown")
+    assert reservation.nbytes == MIB and budget.in_use == MIB
+
+
+def test_a_waiter_gets_its_room_when_another_call_releases_it() -> None:
+    async def scenario() -> int:
+        budget = MemoryBudget(10 * MIB, bulk_share=1.0)
+        held = budget.reserve(8 * MIB, "held")
+        waiter = asyncio.ensure_future(budget.wait(5 * MIB, "waiting"))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        held.release()
+        reservation = await asyncio.wait_for(waiter, 5)
+        return reservation.nbytes
+
+    assert asyncio.run(scenario()) == 5 * MIB
