@@ -52,11 +52,13 @@ def start_server(
     env: dict[str, str] | None = None,
     name: str = "server",
     preexec_fn: Callable[[], None] | None = None,
+    extra_args: list[str] | None = None,
 ) -> ServerProcess:
     """Start ``replay-server serve`` (with ``config`` TOML text, if given) and wait for its port.
 
     The port file is written once the server is SERVING (tables restored).
-    ``preexec_fn`` runs in the child before it starts (e.g. to set resource limits).
+    ``preexec_fn`` runs in the child before it starts (e.g. to set resource limits);
+    ``extra_args`` are added to the ``serve`` command line.
     """
     port_file = tmp_path / f"{name}.port"
     port_file.unlink(missing_ok=True)
@@ -68,6 +70,7 @@ def start_server(
         config_path = tmp_path / f"{name}.toml"
         config_path.write_text(config)
         args += ["--config", str(config_path)]
+    args += extra_args or []
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     log_file = log_path.open("a")
     process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env,

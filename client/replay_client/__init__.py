@@ -8,7 +8,9 @@ package never imports ``replay_server``.
 from replay_client import errors
 from replay_client.client import ReplayClient, TableInfo
 from replay_client.errors import ReplayError
+from replay_client.tls import TlsConfig
 from replay_client.writer import Writer
 from replay_proto.batch import SampleBatch
 
-__all__ = ["ReplayClient", "ReplayError", "SampleBatch", "TableInfo", "Writer", "errors"]
+__all__ = ["ReplayClient", "ReplayError", "SampleBatch", "TableInfo", "TlsConfig", "Writer",
+           "errors"]

@@ -110,6 +110,11 @@ class SampleStreamCall:
         self._layout: _RingLayout | None = None
         self._ring_accepted = False
 
+    @property
+    def transport(self) -> str:
+        """How batches travel now: ``shared_memory`` once the learner took the ring, else ``grpc``."""
+        return "shared_memory" if self._ring_accepted else "grpc"
+
     async def run(self) -> AsyncIterator[bytes]:
         calls, context = self._calls, self._context
         try:

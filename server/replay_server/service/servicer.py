@@ -10,6 +10,7 @@ handler (:mod:`replay_server.service.sample_stream`), sharing the runner.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import asdict
@@ -27,6 +28,7 @@ from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
 from replay_server.errors import CheckpointsDisabledError
 from replay_server.service.calls import CallRunner
+from replay_server.service.process import rss_bytes
 from replay_server.service.sample_stream import SampleStreamCall, StreamLimits
 from replay_server.service.status import MessageTooLargeError
 
@@ -43,19 +45,24 @@ class ReplayServicer:
         shared_memory: offer same-host learners a shared-memory ring for streams.
         checkpointer: writes checkpoints (``None``: the server has no checkpoint_dir).
         checkpoint_executor: where checkpoint calls wait and run (not the engine's pool).
+        server_info: what ``Info`` says of the server (version, TLS, auth); its
+            memory and uptime are filled in at each call.
     """
 
     def __init__(
         self, tables: TableSet, executor: Executor, max_message_bytes: int, *,
         shared_memory: bool = True, checkpointer: Checkpointer | None = None,
-        checkpoint_executor: Executor | None = None,
+        checkpoint_executor: Executor | None = None, server_info: pb.ServerInfo | None = None,
     ) -> None:
         self._tables = tables
+        self._server_info = server_info or pb.ServerInfo()
+        self._started = time.monotonic()
         self._max_message = max_message_bytes
         self._stream_limits = StreamLimits(max_message_bytes=max_message_bytes,
                                            shared_memory=shared_memory)
         self._checkpointer = checkpointer
         self._checkpoint_executor = checkpoint_executor or executor
+        self._streams: set[SampleStreamCall] = set()
         self.calls = CallRunner(executor, self._may_pass)
         """Runs every call's engine work; the server sets its ``draining``/``restoring``."""
 
@@ -103,8 +110,19 @@ class ReplayServicer:
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         call = SampleStreamCall(self.calls, self._tables, self._stream_limits, requests, context)
-        async for chunk in call.run():
-            yield chunk
+        self._streams.add(call)
+        try:
+            async for chunk in call.run():
+                yield chunk
+        finally:
+            self._streams.discard(call)
+
+    def stream_transports(self) -> dict[str, int]:
+        """Open SampleStream calls by transport (``grpc``, ``shared_memory``); any thread."""
+        counts: dict[str, int] = {}
+        for call in self._streams.copy():
+            counts[call.transport] = counts.get(call.transport, 0) + 1
+        return counts
 
     async def update_priorities(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return await self.calls.change(context, self._update_priorities, raw)
@@ -150,6 +168,9 @@ class ReplayServicer:
                 max_times_sampled=info.config["max_times_sampled"],
             ))
         response = pb.InfoResponse(tables=tables)
+        response.server.CopyFrom(self._server_info)
+        response.server.rss_bytes = rss_bytes()
+        response.server.uptime_seconds = time.monotonic() - self._started
         last = None if self._checkpointer is None else self._checkpointer.last
         if last is not None:
             response.last_checkpoint.CopyFrom(_checkpoint_response(last))

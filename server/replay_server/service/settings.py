@@ -9,6 +9,7 @@ the value.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -44,6 +45,19 @@ class ServerSettings:
             from the end of the previous one); 0: only on request and at shutdown.
         keep_latest: complete checkpoints kept (older ones are removed).
         tables: the tables to serve.
+        metrics_address: ``host:port`` of the Prometheus ``/metrics`` endpoint
+            (plain HTTP); ``None``: no metrics.
+        tls_cert_file: PEM certificate chain the server presents (TLS on when set,
+            with ``tls_key_file``).
+        tls_key_file: PEM private key of ``tls_cert_file``.
+        tls_client_ca_file: PEM CA certificates that sign client certificates:
+            mutual TLS, every connection must present one (needs TLS on).
+        allow_plaintext_token: accept the auth token over a plaintext channel on a
+            non-loopback address (it can be read on the network); without TLS a
+            server with a token otherwise listens on loopback only.
+        health_address: ``host:port`` of an extra plaintext listener serving only
+            ``grpc.health.v1.Health`` (for probes that cannot speak TLS, such as
+            Kubernetes' gRPC probes); ``None``: health on ``address`` only.
     """
 
     address: str = DEFAULT_ADDRESS
@@ -57,12 +71,15 @@ class ServerSettings:
     checkpoint_interval_s: float = 600.0
     keep_latest: int = 3
     tables: tuple[TableConfig, ...] = field(default_factory=lambda: tuple(default_table_configs()))
+    metrics_address: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    allow_plaintext_token: bool = False
+    health_address: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.address, str) or not _ADDRESS.match(self.address) or not (
-            0 <= int(self.address.rsplit(":", 1)[1]) <= 65535
-        ):
-            raise ConfigError(f"server.address must be 'host:port', got {self.address!r}")
+        _check_address("server.address", self.address)
         if self.pin_memory not in ("auto", "true", "false"):
             raise ConfigError(
                 f"server.pin_memory must be 'auto', 'true' or 'false', got {self.pin_memory!r}"
@@ -104,6 +121,7 @@ class ServerSettings:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ConfigError(f"table names must be unique; repeated: {duplicates}")
+        check_security(self)
 
     @property
     def pinned(self) -> bool:
@@ -122,7 +140,62 @@ class ServerSettings:
     def max_message_bytes(self) -> int:
         return self.max_message_mb * 1024 * 1024
 
+    @property
+    def tls(self) -> bool:
+        """Whether the server listens with TLS."""
+        return self.tls_cert_file is not None
+
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _check_address(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not _ADDRESS.match(value) or not (
+        0 <= int(value.rsplit(":", 1)[1]) <= 65535
+    ):
+        raise ConfigError(f"{name} must be 'host:port', got {value!r}")
+
+
+def is_loopback(address: str) -> bool:
+    """Whether ``host:port`` names this host only (127.0.0.0/8, ``[::1]``, ``localhost``)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_security(settings: ServerSettings) -> None:
+    """The listeners and TLS files are well-formed, and a token never crosses a network in clear.
+
+    Only the shape is checked here; :mod:`replay_server.service.credentials`
+    reads the files when the server starts.
+    """
+    for name in ("metrics_address", "health_address"):
+        value = getattr(settings, name)
+        if value is not None:
+            _check_address(f"server.{name}", value)
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        value = getattr(settings, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(f"server.{name} must be a file path, got {value!r}")
+    if (settings.tls_cert_file is None) != (settings.tls_key_file is None):
+        raise ConfigError("server.tls_cert_file and server.tls_key_file go together: set both "
+                          "(TLS) or neither (plaintext)")
+    if settings.tls_client_ca_file is not None and not settings.tls:
+        raise ConfigError("server.tls_client_ca_file (mutual TLS) needs TLS: set "
+                          "server.tls_cert_file and server.tls_key_file too")
+    if not isinstance(settings.allow_plaintext_token, bool):
+        raise ConfigError(f"server.allow_plaintext_token must be true or false, got "
+                          f"{settings.allow_plaintext_token!r}")
+    if (settings.auth_token_env is not None and not settings.tls
+            and not settings.allow_plaintext_token and not is_loopback(settings.address)):
+        raise ConfigError(
+            f"server.auth_token_env is set but TLS is off and server.address "
+            f"{settings.address!r} is reachable from other hosts: clients would send the token "
+            f"in clear text. Set server.tls_cert_file and server.tls_key_file, or "
+            f"server.allow_plaintext_token = true to accept that on a trusted network")
