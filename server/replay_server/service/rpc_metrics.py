@@ -27,6 +27,7 @@ themselves, so scrapes from the HTTP thread read them safely.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -135,6 +136,9 @@ class _Method:
                 self._message_out(response)
                 code = "OK"
                 return response
+            except asyncio.CancelledError:
+                code = "CANCELLED"
+                raise
             finally:
                 self._end(context, code, started)
 
@@ -161,6 +165,9 @@ class _Method:
                 else:  # a coroutine that writes through context.write (health's Watch)
                     await result
                 code = "OK"
+            except (asyncio.CancelledError, GeneratorExit):  # the client went away
+                code = "CANCELLED"
+                raise
             finally:
                 self._end(context, code, started)
 
@@ -182,8 +189,6 @@ class _Method:
         status = context.code()
         if status is not None:  # set by abort (or set_code): it wins over how the handler ended
             code = status.name
-        elif code == "UNKNOWN" and context.cancelled():
-            code = "CANCELLED"
         children = self._by_code.get(code)
         if children is None:
             children = self._by_code[code] = self._metrics.handled(self._labels, code)
