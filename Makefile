@@ -21,8 +21,9 @@ proto: $(STAMP)
 
 install: $(STAMP)
 
+# CONFIG=file.toml: your config; without it, the default tables, checkpointed in ./checkpoints.
 serve: $(STAMP)
-	$(BIN)/replay-server serve $(if $(CONFIG),--config $(CONFIG),)
+	$(BIN)/replay-server serve $(if $(CONFIG),--config $(CONFIG),--checkpoint-dir checkpoints)
 
 # Pyflakes-level checks first (undefined or unused names), then the suite.
 lint: $(STAMP)

@@ -105,7 +105,10 @@ make_base
 copy_pip_settings
 step "building $IMAGE (base $BASE, torch $TORCH_VERSION)"
 cd "$ROOT"
-"${PODMAN[@]}" build --format docker --network host "${ULIMITS[@]}" \
+# --layers=false: one commit per stage. With the vfs storage driver every layer is a full
+# copy of the filesystem, so per-instruction layers would cost gigabytes and minutes.
+"${PODMAN[@]}" build --format docker --layers=false --network host "${ULIMITS[@]}" \
     --build-arg "BASE_IMAGE=$BASE" --build-arg "TORCH_VERSION=$TORCH_VERSION" \
     --build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL" -t "$IMAGE" -f Dockerfile .
+"${PODMAN[@]}" image prune --force > /dev/null  # the replaced image, if any
 "${PODMAN[@]}" image ls "$IMAGE"

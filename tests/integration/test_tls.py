@@ -76,9 +76,25 @@ def mtls_server(pki, tmp_path_factory) -> Iterator[tuple[ServerProcess, int]]:
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``replay-server ARGS`` as a process (``serve``)."""
     return subprocess.run([sys.executable, "-m", "replay_server.app.cli", *args],
                           capture_output=True, text=True, timeout=60,
                           env={**os.environ, **(env or {})}, check=False)
+
+
+@pytest.fixture
+def command(capsys, monkeypatch):
+    """Run an operator's command (``replay-server health|info ...``) in this process."""
+    from replay_server.app.cli import main
+
+    def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 def _refused(client: ReplayClient) -> None:
@@ -133,17 +149,17 @@ def test_the_token_is_still_checked_over_tls(tls_server, pki) -> None:
         ReplayClient(tls_server[0].address, tls=tls, token="wrong", timeout=10).info()
 
 
-def test_the_cli_speaks_tls_and_health_needs_no_token(tls_server, pki) -> None:
+def test_the_cli_speaks_tls_and_health_needs_no_token(tls_server, pki, command) -> None:
     proc, health_port = tls_server
     ca = str(pki["ca"].cert)
-    health = _cli("health", "--address", proc.address, "--tls-ca", ca)
+    health = command("health", "--address", proc.address, "--tls-ca", ca)
     assert health.returncode == 0 and "SERVING" in health.stdout, health.stdout + health.stderr
-    assert _cli("health", "--address", proc.address).returncode == 1  # plaintext: no answer
-    info = _cli("info", "--address", proc.address, "--tls-ca", ca, "--json",
+    assert command("health", "--address", proc.address).returncode == 1  # plaintext: no answer
+    info = command("info", "--address", proc.address, "--tls-ca", ca, "--json",
                 env={"REPLAY_TOKEN": TOKEN})
     assert info.returncode == 0, info.stderr
     assert '"tls": true' in info.stdout and '"auth": true' in info.stdout
-    plain_health = _cli("health", "--address", f"127.0.0.1:{health_port}")
+    plain_health = command("health", "--address", f"127.0.0.1:{health_port}")
     assert plain_health.returncode == 0 and "SERVING" in plain_health.stdout
 
 
@@ -157,17 +173,19 @@ def test_the_plaintext_health_address_serves_health_only(tls_server) -> None:
 # --------------------------------------------------------------- mutual TLS
 
 
-def test_mutual_tls_refuses_a_client_without_a_certificate(mtls_server, pki) -> None:
+def test_mutual_tls_refuses_a_client_without_a_certificate(mtls_server, pki,
+                                                          command) -> None:
     address = mtls_server[0].address
     options = {"token": TOKEN, "timeout": 10, "max_retry_s": 0}
     _refused(ReplayClient(address, tls=TlsConfig.from_files(ca=pki["ca"].cert), **options))
     stranger = TlsConfig.from_files(ca=pki["ca"].cert, cert=pki["stranger"].cert,
                                     key=pki["stranger"].key)
     _refused(ReplayClient(address, tls=stranger, **options))  # signed by another CA
-    assert _cli("health", "--address", address, "--tls-ca", str(pki["ca"].cert)).returncode == 1
+    no_cert = command("health", "--address", address, "--tls-ca", str(pki["ca"].cert))
+    assert no_cert.returncode == 1
 
 
-def test_mutual_tls_with_a_client_certificate_works(mtls_server, pki) -> None:
+def test_mutual_tls_with_a_client_certificate_works(mtls_server, pki, command) -> None:
     proc, health_port = mtls_server
     client_pem = pki["client"]
     tls = TlsConfig.from_files(ca=pki["ca"].cert, cert=client_pem.cert, key=client_pem.key)
@@ -175,10 +193,10 @@ def test_mutual_tls_with_a_client_certificate_works(mtls_server, pki) -> None:
     client.insert("replay", {"obs": torch.zeros(5, 2)})
     assert client.sample("replay", 2).data["obs"].shape == (2, 2)
     assert client.info()["replay"].size == 5
-    health = _cli("health", "--address", proc.address, "--tls-ca", str(pki["ca"].cert),
+    health = command("health", "--address", proc.address, "--tls-ca", str(pki["ca"].cert),
                   "--tls-cert", str(client_pem.cert), "--tls-key", str(client_pem.key))
     assert health.returncode == 0 and "SERVING" in health.stdout, health.stdout + health.stderr
-    assert _cli("health", "--address", f"127.0.0.1:{health_port}").returncode == 0
+    assert command("health", "--address", f"127.0.0.1:{health_port}").returncode == 0
 
 
 # ------------------------------------------------------------------- tokens
@@ -195,8 +213,8 @@ def test_the_client_refuses_to_send_a_token_in_clear_to_another_host(pki) -> Non
         ReplayClient(local, token="t")                  # the bytes never leave the host
 
 
-def test_the_cli_refuses_to_send_a_token_in_clear_to_another_host() -> None:
-    result = _cli("info", "--address", "10.11.12.13:50051", env={"REPLAY_TOKEN": "t"})
+def test_the_cli_refuses_to_send_a_token_in_clear_to_another_host(command) -> None:
+    result = command("info", "--address", "10.11.12.13:50051", env={"REPLAY_TOKEN": "t"})
     assert result.returncode == 2
     assert "refusing to send the token in $REPLAY_TOKEN to 10.11.12.13:50051" in result.stderr
 

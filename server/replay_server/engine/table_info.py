@@ -1,4 +1,5 @@
-"""What ``Table.info`` reports (a consistent snapshot of one table) and ``Table.figures`` (a lock-free one)."""
+"""What ``Table.info`` reports (a consistent snapshot of one table), and ``Table.figures``
+(a lock-free one)."""
 
 from __future__ import annotations
 

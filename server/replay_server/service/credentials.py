@@ -1,4 +1,4 @@
-"""TLS for the server: the certificate, key and client CA files, checked and turned into credentials.
+"""TLS for the server: the certificate, key and client CA files, checked, as credentials.
 
 The files named in ``[server]`` are read once, at start. Each is checked
 with Python's ``ssl`` module first (the certificate parses, the key matches

@@ -117,7 +117,8 @@ class _Method:
             return grpc.unary_stream_rpc_method_handler(
                 self._streaming(handler.unary_stream, request_streaming=False), **options)
         if handler.stream_unary is not None:
-            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary), **options)
+            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary),
+                                                        **options)
         return grpc.stream_stream_rpc_method_handler(
             self._streaming(handler.stream_stream, request_streaming=True), **options)
 

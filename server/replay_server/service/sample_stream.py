@@ -112,7 +112,8 @@ class SampleStreamCall:
 
     @property
     def transport(self) -> str:
-        """How batches travel now: ``shared_memory`` once the learner took the ring, else ``grpc``."""
+        """How batches travel now: ``shared_memory`` once the learner took the ring, else
+        ``grpc``."""
         return "shared_memory" if self._ring_accepted else "grpc"
 
     async def run(self) -> AsyncIterator[bytes]:
