@@ -14,7 +14,6 @@ channel to a loopback address, unless the caller passes
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import grpc
 
 from replay_client.errors import InvalidArgumentError
+from replay_proto.addresses import is_loopback
 
 
 @dataclass(frozen=True)
@@ -89,17 +89,6 @@ def check_token_channel(address: str, token: str | None, tls: TlsConfig | None,
             f"refusing to send the auth token to {address} over a plaintext channel, where it "
             f"can be read on the network: pass tls=TlsConfig.from_files(ca=...) (or tls=True), "
             f"or allow_plaintext_token=True on a trusted network")
-
-
-def is_loopback(address: str) -> bool:
-    """Whether ``host:port`` names this host only (127.0.0.0/8, ``[::1]``, ``localhost``)."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _read(name: str, path: str | Path | None) -> bytes | None:

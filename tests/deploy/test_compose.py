@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -20,6 +17,7 @@ import pytest
 import yaml
 
 from replay_server.app.config_file import settings_from_dict
+from tests.deploy.tools import run_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -162,8 +160,5 @@ YAMLLINT = ("{extends: default, rules: {line-length: {max: 100}, document-start:
 @pytest.mark.parametrize("path", sorted(p.relative_to(ROOT).as_posix()
                                         for p in DEPLOY.rglob("*.y*ml")))
 def test_yaml_is_clean(path: str) -> None:
-    yamllint = shutil.which("yamllint", path=str(Path(sys.executable).parent))
-    assert yamllint, "yamllint is installed with the test extras"
-    result = subprocess.run([yamllint, "--strict", "-d", YAMLLINT, str(ROOT / path)],
-                            capture_output=True, text=True, timeout=60)
+    result = run_tool("yamllint", "--strict", "-d", YAMLLINT, str(ROOT / path))
     assert result.returncode == 0, result.stdout + result.stderr

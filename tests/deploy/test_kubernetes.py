@@ -8,9 +8,6 @@ labels agree with the server's config in the ConfigMap and with the image.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import pytest
 import yaml
 
 from replay_server.app.config_file import settings_from_dict
+from tests.deploy.tools import run_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -55,10 +53,8 @@ def _port(address: str) -> int:
 
 @pytest.mark.parametrize("manifest", _kustomization()["resources"])
 def test_manifest_is_valid_against_the_kubernetes_schema(manifest: str) -> None:
-    validate = shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent))
-    assert validate, "kubernetes-validate is installed with the test extras"
-    result = subprocess.run([validate, "--strict", "-k", KUBERNETES_VERSION, str(K8S / manifest)],
-                            capture_output=True, text=True, timeout=120)
+    result = run_tool("kubernetes-validate", "--strict", "-k", KUBERNETES_VERSION,
+                      str(K8S / manifest))
     assert result.returncode == 0, result.stdout + result.stderr
 
 

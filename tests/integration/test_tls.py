@@ -55,22 +55,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start(pki: dict, tmp_path_factory, *, mutual: bool) -> tuple[ServerProcess, int]:
+    health_port = _free_port()
+    folder = tmp_path_factory.mktemp("mtls" if mutual else "tls")
+    return start_server(folder, _tls_config(pki, mutual=mutual, health_port=health_port),
+                        env={"TLS_TEST_TOKEN": TOKEN}), health_port
+
+
 @pytest.fixture(scope="module")
 def tls_server(pki, tmp_path_factory) -> Iterator[tuple[ServerProcess, int]]:
-    port = _free_port()
-    proc = start_server(tmp_path_factory.mktemp("tls"), _tls_config(pki, mutual=False,
-                                                                     health_port=port),
-                        env={"TLS_TEST_TOKEN": TOKEN})
+    proc, port = _start(pki, tmp_path_factory, mutual=False)
     yield proc, port
     proc.stop()
 
 
 @pytest.fixture(scope="module")
 def mtls_server(pki, tmp_path_factory) -> Iterator[tuple[ServerProcess, int]]:
-    port = _free_port()
-    proc = start_server(tmp_path_factory.mktemp("mtls"), _tls_config(pki, mutual=True,
-                                                                      health_port=port),
-                        env={"TLS_TEST_TOKEN": TOKEN})
+    proc, port = _start(pki, tmp_path_factory, mutual=True)
     yield proc, port
     proc.stop()
 

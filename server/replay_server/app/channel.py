@@ -14,8 +14,9 @@ from pathlib import Path
 
 import grpc
 
+from replay_proto.addresses import is_loopback
 from replay_server.errors import ConfigError
-from replay_server.service.settings import DEFAULT_ADDRESS, is_loopback
+from replay_server.service.settings import DEFAULT_ADDRESS
 
 
 def add_channel_flags(parser: argparse.ArgumentParser) -> None:

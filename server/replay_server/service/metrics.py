@@ -91,7 +91,8 @@ class ServerMetrics:
         disable_created_metrics()  # no ``*_created`` series: half the output, no use here
         self.address = address
         self.registry = CollectorRegistry()
-        self.rpc = RpcMetrics(self.registry)
+        self.rpc = RpcMetrics()
+        self.registry.register(self.rpc)
         self.registry.register(EngineCollector(source))
         ProcessCollector(registry=self.registry)
         self._http: Any = None

@@ -1,4 +1,4 @@
-"""The server process: tables, the gRPC server, health, auth and shutdown."""
+"""The server process: tables, the gRPC server, health, auth, TLS, metrics and shutdown."""
 
 from __future__ import annotations
 
@@ -66,7 +66,11 @@ class ReplayServer:
     Health (``grpc.health.v1.Health``, service names ``""`` and
     ``replay.v1.ReplayService``) is NOT_SERVING while the tables are being
     restored from the newest checkpoint (replay calls get UNAVAILABLE), then
-    SERVING, and NOT_SERVING again while draining.
+    SERVING, and NOT_SERVING again while draining; ``health_address`` adds a
+    plaintext listener serving health alone. With ``tls_cert_file`` the
+    listener speaks TLS (:mod:`~replay_server.service.credentials`); with
+    ``metrics_address`` every call is counted and ``/metrics`` served
+    (:mod:`~replay_server.service.metrics`).
 
     Args:
         settings: validated server settings.

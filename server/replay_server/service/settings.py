@@ -9,13 +9,13 @@ the value.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from replay_proto.addresses import is_loopback
 from replay_server.engine.config import TableConfig, default_table_configs
 from replay_server.errors import ConfigError
 
@@ -156,17 +156,6 @@ def _check_address(name: str, value: Any) -> None:
         0 <= int(value.rsplit(":", 1)[1]) <= 65535
     ):
         raise ConfigError(f"{name} must be 'host:port', got {value!r}")
-
-
-def is_loopback(address: str) -> bool:
-    """Whether ``host:port`` names this host only (127.0.0.0/8, ``[::1]``, ``localhost``)."""
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_security(settings: ServerSettings) -> None:

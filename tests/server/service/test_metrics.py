@@ -67,5 +67,7 @@ def test_the_endpoint_serves_the_registry_and_stops(tmp_path) -> None:
         metrics.stop()
     import socket
 
-    with socket.socket() as probe:  # the port was given back
-        probe.bind(("127.0.0.1", port))
+    import pytest
+
+    with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
