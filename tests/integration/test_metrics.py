@@ -163,11 +163,20 @@ def test_failed_calls_are_counted_by_their_status_code(server) -> None:
     for _ in range(2):
         with pytest.raises(errors.SchemaMismatchError):
             client.insert("replay", {"obs": torch.zeros(1, 4)})
+    # A refused call's status reaches the client as the server ends it, and is counted
+    # just after: wait for the count, then check nothing else moved.
+    expected = {("Sample", "NOT_FOUND"): 3, ("Insert", "INVALID_ARGUMENT"): 2}
+
+    def counted() -> bool:
+        after = scrape(server)
+        return all(delta(before, after, "grpc_server_handled_total", **rpc(method, code)) == n
+                   for (method, code), n in expected.items())
+
+    assert wait_for(counted, timeout=10), scrape(server)
     after = scrape(server)
-    assert delta(before, after, "grpc_server_handled_total", **rpc("Sample", "NOT_FOUND")) == 3
-    assert delta(before, after, "grpc_server_handled_total",
-                 **rpc("Insert", "INVALID_ARGUMENT")) == 2
     assert delta(before, after, "grpc_server_handled_total", **rpc("Insert", "OK")) == 0
+    assert delta(before, after, "grpc_server_handling_seconds_count",
+                 **rpc("Sample", "NOT_FOUND")) == 3
 
 
 def test_rate_limiter_waits_are_counted_and_shown_while_they_last(server) -> None:
@@ -188,13 +197,13 @@ def test_rate_limiter_waits_are_counted_and_shown_while_they_last(server) -> Non
                                   **waiting) == 1, timeout=10)
     sampler.join()
     assert len(outcome) == 1 and isinstance(outcome[0], errors.DeadlineExceededError)
+    assert wait_for(lambda: delta(before, scrape(server), "grpc_server_handled_total",
+                                  **rpc("Sample", "DEADLINE_EXCEEDED")) == 1, timeout=10)
     after = scrape(server)
     assert value(after, "replay_rate_limiter_waiting_calls", **waiting) == 0
     assert delta(before, after, "replay_rate_limiter_blocked_calls_total", **waiting) == 1
     # the server holds the call until shortly before its 1.5 s deadline (docs: waiting.py)
     assert delta(before, after, "replay_rate_limiter_blocked_seconds_total", **waiting) >= 1.0
-    assert delta(before, after, "grpc_server_handled_total",
-                 **rpc("Sample", "DEADLINE_EXCEEDED")) == 1
 
 
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared_memory", "grpc"])
