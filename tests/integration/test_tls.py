@@ -10,6 +10,7 @@ unless allowed; health still answers (over TLS, and on the plaintext
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -235,7 +236,11 @@ def test_tls_settings_of_the_client_are_checked(pki, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("problem", ["missing cert", "key of another cert", "bad client ca"])
-def test_a_bad_tls_file_stops_the_server_naming_it(pki, tmp_path, problem) -> None:
+def test_a_bad_tls_file_is_refused_naming_it(pki, tmp_path, problem) -> None:
+    from replay_server.errors import ConfigError
+    from replay_server.service.credentials import server_credentials
+    from replay_server.service.settings import ServerSettings
+
     server, other = pki["server"], pki["client"]
     cert, key, client_ca = server.cert, server.key, None
     if problem == "missing cert":
@@ -248,11 +253,17 @@ def test_a_bad_tls_file_stops_the_server_naming_it(pki, tmp_path, problem) -> No
         client_ca = tmp_path / "garbage.crt"
         client_ca.write_text("not a certificate\n")
         expected = f"server.tls_client_ca_file '{client_ca}' holds no PEM CA certificate"
-    lines = f'tls_cert_file = "{cert}"\ntls_key_file = "{key}"\n'
-    if client_ca is not None:
-        lines += f'tls_client_ca_file = "{client_ca}"\n'
+    settings = ServerSettings(tls_cert_file=str(cert), tls_key_file=str(key),
+                              tls_client_ca_file=None if client_ca is None else str(client_ca))
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        server_credentials(settings)
+
+
+def test_a_bad_tls_file_stops_the_server_at_start(pki, tmp_path) -> None:
+    """Through ``replay-server serve``: exit status 2 and the reason."""
     config = tmp_path / "bad.toml"
-    config.write_text(f'[server]\naddress = "127.0.0.1:0"\n{lines}' + TABLES)
+    config.write_text(f'[server]\naddress = "127.0.0.1:0"\ntls_cert_file = "{pki["server"].cert}"\n'
+                      f'tls_key_file = "{pki["client"].key}"\n' + TABLES)
     result = _cli("serve", "--config", str(config))
     assert result.returncode == 2, result.stderr
-    assert expected in result.stderr
+    assert "are not a PEM certificate chain and its private key" in result.stderr

@@ -6,12 +6,27 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import start_server
 
 
 def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "replay_server.app.cli", *args],
                           capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture
+def command(capsys):
+    """An operator's command (``health``, ``info``, ``checkpoint``) run in this process."""
+    from replay_server.app.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 def test_serve_without_config_announces_the_default_tables(server):
@@ -34,13 +49,13 @@ def test_health_of_a_dead_address_fails_naming_it():
     assert "127.0.0.1:1" in result.stdout and "UNAVAILABLE" in result.stdout
 
 
-def test_info_prints_every_table_as_a_readable_table_in_human_units(server):
+def test_info_prints_every_table_as_a_readable_table_in_human_units(server, command):
     from replay_client import ReplayClient
 
     import torch
 
     ReplayClient(server.address).insert("uniform", {"obs": torch.zeros(3, 2)})
-    result = _cli("info", "--address", server.address)
+    result = command("info", "--address", server.address)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].startswith("replay-server ") and "resident" in lines[0]
@@ -52,7 +67,7 @@ def test_info_prints_every_table_as_a_readable_table_in_human_units(server):
     assert "uniform columns: obs: float32[2]" in result.stdout
 
 
-def test_info_json_has_every_figure_exact(server):
+def test_info_json_has_every_figure_exact(server, command):
     import json
 
     from replay_client import ReplayClient
@@ -62,7 +77,7 @@ def test_info_json_has_every_figure_exact(server):
     client = ReplayClient(server.address)
     client.insert("replay", {"obs": torch.zeros(1234, 2)})
     client.sample("replay", 7)
-    result = _cli("info", "--address", server.address, "--json")
+    result = command("info", "--address", server.address, "--json")
     assert result.returncode == 0, result.stderr
     info = json.loads(result.stdout)
     replay = next(t for t in info["tables"] if t["name"] == "replay")
@@ -82,21 +97,24 @@ def test_every_operator_command_defaults_to_the_local_server():
         assert parser.parse_args([command]).address == "127.0.0.1:50051"
 
 
-def test_version_prints_the_installed_version():
+def test_version_prints_the_installed_version(capsys):
     from importlib import metadata
 
-    result = _cli("--version")
-    assert result.returncode == 0
-    assert result.stdout.strip() == f"replay-server {metadata.version('replay-server')}"
+    from replay_server.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"replay-server {metadata.version('replay-server')}"
 
 
-def test_serve_warns_that_rows_are_lost_without_a_checkpoint_dir(server, tmp_path):
+def test_serve_warns_that_rows_are_lost_without_a_checkpoint_dir(server, tmp_path, command):
     assert "WARNING" in server.log() and "no checkpoint_dir: every row is lost" in server.log()
     kept = start_server(tmp_path, name="kept", extra_args=["--checkpoint-dir",
                                                             str(tmp_path / "ck")])
     try:
         assert "no checkpoint_dir" not in kept.log()
-        result = _cli("checkpoint", "--address", kept.address)
+        result = command("checkpoint", "--address", kept.address)
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip().startswith(str(tmp_path / "ck"))
     finally:
