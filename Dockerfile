@@ -60,7 +60,9 @@ EXPOSE 50051 9100
 # `docker stop -t 120`, compose's stop_grace_period, Kubernetes' terminationGracePeriodSeconds.
 STOPSIGNAL SIGTERM
 # With TLS on, point REPLAY_HEALTH_ADDRESS at server.health_address (plaintext, health only).
-HEALTHCHECK --interval=15s --timeout=6s --start-period=120s --retries=3 \
+# The check starts a Python process (about 2 s of CPU, importing torch; over 6 s seen on a
+# loaded 2-core host), hence the generous timeout.
+HEALTHCHECK --interval=30s --timeout=30s --start-period=120s --retries=3 \
     CMD ["/bin/sh", "-c", "exec replay-server health --address \"$REPLAY_HEALTH_ADDRESS\" --timeout 5"]
 ENTRYPOINT ["replay-server"]
 CMD ["serve", "--config", "/etc/replay/replay.toml"]

@@ -148,8 +148,8 @@ def run_containers() -> int:
     healthcheck = subprocess.run([*PODMAN, "healthcheck", "run", NAME], capture_output=True,
                                  text=True, timeout=60)
     expect(healthcheck.returncode == 0,
-           "the image's HEALTHCHECK inside the container: "
-           f"{healthcheck.stdout.strip() or 'healthy'}")
+           f"the image's HEALTHCHECK inside the container: exit {healthcheck.returncode} "
+           f"{(healthcheck.stdout + healthcheck.stderr).strip() or 'healthy'}")
     pid1 = podman("exec", NAME, "cat", "/proc/1/cmdline").replace("\0", " ").strip()
     expect("replay-server serve" in pid1, f"PID 1 is the server: {pid1}")
     expect(podman("exec", NAME, "id", "-u") == "10001", "uid 10001")
