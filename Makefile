@@ -5,7 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner clean
+.PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner \
+        clean image image-test
 
 $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +21,9 @@ proto: $(STAMP)
 
 install: $(STAMP)
 
+# CONFIG=file.toml: your config; without it, the default tables, checkpointed in ./checkpoints.
 serve: $(STAMP)
-	$(BIN)/replay-server serve $(if $(CONFIG),--config $(CONFIG),)
+	$(BIN)/replay-server serve $(if $(CONFIG),--config $(CONFIG),--checkpoint-dir checkpoints)
 
 # Pyflakes-level checks first (undefined or unused names), then the suite.
 lint: $(STAMP)
@@ -62,6 +64,21 @@ bench-learner: $(STAMP) .venv-reverb/.installed-stamp
 	$(BIN)/python benchmarks/learner.py --reverb-python .venv-reverb/bin/python $(if $(DEVICE),--device $(DEVICE),)
 
 bench: bench-engine bench-service bench-learner
+
+# The container image (Dockerfile), built with podman: no Docker daemon or registry needed
+# (a Debian base is made with debootstrap; docs/operations.md, "Container"). The default
+# flags suit hosts whose hybrid cgroups podman's default runtime (crun) refuses.
+PODMAN ?= podman --runtime runc --cgroup-manager cgroupfs --storage-driver vfs
+IMAGE  ?= localhost/replay-server:dev
+
+image:
+	PODMAN="$(PODMAN)" bash deploy/image/build.sh $(IMAGE)
+
+# Builds, then runs the image for real: health from outside, inserts and samples through
+# the published port, SIGTERM, and the checkpoint restored in a second container.
+# Minutes, so not part of `make test`.
+image-test: image $(STAMP)
+	PODMAN="$(PODMAN)" $(BIN)/python deploy/image/image_test.py $(IMAGE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -41,14 +41,14 @@ def _rows_as_torch(rows):
     return {key: torch.from_numpy(value) for key, value in rows.items()}
 
 
-def _ours(kind: str, case: str, seconds: float) -> list[dict]:
+def _ours(kind: str, case: str, seconds: float, config: str = _CONFIG) -> list[dict]:
     import torch
 
     from replay_client import ReplayClient
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        with replay_server(Path(tmp), _CONFIG) as address:
+        with replay_server(Path(tmp), config) as address:
             client = ReplayClient(address, timeout=120)
             mb = w.row_bytes(kind) / 1e6
             out = []

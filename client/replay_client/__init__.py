@@ -9,12 +9,13 @@ package never imports ``replay_server``.
 from replay_client import errors
 from replay_client.client import ReplayClient, ServerInfo, TableInfo
 from replay_client.errors import ReplayError
+from replay_client.tls import TlsConfig
 from replay_client.variables import Variable
 from replay_client.writer import Writer
 from replay_proto.batch import SampleBatch
 
 __all__ = ["RemoteReplayBuffer", "ReplayClient", "ReplayError", "SampleBatch", "ServerInfo",
-           "TableInfo", "Variable", "Writer", "errors"]
+           "TableInfo", "TlsConfig", "Variable", "Writer", "errors"]
 
 
 def __getattr__(name: str) -> object:

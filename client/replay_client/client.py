@@ -20,6 +20,7 @@ from replay_client.errors import (
     MessageTooLargeError,
 )
 from replay_client.stream import NetworkSource
+from replay_client.tls import TlsConfig
 from replay_client.updates import PriorityUpdater
 from replay_client.variables import Variable
 from replay_client.writer import Writer
@@ -106,6 +107,15 @@ class ReplayClient:
             to the ``REPLAY_TOKEN`` environment variable when set.
         max_message_mb: the message-size limit (match the server's).
         max_retry_s: longest total time spent retrying an unavailable server.
+        tls: ``None``: plaintext; ``True``: TLS trusting the system's CAs; a
+            :class:`~replay_client.tls.TlsConfig`: TLS with its CA and, for
+            mutual TLS, the client's certificate and key.
+        allow_plaintext_token: send the token over plaintext to a non-loopback
+            address (it can be read on the network); otherwise that is refused.
+
+    Raises:
+        InvalidArgumentError: the address is not a string, or a token would
+            travel in clear text to another host.
     """
 
     def __init__(
@@ -116,15 +126,22 @@ class ReplayClient:
         token: str | None = None,
         max_message_mb: int = 64,
         max_retry_s: float = 10.0,
+        tls: TlsConfig | bool | None = None,
+        allow_plaintext_token: bool = False,
     ) -> None:
         if not isinstance(address, str):
             raise InvalidArgumentError(
                 f"address must be 'host:port' (sharding over several servers is not supported "
                 f"yet), got {type(address).__name__}"
             )
+        if not (tls is None or isinstance(tls, (bool, TlsConfig))):
+            raise InvalidArgumentError(
+                f"tls must be None, True or a TlsConfig, got {type(tls).__name__}")
         self._connection = Connection(
             address, timeout=timeout, token=token if token is not None else os.environ.get(
-                "REPLAY_TOKEN"), max_message_mb=max_message_mb, max_retry_s=max_retry_s)
+                "REPLAY_TOKEN"), max_message_mb=max_message_mb, max_retry_s=max_retry_s,
+            tls=TlsConfig() if tls is True else (tls or None),
+            allow_plaintext_token=allow_plaintext_token)
         self._lock = threading.Lock()
         self._updater: PriorityUpdater | None = None
         self._updater_pid = 0

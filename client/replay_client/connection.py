@@ -1,7 +1,7 @@
 """``Connection``: one gRPC channel to one server, and how a unary call is made and retried.
 
 What every part of the client needs to talk to a server (the address, the
-token, the message limit, the call timeout and the retry window) lives here;
+token, TLS, the message limit, the call timeout and the retry window) lives here;
 ``ReplayClient``, the learner's network stream and the priority updater
 each hold the connection, never the whole client.
 """
@@ -17,6 +17,7 @@ import grpc
 
 from replay_client.backoff import Backoff
 from replay_client.errors import OverloadedError, UnavailableError, from_rpc_error
+from replay_client.tls import TlsConfig, check_token_channel
 from replay_proto.call_metadata import request_bytes_metadata
 
 SERVICE_PATH = "/replay.v1.ReplayService/"
@@ -37,15 +38,25 @@ class Connection:
         token: auth token, sent as ``authorization: Bearer <token>``.
         max_message_mb: the message-size limit (match the server's).
         max_retry_s: longest total time spent retrying an unavailable server.
+        tls: TLS settings (``None``: a plaintext channel).
+        allow_plaintext_token: send ``token`` over plaintext to a non-loopback address.
+
+    Raises:
+        InvalidArgumentError: a token would cross a network in clear text
+            (:func:`~replay_client.tls.check_token_channel`).
     """
 
     def __init__(self, address: str, *, timeout: float | None, token: str | None,
-                 max_message_mb: int, max_retry_s: float) -> None:
+                 max_message_mb: int, max_retry_s: float, tls: TlsConfig | None = None,
+                 allow_plaintext_token: bool = False) -> None:
+        check_token_channel(address, token, tls, allow_plaintext_token)
         self.address = address
         self.timeout = timeout
         self.token = token
         self.max_message_mb = max_message_mb
         self.max_retry_s = max_retry_s
+        self.tls = tls
+        self.allow_plaintext_token = allow_plaintext_token
         self.metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ())
         self._channel: grpc.Channel | None = None
@@ -59,7 +70,8 @@ class Connection:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"address": self.address, "timeout": self.timeout, "token": self.token,
-                "max_message_mb": self.max_message_mb, "max_retry_s": self.max_retry_s}
+                "max_message_mb": self.max_message_mb, "max_retry_s": self.max_retry_s,
+                "tls": self.tls, "allow_plaintext_token": self.allow_plaintext_token}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state.pop("address"), **state)  # type: ignore[misc]
@@ -74,11 +86,14 @@ class Connection:
                 self._channel, self._calls, self._pid = None, {}, os.getpid()
             if self._channel is None:
                 size = self.max_message_bytes
-                self._channel = grpc.insecure_channel(
-                    self.address,
-                    options=[("grpc.max_receive_message_length", size),
-                             ("grpc.max_send_message_length", size)],
-                )
+                options = [("grpc.max_receive_message_length", size),
+                           ("grpc.max_send_message_length", size)]
+                if self.tls is None:
+                    self._channel = grpc.insecure_channel(self.address, options=options)
+                else:
+                    self._channel = grpc.secure_channel(
+                        self.address, self.tls.credentials(),
+                        options=options + self.tls.channel_options())
             if name not in self._calls:
                 self._calls[name] = getattr(self._channel, kind)(SERVICE_PATH + name)
             return self._calls[name]

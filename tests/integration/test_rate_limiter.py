@@ -18,7 +18,7 @@ import torch
 from replay_client import ReplayClient, errors
 from replay_proto.v1 import replay_pb2 as pb
 from replay_proto.v1 import replay_pb2_grpc
-from replay_server.app.cli import format_info
+from replay_server.app.info_table import format_info
 from tests.conftest import module_server, wait_for
 
 WORKERS = 2

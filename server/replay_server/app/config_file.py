@@ -13,6 +13,12 @@
     checkpoint_dir = "checkpoints" # omitted: no persistence
     checkpoint_interval_s = 600    # 0: only on request and at shutdown
     keep_latest = 3                # complete checkpoints kept
+    metrics_address = "127.0.0.1:9100"  # Prometheus /metrics; omitted: off
+    tls_cert_file = "server.crt"   # TLS: certificate chain and key (PEM); omitted: plaintext
+    tls_key_file = "server.key"
+    tls_client_ca_file = "ca.crt"  # mutual TLS: clients need a certificate this CA signed
+    allow_plaintext_token = false  # a token without TLS on a non-loopback address
+    health_address = "0.0.0.0:50052"  # plaintext grpc.health.v1 only (for probes)
 
     [[tables]]
     name = "replay"
@@ -28,8 +34,7 @@
     obs = "float32[17]"
 
 Every problem is a :class:`~replay_server.errors.ConfigError` naming the
-field and the value. Keys this version does not implement yet (metrics) are
-refused, never silently ignored.
+field and the value; an unknown key is refused, never silently ignored.
 """
 
 from __future__ import annotations
@@ -56,9 +61,6 @@ _SPEC = re.compile(r"^([a-z0-9]+)\[([0-9, ]*)\]$")
 # each table's pin_memory from [server]).
 _SERVER_KEYS = {f.name for f in fields(ServerSettings)} - {"tables"}
 _TABLE_KEYS = {f.name for f in fields(TableConfig)} - {"pin_memory"}
-_NOT_YET = {
-    "metrics_address": "metrics",
-}
 
 
 def load_settings(path: str | Path) -> ServerSettings:
@@ -145,10 +147,5 @@ def _flatten_schema(raw: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[
 
 def _check_keys(where: str, section: Mapping[str, Any], allowed: set[str]) -> None:
     for key in section:
-        if key in _NOT_YET:
-            raise ConfigError(
-                f"{where}.{key} is not supported by this version yet ({_NOT_YET[key]} are not "
-                f"built); remove it"
-            )
         if key not in allowed:
             raise ConfigError(f"{where}: unknown key {key!r}; allowed: {sorted(allowed)}")

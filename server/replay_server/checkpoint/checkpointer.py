@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -55,6 +56,13 @@ class Checkpointer:
         self._running = False
         self._outcomes: dict[int, CheckpointResult | BaseException] = {}
         self.last: CheckpointResult | None = None
+        """The newest checkpoint written since the server started (``None``: none yet)."""
+        self.last_finished_at: float | None = None
+        """Wall-clock time (``time.time()``) at which :attr:`last` was finished."""
+        self.written = 0
+        """Checkpoints written since the server started."""
+        self.failed = 0
+        """Checkpoint writes that failed since the server started."""
 
     @property
     def path(self) -> Path:
@@ -124,7 +132,10 @@ class Checkpointer:
             for old in [r for r in self._outcomes if r <= wanted - _KEEP_OUTCOMES]:
                 del self._outcomes[old]
             if isinstance(outcome, CheckpointResult):
-                self.last = outcome
+                self.last, self.last_finished_at = outcome, time.time()
+                self.written += 1
+            else:
+                self.failed += 1
             self._cond.notify_all()
             return self._outcome(wanted)
 

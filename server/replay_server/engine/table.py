@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,7 @@ from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.samplers import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
-from replay_server.engine.table_info import TableCounters, TableInfo
+from replay_server.engine.table_info import TableCounters, TableFigures, TableInfo
 from replay_server.engine.table_parts import TableParts, fresh_parts
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
@@ -378,6 +378,15 @@ class Table:
                 config=self.config.describe(),
                 rate_limiter=parts.limiter.info(),
             )
+
+    def figures(self) -> TableFigures:
+        """Size, capacity, bytes stored and counters, read WITHOUT the lock (see
+        :class:`~replay_server.engine.table_info.TableFigures`). O(1); never blocks."""
+        parts = self._parts
+        storage = parts.storage
+        return TableFigures(size=parts.size, capacity=parts.ring.capacity,
+                            storage_bytes=0 if storage is None else storage.nbytes,
+                            counters=replace(parts.counters))
 
     # ------------------------------------------------------------ persistence
 

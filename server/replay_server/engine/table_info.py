@@ -1,4 +1,5 @@
-"""What ``Table.info`` reports: counters and a consistent snapshot of one table."""
+"""What ``Table.info`` reports (a consistent snapshot of one table), and ``Table.figures``
+(a lock-free one)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,17 @@ class TableInfo:
     sampler_stats: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     rate_limiter: RateLimiterInfo | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TableFigures:
+    """A table's size, capacity, bytes stored and counters, read without its lock.
+
+    For readers that must never wait on a busy table (metrics scrapes): each
+    figure is exact at some instant, but two figures may be one call apart.
+    """
+
+    size: int
+    capacity: int
+    storage_bytes: int
+    counters: TableCounters

@@ -136,6 +136,12 @@ class SampleStreamCall:
         self._ring_accepted = False
         self._held: dict[asyncio.Future, Reservation] = {}  # each drawn group's memory
 
+    @property
+    def transport(self) -> str:
+        """How batches travel now: ``shared_memory`` once the learner took the ring, else
+        ``grpc``."""
+        return "shared_memory" if self._ring_accepted else "grpc"
+
     async def run(self) -> AsyncIterator[bytes]:
         calls, context = self._calls, self._context
         try:

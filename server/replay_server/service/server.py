@@ -1,10 +1,11 @@
-"""The server process: tables, the gRPC server, health, auth and shutdown."""
+"""The server process: tables, the gRPC server, health, auth, TLS, metrics and shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import gc
+import hmac
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from replay_feed.shared_ring import sweep_stale_rings
+from replay_proto.v1 import replay_pb2 as pb
 from replay_server.checkpoint import Checkpointer, RestoreCancelled
 from replay_server.checkpoint.incarnation import IncarnationFile
 from replay_server.engine.id_space import IncarnationSource, RandomIncarnations
@@ -27,7 +29,9 @@ from replay_server.errors import CheckpointWriteError, ConfigError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget
 from replay_server.service.limits import MIB, ServiceLimits
+from replay_server.service.credentials import server_credentials
 from replay_server.service.loop import loop_name
+from replay_server.service.metrics import MetricsSource, ServerMetrics
 from replay_server.service.servicer import SERVICE_NAME, ReplayServicer
 from replay_server.service.settings import ServerSettings
 from replay_server.service.status import UnauthenticatedError, abort
@@ -43,10 +47,13 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
     The refusal never reads the request: it is served by a *stream* handler
     (a unary one would have gRPC read the whole message first), so a flood
     of large calls without the token costs no memory.
+
+    The token is compared in constant time (``hmac.compare_digest``), so the
+    time a refusal takes says nothing about how much of a guess was right.
     """
 
     def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}"
+        self._expected = f"Bearer {token}".encode()
 
         async def refuse(requests: object, context: grpc.aio.ServicerContext) -> bytes:
             await abort(context, UnauthenticatedError(
@@ -59,9 +66,13 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
         if details.method.startswith(f"/{HEALTH_SERVICE}/"):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") == self._expected:
-            return await continuation(details)
-        return self._refuse_stream if details.method.endswith("/SampleStream") else self._refuse
+        sent = metadata.get("authorization", "")
+        sent = sent.encode() if isinstance(sent, str) else bytes(sent)
+        handler = await continuation(details)
+        if handler is None or hmac.compare_digest(sent, self._expected):
+            return handler
+        # Refuse with a handler of the same shape, whatever the RPC (no request is read).
+        return self._refuse_stream if handler.response_streaming else self._refuse
 
 
 class ReplayServer:
@@ -70,7 +81,11 @@ class ReplayServer:
     Health (``grpc.health.v1.Health``, service names ``""`` and
     ``replay.v1.ReplayService``) is NOT_SERVING while the tables are being
     restored from the newest checkpoint (replay calls get UNAVAILABLE), then
-    SERVING, and NOT_SERVING again while draining.
+    SERVING, and NOT_SERVING again while draining; ``health_address`` adds a
+    plaintext listener serving health alone. With ``tls_cert_file`` the
+    listener speaks TLS (:mod:`~replay_server.service.credentials`); with
+    ``metrics_address`` every call is counted and ``/metrics`` served
+    (:mod:`~replay_server.service.metrics`).
 
     Args:
         settings: validated server settings.
@@ -82,7 +97,8 @@ class ReplayServer:
     Raises:
         ConfigError: the auth token variable is unset, a table config is
             invalid (or needs more memory than ``table_memory_mb``), the
-            checkpoint directory or its incarnation counter cannot be used.
+            checkpoint directory or its incarnation counter cannot be used, or a
+            TLS file cannot be read or does not match.
     """
 
     def __init__(self, settings: ServerSettings) -> None:
@@ -126,9 +142,18 @@ class ReplayServer:
             incarnations=self.incarnations,
             shared_memory_budget=MemoryBudget(self.limits.shared_memory_bytes,
                                               "server.shared_memory_mb", bulk_share=1.0),
-            variables=self._make_variables())
+            variables=self._make_variables(),
+            server_info=_server_info(settings, self._token))
         self._health = health.aio.HealthServicer()
+        self._credentials = server_credentials(settings)
+        self.metrics: ServerMetrics | None = None
+        if settings.metrics_address is not None:
+            self.metrics = ServerMetrics(settings.metrics_address, MetricsSource(
+                tables=lambda: self.tables, blocked=self._servicer.calls.blocked.totals,
+                streams=self._servicer.stream_transports, checkpointer=self.checkpointer,
+                version=server_version()))
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._timer: asyncio.Task | None = None
         self._restored = False
         self.port: int | None = None
@@ -162,26 +187,35 @@ class ReplayServer:
         if self.settings.shared_memory:
             for name in sweep_stale_rings():
                 log.warning("removed shared-memory ring %s left by a server that is gone", name)
-        interceptors = [_TokenAuth(self._token)] if self._token else []
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.metrics is not None:  # first: it sees the token check's refusals too
+            interceptors.append(self.metrics.rpc)
+        if self._token:
+            interceptors.append(_TokenAuth(self._token))
         self._server = grpc.aio.server(
             interceptors=interceptors,
             options=[*self.limits.grpc_options(), ("grpc.so_reuseport", 0)],
         )
         self._server.add_generic_rpc_handlers((self._servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        try:
-            self.port = self._server.add_insecure_port(self.settings.address)
-        except RuntimeError as exc:
-            raise ConfigError(f"cannot listen on {self.settings.address}: {exc}") from None
+        self.port = _listen(self._server, self.settings.address, self._credentials)
+        health_port = None
+        if self.settings.health_address is not None:
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            health_port = _listen(self._health_server, self.settings.health_address, None,
+                                  "server.health_address: ")
+        if self.metrics is not None:
+            self.metrics.start()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._servicer.calls.restoring = self.checkpointer is not None
         await self._server.start()
         host = self.settings.address.rsplit(":", 1)[0]
-        log.info("listening on %s:%d (event loop: %s, engine threads: %d, auth: %s, shard %d, "
-                 "id incarnation %d)", host, self.port, loop_name(), self.settings.workers,
-                 "token" if self._token else "off", self.settings.shard,
-                 self.incarnations.current)
+        log.info("listening on %s:%d (event loop: %s, engine threads: %d, auth: %s, tls: %s, "
+                 "shard %d, id incarnation %d)", host, self.port, loop_name(),
+                 self.settings.workers, "token" if self._token else "off",
+                 _tls_mode(self.settings), self.settings.shard, self.incarnations.current)
         limits = self.limits
         log.info("limits: calls may hold %s at once, %d calls, %d connections (idle %.0f s), "
                  "batches up to %s, shared-memory rings %s, tables %s",
@@ -189,6 +223,10 @@ class ReplayServer:
                  limits.max_connections, limits.idle_timeout_s,
                  format_bytes(limits.max_batch_bytes), format_bytes(limits.shared_memory_bytes),
                  format_bytes(self.tables.memory.limit))
+        if self._health_server is not None:
+            await self._health_server.start()
+            log.info("health checks (plaintext, grpc.health.v1 only) on %s:%d",
+                     self.settings.health_address.rsplit(":", 1)[0], health_port)
         await self._restore(cancel)
         # What start-up created (modules, tables) is never garbage: out of the cyclic
         # collector's sight, a full collection takes well under a millisecond instead of
@@ -265,6 +303,11 @@ class ReplayServer:
         self._checkpoint_executor.shutdown(wait=True)
         if self.checkpointer is not None:
             self.checkpointer.close()
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
+        if self.metrics is not None:
+            self.metrics.stop()
         self._server = None
         log.info("stopped")
 
@@ -300,6 +343,34 @@ class ReplayServer:
             port_file.write_text(f"{port}\n")
         await stop.wait()
         await self.stop(grace)
+
+
+def _listen(server: grpc.aio.Server, address: str,
+            credentials: grpc.ServerCredentials | None, prefix: str = "") -> int:
+    """Bind ``address`` (with TLS when ``credentials``); returns the port.
+
+    Raises:
+        ConfigError: the address cannot be bound.
+    """
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as exc:
+        raise ConfigError(f"{prefix}cannot listen on {address}: {exc}") from None
+
+
+def _server_info(settings: ServerSettings, token: str | None) -> pb.ServerInfo:
+    return pb.ServerInfo(version=server_version(), tls=settings.tls,
+                         mutual_tls=settings.tls_client_ca_file is not None, auth=bool(token),
+                         checkpoint_dir=str(Path(settings.checkpoint_dir).resolve())
+                         if settings.checkpoint_dir else "")
+
+
+def _tls_mode(settings: ServerSettings) -> str:
+    if not settings.tls:
+        return "off"
+    return "mutual (client certificates required)" if settings.tls_client_ca_file else "on"
 
 
 def server_version() -> str:

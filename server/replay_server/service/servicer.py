@@ -13,6 +13,7 @@ handler (:mod:`replay_server.service.sample_stream`), sharing the runner.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
 from dataclasses import asdict
@@ -35,6 +36,7 @@ from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.limits import ServiceLimits
+from replay_server.service.process import rss_bytes
 from replay_server.service.sample_stream import SampleStreamCall, StreamLimits
 from replay_server.service.status import LimitExceededError, MessageTooLargeError
 from replay_server.service.variables import VariableService
@@ -58,6 +60,8 @@ class ReplayServicer:
         incarnations: the server's shard and id incarnation (for ``info``).
         shared_memory_budget: /dev/shm the streams' rings may take together
             (``None``: the admission limits' ``shared_memory_bytes``).
+        server_info: what ``Info`` says of the server (version, TLS, auth); its
+            memory and uptime are filled in at each call.
     """
 
     def __init__(
@@ -66,6 +70,7 @@ class ReplayServicer:
         checkpoint_executor: Executor | None = None, admission: Admission | None = None,
         incarnations: IncarnationSource | None = None,
         shared_memory_budget: MemoryBudget | None = None, variables: VariableStore | None = None,
+        server_info: pb.ServerInfo | None = None,
     ) -> None:
         if admission is None:  # the default limits (a servicer built outside ReplayServer)
             limits = ServiceLimits.defaults(max_message_bytes)
@@ -74,6 +79,8 @@ class ReplayServicer:
             shared_memory_budget = MemoryBudget(admission.limits.shared_memory_bytes,
                                                 "server.shared_memory_mb", bulk_share=1.0)
         self._tables = tables
+        self._server_info = server_info or pb.ServerInfo()
+        self._started = time.monotonic()
         self._max_message = max_message_bytes
         self._admission = admission
         self._incarnations = incarnations or LocalIncarnations()
@@ -84,6 +91,7 @@ class ReplayServicer:
                                            shared_memory_budget=shared_memory_budget)
         self._checkpointer = checkpointer
         self._checkpoint_executor = checkpoint_executor or executor
+        self._streams: set[SampleStreamCall] = set()
         self.calls = CallRunner(executor, self._may_pass)
         """Runs every call's engine work; the server sets its ``draining``/``restoring``."""
         self.variables = VariableService(
@@ -146,8 +154,19 @@ class ReplayServicer:
     ) -> AsyncIterator[bytes]:
         call = SampleStreamCall(self.calls, self._tables, self._stream_limits, requests, context,
                                 max_request_bytes=reservation.nbytes)
-        async for chunk in call.run():
-            yield chunk
+        self._streams.add(call)
+        try:
+            async for chunk in call.run():
+                yield chunk
+        finally:
+            self._streams.discard(call)
+
+    def stream_transports(self) -> dict[str, int]:
+        """Open SampleStream calls by transport (``grpc``, ``shared_memory``); any thread."""
+        counts: dict[str, int] = {}
+        for call in self._streams.copy():
+            counts[call.transport] = counts.get(call.transport, 0) + 1
+        return counts
 
     async def update_priorities(self, raw: bytes, context: grpc.aio.ServicerContext,
                                 reservation: Reservation) -> bytes:
@@ -198,6 +217,9 @@ class ReplayServicer:
         response = pb.InfoResponse(tables=tables, shard=self._incarnations.shard,
                                    incarnation=self._incarnations.current,
                                    limits=self._limits_info())
+        response.server.CopyFrom(self._server_info)
+        response.server.rss_bytes = rss_bytes()
+        response.server.uptime_seconds = time.monotonic() - self._started
         last = None if self._checkpointer is None else self._checkpointer.last
         if last is not None:
             response.last_checkpoint.CopyFrom(_checkpoint_response(last))

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from replay_proto.addresses import is_loopback
 from replay_server.engine.config import TableConfig, default_table_configs
 from replay_server.errors import ConfigError
 from replay_server.service.limits import DEFAULTS as LIMIT_DEFAULTS
@@ -67,6 +68,19 @@ class ServerSettings:
             /dev/shm, in MiB; a stream whose ring would not fit uses gRPC.
         table_memory_mb: memory all tables together may take at their
             capacity, in MiB; 0: this machine's memory (or its cgroup's limit).
+        metrics_address: ``host:port`` of the Prometheus ``/metrics`` endpoint
+            (plain HTTP); ``None``: no metrics.
+        tls_cert_file: PEM certificate chain the server presents (TLS on when set,
+            with ``tls_key_file``).
+        tls_key_file: PEM private key of ``tls_cert_file``.
+        tls_client_ca_file: PEM CA certificates that sign client certificates:
+            mutual TLS, every connection must present one (needs TLS on).
+        allow_plaintext_token: accept the auth token over a plaintext channel on a
+            non-loopback address (it can be read on the network); without TLS a
+            server with a token otherwise listens on loopback only.
+        health_address: ``host:port`` of an extra plaintext listener serving only
+            ``grpc.health.v1.Health`` (for probes that cannot speak TLS, such as
+            Kubernetes' gRPC probes); ``None``: health on ``address`` only.
     """
 
     address: str = DEFAULT_ADDRESS
@@ -90,12 +104,15 @@ class ServerSettings:
     max_batch_mb: int = LIMIT_DEFAULTS["max_batch_mb"]
     shared_memory_mb: int = LIMIT_DEFAULTS["shared_memory_mb"]
     table_memory_mb: int = 0
+    metrics_address: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    allow_plaintext_token: bool = False
+    health_address: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.address, str) or not _ADDRESS.match(self.address) or not (
-            0 <= int(self.address.rsplit(":", 1)[1]) <= 65535
-        ):
-            raise ConfigError(f"server.address must be 'host:port', got {self.address!r}")
+        _check_address("server.address", self.address)
         if self.pin_memory not in ("auto", "true", "false"):
             raise ConfigError(
                 f"server.pin_memory must be 'auto', 'true' or 'false', got {self.pin_memory!r}"
@@ -139,6 +156,7 @@ class ServerSettings:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ConfigError(f"table names must be unique; repeated: {duplicates}")
+        check_security(self)
 
     @property
     def pinned(self) -> bool:
@@ -161,7 +179,51 @@ class ServerSettings:
     def variables_max_bytes(self) -> int:
         return self.variables_max_mb * 1024 * 1024
 
+    @property
+    def tls(self) -> bool:
+        """Whether the server listens with TLS."""
+        return self.tls_cert_file is not None
+
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def _check_address(name: str, value: Any) -> None:
+    if not isinstance(value, str) or not _ADDRESS.match(value) or not (
+        0 <= int(value.rsplit(":", 1)[1]) <= 65535
+    ):
+        raise ConfigError(f"{name} must be 'host:port', got {value!r}")
+
+
+def check_security(settings: ServerSettings) -> None:
+    """The listeners and TLS files are well-formed, and a token never crosses a network in clear.
+
+    Only the shape is checked here; :mod:`replay_server.service.credentials`
+    reads the files when the server starts.
+    """
+    for name in ("metrics_address", "health_address"):
+        value = getattr(settings, name)
+        if value is not None:
+            _check_address(f"server.{name}", value)
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file"):
+        value = getattr(settings, name)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ConfigError(f"server.{name} must be a file path, got {value!r}")
+    if (settings.tls_cert_file is None) != (settings.tls_key_file is None):
+        raise ConfigError("server.tls_cert_file and server.tls_key_file go together: set both "
+                          "(TLS) or neither (plaintext)")
+    if settings.tls_client_ca_file is not None and not settings.tls:
+        raise ConfigError("server.tls_client_ca_file (mutual TLS) needs TLS: set "
+                          "server.tls_cert_file and server.tls_key_file too")
+    if not isinstance(settings.allow_plaintext_token, bool):
+        raise ConfigError(f"server.allow_plaintext_token must be true or false, got "
+                          f"{settings.allow_plaintext_token!r}")
+    if (settings.auth_token_env is not None and not settings.tls
+            and not settings.allow_plaintext_token and not is_loopback(settings.address)):
+        raise ConfigError(
+            f"server.auth_token_env is set but TLS is off and server.address "
+            f"{settings.address!r} is reachable from other hosts: clients would send the token "
+            f"in clear text. Set server.tls_cert_file and server.tls_key_file, or "
+            f"server.allow_plaintext_token = true to accept that on a trusted network")

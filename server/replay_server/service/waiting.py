@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -59,6 +60,20 @@ Hint = Callable[[str, str, int], bool]
 """``hint(table, operation, count)``: might the call pass now? (True when unsure)."""
 
 
+@dataclass(frozen=True, slots=True)
+class BlockedTotals:
+    """What :meth:`BlockedCalls.totals` reports, each keyed by ``(table, operation)``.
+
+    ``calls``: calls ever held back (counted once each, however often they
+    waited); ``seconds``: time spent waiting, added as each wait ends;
+    ``waiting``: calls waiting now.
+    """
+
+    calls: dict[tuple[str, str], int]
+    seconds: dict[tuple[str, str], float]
+    waiting: dict[tuple[str, str], int]
+
+
 class BlockedCalls:
     """Where rate-limited calls wait for their table to change.
 
@@ -73,6 +88,8 @@ class BlockedCalls:
         self._all_changed_at = 0
         self._wakeups: dict[str, asyncio.Event] = {}
         self._waiting: Counter[tuple[str, str]] = Counter()
+        self._blocked_calls: Counter[tuple[str, str]] = Counter()
+        self._blocked_seconds: Counter[tuple[str, str]] = Counter()
 
     def changed(self, table: str | None = None) -> None:
         """``table`` (``None``: every table) changed: wake the calls waiting on it."""
@@ -90,6 +107,12 @@ class BlockedCalls:
     def waiting(self, table: str, operation: str) -> int:
         """Calls of ``operation`` (``"insert"``/``"sample"``) waiting on ``table`` now."""
         return self._waiting[(table, operation)]
+
+    def totals(self) -> BlockedTotals:
+        """Calls held back so far, seconds they waited, and calls waiting now, per
+        ``(table, operation)``. Copies, safe to take from another thread (metrics scrapes)."""
+        return BlockedTotals(calls=dict(self._blocked_calls),
+                             seconds=dict(self._blocked_seconds), waiting=dict(self._waiting))
 
     async def run(
         self,
@@ -121,6 +144,7 @@ class BlockedCalls:
                 blocked = exc
             if first:
                 first = False
+                self._blocked_calls[(blocked.table, blocked.operation)] += 1
                 remaining = time_remaining()
                 if remaining is not None:
                     early = min(GIVE_UP_EARLY_MAX_S, GIVE_UP_EARLY_FRACTION * remaining)
@@ -138,6 +162,7 @@ class BlockedCalls:
         loop = asyncio.get_running_loop()
         table, key = blocked.table, (blocked.table, blocked.operation)
         self._waiting[key] += 1
+        started = loop.time()
         try:
             while True:
                 if stopping():
@@ -158,6 +183,7 @@ class BlockedCalls:
                 except TimeoutError:
                     pass
         finally:
+            self._blocked_seconds[key] += loop.time() - started
             self._waiting[key] -= 1
             if not self._waiting[key]:
                 del self._waiting[key]

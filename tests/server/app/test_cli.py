@@ -6,12 +6,27 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import start_server
 
 
 def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "replay_server.app.cli", *args],
                           capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture
+def command(capsys):
+    """An operator's command (``health``, ``info``, ``checkpoint``) run in this process."""
+    from replay_server.app.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 def test_serve_without_config_announces_the_default_tables(server):
@@ -34,19 +49,76 @@ def test_health_of_a_dead_address_fails_naming_it():
     assert "127.0.0.1:1" in result.stdout and "UNAVAILABLE" in result.stdout
 
 
-def test_info_prints_every_table_as_a_readable_table(server):
+def test_info_prints_every_table_as_a_readable_table_in_human_units(server, command):
     from replay_client import ReplayClient
 
     import torch
 
     ReplayClient(server.address).insert("uniform", {"obs": torch.zeros(3, 2)})
-    result = _cli("info", "--address", server.address)
+    result = command("info", "--address", server.address)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].split()[:4] == ["table", "sampler", "size", "capacity"]
+    assert lines[0].startswith("replay-server ") and "resident" in lines[0]
+    assert "no checkpoint_dir: rows are lost at stop" in lines[0]
+    assert lines[1].split()[:6] == ["table", "sampler", "size", "capacity", "fill", "memory"]
     uniform = next(line for line in lines if line.startswith("uniform "))
-    assert uniform.split()[1:4] == ["uniform", "3", "100,000"]
+    # 100,000 rows of 2 float32: 781 KiB of storage
+    assert uniform.split()[1:7] == ["uniform", "3", "100k", "0.0%", "781", "KiB"]
     assert "uniform columns: obs: float32[2]" in result.stdout
+
+
+def test_info_json_has_every_figure_exact(server, command):
+    import json
+
+    from replay_client import ReplayClient
+
+    import torch
+
+    client = ReplayClient(server.address)
+    client.insert("replay", {"obs": torch.zeros(1234, 2)})
+    client.sample("replay", 7)
+    result = command("info", "--address", server.address, "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    replay = next(t for t in info["tables"] if t["name"] == "replay")
+    assert (replay["size"], replay["capacity"], replay["storage_bytes"]) == (1234, 100_000, 800_000)
+    assert replay["counters"]["inserted"] == 1234 and replay["counters"]["sampled"] == 7
+    assert replay["schema"] == {"obs": "float32[2]"}
+    assert replay["rate_limiter"]["max_diff"] == "inf"      # non-finite: a string, still JSON
+    assert info["server"]["rss_bytes"] > 0 and info["server"]["checkpoint_dir"] == ""
+    assert info["last_checkpoint"] is None
+
+
+def test_every_operator_command_defaults_to_the_local_server():
+    from replay_server.app.cli import build_parser
+
+    parser = build_parser()
+    for command in ("health", "info", "checkpoint"):
+        assert parser.parse_args([command]).address == "127.0.0.1:50051"
+
+
+def test_version_prints_the_installed_version(capsys):
+    from importlib import metadata
+
+    from replay_server.app.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"replay-server {metadata.version('replay-server')}"
+
+
+def test_serve_warns_that_rows_are_lost_without_a_checkpoint_dir(server, tmp_path, command):
+    assert "WARNING" in server.log() and "no checkpoint_dir: every row is lost" in server.log()
+    kept = start_server(tmp_path, name="kept", extra_args=["--checkpoint-dir",
+                                                            str(tmp_path / "ck")])
+    try:
+        assert "no checkpoint_dir" not in kept.log()
+        result = command("checkpoint", "--address", kept.address)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().startswith(str(tmp_path / "ck"))
+    finally:
+        kept.stop()
 
 
 def test_sigterm_drains_and_exits_zero(tmp_path):

@@ -20,14 +20,13 @@ from replay_server.errors import ConfigError
 from replay_server.app.config_file import load_settings
 from replay_server.service.settings import ServerSettings
 
-# DESIGN.md's example, minus the key this version refuses (metrics_address)
-# and minus slice_len, which a
-# prioritized (non-slice) table refuses.
+# DESIGN.md's example, minus slice_len, which a prioritized (non-slice) table refuses.
 DESIGN_EXAMPLE = """
 [server]
 address = "127.0.0.1:50051"
 checkpoint_dir = "checkpoints"      # omitted: no persistence
 checkpoint_interval_s = 600         # 0: only on request and at shutdown
+metrics_address = "127.0.0.1:9100"  # Prometheus /metrics; omitted: off
 pin_memory = "auto"                 # auto | true | false
 auth_token_env = "REPLAY_TOKEN"     # omitted: no auth
 
@@ -69,6 +68,7 @@ def test_design_example_loads(tmp_path: Path) -> None:
     assert (settings.address, settings.pin_memory, settings.auth_token_env) == (
         "127.0.0.1:50051", "auto", "REPLAY_TOKEN")
     assert (settings.checkpoint_dir, settings.checkpoint_interval_s) == ("checkpoints", 600)
+    assert settings.metrics_address == "127.0.0.1:9100"
     [table] = settings.tables
     assert (table.name, table.capacity, table.sampler, table.alpha, table.beta) == (
         "replay", 1_000_000, SamplerKind.PRIORITIZED, 0.6, 0.4)
@@ -262,14 +262,40 @@ def test_schema_that_is_not_a_table_is_an_error(tmp_path: Path) -> None:
     assert_config_error(tmp_path, ONE_TABLE + 'schema = "float32[3]"\n', "tables[0]", "schema")
 
 
-@pytest.mark.parametrize(("section", "line", "key"), [
-    ("server", 'metrics_address = "127.0.0.1:9100"', "metrics_address"),
+def test_operations_keys_load(tmp_path: Path) -> None:
+    settings = load_text(tmp_path, '[server]\nmetrics_address = "127.0.0.1:9100"\n'
+                                   'health_address = "127.0.0.1:50052"\n'
+                                   'tls_cert_file = "s.crt"\ntls_key_file = "s.key"\n'
+                                   'tls_client_ca_file = "ca.crt"\n' + ONE_TABLE)
+    assert (settings.metrics_address, settings.health_address) == (
+        "127.0.0.1:9100", "127.0.0.1:50052")
+    assert (settings.tls, settings.tls_cert_file, settings.tls_key_file,
+            settings.tls_client_ca_file) == (True, "s.crt", "s.key", "ca.crt")
+
+
+@pytest.mark.parametrize(("lines", "fragments"), [
+    ('metrics_address = "9100"', ("server.metrics_address", "'9100'")),
+    ('health_address = "localhost:99999"', ("server.health_address", "'localhost:99999'")),
+    ('tls_cert_file = "s.crt"', ("tls_cert_file and server.tls_key_file go together",)),
+    ('tls_key_file = "s.key"', ("tls_cert_file and server.tls_key_file go together",)),
+    ('tls_client_ca_file = "ca.crt"', ("server.tls_client_ca_file", "needs TLS")),
+    ('tls_cert_file = ""\ntls_key_file = "k"', ("server.tls_cert_file", "''")),
+    ('allow_plaintext_token = "yes"', ("server.allow_plaintext_token", "'yes'")),
 ])
-def test_not_yet_supported_key_is_refused_by_name(
-    tmp_path: Path, section: str, line: str, key: str
-) -> None:
-    text = f"[server]\n{line}\n{ONE_TABLE}" if section == "server" else f"{ONE_TABLE}{line}\n"
-    assert_config_error(tmp_path, text, key, "not supported")
+def test_bad_operations_value_names_the_key(tmp_path: Path, lines: str,
+                                            fragments: tuple[str, ...]) -> None:
+    assert_config_error(tmp_path, f"[server]\n{lines}\n{ONE_TABLE}", *fragments)
+
+
+def test_a_token_on_a_network_address_needs_tls_or_an_explicit_allowance(tmp_path: Path) -> None:
+    exposed = '[server]\naddress = "0.0.0.0:50051"\nauth_token_env = "T"\n'
+    assert_config_error(tmp_path, exposed + ONE_TABLE, "server.auth_token_env", "'0.0.0.0:50051'",
+                        "clear text", "server.tls_cert_file", "allow_plaintext_token = true")
+    assert load_text(tmp_path, exposed + "allow_plaintext_token = true\n" + ONE_TABLE)
+    assert load_text(tmp_path, exposed + 'tls_cert_file = "c"\ntls_key_file = "k"\n' + ONE_TABLE)
+    for loopback in ("127.0.0.1:50051", "localhost:50051", "[::1]:50051", "127.0.0.2:1"):
+        local = f'[server]\naddress = "{loopback}"\nauth_token_env = "T"\n' + ONE_TABLE
+        assert load_text(tmp_path, local).address == loopback  # the token never leaves the host
 
 
 # ---------------------------------------------------------------------- files
