@@ -124,7 +124,8 @@ def test_with_the_ca_every_call_works(tls_server, pki) -> None:
     tls = TlsConfig.from_files(ca=pki["ca"].cert)
     client = ReplayClient(tls_server[0].address, tls=tls, token=TOKEN, timeout=30)
     ids = client.insert("replay", {"obs": torch.arange(20.0).reshape(10, 2)})
-    assert ids.tolist() == list(range(10))
+    first = int(ids[0])
+    assert ids.tolist() == list(range(first, first + 10))  # consecutive
     batch = client.sample("replay", 4)
     assert batch.data["obs"].shape == (4, 2)
     assert client.update_priorities("replay", batch.ids, torch.ones(4)) == 4
