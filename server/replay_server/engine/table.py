@@ -303,17 +303,20 @@ class Table:
         with self._lock:
             parts = self._parts
             ring = parts.ring
-            never = (id_array < 0) | (id_array >= ring.next_id)
-            if never.any():
+            lowest, highest = (int(id_array.min()), int(id_array.max())) if id_array.size else (0, -1)
+            if lowest < 0 or highest >= ring.next_id:
+                never = (id_array < 0) | (id_array >= ring.next_id)
                 raise InvalidIdsError(
                     f"table {self.name!r}: id {int(id_array[never][0])} was never issued by "
                     f"this table (ids so far: 0..{ring.next_id - 1}); "
                     f"{int(never.sum())} such ids"
                 )
-            live = ring.live(id_array)
+            # Ids are issued in order, so when the lowest is live they all are.
+            live = None if lowest >= ring.first_live else ring.live(id_array)
             if parts.retirement is not None:  # a retired row's priority stays 0
-                live &= parts.retirement.drawable(ring.slots(id_array))
-            applied = int(live.sum())
+                drawable = parts.retirement.drawable(ring.slots(id_array))
+                live = drawable if live is None else live & drawable
+            applied = id_array.size if live is None else int(live.sum())
             if applied == id_array.size:
                 parts.sampler.update(ring.slots(id_array), values)
             elif applied:
