@@ -19,6 +19,7 @@ from replay_client.errors import (
     MessageTooLargeError,
 )
 from replay_client.stream import NetworkSource
+from replay_client.update_stream import StreamFallback, UpdateStream
 from replay_client.updates import PriorityUpdater
 from replay_client.writer import Writer
 from replay_feed.core import FeedCore
@@ -108,6 +109,8 @@ class ReplayClient:
         self._lock = threading.Lock()
         self._updater: PriorityUpdater | None = None
         self._updater_pid = 0
+        self._update_stream: UpdateStream | None = None
+        self._update_stream_pid = 0
 
     @property
     def address(self) -> str:
@@ -128,12 +131,17 @@ class ReplayClient:
     def close(self) -> None:
         """Send pending ``wait=False`` updates, then close the connection (a later call reconnects)."""
         updater, self._updater = self._updater, None
-        if updater is not None:
-            try:
-                updater.flush()
-            finally:
-                updater.close()
-        self._connection.close()
+        try:
+            if updater is not None:
+                try:
+                    updater.flush()
+                finally:
+                    updater.close()
+        finally:
+            stream, self._update_stream = self._update_stream, None
+            if stream is not None and self._update_stream_pid == os.getpid():
+                stream.close()
+            self._connection.close()
 
     def __enter__(self) -> ReplayClient:
         return self
@@ -197,7 +205,8 @@ class ReplayClient:
             ids: int64 ids (from insert or sample), any shape.
             priorities: finite values >= 0, same shape.
             wait: ``True``: send now and return how many ids still named
-                stored rows. ``False``: queue it for a background thread and
+                stored rows (on the client's persistent update stream: one
+                round trip, see :mod:`replay_client.update_stream`). ``False``: queue it for a background thread and
                 return ``None`` at once; updates stay in order, are merged
                 while one is in flight (see :mod:`replay_client.updates`), and
                 a failure is raised by the next update or :meth:`flush_updates`.
@@ -221,11 +230,23 @@ class ReplayClient:
             self._updater.flush(timeout)
 
     def _send_update(self, table: str, ids: np.ndarray, priorities: np.ndarray) -> int:
+        """One update, on the client's update stream when the server has one, else unary."""
         raw = messages.encode_update(table, ids, priorities)
+        try:
+            return int(self._stream().send(raw).applied)
+        except StreamFallback:
+            pass
         response = pb.UpdatePrioritiesResponse.FromString(
             self._connection.unary("UpdatePriorities", raw, retry=True)
         )
         return int(response.applied)
+
+    def _stream(self) -> UpdateStream:
+        with self._lock:
+            if self._update_stream is None or self._update_stream_pid != os.getpid():
+                self._update_stream = UpdateStream(self._connection)
+                self._update_stream_pid = os.getpid()
+            return self._update_stream
 
     def _updates(self) -> PriorityUpdater:
         with self._lock:

@@ -26,7 +26,8 @@ inputs happens before the lock is taken, the copies in and out under it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
 
@@ -265,7 +266,7 @@ class Table:
 
     # -------------------------------------------------------------- priorities
 
-    def update_priorities(self, ids: Any, priorities: Any) -> int:
+    def update_priorities(self, ids: Any, priorities: Any, *, blocking: bool = True) -> int | None:
         """Set the priorities of the rows named by ``ids``.
 
         Ids whose rows have since been overwritten (or reset) are ignored and
@@ -275,6 +276,9 @@ class Table:
         Args:
             ids: int64 ids, any shape.
             priorities: finite values >= 0, same shape as ``ids``.
+            blocking: ``False``: if another call holds the table's lock, return
+                ``None`` at once having done nothing (for a caller that must
+                never wait, such as the service's event loop).
 
         Returns:
             How many of ``ids`` named rows still present (and were applied).
@@ -300,7 +304,9 @@ class Table:
                 f"{list(id_array.shape)}, got {list(values.shape)}"
             )
         id_array, values = id_array.reshape(-1), values.reshape(-1)
-        with self._lock:
+        with _holding(self._lock, blocking) as held:
+            if not held:
+                return None
             parts = self._parts
             ring = parts.ring
             lowest, highest = (int(id_array.min()), int(id_array.max())) if id_array.size else (0, -1)
@@ -408,3 +414,14 @@ class Table:
         with self._lock:
             self._parts = parts
             self.changes.tick()
+
+
+@contextmanager
+def _holding(lock: threading.Lock, blocking: bool) -> Iterator[bool]:
+    """Hold ``lock`` for the block; with ``blocking=False`` only if it is free (yields whether held)."""
+    held = lock.acquire(blocking)
+    try:
+        yield held
+    finally:
+        if held:
+            lock.release()

@@ -47,7 +47,8 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
         metadata = dict(details.invocation_metadata or ())
         if metadata.get("authorization") == self._expected:
             return await continuation(details)
-        return self._refuse_stream if details.method.endswith("/SampleStream") else self._refuse
+        streaming = details.method.endswith(("/SampleStream", "/UpdateStream"))
+        return self._refuse_stream if streaming else self._refuse
 
 
 class ReplayServer:

@@ -29,6 +29,7 @@ from replay_server.errors import CheckpointsDisabledError
 from replay_server.service.calls import CallRunner
 from replay_server.service.sample_stream import SampleStreamCall, StreamLimits
 from replay_server.service.status import MessageTooLargeError
+from replay_server.service.update_stream import INLINE_MAX_IDS, UpdateStreamCall
 
 SERVICE_NAME = "replay.v1.ReplayService"
 
@@ -76,6 +77,7 @@ class ReplayServicer:
                 "Info": unary(self.info),
                 "Reset": unary(self.reset),
                 "Checkpoint": unary(self.checkpoint),
+                "UpdateStream": grpc.stream_stream_rpc_method_handler(self.update_stream),
             },
         )
 
@@ -111,9 +113,38 @@ class ReplayServicer:
 
     def _update_priorities(self, raw: bytes) -> tuple[str, bytes]:
         name, ids, priorities = messages.decode_update(raw)
+        return name, self._apply_update(name, ids, priorities).SerializeToString()
+
+    async def update_stream(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        call = UpdateStreamCall(self.calls, self._stream_update, requests, context,
+                                update_now=self._stream_update_now)
+        async for answer in call.run():
+            yield answer
+
+    def _stream_update(
+        self, request: pb.UpdatePrioritiesRequest
+    ) -> tuple[str, pb.UpdatePrioritiesResponse]:
+        ids, priorities = messages.update_arrays(request)
+        return request.table, self._apply_update(request.table, ids, priorities)
+
+    def _stream_update_now(
+        self, request: pb.UpdatePrioritiesRequest
+    ) -> pb.UpdatePrioritiesResponse | None:
+        """A small update applied on the event loop if its table's lock is free (else ``None``)."""
+        if request.count > INLINE_MAX_IDS:
+            return None
+        ids, priorities = messages.update_arrays(request)
+        applied = self._tables[request.table].update_priorities(ids, priorities, blocking=False)
+        if applied is None:
+            return None
+        return pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied)
+
+    def _apply_update(self, name: str, ids: Any, priorities: Any) -> pb.UpdatePrioritiesResponse:
         applied = self._tables[name].update_priorities(ids, priorities)
-        response = pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied)
-        return name, response.SerializeToString()
+        assert applied is not None
+        return pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied)
 
     async def info(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         blocked = self.calls.blocked
