@@ -11,12 +11,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_client import grouping
 from replay_client.connection import Connection
 from replay_client.errors import (
+    DeadlineExceededError,
     InvalidArgumentError,
     InvalidIdsError,
     InvalidPriorityError,
     MessageTooLargeError,
+    UnavailableError,
+    UnknownTableError,
 )
 from replay_client.stream import NetworkSource
 from replay_client.update_stream import StreamFallback, UpdateStream
@@ -303,12 +307,12 @@ class ReplayClient:
         table: str,
         batch_size: int,
         *,
-        prefetch: int = 2,
+        prefetch: int | None = None,
         device: Any = None,
         pin_memory: bool | str = "auto",
         transform: Callable[[SampleBatch], Any] | None = None,
         num_batches: int = 0,
-        batches_per_message: int = 1,
+        batches_per_message: int | None = None,
         shared_memory: bool = True,
         reconnect: bool = True,
     ) -> BatchStream:
@@ -334,7 +338,8 @@ class ReplayClient:
         Args:
             table: table name.
             batch_size: rows (or slices) per batch.
-            prefetch: batches in flight or buffered ahead of the learner (>= 1).
+            prefetch: batches in flight or buffered ahead of the learner (>= 1);
+                ``None``: 2, or two groups when batches are grouped (below).
             device: where batches go (``"cuda"``, ``"cuda:1"``, a torch.device);
                 None or "cpu": they stay on the host.
             pin_memory: ``"auto"`` pins when an accelerator is present (what it
@@ -348,6 +353,11 @@ class ReplayClient:
                 rows, at the cost of those batches not seeing updates made in
                 between); > 1 selects the gRPC path and raises ``prefetch`` to
                 at least twice this many (one group drawn while one is consumed).
+                ``None``: chosen from the table's row size and ``batch_size``
+                (read with one ``info`` call): batches of up to 1 MiB are
+                grouped up to 8 per message, larger ones not at all (see
+                :mod:`replay_client.grouping`; ``stream.stats.notes`` says what
+                was chosen).
             shared_memory: use a same-host ring when the server offers one.
             reconnect: resume after a lost connection instead of raising.
 
@@ -358,7 +368,14 @@ class ReplayClient:
         for name, value, low in (("prefetch", prefetch, 1), ("batch_size", batch_size, 1),
                                  ("num_batches", num_batches, 0),
                                  ("batches_per_message", batches_per_message, 0)):
-            _check_int(name, value, low)
+            if value is not None or name in ("batch_size", "num_batches"):
+                _check_int(name, value, low)
+        chosen = None
+        if batches_per_message is None:
+            chosen = grouping.choose(self._batch_bytes(table, batch_size), prefetch)
+            prefetch, batches_per_message = chosen.prefetch, chosen.batches_per_message
+        elif prefetch is None:
+            prefetch = grouping.DEFAULT_PREFETCH
         window = prefetch
         if batches_per_message > 1:
             # Groups travel in gRPC messages (one shared-memory descriptor per batch would
@@ -376,10 +393,31 @@ class ReplayClient:
             shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
             reconnect=reconnect)
         stream = BatchStream(core, source, table)
+        if chosen is not None and chosen.note:
+            stream.stats.notes.append(chosen.note)
         if window > prefetch:
             stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
                                       f"batches_per_message={batches_per_message} fit the window")
         return stream
+
+
+    def _batch_bytes(self, table: str, batch_size: int) -> int | None:
+        """Bytes of one batch of ``table`` from its schema (``None``: no schema yet, or no answer)."""
+        try:
+            raw = self._connection.unary("Info", pb.InfoRequest().SerializeToString(),
+                                         retry=False, timeout=_PROBE_TIMEOUT_S)
+        except (UnavailableError, DeadlineExceededError):
+            return None  # the stream itself will wait for the server; nothing is grouped
+        tables = pb.InfoResponse.FromString(raw).tables
+        for t in tables:
+            if t.name == table:
+                return grouping.batch_bytes(dict(t.schema), batch_size, t.slice_len or None)
+        raise UnknownTableError(
+            f"no table named {table!r}; tables: {', '.join(sorted(t.name for t in tables))}")
+
+
+_PROBE_TIMEOUT_S = 5.0
+"""How long ``stream`` waits for the table's schema when it chooses the grouping."""
 
 
 def _check_int(name: str, value: Any, low: int) -> None:
