@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from replay_server.errors import ConfigError
+from replay_server.engine.prefault import Prefaulter
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, StorageSnapshot
 
@@ -56,6 +57,8 @@ class ColumnStorage:
         }
         self._views = {key: _numpy_view(col) for key, col in self.columns.items()}
         self._snapshots: list[StorageSnapshot] = []
+        # Pinned memory is resident from the start; pageable storage is backed as rows arrive.
+        self._prefaulter = None if pin_memory else Prefaulter(capacity, schema.row_bytes)
 
     @property
     def nbytes(self) -> int:
@@ -68,6 +71,8 @@ class ColumnStorage:
         Cost: one contiguous copy per column (two where the range wraps); a
         write of :data:`_PARALLEL_BYTES` or more is split across threads (the
         first touch of fresh storage pages and the copy both scale with cores).
+        While the table fills, the pages after the write are made resident in
+        the background (:mod:`~replay_server.engine.prefault`).
         """
         n = next(iter(columns.values())).shape[0]
         for snapshot in self._snapshots:
@@ -80,6 +85,8 @@ class ColumnStorage:
             if head < n:
                 pairs.append((dest[: n - head], src[head:]))
         _copy(pairs, n * self.schema.row_bytes)
+        if self._prefaulter is not None:
+            self._prefaulter.advance(self._views.values(), (first_slot + n) % self.capacity)
 
     def gather(
         self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None = None
