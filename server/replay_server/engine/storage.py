@@ -15,15 +15,14 @@ Not thread-safe: the owning table serializes access under its lock.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from replay_server.errors import ConfigError
+from replay_server.engine import workers
 from replay_server.engine.prefault import Prefaulter
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, StorageSnapshot
@@ -146,24 +145,12 @@ class ColumnStorage:
 
 
 _PARALLEL_BYTES = 2 << 20  # copies at least this large are split across threads
-_THREADS = max(1, min(8, os.cpu_count() or 1))
-_WRITE_THREADS = _THREADS if _THREADS >= 4 else 1
+_THREADS = workers.THREADS
+_WRITE_THREADS = _THREADS if workers.MANY_CORES else 1
 """Writes go parallel from 4 cores on. A write is bandwidth-bound (and, into fresh
 storage, bound by the kernel zeroing pages), and on 2 busy cores a second
 thread measured slower (15-33M rows/s against 30-33M for 100,000-row inserts);
 a gather is latency-bound, so two threads help even there."""
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _copy_pool() -> ThreadPoolExecutor:
-    """The process's threads for large copies (numpy releases the GIL while it copies)."""
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(_THREADS - 1, thread_name_prefix="replay-copy")
-    return _pool
 
 
 def _pieces(nbytes: int, rows: int, threads: int) -> int:
@@ -186,23 +173,7 @@ def _copy(pairs: list[tuple[np.ndarray, np.ndarray]], nbytes: int) -> None:
         share = max(1, round(parts * dest.shape[0] / rows))
         bounds = np.linspace(0, dest.shape[0], share + 1).astype(int)
         tasks += [(dest[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    _run_split(lambda task: np.copyto(*task), tasks, parts)
-
-
-def _run_split(work, tasks: list, parts: int) -> None:
-    """Run ``work(task)`` for every task on ``parts`` threads (this one included), then return."""
-    groups = [tasks[i::parts] for i in range(parts)]
-
-    def run(group: list) -> None:
-        for task in group:
-            work(task)
-
-    futures = [_copy_pool().submit(run, group) for group in groups[1:] if group]
-    try:
-        run(groups[0])
-    finally:
-        for future in futures:
-            future.result()
+    workers.run_split(lambda task: np.copyto(*task), tasks, parts)
 
 
 def _take(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
@@ -220,7 +191,7 @@ def _take(src: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
         return
     bounds = np.linspace(0, len(rows), parts + 1).astype(int)
     tasks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-    _run_split(lambda t: np.take(src, rows[t[0]:t[1]], axis=0, out=out[t[0]:t[1]], mode="clip"),
+    workers.run_split(lambda t: np.take(src, rows[t[0]:t[1]], axis=0, out=out[t[0]:t[1]], mode="clip"),
                tasks, parts)
 
 

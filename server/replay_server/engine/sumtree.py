@@ -31,7 +31,8 @@ Costs (B = batch, n = capacity, D = log2(n / BLOCK)):
 ``find`` O(B * (D + BLOCK)) or O(n / BLOCK + B * D) for large B;
 ``set`` O(B * (log B + BLOCK + D)); ``total``/``min_positive`` O(1).
 
-Not thread-safe: the owning sampler is called under its table's lock.
+Not thread-safe: the owning sampler is called under its table's lock (a large
+``find`` may split its own read-only work across :mod:`~replay_server.engine.workers`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from replay_server.engine import workers
 from replay_server.engine.snapshot import saved_copy
 
 BLOCK = 16
@@ -54,6 +56,11 @@ search there, which saves two numpy calls per level skipped."""
 
 _LANE_LOOP_MIN = 2048
 """From this many blocks on, 16-wide reductions run lane by lane across the batch."""
+
+_PARALLEL_FIND_MIN = 8192
+"""With cores to spare (:data:`~replay_server.engine.workers.MANY_CORES`), ``find``
+splits its targets across threads in parts of at least this many (every part
+only reads the tree)."""
 
 _SMALL_BATCH = 512
 """Up to this many rows, 16-wide sums and running sums are small matrix products.
@@ -294,8 +301,24 @@ class SumTree:
             int64 ``[B]`` slots.
         """
         u = np.array(targets, dtype=np.float64)
-        if u.size * _LARGE_BATCH >= self._blocks:
-            blocks, u = _Prefix(self._sum[self._p : self._p + self._blocks]).search(u)
+        by_prefix = (_Prefix(self._sum[self._p : self._p + self._blocks])
+                     if u.size * _LARGE_BATCH >= self._blocks else None)
+        parts = min(workers.THREADS, u.size // _PARALLEL_FIND_MIN) if workers.MANY_CORES else 1
+        if parts < 2:
+            return self._find(u, by_prefix)
+        self._prefix()  # the shared caches exist before the threads read them
+        slots = np.empty(u.size, dtype=np.int64)
+        bounds = np.linspace(0, u.size, parts + 1).astype(int)
+
+        def part(span: tuple[int, int]) -> None:
+            slots[span[0] : span[1]] = self._find(u[span[0] : span[1]], by_prefix)
+
+        workers.run_split(part, list(zip(bounds[:-1], bounds[1:])), parts)
+        return slots
+
+    def _find(self, u: np.ndarray, by_prefix: _Prefix | None) -> np.ndarray:
+        if by_prefix is not None:
+            blocks, u = by_prefix.search(u)
         else:
             blocks, u = self._find_blocks_by_descent(u)
         return self._find_in_blocks(blocks, u)

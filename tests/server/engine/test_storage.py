@@ -47,6 +47,7 @@ def test_pin_memory_without_an_accelerator_is_a_clear_error():
 
 def test_writes_and_gathers_split_across_threads_equal_one_thread(monkeypatch):
     from replay_server.engine import storage as storage_module
+    from replay_server.engine import workers
 
     monkeypatch.setattr(storage_module, "_PARALLEL_BYTES", 64)
     monkeypatch.setattr(storage_module, "_THREADS", 3)
@@ -66,4 +67,4 @@ def test_writes_and_gathers_split_across_threads_equal_one_thread(monkeypatch):
     for key, column in plain.gather(slots).items():
         assert torch.equal(gathered[key], column)
     assert all(torch.equal(split.columns[k], plain.columns[k]) for k in schema)
-    assert storage_module._pool is not None  # the split path ran
+    assert workers._pool is not None  # the split path ran

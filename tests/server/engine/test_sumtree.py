@@ -124,8 +124,16 @@ def test_both_find_paths_agree_on_a_deep_tree():
         by_small_steps = np.concatenate([tree.find(part) for part in np.array_split(u, 20)])
     with mock.patch.object(sumtree, "_LARGE_BATCH", 10**9):
         by_prefix = tree.find(u)
+    with mock.patch.object(sumtree.workers, "MANY_CORES", True), \
+            mock.patch.object(sumtree.workers, "THREADS", 3), \
+            mock.patch.object(sumtree, "_PARALLEL_FIND_MIN", 1000):
+        by_threads = tree.find(u)
+        with mock.patch.object(sumtree, "_LARGE_BATCH", 0):
+            by_threads_descent = tree.find(u)
     assert np.array_equal(by_descent, by_prefix)
     assert np.array_equal(by_small_steps, by_prefix)
+    assert np.array_equal(by_threads, by_prefix)
+    assert np.array_equal(by_threads_descent, by_prefix)
 
 
 def test_repeated_slot_in_one_set_keeps_last_value():
