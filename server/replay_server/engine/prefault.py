@@ -17,7 +17,8 @@ and only until the ring has been filled once. Where the call is unsupported
 (another OS, an older kernel) nothing happens and writes fault as before.
 
 Thread-safety: :meth:`Prefaulter.advance` is called by the owning storage's
-writer (under its table's lock); the work runs on one shared thread.
+writer (under its table's lock); the work runs on a short-lived thread, one
+job at a time in the process.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import ctypes.util
 import sys
 import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -37,8 +37,8 @@ AHEAD_BYTES = 64 << 20
 _MADV_POPULATE_WRITE = 23
 _PAGE = 4096
 
-_executor: ThreadPoolExecutor | None = None
-_executor_lock = threading.Lock()
+_worker: threading.Thread | None = None  # the job in progress, if any
+_worker_lock = threading.Lock()
 _supported = sys.platform.startswith("linux")
 _madvise = None
 if _supported:
@@ -71,20 +71,24 @@ class Prefaulter:
         if cursor + self._ahead // 2 < self._resident:
             return  # still well ahead
         start, stop = self._resident, min(self._capacity, cursor + self._ahead)
-        if stop <= start:
-            return
-        self._resident = stop
-        jobs = [view[start:stop] for view in views]
-        _pool().submit(_populate, jobs)
+        if stop > start and _start([view[start:stop] for view in views]):
+            self._resident = stop
 
 
-def _pool() -> ThreadPoolExecutor:
-    global _executor
-    if _executor is None:
-        with _executor_lock:
-            if _executor is None:
-                _executor = ThreadPoolExecutor(1, thread_name_prefix="replay-prefault")
-    return _executor
+def _start(views: list[np.ndarray]) -> bool:
+    """Populate ``views`` on a thread of its own; False (try later) while another job runs.
+
+    A thread per job (one every ``AHEAD_BYTES / 2`` of inserts, ending with it)
+    rather than a pool, so nothing is left running once the tables stop growing.
+    """
+    global _worker
+    with _worker_lock:
+        if _worker is not None and _worker.is_alive():
+            return False
+        _worker = threading.Thread(target=_populate, args=(views,), name="replay-prefault",
+                                   daemon=True)
+        _worker.start()
+        return True
 
 
 def _populate(views: list[np.ndarray]) -> None:
