@@ -20,6 +20,7 @@ from replay_client import ReplayClient, errors
 from replay_client.update_stream import UpdateStream
 from replay_proto import messages
 from replay_proto.v1 import replay_pb2 as pb
+from tests.client.test_updates import _probabilities
 from tests.conftest import module_server, wait_for
 
 CONFIG = """
@@ -36,11 +37,6 @@ sampler = "uniform"
 """
 
 server = module_server(CONFIG)
-
-
-def _probabilities(client: ReplayClient, table: str) -> dict[int, float]:
-    batch = client.sample(table, 4000)
-    return {int(i): float(p) for i, p in zip(batch.ids, batch.probabilities)}
 
 
 def test_waiting_updates_go_on_one_stream_and_apply_in_order(server):
@@ -122,38 +118,35 @@ def test_async_updates_flow_through_the_stream_too(server):
     client.close()
 
 
-class _OldServer:
-    """A gRPC server that knows only UpdatePriorities (as a server from before UpdateStream)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-        def update(raw: bytes, context) -> bytes:
-            self.calls += 1
-            _, ids, _ = messages.decode_update(raw)
-            return pb.UpdatePrioritiesResponse(applied=len(ids)).SerializeToString()
-
-        handler = grpc.method_handlers_generic_handler(
-            "replay.v1.ReplayService",
-            {"UpdatePriorities": grpc.unary_unary_rpc_method_handler(update)})
-        self.server = grpc.server(futures.ThreadPoolExecutor(2))
-        self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
+def _stand_in(handlers: dict) -> tuple[grpc.Server, int]:
+    """A gRPC server with only ``handlers`` (a stand-in for another server version)."""
+    stand_in = grpc.server(futures.ThreadPoolExecutor(2))
+    stand_in.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("replay.v1.ReplayService", handlers),))
+    port = stand_in.add_insecure_port("127.0.0.1:0")
+    stand_in.start()
+    return stand_in, port
 
 
 def test_a_server_without_the_stream_gets_unary_calls():
-    old = _OldServer()
+    calls = []
+
+    def update(raw: bytes, context) -> bytes:  # as a server from before UpdateStream
+        _, ids, _ = messages.decode_update(raw)
+        calls.append(len(ids))
+        return pb.UpdatePrioritiesResponse(applied=len(ids)).SerializeToString()
+
+    old, port = _stand_in({"UpdatePriorities": grpc.unary_unary_rpc_method_handler(update)})
     try:
-        client = ReplayClient(f"127.0.0.1:{old.port}", timeout=10)
+        client = ReplayClient(f"127.0.0.1:{port}", timeout=10)
         ids = np.arange(5, dtype=np.int64)
         assert client.update_priorities("per", ids, np.ones(5)) == 5
         assert client._update_stream.supported is False
         assert client.update_priorities("per", ids, np.ones(5)) == 5
-        assert old.calls == 2
+        assert calls == [5, 5]
         client.close()
     finally:
-        old.server.stop(0)
+        old.stop(0)
 
 
 def test_closing_the_client_ends_its_stream(server):
@@ -168,33 +161,20 @@ def test_closing_the_client_ends_its_stream(server):
     client.close()
 
 
-class _SilentServer:
-    """A gRPC server whose UpdateStream reads requests and never answers."""
-
-    def __init__(self) -> None:
-        def silent(requests, context):
-            for _ in requests:
-                pass
-            return iter(())
-
-        handler = grpc.method_handlers_generic_handler(
-            "replay.v1.ReplayService",
-            {"UpdateStream": grpc.stream_stream_rpc_method_handler(silent)})
-        self.server = grpc.server(futures.ThreadPoolExecutor(2))
-        self.server.add_generic_rpc_handlers((handler,))
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-
 def test_an_answer_later_than_the_timeout_raises_deadline_exceeded():
-    silent = _SilentServer()
+    def silent(requests, context):  # reads every request, answers none
+        for _ in requests:
+            pass
+        return iter(())
+
+    server_, port = _stand_in({"UpdateStream": grpc.stream_stream_rpc_method_handler(silent)})
     try:
-        client = ReplayClient(f"127.0.0.1:{silent.port}", timeout=1.0)
+        client = ReplayClient(f"127.0.0.1:{port}", timeout=1.0)
         with pytest.raises(errors.DeadlineExceededError, match="priority update"):
             client.update_priorities("per", np.arange(3, dtype=np.int64), np.ones(3))
         client.close()
     finally:
-        silent.server.stop(0)
+        server_.stop(0)
 
 
 def test_threads_see_one_error_each(server):
