@@ -67,9 +67,9 @@ class ColumnStorage:
     def write(self, first_slot: int, columns: Mapping[str, torch.Tensor]) -> None:
         """Write ``n`` rows at slots ``first_slot, first_slot + 1, ...`` (wrapping).
 
-        Cost: one contiguous copy per column (two where the range wraps); a
-        write of :data:`_PARALLEL_BYTES` or more is split across threads (the
-        first touch of fresh storage pages and the copy both scale with cores).
+        Cost: one contiguous copy per column (two where the range wraps); on 4
+        or more cores a write of :data:`_PARALLEL_BYTES` or more is split
+        across threads (see :data:`_WRITE_THREADS`).
         While the table fills, the pages after the write are made resident in
         the background (:mod:`~replay_server.engine.prefault`).
         """

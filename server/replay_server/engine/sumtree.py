@@ -66,7 +66,7 @@ _SMALL_BATCH = 512
 """Up to this many rows, 16-wide sums and running sums are small matrix products.
 
 numpy's reductions along a short last axis cost about 80 ns per row; a product
-with a constant 16 x 17 matrix costs a few microseconds for the whole batch.
+with a constant 16 x 16 matrix costs a few microseconds for the whole batch.
 OpenBLAS runs products this small on the calling thread (its threading
 thresholds are m*n*k >= 262,144 for gemm and m*n >= 9,216 for gemv), so no
 BLAS thread pool wakes up. The sums are of float32 leaves or float64 nodes in
