@@ -112,11 +112,9 @@ class _Prefix:
     def search(self, u: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each ``u``, the node whose interval holds it, and ``u`` minus the mass before it."""
         index = np.searchsorted(self.sums, u, side="right")
-        index -= 1
+        index -= 1  # sums[index] <= u (u >= 0 and sums[0] = 0), so the offset is >= 0
         np.clip(index, 0, self.last, out=index)
-        u = u - self.sums[index]
-        np.maximum(u, 0.0, out=u)
-        return index, u
+        return index, u - self.sums[index]
 
 
 def _count_true(mask: np.ndarray) -> np.ndarray:
@@ -266,15 +264,20 @@ class SumTree:
             for lane in range(BLOCK):
                 total += leaves[:, lane]
             sums[p + blocks] = total
+        # Up the levels. Parents are not deduplicated: a repeated node is computed twice
+        # from the same children (same value), which costs less than finding repeats.
         nodes, size = p + blocks, p  # nodes of the level [size, 2 * size)
+        pairs = sums.reshape(-1, 2)  # row n: the children of node n
+        whole = False
         while size > self._top:
             size //= 2
-            if nodes.size * 4 >= size:  # few nodes here: recompute the whole level
-                sums[size : 2 * size] = sums[2 * size : 4 * size].reshape(-1, 2).sum(1)
-                nodes = np.arange(size, 2 * size)
+            if whole or blocks.size * 4 >= size:  # few nodes here: recompute the whole level
+                sums[size : 2 * size] = pairs[size : 2 * size].sum(1)
+                whole = True
             else:
-                nodes = _sorted_unique(nodes // 2)
-                sums[nodes] = sums[2 * nodes] + sums[2 * nodes + 1]
+                nodes >>= 1
+                children = pairs[nodes]
+                sums[nodes] = children[:, 0] + children[:, 1]
 
     def _note_minimum(self, replaced: np.ndarray, now: np.ndarray, blocks: np.ndarray) -> None:
         """Keep the cached minimum right after leaves ``replaced`` became ``now``."""
@@ -331,15 +334,10 @@ class SumTree:
             node *= 2
             left = sums[node]
             right = u >= left
-            u -= np.where(right, left, 0.0)
+            np.subtract(u, left, out=u, where=right)
             node += right
-        blocks = node - p
-        empty = sums[node] <= 0  # only where rounding walked off the end of the range
-        if empty.any():
-            blocks[empty], u[empty] = _Prefix(sums[p : p + self._blocks]).search(
-                np.full(int(empty.sum()), np.nextafter(self.total(), 0.0))
-            )
-        return blocks, u
+        node -= p
+        return node, u  # a block without mass (rounding at the range's end): see _find_in_blocks
 
     def _find_in_blocks(self, blocks: np.ndarray, u: np.ndarray) -> np.ndarray:
         values = self._leaf_blocks[blocks]
@@ -357,6 +355,12 @@ class SumTree:
         if over.any():  # rounding put u at the block's end: take its last positive leaf
             positive = values[over] > 0
             within[over] = BLOCK - 1 - np.argmax(positive[:, ::-1], axis=1)
+            empty = np.flatnonzero(over)[~positive.any(1)]
+            if empty.size:  # the descent walked off the end of the range into an empty block
+                block = _Prefix(self._sum[self._p : self._p + self._blocks]).last
+                blocks = blocks.copy()
+                blocks[empty] = block
+                within[empty] = BLOCK - 1 - np.argmax(self._leaf_blocks[block, ::-1] > 0)
         return blocks * BLOCK + within
 
     def state_dict(self, used: int) -> dict[str, torch.Tensor]:
