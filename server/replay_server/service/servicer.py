@@ -4,8 +4,11 @@ Handlers receive and return raw message bytes (so tensor payloads are never
 copied through protobuf fields; see :mod:`replay_proto.codec`). Engine work,
 decoding included, runs through a :class:`~replay_server.service.calls.CallRunner`:
 in a bounded thread pool, never on the event loop, waiting without a thread
-while a table's rate limiter holds it back. ``SampleStream`` is its own
-handler (:mod:`replay_server.service.sample_stream`), sharing the runner.
+while a table's rate limiter holds it back. ``SampleStream`` and
+``UpdateStream`` are handlers of their own
+(:mod:`replay_server.service.sample_stream`,
+:mod:`replay_server.service.update_stream`, which applies small priority
+updates on the event loop when their table is free), sharing the runner.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from replay_server.errors import CheckpointsDisabledError
 from replay_server.service.calls import CallRunner
 from replay_server.service.sample_stream import SampleStreamCall, StreamLimits
 from replay_server.service.status import MessageTooLargeError
-from replay_server.service.update_stream import INLINE_MAX_IDS, UpdateStreamCall
+from replay_server.service.update_stream import INLINE_MAX_IDS, UpdateStreamHandler
 
 SERVICE_NAME = "replay.v1.ReplayService"
 
@@ -59,6 +62,8 @@ class ReplayServicer:
         self._checkpoint_executor = checkpoint_executor or executor
         self.calls = CallRunner(executor, self._may_pass)
         """Runs every call's engine work; the server sets its ``draining``/``restoring``."""
+        self._update_stream = UpdateStreamHandler(self.calls, self._stream_update,
+                                                  self._stream_update_now)
 
     def use_tables(self, tables: TableSet) -> None:
         """Serve ``tables`` from now on (the restored ones, before SERVING)."""
@@ -77,7 +82,7 @@ class ReplayServicer:
                 "Info": unary(self.info),
                 "Reset": unary(self.reset),
                 "Checkpoint": unary(self.checkpoint),
-                "UpdateStream": grpc.stream_stream_rpc_method_handler(self.update_stream),
+                "UpdateStream": grpc.stream_stream_rpc_method_handler(self._update_stream.serve),
             },
         )
 
@@ -114,14 +119,6 @@ class ReplayServicer:
     def _update_priorities(self, raw: bytes) -> tuple[str, bytes]:
         name, ids, priorities = messages.decode_update(raw)
         return name, self._apply_update(name, ids, priorities).SerializeToString()
-
-    async def update_stream(
-        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes]:
-        call = UpdateStreamCall(self.calls, self._stream_update, requests, context,
-                                update_now=self._stream_update_now)
-        async for answer in call.run():
-            yield answer
 
     def _stream_update(
         self, request: pb.UpdatePrioritiesRequest

@@ -3,7 +3,7 @@
 A learner that waits for each priority update pays a whole unary call per
 step (about 0.6 ms of Python gRPC here); on a stream that is open already,
 a request and its answer are two messages (about 0.4 ms, see
-``docs/benchmarks.md``). :class:`UpdateStreamCall` serves one such stream:
+``docs/benchmarks.md``). :class:`UpdateStreamHandler` serves such streams:
 it reads requests in order, runs each through the
 :class:`~replay_server.service.calls.CallRunner` exactly as the unary
 handler would (engine pool, never the event loop), and answers each with
@@ -53,28 +53,27 @@ INLINE_MAX_IDS = 4096
 """Updates of at most this many ids may run on the event loop (see the module docstring)."""
 
 
-class UpdateStreamCall:
-    """One UpdateStream call (see the module docstring).
+class UpdateStreamHandler:
+    """Serves every UpdateStream call (see the module docstring); :meth:`serve` is the handler.
 
     Args:
-        calls: runs engine work and ends the call with an error's status.
-        update: applies one priority update (the unary handler's engine work).
-        requests: the client's messages (raw bytes).
-        context: the call's context.
+        calls: runs engine work and ends a call with an error's status.
+        update: applies one priority update in the engine pool (the unary handler's work).
+        update_now: applies one small update at once if its table is free, else ``None``.
     """
 
-    def __init__(self, calls: CallRunner, update: UpdateFn, requests: AsyncIterator[bytes],
-                 context: grpc.aio.ServicerContext, *, update_now: UpdateNowFn | None = None) -> None:
+    def __init__(self, calls: CallRunner, update: UpdateFn,
+                 update_now: UpdateNowFn | None = None) -> None:
         self._calls = calls
         self._update = update
         self._update_now = update_now
-        self._requests = requests
-        self._context = context
 
-    async def run(self) -> AsyncIterator[bytes]:
-        calls, context = self._calls, self._context
+    async def serve(self, requests: AsyncIterator[bytes],
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """One call: answer each request in order (the handler gRPC runs)."""
+        calls = self._calls
         expected = 0
-        async for raw in self._requests:
+        async for raw in requests:
             try:
                 sequence, request = messages.decode_update_stream_request(raw)
             except CodecError as exc:
@@ -86,7 +85,7 @@ class UpdateStreamCall:
             expected += 1
             answer = pb.UpdateStreamResponse(sequence=sequence)
             try:
-                answer.update_priorities.CopyFrom(await self._apply(request))
+                answer.update_priorities.CopyFrom(await self._apply(request, context))
             except ShuttingDownError as exc:
                 answer.error.CopyFrom(_call_error(exc))
                 yield answer.SerializeToString()
@@ -95,8 +94,8 @@ class UpdateStreamCall:
                 answer.error.CopyFrom(_call_error(exc))
             yield answer.SerializeToString()
 
-
-    async def _apply(self, request: pb.UpdatePrioritiesRequest) -> pb.UpdatePrioritiesResponse:
+    async def _apply(self, request: pb.UpdatePrioritiesRequest,
+                     context: grpc.aio.ServicerContext) -> pb.UpdatePrioritiesResponse:
         """The update's result: at once on the loop when small and its table is free, else in the pool."""
         calls = self._calls
         refused = calls.refusal()
@@ -107,7 +106,7 @@ class UpdateStreamCall:
             if result is not None:
                 calls.blocked.changed(request.table)
                 return result
-        return await calls.change(self._context, self._update, request, aborting=False)
+        return await calls.change(context, self._update, request, aborting=False)
 
 
 def _call_error(exc: BaseException) -> pb.CallError:
