@@ -210,7 +210,8 @@ class ReplayClient:
             priorities: finite values >= 0, same shape.
             wait: ``True``: send now and return how many ids still named
                 stored rows (on the client's persistent update stream: one
-                round trip, see :mod:`replay_client.update_stream`). ``False``: queue it for a background thread and
+                round trip, see :mod:`replay_client.update_stream`).
+                ``False``: queue it for a background thread and
                 return ``None`` at once; updates stay in order, are merged
                 while one is in flight (see :mod:`replay_client.updates`), and
                 a failure is raised by the next update or :meth:`flush_updates`.
@@ -404,8 +405,9 @@ class ReplayClient:
     def _batch_bytes(self, table: str, batch_size: int) -> int | None:
         """Bytes of one batch of ``table`` from its schema (``None``: no schema yet, or no answer)."""
         try:
+            timeout = min(self.timeout or _PROBE_TIMEOUT_S, _PROBE_TIMEOUT_S)
             raw = self._connection.unary("Info", pb.InfoRequest().SerializeToString(),
-                                         retry=False, timeout=_PROBE_TIMEOUT_S)
+                                         retry=False, timeout=timeout)
         except (UnavailableError, DeadlineExceededError):
             return None  # the stream itself will wait for the server; nothing is grouped
         tables = pb.InfoResponse.FromString(raw).tables
