@@ -6,7 +6,9 @@
 measurement runs in a fresh process, one at a time, ours then TorchRL's, so
 they never compete for the 2 cores or for memory; the same rows come from
 ``benchmarks/workload.py`` on both sides. Prints one markdown table with
-ratios (TorchRL time / our time: above 1 means we are faster).
+ratios (TorchRL time / our time: above 1 means we are faster). ``--repeat N``
+measures every case N times, the sides alternating, and reports each side's
+median run with the spread of the per-round ratios in brackets.
 
 ``--side ours --case CASE ...`` runs a single measurement of our engine and
 prints it as one JSON line; the orchestrator calls itself that way.
@@ -39,15 +41,19 @@ def _fill(table, rows: int, columns: tuple[str, ...]) -> None:
         table.insert({k: chunk[k] for k in columns})
 
 
-def _timed_ops(op, seconds: float, max_ops: int, warmup: int = 3) -> list[float]:
+def _timed_ops(op, seconds: float, max_ops: int, warmup: int = 3,
+               cpu: list[float] | None = None) -> list[float]:
+    """Wall times of ``op``; the calling thread's CPU time per op goes to ``cpu`` if given."""
     for i in range(warmup):
         op(-1 - i)
     times: list[float] = []
     deadline = time.perf_counter() + seconds
     while len(times) < max_ops and (len(times) < 5 or time.perf_counter() < deadline):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         op(len(times))
         times.append(time.perf_counter() - start)
+        if cpu is not None:
+            cpu.append(time.thread_time() - start_cpu)
     return times
 
 
@@ -67,9 +73,11 @@ def _ours(case: str, rows: int, batch: int, seconds: float) -> dict:
             sample = table.sample(batch)
             table.update_priorities(sample.ids, w.new_priorities(batch, seed=i))
 
-        times = _timed_ops(op, seconds, 200)
+        cpu: list[float] = []
+        times = _timed_ops(op, seconds, 200, cpu=cpu)
+        # Thread CPU time moves less than wall time when other jobs share the cores.
         return {"median_s": statistics.median(times), "mean_s": statistics.fmean(times),
-                "ops": len(times)}
+                "cpu_median_s": statistics.median(cpu), "ops": len(times)}
     if case == "slice":
         table = Table(TableConfig(name="b", capacity=rows, sampler="slice",
                                   slice_len=w.SLICE_LEN, seed=0))
@@ -141,6 +149,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="cases to run (default: all)")
     parser.add_argument("--max-rows", type=int, default=None, help="skip larger tables")
     parser.add_argument("--json", type=Path, help="also write all results here")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure each case this many times, the sides alternating; "
+                             "report each side's median run and the spread of the ratio")
     args = parser.parse_args()
 
     if args.side == "ours":
@@ -158,17 +169,45 @@ def main() -> None:
         seconds = "10" if case == "slice" else "5"
         common = ["--case", case, "--rows", str(rows), "--batch", str(batch), "--seconds", seconds]
         print(f"{case} rows={rows:,} batch={batch:,}", file=sys.stderr)
-        ours = run_side([sys.executable, str(Path(__file__)), "--side", "ours", *common], 1800)
-        theirs = None
-        if args.torchrl_python:
-            theirs = run_side([args.torchrl_python, str(HERE / "torchrl_engine.py"), *common], 1800)
-        results.append({"case": case, "rows": rows, "batch": batch, "ours": ours,
-                        "torchrl": theirs})
-        print(f"  ours={ours}\n  torchrl={theirs}", file=sys.stderr)
+        rounds = []
+        for _ in range(args.repeat):
+            ours = run_side([sys.executable, str(Path(__file__)), "--side", "ours", *common], 1800)
+            theirs = None
+            if args.torchrl_python:
+                theirs = run_side([args.torchrl_python, str(HERE / "torchrl_engine.py"), *common],
+                                  1800)
+            rounds.append((ours, theirs))
+            print(f"  ours={ours}\n  torchrl={theirs}", file=sys.stderr)
+        results.append({"case": case, "rows": rows, "batch": batch,
+                        "ours": _median_run([r[0] for r in rounds], case),
+                        "torchrl": _median_run([r[1] for r in rounds], case),
+                        "ratios": [_ratio(a, b, case) for a, b in rounds]})
 
     print(_table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+
+
+def _metric(record: dict | None, case: str) -> float | None:
+    """The figure a case is judged by (lower is better except for inserts)."""
+    if not record:
+        return None
+    return record.get({"insert": "rows_per_s", "memory": "ratio"}.get(case, "median_s"))
+
+
+def _median_run(records: list[dict | None], case: str) -> dict | None:
+    """The run with the median figure (the lower median of an even count)."""
+    measured = sorted((r for r in records if _metric(r, case) is not None),
+                      key=lambda r: _metric(r, case))
+    return measured[(len(measured) - 1) // 2] if measured else None
+
+
+def _ratio(ours: dict | None, theirs: dict | None, case: str) -> float | None:
+    """TorchRL / ours (above 1: ours is better), per round."""
+    a, b = _metric(ours, case), _metric(theirs, case)
+    if not a or not b:
+        return None
+    return a / b if case == "insert" else b / a
 
 
 def _table(results: list[dict]) -> str:
@@ -198,6 +237,9 @@ def _table(results: list[dict]) -> str:
             cells = (_fmt_time(a), _fmt_time(b), f"{b / a:.2f}x" if a and b else "n/a")
             label = ("prioritized sample + update" if r["case"] == "prioritized"
                      else "slice sample 256 x 32 (after 1,000-row insert)")
+        spread = [x for x in r.get("ratios", []) if x is not None]
+        if len(spread) > 1:
+            cells = (*cells[:2], f"{cells[2]} ({min(spread):.2f}-{max(spread):.2f})")
         lines.append(f"| {label} | {r['rows']:,} | {r['batch']:,} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines)
 

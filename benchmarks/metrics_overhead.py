@@ -215,7 +215,7 @@ def main() -> None:
                         config = service._CONFIG.replace(
                             "[server]\n", f'[server]\nmetrics_address = "127.0.0.1:{port}"\n', 1)
                         with Scraper(f"http://127.0.0.1:{port}/metrics") as scraper:
-                            records = service._ours(kind, case, args.seconds, config)
+                            records = service._ours(kind, case, args.seconds, config=config)
                         scrapes += scraper.scrapes
                     for api, rate in _rates(records).items():
                         runs[variant].setdefault(api, []).append(rate)

@@ -30,7 +30,7 @@ benchmarks/REVERB_NOTES.md):
   .from_table_signature(...).batch(SAMPLE_BATCH)`` iterated eagerly, tensors
   turned into numpy) or ``client.sample`` (``client.sample(table,
   num_samples=SAMPLE_BATCH, emit_timesteps=False)`` + ``np.stack`` per column).
-* update: ``client.mutate_priorities`` with UPDATE_BATCH keys per call (the
+* update: ``client.mutate_priorities`` with ``--ids-per-call`` keys per call (the
   ``{key: priority}`` dict is built from numpy arrays inside the timed loop).
 """
 
@@ -326,7 +326,8 @@ def bench_sample(client, address: str, kind: str, seconds: float, api: str) -> d
             "batches": nbatches, "batch": W.SAMPLE_BATCH, "seconds": elapsed}
 
 
-def bench_update(client, address: str, kind: str, seconds: float, api: str) -> dict:
+def bench_update(client, address: str, kind: str, seconds: float, api: str,
+                 per_call: int = W.UPDATE_BATCH) -> dict:
     if api != "client.mutate_priorities":
         raise ValueError(api)
     n = prefill(client, kind)
@@ -340,15 +341,15 @@ def bench_update(client, address: str, kind: str, seconds: float, api: str) -> d
     batches.close()
     keys = sorted(found)
     log(f"collected {len(keys)} item keys in {time.perf_counter() - t0:.1f} s")
-    if len(keys) < W.UPDATE_BATCH:
+    if len(keys) < per_call:
         raise RuntimeError(f"only {len(keys)} keys collected")
     # The learner holds ids (uint64, from the sample info) and new priorities
     # (float64) as arrays; Reverb's API takes a {key: priority} dict, so the
     # dict is built inside the timed loop (the cheapest way: .tolist() + zip).
     key_arr = np.asarray(keys, dtype=np.uint64)
-    windows = [(key_arr[j * W.UPDATE_BATCH:(j + 1) * W.UPDATE_BATCH],
-                W.new_priorities(W.UPDATE_BATCH, seed=j))
-               for j in range(len(keys) // W.UPDATE_BATCH)]
+    windows = [(key_arr[j * per_call:(j + 1) * per_call],
+                W.new_priorities(per_call, seed=j))
+               for j in range(len(keys) // per_call)]
 
     def update(i: int) -> None:
         ids, prios = windows[i % len(windows)]
@@ -365,8 +366,8 @@ def bench_update(client, address: str, kind: str, seconds: float, api: str) -> d
         if time.perf_counter() >= deadline:
             break
     elapsed = time.perf_counter() - start
-    rate = calls * W.UPDATE_BATCH / elapsed
-    return {"ids_per_s": rate, "calls": calls, "batch": W.UPDATE_BATCH, "seconds": elapsed}
+    rate = calls * per_call / elapsed
+    return {"ids_per_s": rate, "calls": calls, "batch": per_call, "seconds": elapsed}
 
 
 # ----------------------------------------------------------------------- main
@@ -378,6 +379,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=W.SECONDS)
     ap.add_argument("--api", default=None,
                     help="insert: trajectory_writer|writer; sample: trajectory_dataset|client.sample")
+    ap.add_argument("--ids-per-call", type=int, default=W.UPDATE_BATCH,
+                    help="update: keys per mutate_priorities call")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -413,7 +416,8 @@ def main(argv=None) -> int:
             elif args.case == "sample":
                 res = bench_sample(client, server.address, args.kind, args.seconds, api)
             else:
-                res = bench_update(client, server.address, args.kind, args.seconds, api)
+                res = bench_update(client, server.address, args.kind, args.seconds, api,
+                                   args.ids_per_call)
             del client
     finally:
         timer.cancel()

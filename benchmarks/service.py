@@ -41,7 +41,8 @@ def _rows_as_torch(rows):
     return {key: torch.from_numpy(value) for key, value in rows.items()}
 
 
-def _ours(kind: str, case: str, seconds: float, config: str = _CONFIG) -> list[dict]:
+def _ours(kind: str, case: str, seconds: float, per_call: int = w.UPDATE_BATCH,
+          config: str = _CONFIG) -> list[dict]:
     import torch
 
     from replay_client import ReplayClient
@@ -81,8 +82,10 @@ def _ours(kind: str, case: str, seconds: float, config: str = _CONFIG) -> list[d
                 for first in range(0, prefill, chunk):
                     client.insert(kind, _rows_as_torch(w.make_rows(kind, first, chunk)))
                 if case == "sample":
-                    for api, per_message, shm in (("sample", 1, False), ("stream", 1, False),
-                                                  ("stream", 8, False), ("stream", 1, True)):
+                    # per_message None: the plain call, grouping chosen by the client.
+                    for api, per_message, shm in (("sample", 1, False), ("stream", None, True),
+                                                  ("stream", 1, False), ("stream", 8, False),
+                                                  ("stream", 1, True)):
                         rows = 0
                         start = time.perf_counter()
                         if api == "sample":
@@ -96,23 +99,28 @@ def _ours(kind: str, case: str, seconds: float, config: str = _CONFIG) -> list[d
                                 if time.perf_counter() - start > seconds:
                                     break
                         elapsed = time.perf_counter() - start
-                        grouped = f", {per_message} per message" if per_message > 1 else ""
-                        grouped += ", same-host shared memory" if shm else ""
+                        if api == "sample":
+                            grouped = ""
+                        elif per_message is None:
+                            grouped = ", plain: grouping chosen"
+                        else:
+                            grouped = f", {per_message} per message"
+                            grouped += ", same-host shared memory" if shm else ", gRPC"
                         out.append({"api": f"{api} (batch {w.SAMPLE_BATCH}{grouped})",
                                     "rows_per_s": rows / elapsed})
                 else:
-                    ids = client.sample(kind, w.UPDATE_BATCH).ids
+                    ids = client.sample(kind, per_call).ids
+                    priorities = [w.new_priorities(per_call, i) for i in range(64)]
                     for wait in (True, False):
                         done = i = 0
                         start = time.perf_counter()
                         while time.perf_counter() - start < seconds:
-                            client.update_priorities(kind, ids, w.new_priorities(w.UPDATE_BATCH, i),
-                                                     wait=wait)
-                            done += w.UPDATE_BATCH
+                            client.update_priorities(kind, ids, priorities[i % 64], wait=wait)
+                            done += per_call
                             i += 1
                         client.flush_updates()  # counted: every update was applied
                         mode = "" if wait else ", wait=False"
-                        out.append({"api": f"update_priorities ({w.UPDATE_BATCH} ids per call{mode})",
+                        out.append({"api": f"update_priorities ({per_call} ids per call{mode})",
                                     "ids_per_s": done / (time.perf_counter() - start)})
             for record in out:
                 if "rows_per_s" in record:
@@ -120,9 +128,10 @@ def _ours(kind: str, case: str, seconds: float, config: str = _CONFIG) -> list[d
             return out
 
 
-def _reverb(python: str, kind: str, case: str, seconds: float) -> dict | None:
+def _reverb(python: str, kind: str, case: str, seconds: float,
+            per_call: int = w.UPDATE_BATCH) -> dict | None:
     cmd = [python, str(HERE / "reverb_service.py"), "--kind", kind, "--case", case,
-           "--seconds", str(seconds)]
+           "--seconds", str(seconds), "--ids-per-call", str(per_call)]
     return run_side(cmd, timeout=900)
 
 
@@ -133,16 +142,22 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--cases", default="insert,sample,update",
                         help="comma-separated subset of insert,sample,update")
+
+    parser.add_argument("--kinds", default=",".join(w.ROW_KINDS),
+                        help="comma-separated subset of " + ",".join(w.ROW_KINDS))
     args = parser.parse_args()
 
     results = []
-    for kind in w.ROW_KINDS:
+    for kind in args.kinds.split(","):
         for case in args.cases.split(","):
-            print(f"{kind} {case}", file=sys.stderr)
-            ours = _ours(kind, case, args.seconds)
-            theirs = _reverb(args.reverb_python, kind, case, args.seconds) if args.reverb_python else None
-            results.append({"kind": kind, "case": case, "ours": ours, "reverb": theirs})
-            print(f"  ours={ours}\n  reverb={theirs}", file=sys.stderr)
+            # Priority updates: one measurement per size (ours and Reverb's side by side).
+            for per_call in (w.UPDATE_BATCHES if case == "update" else (w.UPDATE_BATCH,)):
+                print(f"{kind} {case}", file=sys.stderr)
+                ours = _ours(kind, case, args.seconds, per_call)
+                theirs = (_reverb(args.reverb_python, kind, case, args.seconds, per_call)
+                          if args.reverb_python else None)
+                results.append({"kind": kind, "case": case, "ours": ours, "reverb": theirs})
+                print(f"  ours={ours}\n  reverb={theirs}", file=sys.stderr)
     print(_table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

@@ -11,16 +11,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_client import variables
+from replay_client import grouping, variables
 from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import (
+    DeadlineExceededError,
     InvalidArgumentError,
     InvalidIdsError,
     InvalidPriorityError,
     MessageTooLargeError,
+    UnavailableError,
+    UnknownTableError,
 )
 from replay_client.stream import NetworkSource
 from replay_client.tls import TlsConfig
+from replay_client.update_stream import StreamFallback, UpdateStream
 from replay_client.updates import PriorityUpdater
 from replay_client.variables import Variable
 from replay_client.writer import Writer
@@ -145,6 +149,8 @@ class ReplayClient:
         self._lock = threading.Lock()
         self._updater: PriorityUpdater | None = None
         self._updater_pid = 0
+        self._update_stream: UpdateStream | None = None
+        self._update_stream_pid = 0
 
     @property
     def address(self) -> str:
@@ -165,12 +171,17 @@ class ReplayClient:
     def close(self) -> None:
         """Send pending ``wait=False`` updates, then close the connection (a later call reconnects)."""
         updater, self._updater = self._updater, None
-        if updater is not None:
-            try:
-                updater.flush()
-            finally:
-                updater.close()
-        self._connection.close()
+        try:
+            if updater is not None:
+                try:
+                    updater.flush()
+                finally:
+                    updater.close()
+        finally:
+            stream, self._update_stream = self._update_stream, None
+            if stream is not None and self._update_stream_pid == os.getpid():
+                stream.close()
+            self._connection.close()
 
     def __enter__(self) -> ReplayClient:
         return self
@@ -248,7 +259,9 @@ class ReplayClient:
             ids: int64 ids (from insert or sample), any shape.
             priorities: finite values >= 0, same shape.
             wait: ``True``: send now and return how many ids still named
-                stored rows. ``False``: queue it for a background thread and
+                stored rows (on the client's persistent update stream: one
+                round trip, see :mod:`replay_client.update_stream`).
+                ``False``: queue it for a background thread and
                 return ``None`` at once; updates stay in order, are merged
                 while one is in flight (see :mod:`replay_client.updates`), and
                 a failure is raised by the next update or :meth:`flush_updates`.
@@ -272,11 +285,23 @@ class ReplayClient:
             self._updater.flush(timeout)
 
     def _send_update(self, table: str, ids: np.ndarray, priorities: np.ndarray) -> int:
+        """One update, on the client's update stream when the server has one, else unary."""
         raw = messages.encode_update(table, ids, priorities)
+        try:
+            return int(self._stream().send(raw).applied)
+        except StreamFallback:
+            pass
         response = pb.UpdatePrioritiesResponse.FromString(
             self._connection.unary("UpdatePriorities", raw, retry=True)
         )
         return int(response.applied)
+
+    def _stream(self) -> UpdateStream:
+        with self._lock:
+            if self._update_stream is None or self._update_stream_pid != os.getpid():
+                self._update_stream = UpdateStream(self._connection)
+                self._update_stream_pid = os.getpid()
+            return self._update_stream
 
     def _updates(self) -> PriorityUpdater:
         with self._lock:
@@ -380,12 +405,12 @@ class ReplayClient:
         table: str,
         batch_size: int,
         *,
-        prefetch: int = 2,
+        prefetch: int | None = None,
         device: Any = None,
         pin_memory: bool | str = "auto",
         transform: Callable[[SampleBatch], Any] | None = None,
         num_batches: int = 0,
-        batches_per_message: int = 1,
+        batches_per_message: int | None = None,
         shared_memory: bool = True,
         reconnect: bool = True,
         wait: bool = True,
@@ -413,7 +438,8 @@ class ReplayClient:
         Args:
             table: table name.
             batch_size: rows (or slices) per batch.
-            prefetch: batches in flight or buffered ahead of the learner (>= 1).
+            prefetch: batches in flight or buffered ahead of the learner (>= 1);
+                ``None``: 2, or two groups when batches are grouped (below).
             device: where batches go (``"cuda"``, ``"cuda:1"``, a torch.device);
                 None or "cpu": they stay on the host.
             pin_memory: ``"auto"`` pins when an accelerator is present (what it
@@ -427,6 +453,11 @@ class ReplayClient:
                 rows, at the cost of those batches not seeing updates made in
                 between); > 1 selects the gRPC path and raises ``prefetch`` to
                 at least twice this many (one group drawn while one is consumed).
+                ``None``: chosen from the table's row size and ``batch_size``
+                (read with one ``info`` call): batches of up to 1 MiB are
+                grouped up to 8 per message, larger ones not at all (see
+                :mod:`replay_client.grouping`; ``stream.stats.notes`` says what
+                was chosen).
             shared_memory: use a same-host ring when the server offers one.
             reconnect: resume after a lost connection instead of raising.
             wait: while the table cannot serve a batch (empty, or below its
@@ -448,7 +479,14 @@ class ReplayClient:
         for name, value, low in (("prefetch", prefetch, 1), ("batch_size", batch_size, 1),
                                  ("num_batches", num_batches, 0),
                                  ("batches_per_message", batches_per_message, 0)):
-            _check_int(name, value, low)
+            if value is not None or name in ("batch_size", "num_batches"):
+                _check_int(name, value, low)
+        chosen = None
+        if batches_per_message is None:
+            chosen = grouping.choose(self._batch_bytes(table, batch_size), prefetch)
+            prefetch, batches_per_message = chosen.prefetch, chosen.batches_per_message
+        elif prefetch is None:
+            prefetch = grouping.DEFAULT_PREFETCH
         window = prefetch
         if batches_per_message > 1:
             # Groups travel in gRPC messages (one shared-memory descriptor per batch would
@@ -466,10 +504,32 @@ class ReplayClient:
             shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
             reconnect=reconnect, wait=wait, wait_timeout=wait_timeout)
         stream = BatchStream(core, source, table)
+        if chosen is not None and chosen.note:
+            stream.stats.notes.append(chosen.note)
         if window > prefetch:
             stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
                                       f"batches_per_message={batches_per_message} fit the window")
         return stream
+
+
+    def _batch_bytes(self, table: str, batch_size: int) -> int | None:
+        """Bytes of one batch of ``table`` from its schema (``None``: no schema yet, or no answer)."""
+        try:
+            timeout = min(self.timeout or _PROBE_TIMEOUT_S, _PROBE_TIMEOUT_S)
+            raw = self._connection.unary("Info", pb.InfoRequest().SerializeToString(),
+                                         retry=False, timeout=timeout)
+        except (UnavailableError, DeadlineExceededError):
+            return None  # the stream itself will wait for the server; nothing is grouped
+        tables = pb.InfoResponse.FromString(raw).tables
+        for t in tables:
+            if t.name == table:
+                return grouping.batch_bytes(dict(t.schema), batch_size, t.slice_len or None)
+        raise UnknownTableError(
+            f"no table named {table!r}; tables: {', '.join(sorted(t.name for t in tables))}")
+
+
+_PROBE_TIMEOUT_S = 5.0
+"""How long ``stream`` waits for the table's schema when it chooses the grouping."""
 
 
 def _check_int(name: str, value: Any, low: int) -> None:

@@ -166,7 +166,12 @@ def from_rpc_error(exc: grpc.RpcError, address: str) -> ReplayError:
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
-    kind = kind_of(trailing)
+    return from_status(code, kind_of(trailing), details, address)
+
+
+def from_status(code: grpc.StatusCode, kind: ErrorKind | None, details: str,
+                address: str) -> ReplayError:
+    """The typed error for a status ``code`` with error ``kind`` (``None``: unknown)."""
     cls = _BY_KIND[kind] if kind is not None else _BY_CODE.get(code, InternalError)
     if cls is UnavailableError and code == grpc.StatusCode.CANCELLED:
         return cls(f"replay server at {address} cancelled the call (it is shutting down?)")

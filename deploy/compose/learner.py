@@ -4,8 +4,8 @@
 
 Stands in for a real learner's update: each batch's "TD errors" are random, and
 go back as the rows' new priorities without waiting (``wait=False``). Prints the
-transport (``shared_memory`` when it shares the server's ``/dev/shm``) and the
-rate. ``--batches 0`` runs until stopped (SIGTERM ends it cleanly).
+transport (``shared_memory`` when it shares the server's ``/dev/shm`` and its
+batches are large; small batches come grouped over ``grpc``) and the rate. ``--batches 0`` runs until stopped (SIGTERM ends it cleanly).
 """
 
 from __future__ import annotations

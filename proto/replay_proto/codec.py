@@ -80,7 +80,8 @@ def encode_tensors(
     return specs, buffers
 
 
-def _varint(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """``value`` (>= 0) as a protobuf base-128 varint."""
     out = bytearray()
     while True:
         byte = value & 0x7F
@@ -96,7 +97,7 @@ def frame(header: Any, buffers: Iterable[memoryview | bytes]) -> bytes:
     """Serialize ``header`` (a message whose payload is unset) with ``buffers`` as its payload."""
     parts = list(buffers)
     size = sum(memoryview(p).nbytes for p in parts)
-    return b"".join([header.SerializeToString(), _PAYLOAD_TAG, _varint(size), *parts])
+    return b"".join([header.SerializeToString(), _PAYLOAD_TAG, varint(size), *parts])
 
 
 # ----------------------------------------------------------------- decoding

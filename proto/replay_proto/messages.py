@@ -24,8 +24,11 @@ from replay_proto.codec import (
     frame,
     split_payload,
     tensor_bytes,
+    varint,
 )
 from replay_proto.v1 import replay_pb2 as pb
+
+_UPDATE_FIELD_TAG = bytes([(2 << 3) | 2])  # UpdateStreamRequest.update_priorities
 
 # ------------------------------------------------------------------- insert
 
@@ -86,7 +89,36 @@ def encode_update(table: str, ids: np.ndarray, priorities: np.ndarray) -> bytes:
 def decode_update(raw: bytes) -> tuple[str, np.ndarray, np.ndarray]:
     """``(table, ids int64, priorities float64)`` (read-only views)."""
     header, payload = split_payload(raw, pb.UpdatePrioritiesRequest)
-    ids, offset = fixed_array(payload, 0, header.count, "int64")
-    priorities, offset = fixed_array(payload, offset, header.count, "float64")
+    return (header.table, *_update_arrays(payload, header.count))
+
+
+def _update_arrays(payload: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:
+    ids, offset = fixed_array(payload, 0, count, "int64")
+    priorities, offset = fixed_array(payload, offset, count, "float64")
     expect_end(payload, offset)
-    return header.table, ids, priorities
+    return ids, priorities
+
+
+# ------------------------------------------------------------ update stream
+
+
+def encode_update_stream_request(sequence: int, update: bytes) -> bytes:
+    """An UpdateStream message carrying ``update`` (an encoded UpdatePrioritiesRequest)."""
+    header = pb.UpdateStreamRequest(sequence=sequence).SerializeToString()
+    return b"".join([header, _UPDATE_FIELD_TAG, varint(len(update)), update])
+
+
+def decode_update_stream_request(raw: bytes) -> tuple[int, pb.UpdatePrioritiesRequest]:
+    """``(sequence, the update request)``; raises CodecError if there is none."""
+    try:
+        message = pb.UpdateStreamRequest.FromString(raw)
+    except Exception as exc:
+        raise CodecError(f"malformed UpdateStreamRequest: {exc}") from None
+    if not message.HasField("update_priorities"):
+        raise CodecError("an UpdateStreamRequest must carry update_priorities")
+    return message.sequence, message.update_priorities
+
+
+def update_arrays(header: pb.UpdatePrioritiesRequest) -> tuple[np.ndarray, np.ndarray]:
+    """A parsed UpdatePrioritiesRequest's ``(ids int64, priorities float64)`` (read-only views)."""
+    return _update_arrays(memoryview(header.payload), header.count)

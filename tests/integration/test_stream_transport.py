@@ -1,6 +1,8 @@
 """How learner batches travel: shared memory vs gRPC, the automatic fallbacks, restarts.
 
 Every case runs a real server process and the real client over 127.0.0.1.
+Streams here ask for one batch per message (``batches_per_message=1``): these
+small batches would otherwise be grouped over gRPC (``replay_client.grouping``).
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def test_environment_switch_disables_shared_memory(server_factory, monkeypatch):
     client = ReplayClient(server_factory(CONFIG).address)
     _fill(client)
     monkeypatch.setenv("REPLAY_SHARED_MEMORY", "0")
-    stream = client.stream("replay", 8, num_batches=2)
+    stream = client.stream("replay", 8, num_batches=2, batches_per_message=1)
     assert sum(1 for _ in stream) == 2
     assert stream.transport == "grpc"
 
@@ -106,7 +108,7 @@ def test_environment_switch_disables_shared_memory(server_factory, monkeypatch):
 def test_server_with_shared_memory_off_says_so(server_factory):
     client = ReplayClient(server_factory("[server]\nshared_memory = false\n" + CONFIG).address)
     _fill(client)
-    stream = client.stream("replay", 8, num_batches=3)
+    stream = client.stream("replay", 8, num_batches=3, batches_per_message=1)
     assert sum(1 for _ in stream) == 3
     assert stream.transport == "grpc"
     assert any("shared_memory = false" in note for note in stream.stats.notes)
@@ -116,7 +118,7 @@ def test_server_that_cannot_create_a_ring_falls_back(server_factory, tmp_path):
     proc = server_factory(CONFIG, env={"REPLAY_SHM_DIR": str(tmp_path / "missing")})
     client = ReplayClient(proc.address)
     _fill(client)
-    stream = client.stream("replay", 8, num_batches=3)
+    stream = client.stream("replay", 8, num_batches=3, batches_per_message=1)
     rows = [batch.ids.clone() for batch in stream]
     assert len(rows) == 3 and stream.transport == "grpc"
     assert any("could not create a shared-memory ring" in note for note in stream.stats.notes)
@@ -129,7 +131,7 @@ def test_learner_that_cannot_map_the_ring_falls_back_and_nothing_leaks(server_fa
     client = ReplayClient(proc.address)
     issued = _fill(client)["replay"]
     monkeypatch.setenv("REPLAY_SHM_DIR", str(tmp_path))
-    stream = client.stream("replay", 8, num_batches=5)
+    stream = client.stream("replay", 8, num_batches=5, batches_per_message=1)
     assert sum(1 for batch in stream if torch.equal(issued[batch.data["row"]], batch.ids)) == 5
     assert stream.transport == "grpc"
     assert any("could not map" in note for note in stream.stats.notes)
@@ -142,7 +144,7 @@ def test_learner_on_another_host_is_not_offered_a_ring(server_factory, monkeypat
     client = ReplayClient(server_factory(CONFIG).address)
     _fill(client)
     monkeypatch.setattr(stream_module, "host_id", lambda: "another-machine")
-    stream = client.stream("replay", 8, num_batches=2)
+    stream = client.stream("replay", 8, num_batches=2, batches_per_message=1)
     assert sum(1 for _ in stream) == 2
     assert stream.transport == "grpc"
     assert any("another host" in note for note in stream.stats.notes)
@@ -160,7 +162,7 @@ def test_stream_resumes_after_a_server_restart(server_factory, shared_memory):
     client = ReplayClient(f"127.0.0.1:{port}", max_retry_s=60)
     first = server_factory(CONFIG, port=port)
     issued_first = _fill(client)["replay"]
-    stream = client.stream("replay", 8, shared_memory=shared_memory)
+    stream = client.stream("replay", 8, shared_memory=shared_memory, batches_per_message=1)
     with stream:
         for _ in range(3):
             batch = next(stream)
@@ -185,7 +187,7 @@ def test_stream_without_reconnect_fails_loudly(server_factory):
     proc = server_factory(CONFIG)
     client = ReplayClient(proc.address)
     _fill(client)
-    stream = client.stream("replay", 8, reconnect=False)
+    stream = client.stream("replay", 8, reconnect=False, batches_per_message=1)
     next(stream)
     proc.stop(signal.SIGKILL)
     with pytest.raises(errors.UnavailableError, match=proc.address):
@@ -197,7 +199,7 @@ def test_stream_gives_up_after_max_retry_s(server_factory):
     proc = server_factory(CONFIG)
     client = ReplayClient(proc.address, max_retry_s=1.0)
     _fill(client)
-    stream = client.stream("replay", 8)
+    stream = client.stream("replay", 8, batches_per_message=1)
     next(stream)
     proc.stop(signal.SIGKILL)
     with pytest.raises(errors.UnavailableError, match="not back within 1 s"):

@@ -81,6 +81,11 @@ class ReplayServiceStub:
                 request_serializer=replay_dot_v1_dot_replay__pb2.FetchRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.FetchResponse.FromString,
                 _registered_method=True)
+        self.UpdateStream = channel.stream_stream(
+                '/replay.v1.ReplayService/UpdateStream',
+                request_serializer=replay_dot_v1_dot_replay__pb2.UpdateStreamRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.UpdateStreamResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServiceServicer:
@@ -214,6 +219,31 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateStream(self, request_iterator, context):
+        """Small requests (priority updates) on one persistent stream per client, each
+        answered by its own message, so a call that waits for its answer costs a
+        stream round trip instead of a unary call.
+
+        Client messages: UpdateStreamRequest, each carrying `sequence` (0 for the
+        first message, then one more per message) and one request
+        (`update_priorities`, exactly as UpdatePriorities takes it). The server
+        handles them one at a time, in the order sent, and answers each with one
+        UpdateStreamResponse carrying the same `sequence`, in the same order:
+        either the result (`update_priorities`) or `error`, the status code, error
+        kind and message that the unary call would have failed with; the stream
+        goes on after an error, and a refused request changes nothing. A client
+        keeps at most a bounded window of requests unanswered; the server reads
+        one request ahead of the one it handles (gRPC's flow control holds the
+        rest). A message that cannot be decoded, or a `sequence` out of order,
+        ends the stream with INVALID_ARGUMENT; while the server drains, the
+        request in hand is answered with UNAVAILABLE and the stream ends with
+        UNAVAILABLE. A server without this RPC answers UNIMPLEMENTED; clients then
+        use UpdatePriorities.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -261,6 +291,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.Fetch,
                     request_deserializer=replay_dot_v1_dot_replay__pb2.FetchRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.FetchResponse.SerializeToString,
+            ),
+            'UpdateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.UpdateStream,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.UpdateStreamRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.UpdateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -507,6 +542,33 @@ class ReplayService:
             '/replay.v1.ReplayService/Fetch',
             replay_dot_v1_dot_replay__pb2.FetchRequest.SerializeToString,
             replay_dot_v1_dot_replay__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/replay.v1.ReplayService/UpdateStream',
+            replay_dot_v1_dot_replay__pb2.UpdateStreamRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.UpdateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

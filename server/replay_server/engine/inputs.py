@@ -126,15 +126,15 @@ def priority_values(priorities: Any, table: str, alpha: float) -> np.ndarray:
                 f"table {table!r}: priorities must be real numbers, got dtype {tensor.dtype}"
             )
         values = tensor.detach().numpy().astype(np.float64)
-    bad = ~(np.isfinite(values) & (values >= 0))
-    if bad.any():
-        where = np.flatnonzero(bad)
+    top = float(values.max()) if values.size else 0.0
+    # NaN fails `>= 0`; +inf fails the bound below: two passes over the values, not four.
+    if not (values >= 0).all() or top == math.inf:
+        where = np.flatnonzero(~(np.isfinite(values) & (values >= 0)))
         first = int(where[0])
         raise InvalidPriorityError(
             f"table {table!r}: priorities must be finite and >= 0; {where.size} "
             f"are not (first at index {first}: {float(values.reshape(-1)[first])})"
         )
-    top = float(values.max()) if values.size else 0.0
     if top > max_priority(alpha):
         raise InvalidPriorityError(
             f"table {table!r}: priority {top} is too large: its sampling mass p**alpha "

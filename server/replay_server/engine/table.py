@@ -28,7 +28,8 @@ inputs happens before the lock is taken, the copies in and out under it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -293,7 +294,7 @@ class Table:
 
     # -------------------------------------------------------------- priorities
 
-    def update_priorities(self, ids: Any, priorities: Any) -> int:
+    def update_priorities(self, ids: Any, priorities: Any, *, blocking: bool = True) -> int | None:
         """Set the priorities of the rows named by ``ids``.
 
         Ids whose rows have since been overwritten (or reset, or retired), and
@@ -304,6 +305,9 @@ class Table:
         Args:
             ids: int64 ids, any shape.
             priorities: finite values >= 0, same shape as ``ids``.
+            blocking: ``False``: if another call holds the table's lock, return
+                ``None`` at once having done nothing (for a caller that must
+                never wait, such as the service's event loop).
 
         Returns:
             How many of ``ids`` named rows still present (and were applied).
@@ -330,14 +334,19 @@ class Table:
                 f"{list(id_array.shape)}, got {list(values.shape)}"
             )
         id_array, values = id_array.reshape(-1), values.reshape(-1)
-        with self._lock:
+        with _holding(self._lock, blocking) as held:
+            if not held:
+                return None
             parts = self._parts
             ring = parts.ring
             positions = parts.ids.positions_of(id_array, ring.next_id, self.name)
-            live = ring.live(positions)
+            # Positions are issued in order, so when the lowest is live they all are.
+            lowest = int(positions.min()) if positions.size else ring.first_live
+            live = None if lowest >= ring.first_live else ring.live(positions)
             if parts.retirement is not None:  # a retired row's priority stays 0
-                live &= parts.retirement.drawable(ring.slots(positions))
-            applied = int(live.sum())
+                drawable = parts.retirement.drawable(ring.slots(positions))
+                live = drawable if live is None else live & drawable
+            applied = id_array.size if live is None else int(live.sum())
             if applied == id_array.size:
                 parts.sampler.update(ring.slots(positions), values)
             elif applied:
@@ -441,3 +450,14 @@ class Table:
         with self._lock:
             self._parts = parts
             self.changes.tick()
+
+
+@contextmanager
+def _holding(lock: threading.Lock, blocking: bool) -> Iterator[bool]:
+    """Hold ``lock`` for the block; with ``blocking=False`` only if it is free (yields whether held)."""
+    held = lock.acquire(blocking)
+    try:
+        yield held
+    finally:
+        if held:
+            lock.release()

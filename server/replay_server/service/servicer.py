@@ -7,8 +7,11 @@ flight, its request's memory reserved before it is read); a handler grows
 the call's reservation before it draws a batch. Engine work,
 decoding included, runs through a :class:`~replay_server.service.calls.CallRunner`:
 in a bounded thread pool, never on the event loop, waiting without a thread
-while a table's rate limiter holds it back. ``SampleStream`` is its own
-handler (:mod:`replay_server.service.sample_stream`), sharing the runner.
+while a table's rate limiter holds it back. ``SampleStream`` and
+``UpdateStream`` are handlers of their own
+(:mod:`replay_server.service.sample_stream`,
+:mod:`replay_server.service.update_stream`, which applies small priority
+updates on the event loop when their table is free), sharing the runner.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from replay_server.service.limits import ServiceLimits
 from replay_server.service.process import rss_bytes
 from replay_server.service.sample_stream import SampleStreamCall, StreamLimits
 from replay_server.service.status import LimitExceededError, MessageTooLargeError
+from replay_server.service.update_stream import INLINE_MAX_IDS, UpdateStreamHandler
 from replay_server.service.variables import VariableService
 from replay_server.service.waiting import draw
 
@@ -97,6 +101,8 @@ class ReplayServicer:
         self.variables = VariableService(
             VariableStore(0) if variables is None else variables, self.calls)
         """Publish and Fetch (named variables)."""
+        self._update_stream = UpdateStreamHandler(self.calls, self._stream_update,
+                                                  self._stream_update_now)
 
     def use_tables(self, tables: TableSet) -> None:
         """Serve ``tables`` from now on (the restored ones, before SERVING)."""
@@ -117,6 +123,7 @@ class ReplayServicer:
                 "Checkpoint": unary("Checkpoint", self.checkpoint),
                 "Publish": unary("Publish", self.variables.publish),
                 "Fetch": unary("Fetch", self.variables.fetch),
+                "UpdateStream": stream("UpdateStream", self._update_stream.serve),
             },
         )
 
@@ -176,9 +183,30 @@ class ReplayServicer:
         # The request, and as much again for its ids' positions and masks.
         reservation.resize(2 * len(raw), "UpdatePriorities")
         name, ids, priorities = messages.decode_update(raw)
+        return name, self._apply_update(name, ids, priorities).SerializeToString()
+
+    def _stream_update(
+        self, request: pb.UpdatePrioritiesRequest
+    ) -> tuple[str, pb.UpdatePrioritiesResponse]:
+        ids, priorities = messages.update_arrays(request)
+        return request.table, self._apply_update(request.table, ids, priorities)
+
+    def _stream_update_now(
+        self, request: pb.UpdatePrioritiesRequest
+    ) -> pb.UpdatePrioritiesResponse | None:
+        """A small update applied on the event loop if its table's lock is free (else ``None``)."""
+        if request.count > INLINE_MAX_IDS:
+            return None
+        ids, priorities = messages.update_arrays(request)
+        applied = self._tables[request.table].update_priorities(ids, priorities, blocking=False)
+        if applied is None:
+            return None
+        return pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied)
+
+    def _apply_update(self, name: str, ids: Any, priorities: Any) -> pb.UpdatePrioritiesResponse:
         applied = self._tables[name].update_priorities(ids, priorities)
-        response = pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied)
-        return name, response.SerializeToString()
+        assert applied is not None
+        return pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied)
 
     async def info(self, raw: bytes, context: grpc.aio.ServicerContext, _: Reservation) -> bytes:
         blocked = self.calls.blocked

@@ -43,3 +43,28 @@ def test_pin_memory_without_an_accelerator_is_a_clear_error():
 
     with pytest.raises(ConfigError, match="pin_memory is true but no CUDA device"):
         ColumnStorage(Schema({"x": FieldSpec(torch.float32, ())}), capacity=4, pin_memory=True)
+
+
+def test_writes_and_gathers_split_across_threads_equal_one_thread(monkeypatch):
+    from replay_server.engine import storage as storage_module
+    from replay_server.engine import workers
+
+    monkeypatch.setattr(storage_module, "_PARALLEL_BYTES", 64)
+    monkeypatch.setattr(storage_module, "_THREADS", 3)
+    monkeypatch.setattr(storage_module, "_WRITE_THREADS", 3)
+    schema = Schema({"obs": FieldSpec(torch.uint8, (5, 3)), "reward": FieldSpec(torch.float32, ())})
+    split, plain = ColumnStorage(schema, capacity=50), ColumnStorage(schema, capacity=50)
+    generator = torch.Generator().manual_seed(0)
+    for first, rows in ((0, 40), (40, 33), (23, 7)):  # the second write wraps
+        data = {"obs": torch.randint(0, 255, (rows, 5, 3), dtype=torch.uint8, generator=generator),
+                "reward": torch.randn(rows, generator=generator)}
+        split.write(first, data)
+        with monkeypatch.context() as single:
+            single.setattr(storage_module, "_PARALLEL_BYTES", 1 << 40)
+            plain.write(first, data)
+    slots = torch.randint(0, 50, (37,), generator=generator).numpy()
+    gathered = split.gather(slots)
+    for key, column in plain.gather(slots).items():
+        assert torch.equal(gathered[key], column)
+    assert all(torch.equal(split.columns[k], plain.columns[k]) for k in schema)
+    assert workers._pool is not None  # the split path ran

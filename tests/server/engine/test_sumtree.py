@@ -68,13 +68,19 @@ FIND_PATHS = {"descent": 0, "prefix": 10**9}
 TOP_LEVELS = {"top-1024": 1024, "top-2": 2}
 
 
+# Small batches take 16-way steps (matrix products); larger ones numpy's reductions.
+SMALL_BATCH = {"16-way": sumtree._SMALL_BATCH, "reductions": 0}
+
+
+@pytest.mark.parametrize("small", list(SMALL_BATCH))
 @pytest.mark.parametrize("top", list(TOP_LEVELS))
 @pytest.mark.parametrize("path", list(FIND_PATHS))
 @settings(max_examples=60, deadline=None)
 @given(_operations(), st.lists(st.floats(0, 1, exclude_max=True), min_size=1, max_size=30))
-def test_batched_tree_matches_reference(path, top, case, fractions):
+def test_batched_tree_matches_reference(path, top, small, case, fractions):
     with mock.patch.object(sumtree, "_LARGE_BATCH", FIND_PATHS[path]), \
             mock.patch.object(sumtree, "_TOP_NODES", TOP_LEVELS[top]), \
+            mock.patch.object(sumtree, "_SMALL_BATCH", SMALL_BATCH[small]), \
             mock.patch.object(sumtree, "_LANE_LOOP_MIN", 8):
         _check_against_reference(*case, fractions)
 
@@ -115,9 +121,19 @@ def test_both_find_paths_agree_on_a_deep_tree():
     u = np.random.default_rng(0).random(5000) * tree.total() * (1 - 1e-9)
     with mock.patch.object(sumtree, "_LARGE_BATCH", 0):
         by_descent = tree.find(u)
+        by_small_steps = np.concatenate([tree.find(part) for part in np.array_split(u, 20)])
     with mock.patch.object(sumtree, "_LARGE_BATCH", 10**9):
         by_prefix = tree.find(u)
+    with mock.patch.object(sumtree.workers, "MANY_CORES", True), \
+            mock.patch.object(sumtree.workers, "THREADS", 3), \
+            mock.patch.object(sumtree, "_PARALLEL_FIND_MIN", 1000):
+        by_threads = tree.find(u)
+        with mock.patch.object(sumtree, "_LARGE_BATCH", 0):
+            by_threads_descent = tree.find(u)
     assert np.array_equal(by_descent, by_prefix)
+    assert np.array_equal(by_small_steps, by_prefix)
+    assert np.array_equal(by_threads, by_prefix)
+    assert np.array_equal(by_threads_descent, by_prefix)
 
 
 def test_repeated_slot_in_one_set_keeps_last_value():

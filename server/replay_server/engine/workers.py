@@ -1,0 +1,62 @@
+"""Threads that share one large numpy operation: copies, gathers, searches.
+
+numpy releases the GIL while it copies, gathers or searches large arrays, so
+a large operation split by rows runs on several cores. The caller runs one
+part itself and waits for the others: the operation is still synchronous,
+under the caller's lock. The pool is the process's, created on first use,
+with :data:`THREADS` - 1 threads.
+
+Where splitting pays depends on the work: a gather is memory-latency bound
+and gains from a second thread even on 2 cores; bandwidth-bound copies and
+searches only gain with cores to spare (:data:`MANY_CORES`), and on 2 busy
+cores a second thread measured slower.
+
+Thread-safety: :func:`run_split` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+THREADS = max(1, min(8, os.cpu_count() or 1))
+"""Threads one operation may use (the caller's included)."""
+
+MANY_CORES = THREADS >= 4
+"""Whether bandwidth-bound work is split at all."""
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(max(1, THREADS - 1), thread_name_prefix="replay-split")
+    return _pool
+
+
+def run_split(work: Callable[[T], object], tasks: Sequence[T], parts: int) -> None:
+    """Run ``work(task)`` for every task on ``parts`` threads (this one included), then return.
+
+    Raises whatever a task raised (after every part has finished).
+    """
+    groups = [tasks[i::parts] for i in range(parts)]
+
+    def run(group: Sequence[T]) -> None:
+        for task in group:
+            work(task)
+
+    futures = [_threads().submit(run, group) for group in groups[1:] if group]
+    try:
+        run(groups[0])
+    finally:
+        for future in futures:
+            future.result()
