@@ -191,6 +191,7 @@ def test_the_cycle_check_would_see_a_cycle() -> None:
     assert "replay_server.engine.table" in _imports("replay_server.engine.table_set")
 
 
-@pytest.mark.parametrize("module", sorted(_modules()))
+@pytest.mark.parametrize("module", sorted(m for m in _modules()
+                                           if not _in(m, "replay_proto.v1")))  # protoc's output
 def test_no_module_is_over_600_lines(module: str) -> None:
     assert len(_modules()[module].read_text().splitlines()) <= 600, module

@@ -12,11 +12,11 @@ import numpy as np
 import torch
 
 from replay_client import grouping, variables
+from replay_client.arguments import id_array, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
-    InvalidIdsError,
     InvalidPriorityError,
     MessageTooLargeError,
     UnavailableError,
@@ -208,7 +208,7 @@ class ReplayClient:
         columns = _columns(data)
         prios = None
         if priorities is not None:
-            prios = _tensor(priorities, "priorities")
+            prios = tensor_of(priorities, "priorities")
             rows = next(iter(columns.values())).shape[0] if columns else 0
             if tuple(prios.shape) != (rows,):
                 raise InvalidPriorityError(
@@ -271,7 +271,7 @@ class ReplayClient:
             NoPrioritiesError, UnknownTableError, ...: from the server.
             PriorityUpdateError: an earlier ``wait=False`` update failed.
         """
-        id_array, values = _update_arrays(ids, priorities)
+        id_array, values = update_arrays(ids, priorities)
         if not wait:
             self._updates().submit(table, id_array, values)
             return None
@@ -358,6 +358,25 @@ class ReplayClient:
         """Remove every row of ``table`` (its schema stays; old ids become stale)."""
         self._connection.unary("Reset", pb.ResetRequest(table=table).SerializeToString(),
                                retry=True)
+
+    def delete(self, table: str, ids: Any) -> int:
+        """Remove rows by id from a queue table (sampler ``fifo`` or ``lifo``).
+
+        Ids of rows already taken, deleted or overwritten are ignored. The
+        call is retried while the server is unavailable, so after a retry the
+        count may leave out rows the first attempt removed.
+
+        Returns:
+            How many of ``ids`` named rows present (and were removed).
+
+        Raises:
+            InvalidIdsError: ``ids`` are not int64 (checked here), or were never
+                issued by the table (from the server).
+            InvalidArgumentError: the table is not a queue table.
+        """
+        request = pb.DeleteRequest(table=table, ids=id_array(ids).tolist())
+        raw = self._connection.unary("Delete", request.SerializeToString(), retry=True)
+        return pb.DeleteResponse.FromString(raw).deleted
 
     def publish(self, name: str, state_dict: Any) -> int:
         """Store ``state_dict`` (tensors only) as the next version of variable ``name``.
@@ -537,44 +556,6 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def _update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Validated, contiguous copies: int64 ids and float64 priorities of one shape."""
-    id_array = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids)
-    if id_array.dtype != np.int64:
-        raise InvalidIdsError(
-            f"ids must be int64 (as returned by insert and sample), got dtype {id_array.dtype}"
-        )
-    values = _tensor(priorities, "priorities")
-    if tuple(values.shape) != id_array.shape:
-        raise InvalidPriorityError(
-            f"priorities must have the same shape as ids {list(id_array.shape)}, "
-            f"got {list(values.shape)}"
-        )
-    if values.dtype == torch.bool or values.is_complex():
-        raise InvalidPriorityError(f"priorities must be real numbers, got {values.dtype}")
-    array = values.to(torch.float64).numpy().reshape(-1)
-    bad = ~(np.isfinite(array) & (array >= 0))
-    if bad.any():
-        first = int(np.flatnonzero(bad)[0])
-        raise InvalidPriorityError(
-            f"priorities must be finite and >= 0; {int(bad.sum())} are not "
-            f"(first at index {first}: {array[first]})"
-        )
-    return np.array(id_array, dtype=np.int64).reshape(-1), np.array(array)
-
-
-def _tensor(value: Any, what: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    try:
-        array = np.asarray(value)
-        if any(stride < 0 for stride in array.strides):
-            array = array.copy()
-        return torch.as_tensor(array)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidArgumentError(f"{what} is not a tensor or array: {exc}") from None
-
-
 def _columns(data: Any) -> dict[str, torch.Tensor]:
     try:
         flat = rows_of(data)
@@ -582,7 +563,7 @@ def _columns(data: Any) -> dict[str, torch.Tensor]:
         raise InvalidArgumentError(str(exc)) from None
     columns = {}
     for key, value in flat.items():
-        tensor = _tensor(value, f"key {key!r}")
+        tensor = tensor_of(value, f"key {key!r}")
         try:
             dtype_name(tensor.dtype)
         except ValueError as exc:

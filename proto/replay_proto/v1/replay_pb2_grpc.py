@@ -86,6 +86,11 @@ class ReplayServiceStub:
                 request_serializer=replay_dot_v1_dot_replay__pb2.UpdateStreamRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.UpdateStreamResponse.FromString,
                 _registered_method=True)
+        self.Delete = channel.unary_unary(
+                '/replay.v1.ReplayService/Delete',
+                request_serializer=replay_dot_v1_dot_replay__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.DeleteResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServiceServicer:
@@ -244,6 +249,17 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Delete(self, request, context):
+        """Removes rows by id from a queue table (sampler "fifo" or "lifo"): they
+        are never handed out. Ids of rows already taken, deleted or overwritten
+        are ignored (counted as stale); ids the table never issued, or of another
+        shard, are INVALID_ARGUMENT (kind "invalid_ids"). Other tables answer
+        INVALID_ARGUMENT. Inserts waiting for room at max_size are let through.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -296,6 +312,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.UpdateStream,
                     request_deserializer=replay_dot_v1_dot_replay__pb2.UpdateStreamRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.UpdateStreamResponse.SerializeToString,
+            ),
+            'Delete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Delete,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.DeleteRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.DeleteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -569,6 +590,33 @@ class ReplayService:
             '/replay.v1.ReplayService/UpdateStream',
             replay_dot_v1_dot_replay__pb2.UpdateStreamRequest.SerializeToString,
             replay_dot_v1_dot_replay__pb2.UpdateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Delete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replay.v1.ReplayService/Delete',
+            replay_dot_v1_dot_replay__pb2.DeleteRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.DeleteResponse.FromString,
             options,
             channel_credentials,
             insecure,

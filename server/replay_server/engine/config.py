@@ -28,6 +28,13 @@ DEFAULT_ERROR_ROWS = 1000
 """``error_buffer`` defaults to ``max(1, samples_per_insert) * max(min_size_to_sample, this)``."""
 
 
+class StorageKind(str, Enum):
+    """Where a table keeps its rows (see ``replay_server.engine.storage``)."""
+
+    MEMORY = "memory"
+    MEMMAP = "memmap"
+
+
 class SamplerKind(str, Enum):
     """How a table picks the rows of a sample (see ``replay_server.engine.samplers``)."""
 
@@ -35,6 +42,13 @@ class SamplerKind(str, Enum):
     PRIORITIZED = "prioritized"
     SLICE = "slice"
     PRIORITIZED_SLICE = "prioritized_slice"
+    FIFO = "fifo"
+    LIFO = "lifo"
+
+    @property
+    def is_queue(self) -> bool:
+        """Consume-once kinds: a sample takes the oldest (fifo) or newest (lifo) rows away."""
+        return self in (SamplerKind.FIFO, SamplerKind.LIFO)
 
     @property
     def is_prioritized(self) -> bool:
@@ -73,6 +87,14 @@ class TableConfig:
             ``None``: ``max(1, samples_per_insert) * max(min_size_to_sample, 1000)``.
         max_times_sampled: a row drawn this many times is retired (no longer
             sampled); 0: no limit. Row samplers only.
+        max_size: (``fifo``/``lifo`` only) inserts wait while the queue holds
+            more than ``max_size - rows`` rows; ``None``: they never wait, and
+            the ring overwrites the oldest rows when full. At most ``capacity``.
+        storage: ``memory`` (preallocated tensors in RAM) or ``memmap``
+            (memory-mapped files under ``storage_dir``: the page cache decides
+            what stays in RAM, so a table may be larger than RAM).
+        storage_dir: the existing directory a ``memmap`` table keeps its files
+            in (``<storage_dir>/<name>/<key>.bin``); ``memmap`` only.
     """
 
     name: str
@@ -91,6 +113,9 @@ class TableConfig:
     samples_per_insert: float | None = None
     error_buffer: float | None = None
     max_times_sampled: int = 0
+    max_size: int | None = None
+    storage: StorageKind = StorageKind.MEMORY
+    storage_dir: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -155,6 +180,51 @@ class TableConfig:
             except ValueError as exc:
                 raise ConfigError(f"{where}: schema: {exc}") from None
         self._check_flow_control(where)
+        self._check_queue(where)
+        self._check_storage(where)
+
+    def _check_queue(self, where: str) -> None:
+        """fifo/lifo: consume-once already, so the other flow controls are refused."""
+        if not self.sampler.is_queue:
+            if self.max_size is not None:
+                raise ConfigError(
+                    f"{where}: max_size={self.max_size!r} only applies to the queue samplers "
+                    f"'fifo' and 'lifo', and sampler is {self.sampler.value!r}; remove max_size")
+            return
+        if self.max_size is not None and (not _is_int(self.max_size)
+                                          or not 1 <= self.max_size <= self.capacity):
+            raise ConfigError(f"{where}: max_size must be an integer in [1, capacity="
+                              f"{self.capacity}] or omitted, got {self.max_size!r}")
+        for name in ("samples_per_insert", "max_times_sampled"):
+            if getattr(self, name):
+                raise ConfigError(
+                    f"{where}: {name}={getattr(self, name)!r} does not apply to sampler "
+                    f"{self.sampler.value!r}: a queue hands each row out once, and inserts wait "
+                    f"at max_size; remove {name}")
+        if self.min_size_to_sample is not None:
+            raise ConfigError(
+                f"{where}: min_size_to_sample={self.min_size_to_sample!r} does not apply to "
+                f"sampler {self.sampler.value!r}: a queue's sample waits until it holds "
+                f"batch_size rows; remove min_size_to_sample")
+
+    def _check_storage(self, where: str) -> None:
+        try:
+            object.__setattr__(self, "storage", StorageKind(self.storage))
+        except ValueError:
+            kinds = ", ".join(k.value for k in StorageKind)
+            raise ConfigError(
+                f"{where}: storage must be one of {kinds}, got {self.storage!r}") from None
+        if self.storage is StorageKind.MEMMAP:
+            if not isinstance(self.storage_dir, str) or not self.storage_dir:
+                raise ConfigError(f"{where}: storage 'memmap' needs storage_dir, the directory "
+                                  f"its files go in; got {self.storage_dir!r}")
+            if self.pin_memory:
+                raise ConfigError(f"{where}: pin_memory cannot be true with storage 'memmap' "
+                                  f"(file-backed pages cannot be pinned); remove one")
+        elif self.storage_dir is not None:
+            raise ConfigError(f"{where}: storage_dir={self.storage_dir!r} is only used by "
+                              f"storage 'memmap', and storage is {self.storage.value!r}; remove "
+                              f"storage_dir or set storage = \"memmap\"")
 
     def _check_flow_control(self, where: str) -> None:
         """Rate limiter and max_times_sampled: refuse settings that can never make progress."""
@@ -255,6 +325,9 @@ class TableConfig:
             "samples_per_insert": self.samples_per_insert,
             "error_buffer": self.error_buffer,
             "max_times_sampled": self.max_times_sampled,
+            "max_size": self.max_size,
+            "storage": self.storage.value,
+            "storage_dir": self.storage_dir,
         }
 
 
@@ -262,8 +335,8 @@ def default_table_configs(capacity: int = 100_000) -> list[TableConfig]:
     """The tables a server starts with when it is given no config: one per sampler kind.
 
     ``replay`` is prioritized (as in the design's examples); ``uniform``,
-    ``slice`` and ``prioritized_slice`` are named after their sampler; slices
-    are 32 steps long.
+    ``slice``, ``prioritized_slice``, ``fifo`` and ``lifo`` are named after
+    their sampler; slices are 32 steps long.
     """
     return [
         TableConfig(name="replay", capacity=capacity, sampler=SamplerKind.PRIORITIZED),
@@ -275,6 +348,8 @@ def default_table_configs(capacity: int = 100_000) -> list[TableConfig]:
             sampler=SamplerKind.PRIORITIZED_SLICE,
             slice_len=32,
         ),
+        TableConfig(name="fifo", capacity=capacity, sampler=SamplerKind.FIFO),
+        TableConfig(name="lifo", capacity=capacity, sampler=SamplerKind.LIFO),
     ]
 
 

@@ -54,6 +54,8 @@ def sampler_slot_bytes(config: TableConfig) -> int:
         SamplerKind.PRIORITIZED: _PRIORITY_TREE,
         SamplerKind.SLICE: 3 * index,  # episode links + slice-start set
         SamplerKind.PRIORITIZED_SLICE: index + _PRIORITY_TREE + 5,  # links, tree, masses
+        SamplerKind.FIFO: 0,  # runs of positions: nothing per slot
+        SamplerKind.LIFO: 0,
     }[kind]
     return per_slot + (4 if config.max_times_sampled else 0)  # uint32 draw counts
 

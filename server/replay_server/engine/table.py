@@ -126,6 +126,14 @@ class Table:
 
     # ------------------------------------------------------------------ insert
 
+    def may_insert(self, rows: int) -> bool:
+        """Lock-free hint: would an insert of ``rows`` fit a queue's ``max_size`` now?
+
+        Always True for other tables (their rate limiter answers for them).
+        """
+        queue = self._parts.queue
+        return queue is None or queue.may_insert(rows)
+
     def insert(self, data: Any, priorities: Any = None) -> torch.Tensor:
         """Append rows; the oldest rows are overwritten once the table is full.
 
@@ -167,6 +175,9 @@ class Table:
                     f"capacity of {ring.capacity} rows; split it"
                 )
             parts.limiter.check_insert(rows, self.name)
+            queue = parts.queue
+            if queue is not None:
+                queue.check_insert(rows, self.name)
             parts.ids.reserve(ring.next_id, rows)
             if parts.storage is None:
                 self._memory.require(self.name, table_bytes(self.config, schema),
@@ -185,9 +196,12 @@ class Table:
                     ring.slots(ring.range(evicted_first_id, evicted)),
                 )
             parts.storage.write(first_id % ring.capacity, columns)
+            depth = parts.size
             parts.sampler.insert(InsertEvent(first_id=first_id, count=rows,
                                              evicted_first_id=evicted_first_id,
                                              evicted=evicted, **event))
+            if queue is not None:  # rows taken before were deleted then
+                deleted = queue.dropped_by(depth, rows)
             parts.counters.inserted += rows
             parts.counters.evicted += evicted
             parts.limiter.inserted(rows)
@@ -263,6 +277,8 @@ class Table:
             parts.counters.sample_calls += 1
             parts.counters.sampled += batch_size
             parts.limiter.sampled(rows)
+            if parts.queue is not None:  # taken away: a delete, for the limiter
+                parts.limiter.deleted(batch_size)
             if retired is not None:
                 parts.counters.retired += retired.size
                 parts.limiter.deleted(retired.size)
@@ -357,6 +373,39 @@ class Table:
         return applied
 
     # ------------------------------------------------------------------- admin
+
+    def delete(self, ids: Any) -> int:
+        """Remove the rows named by ``ids`` from a queue table (``fifo``/``lifo``).
+
+        Ids of rows already taken, deleted or overwritten are stale and
+        ignored (the ids not counted in the result). A repeated id counts
+        once. Inserts waiting for room under ``max_size`` may pass afterwards.
+
+        Returns:
+            How many of ``ids`` named rows present (and were removed).
+
+        Raises:
+            InvalidArgumentError: the table is not a queue table.
+            InvalidIdsError: ids are not int64, negative, of another shard, or
+                never issued by this table. Nothing is removed.
+
+        Cost: O(n log n) for n ids (see :mod:`~replay_server.engine.samplers.queue`).
+        """
+        if not self.config.sampler.is_queue:
+            raise InvalidArgumentError(
+                f"table {self.name!r} uses sampler {self.config.sampler.value!r}; delete is "
+                f"supported by the queue samplers 'fifo' and 'lifo'")
+        id_array = id_values(ids, self.name).reshape(-1)
+        with self._lock:
+            parts = self._parts
+            assert parts.queue is not None
+            positions = parts.ids.positions_of(id_array, parts.ring.next_id, self.name)
+            positions = positions[parts.ring.live(positions)]
+            deleted = parts.queue.delete(positions)
+            parts.counters.deleted += deleted
+            parts.limiter.deleted(deleted)
+            self.changes.tick()
+        return deleted
 
     def reset(self) -> None:
         """Remove every row. Ids keep counting (old ids become stale); the schema stays."""

@@ -21,6 +21,7 @@ class TableCounters:
     stale_priority_updates: int = 0
     resets: int = 0
     retired: int = 0
+    deleted: int = 0
 
 
 @dataclass(frozen=True, slots=True)

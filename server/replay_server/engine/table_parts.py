@@ -12,7 +12,7 @@ from replay_server.engine.ids import IdRing
 from replay_server.engine.inputs import check_sampler_columns
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.retirement import Retirement
-from replay_server.engine.samplers import Sampler, make_sampler
+from replay_server.engine.samplers import QueueSampler, Sampler, make_sampler
 from replay_server.engine.schema import Schema
 from replay_server.engine.storage import ColumnStorage
 from replay_server.engine.table_info import TableCounters
@@ -41,8 +41,17 @@ class TableParts:
 
     @property
     def size(self) -> int:
-        """Rows present (retired rows excluded)."""
+        """Rows present (retired rows excluded; a queue's rows not yet taken)."""
+        queue = self.queue
+        if queue is not None:
+            return queue.depth
         return self.ring.size - (self.retirement.retired if self.retirement else 0)
+
+    @property
+    def queue(self) -> QueueSampler | None:
+        """The sampler, when it is a consume-once queue (``fifo``/``lifo``)."""
+        sampler = self.sampler
+        return sampler if isinstance(sampler, QueueSampler) else None
 
     @property
     def used(self) -> int:

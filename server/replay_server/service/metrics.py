@@ -12,6 +12,7 @@ Three sources, one registry per server:
       replay_table_sampled_total / _sample_calls_total{table}    (a slice counts once)
       replay_table_priority_updates_total / _stale_priority_updates_total{table}
       replay_table_resets_total{table}
+      replay_table_deleted_rows_total{table}, replay_queue_depth_rows{table} (fifo/lifo tables)
       replay_rate_limiter_blocked_calls_total / _blocked_seconds_total{table, operation}
       replay_rate_limiter_waiting_calls{table, operation}
       replay_sample_streams_open{transport}                     grpc | shared_memory
@@ -158,6 +159,9 @@ class EngineCollector(Collector):
             "storage_bytes": GaugeMetricFamily("replay_table_storage_bytes", "Bytes of row "
                                                "storage allocated (its capacity).",
                                                labels=["table"]),
+            "queue_depth": GaugeMetricFamily("replay_queue_depth_rows", "Rows waiting to be "
+                                             "taken from a queue table (fifo/lifo).",
+                                             labels=["table"]),
         }
         counters = {
             "inserted": ("replay_table_inserted_rows", "Rows inserted."),
@@ -171,6 +175,7 @@ class EngineCollector(Collector):
                                        "Priority updates ignored: their row was overwritten "
                                        "or reset."),
             "resets": ("replay_table_resets", "Resets of the table."),
+            "deleted": ("replay_table_deleted_rows", "Rows removed by Delete."),
         }
         families = {key: CounterMetricFamily(name, text, labels=["table"])
                     for key, (name, text) in counters.items()}
@@ -180,6 +185,8 @@ class EngineCollector(Collector):
             gauges["size"].add_metric(labels, figures.size)
             gauges["capacity"].add_metric(labels, figures.capacity)
             gauges["storage_bytes"].add_metric(labels, figures.storage_bytes)
+            if table.config.sampler.is_queue:
+                gauges["queue_depth"].add_metric(labels, figures.size)
             for key, family in families.items():
                 family.add_metric(labels, getattr(figures.counters, key))
         yield from gauges.values()

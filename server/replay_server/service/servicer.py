@@ -23,6 +23,7 @@ from dataclasses import asdict
 from typing import Any
 
 import grpc
+import numpy as np
 
 from replay_proto import messages
 from replay_proto.codec import CodecError
@@ -124,6 +125,7 @@ class ReplayServicer:
                 "Publish": unary("Publish", self.variables.publish),
                 "Fetch": unary("Fetch", self.variables.fetch),
                 "UpdateStream": stream("UpdateStream", self._update_stream.serve),
+                "Delete": unary("Delete", self.delete),
             },
         )
 
@@ -261,6 +263,16 @@ class ReplayServicer:
         self._tables[name].reset()
         return name, pb.ResetResponse().SerializeToString()
 
+    async def delete(self, raw: bytes, context: grpc.aio.ServicerContext, _: Reservation) -> bytes:
+        return await self.calls.change(context, self._delete, raw)
+
+    def _delete(self, raw: bytes) -> tuple[str, bytes]:
+        request = _parse(pb.DeleteRequest, raw)
+        ids = np.fromiter(request.ids, dtype=np.int64, count=len(request.ids))
+        deleted = self._tables[request.table].delete(ids)
+        return request.table, pb.DeleteResponse(
+            deleted=deleted, stale=ids.size - deleted).SerializeToString()
+
     async def checkpoint(self, raw: bytes, context: grpc.aio.ServicerContext,
                          _: Reservation) -> bytes:
         return await self.calls.run(context, self._checkpoint, raw,
@@ -316,7 +328,7 @@ class ReplayServicer:
         found = self._tables[table]
         limiter = found.rate_limiter
         if operation == "insert":
-            return limiter.can_insert(1)
+            return limiter.can_insert(1) and found.may_insert(count)
         return limiter.can_sample(1) and found.size > 0
 
 

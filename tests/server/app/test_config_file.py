@@ -208,7 +208,7 @@ def test_bad_table_value_names_table_field_and_value(tmp_path: Path) -> None:
 
 
 def test_unknown_sampler_names_the_value(tmp_path: Path) -> None:
-    assert_config_error(tmp_path, ONE_TABLE + 'sampler = "lifo"\n', "'t'", "sampler", "'lifo'")
+    assert_config_error(tmp_path, ONE_TABLE + 'sampler = "heap"\n', "'t'", "sampler", "'heap'")
 
 
 @pytest.mark.parametrize(("spec", "fragment"), [

@@ -70,11 +70,11 @@ def test_capacity_bounds_are_inclusive(capacity: int) -> None:
 # --------------------------------------------------------------------- sampler
 
 
-@pytest.mark.parametrize("sampler", ["fifo", "Uniform", "", 3, None], ids=repr)
+@pytest.mark.parametrize("sampler", ["heap", "Uniform", "", 3, None], ids=repr)
 def test_unknown_sampler_raises_config_error_listing_the_kinds(sampler: Any) -> None:
     pattern = (
         r"table 'replay': sampler must be one of uniform, prioritized, slice, "
-        rf"prioritized_slice, got {re.escape(repr(sampler))}"
+        rf"prioritized_slice, fifo, lifo, got {re.escape(repr(sampler))}"
     )
     with pytest.raises(ConfigError, match=pattern):
         config(sampler=sampler)

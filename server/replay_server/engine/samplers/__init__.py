@@ -10,6 +10,7 @@ from replay_server.engine.config import SamplerKind, TableConfig
 from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex
 from replay_server.engine.samplers.prioritized import PrioritizedSampler
+from replay_server.engine.samplers.queue import QueueSampler
 from replay_server.engine.samplers.slice import PrioritizedSliceSampler, SliceSampler
 from replay_server.engine.samplers.uniform import UniformSampler
 
@@ -17,6 +18,7 @@ __all__ = [
     "InsertEvent",
     "PrioritizedSampler",
     "PrioritizedSliceSampler",
+    "QueueSampler",
     "SampleIndex",
     "Sampler",
     "SliceSampler",
@@ -30,6 +32,8 @@ def make_sampler(config: TableConfig, ring: IdRing) -> Sampler:
     kind = config.sampler
     if kind is SamplerKind.UNIFORM:
         return UniformSampler(ring, retiring=config.max_times_sampled > 0)
+    if kind.is_queue:
+        return QueueSampler(ring, lifo=kind is SamplerKind.LIFO, max_size=config.max_size)
     if kind is SamplerKind.PRIORITIZED:
         return PrioritizedSampler(ring, config.alpha, config.beta)
     assert config.slice_len is not None

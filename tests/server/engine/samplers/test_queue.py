@@ -1,0 +1,116 @@
+"""Queue and stack tables against a plain reference model: a list of the rows present.
+
+Random sequences of inserts, samples, deletes, resets and save/load through a
+real :class:`Table` (small capacity, so the ring wraps and overwrites), each
+batch and the table's size compared with a Python list that does the obvious
+thing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replay_server.engine.config import TableConfig
+from replay_server.engine.table import Table
+from replay_server.errors import (
+    ConfigError,
+    EmptyTableError,
+    InvalidArgumentError,
+    InvalidIdsError,
+    RateLimitedError,
+)
+
+CAPACITY = 8
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.integers(1, 5)),
+        st.tuples(st.just("sample"), st.integers(1, 6)),
+        st.tuples(st.just("delete"), st.lists(st.integers(0, 40), max_size=4)),
+        st.tuples(st.just("reset"), st.none()),
+        st.tuples(st.just("reload"), st.none()),
+    ),
+    max_size=40,
+)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "lifo"])
+@settings(max_examples=60, deadline=None)
+@given(ops=operations, max_size=st.one_of(st.none(), st.integers(1, CAPACITY)))
+def test_batches_and_sizes_match_a_reference_list(kind: str, ops: list, max_size) -> None:
+    config = TableConfig(name="q", capacity=CAPACITY, sampler=kind, max_size=max_size)
+    table = Table(config)
+    present: list[int] = []  # positions (insertion numbers) present, oldest first
+    ids_issued: list[int] = []  # the id of each position (a reload starts a new id segment)
+    issued = 0
+    for op, arg in ops:
+        if op == "insert":
+            fits = max_size is None or len(present) + arg <= max_size
+            if max_size is not None and arg > max_size:
+                with pytest.raises(InvalidArgumentError):
+                    table.insert({"x": torch.arange(issued, issued + arg)})
+                continue
+            if not fits:
+                with pytest.raises(RateLimitedError):
+                    table.insert({"x": torch.arange(issued, issued + arg)})
+                continue
+            ids = table.insert({"x": torch.arange(issued, issued + arg)}).tolist()
+            assert ids == list(range(ids[0], ids[0] + arg))
+            ids_issued += ids
+            positions = list(range(issued, issued + arg))
+            issued += arg
+            present = [p for p in present + positions if p >= issued - CAPACITY]  # ring overwrites
+        elif op == "sample":
+            if len(present) < arg:
+                with pytest.raises(EmptyTableError):
+                    table.sample(arg)
+                continue
+            batch = table.sample(arg)
+            if kind == "fifo":
+                taken, present = present[:arg], present[arg:]
+            else:
+                taken, present = present[::-1][:arg], present[: len(present) - arg]
+            assert batch.ids.tolist() == [ids_issued[p] for p in taken]
+            assert batch.data["x"].tolist() == taken  # the rows, not just the ids
+        elif op == "delete":
+            known = [p for p in arg if p < issued]
+            deleted = table.delete(torch.tensor([ids_issued[p] for p in known], dtype=torch.int64))
+            gone = set(known) & set(present)
+            assert deleted == len(gone)
+            present = [i for i in present if i not in gone]
+        elif op == "reset":
+            table.reset()
+            present = []
+        else:
+            state = table.state_dict()
+            table = Table(config)
+            table.load_state_dict(state)
+        assert table.size == len(present)
+        assert table.info().sampler_stats["queue_depth"] == len(present)
+
+
+def test_delete_refuses_ids_never_issued_and_tables_that_are_not_queues() -> None:
+    table = Table(TableConfig(name="q", capacity=4, sampler="fifo"))
+    ids = table.insert({"x": torch.arange(3)})
+    with pytest.raises(InvalidIdsError):
+        table.delete(torch.tensor([int(ids[-1]) + 1]))
+    assert table.size == 3  # nothing removed by the refused call
+    plain = Table(TableConfig(name="u", capacity=4))
+    plain.insert({"x": torch.arange(3)})
+    with pytest.raises(InvalidArgumentError, match="'fifo' and 'lifo'"):
+        plain.delete(torch.tensor([0]))
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"max_size": 4}, "max_size"),                                     # not a queue
+    ({"sampler": "fifo", "max_size": 9}, "max_size"),                   # over capacity
+    ({"sampler": "lifo", "samples_per_insert": 1.0}, "samples_per_insert"),
+    ({"sampler": "fifo", "max_times_sampled": 1}, "max_times_sampled"),
+    ({"sampler": "fifo", "min_size_to_sample": 2}, "min_size_to_sample"),
+])
+def test_bad_queue_options_are_refused_naming_the_field(fields: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        TableConfig(name="q", capacity=8, **fields)
