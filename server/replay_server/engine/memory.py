@@ -21,7 +21,7 @@ import os
 import threading
 from pathlib import Path
 
-from replay_server.engine.config import SamplerKind, TableConfig
+from replay_server.engine.config import SamplerKind, StorageKind, TableConfig
 from replay_server.engine.schema import Schema
 from replay_server.errors import InsufficientMemoryError
 
@@ -61,8 +61,13 @@ def sampler_slot_bytes(config: TableConfig) -> int:
 
 
 def table_bytes(config: TableConfig, schema: Schema | None) -> int:
-    """Bytes a table of ``config`` needs at its capacity (rows of ``schema``, if fixed)."""
-    row = 0 if schema is None else schema.row_bytes
+    """Bytes of RAM a table of ``config`` needs at its capacity (rows of ``schema``, if fixed).
+
+    A ``memmap`` table's rows live in files (the page cache holds what fits),
+    so only its sampler state counts; its disk is checked when its files are
+    reserved (:mod:`~replay_server.engine.storage.memmap`).
+    """
+    row = 0 if schema is None or config.storage is StorageKind.MEMMAP else schema.row_bytes
     return config.capacity * (row + sampler_slot_bytes(config))
 
 

@@ -123,10 +123,10 @@ class RowPiece:
 
 
 class StorageSnapshot:
-    """The rows of a :class:`~replay_server.engine.storage.ColumnStorage` as they were at one instant.
+    """The rows of a :class:`~replay_server.engine.storage.memory.ColumnStorage` as they were at one instant.
 
     Created by :meth:`ColumnStorage.snapshot
-    <replay_server.engine.storage.ColumnStorage.snapshot>` under the table's lock;
+    <replay_server.engine.storage.memory.ColumnStorage.snapshot>` under the table's lock;
     read with :meth:`pieces` (or :meth:`columns`) from any one thread; must be
     closed (it is a context manager) so inserts stop copying rows aside.
 

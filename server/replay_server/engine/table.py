@@ -183,7 +183,7 @@ class Table:
                 self._memory.require(self.name, table_bytes(self.config, schema),
                                      f"capacity {ring.capacity:,} x {schema.row_bytes:,} bytes "
                                      f"per row ({schema.describe()})")
-                parts.allocate(schema, self.config.pin_memory)
+                parts.allocate(schema, self.config)
             assert parts.storage is not None
             event = self._insert_event(columns, rows, checked_priorities)
             evicted_first_id = ring.first_live

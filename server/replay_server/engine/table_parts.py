@@ -14,7 +14,7 @@ from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.retirement import Retirement
 from replay_server.engine.samplers import QueueSampler, Sampler, make_sampler
 from replay_server.engine.schema import Schema
-from replay_server.engine.storage import ColumnStorage
+from replay_server.engine.storage import ColumnStorage, check_storage, make_storage
 from replay_server.engine.table_info import TableCounters
 from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMismatchError
 
@@ -58,9 +58,9 @@ class TableParts:
         """Slots ever written."""
         return min(self.ring.next_id, self.ring.capacity)
 
-    def allocate(self, schema: Schema, pin_memory: bool) -> None:
-        """Fix the schema and allocate storage for the table's capacity."""
-        self.storage = ColumnStorage(schema, self.ring.capacity, pin_memory=pin_memory)
+    def allocate(self, schema: Schema, config: TableConfig) -> None:
+        """Fix the schema and allocate the storage ``config`` names for the table's capacity."""
+        self.storage = make_storage(config, schema)
         self.schema = schema
 
 
@@ -71,10 +71,12 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
     an in-process table's, shard 0 and incarnation 0).
 
     Raises:
-        ConfigError: the declared schema cannot serve the sampler, or pinned
-            memory was requested without an accelerator.
-        InsufficientMemoryError: an allocation failed.
+        ConfigError: the declared schema cannot serve the sampler, pinned
+            memory was requested without an accelerator, or a ``memmap``
+            table's ``storage_dir`` is missing or not writable.
+        InsufficientMemoryError: an allocation failed (or the disk cannot hold the table).
     """
+    check_storage(config)
     ring = IdRing(config.capacity)
     ids = IdSpace(incarnations or LocalIncarnations())
     ids.begin(0)
@@ -102,5 +104,5 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
             check_sampler_columns(config, schema)
         except SchemaMismatchError as exc:
             raise ConfigError(str(exc)) from None
-        parts.allocate(schema, config.pin_memory)
+        parts.allocate(schema, config)
     return parts

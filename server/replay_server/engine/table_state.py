@@ -121,7 +121,7 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
             memory.require(name, table_bytes(config, schema),
                            f"capacity {config.capacity:,} x {schema.row_bytes:,} bytes per row "
                            f"(the saved schema {schema.describe()})")
-        parts.allocate(schema, config.pin_memory)
+        parts.allocate(schema, config)
     parts.ring.load_state_dict(state["ring"])
     parts.ids.load(state.get("ids"), parts.ring.next_id, name)
     if parts.storage is not None and with_columns:

@@ -46,7 +46,7 @@ def test_pin_memory_without_an_accelerator_is_a_clear_error():
 
 
 def test_writes_and_gathers_split_across_threads_equal_one_thread(monkeypatch):
-    from replay_server.engine import storage as storage_module
+    from replay_server.engine.storage import memory as storage_module
     from replay_server.engine import workers
 
     monkeypatch.setattr(storage_module, "_PARALLEL_BYTES", 64)

@@ -1,4 +1,4 @@
-"""Column-wise row storage: one preallocated tensor per flat key.
+"""Column-wise row storage in RAM: one preallocated tensor per flat key.
 
 Column ``key`` is a tensor of shape ``[capacity, *spec.shape]``; row ``slot``
 of every column together is one stored row. Allocation happens once, up front
@@ -52,7 +52,7 @@ class ColumnStorage:
         self.capacity = capacity
         self.pinned = pin_memory
         try:
-            self.columns: dict[str, torch.Tensor] = {
+            columns = {
                 key: torch.empty((capacity, *spec.shape), dtype=spec.dtype, pin_memory=pin_memory)
                 for key, spec in schema.items()
             }
@@ -60,10 +60,15 @@ class ColumnStorage:
             raise InsufficientMemoryError(
                 f"cannot allocate {capacity * schema.row_bytes:,} bytes of storage for "
                 f"{capacity:,} rows of {schema.describe()}: {exc}") from None
-        self._views = {key: _numpy_view(col) for key, col in self.columns.items()}
-        self._snapshots: list[StorageSnapshot] = []
         # Pinned memory is resident from the start; pageable storage is backed as rows arrive.
-        self._prefaulter = None if pin_memory else Prefaulter(capacity, schema.row_bytes)
+        self._adopt(columns, None if pin_memory else Prefaulter(capacity, schema.row_bytes))
+
+    def _adopt(self, columns: dict[str, torch.Tensor], prefaulter: Prefaulter | None) -> None:
+        """Use ``columns`` (``[capacity, ...]`` each) as the storage's memory."""
+        self.columns: dict[str, torch.Tensor] = columns
+        self._views = {key: _numpy_view(col) for key, col in columns.items()}
+        self._snapshots: list[StorageSnapshot] = []
+        self._prefaulter = prefaulter
 
     @property
     def nbytes(self) -> int:
@@ -93,6 +98,9 @@ class ColumnStorage:
         if self._prefaulter is not None:
             self._prefaulter.advance(self._views.values(), (first_slot + n) % self.capacity)
 
+    kind = "memory"
+    """The table option that selects this storage (``storage = "memory"``)."""
+
     def gather(
         self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None = None
     ) -> dict[str, torch.Tensor]:
@@ -112,16 +120,20 @@ class ColumnStorage:
             view = self._views[key]
             dest = None if out is None else out.get(key)
             if dest is not None:
-                _take(view, flat, _numpy_view(dest).reshape(flat.shape[0], *col.shape[1:]))
+                self._take(view, flat, _numpy_view(dest).reshape(flat.shape[0], *col.shape[1:]))
                 result[key] = dest
                 continue
             rows_np = np.empty((flat.shape[0], *view.shape[1:]), dtype=view.dtype)
-            _take(view, flat, rows_np)
+            self._take(view, flat, rows_np)
             rows = torch.from_numpy(rows_np)
             if rows.dtype != col.dtype:
                 rows = rows.view(col.dtype)
             result[key] = rows if slots.ndim == 1 else rows.reshape(*slots.shape, *col.shape[1:])
         return result
+
+    def _take(self, view: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+        """``out[:] = view[rows]`` (a storage kind may read in another order)."""
+        _take(view, rows, out)
 
     @property
     def views(self) -> dict[str, np.ndarray]:

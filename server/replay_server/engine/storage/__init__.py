@@ -1,0 +1,46 @@
+"""Where a table's rows live: the storage kinds, one module each.
+
+* :mod:`~replay_server.engine.storage.memory`: ``storage = "memory"`` (the
+  default): preallocated tensors in RAM (pinned with ``pin_memory``).
+* :mod:`~replay_server.engine.storage.memmap`: ``storage = "memmap"``:
+  memory-mapped files under ``storage_dir``, for tables larger than RAM.
+
+Every kind is a :class:`~replay_server.engine.storage.memory.ColumnStorage`
+(the same writes, gathers and snapshots); the table builds the one its
+config names with :func:`make_storage` and never asks which it got.
+"""
+
+from __future__ import annotations
+
+from replay_server.engine.config import StorageKind, TableConfig
+from replay_server.engine.schema import Schema
+from replay_server.engine.storage.memmap import MemmapStorage, check_directory
+from replay_server.engine.storage.memory import ColumnStorage
+
+__all__ = ["ColumnStorage", "MemmapStorage", "check_storage", "make_storage"]
+
+
+def make_storage(config: TableConfig, schema: Schema) -> ColumnStorage:
+    """The storage ``config.storage`` names, for ``config.capacity`` rows of ``schema``.
+
+    Raises:
+        ConfigError: pinned memory without an accelerator; a missing or
+            unwritable ``storage_dir``.
+        InsufficientMemoryError: the allocation (or the disk) cannot hold the table.
+    """
+    if config.storage is StorageKind.MEMMAP:
+        assert config.storage_dir is not None
+        return MemmapStorage(schema, config.capacity, config.storage_dir, config.name)
+    return ColumnStorage(schema, config.capacity, pin_memory=config.pin_memory)
+
+
+def check_storage(config: TableConfig) -> None:
+    """What can be checked of the storage before a schema is known (at start).
+
+    Raises:
+        ConfigError: a ``memmap`` table's ``storage_dir`` is missing or not writable.
+    """
+    if config.storage is StorageKind.MEMMAP:
+        assert config.storage_dir is not None
+        check_directory(config.storage_dir, config.name)
+
