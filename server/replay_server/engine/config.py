@@ -94,7 +94,12 @@ class TableConfig:
             (memory-mapped files under ``storage_dir``: the page cache decides
             what stays in RAM, so a table may be larger than RAM).
         storage_dir: the existing directory a ``memmap`` table keeps its files
-            in (``<storage_dir>/<name>/<key>.bin``); ``memmap`` only.
+            in; ``memmap`` only.
+        n_step: (``uniform``/``prioritized`` only) samples return n-step
+            transitions built from the stored steps of each row's episode
+            (see :mod:`replay_server.engine.nstep`); 1: plain rows.
+        gamma: the discount of the n-step return (``n_step > 1`` only), in [0, 1].
+        reward_key: the column summed into the n-step return (``n_step > 1`` only).
     """
 
     name: str
@@ -116,6 +121,9 @@ class TableConfig:
     max_size: int | None = None
     storage: StorageKind = StorageKind.MEMORY
     storage_dir: str | None = None
+    n_step: int = 1
+    gamma: float = 0.99
+    reward_key: str = "reward"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -182,6 +190,22 @@ class TableConfig:
         self._check_flow_control(where)
         self._check_queue(where)
         self._check_storage(where)
+        self._check_n_step(where)
+
+    def _check_n_step(self, where: str) -> None:
+        if not _is_int(self.n_step) or not 1 <= self.n_step <= min(self.capacity, 1000):
+            raise ConfigError(f"{where}: n_step must be an integer in [1, min(capacity, 1000)] "
+                              f"(1: plain rows), got {self.n_step!r}")
+        if not _is_real(self.gamma) or not 0.0 <= self.gamma <= 1.0:
+            raise ConfigError(f"{where}: gamma must be a number in [0, 1], got {self.gamma!r}")
+        object.__setattr__(self, "gamma", float(self.gamma))
+        if not isinstance(self.reward_key, str) or not self.reward_key:
+            raise ConfigError(f"{where}: reward_key must be a non-empty string, got "
+                              f"{self.reward_key!r}")
+        if self.n_step > 1 and self.sampler not in (SamplerKind.UNIFORM, SamplerKind.PRIORITIZED):
+            raise ConfigError(
+                f"{where}: n_step={self.n_step} needs sampler 'uniform' or 'prioritized' (a row "
+                f"sampler); sampler {self.sampler.value!r} does not support it")
 
     def _check_queue(self, where: str) -> None:
         """fifo/lifo: consume-once already, so the other flow controls are refused."""
@@ -328,6 +352,9 @@ class TableConfig:
             "max_size": self.max_size,
             "storage": self.storage.value,
             "storage_dir": self.storage_dir,
+            "n_step": self.n_step,
+            "gamma": self.gamma,
+            "reward_key": self.reward_key,
         }
 
 

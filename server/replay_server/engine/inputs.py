@@ -20,6 +20,7 @@ import torch
 from replay_proto.dtypes import DTYPES
 from replay_proto.rows import EPISODE_KEY, rows_of
 from replay_server.engine.config import TableConfig
+from replay_server.engine.nstep import NEXT_PREFIX, STEPS_KEY
 from replay_server.engine.schema import Schema
 from replay_server.errors import (
     InvalidArgumentError,
@@ -180,13 +181,16 @@ def id_values(ids: Any, table: str) -> np.ndarray:
 
 
 def check_sampler_columns(config: TableConfig, schema: Schema) -> None:
-    """Slice samplers need an integer episode column and bool end columns, one value per row
-    (end flags shaped ``[1]`` per row, as TorchRL's ``done``, count as one value).
+    """Slice samplers and n-step tables need an integer episode column and bool end columns,
+    one value per row (end flags shaped ``[1]`` per row, as TorchRL's ``done``, count as one
+    value); n-step tables also a real reward per row and ``next.*`` columns to bootstrap from.
 
     Raises:
         SchemaMismatchError: naming the column and what it holds.
     """
-    if not config.sampler.is_slice:
+    if config.n_step > 1:
+        _check_n_step_columns(config, schema)
+    elif not config.sampler.is_slice:
         return
     key = config.episode_key
     spec = schema.get(key)
@@ -203,3 +207,20 @@ def check_sampler_columns(config: TableConfig, schema: Schema) -> None:
                 f"table {config.name!r}: key {key!r} marks episode ends and must hold one "
                 f"bool per row (bool[], or bool[1] as TorchRL's flags), got {spec.describe()}"
             )
+
+
+def _check_n_step_columns(config: TableConfig, schema: Schema) -> None:
+    """What an n-step table needs besides episodes: see :func:`check_sampler_columns`."""
+    where = f"table {config.name!r}: n_step={config.n_step}"
+    spec = schema.get(config.reward_key)
+    if spec is None or not spec.dtype.is_floating_point or spec.shape not in ((), (1,)):
+        got = "no such key" if spec is None else spec.describe()
+        raise SchemaMismatchError(f"{where} needs key {config.reward_key!r} (reward_key) holding "
+                                  f"one float reward per row, got {got}")
+    if not any(key.startswith(NEXT_PREFIX) for key in schema):
+        raise SchemaMismatchError(
+            f"{where} needs the bootstrap observation in columns under 'next' (e.g. "
+            f"'next.obs'); the schema has {sorted(schema)}")
+    if STEPS_KEY in schema or any(key.startswith(STEPS_KEY + ".") for key in schema):
+        raise SchemaMismatchError(f"{where} returns column {STEPS_KEY!r}, which the schema "
+                                  f"already has; rename it")

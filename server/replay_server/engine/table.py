@@ -51,6 +51,7 @@ from replay_server.engine.inputs import (
     row_count,
 )
 from replay_server.engine.memory import MemoryLedger, table_bytes
+from replay_server.engine.nstep import STEPS_KEY
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.samplers import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
@@ -202,6 +203,10 @@ class Table:
                                              evicted=evicted, **event))
             if queue is not None:  # rows taken before were deleted then
                 deleted = queue.dropped_by(depth, rows)
+            if parts.nstep is not None:
+                parts.nstep.insert(InsertEvent(first_id=first_id, count=rows,
+                                               evicted_first_id=evicted_first_id,
+                                               evicted=evicted, **self._episode_event(columns, rows)))
             parts.counters.inserted += rows
             parts.counters.evicted += evicted
             parts.limiter.inserted(rows)
@@ -221,13 +226,18 @@ class Table:
                 else np.full(rows, self._parts.sampler.max_priority)
             )
         if kind.is_slice:
-            ends = np.zeros(rows, dtype=bool)
-            for key in self.config.episode_end_keys:
-                if key in columns:
-                    ends |= columns[key].detach().numpy().reshape(rows)
-            event["episodes"] = columns[self.config.episode_key].detach().numpy().astype(np.int64)
-            event["ends"] = ends
+            event.update(self._episode_event(columns, rows))
         return event
+
+    def _episode_event(self, columns: Mapping[str, torch.Tensor], rows: int
+                       ) -> dict[str, np.ndarray]:
+        """The new rows' episode ids and end flags."""
+        ends = np.zeros(rows, dtype=bool)
+        for key in self.config.episode_end_keys:
+            if key in columns:
+                ends |= columns[key].detach().numpy().reshape(rows)
+        episodes = columns[self.config.episode_key].detach().numpy().astype(np.int64)
+        return {"episodes": episodes, "ends": ends}
 
     # ------------------------------------------------------------------ sample
 
@@ -272,7 +282,10 @@ class Table:
             except EmptyTableError as exc:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
             assert parts.storage is not None
-            columns = parts.storage.gather(index.slots, out)
+            if parts.nstep is None:
+                columns = parts.storage.gather(index.slots, out)
+            else:
+                columns = parts.nstep.gather(parts.storage, index.ids, out)
             ids = parts.ids.ids_of(index.ids, parts.ring.first_live)
             parts.counters.sample_calls += 1
             parts.counters.sampled += batch_size
@@ -293,7 +306,12 @@ class Table:
     def batch_layout(self, batch_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Flat key -> (dtype, shape) of each column of a batch of ``batch_size`` ({} before a schema)."""
         schema = self._parts.schema
-        return {} if schema is None else schema.batch_layout(self._lead(batch_size))
+        if schema is None:
+            return {}
+        layout = schema.batch_layout(self._lead(batch_size))
+        if self._parts.nstep is not None:
+            layout[STEPS_KEY] = (torch.int64, (batch_size,))
+        return layout
 
     def batch_nbytes(self, batch_size: int) -> int:
         """Bytes of a batch of ``batch_size``, extras included (0 before a schema)."""
@@ -301,8 +319,10 @@ class Table:
         if schema is None:
             return 0
         steps = self.config.slice_len or 1
-        # per step: the row and its int64 id; per row or slice: a float32 weight, a float64 probability
-        return batch_size * (steps * (schema.row_bytes + 8) + 4 + 8)
+        # per step: the row and its int64 id; per row or slice: a float32 weight, a float64
+        # probability (and an n-step transition's int64 step count)
+        extra = 8 if self.config.n_step > 1 else 0
+        return batch_size * (steps * (schema.row_bytes + 8) + 4 + 8 + extra)
 
     def _lead(self, batch_size: int) -> tuple[int, ...]:
         slice_len = self.config.slice_len
@@ -416,6 +436,8 @@ class Table:
             parts.limiter.reset()
             if parts.retirement is not None:
                 parts.retirement.clear()
+            if parts.nstep is not None:
+                parts.nstep.clear()
             parts.counters.resets += 1
             self.changes.tick()
 

@@ -10,6 +10,7 @@ from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IdSpace, IncarnationSource, LocalIncarnations
 from replay_server.engine.ids import IdRing
 from replay_server.engine.inputs import check_sampler_columns
+from replay_server.engine.nstep import NStepIndex
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.retirement import Retirement
 from replay_server.engine.samplers import QueueSampler, Sampler, make_sampler
@@ -21,8 +22,8 @@ from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMis
 
 @dataclass(slots=True)
 class TableParts:
-    """The id ring and id space, sampler, storage, counters, generator, limiter and retirement
-    of one table.
+    """The id ring and id space, sampler, storage, counters, generator, limiter, retirement
+    and n-step index of one table.
 
     Owned by one :class:`~replay_server.engine.table.Table` and guarded by its
     lock. A restore builds a new set (:func:`fresh`, then loads it) and the
@@ -36,6 +37,7 @@ class TableParts:
     counters: TableCounters
     limiter: RateLimiter
     retirement: Retirement | None
+    nstep: NStepIndex | None = None
     schema: Schema | None = None
     storage: ColumnStorage | None = None
 
@@ -97,6 +99,9 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
         counters=TableCounters(),
         limiter=RateLimiter.from_config(config),
         retirement=retirement,
+        nstep=None if config.n_step == 1 else NStepIndex(
+            ring, config.n_step, config.gamma, config.reward_key, config.done_key,
+            config.truncated_key),
     )
     if config.schema is not None:
         schema = Schema(config.schema)

@@ -13,7 +13,8 @@ Layout (``STATE_VERSION``): ``version``, ``config`` (plain values),
 :mod:`~replay_server.engine.id_space`; absent in states saved before ids
 had segments, whose ids were positions), ``columns`` (the slots ever written, in
 slot order; empty in a snapshot, whose rows are read from ``rows``),
-``sampler``, ``counters``, ``generator``, ``rate_limiter``, ``times_sampled``.
+``sampler``, ``counters``, ``generator``, ``rate_limiter``, ``times_sampled``, ``nstep``
+(next-step links of an n-step table; absent or ``None`` otherwise).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
             "generator": generator_state(parts.generator),
             "rate_limiter": parts.limiter.state_dict(),
             "times_sampled": parts.retirement.state_dict(used) if parts.retirement else None,
+            "nstep": parts.nstep.state_dict(used) if parts.nstep else None,
         }
         rows = None if parts.storage is None else parts.storage.snapshot(
             lock, parts.ring.next_id % parts.ring.capacity, used, chunk_bytes)
@@ -133,6 +135,13 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
         parts.storage.load_state_dict(state["columns"])
     parts.sampler.load_state_dict(state["sampler"])
     load_retirement(parts.retirement, state.get("times_sampled"), parts.ring, name)
+    saved_nstep = state.get("nstep")
+    if parts.nstep is not None:
+        if saved_nstep is None and parts.ring.next_id > parts.ring.first_live:
+            raise ConfigError(f"table {name!r}: config says n_step={config.n_step} but the "
+                              f"saved state has no n-step index (saved with n_step=1)")
+        if saved_nstep is not None:
+            parts.nstep.load_state_dict(saved_nstep)
     parts.limiter.load_state_dict(state.get("rate_limiter"), size=parts.size)
     parts.counters = TableCounters(**state["counters"])
     parts.generator.bit_generator.state = generator_from_state(state["generator"])

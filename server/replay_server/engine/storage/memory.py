@@ -16,7 +16,7 @@ Not thread-safe: the owning table serializes access under its lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -102,7 +102,8 @@ class ColumnStorage:
     """The table option that selects this storage (``storage = "memory"``)."""
 
     def gather(
-        self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None = None
+        self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None = None,
+        keys: Iterable[str] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Copy the rows at ``slots`` (integers, any shape ``S``) into tensors ``[*S, ...]``.
 
@@ -111,12 +112,14 @@ class ColumnStorage:
             out: optional destination per key (contiguous, shaped ``[*S, ...]``,
                 the column's dtype), e.g. a shared-memory or pinned staging
                 buffer; new tensors are allocated for keys it lacks.
+            keys: the columns to read (default: all).
 
         Cost: one ``np.take`` per column, O(rows gathered * row bytes).
         """
         flat = slots.reshape(-1)
         result = {}
-        for key, col in self.columns.items():
+        for key in self.columns if keys is None else keys:
+            col = self.columns[key]
             view = self._views[key]
             dest = None if out is None else out.get(key)
             if dest is not None:

@@ -1,0 +1,141 @@
+"""n-step sampling against a plain reference model: the list of every row inserted, in order.
+
+Actors interleave steps of their episodes in inserts of random sizes (episode
+ids reused after an end, done and truncated ends), the ring wraps, and every
+sampled transition is rebuilt by scanning the list forward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from replay_server.engine.config import TableConfig
+from replay_server.engine.table import Table
+from replay_server.errors import ConfigError, SchemaMismatchError
+
+CAPACITY = 24
+
+
+def step(actor: int, episode: int, t: int, reward: float, done: bool, truncated: bool) -> dict:
+    return {"obs": [actor * 1000 + t, episode], "next_obs": [actor * 1000 + t + 1, episode],
+            "reward": reward, "done": done, "truncated": truncated, "episode": episode}
+
+
+def columns(steps: list[dict]) -> dict:
+    return {"obs": torch.tensor([s["obs"] for s in steps], dtype=torch.int32),
+            "next": {"obs": torch.tensor([s["next_obs"] for s in steps], dtype=torch.int32)},
+            "reward": torch.tensor([s["reward"] for s in steps], dtype=torch.float32),
+            "done": torch.tensor([s["done"] for s in steps]),
+            "truncated": torch.tensor([s["truncated"] for s in steps]),
+            "episode": torch.tensor([s["episode"] for s in steps])}
+
+
+def reference(rows: list[dict], position: int, n: int, gamma: float) -> dict:
+    """The n-step transition at ``position``, by scanning ``rows`` forward."""
+    window = [position]
+    while len(window) < n:
+        last = rows[window[-1]]
+        if last["done"] or last["truncated"]:
+            break
+        after = [q for q in range(window[-1] + 1, len(rows))
+                 if rows[q]["episode"] == last["episode"]]
+        if not after:
+            break
+        window.append(after[0])
+    discounts = gamma ** np.arange(n, dtype=np.float64)
+    total = np.float64(np.float32(rows[window[0]]["reward"]))
+    for k, q in enumerate(window[1:], start=1):
+        total += discounts[k] * np.float32(rows[q]["reward"])
+    tail = rows[window[-1]]
+    return {"obs": rows[position]["obs"], "next_obs": tail["next_obs"], "done": tail["done"],
+            "truncated": tail["truncated"], "reward": np.float32(total), "steps": len(window)}
+
+
+actor_steps = st.lists(st.tuples(st.integers(0, 2), st.floats(-5, 5, width=32),
+                                 st.sampled_from(["go", "go", "go", "done", "truncated"])),
+                       min_size=1, max_size=80)
+
+
+@settings(max_examples=60, deadline=None)
+@given(plan=actor_steps, chunks=st.lists(st.integers(1, 7), min_size=1, max_size=10),
+       n=st.integers(2, 5), gamma=st.sampled_from([0.0, 0.5, 0.99, 1.0]))
+def test_every_sampled_transition_matches_the_reference(plan, chunks, n, gamma) -> None:
+    table = Table(TableConfig(name="n", capacity=CAPACITY, n_step=n, gamma=gamma, seed=1))
+    episodes = {0: 0, 1: 100, 2: 200}  # actor -> its current episode id (reused after truncation)
+    times = {0: 0, 1: 0, 2: 0}
+    steps = []
+    for actor, reward, end in plan:
+        steps.append(step(actor, episodes[actor], times[actor], reward, end == "done",
+                          end == "truncated"))
+        times[actor] += 1
+        if end == "done":
+            episodes[actor] += 1
+    rows: list[dict] = []
+    at, chunk = 0, 0
+    while at < len(steps):  # inserts of random sizes, each mixing actors
+        size = chunks[chunk % len(chunks)]
+        chunk += 1
+        part = steps[at:at + size]
+        ids = table.insert(columns(part))
+        assert ids.tolist() == list(range(len(rows), len(rows) + len(part)))
+        rows += part
+        at += size
+        batch = table.sample(16)
+        for i, position in enumerate(batch.ids.tolist()):
+            assert position >= len(rows) - CAPACITY  # never an overwritten row
+            want = reference(rows, position, n, gamma)
+            assert batch.data["obs"][i].tolist() == want["obs"]
+            assert batch.data["next"]["obs"][i].tolist() == want["next_obs"]
+            assert bool(batch.data["done"][i]) == want["done"]
+            assert bool(batch.data["truncated"][i]) == want["truncated"]
+            assert batch.data["reward"][i].item() == want["reward"]
+            assert batch.data["steps_to_next_obs"][i].item() == want["steps"]
+
+
+def test_ids_weights_and_first_step_columns_are_those_of_the_plain_table() -> None:
+    plain, nstep = (Table(TableConfig(name="p", capacity=128, sampler="prioritized", seed=3,
+                                      n_step=n)) for n in (1, 4))
+    data = columns([step(a % 2, a % 2, a, float(a), a % 9 == 8, False) for a in range(90)])
+    priorities = torch.rand(90) + 0.1
+    for table in (plain, nstep):
+        table.insert(data, priorities)
+    a, b = plain.sample(32), nstep.sample(32)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.weights, b.weights)
+    assert torch.equal(a.probabilities, b.probabilities)
+    assert torch.equal(a.data["obs"], b.data["obs"])
+    assert nstep.update_priorities(b.ids, torch.ones(32)) == 32  # priorities are the first step's
+
+
+def test_checkpoints_keep_the_links() -> None:
+    config = TableConfig(name="n", capacity=30, n_step=3, seed=5)
+    table = Table(config)
+    rows = [step(a % 3, a % 3, a, 1.0, False, False) for a in range(20)]
+    table.insert(columns(rows[:10]))
+    restored = Table(config)
+    restored.load_state_dict(table.state_dict())
+    for t in (table, restored):
+        t.insert(columns(rows[10:]))  # links from rows saved to rows inserted after
+    assert torch.equal(table.sample(20).data["reward"], restored.sample(20).data["reward"])
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"n_step": 3, "sampler": "slice", "slice_len": 2}, "needs sampler 'uniform' or"),
+    ({"n_step": 0}, "n_step must be an integer"),
+    ({"n_step": 2, "gamma": 1.5}, "gamma must be"),
+])
+def test_bad_n_step_options_are_refused(fields: dict, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        TableConfig(name="n", capacity=8, **fields)
+
+
+def test_an_insert_without_next_columns_is_refused_and_stores_nothing() -> None:
+    table = Table(TableConfig(name="n", capacity=8, n_step=2))
+    data = columns([step(0, 0, 0, 1.0, False, False)])
+    del data["next"]
+    with pytest.raises(SchemaMismatchError, match="columns under 'next'"):
+        table.insert(data)
+    assert table.size == 0 and table.schema is None
