@@ -1,0 +1,91 @@
+"""n-step benchmark: sampling n-step transitions against plain samples of the same table.
+
+    python benchmarks/nstep.py [--repeat 3] [--seconds 5]
+
+In-process engine, uniform sampler, batch 256, two row kinds: ``atari``
+(obs and next.obs 84x84x4 uint8, action, reward, done, episode: 56 KB) and
+``small`` (obs and next.obs 17 float32, action, reward, done, episode), 100,000
+rows each in episodes of 1,000 steps from 8 interleaved actors. For each kind
+the same rows go into a plain table and into tables with ``n_step`` 3 and 10;
+prints sampled rows/s and the cost ratio plain / n-step (the target: n-step
+costs at most 1.5x a plain sample), per repetition, then medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from replay_server.engine.config import TableConfig
+from replay_server.engine.table import Table
+
+BATCH = 256
+ROWS = 100_000
+ACTORS = 8
+EPISODE = 1_000
+
+
+def rows(kind: str, first: int, n: int) -> dict:
+    generator = torch.Generator().manual_seed(first)
+    t = torch.arange(first, first + n)
+    if kind == "atari":
+        obs = torch.randint(0, 255, (n, 84, 84, 4), dtype=torch.uint8, generator=generator)
+        nxt = torch.randint(0, 255, (n, 84, 84, 4), dtype=torch.uint8, generator=generator)
+    else:
+        obs, nxt = torch.randn(n, 17, generator=generator), torch.randn(n, 17, generator=generator)
+    episode = (t % ACTORS) * 1_000_000 + (t // ACTORS) // EPISODE
+    return {"obs": obs, "next": {"obs": nxt}, "action": torch.zeros(n, dtype=torch.int32),
+            "reward": torch.randn(n, generator=generator),
+            "done": (t // ACTORS) % EPISODE == EPISODE - 1, "episode": episode}
+
+
+def rate(table: Table, seconds: float) -> float:
+    for _ in range(20):
+        table.sample(BATCH)
+    ops, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        table.sample(BATCH)
+        ops += 1
+    return ops * BATCH / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    runs: dict[str, list[float]] = {}
+    for kind in ("atari", "small"):
+        tables = {n: Table(TableConfig(name=f"t{n}", capacity=ROWS, seed=0, n_step=n))
+                  for n in (1, 3, 10)}
+        chunk = 1_000
+        for first in range(0, ROWS, chunk):
+            data = rows(kind, first, chunk)
+            for table in tables.values():
+                table.insert(data)
+        for repetition in range(args.repeat):
+            rates = {n: rate(table, args.seconds) for n, table in tables.items()}
+            for n in (3, 10):
+                cost = rates[1] / rates[n]
+                runs.setdefault(f"{kind} n_step={n} cost vs plain", []).append(cost)
+                print(f"[{repetition}] {kind:5} plain {rates[1]:>10,.0f} rows/s  n_step={n:<2} "
+                      f"{rates[n]:>10,.0f} rows/s  cost {cost:.2f}x", flush=True)
+            runs.setdefault(f"{kind} plain rows/s", []).append(rates[1])
+        del tables
+    medians = {key: statistics.median(values) for key, values in runs.items()}
+    print("\nmedians")
+    for key, value in medians.items():
+        print(f"  {key:32} {value:>12,.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "medians": medians}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
