@@ -100,6 +100,12 @@ class TableConfig:
             (see :mod:`replay_server.engine.nstep`); 1: plain rows.
         gamma: the discount of the n-step return (``n_step > 1`` only), in [0, 1].
         reward_key: the column summed into the n-step return (``n_step > 1`` only).
+        frame_stack_key: (``uniform``/``prioritized`` only) a stacked observation
+            ``[stack, ...]`` stored one frame per step with ``next.<key>``, its
+            stacks rebuilt at sample time (see
+            :mod:`replay_server.engine.storage.framestack`); ``None``: off.
+        frame_stack_fill: the frames before an episode's first step: ``repeat``
+            its first frame, or ``zero``.
     """
 
     name: str
@@ -124,6 +130,8 @@ class TableConfig:
     n_step: int = 1
     gamma: float = 0.99
     reward_key: str = "reward"
+    frame_stack_key: str | None = None
+    frame_stack_fill: str = "repeat"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -191,6 +199,25 @@ class TableConfig:
         self._check_queue(where)
         self._check_storage(where)
         self._check_n_step(where)
+        self._check_frame_stack(where)
+
+    def _check_frame_stack(self, where: str) -> None:
+        if self.frame_stack_fill not in ("repeat", "zero"):
+            raise ConfigError(f"{where}: frame_stack_fill must be 'repeat' or 'zero', got "
+                              f"{self.frame_stack_fill!r}")
+        key = self.frame_stack_key
+        if key is None:
+            return
+        if not isinstance(key, str) or not key or key.startswith("next."):
+            raise ConfigError(f"{where}: frame_stack_key must name the stacked observation "
+                              f"(e.g. 'obs'; 'next.<key>' is stacked with it), got {key!r}")
+        if self.sampler not in (SamplerKind.UNIFORM, SamplerKind.PRIORITIZED):
+            raise ConfigError(f"{where}: frame_stack_key needs sampler 'uniform' or "
+                              f"'prioritized'; sampler {self.sampler.value!r} does not support "
+                              f"it yet")
+        if self.n_step > 1:
+            raise ConfigError(f"{where}: frame_stack_key with n_step > 1 is not supported yet; "
+                              f"use one of them")
 
     def _check_n_step(self, where: str) -> None:
         if not _is_int(self.n_step) or not 1 <= self.n_step <= min(self.capacity, 1000):
@@ -355,6 +382,8 @@ class TableConfig:
             "n_step": self.n_step,
             "gamma": self.gamma,
             "reward_key": self.reward_key,
+            "frame_stack_key": self.frame_stack_key,
+            "frame_stack_fill": self.frame_stack_fill,
         }
 
 

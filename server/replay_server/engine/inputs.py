@@ -21,6 +21,7 @@ from replay_proto.dtypes import DTYPES
 from replay_proto.rows import EPISODE_KEY, rows_of
 from replay_server.engine.config import TableConfig
 from replay_server.engine.nstep import NEXT_PREFIX, STEPS_KEY
+from replay_server.engine.storage.framestack import check_stack_columns
 from replay_server.engine.schema import Schema
 from replay_server.errors import (
     InvalidArgumentError,
@@ -190,7 +191,9 @@ def check_sampler_columns(config: TableConfig, schema: Schema) -> None:
     """
     if config.n_step > 1:
         _check_n_step_columns(config, schema)
-    elif not config.sampler.is_slice:
+    if config.frame_stack_key is not None:
+        check_stack_columns(config.name, config.frame_stack_key, schema)
+    if not (config.sampler.is_slice or config.n_step > 1 or config.frame_stack_key):
         return
     key = config.episode_key
     spec = schema.get(key)

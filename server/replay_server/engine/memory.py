@@ -58,6 +58,7 @@ def sampler_slot_bytes(config: TableConfig) -> int:
         SamplerKind.LIFO: 0,
     }[kind]
     per_slot += 8 if config.n_step > 1 else 0  # next-step positions
+    per_slot += 16 if config.frame_stack_key else 0  # previous and next step positions
     return per_slot + (4 if config.max_times_sampled else 0)  # uint32 draw counts
 
 
@@ -68,8 +69,21 @@ def table_bytes(config: TableConfig, schema: Schema | None) -> int:
     so only its sampler state counts; its disk is checked when its files are
     reserved (:mod:`~replay_server.engine.storage.memmap`).
     """
-    row = 0 if schema is None or config.storage is StorageKind.MEMMAP else schema.row_bytes
+    row = 0 if schema is None or config.storage is StorageKind.MEMMAP else stored_row_bytes(
+        config, schema)
     return config.capacity * (row + sampler_slot_bytes(config))
+
+
+def stored_row_bytes(config: TableConfig, schema: Schema) -> int:
+    """Bytes a row of ``schema`` takes in storage (a frame-stacked key keeps one frame of its stack)."""
+    row = schema.row_bytes
+    key = config.frame_stack_key
+    if key is not None:
+        for name in (key, f"next.{key}"):
+            spec = schema.get(name)
+            if spec is not None and spec.shape:
+                row -= spec.row_bytes - spec.row_bytes // spec.shape[0]
+    return row
 
 
 def format_bytes(nbytes: float) -> str:

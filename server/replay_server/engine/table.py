@@ -52,6 +52,7 @@ from replay_server.engine.inputs import (
 )
 from replay_server.engine.memory import MemoryLedger, table_bytes
 from replay_server.engine.nstep import STEPS_KEY
+from replay_server.engine.storage.framestack import check_insert as check_stacks
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.samplers import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
@@ -159,6 +160,8 @@ class Table:
         """
         columns = columns_of(data, self.name, self.config.episode_key)
         rows = row_count(columns, self.name)
+        if self.config.frame_stack_key is not None:
+            check_stacks(columns, self.config.frame_stack_key, self.name)
         checked_priorities = insert_priorities(priorities, rows, self.config)
         with self._lock:
             parts = self._parts
@@ -196,7 +199,18 @@ class Table:
                     ring.slots(ring.range(first_id, rows)),
                     ring.slots(ring.range(evicted_first_id, evicted)),
                 )
-            parts.storage.write(first_id % ring.capacity, columns)
+            linked = None
+            if parts.nstep is not None or parts.frames is not None:
+                linked = InsertEvent(first_id=first_id, count=rows,
+                                     evicted_first_id=evicted_first_id, evicted=evicted,
+                                     **self._episode_event(columns, rows))
+            if parts.frames is None:
+                parts.storage.write(first_id % ring.capacity, columns)
+            else:
+                assert linked is not None
+                parts.frames.before_write(parts.storage, linked)
+                parts.storage.write(first_id % ring.capacity, parts.frames.frames_of(columns))
+                parts.frames.after_write(parts.storage, linked, columns)
             depth = parts.size
             parts.sampler.insert(InsertEvent(first_id=first_id, count=rows,
                                              evicted_first_id=evicted_first_id,
@@ -204,9 +218,8 @@ class Table:
             if queue is not None:  # rows taken before were deleted then
                 deleted = queue.dropped_by(depth, rows)
             if parts.nstep is not None:
-                parts.nstep.insert(InsertEvent(first_id=first_id, count=rows,
-                                               evicted_first_id=evicted_first_id,
-                                               evicted=evicted, **self._episode_event(columns, rows)))
+                assert linked is not None
+                parts.nstep.insert(linked)
             parts.counters.inserted += rows
             parts.counters.evicted += evicted
             parts.limiter.inserted(rows)
@@ -282,10 +295,12 @@ class Table:
             except EmptyTableError as exc:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
             assert parts.storage is not None
-            if parts.nstep is None:
-                columns = parts.storage.gather(index.slots, out)
-            else:
+            if parts.nstep is not None:
                 columns = parts.nstep.gather(parts.storage, index.ids, out)
+            elif parts.frames is not None:
+                columns = parts.frames.gather(parts.storage, index.ids, out)
+            else:
+                columns = parts.storage.gather(index.slots, out)
             ids = parts.ids.ids_of(index.ids, parts.ring.first_live)
             parts.counters.sample_calls += 1
             parts.counters.sampled += batch_size
@@ -438,6 +453,8 @@ class Table:
                 parts.retirement.clear()
             if parts.nstep is not None:
                 parts.nstep.clear()
+            if parts.frames is not None:
+                parts.frames.clear()
             parts.counters.resets += 1
             self.changes.tick()
 
@@ -454,7 +471,8 @@ class Table:
                 pinned=parts.storage is not None and parts.storage.pinned,
                 storage_bytes=0 if parts.storage is None else parts.storage.nbytes,
                 counters=TableCounters(**asdict(parts.counters)),
-                sampler_stats=parts.sampler.stats(),
+                sampler_stats={**parts.sampler.stats(),
+                               **(parts.frames.stats() if parts.frames else {})},
                 config=self.config.describe(),
                 rate_limiter=parts.limiter.info(),
             )

@@ -16,14 +16,15 @@ from replay_server.engine.retirement import Retirement
 from replay_server.engine.samplers import QueueSampler, Sampler, make_sampler
 from replay_server.engine.schema import Schema
 from replay_server.engine.storage import ColumnStorage, check_storage, make_storage
+from replay_server.engine.storage.framestack import FrameStacks, storage_schema
 from replay_server.engine.table_info import TableCounters
 from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMismatchError
 
 
 @dataclass(slots=True)
 class TableParts:
-    """The id ring and id space, sampler, storage, counters, generator, limiter, retirement
-    and n-step index of one table.
+    """The id ring and id space, sampler, storage, counters, generator, limiter, retirement,
+    n-step index and frame stacks of one table.
 
     Owned by one :class:`~replay_server.engine.table.Table` and guarded by its
     lock. A restore builds a new set (:func:`fresh`, then loads it) and the
@@ -38,6 +39,7 @@ class TableParts:
     limiter: RateLimiter
     retirement: Retirement | None
     nstep: NStepIndex | None = None
+    frames: FrameStacks | None = None
     schema: Schema | None = None
     storage: ColumnStorage | None = None
 
@@ -62,7 +64,13 @@ class TableParts:
 
     def allocate(self, schema: Schema, config: TableConfig) -> None:
         """Fix the schema and allocate the storage ``config`` names for the table's capacity."""
-        self.storage = make_storage(config, schema)
+        key = config.frame_stack_key
+        if key is None:
+            self.storage = make_storage(config, schema)
+        else:
+            self.storage = make_storage(config, storage_schema(schema, key))
+            self.frames = FrameStacks(self.ring, key, schema[key].shape[0],
+                                      config.frame_stack_fill)
         self.schema = schema
 
 

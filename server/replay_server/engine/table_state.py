@@ -14,7 +14,8 @@ Layout (``STATE_VERSION``): ``version``, ``config`` (plain values),
 had segments, whose ids were positions), ``columns`` (the slots ever written, in
 slot order; empty in a snapshot, whose rows are read from ``rows``),
 ``sampler``, ``counters``, ``generator``, ``rate_limiter``, ``times_sampled``, ``nstep``
-(next-step links of an n-step table; absent or ``None`` otherwise).
+(next-step links of an n-step table; absent or ``None`` otherwise), ``frames`` (links and
+kept histories of a frame-stacked table; likewise).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
             "rate_limiter": parts.limiter.state_dict(),
             "times_sampled": parts.retirement.state_dict(used) if parts.retirement else None,
             "nstep": parts.nstep.state_dict(used) if parts.nstep else None,
+            "frames": parts.frames.state_dict(used) if parts.frames else None,
         }
         rows = None if parts.storage is None else parts.storage.snapshot(
             lock, parts.ring.next_id % parts.ring.capacity, used, chunk_bytes)
@@ -113,6 +115,11 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
         if state["config"][key] != mine[key]:
             raise ConfigError(f"table {name!r}: config says {key}={mine[key]!r} but the saved "
                               f"state has {key}={state['config'][key]!r}")
+    saved_key = state["config"].get("frame_stack_key")
+    if saved_key != config.frame_stack_key:
+        raise ConfigError(f"table {name!r}: config says frame_stack_key="
+                          f"{config.frame_stack_key!r} but the saved state has "
+                          f"frame_stack_key={saved_key!r} (its rows are stored differently)")
     parts = fresh_parts(config, incarnations)
     schema = None if state["schema"] is None else Schema.from_state_dict(state["schema"])
     if schema_now is not None and schema is not None and dict(schema) != dict(schema_now):
@@ -142,6 +149,8 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
                               f"saved state has no n-step index (saved with n_step=1)")
         if saved_nstep is not None:
             parts.nstep.load_state_dict(saved_nstep)
+    if parts.frames is not None and state.get("frames") is not None:
+        parts.frames.load_state_dict(state["frames"])
     parts.limiter.load_state_dict(state.get("rate_limiter"), size=parts.size)
     parts.counters = TableCounters(**state["counters"])
     parts.generator.bit_generator.state = generator_from_state(state["generator"])
