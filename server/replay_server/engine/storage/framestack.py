@@ -47,10 +47,14 @@ from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import InsertEvent
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.snapshot import saved_copy
+from replay_server.engine import workers
 from replay_server.engine.storage.memory import ColumnStorage
 from replay_server.errors import InvalidArgumentError, SchemaMismatchError
 
 FILLS = ("repeat", "zero")
+
+_PARALLEL_BYTES = 2 << 20
+"""Rebuilds of at least this many bytes of stacks are split across the worker pool."""
 
 
 def next_key(key: str) -> str:
@@ -193,61 +197,85 @@ class FrameStacks:
 
     def gather(self, storage: ColumnStorage, positions: np.ndarray,
                out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The rows at ``positions`` (int64 ``[B]``, live) with their stacks rebuilt."""
+        """The rows at ``positions`` (int64 ``[B]``, live) with their stacks rebuilt.
+
+        The stacks are built in place in the destination tensors (``out``'s
+        where given); rows are split across the worker pool as gathers are.
+        """
         cap = self._ring.capacity
         views = storage.views
         others = [key for key in views if key not in (self.key, self.next_key)]
         columns = storage.gather(positions % cap, out, keys=others)
-        stacks = self._rebuild(views[self.key], positions)
-        newest = storage.gather(positions % cap, keys=[self.next_key])[self.next_key]
+        frames, next_frames = views[self.key], views[self.next_key]
         dtype = storage.columns[self.key].dtype
-        for name, value in ((self.key, stacks), (self.next_key, None)):
+        dests = {}
+        for name in (self.key, self.next_key):
             dest = None if out is None else out.get(name)
             if dest is None:
-                dest = torch.empty((positions.size, *stacks.shape[1:]), dtype=dtype)
-            view = _numpy(dest)
-            if value is not None:
-                view[...] = value
-            else:
-                view[:, :-1] = stacks[:, 1:]
-                view[:, -1] = _numpy(newest)
+                dest = torch.empty((positions.size, self.stack, *frames.shape[1:]), dtype=dtype)
+            dests[name] = dest
             columns[name] = dest
+        stacks, following = _numpy(dests[self.key]), _numpy(dests[self.next_key])
+
+        def part(bounds: tuple[int, int]) -> None:
+            a, b = bounds
+            self._rebuild(frames, positions[a:b], into=stacks[a:b])
+            following[a:b, :-1] = stacks[a:b, 1:]
+            following[a:b, -1] = next_frames[positions[a:b] % cap]
+
+        parts = min(workers.THREADS, max(1, stacks.nbytes // _PARALLEL_BYTES))
+        bounds = np.linspace(0, positions.size, parts + 1).astype(int)
+        tasks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        if len(tasks) < 2:
+            for task in tasks:
+                part(task)
+        else:
+            workers.run_split(part, tasks, len(tasks))
         return columns
 
     def _rebuild(self, frames: np.ndarray, positions: np.ndarray,
-                 gone_below: int | None = None) -> np.ndarray:
+                 gone_below: int | None = None, into: np.ndarray | None = None) -> np.ndarray:
         """Stacks ``[n, stack, ...]`` of ``positions`` from the stored frames and kept histories.
 
-        Walks each row's links back; a row on the way with a kept history
-        supplies the older frames from it; an episode's start (or a link below
-        the ring's oldest row) ends the walk and the rest is filled.
+        Walks each row's links back to find the slots of its frames; a row on
+        the way with a kept history supplies the older frames from it; an
+        episode's start (or a link below the ring's oldest row) ends the walk
+        and the rest is filled (``repeat``: the earliest frame's slot again).
+        Then one ``np.take`` reads every frame into place.
         ``gone_below``: rows from this position on are still readable although
         the ring's ``first_live`` has passed them (they are about to be overwritten).
+        ``into``: a contiguous array to build them in (else a new one).
         """
         cap = self._ring.capacity
         floor = self._ring.first_live if gone_below is None else gone_below
         n = positions.size
-        out = np.empty((n, self.stack, *frames.shape[1:]), dtype=frames.dtype)
-        out[:, -1] = frames[positions % cap]
+        slots = np.empty((n, self.stack), dtype=np.int64)
+        slots[:, -1] = positions % cap
+        filled = np.zeros((n, self.stack), dtype=bool) if self.fill == "zero" else None
         current = positions.copy()
         walking = np.ones(n, dtype=bool)
-        filling = np.zeros(n, dtype=bool)
         kept = np.fromiter(self._kept, dtype=np.int64, count=len(self._kept))
+        overrides: list[tuple[int, int, np.ndarray]] = []
         for k in range(2, self.stack + 1):
             if kept.size:
                 hit = walking & np.isin(current, kept)
                 for index in np.flatnonzero(hit).tolist():
-                    history = self._kept[int(current[index])]
-                    out[index, : self.stack - k + 1] = history[-(self.stack - k + 1):]
+                    overrides.append((index, self.stack - k + 1, self._kept[int(current[index])]))
                 walking &= ~hit
             previous = self._prev[current % cap]
             ok = walking & (previous >= floor)
-            filling |= walking & ~ok
             walking = ok
-            current[ok] = previous[ok]
-            out[ok, -k] = frames[current[ok] % cap]
-            if filling.any():
-                out[filling, -k] = out[filling, -k + 1] if self.fill == "repeat" else 0
+            current = np.where(ok, previous, current)
+            slots[:, -k] = np.where(ok, current % cap, slots[:, -k + 1])
+            if filled is not None:
+                filled[:, -k] = ~ok
+        out = np.empty((n, self.stack, *frames.shape[1:]), dtype=frames.dtype) if into is None \
+            else into
+        np.take(frames, slots, axis=0, out=out, mode="clip")
+        if filled is not None and filled.any():
+            out[filled] = 0
+        for index, count, history in overrides:  # a kept history is exact: it wins over fills
+            out[index, :count] = history[-count:]
         return out
 
     # ------------------------------------------------------------- the rest
