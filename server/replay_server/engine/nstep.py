@@ -15,12 +15,12 @@ where ``t, t + 1, ...`` are the stored steps of ``t``'s episode in order
 step that ends the episode (``done`` or ``truncated``) or at the newest step
 of an episode still running. Every other column is that of step ``t``.
 
-The index keeps, per slot, the position of the next step of the same
-episode (-1: none yet, or the episode ended there), linked at insert the way
-:mod:`~replay_server.engine.samplers.episodes` links slices; positions, not
-slots, so a link never points at a row that replaced the step. A step after
-a stored row is always stored (the ring overwrites in insertion order), so
-the window never touches an overwritten row.
+The index keeps, per slot, the slot of the next step of the same episode
+(-1: none yet, or the episode ended there), linked at insert the way
+:mod:`~replay_server.engine.samplers.episodes` links slices; a slot's link
+is reset when a new row takes the slot. A step after a stored row is always
+stored (the ring overwrites in insertion order), so the window never
+touches an overwritten row.
 
 Cost: insert O(rows + episodes); sample O(B * n) lookups of 8 bytes plus
 the usual gather (the ``next.*``, ``done`` and ``truncated`` columns are
@@ -67,7 +67,10 @@ class NStepIndex:
         self.gamma = gamma
         self.reward_key = reward_key
         self.end_keys = (done_key, truncated_key)
-        self._next = np.full(ring.capacity, -1, dtype=np.int64)
+        # _next[slot]: the slot of the next step, or -1; one more entry, always -1, so that
+        # following a -1 (index -1: the last entry) stays -1.
+        self._next = np.full(ring.capacity + 1, -1, dtype=np.int64)
+        self._keys: tuple[list[str], list[str]] | None = None  # (first step's, last step's)
         self._open: dict[int, int] = {}  # episode -> position of its newest step
         self._sweep_at = _MIN_SWEEP
         self._discounts = gamma ** np.arange(n_step, dtype=np.float64)
@@ -90,9 +93,9 @@ class NStepIndex:
             mine, mine_ends = positions[group], ends[group]
             previous = self._open.pop(episode, None)
             if previous is not None and previous >= first_live:
-                self._next[previous % cap] = mine[0]
+                self._next[previous % cap] = mine[0] % cap
             follows = ~mine_ends[:-1]  # a step that ends its episode links to nothing
-            self._next[mine[:-1][follows] % cap] = mine[1:][follows]
+            self._next[mine[:-1][follows] % cap] = mine[1:][follows] % cap
             if not mine_ends[-1]:
                 self._open[episode] = int(mine[-1])
         if len(self._open) > self._sweep_at:
@@ -109,31 +112,33 @@ class NStepIndex:
         """The n-step transitions starting at ``positions`` (int64 ``[B]``, live rows)."""
         cap = self._ring.capacity
         views = storage.views
-        ends = [views[key].reshape(cap) for key in self.end_keys if key in views]
+        if self._keys is None:
+            tail = [key for key in views if key.startswith(NEXT_PREFIX) or key in self.end_keys]
+            self._keys = ([key for key in views if key not in tail], tail)
+        head_keys, tail_keys = self._keys
         rewards = views[self.reward_key].reshape(cap)
-        last = positions.copy()
-        slots = last % cap
-        total = rewards[slots].astype(np.float64)
-        steps = np.ones(positions.size, dtype=np.int64)
-        going = np.ones(positions.size, dtype=bool)
+        first = positions % cap
+        # chain[k]: the slot of step t + k, or -1 past the window's end (the link of a step
+        # that ended its episode, or of its episode's newest step, is -1, and so is the
+        # sentinel _next[-1], so -1 stays -1).
+        chain = np.empty((self.n_step, first.size), dtype=np.int64)
+        chain[0] = first
         for k in range(1, self.n_step):
-            for end in ends:
-                going &= ~end[slots]
-            following = self._next[slots]
-            going &= following >= 0
-            if not going.any():
-                break
-            last[going] = following[going]
-            slots = last % cap
-            total[going] += self._discounts[k] * rewards[slots[going]]
-            steps[going] += 1
-        tail_keys = [key for key in views
-                     if key.startswith(NEXT_PREFIX) or key in self.end_keys]
-        head_keys = [key for key in views if key not in tail_keys]
-        columns = storage.gather(positions % cap, out, keys=head_keys)
+            np.take(self._next, chain[k - 1], out=chain[k])
+        inside = chain >= 0
+        steps = inside.sum(axis=0)
+        terms = rewards[chain].astype(np.float64)  # -1 reads the last slot: masked next
+        terms *= self._discounts[:, None]
+        terms[~inside] = 0.0
+        total = terms.sum(axis=0)  # in step order, as a running sum would add them
+        slots = chain[steps - 1, np.arange(first.size)]
+        columns = storage.gather(first, out, keys=head_keys)
         columns.update(storage.gather(slots, out, keys=tail_keys))
         reward = columns[self.reward_key]
-        reward.copy_(torch.from_numpy(total).to(reward.dtype).view(reward.shape))
+        if reward.dtype == torch.bfloat16:  # numpy has no bfloat16
+            reward.copy_(torch.from_numpy(total).to(reward.dtype).view(reward.shape))
+        else:
+            np.copyto(reward.numpy().reshape(-1), total, casting="unsafe")
         steps_out = None if out is None else out.get(STEPS_KEY)
         if steps_out is None:
             columns[STEPS_KEY] = torch.from_numpy(steps)
@@ -152,7 +157,7 @@ class NStepIndex:
                 "open_last": torch.tensor([self._open[e] for e in episodes], dtype=torch.int64)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        saved = state["next"].numpy()
+        saved = state["next"].numpy()[: self._ring.capacity]
         self._next.fill(-1)
         self._next[: saved.size] = saved
         self._open = {int(e): int(p) for e, p in zip(state["open_episodes"], state["open_last"])}
