@@ -16,9 +16,7 @@ the throughput ratio dedup / plain, per repetition, then medians.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -27,7 +25,9 @@ from replay_server.engine.config import TableConfig
 from replay_server.engine.memory import table_bytes
 from replay_server.engine.table import Table
 
-BATCH = 256
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_rates import BATCH, report_medians, sample_rate  # noqa: E402
+
 ROWS = 50_000
 ACTORS = 8
 EPISODE = 500
@@ -51,16 +51,6 @@ def transitions(n: int) -> dict:
     return {"obs": obs, "next": {"obs": nxt}, "action": torch.zeros(n, dtype=torch.int64),
             "reward": torch.randn(n, generator=generator),
             "done": step % EPISODE == EPISODE - 1, "episode": episode}
-
-
-def rate(table: Table, seconds: float) -> float:
-    for _ in range(20):
-        table.sample(BATCH)
-    ops, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        table.sample(BATCH)
-        ops += 1
-    return ops * BATCH / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -88,20 +78,18 @@ def main() -> None:
     ratios, plain_rates = [], []
     for repetition in range(args.repeat):
         # Alternated, each twice, so a busy spell on a shared machine hits both sides.
-        halves = [(rate(tables["plain"], args.seconds / 2), rate(tables["dedup"], args.seconds / 2))
+        halves = [(sample_rate(tables["plain"], args.seconds / 2),
+                   sample_rate(tables["dedup"], args.seconds / 2))
                   for _ in range(2)]
         plain, dedup = (sum(h[i] for h in halves) / 2 for i in (0, 1))
         ratios.append(dedup / plain)
         plain_rates.append(plain)
         print(f"[{repetition}] plain {plain:>10,.0f} rows/s  dedup {dedup:>10,.0f} rows/s  "
               f"{dedup / plain:.2f}x", flush=True)
-    result = {"memory_ratio": per_row["plain"] / per_row["dedup"],
-              "plain_bytes_per_row": per_row["plain"], "dedup_bytes_per_row": per_row["dedup"],
-              "throughput_ratio": statistics.median(ratios),
-              "plain_rows_per_s": statistics.median(plain_rates)}
-    print("\nmedians: " + json.dumps(result))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    report_medians({"memory_ratio": [per_row["plain"] / per_row["dedup"]],
+                    "plain_bytes_per_row": [per_row["plain"]],
+                    "dedup_bytes_per_row": [per_row["dedup"]], "throughput_ratio": ratios,
+                    "plain_rows_per_s": plain_rates}, args.json)
 
 
 if __name__ == "__main__":

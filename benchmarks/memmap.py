@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import sys
 import tempfile
 import time
@@ -37,9 +36,9 @@ sys.path.insert(0, str(HERE))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from engine_rates import report_medians, sample_rate  # noqa: E402
 from sides import run_side  # noqa: E402
 
-BATCH = 256
 ATARI_ROWS = 50_000
 SMALL_ROWS = 10_000_000
 
@@ -69,17 +68,6 @@ def _fill(table, rows: int, chunk: dict[str, torch.Tensor]) -> float:
     return rows / (time.perf_counter() - start)
 
 
-def _sample_rate(table, seconds: float) -> float:
-    for _ in range(20):
-        table.sample(BATCH)
-    ops = 0
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        table.sample(BATCH)
-        ops += 1
-    return ops * BATCH / (time.perf_counter() - start)
-
-
 def resident(directory: str, seconds: float) -> dict:
     chunk = _atari(1024, 0)
     ram = _table(ATARI_ROWS, None)
@@ -88,7 +76,7 @@ def resident(directory: str, seconds: float) -> dict:
     _fill(mapped, ATARI_ROWS, chunk)
     os.sync()  # the fill's dirty pages written back: no writeback competes with the samples
     # Alternated, each twice, so a busy spell on the shared machine hits both sides.
-    halves = [(_sample_rate(ram, seconds / 2), _sample_rate(mapped, seconds / 2))
+    halves = [(sample_rate(ram, seconds / 2), sample_rate(mapped, seconds / 2))
               for _ in range(2)]
     rates = {"ram": sum(h[0] for h in halves) / 2, "memmap": sum(h[1] for h in halves) / 2}
     return {"resident_ram_rows_per_s": rates["ram"], "resident_memmap_rows_per_s": rates["memmap"],
@@ -99,7 +87,7 @@ def small(directory: str, seconds: float, torchrl_python: str | None) -> dict:
     table = _table(SMALL_ROWS, directory)
     fill = _fill(table, SMALL_ROWS, {"obs": torch.randn(1_000_000, 17)})
     os.sync()
-    ours = _sample_rate(table, seconds)
+    ours = sample_rate(table, seconds)
     del table
     result = {"small_fill_rows_per_s": fill, "small_memmap_rows_per_s": ours}
     if torchrl_python:
@@ -119,7 +107,7 @@ def big(directory: str, gigabytes: float, seconds: float) -> dict:
     table = _table(capacity, directory)
     chunk = _atari(1024, 1)
     fill = _fill(table, capacity, chunk)
-    rate = _sample_rate(table, seconds)
+    rate = sample_rate(table, seconds)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"big_rows": capacity, "big_gb": capacity * row / 1e9, "big_fill_rows_per_s": fill,
             "big_sample_rows_per_s": rate, "big_peak_rss_gb": peak / 1e9}
@@ -146,12 +134,7 @@ def main() -> None:
                           **small(directory, args.seconds, args.torchrl_python)}
             print(f"[{repetition}] " + json.dumps(record), flush=True)
             runs.append(record)
-    medians = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-    print("\nmedians")
-    for key, value in medians.items():
-        print(f"  {key:32} {value:>16,.2f}")
-    if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "medians": medians}, indent=2))
+    report_medians({key: [r[key] for r in runs] for key in runs[0]}, args.json)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ costs at most 1.5x a plain sample), per repetition, then medians.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -24,7 +22,9 @@ import torch
 from replay_server.engine.config import TableConfig
 from replay_server.engine.table import Table
 
-BATCH = 256
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_rates import report_medians, sample_rate  # noqa: E402
+
 ROWS = 100_000
 ACTORS = 8
 EPISODE = 1_000
@@ -42,16 +42,6 @@ def rows(kind: str, first: int, n: int) -> dict:
     return {"obs": obs, "next": {"obs": nxt}, "action": torch.zeros(n, dtype=torch.int32),
             "reward": torch.randn(n, generator=generator),
             "done": (t // ACTORS) % EPISODE == EPISODE - 1, "episode": episode}
-
-
-def rate(table: Table, seconds: float) -> float:
-    for _ in range(20):
-        table.sample(BATCH)
-    ops, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        table.sample(BATCH)
-        ops += 1
-    return ops * BATCH / (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -72,7 +62,7 @@ def main() -> None:
                 table.insert(data)
         for repetition in range(args.repeat):
             # Alternated, each twice, so a busy spell on a shared machine hits every side.
-            halves = [{n: rate(table, args.seconds / 2) for n, table in tables.items()}
+            halves = [{n: sample_rate(table, args.seconds / 2) for n, table in tables.items()}
                       for _ in range(2)]
             rates = {n: (halves[0][n] + halves[1][n]) / 2 for n in tables}
             for n in (3, 10):
@@ -82,12 +72,7 @@ def main() -> None:
                       f"{rates[n]:>10,.0f} rows/s  cost {cost:.2f}x", flush=True)
             runs.setdefault(f"{kind} plain rows/s", []).append(rates[1])
         del tables
-    medians = {key: statistics.median(values) for key, values in runs.items()}
-    print("\nmedians")
-    for key, value in medians.items():
-        print(f"  {key:32} {value:>12,.2f}")
-    if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "medians": medians}, indent=2))
+    report_medians(runs, args.json)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,32 @@
+"""What the in-process storage benchmarks share (memmap.py, nstep.py, framestack.py)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+BATCH = 256
+
+
+def sample_rate(table, seconds: float, batch: int = BATCH) -> float:
+    """Rows/s of ``table.sample(batch)`` for ``seconds`` (after 20 warm-up samples)."""
+    for _ in range(20):
+        table.sample(batch)
+    ops, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        table.sample(batch)
+        ops += 1
+    return ops * batch / (time.perf_counter() - start)
+
+
+def report_medians(runs: dict[str, list[float]], json_path: Path | None) -> dict[str, float]:
+    """Print the median of each measurement (and write runs and medians to ``json_path``)."""
+    medians = {key: statistics.median(values) for key, values in runs.items()}
+    print("\nmedians")
+    for key, value in medians.items():
+        print(f"  {key:36} {value:>16,.2f}")
+    if json_path:
+        json_path.write_text(json.dumps({"runs": runs, "medians": medians}, indent=2))
+    return medians
