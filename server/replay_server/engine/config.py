@@ -106,6 +106,8 @@ class TableConfig:
             :mod:`replay_server.engine.storage.framestack`); ``None``: off.
         frame_stack_fill: the frames before an episode's first step: ``repeat``
             its first frame, or ``zero``.
+        compress_keys: columns whose rows are stored lz4-compressed (see
+            :mod:`replay_server.engine.storage.compressed`); ``None``: none.
     """
 
     name: str
@@ -132,6 +134,7 @@ class TableConfig:
     reward_key: str = "reward"
     frame_stack_key: str | None = None
     frame_stack_fill: str = "repeat"
+    compress_keys: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -200,6 +203,23 @@ class TableConfig:
         self._check_storage(where)
         self._check_n_step(where)
         self._check_frame_stack(where)
+        self._check_compression(where)
+
+    def _check_compression(self, where: str) -> None:
+        keys = self.compress_keys
+        if keys is None:
+            return
+        if (not isinstance(keys, (list, tuple)) or not keys
+                or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys)):
+            raise ConfigError(f"{where}: compress_keys must be a non-empty list of distinct "
+                              f"column names, got {keys!r}")
+        object.__setattr__(self, "compress_keys", tuple(keys))
+        for name, on in (("storage 'memmap'", self.storage is StorageKind.MEMMAP),
+                         ("frame_stack_key", self.frame_stack_key is not None),
+                         ("n_step > 1", self.n_step > 1), ("pin_memory", self.pin_memory)):
+            if on:
+                raise ConfigError(f"{where}: compress_keys with {name} is not supported yet; "
+                                  f"use one of them")
 
     def _check_frame_stack(self, where: str) -> None:
         if self.frame_stack_fill not in ("repeat", "zero"):
@@ -384,6 +404,7 @@ class TableConfig:
             "reward_key": self.reward_key,
             "frame_stack_key": self.frame_stack_key,
             "frame_stack_fill": self.frame_stack_fill,
+            "compress_keys": None if self.compress_keys is None else list(self.compress_keys),
         }
 
 

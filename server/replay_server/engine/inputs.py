@@ -193,6 +193,10 @@ def check_sampler_columns(config: TableConfig, schema: Schema) -> None:
         _check_n_step_columns(config, schema)
     if config.frame_stack_key is not None:
         check_stack_columns(config.name, config.frame_stack_key, schema)
+    missing = [key for key in config.compress_keys or () if key not in schema]
+    if missing:
+        raise SchemaMismatchError(f"table {config.name!r}: compress_keys names {missing}, which "
+                                  f"the schema lacks; it has {sorted(schema)}")
     if not (config.sampler.is_slice or config.n_step > 1 or config.frame_stack_key):
         return
     key = config.episode_key

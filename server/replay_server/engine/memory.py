@@ -74,9 +74,19 @@ def table_bytes(config: TableConfig, schema: Schema | None) -> int:
     return config.capacity * (row + sampler_slot_bytes(config))
 
 
+COMPRESSED_ROW_OVERHEAD = 41
+"""Bytes a compressed row costs beyond its compressed bytes (a bytes object, a list slot)."""
+
+
 def stored_row_bytes(config: TableConfig, schema: Schema) -> int:
-    """Bytes a row of ``schema`` takes in storage (a frame-stacked key keeps one frame of its stack)."""
+    """Bytes a row of ``schema`` takes in storage at most: a frame-stacked key keeps one frame
+    of its stack; a compressed column is promised lz4's worst case (its raw size, lz4's bound
+    and :data:`COMPRESSED_ROW_OVERHEAD`)."""
     row = schema.row_bytes
+    for key in config.compress_keys or ():
+        spec = schema.get(key)
+        if spec is not None:
+            row += spec.row_bytes // 255 + 16 + COMPRESSED_ROW_OVERHEAD
     key = config.frame_stack_key
     if key is not None:
         for name in (key, f"next.{key}"):

@@ -472,7 +472,8 @@ class Table:
                 storage_bytes=0 if parts.storage is None else parts.storage.nbytes,
                 counters=TableCounters(**asdict(parts.counters)),
                 sampler_stats={**parts.sampler.stats(),
-                               **(parts.frames.stats() if parts.frames else {})},
+                               **(parts.frames.stats() if parts.frames else {}),
+                               **(parts.storage.stats() if parts.storage else {})},
                 config=self.config.describe(),
                 rate_limiter=parts.limiter.info(),
             )
@@ -535,7 +536,9 @@ class Table:
         parts: TableParts = load_parts(self.config, state, self._parts.schema, read_rows is None,
                                        self._incarnations, self._memory)
         if read_rows is not None and parts.storage is not None:
-            read_rows(parts.storage.views)
+            views = parts.storage.load_views()
+            read_rows(views)
+            parts.storage.loaded(views)
         with self._lock:
             self._parts = parts
             self.changes.tick()

@@ -135,8 +135,9 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
     parts.ids.load(state.get("ids"), parts.ring.next_id, name)
     if parts.storage is not None and with_columns:
         used = parts.used
+        stored = parts.storage.views
         for key, column in state["columns"].items():
-            if key not in parts.storage.columns or column.shape[0] != used:
+            if key not in stored or column.shape[0] != used:
                 raise MalformedStateError(f"table {name!r}: saved column {key!r} does not fit "
                                           f"the schema and {used} stored slots")
         parts.storage.load_state_dict(state["columns"])

@@ -4,6 +4,10 @@
   default): preallocated tensors in RAM (pinned with ``pin_memory``).
 * :mod:`~replay_server.engine.storage.memmap`: ``storage = "memmap"``:
   memory-mapped files under ``storage_dir``, for tables larger than RAM.
+* :mod:`~replay_server.engine.storage.compressed`: ``compress_keys``: those
+  columns' rows lz4-compressed in RAM.
+* :mod:`~replay_server.engine.storage.framestack`: ``frame_stack_key``: a
+  stacked observation kept one frame per step (beside any of the above).
 
 Every kind is a :class:`~replay_server.engine.storage.memory.ColumnStorage`
 (the same writes, gathers and snapshots); the table builds the one its
@@ -14,10 +18,12 @@ from __future__ import annotations
 
 from replay_server.engine.config import StorageKind, TableConfig
 from replay_server.engine.schema import Schema
+from replay_server.engine.storage.compressed import CompressedStorage
 from replay_server.engine.storage.memmap import MemmapStorage, check_directory
 from replay_server.engine.storage.memory import ColumnStorage
 
-__all__ = ["ColumnStorage", "MemmapStorage", "check_storage", "make_storage"]
+__all__ = ["ColumnStorage", "CompressedStorage", "MemmapStorage", "check_storage",
+           "make_storage"]
 
 
 def make_storage(config: TableConfig, schema: Schema) -> ColumnStorage:
@@ -31,6 +37,8 @@ def make_storage(config: TableConfig, schema: Schema) -> ColumnStorage:
     if config.storage is StorageKind.MEMMAP:
         assert config.storage_dir is not None
         return MemmapStorage(schema, config.capacity, config.storage_dir, config.name)
+    if config.compress_keys:
+        return CompressedStorage(schema, config.capacity, config.compress_keys)
     return ColumnStorage(schema, config.capacity, pin_memory=config.pin_memory)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -137,6 +138,17 @@ class ColumnStorage:
     def _take(self, view: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
         """``out[:] = view[rows]`` (a storage kind may read in another order)."""
         _take(view, rows, out)
+
+    def stats(self) -> dict[str, Any]:
+        """Storage figures for ``info`` (none here)."""
+        return {}
+
+    def load_views(self) -> dict[str, np.ndarray]:
+        """Arrays a checkpoint's rows are read into (then call :meth:`loaded`): the columns' views."""
+        return self.views
+
+    def loaded(self, views: Mapping[str, np.ndarray]) -> None:
+        """The rows of :meth:`load_views` were read (nothing to do here)."""
 
     @property
     def views(self) -> dict[str, np.ndarray]:
