@@ -71,3 +71,16 @@ def test_the_endpoint_serves_the_registry_and_stops(tmp_path) -> None:
 
     with pytest.raises(ConnectionRefusedError):  # nothing listens there any more
         socket.create_connection(("127.0.0.1", port), timeout=10).close()
+
+
+def test_queue_tables_report_their_depth_and_deletes() -> None:
+    tables = TableSet([TableConfig(name="q", capacity=10, sampler="fifo"),
+                       TableConfig(name="plain", capacity=10)])
+    ids = tables["q"].insert({"obs": torch.zeros(5, 2)})
+    tables["q"].sample(2)
+    tables["q"].delete(ids[3:4])
+    tables["plain"].insert({"obs": torch.zeros(5, 2)})
+    text = generate_latest(_metrics(tables).registry)
+    assert b'replay_queue_depth_rows{table="q"} 2.0' in text
+    assert b'replay_table_deleted_rows_total{table="q"} 1.0' in text
+    assert b'replay_queue_depth_rows{table="plain"}' not in text  # only queue tables have one

@@ -53,6 +53,9 @@ from replay_server.errors import InvalidArgumentError, SchemaMismatchError
 
 FILLS = ("repeat", "zero")
 
+_MIN_SWEEP = 1024
+"""Open episodes kept before those whose newest step left the ring are forgotten."""
+
 _PARALLEL_BYTES = 2 << 20
 """Rebuilds of at least this many bytes of stacks are split across the worker pool."""
 
@@ -125,6 +128,7 @@ class FrameStacks:
         self._next = np.full(ring.capacity, -1, dtype=np.int64)
         self._open: dict[int, int] = {}
         self._kept: dict[int, np.ndarray] = {}  # position -> its stack - 1 older frames
+        self._sweep_at = _MIN_SWEEP
 
     # ------------------------------------------------------------------ insert
 
@@ -153,8 +157,9 @@ class FrameStacks:
                 stacks = self._rebuild(storage.views[self.key], rows, gone_below=gone[0])
                 for position, frames in zip(rows.tolist(), stacks):
                     self._kept[position] = frames[:-1].copy()
-        for position in gone.tolist():  # after the rebuild, which may read them
-            self._kept.pop(position, None)
+        if self._kept:  # after the rebuild, which may read them
+            for position in gone.tolist():
+                self._kept.pop(position, None)
 
     def frames_of(self, columns: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The columns as stored: the stacked keys reduced to their newest frame."""
@@ -187,6 +192,9 @@ class FrameStacks:
             self._next[mine[:-1][follows] % cap] = mine[1:][follows]
             if not ends[-1]:
                 self._open[episode] = int(mine[-1])
+        if len(self._open) > self._sweep_at:  # episodes whose newest step left the ring
+            self._open = {e: p for e, p in self._open.items() if p >= first_live}
+            self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
         rebuilt = self._rebuild(storage.views[self.key], positions)
         given = _numpy(columns[self.key])
         differs = (rebuilt != given).reshape(positions.size, -1).any(axis=1)
@@ -305,6 +313,7 @@ class FrameStacks:
             array.fill(-1)
             array[: saved.size] = saved
         self._open = {int(e): int(p) for e, p in zip(state["open_episodes"], state["open_last"])}
+        self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
         frames = state["kept_frames"].numpy()
         self._kept = {int(p): frames[i].copy() for i, p in enumerate(state["kept_positions"])}
 
