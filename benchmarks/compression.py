@@ -13,7 +13,6 @@ repetition), and the ratios, then medians.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from replay_server.engine.config import TableConfig
 from replay_server.engine.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_rates import report_medians, sample_rate  # noqa: E402
+from engine_rates import arguments, report_medians, sample_rate  # noqa: E402
 
 ROWS = 20_000
 
@@ -42,12 +41,7 @@ def frames(n: int) -> torch.Tensor:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = arguments(__doc__)
     screens = frames(ROWS)
     obs = torch.stack([screens[t:t + 4] for t in range(ROWS)])
     data = {"obs": obs, "action": torch.zeros(ROWS, dtype=torch.int64),

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
 from pathlib import Path
 
 BATCH = 256
+
+
+def arguments(doc: str) -> argparse.Namespace:
+    """The options every one of these benchmarks takes (``--seconds``, ``--repeat``, ``--json``);
+    torch's own threads are limited to one, as the engine's are."""
+    import torch
+
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    return args
 
 
 def sample_rate(table, seconds: float, batch: int = BATCH) -> float:

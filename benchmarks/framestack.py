@@ -15,7 +15,6 @@ the throughput ratio dedup / plain, per repetition, then medians.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from replay_server.engine.memory import table_bytes
 from replay_server.engine.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_rates import BATCH, report_medians, sample_rate  # noqa: E402
+from engine_rates import arguments, BATCH, report_medians, sample_rate  # noqa: E402
 
 ROWS = 50_000
 ACTORS = 8
@@ -54,12 +53,7 @@ def transitions(n: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = arguments(__doc__)
     data = transitions(ROWS)
     tables = {name: Table(TableConfig(name=name, capacity=ROWS, seed=0, **extra))
               for name, extra in (("plain", {}), ("dedup", {"frame_stack_key": "obs"}))}

@@ -13,7 +13,6 @@ costs at most 1.5x a plain sample), per repetition, then medians.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from replay_server.engine.config import TableConfig
 from replay_server.engine.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_rates import report_medians, sample_rate  # noqa: E402
+from engine_rates import arguments, report_medians, sample_rate  # noqa: E402
 
 ROWS = 100_000
 ACTORS = 8
@@ -45,12 +44,7 @@ def rows(kind: str, first: int, n: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=5.0)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = arguments(__doc__)
     runs: dict[str, list[float]] = {}
     for kind in ("atari", "small"):
         tables = {n: Table(TableConfig(name=f"t{n}", capacity=ROWS, seed=0, n_step=n))
