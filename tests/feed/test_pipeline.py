@@ -168,8 +168,9 @@ def test_copies_are_counted_as_pinned_or_pageable():
 
     class Unchecked(SlowAccelerator):
         def copy(self, tensors, device):  # pageable copies are allowed with pin_memory=False
-            out = [t.clone() for t in tensors]
-            return out, threading.Event()
+            done = threading.Event()
+            done.set()
+            return [t.clone() for t in tensors], done
 
         def consume(self, tensors, event):
             pass
