@@ -11,9 +11,9 @@ Per batch:
 1. on the producer thread, the source fills slot ``k % slots`` of a reused
    ring of staging buffers (``slots = prefetch + 1``; pinned when pinning is
    on; no per-batch allocation) or hands over views of a shared-memory slot;
-2. on the delivery stage's thread (:mod:`replay_feed.pipeline`; inline when
-   there is neither a transform nor a device copy), ``transform`` runs on
-   it, if given;
+2. on the delivery stage's thread (:mod:`replay_feed.pipeline`; inline on
+   the producer thread when batches stay on the host), ``transform`` runs
+   on it, if given;
 3. pinning applies to exactly what the transform returned: every host
    tensor that is not page-locked is copied into a reused pinned buffer
    (TorchRL's issue #2404 was the opposite: outputs with ``device=None``
@@ -139,8 +139,8 @@ class FeedCore:
         threads: threads one host copy may use (None: sized from the cores,
             :func:`~replay_feed.pipeline.default_threads`).
         pipelined: run transform, pinning and the device copy on the delivery
-            stage's thread (None: when there is a transform or a device copy;
-            see :mod:`replay_feed.pipeline`).
+            stage's thread (None: when batches are copied to a device; see
+            :mod:`replay_feed.pipeline`).
 
     Thread-safety: :meth:`staging`, :meth:`deliver`, :meth:`fail` and
     :meth:`wait_credits` are for the producer thread; :meth:`take` for the
@@ -170,7 +170,7 @@ class FeedCore:
         self._taken = 0
         self._copier = HostCopier(threads)
         if pipelined is None:
-            pipelined = transform is not None or delivery.device is not None
+            pipelined = delivery.device is not None
         self._stage = DeliveryStage(self._prepare, self._ready.put, "feed") if pipelined else None
         if pipelined:
             self.stats.notes.append(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -39,26 +38,17 @@ class GuardedAccelerator(SlowAccelerator):
         self._next = 0
         self.consumed: list[threading.Event] = []
 
-    def copy(self, tensors, device):
-        assert all(self.is_pinned(t) for t in tensors), "a device copy from unpinned memory"
-        out = [torch.zeros_like(t) for t in tensors]
-        done = threading.Event()
+    def issued(self, tensors):
         with self._lock:
             key, self._next = self._next, self._next + 1
             self._in_flight[key] = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
             delay = self._rng.uniform(0, self.max_delay)
 
-        def land():
-            time.sleep(delay)
-            for dest, src in zip(out, tensors):
-                dest.copy_(src)
+        def landed():
             with self._lock:
                 del self._in_flight[key]
-            done.set()
 
-        threading.Thread(target=land, daemon=True).start()
-        self.copies += 1
-        return out, done
+        return delay, landed
 
     def consume(self, tensors, event):
         self.waits += 1
@@ -181,10 +171,16 @@ def test_copies_are_counted_as_pinned_or_pageable():
     assert unpinned.stats.pageable_copies == 3 and unpinned.stats.pinned_copies == 0
 
 
-def test_host_batches_without_work_skip_the_stage():
-    stream = _stream(RowSource(num_batches=2), None, device=None)
+def test_host_batches_are_transformed_on_the_producer_thread_without_a_stage():
+    threads = []
+
+    def transform(batch):
+        threads.append(threading.current_thread().name)
+        return batch
+
+    stream = _stream(RowSource(num_batches=2), None, device=None, transform=transform)
     assert not any("pipelined" in note for note in stream.stats.notes)
-    assert len(list(stream)) == 2
+    assert len(list(stream)) == 2 and threads == ["replay-stream-t"] * 2
 
 
 def test_closing_a_pipelined_stream_ends_its_threads():
