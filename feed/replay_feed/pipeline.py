@@ -28,10 +28,10 @@ slot too.
 When the stage runs: when batches are copied to a device. Batches that stay
 on the host are transformed and pinned inline on the producer thread: on a
 2-core machine a host transform on its own thread (torch's intra-op threads)
-beside the producer's parallel gather measured about 1.4x slower than
-running the two one after the other (median of 6 interleaved runs of the
-in-process path with ``benchmarks/learner.py``'s transform): the threads of
-both oversubscribe the cores. A device path's stage work is pinning copies
+beside the producer's parallel gather measured 1.4-1.7x slower than
+running the two one after the other (the in-process path with
+``benchmarks/learner.py``'s transform; docs/benchmarks.md, issue 13): the
+threads of both oversubscribe the cores. A device path's stage work is pinning copies
 and issuing the copy, which then runs on the device by itself.
 
 Threads: :func:`default_threads` sizes host copies from the machine's cores
@@ -162,7 +162,9 @@ class DeliveryStage:
 
     Items put with :meth:`put` are either ``(index, batch)`` pairs, handed to
     ``prepare``, or markers (the end, a failure), emitted as they are after
-    the batches before them; a marker ends the stage.
+    the batches before them; a marker ends the stage. The thread starts with
+    the first item, so a feed refused before it produced anything leaves no
+    thread behind.
 
     Thread-safety: :meth:`put` from the producer thread, :meth:`stop` and
     :meth:`join` from any.
@@ -176,10 +178,13 @@ class DeliveryStage:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"replay-deliver-{name}",
                                         daemon=True)
-        self._thread.start()
+        self._started = False
 
     def put(self, item: Any) -> None:
         self._queue.put(item)
+        if not self._started:
+            self._started = True
+            self._thread.start()
 
     def stop(self) -> None:
         """Drop what is queued and end the thread (the learner is leaving)."""
@@ -188,7 +193,7 @@ class DeliveryStage:
 
     def join(self, timeout: float) -> bool:
         """Wait for the thread to end; False if it is still running after ``timeout``."""
-        if self._thread is not threading.current_thread():
+        if self._started and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         return not self._thread.is_alive()
 

@@ -183,6 +183,12 @@ def test_host_batches_are_transformed_on_the_producer_thread_without_a_stage():
     assert len(list(stream)) == 2 and threads == ["replay-stream-t"] * 2
 
 
+def test_a_feed_that_never_produced_leaves_no_stage_thread():
+    before = threading.active_count()
+    FeedCore(2, resolve_delivery("meta", "auto", accelerator=SlowAccelerator()), pipelined=True)
+    assert threading.active_count() == before
+
+
 def test_closing_a_pipelined_stream_ends_its_threads():
     stream = _stream(RowSource(num_batches=0), SlowAccelerator())
     next(stream)
