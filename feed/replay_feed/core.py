@@ -183,6 +183,13 @@ class FeedCore:
         """The reused staging buffers of batch ``index``, in ``layout`` order (pinned when pinning is on)."""
         return self._staging.get(index, layout)
 
+    def copy_rows(self, dest: torch.Tensor, start: int, src: torch.Tensor) -> None:
+        """``dest[start : start + len(src)] = src`` on host memory, split across cores when large.
+
+        For sources that decode into :meth:`staging` (e.g. a network stream).
+        """
+        self._copier.copy(dest[start : start + src.shape[0]], src)
+
     def deliver(self, index: int, batch: SampleBatch) -> None:
         """Transform, pin and copy batch ``index`` per the delivery, then queue it for the learner.
 

@@ -34,9 +34,11 @@ running the two one after the other (the in-process path with
 threads of both oversubscribe the cores. A device path's stage work is pinning copies
 and issuing the copy, which then runs on the device by itself.
 
-Threads: :func:`default_threads` sizes host copies from the machine's cores
-(at most 8; ``REPLAY_FEED_THREADS`` overrides it, as does the ``threads``
-argument of :class:`HostCopier`). The copy threads are one pool per process,
+Threads: :func:`default_threads` sizes host copies from the machine's cores:
+one thread below 4 cores, else one per core up to 8 (a host copy is
+bandwidth-bound; on 2 busy cores a second thread measured slower for the
+engine's copies, ``replay_server.engine.workers``). ``REPLAY_FEED_THREADS``
+overrides it, as does the ``threads`` argument of :class:`HostCopier`. The copy threads are one pool per process,
 created on first use; a copy under 2 MiB stays on the calling thread.
 """
 
@@ -57,10 +59,11 @@ PARALLEL_BYTES = 2 << 20
 """Host copies at least this large are split across threads."""
 
 _MAX_THREADS = 8
+_MIN_SPLIT_CORES = 4
 
 
 def default_threads() -> int:
-    """Threads one host copy may use: ``REPLAY_FEED_THREADS``, else the cores (1 to 8).
+    """Threads one host copy may use: ``REPLAY_FEED_THREADS``, else from the cores (module docstring).
 
     Raises:
         ValueError: ``REPLAY_FEED_THREADS`` is set but not an integer >= 1.
@@ -74,7 +77,8 @@ def default_threads() -> int:
         if value < 1:
             raise ValueError(f"{ENV_THREADS} must be an integer >= 1, got {raw!r}")
         return value
-    return max(1, min(_MAX_THREADS, os.cpu_count() or 1))
+    cores = min(_MAX_THREADS, os.cpu_count() or 1)
+    return cores if cores >= _MIN_SPLIT_CORES else 1
 
 
 _pool: ThreadPoolExecutor | None = None

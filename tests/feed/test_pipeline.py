@@ -211,6 +211,15 @@ def test_a_split_host_copy_equals_a_plain_copy(dtype):
     assert torch.equal(out, small) and copier.parts(80, 10) == 1
 
 
+def test_a_feed_copies_rows_at_an_offset_split_across_threads():
+    core = FeedCore(2, resolve_delivery(None, False, accelerator=None), threads=3)
+    dest = torch.zeros(1000, 4096, dtype=torch.uint8)
+    src = torch.randint(0, 255, (700, 4096), dtype=torch.uint8)
+    core.copy_rows(dest, 200, src)
+    assert torch.equal(dest[200:900], src)
+    assert not dest[:200].any() and not dest[900:].any()
+
+
 def test_a_split_copy_reads_non_contiguous_sources():
     src = torch.arange(512 * 2048, dtype=torch.float32).view(2048, 512).t()
     dest = torch.empty(512, 2048)
@@ -220,7 +229,9 @@ def test_a_split_copy_reads_non_contiguous_sources():
 
 def test_thread_counts_come_from_the_cores_unless_overridden(monkeypatch):
     monkeypatch.delenv(ENV_THREADS, raising=False)
-    assert 1 <= default_threads() <= 8
+    for cores, threads in ((1, 1), (2, 1), (3, 1), (4, 4), (16, 8), (None, 1)):
+        monkeypatch.setattr("replay_feed.pipeline.os.cpu_count", lambda cores=cores: cores)
+        assert default_threads() == threads, cores
     monkeypatch.setenv(ENV_THREADS, "3")
     assert default_threads() == 3 and HostCopier().threads == 3
     monkeypatch.setenv(ENV_THREADS, "zero")
