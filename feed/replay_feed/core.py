@@ -173,9 +173,10 @@ class FeedCore:
             pipelined = delivery.device is not None
         self._stage = DeliveryStage(self._prepare, self._ready.put, "feed") if pipelined else None
         if pipelined:
+            threads = self._copier.threads
             self.stats.notes.append(
-                f"pipelined: transform, pinning and device copy on their own thread; "
-                f"host copies on up to {self._copier.threads} threads")
+                f"pipelined: transform, pinning and device copy on their own thread; large "
+                f"host copies on {threads} thread{'s' if threads > 1 else ''}")
 
     # ------------------------------------------------------------ producer side
 

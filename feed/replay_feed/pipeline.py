@@ -31,15 +31,16 @@ on the host are transformed and pinned inline on the producer thread: on a
 beside the producer's parallel gather measured 1.4-1.7x slower than
 running the two one after the other (the in-process path with
 ``benchmarks/learner.py``'s transform; docs/benchmarks.md, issue 13): the
-threads of both oversubscribe the cores. A device path's stage work is pinning copies
-and issuing the copy, which then runs on the device by itself.
+threads of both oversubscribe the cores. A device path's stage work is
+pinning copies and issuing the copy, which then runs on the device by itself.
 
 Threads: :func:`default_threads` sizes host copies from the machine's cores:
 one thread below 4 cores, else one per core up to 8 (a host copy is
 bandwidth-bound; on 2 busy cores a second thread measured slower for the
 engine's copies, ``replay_server.engine.workers``). ``REPLAY_FEED_THREADS``
-overrides it, as does the ``threads`` argument of :class:`HostCopier`. The copy threads are one pool per process,
-created on first use; a copy under 2 MiB stays on the calling thread.
+overrides it, as does the ``threads`` argument of :class:`HostCopier`. The
+copy threads are one pool per process, created on first use; a copy under
+2 MiB stays on the calling thread.
 """
 
 from __future__ import annotations
