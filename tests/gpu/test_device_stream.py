@@ -28,15 +28,17 @@ sampler = "prioritized"
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def served(tmp_path_factory):
+    """A client of a server holding rows 0..1999 (frame = row % 251), and the first row's id."""
     from tests.conftest import start_server
 
     proc = start_server(tmp_path_factory.mktemp("gpu"), CONFIG)
     client = ReplayClient(proc.address)
     rows = torch.arange(2000)
-    client.first_id = int(client.insert("frames", {"row": rows, "frame": (rows % 251).to(torch.uint8).view(-1, 1, 1, 1)
-                             .expand(2000, 4, 84, 84).clone()})[0])
-    yield client
+    frames = (rows % 251).to(torch.uint8).view(-1, 1, 1, 1).expand(2000, 4, 84, 84).clone()
+    ids = client.insert("frames", {"row": rows, "frame": frames})
+    yield client, int(ids[0])
+    client.close()
     proc.stop()
 
 
@@ -47,14 +49,15 @@ def _copies_were_pinned(stream) -> bool:
 
 
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
-def test_batches_arrive_on_the_device_from_pinned_staging(client, shared_memory):
+def test_batches_arrive_on_the_device_from_pinned_staging(served, shared_memory):
+    client, first_id = served
     stream = client.stream("frames", 64, device="cuda", num_batches=20, shared_memory=shared_memory)
     assert stream.pinned
     for batch in stream:
         assert batch.data["frame"].is_cuda and batch.ids.is_cuda and batch.weights.is_cuda
         expected = (batch.data["row"] % 251).to(torch.uint8)
         assert torch.equal(batch.data["frame"][:, 0, 0, 0], expected)
-        assert torch.equal(batch.ids, client.first_id + batch.data["row"])  # consecutive ids
+        assert torch.equal(batch.ids, first_id + batch.data["row"])  # one insert: consecutive ids
         assert _copies_were_pinned(stream)
     assert stream.stats.batches == 20
     assert stream.transport == ("shared_memory" if shared_memory else "grpc")
@@ -62,7 +65,8 @@ def test_batches_arrive_on_the_device_from_pinned_staging(client, shared_memory)
         assert any("pinned in place" in n or "pinned staging" in n for n in stream.stats.notes)
 
 
-def test_transform_output_is_pinned_before_the_copy(client):
+def test_transform_output_is_pinned_before_the_copy(served):
+    client, _ = served
     pinned = []
 
     def transform(batch):
