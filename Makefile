@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner \
-        clean image image-test
+        clean image image-test bench-starvation
 
 $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,11 @@ bench-service: $(STAMP) .venv-reverb/.installed-stamp
 # DEVICE=cuda also measures host-to-device against a plain pinned copy.
 bench-learner: $(STAMP) .venv-reverb/.installed-stamp
 	$(BIN)/python benchmarks/learner.py --reverb-python .venv-reverb/bin/python $(if $(DEVICE),--device $(DEVICE),)
+
+# A learner loop with a fixed step (DEVICE=cuda: a 2 ms and a 10 ms GPU kernel; else a host
+# sleep) fed by each path, against the same loop on preloaded data: ratio and idle fraction.
+bench-starvation: $(STAMP)
+	$(BIN)/python benchmarks/starvation.py $(if $(DEVICE),--device $(DEVICE),)
 
 bench: bench-engine bench-service bench-learner
 

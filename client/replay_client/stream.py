@@ -189,7 +189,8 @@ class NetworkSource:
         def staging(index: int, layout: Layout) -> list[torch.Tensor]:
             return core.staging(base + index, layout)
 
-        decoder = SampleDecoder(self.batch_size, allocate=staging, ring_view=self._ring_view)
+        decoder = SampleDecoder(self.batch_size, allocate=staging, ring_view=self._ring_view,
+                                copy=core.copy_rows)
         first_message = True
         try:
             for raw in call:

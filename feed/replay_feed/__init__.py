@@ -16,6 +16,7 @@ package never imports this one, and neither ``replay_server`` nor
 from replay_feed.accelerator import Accelerator, CudaAccelerator, detect_accelerator
 from replay_feed.core import FeedCore, FeedStats, Layout, Source
 from replay_feed.delivery import Delivery, resolve_delivery
+from replay_feed.pipeline import DeliveryStage, HostCopier, default_threads
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_feed.stream import BatchStream
 from replay_feed.tree import tree_leaves
@@ -25,12 +26,15 @@ __all__ = [
     "BatchStream",
     "CudaAccelerator",
     "Delivery",
+    "DeliveryStage",
     "FeedCore",
     "FeedStats",
+    "HostCopier",
     "Layout",
     "SharedMemoryError",
     "SharedRing",
     "Source",
+    "default_threads",
     "detect_accelerator",
     "host_id",
     "resolve_delivery",

@@ -97,6 +97,21 @@ class CudaAccelerator:
         event.synchronize()
 
 
+def cuda_present() -> bool:
+    """Whether this machine has a CUDA device, asked without initialising CUDA.
+
+    ``torch.cuda.device_count()`` asks NVML (the driver's management library)
+    before CUDA is initialised, so answering costs milliseconds and leaves
+    CUDA uninitialised; ``torch.cuda.is_available()`` asks the CUDA runtime,
+    which initialises the driver (``cuInit``: seconds on some GPU machines).
+    A server deciding at start whether its tables may be pinned uses this,
+    and pays for CUDA only when a table's storage is really pinned (its first
+    insert, a declared schema, or a restore). Where NVML is missing, torch
+    falls back to the CUDA runtime (the same answer, at the old cost).
+    """
+    return torch.cuda.device_count() > 0
+
+
 def detect_accelerator() -> Accelerator | None:
     """The accelerator of this process (CUDA), or None when there is none."""
     if torch.cuda.is_available():

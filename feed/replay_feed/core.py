@@ -6,18 +6,24 @@ stream (sampling the tables of a server running in the learner's process).
 A *source* produces batches on one background thread; the feed turns each
 into what the learner receives and hands it over in order.
 
-Per batch, on the background thread:
+Per batch:
 
-1. the source fills slot ``k % slots`` of a reused ring of staging buffers
-   (``slots = prefetch + 1``; pinned when pinning is on; no per-batch
-   allocation) or hands over views of a shared-memory slot;
-2. ``transform`` runs on it, if given;
+1. on the producer thread, the source fills slot ``k % slots`` of a reused
+   ring of staging buffers (``slots = prefetch + 1``; pinned when pinning is
+   on; no per-batch allocation) or hands over views of a shared-memory slot;
+2. on the delivery stage's thread (:mod:`replay_feed.pipeline`; inline on
+   the producer thread when batches stay on the host), ``transform`` runs
+   on it, if given;
 3. pinning applies to exactly what the transform returned: every host
    tensor that is not page-locked is copied into a reused pinned buffer
    (TorchRL's issue #2404 was the opposite: outputs with ``device=None``
-   silently skipped);
+   silently skipped); those copies are split across cores
+   (:class:`~replay_feed.pipeline.HostCopier`);
 4. with a ``device``, the tensors are copied with ``non_blocking=True`` on a
-   side stream and an event is recorded after the copy.
+   side stream and an event is recorded after the copy; :class:`FeedStats`
+   counts whether each copy read pinned or pageable memory.
+
+Steps 2-4 of batch ``k`` overlap step 1 of batch ``k + 1``.
 
 On the learner's thread, ``next()`` makes the current stream wait for that
 event (no host wait) and returns the batch, so it never sees a partial copy
@@ -49,9 +55,9 @@ from typing import Any, Protocol
 import torch
 
 from replay_feed.delivery import Delivery
+from replay_feed.pipeline import DeliveryStage, HostCopier
 from replay_feed.tree import tree_leaves
 from replay_proto.batch import SampleBatch
-from replay_proto.codec import copy_rows
 
 Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 """One batch's tensors as ``(dtype, shape)``, in a fixed order."""
@@ -116,11 +122,25 @@ class FeedStats:
     """Seconds the learner spent waiting in ``next()`` for a batch."""
     reconnects: int = 0
     transport: str = "?"
+    pinned_copies: int = 0
+    """Device copies whose host tensors were all page-locked (asynchronous DMA)."""
+    pageable_copies: int = 0
+    """Device copies that read pageable host memory (synchronous, slower; should stay 0 when pinned)."""
     notes: list[str] = field(default_factory=list)
 
 
 class FeedCore:
     """The state a feed's background thread and the learner share.
+
+    Args:
+        prefetch: batches in flight or buffered ahead of the learner (>= 1).
+        delivery: device and pinning (:func:`~replay_feed.delivery.resolve_delivery`).
+        transform: applied to each batch before pinning and the device copy.
+        threads: threads one host copy may use (None: sized from the cores,
+            :func:`~replay_feed.pipeline.default_threads`).
+        pipelined: run transform, pinning and the device copy on the delivery
+            stage's thread (None: when batches are copied to a device; see
+            :mod:`replay_feed.pipeline`).
 
     Thread-safety: :meth:`staging`, :meth:`deliver`, :meth:`fail` and
     :meth:`wait_credits` are for the producer thread; :meth:`take` for the
@@ -128,7 +148,8 @@ class FeedCore:
     """
 
     def __init__(self, prefetch: int, delivery: Delivery,
-                 transform: Callable[[SampleBatch], Any] | None = None) -> None:
+                 transform: Callable[[SampleBatch], Any] | None = None, *,
+                 threads: int | None = None, pipelined: bool | None = None) -> None:
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
             raise ValueError(f"prefetch must be an integer >= 1, got {prefetch!r}")
         if transform is not None and not callable(transform):
@@ -147,6 +168,15 @@ class FeedCore:
         self._pinned_out = _Ring(self.slots, accel.pinned_empty if pinned else _host_empty)  # type: ignore[union-attr]
         self._held: _Ready | None = None
         self._taken = 0
+        self._copier = HostCopier(threads)
+        if pipelined is None:
+            pipelined = delivery.device is not None
+        self._stage = DeliveryStage(self._prepare, self._ready.put, "feed") if pipelined else None
+        if pipelined:
+            threads = self._copier.threads
+            self.stats.notes.append(
+                f"pipelined: transform, pinning and device copy on their own thread; large "
+                f"host copies on {threads} thread{'s' if threads > 1 else ''}")
 
     # ------------------------------------------------------------ producer side
 
@@ -154,8 +184,24 @@ class FeedCore:
         """The reused staging buffers of batch ``index``, in ``layout`` order (pinned when pinning is on)."""
         return self._staging.get(index, layout)
 
+    def copy_rows(self, dest: torch.Tensor, start: int, src: torch.Tensor) -> None:
+        """``dest[start : start + len(src)] = src`` on host memory, split across cores when large.
+
+        For sources that decode into :meth:`staging` (e.g. a network stream).
+        """
+        self._copier.copy(dest[start : start + src.shape[0]], src)
+
     def deliver(self, index: int, batch: SampleBatch) -> None:
-        """Transform, pin and copy batch ``index`` per the delivery, then queue it for the learner."""
+        """Transform, pin and copy batch ``index`` per the delivery, then queue it for the learner.
+
+        Pipelined, the work happens on the delivery stage's thread and this returns at once.
+        """
+        if self._stage is not None:
+            self._stage.put((index, batch))
+        else:
+            self._ready.put(self._prepare(index, batch))
+
+    def _prepare(self, index: int, batch: SampleBatch) -> _Ready:
         value = self.transform(batch) if self.transform is not None else batch
         leaves, rebuild = tree_leaves(value)
         delivery, accel = self.delivery, self.delivery.accelerator
@@ -166,25 +212,29 @@ class FeedCore:
             if host:
                 pinned = self._pinned_out.get(index, [(t.dtype, tuple(t.shape)) for _, t in host])
                 for (i, t), dest in zip(host, pinned):
-                    copy_rows(dest, 0, t.detach())
+                    self._copier.copy(dest, t.detach())
                     leaves[i] = dest
                 changed = True
         event = None
         if delivery.device is not None and accel is not None and leaves:
+            if all(accel.is_pinned(t) for t in leaves if t.device.type == "cpu"):
+                self.stats.pinned_copies += 1
+            else:
+                self.stats.pageable_copies += 1
             leaves, event = accel.copy(leaves, delivery.device)
             changed = True
         if changed:
             value = rebuild(leaves)
         nbytes = sum(t.numel() * t.element_size() for t in leaves)
-        self._ready.put(_Ready(index, value, leaves, event, nbytes))
+        return _Ready(index, value, leaves, event, nbytes)
 
     def fail(self, exc: BaseException) -> None:
         """End the feed with ``exc``, raised to the learner after the batches before it."""
-        self._ready.put(exc)
+        (self._stage or self._ready).put(exc)
 
     def finish(self) -> None:
         """End the feed normally (the learner's loop stops after the queued batches)."""
-        self._ready.put(_END)
+        (self._stage or self._ready).put(_END)
 
     def wait_credits(self) -> int:
         """Block until the learner has taken more batches; return how many (0: woken for nothing).
@@ -252,10 +302,17 @@ class FeedCore:
         """Wake the producer and the learner so both can end."""
         self.stopping.set()
         self._credits.put(_STOP)
+        if self._stage is not None:
+            self._stage.stop()
         self._ready.put(_END)
 
-    def release(self) -> None:
-        """Drop buffers and queued batches (after the producer has ended)."""
+    def release(self, timeout: float = 10.0) -> None:
+        """Drop buffers and queued batches (after the producer has ended and :meth:`stop`).
+
+        Waits up to ``timeout`` for the delivery stage to leave the buffers alone.
+        """
+        if self._stage is not None:
+            self._stage.join(timeout)
         self._held = None
         self._staging.clear()
         self._pinned_out.clear()

@@ -151,15 +151,20 @@ class SampleDecoder:
             default: new tensors the caller owns.
         ring_view: resolves shared-memory batches (see :data:`RingView`);
             default: such a message is refused.
+        copy: ``copy(dest, start, src)`` writes ``src`` into rows ``start ...``
+            of ``dest`` (default :func:`~replay_proto.codec.copy_rows`; a
+            learner's feed passes one that splits large copies across cores).
 
     Not thread-safe: one decoder per stream.
     """
 
     def __init__(self, batch_size: int | None = None, *, allocate: Allocate | None = None,
-                 ring_view: RingView | None = None) -> None:
+                 ring_view: RingView | None = None,
+                 copy: Callable[[torch.Tensor, int, torch.Tensor], None] = copy_rows) -> None:
         self._batch_size = batch_size
         self._allocate = allocate or _new_buffers
         self._ring_view = ring_view
+        self._copy = copy
         self._group: int | None = None  # batch_index of the group being received
         self._size = 0
         self._next_row = 0
@@ -224,7 +229,7 @@ class SampleDecoder:
                 batch, row = divmod(position, size)
                 n = min(size - row, row_start + rows - position)
                 part = tensor[position - row_start : position - row_start + n]
-                copy_rows(self._slots[batch][j], row, part)
+                self._copy(self._slots[batch][j], row, part)
                 position += n
 
     def _ring_batch(self, header: pb.SampleResponse, payload: memoryview) -> SampleBatch:

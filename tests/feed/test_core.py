@@ -48,15 +48,21 @@ class SlowAccelerator:
     def unregister(self, tensor):
         pass
 
+    def issued(self, tensors):
+        """Called as a copy is issued: its delay, and what to call once it has landed."""
+        return self.delay, lambda: None
+
     def copy(self, tensors, device):
         assert all(self.is_pinned(t) for t in tensors), "a device copy from unpinned memory"
         out = [torch.full_like(t, 0) for t in tensors]
         done = threading.Event()
+        delay, landed = self.issued(tensors)
 
         def land():
-            time.sleep(self.delay)
+            time.sleep(delay)
             for dest, src in zip(out, tensors):
                 dest.copy_(src)
+            landed()
             done.set()
 
         threading.Thread(target=land, daemon=True).start()

@@ -13,8 +13,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
+from replay_feed.accelerator import cuda_present
 from replay_proto.addresses import is_loopback
 from replay_server.engine.config import TableConfig, default_table_configs
 from replay_server.errors import ConfigError
@@ -117,7 +116,7 @@ class ServerSettings:
             raise ConfigError(
                 f"server.pin_memory must be 'auto', 'true' or 'false', got {self.pin_memory!r}"
             )
-        if self.pin_memory == "true" and not torch.cuda.is_available():
+        if self.pin_memory == "true" and not cuda_present():
             raise ConfigError(
                 "server.pin_memory is 'true' but no CUDA device is available; use 'auto' to pin "
                 "only where an accelerator is present, or 'false'"
@@ -162,7 +161,7 @@ class ServerSettings:
     def pinned(self) -> bool:
         """Whether table storage is pinned, ``pin_memory`` resolved."""
         return self.pin_memory == "true" or (
-            self.pin_memory == "auto" and torch.cuda.is_available()
+            self.pin_memory == "auto" and cuda_present()
         )
 
     @property
