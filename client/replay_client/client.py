@@ -11,12 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_client import grouping, variables
+from replay_client import grouping, shards, variables
+from replay_client.arguments import check_int as _check_int
+from replay_client.arguments import tensor as _tensor
+from replay_client.arguments import update_arrays as _update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
-    InvalidIdsError,
     InvalidPriorityError,
     MessageTooLargeError,
     UnavailableError,
@@ -33,6 +35,7 @@ from replay_feed.delivery import resolve_delivery
 from replay_feed.stream import BatchStream
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
+from replay_proto.mass import SamplingMass
 from replay_proto.dtypes import dtype_name
 from replay_proto.rows import rows_of
 from replay_proto.sample_codec import decode_sample
@@ -67,6 +70,8 @@ class TableInfo:
     slice_len: int | None
     rate_limiter: dict[str, Any]
     max_times_sampled: int
+    mass: SamplingMass | None = None
+    episode_key: str = "episode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +92,13 @@ class ServerInfo:
 
 
 class ReplayClient:
-    """A connection to one replay server.
+    """A connection to one replay server (or, given many, to shards: see below).
+
+    ``ReplayClient(["host-0:50051", "host-1:50051"])`` or
+    ``ReplayClient("shards://replay-headless:50051")`` (every address the name
+    resolves to) returns a :class:`~replay_client.shards.ShardedReplayClient`:
+    one logical replay over many servers, with the same calls (see
+    ``docs/scale-out.md``).
 
     Cheap to create and safe to share between threads. It connects lazily, on
     the first call, and pickles as its settings alone, so it can be handed to
@@ -135,8 +146,8 @@ class ReplayClient:
     ) -> None:
         if not isinstance(address, str):
             raise InvalidArgumentError(
-                f"address must be 'host:port' (sharding over several servers is not supported "
-                f"yet), got {type(address).__name__}"
+                f"address must be 'host:port', a list of shard addresses or "
+                f"'shards://name:port', got {type(address).__name__}"
             )
         if not (tls is None or isinstance(tls, (bool, TlsConfig))):
             raise InvalidArgumentError(
@@ -151,6 +162,11 @@ class ReplayClient:
         self._updater_pid = 0
         self._update_stream: UpdateStream | None = None
         self._update_stream_pid = 0
+
+    def __new__(cls, address: Any = "localhost:50051", *args: Any, **kwargs: Any) -> Any:
+        if cls is ReplayClient and shards.is_sharded(address):
+            return shards.ShardedReplayClient(address, *args, client=cls, **kwargs)
+        return super().__new__(cls)
 
     @property
     def address(self) -> str:
@@ -333,6 +349,8 @@ class ReplayClient:
                 slice_len=t.slice_len or None,
                 rate_limiter={f: getattr(t.rate_limiter, f) for f in _LIMITER_FIELDS},
                 max_times_sampled=t.max_times_sampled,
+                mass=SamplingMass.from_proto(t.mass) if t.HasField("mass") else None,
+                episode_key=t.episode_key or "episode",
             )
             for t in response.tables
         }
@@ -530,49 +548,6 @@ class ReplayClient:
 
 _PROBE_TIMEOUT_S = 5.0
 """How long ``stream`` waits for the table's schema when it chooses the grouping."""
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def _update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Validated, contiguous copies: int64 ids and float64 priorities of one shape."""
-    id_array = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids)
-    if id_array.dtype != np.int64:
-        raise InvalidIdsError(
-            f"ids must be int64 (as returned by insert and sample), got dtype {id_array.dtype}"
-        )
-    values = _tensor(priorities, "priorities")
-    if tuple(values.shape) != id_array.shape:
-        raise InvalidPriorityError(
-            f"priorities must have the same shape as ids {list(id_array.shape)}, "
-            f"got {list(values.shape)}"
-        )
-    if values.dtype == torch.bool or values.is_complex():
-        raise InvalidPriorityError(f"priorities must be real numbers, got {values.dtype}")
-    array = values.to(torch.float64).numpy().reshape(-1)
-    bad = ~(np.isfinite(array) & (array >= 0))
-    if bad.any():
-        first = int(np.flatnonzero(bad)[0])
-        raise InvalidPriorityError(
-            f"priorities must be finite and >= 0; {int(bad.sum())} are not "
-            f"(first at index {first}: {array[first]})"
-        )
-    return np.array(id_array, dtype=np.int64).reshape(-1), np.array(array)
-
-
-def _tensor(value: Any, what: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    try:
-        array = np.asarray(value)
-        if any(stride < 0 for stride in array.strides):
-            array = array.copy()
-        return torch.as_tensor(array)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidArgumentError(f"{what} is not a tensor or array: {exc}") from None
 
 
 def _columns(data: Any) -> dict[str, torch.Tensor]:

@@ -248,6 +248,7 @@ class Table:
             parts = self._parts
             parts.limiter.check_sample(rows, self.name)
             retired = None
+            mass = parts.sampler.mass()  # what this draw's probabilities are relative to
             try:
                 if parts.retirement is None:
                     index = parts.sampler.sample(batch_size, parts.generator)
@@ -272,6 +273,7 @@ class Table:
             torch.from_numpy(ids),
             torch.from_numpy(index.weights),
             torch.from_numpy(index.probabilities),
+            mass,
         )
 
     def batch_layout(self, batch_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -386,6 +388,7 @@ class Table:
                 sampler_stats=parts.sampler.stats(),
                 config=self.config.describe(),
                 rate_limiter=parts.limiter.info(),
+                mass=parts.sampler.mass(),
             )
 
     def figures(self) -> TableFigures:

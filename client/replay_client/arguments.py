@@ -1,0 +1,57 @@
+"""Checks of a caller's arguments, shared by the one-server and the sharded client.
+
+Each raises the client's typed error naming the argument and its bad value,
+before anything is sent. Pure functions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_client.errors import InvalidArgumentError, InvalidIdsError, InvalidPriorityError
+
+
+def check_int(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Validated, contiguous copies: int64 ids and float64 priorities of one shape."""
+    id_array = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids)
+    if id_array.dtype != np.int64:
+        raise InvalidIdsError(
+            f"ids must be int64 (as returned by insert and sample), got dtype {id_array.dtype}"
+        )
+    values = tensor(priorities, "priorities")
+    if tuple(values.shape) != id_array.shape:
+        raise InvalidPriorityError(
+            f"priorities must have the same shape as ids {list(id_array.shape)}, "
+            f"got {list(values.shape)}"
+        )
+    if values.dtype == torch.bool or values.is_complex():
+        raise InvalidPriorityError(f"priorities must be real numbers, got {values.dtype}")
+    array = values.to(torch.float64).numpy().reshape(-1)
+    bad = ~(np.isfinite(array) & (array >= 0))
+    if bad.any():
+        first = int(np.flatnonzero(bad)[0])
+        raise InvalidPriorityError(
+            f"priorities must be finite and >= 0; {int(bad.sum())} are not "
+            f"(first at index {first}: {array[first]})"
+        )
+    return np.array(id_array, dtype=np.int64).reshape(-1), np.array(array)
+
+
+def tensor(value: Any, what: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    try:
+        array = np.asarray(value)
+        if any(stride < 0 for stride in array.strides):
+            array = array.copy()
+        return torch.as_tensor(array)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidArgumentError(f"{what} is not a tensor or array: {exc}") from None

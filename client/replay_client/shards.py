@@ -1,0 +1,537 @@
+"""``ShardedReplayClient``: one logical replay over many replay servers (shards).
+
+``ReplayClient([...])`` and ``ReplayClient("shards://name:port")`` return one
+(see :mod:`replay_client.discovery` for the addresses). It offers the calls of
+a one-server client; what each does over shards:
+
+* ``insert``: rows go to one shard per episode, or whole to the next shard in
+  turn (:mod:`replay_client.placement`); ids come back in row order.
+* ``sample``: one batch from the union of all shards, drawn exactly as one
+  table holding every row would draw it (:mod:`replay_client.merge`).
+* ``update_priorities``: each id goes to its shard (``id >> 56``), one call per
+  shard, concurrently; stale ids are ignored per shard, as on one server.
+* ``info``: each table summed over shards; ``shard_info``: per shard.
+* ``checkpoint``, ``reset``: on every shard (``checkpoint`` returns each path).
+* ``publish``, ``fetch``: variables live on the shard with the lowest index.
+* ``writer``: a :class:`~replay_client.writer.Writer` whose episodes each stay
+  on one shard (placed by the episode id it adds).
+* ``stream``: not supported yet (raises :class:`UnsupportedError`).
+
+Shards are identified by the ``shard`` index each server reports (its
+``[server] shard``, ``"auto"`` on a StatefulSet), never by address order; two
+servers reporting the same index are refused (:class:`ShardingError`). Every
+table must have the same sampler, alpha, beta, slice_len and episode key on
+every shard. A call that fails on a shard raises the shard's error, its
+message naming the shard and its address.
+
+Thread-safety: safe to share between threads, like a one-server client. It
+connects lazily and pickles as its settings (a resolver must be picklable).
+Calls to many shards run concurrently on a small thread pool (one thread per shard).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_client.arguments import check_int, update_arrays
+from replay_client.connection import CLIENT_TIMEOUT
+from replay_client.discovery import Resolver, addresses_of, is_sharded
+from replay_client.errors import (
+    DeadlineExceededError,
+    EmptyTableError,
+    InvalidArgumentError,
+    InvalidIdsError,
+    ReplayError,
+    ShardingError,
+    UnknownTableError,
+    UnsupportedError,
+)
+from replay_client.merge import MassBook, merge, shares, split
+from replay_client.placement import RoundRobin, by_episode
+from replay_client.writer import Writer
+from replay_proto.batch import SampleBatch
+from replay_proto.keys import unflatten
+from replay_proto.mass import SamplingMass
+from replay_proto.rows import rows_of
+
+__all__ = ["ShardedReplayClient", "is_sharded"]
+
+_SHARD_SHIFT = 56
+_EMPTY_WAIT_S = (0.01, 0.5)  # polling interval of a sample waiting for data on any shard
+_RACES = 3  # splits a sample retries when a shard it drew from turned out empty
+
+
+@dataclass(frozen=True, slots=True)
+class TableShape:
+    """What must agree between the shards of one table, and what sampling needs of it."""
+
+    sampler: str
+    alpha: float
+    beta: float
+    slice_len: int | None
+    episode_key: str
+
+    @property
+    def prioritized(self) -> bool:
+        return self.sampler in ("prioritized", "prioritized_slice")
+
+    @property
+    def by_episode(self) -> bool:
+        return self.sampler in ("slice", "prioritized_slice")
+
+
+class ShardedReplayClient:
+    """One logical replay over many servers. See the module docstring.
+
+    Args:
+        address: a list of ``host:port`` (one per shard) or ``"shards://NAME:PORT"``.
+        client: the one-server client class (``ReplayClient``) each shard gets.
+        resolver: resolves a ``shards://`` name (default: the system's resolver).
+        seed: seeds the client's own randomness (the split of a batch across
+            shards and the shuffle of its parts); ``None``: fresh entropy.
+        **options: given to every shard's client (``timeout``, ``token``,
+            ``tls``, ``max_message_mb``, ``max_retry_s``, ``allow_plaintext_token``).
+    """
+
+    def __init__(self, address: Any, *, client: Callable[..., Any],
+                 resolver: Resolver | None = None, seed: int | None = None,
+                 **options: Any) -> None:
+        if isinstance(address, (list, tuple)):
+            address = list(address)
+            addresses_of(address)  # bad lists fail here, before any connection
+        self._spec = address
+        self._factory = client
+        self._resolver = resolver
+        self._seed = seed
+        self._options = options
+        self._lock = threading.Lock()
+        self._clients: dict[int, Any] | None = None
+        self._addresses: dict[int, str] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._tables: dict[str, TableShape] = {}
+        self._masses = MassBook()
+        self._rng = np.random.default_rng(seed)
+        self._rng_lock = threading.Lock()
+        self._turns = RoundRobin()
+
+    # ------------------------------------------------------------ connection
+
+    @property
+    def address(self) -> Any:
+        """The addresses as given (a list, or the ``shards://`` name)."""
+        return self._spec
+
+    @property
+    def timeout(self) -> float | None:
+        return self._options.get("timeout", 30.0)
+
+    @property
+    def shards(self) -> dict[int, str]:
+        """Shard index -> address, in index order (connects on first use)."""
+        self._connect()
+        return dict(self._addresses)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self._spec, "resolver": self._resolver, "seed": self._seed,
+                "options": self._options, "client": self._factory}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["address"], client=state["client"],  # type: ignore[misc]
+                      resolver=state["resolver"], seed=state["seed"], **state["options"])
+
+    def close(self) -> None:
+        """Send pending ``wait=False`` updates and close every shard's connection."""
+        with self._lock:
+            clients, self._clients = self._clients, None
+            pool, self._pool = self._pool, None
+        errors = []
+        for client in (clients or {}).values():
+            try:
+                client.close()
+            except ReplayError as exc:
+                errors.append(exc)
+        if pool is not None:
+            pool.shutdown(wait=False)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> ShardedReplayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _connect(self) -> dict[int, Any]:
+        """Shard index -> one-server client, discovering the shards on first use."""
+        clients = self._clients
+        if clients is not None:
+            return clients
+        with self._lock:
+            if self._clients is None:
+                self._clients, self._addresses = self._discover()
+                self._pool = ThreadPoolExecutor(max_workers=len(self._clients),
+                                                thread_name_prefix="replay-shards")
+            return self._clients
+
+    def _discover(self) -> tuple[dict[int, Any], dict[int, str]]:
+        addresses = addresses_of(self._spec, self._resolver)
+        clients = [self._factory(a, **self._options) for a in addresses]
+        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+            futures = [pool.submit(c.server_info) for c in clients]
+        by_shard: dict[int, Any] = {}
+        where: dict[int, str] = {}
+        try:
+            for client, address, future in zip(clients, addresses, futures):
+                try:
+                    shard = future.result().shard
+                except ReplayError as exc:
+                    raise _named(exc, f"server {address}") from exc
+                if shard in by_shard:
+                    raise ShardingError(
+                        f"servers {where[shard]} and {address} both report shard {shard}: "
+                        f"each server of a sharded replay needs its own [server] shard index "
+                        f"(shard = \"auto\" takes it from a StatefulSet pod's ordinal)")
+                by_shard[shard], where[shard] = client, address
+        except BaseException:
+            for client in clients:
+                client.close()
+            raise
+        order = sorted(by_shard)
+        return {s: by_shard[s] for s in order}, {s: where[s] for s in order}
+
+    def _each(self, calls: Mapping[int, Callable[[Any], Any]]) -> dict[int, Any]:
+        """Run ``calls[shard](client)`` on those shards concurrently; their results by shard.
+
+        Raises:
+            ReplayError: the first failure in shard order, its message naming the shard.
+        """
+        clients = self._connect()
+        if len(calls) == 1:
+            ((shard, call),) = calls.items()
+            return {shard: self._on(shard, call, clients[shard])}
+        assert self._pool is not None
+        futures: dict[int, Future] = {
+            s: self._pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
+        results, failure = {}, None
+        for shard, future in futures.items():
+            try:
+                results[shard] = future.result()
+            except ReplayError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return results
+
+    def _on(self, shard: int, call: Callable[[Any], Any], client: Any) -> Any:
+        try:
+            return call(client)
+        except ReplayError as exc:
+            raise _named(exc, f"shard {shard} ({self._addresses.get(shard, '?')})") from exc
+
+    def _all(self, call: Callable[[Any], Any]) -> dict[int, Any]:
+        return self._each({s: call for s in self._connect()})
+
+    # ---------------------------------------------------------------- tables
+
+    def _shape(self, table: str) -> TableShape:
+        """The table's shape, checked equal on every shard (one ``info`` round the first time)."""
+        shape = self._tables.get(table)
+        if shape is None:
+            self._refresh(table, list(self._connect()))
+            shape = self._tables[table]
+        return shape
+
+    def _refresh(self, table: str, shards: list[int]) -> dict[int, SamplingMass]:
+        """Ask ``shards`` for ``table``'s info; note its shape and their masses."""
+        infos = self._each({s: (lambda c: c.info()) for s in shards})
+        masses = {}
+        for shard, tables in infos.items():
+            info = tables.get(table)
+            if info is None:
+                raise UnknownTableError(f"shard {shard} ({self._addresses[shard]}) has no table "
+                                        f"named {table!r}; tables there: {', '.join(sorted(tables))}")
+            shape = TableShape(info.sampler, info.alpha, info.beta, info.slice_len,
+                               info.episode_key)
+            known = self._tables.setdefault(table, shape)
+            if known != shape:
+                raise ShardingError(f"table {table!r} differs between shards: {known} on one, "
+                                    f"{shape} on shard {shard} ({self._addresses[shard]})")
+            if info.mass is not None:
+                masses[shard] = info.mass
+                self._masses.put(table, shard, info.mass)
+        return masses
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(self, table: str, data: Any, priorities: Any = None) -> torch.Tensor:
+        """Append rows; each episode's rows go to one shard (see :mod:`replay_client.placement`).
+
+        Returns the rows' ids in the order of the rows. An insert spanning
+        shards is one insert per shard, sent concurrently: if one fails, the
+        others' rows may be stored (the error names the failed shard).
+        """
+        clients = self._connect()
+        shape = self._shape(table)
+        order = list(clients)
+        flat = rows_of(data) if shape.by_episode or _has_key(data, shape.episode_key) else None
+        episodes = None if flat is None else flat.get(shape.episode_key)
+        if episodes is None:
+            shard = self._turns.next(order)
+            return self._each({shard: lambda c: c.insert(table, data, priorities)})[shard]
+        rows_for = by_episode(np.asarray(episodes).reshape(-1).astype(np.int64), order)
+        if len(rows_for) == 1:
+            ((shard, _),) = rows_for.items()
+            return self._each({shard: lambda c: c.insert(table, data, priorities)})[shard]
+        prios = None if priorities is None else torch.as_tensor(np.asarray(priorities))
+
+        def part(rows: np.ndarray) -> Callable[[Any], Any]:
+            picked = unflatten({k: v[rows] for k, v in flat.items()})
+            return lambda c: c.insert(table, picked, None if prios is None else prios[rows])
+
+        results = self._each({s: part(rows) for s, rows in rows_for.items()})
+        ids = torch.empty(len(episodes), dtype=torch.int64)
+        for shard, rows in rows_for.items():
+            ids[torch.from_numpy(rows)] = results[shard]
+        return ids
+
+    def writer(self, table: str, **options: Any) -> Writer:
+        """A :class:`~replay_client.writer.Writer` on ``table``: each episode stays on one shard.
+
+        Its rows carry its episode id (``episode_key``, the table's by
+        default), by which they are placed; ``episode_key=None`` is refused
+        (its rows could not be kept together).
+        """
+        shape = self._shape(table)
+        key = options.setdefault("episode_key", shape.episode_key)
+        if key is None:
+            raise InvalidArgumentError("a sharded client's writer needs an episode_key: episodes "
+                                       "are kept on one shard by their id")
+        return Writer(self, table, **options)
+
+    # ------------------------------------------------------------------ sample
+
+    def sample(self, table: str, batch_size: int, *, wait: bool = False,
+               timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
+        """One batch from the union of every shard, as one table would draw it.
+
+        The batch is split across shards by the masses they last reported,
+        drawn concurrently, and merged (:mod:`replay_client.merge` states what
+        is exact and the staleness bound). ``wait``: while no shard has
+        anything to sample, wait (polling the shards' masses) up to the
+        timeout. Shards that get no draw report their mass in the same round.
+
+        Raises:
+            EmptyTableError: no shard has anything to sample (``wait=False``).
+            DeadlineExceededError: ``wait=True`` and nothing came within the timeout.
+        """
+        check_int("batch_size", batch_size, 1)
+        clients = self._connect()
+        shape = self._shape(table)
+        limit = self.timeout if timeout is CLIENT_TIMEOUT else timeout
+        deadline = None if limit is None else time.monotonic() + limit
+        pause = _EMPTY_WAIT_S[0]
+        raced = 0
+        while True:
+            masses = self._masses.get(table)
+            unknown = [s for s in clients if s not in masses]
+            if unknown:
+                masses.update(self._refresh(table, unknown))
+            with self._rng_lock:
+                try:
+                    counts = split(batch_size, masses, self._rng)
+                except ValueError:
+                    counts = None
+            if counts is None:
+                masses = self._refresh(table, list(clients))
+                if any(m.total > 0 for m in masses.values()):
+                    continue
+                if not wait:
+                    raise EmptyTableError(f"table {table!r} has nothing to sample on any of its "
+                                          f"{len(clients)} shards")
+                if deadline is not None and time.monotonic() + pause > deadline:
+                    raise DeadlineExceededError(f"table {table!r} had nothing to sample on any "
+                                                f"of its {len(clients)} shards within {limit} s")
+                time.sleep(pause)
+                pause = min(2 * pause, _EMPTY_WAIT_S[1])
+                continue
+            try:
+                return self._draw(table, shape, counts, masses, wait, timeout)
+            except EmptyTableError:
+                raced += 1  # a shard emptied (reset) since it reported its mass: split again
+                if raced >= _RACES:
+                    raise
+
+    def _draw(self, table: str, shape: TableShape, counts: dict[int, int],
+              masses: dict[int, SamplingMass], wait: bool, timeout: Any) -> SampleBatch:
+        """One round: sample ``counts`` from their shards, refresh the others' masses, merge."""
+        drawn = {s: k for s, k in counts.items() if k > 0}
+
+        def draw(k: int) -> Callable[[Any], Any]:
+            return lambda c: c.sample(table, k, wait=wait, timeout=timeout)
+
+        calls: dict[int, Callable[[Any], Any]] = {s: draw(k) for s, k in drawn.items()}
+        others = [s for s in masses if s not in drawn]  # an empty shard may have filled since
+        for shard in others:
+            calls[shard] = lambda c: c.info()[table].mass
+        try:
+            results = self._each(calls)
+        except EmptyTableError:
+            for shard in drawn:  # one of them emptied since its report: ask again
+                self._masses.forget(table, shard)
+            raise
+        fresh = dict(masses)
+        for shard, result in results.items():
+            mass = result.mass if shard in drawn else result
+            if mass is not None:
+                fresh[shard] = mass
+                self._masses.put(table, shard, mass)
+        q = shares(masses)
+        if len(drawn) == 1 and sum(1 for v in q.values() if v > 0) == 1:
+            return results[next(iter(drawn))]  # one shard holds everything: its batch is exact
+        with self._rng_lock:
+            return merge({s: results[s] for s in drawn}, q, fresh,
+                         shape.beta if shape.prioritized else None, self._rng)
+
+    # -------------------------------------------------------------- priorities
+
+    def update_priorities(self, table: str, ids: Any, priorities: Any, *,
+                          wait: bool = True) -> int | None:
+        """Set priorities by id: each id goes to its shard (``id >> 56``), concurrently.
+
+        Checked whole before anything is sent (a bad priority or an id of no
+        known shard refuses the whole update). Returns how many ids named
+        stored rows, summed over shards (``None`` with ``wait=False``).
+
+        Raises:
+            InvalidIdsError: an id is negative or belongs to no shard of this client.
+            InvalidPriorityError, NoPrioritiesError, UnknownTableError, ...
+        """
+        id_array, values = update_arrays(ids, priorities)
+        clients = self._connect()
+        owners = id_array >> _SHARD_SHIFT
+        known = np.isin(owners, np.fromiter(clients, dtype=np.int64))
+        if not known.all():
+            first = int(np.flatnonzero(~known)[0])
+            raise InvalidIdsError(
+                f"id {int(id_array[first])} (index {first}) "
+                + ("is negative, not an id" if id_array[first] < 0 else
+                   f"belongs to shard {int(owners[first])}, which is not among this client's "
+                   f"shards {list(clients)}") + "; nothing was updated")
+        groups = {int(s): np.flatnonzero(owners == s) for s in np.unique(owners).tolist()}
+
+        def send(rows: np.ndarray) -> Callable[[Any], Any]:
+            return lambda c: c.update_priorities(table, id_array[rows], values[rows], wait=wait)
+
+        results = self._each({s: send(rows) for s, rows in groups.items()})
+        return None if not wait else sum(int(r) for r in results.values())
+
+    def flush_updates(self, timeout: float | None = None) -> None:
+        """Wait until every ``wait=False`` update reached its shard (or raise its error)."""
+        self._all(lambda c: c.flush_updates(timeout))
+
+    # ------------------------------------------------------------------- admin
+
+    def info(self) -> dict[str, Any]:
+        """Every table summed over shards (sizes, counters, masses); per shard: :meth:`shard_info`."""
+        return _summed(self._all(lambda c: c.info()))
+
+    def shard_info(self) -> dict[int, Any]:
+        """Each shard's ``ServerInfo`` (its shard, incarnation, limits, tables), by shard index."""
+        return self._all(lambda c: c.server_info())
+
+    def server_info(self) -> Any:
+        raise UnsupportedError("a sharded client talks to many servers: shard_info() gives each "
+                               "one's ServerInfo, info() the tables summed over shards")
+
+    def checkpoint(self, *, timeout: float | None = 600.0) -> dict[int, str]:
+        """Have every shard write a checkpoint (concurrently); each one's path, by shard.
+
+        Each shard's checkpoint holds every row it acknowledged before the
+        call; the shards' checkpoints are not one atomic cut.
+        """
+        return self._all(lambda c: c.checkpoint(timeout=timeout))
+
+    def reset(self, table: str) -> None:
+        """Remove every row of ``table`` on every shard."""
+        self._all(lambda c: c.reset(table))
+        self._masses.forget(table)
+
+    @property
+    def variables_shard(self) -> int:
+        """The shard that holds named variables: the lowest index."""
+        return next(iter(self._connect()))
+
+    def publish(self, name: str, state_dict: Any) -> int:
+        """Store a variable on :attr:`variables_shard` (see ``ReplayClient.publish``)."""
+        shard = self.variables_shard
+        return self._each({shard: lambda c: c.publish(name, state_dict)})[shard]
+
+    def fetch(self, name: str, newer_than: int | None = None,
+              timeout: float | None = None) -> Any:
+        """Read a variable from :attr:`variables_shard` (see ``ReplayClient.fetch``)."""
+        shard = self.variables_shard
+        return self._each({shard: lambda c: c.fetch(name, newer_than, timeout)})[shard]
+
+    def stream(self, table: str, batch_size: int, **options: Any) -> Any:
+        raise UnsupportedError(
+            "stream() over shards is not supported yet; use sample() in a loop (each call "
+            "draws one exact batch from all shards), or stream from one shard's ReplayClient")
+
+
+def _named(exc: ReplayError, where: str) -> ReplayError:
+    """``exc``'s kind, its message prefixed by ``where`` (the shard it came from)."""
+    try:
+        return type(exc)(f"{where}: {exc}")
+    except TypeError:
+        return exc
+
+
+def _has_key(data: Any, key: str) -> bool:
+    try:
+        return key in data.keys()
+    except (AttributeError, TypeError):
+        return False
+
+
+def _summed(per_shard: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """One TableInfo per table: counts and sizes summed, settings as on the lowest shard."""
+    tables: dict[str, Any] = {}
+    for shard in sorted(per_shard):
+        for name, info in per_shard[shard].items():
+            total = tables.get(name)
+            tables[name] = info if total is None else _add(total, info)
+    return tables
+
+
+def _add(a: Any, b: Any) -> Any:
+    stats = dict(a.sampler_stats)
+    for key, value in b.sampler_stats.items():
+        stats[key] = max(stats.get(key, value), value) if key == "max_priority" else (
+            stats.get(key, 0.0) + value)
+    limiter = dict(a.rate_limiter)
+    for key in ("inserts", "samples", "deletes", "blocked_inserts", "blocked_samples"):
+        if key in limiter:
+            limiter[key] += b.rate_limiter[key]
+    for key in ("can_insert", "can_sample"):
+        if key in limiter:
+            limiter[key] = limiter[key] or b.rate_limiter[key]
+    mass = a.mass
+    if a.mass is not None and b.mass is not None:
+        mass = SamplingMass(a.mass.total + b.mass.total,
+                            min(a.mass.min_positive, b.mass.min_positive),
+                            a.mass.count + b.mass.count)
+    return replace(
+        a, capacity=a.capacity + b.capacity, size=a.size + b.size,
+        pinned=a.pinned and b.pinned, storage_bytes=a.storage_bytes + b.storage_bytes,
+        schema=a.schema or b.schema,
+        counters={k: v + b.counters.get(k, 0) for k, v in a.counters.items()},
+        sampler_stats=stats, rate_limiter=limiter, mass=mass)
+

@@ -1,0 +1,255 @@
+"""One logical replay over three real server processes (docs/scale-out.md).
+
+The shards hold very different amounts of sampling mass (hundreds of times
+apart), as real shards do after uneven placement or priorities. Exactness is
+checked two ways: the merged sample's frequencies against the one-table
+distribution (a chi-square test; seeds are fixed, so it is deterministic; the
+tolerance is a p-value of 1e-4 on the statistic), and every reported
+probability and weight against one in-process table holding all the rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from replay_client import ReplayClient
+from replay_client.errors import InvalidIdsError, ShardingError, UnknownTableError
+from replay_client.shards import ShardedReplayClient
+from replay_server.engine.config import SamplerKind, TableConfig
+from replay_server.engine.table import Table
+from tests.conftest import ServerProcess, start_server
+
+ALPHA, BETA, SLICE = 0.7, 0.5, 4
+DRAWS = 150  # batches per exactness test
+BATCH = 256
+
+
+def shard_config(shard: int) -> str:
+    tables = [("p", "prioritized", ""), ("u", "uniform", ""),
+              ("s", "slice", f"slice_len = {SLICE}"),
+              ("ps", "prioritized_slice", f"slice_len = {SLICE}")]
+    text = f"[server]\nshard = {shard}\n"
+    for name, sampler, extra in tables:
+        text += (f"\n[[tables]]\nname = \"{name}\"\ncapacity = 2000\nsampler = \"{sampler}\"\n"
+                 f"alpha = {ALPHA}\nbeta = {BETA}\nseed = {100 + shard}\n{extra}\n")
+    return text
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory) -> Iterator[list[ServerProcess]]:
+    """Three shards (indices 0, 1, 2) with the same four tables."""
+    tmp = tmp_path_factory.mktemp("shards")
+    procs: list[ServerProcess] = []
+    try:
+        for shard in (2, 0, 1):  # not in index order: shards are known by index, not position
+            procs.append(start_server(tmp, shard_config(shard), name=f"shard{shard}"))
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture
+def shards(trio) -> Iterator[dict[int, ReplayClient]]:
+    """One-server clients by shard index, every table emptied first."""
+    clients = {}
+    for proc in trio:
+        client = ReplayClient(proc.address)
+        clients[client.server_info().shard] = client
+        for table in ("p", "u", "s", "ps"):
+            client.reset(table)
+    yield dict(sorted(clients.items()))
+    for client in clients.values():
+        client.close()
+
+
+def sharded(trio, seed: int = 7) -> ShardedReplayClient:
+    client = ReplayClient([p.address for p in trio], seed=seed)
+    assert isinstance(client, ShardedReplayClient)
+    return client
+
+
+def chi_square_ok(observed: Counter, expected: dict, draws: int) -> tuple[bool, float, float]:
+    """Pearson's statistic over the keys of ``expected`` (probabilities), and its 1e-4 critical
+    value (Wilson-Hilferty), so a correct sampler fails once in 10,000 seeds."""
+    stat = sum((observed.get(k, 0) - draws * p) ** 2 / (draws * p) for k, p in expected.items())
+    dof = len(expected) - 1
+    z = 3.719  # standard normal quantile of 1 - 1e-4
+    critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    assert sum(observed.values()) == draws and set(observed) <= set(expected)
+    return stat <= critical, stat, critical
+
+
+def one_table(sampler: SamplerKind, rows: dict[str, torch.Tensor],
+              priorities: torch.Tensor | None) -> Table:
+    """An in-process table holding every row of every shard (the reference)."""
+    table = Table(TableConfig(name="all", capacity=2000, sampler=sampler, alpha=ALPHA, beta=BETA,
+                              slice_len=SLICE if sampler.is_slice else None, seed=1))
+    table.insert(rows, priorities)
+    return table
+
+
+# ------------------------------------------------------------------ exactness
+
+
+def test_prioritized_merge_is_one_tables_distribution_and_weights(trio, shards) -> None:
+    # Shard masses about 0.6 : 20 : 430 (p^alpha summed): hundreds of times apart.
+    layout = {0: (5, 0.05), 1: (20, 1.0), 2: (40, 30.0)}
+    keys, prios = [], []
+    for shard, (rows, priority) in layout.items():
+        key = torch.arange(rows, dtype=torch.int64) + 1000 * shard
+        shards[shard].insert("p", {"key": key}, priorities=torch.full((rows,), priority))
+        keys.append(key)
+        prios.append(torch.full((rows,), priority, dtype=torch.float64))
+    all_keys, all_prios = torch.cat(keys), torch.cat(prios)
+    reference = one_table(SamplerKind.PRIORITIZED, {"key": all_keys}, all_prios)
+    ref = reference.sample(20_000)
+    ref_p = dict(zip(ref.columns["key"].tolist(), ref.probabilities.tolist()))
+    ref_w = dict(zip(ref.columns["key"].tolist(), ref.weights.tolist()))
+    assert len(ref_p) == len(all_keys)  # every row was drawn, so each has its reference value
+
+    with sharded(trio) as client:
+        counts: Counter = Counter()
+        per_shard: Counter = Counter()
+        for _ in range(DRAWS):
+            batch = client.sample("p", BATCH)
+            got = batch.columns["key"].tolist()
+            counts.update(got)
+            per_shard.update((batch.ids >> 56).tolist())
+            np.testing.assert_allclose(batch.probabilities.numpy(), [ref_p[k] for k in got],
+                                       rtol=1e-6)
+            np.testing.assert_allclose(batch.weights.numpy(), [ref_w[k] for k in got], rtol=1e-5)
+            assert ((batch.ids >> 56) == batch.columns["key"] // 1000).all()  # id names its shard
+    ok, stat, critical = chi_square_ok(counts, ref_p, DRAWS * BATCH)
+    assert ok, (stat, critical)
+    assert set(per_shard) == {0, 1, 2}
+
+
+def test_uniform_merge_draws_every_row_of_the_union_alike(trio, shards) -> None:
+    sizes = {0: 3, 1: 30, 2: 300}
+    for shard, rows in sizes.items():
+        shards[shard].insert("u", {"key": torch.arange(rows, dtype=torch.int64) + 1000 * shard})
+    total = sum(sizes.values())
+    with sharded(trio) as client:
+        counts: Counter = Counter()
+        for _ in range(DRAWS):
+            batch = client.sample("u", BATCH)
+            counts.update(batch.columns["key"].tolist())
+            np.testing.assert_allclose(batch.probabilities.numpy(), 1 / total, rtol=1e-12)
+            assert (batch.weights == 1).all()
+    expected = {k + 1000 * s: 1 / total for s, n in sizes.items() for k in range(n)}
+    ok, stat, critical = chi_square_ok(counts, expected, DRAWS * BATCH)
+    assert ok, (stat, critical)
+
+
+@pytest.mark.parametrize("table", ["s", "ps"])
+def test_slice_merge_draws_slice_starts_as_one_table(trio, shards, table: str) -> None:
+    # Episodes per shard: (count, length, priority): 3, 21 and 170 slice starts.
+    layout = {0: (1, 6, 0.2), 1: (3, 10, 1.0), 2: (10, 20, 5.0)}
+    columns: dict[str, list[torch.Tensor]] = {"episode": [], "step": []}
+    prios = []
+    for shard, (episodes, length, priority) in layout.items():
+        episode = torch.arange(episodes, dtype=torch.int64).repeat_interleave(length) + 100 * shard
+        step = torch.arange(length, dtype=torch.int64).repeat(episodes)
+        priority_of = torch.full((episodes * length,), priority, dtype=torch.float64)
+        data = {"episode": episode, "step": step}
+        shards[shard].insert(table, data, priorities=priority_of if table == "ps" else None)
+        columns["episode"].append(episode)
+        columns["step"].append(step)
+        prios.append(priority_of)
+    kind = SamplerKind.SLICE if table == "s" else SamplerKind.PRIORITIZED_SLICE
+    rows = {k: torch.cat(v) for k, v in columns.items()}
+    reference = one_table(kind, rows, torch.cat(prios) if table == "ps" else None)
+    ref = reference.sample(20_000)
+    start = list(zip(ref.columns["episode"][:, 0].tolist(), ref.columns["step"][:, 0].tolist()))
+    ref_p, ref_w = dict(zip(start, ref.probabilities.tolist())), dict(zip(start, ref.weights.tolist()))
+    assert len(ref_p) == 3 + 21 + 170
+
+    with sharded(trio) as client:
+        counts: Counter = Counter()
+        for _ in range(DRAWS):
+            batch = client.sample(table, 64)
+            episode, step = batch.columns["episode"], batch.columns["step"]
+            assert (episode == episode[:, :1]).all()  # one episode per slice...
+            assert (step == step[:, :1] + torch.arange(SLICE)).all()  # ...its steps in order
+            got = list(zip(episode[:, 0].tolist(), step[:, 0].tolist()))
+            counts.update(got)
+            np.testing.assert_allclose(batch.probabilities.numpy(), [ref_p[k] for k in got],
+                                       rtol=1e-6)
+            np.testing.assert_allclose(batch.weights.numpy(), [ref_w[k] for k in got], rtol=1e-5)
+    ok, stat, critical = chi_square_ok(counts, ref_p, DRAWS * 64)
+    assert ok, (stat, critical)
+
+
+# ------------------------------------------------------------------- updates
+
+
+def test_updates_reach_the_owning_shard_and_stale_ids_stay_ignored(trio, shards) -> None:
+    with sharded(trio) as client:
+        ids = torch.cat([client.insert("p", {"key": torch.arange(10, dtype=torch.int64)})
+                         for _ in range(6)])
+        owners = Counter((ids >> 56).tolist())
+        assert owners == {0: 20, 1: 20, 2: 20}  # round-robin: six inserts, two per shard
+        before = {s: c.info()["p"].counters for s, c in shards.items()}
+        assert client.update_priorities("p", ids, torch.full((60,), 2.0)) == 60
+        after = {s: c.info()["p"].counters for s, c in shards.items()}
+        for shard in shards:
+            assert after[shard]["priority_updates"] - before[shard]["priority_updates"] == 20
+
+        shards[1].reset("p")  # shard 1's ids are stale now; the others' are not
+        assert client.update_priorities("p", ids, torch.full((60,), 3.0)) == 40
+        stale = {s: c.info()["p"].counters["stale_priority_updates"] for s, c in shards.items()}
+        assert stale[1] - after[1]["stale_priority_updates"] == 20
+        assert stale[0] == after[0]["stale_priority_updates"]
+
+        foreign = torch.tensor([int(ids[0]), 5 << 56], dtype=torch.int64)
+        with pytest.raises(InvalidIdsError, match="belongs to shard 5"):
+            client.update_priorities("p", foreign, torch.ones(2))
+        assert shards[0].info()["p"].counters["priority_updates"] == (
+            after[0]["priority_updates"] + 20)  # the refused update applied nothing
+
+
+def test_info_sums_the_shards_and_shard_info_names_each(trio, shards) -> None:
+    for shard, client in shards.items():
+        client.insert("u", {"key": torch.arange(shard + 1, dtype=torch.int64)})
+    with sharded(trio) as client:
+        assert client.info()["u"].size == 1 + 2 + 3
+        assert client.info()["u"].capacity == 3 * 2000
+        per_shard = client.shard_info()
+        assert sorted(per_shard) == [0, 1, 2]
+        assert [per_shard[s].tables["u"].size for s in (0, 1, 2)] == [1, 2, 3]
+        with pytest.raises(UnknownTableError, match="no table named 'nope'"):
+            client.sample("nope", 4)
+
+
+# ----------------------------------------------------------- discovery
+
+
+def test_a_name_resolving_to_every_shard_finds_them_by_their_index(trio, shards) -> None:
+    asked = []
+
+    def resolver(host: str, port: int) -> list[str]:
+        asked.append((host, port))
+        return [p.address for p in trio]
+
+    client = ReplayClient("shards://replay-headless.replay.svc.cluster.local:50051",
+                          resolver=resolver)
+    with client:
+        assert client.shards == {s: shards[s].address for s in (0, 1, 2)}
+    assert asked == [("replay-headless.replay.svc.cluster.local", 50051)]
+
+
+def test_two_servers_reporting_one_shard_index_are_refused(trio, tmp_path) -> None:
+    twin = start_server(tmp_path, shard_config(1), name="twin")
+    try:
+        with pytest.raises(ShardingError, match="both report shard 1") as raised:
+            ReplayClient([p.address for p in trio] + [twin.address]).info()
+        assert twin.address in str(raised.value)
+    finally:
+        twin.stop()
