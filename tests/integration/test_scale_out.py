@@ -253,3 +253,34 @@ def test_two_servers_reporting_one_shard_index_are_refused(trio, tmp_path) -> No
         assert twin.address in str(raised.value)
     finally:
         twin.stop()
+
+
+# ------------------------------------------------------------------ placement
+
+
+def test_writers_keep_each_episode_whole_on_one_shard(trio, shards) -> None:
+    """Four actors interleave steps; writes are cut every 3 rows, across episodes of 4."""
+    episodes_each = 6
+    with sharded(trio) as client:
+        writers = [client.writer("s", batch_rows=3, max_delay_s=0.01) for _ in range(4)]
+        ids_of = {}
+        for _ in range(episodes_each):
+            for t in range(SLICE):
+                for w in writers:
+                    w.append({"step": torch.tensor(t, dtype=torch.int64)})
+            for w in writers:
+                ids_of[w.episode_id] = True
+                w.end_episode()
+        for w in writers:
+            w.close()
+        per_shard = {s: c.info()["s"] for s, c in shards.items()}
+        slices = {s: info.mass.count for s, info in per_shard.items()}
+        # An episode of exactly SLICE steps is one slice start only if all its steps are on one
+        # shard; a cut one would be none anywhere.
+        assert sum(slices.values()) == 4 * episodes_each
+        for shard, info in per_shard.items():
+            assert info.counters["inserted"] == SLICE * slices[shard]
+        assert sum(1 for n in slices.values() if n) >= 2  # episodes were spread over shards
+        batch = client.sample("s", 64)
+        assert (batch.columns["step"] == torch.arange(SLICE)).all()
+        assert (batch.columns["episode"] == batch.columns["episode"][:, :1]).all()
