@@ -30,11 +30,12 @@ DRAWS = 150  # batches per exactness test
 BATCH = 256
 
 
-def shard_config(shard: int) -> str:
+def shard_config(shard: int, auto: bool = False) -> str:
     tables = [("p", "prioritized", ""), ("u", "uniform", ""),
               ("s", "slice", f"slice_len = {SLICE}"),
               ("ps", "prioritized_slice", f"slice_len = {SLICE}")]
-    text = f"[server]\nshard = {shard}\n"
+    index = '"auto"' if auto else str(shard)
+    text = f"[server]\nshard = {index}\n"
     for name, sampler, extra in tables:
         text += (f"\n[[tables]]\nname = \"{name}\"\ncapacity = 2000\nsampler = \"{sampler}\"\n"
                  f"alpha = {ALPHA}\nbeta = {BETA}\nseed = {100 + shard}\n{extra}\n")
@@ -43,11 +44,14 @@ def shard_config(shard: int) -> str:
 
 @pytest.fixture(scope="module")
 def trio(tmp_path_factory) -> Iterator[list[ServerProcess]]:
-    """Three shards (indices 0, 1, 2) with the same four tables."""
+    """Three shards (indices 0, 1, 2) with the same four tables; shard 2 as a StatefulSet pod
+    finds its index (``shard = "auto"``, REPLAY_SHARD_INDEX from its pod-index label)."""
     tmp = tmp_path_factory.mktemp("shards")
     procs: list[ServerProcess] = []
     try:
-        for shard in (2, 0, 1):  # not in index order: shards are known by index, not position
+        procs.append(start_server(tmp, shard_config(2, auto=True), name="shard2",
+                                  env={"REPLAY_SHARD_INDEX": "2"}))
+        for shard in (0, 1):  # not in index order: shards are known by index, not position
             procs.append(start_server(tmp, shard_config(shard), name=f"shard{shard}"))
         yield procs
     finally:
@@ -261,15 +265,14 @@ def test_two_servers_reporting_one_shard_index_are_refused(trio, tmp_path) -> No
 def test_writers_keep_each_episode_whole_on_one_shard(trio, shards) -> None:
     """Four actors interleave steps; writes are cut every 3 rows, across episodes of 4."""
     episodes_each = 6
+    before = {s: c.info()["s"].counters["inserted"] for s, c in shards.items()}
     with sharded(trio) as client:
         writers = [client.writer("s", batch_rows=3, max_delay_s=0.01) for _ in range(4)]
-        ids_of = {}
         for _ in range(episodes_each):
             for t in range(SLICE):
                 for w in writers:
                     w.append({"step": torch.tensor(t, dtype=torch.int64)})
             for w in writers:
-                ids_of[w.episode_id] = True
                 w.end_episode()
         for w in writers:
             w.close()
@@ -279,7 +282,7 @@ def test_writers_keep_each_episode_whole_on_one_shard(trio, shards) -> None:
         # shard; a cut one would be none anywhere.
         assert sum(slices.values()) == 4 * episodes_each
         for shard, info in per_shard.items():
-            assert info.counters["inserted"] == SLICE * slices[shard]
+            assert info.counters["inserted"] - before[shard] == SLICE * slices[shard]
         assert sum(1 for n in slices.values() if n) >= 2  # episodes were spread over shards
         batch = client.sample("s", 64)
         assert (batch.columns["step"] == torch.arange(SLICE)).all()
