@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner \
-        clean image image-test
+        bench-scaleout clean image image-test
 
 $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,10 @@ bench-learner: $(STAMP) .venv-reverb/.installed-stamp
 	$(BIN)/python benchmarks/learner.py --reverb-python .venv-reverb/bin/python $(if $(DEVICE),--device $(DEVICE),)
 
 bench: bench-engine bench-service bench-learner
+
+# Aggregate insert/sample rows/s over 1, 2 and 4 shards (docs/scale-out.md); no anchor.
+bench-scaleout: $(STAMP)
+	$(BIN)/python benchmarks/scaleout.py
 
 # The container image (Dockerfile), built with podman: no Docker daemon or registry needed
 # (a Debian base is made with debootstrap; docs/operations.md, "Container"). The default

@@ -15,7 +15,8 @@ a one-server client; what each does over shards:
 * ``publish``, ``fetch``: variables live on the shard with the lowest index.
 * ``writer``: a :class:`~replay_client.writer.Writer` whose episodes each stay
   on one shard (placed by the episode id it adds).
-* ``stream``: not supported yet (raises :class:`UnsupportedError`).
+* ``stream``: a learner's stream whose batches are merged samples, with the
+  one-server stream's prefetch bound and delivery (:mod:`replay_client.shard_stream`).
 
 Shards are identified by the ``shard`` index each server reports (its
 ``[server] shard``, ``"auto"`` on a StatefulSet), never by address order; two
@@ -35,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -56,7 +57,12 @@ from replay_client.errors import (
 )
 from replay_client.merge import MassBook, merge, shares, split
 from replay_client.placement import RoundRobin, by_episode
+from replay_client.shard_stream import ShardedSource
+from replay_client.table_totals import summed_tables
 from replay_client.writer import Writer
+from replay_feed.core import FeedCore
+from replay_feed.delivery import resolve_delivery
+from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
 from replay_proto.keys import unflatten
 from replay_proto.mass import SamplingMass
@@ -441,7 +447,7 @@ class ShardedReplayClient:
 
     def info(self) -> dict[str, Any]:
         """Every table summed over shards (sizes, counters, masses); per shard: :meth:`shard_info`."""
-        return _summed(self._all(lambda c: c.info()))
+        return summed_tables(self._all(lambda c: c.info()))
 
     def shard_info(self) -> dict[int, Any]:
         """Each shard's ``ServerInfo`` (its shard, incarnation, limits, tables), by shard index."""
@@ -480,10 +486,55 @@ class ShardedReplayClient:
         shard = self.variables_shard
         return self._each({shard: lambda c: c.fetch(name, newer_than, timeout)})[shard]
 
-    def stream(self, table: str, batch_size: int, **options: Any) -> Any:
-        raise UnsupportedError(
-            "stream() over shards is not supported yet; use sample() in a loop (each call "
-            "draws one exact batch from all shards), or stream from one shard's ReplayClient")
+    def stream(
+        self,
+        table: str,
+        batch_size: int,
+        *,
+        prefetch: int | None = None,
+        device: Any = None,
+        pin_memory: bool | str = "auto",
+        transform: Callable[[SampleBatch], Any] | None = None,
+        num_batches: int = 0,
+        batches_per_message: int | None = None,
+        shared_memory: bool = True,
+        reconnect: bool = True,
+        wait: bool = True,
+        wait_timeout: float | None = None,
+    ) -> BatchStream:
+        """A learner's stream of merged batches (see :mod:`replay_client.shard_stream`).
+
+        Each batch is one exact :meth:`sample` round over every shard; the
+        feed (prefetch bound, transform, pinning, device copies) is the
+        one-server stream's. ``batches_per_message`` and ``shared_memory``
+        are accepted for a one-server stream's signature and have no effect
+        here yet (the stream's notes say so); ``prefetch`` defaults to 2.
+
+        Raises:
+            InvalidArgumentError: a bad option, before any network call.
+        """
+        for name, value, low in (("prefetch", prefetch, 1), ("batch_size", batch_size, 1),
+                                 ("num_batches", num_batches, 0)):
+            if value is not None:
+                check_int(name, value, low)
+        if wait_timeout is not None and not (isinstance(wait_timeout, (int, float)) and not
+                                             isinstance(wait_timeout, bool) and wait_timeout > 0):
+            raise InvalidArgumentError(
+                f"wait_timeout must be a number of seconds > 0 or None, got {wait_timeout!r}")
+        try:
+            core = FeedCore(prefetch or 2, resolve_delivery(device, pin_memory), transform)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        clients = self._connect()
+        self._shape(table)  # an unknown or inconsistent table fails here, not in the stream
+        source = ShardedSource(lambda: self.sample(table, batch_size), len(clients),
+                               num_batches=num_batches, wait=wait, wait_timeout=wait_timeout,
+                               reconnect=reconnect)
+        stream = BatchStream(core, source, table)
+        if batches_per_message not in (None, 1) or not shared_memory:
+            stream.stats.notes.append("batches_per_message and shared_memory do not apply to "
+                                      "a sharded stream (yet)")
+        return stream
 
 
 def _named(exc: ReplayError, where: str) -> ReplayError:
@@ -499,39 +550,3 @@ def _has_key(data: Any, key: str) -> bool:
         return key in data.keys()
     except (AttributeError, TypeError):
         return False
-
-
-def _summed(per_shard: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
-    """One TableInfo per table: counts and sizes summed, settings as on the lowest shard."""
-    tables: dict[str, Any] = {}
-    for shard in sorted(per_shard):
-        for name, info in per_shard[shard].items():
-            total = tables.get(name)
-            tables[name] = info if total is None else _add(total, info)
-    return tables
-
-
-def _add(a: Any, b: Any) -> Any:
-    stats = dict(a.sampler_stats)
-    for key, value in b.sampler_stats.items():
-        stats[key] = max(stats.get(key, value), value) if key == "max_priority" else (
-            stats.get(key, 0.0) + value)
-    limiter = dict(a.rate_limiter)
-    for key in ("inserts", "samples", "deletes", "blocked_inserts", "blocked_samples"):
-        if key in limiter:
-            limiter[key] += b.rate_limiter[key]
-    for key in ("can_insert", "can_sample"):
-        if key in limiter:
-            limiter[key] = limiter[key] or b.rate_limiter[key]
-    mass = a.mass
-    if a.mass is not None and b.mass is not None:
-        mass = SamplingMass(a.mass.total + b.mass.total,
-                            min(a.mass.min_positive, b.mass.min_positive),
-                            a.mass.count + b.mass.count)
-    return replace(
-        a, capacity=a.capacity + b.capacity, size=a.size + b.size,
-        pinned=a.pinned and b.pinned, storage_bytes=a.storage_bytes + b.storage_bytes,
-        schema=a.schema or b.schema,
-        counters={k: v + b.counters.get(k, 0) for k, v in a.counters.items()},
-        sampler_stats=stats, rate_limiter=limiter, mass=mass)
-

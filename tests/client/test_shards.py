@@ -58,8 +58,8 @@ def test_calls_a_sharded_client_does_not_offer_say_what_to_use() -> None:
     client = ReplayClient(["127.0.0.1:1", "127.0.0.1:2"])
     with pytest.raises(UnsupportedError, match="shard_info"):
         client.server_info()
-    with pytest.raises(UnsupportedError, match="not supported yet"):
-        client.stream("replay", 4)
+    with pytest.raises(InvalidArgumentError, match="prefetch must be an integer >= 1"):
+        client.stream("replay", 4, prefetch=0)  # refused before connecting
 
 
 def test_it_pickles_as_its_settings() -> None:

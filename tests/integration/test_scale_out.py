@@ -23,7 +23,7 @@ from replay_client.errors import InvalidIdsError, ShardingError, UnknownTableErr
 from replay_client.shards import ShardedReplayClient
 from replay_server.engine.config import SamplerKind, TableConfig
 from replay_server.engine.table import Table
-from tests.conftest import ServerProcess, start_server
+from tests.conftest import ServerProcess, start_server, stays, wait_for
 
 ALPHA, BETA, SLICE = 0.7, 0.5, 4
 DRAWS = 150  # batches per exactness test
@@ -287,3 +287,28 @@ def test_writers_keep_each_episode_whole_on_one_shard(trio, shards) -> None:
         batch = client.sample("s", 64)
         assert (batch.columns["step"] == torch.arange(SLICE)).all()
         assert (batch.columns["episode"] == batch.columns["episode"][:, :1]).all()
+
+
+# -------------------------------------------------------------------- streams
+
+
+def test_a_stream_over_shards_merges_batches_within_its_prefetch_bound(trio, shards) -> None:
+    for shard, (rows, priority) in {0: (10, 0.5), 1: (10, 2.0), 2: (10, 8.0)}.items():
+        shards[shard].insert("p", {"key": torch.arange(rows, dtype=torch.int64) + 1000 * shard},
+                             priorities=torch.full((rows,), priority))
+
+    def drawn() -> int:
+        return sum(c.info()["p"].counters["sampled"] for c in shards.values())
+
+    before = drawn()
+    with sharded(trio) as client:
+        stream = client.stream("p", 32, prefetch=3)
+        batches = [next(stream).ids.clone() for _ in range(2)]
+        # taken 2 (holding the second), so at most 2 + 3 batches were drawn, and soon exactly that
+        assert wait_for(lambda: drawn() - before == 5 * 32)
+        assert stays(lambda: drawn() - before == 5 * 32, seconds=0.5)
+        batches += [b.ids.clone() for _, b in zip(range(6), stream)]
+        stream.close()
+    ids = torch.cat(batches)
+    assert set((ids >> 56).tolist()) == {0, 1, 2}
+    assert "over 3 shards" in "; ".join(stream.stats.notes)

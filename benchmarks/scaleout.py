@@ -1,0 +1,180 @@
+"""Scale-out benchmark: aggregate insert and sample rates over 1, 2 and 4 shards, and the
+merged-sampling latency of a sharded client at one shard against a plain client.
+
+    python benchmarks/scaleout.py            (or: make bench-scaleout)
+
+For each shard count ``n``: ``n`` servers (each its own process, shard 0..n-1,
+one prioritized table of small rows, 17 float32), driven by ``n`` client
+processes at once (one per shard), each a sharded client over all ``n``
+servers: first inserting 8,192-row chunks (round-robin over the shards), then
+sampling batches of 256 (each batch split across all shards by mass and
+merged). Rates are summed over the client processes, which start together
+and run for the same time. Then, against one server in one process, blocks
+of ``sample(256)`` by ``ReplayClient(address)`` and by
+``ReplayClient([address])`` alternate; the median call latency of each and
+their ratio are printed (target: the sharded one at most 1.3x).
+
+Scaling needs cores: ``n`` servers and ``n`` clients each want one. On a
+machine with fewer cores than ``2n`` the figures measure contention, not
+scale-out (the JSON says how many cores there were).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from sides import replay_server  # noqa: E402
+
+ROW_FLOATS = 17
+CAPACITY = 1_000_000
+PREFILL = 200_000  # rows over all shards before sampling
+INSERT_CHUNK = 8192
+BATCH = 256
+
+
+def _config(shard: int) -> str:
+    return (f"[server]\nshard = {shard}\nworkers = 2\n"
+            f'[[tables]]\nname = "small"\ncapacity = {CAPACITY}\nsampler = "prioritized"\n'
+            f"alpha = 0.6\nbeta = 0.4\n")
+
+
+def _worker(case: str, addresses: list[str], seconds: float, start_at: float, seed: int) -> dict:
+    """One client process: insert or sample for ``seconds`` from ``start_at``; its rows/s."""
+    import numpy as np
+    import torch
+
+    from replay_client import ReplayClient
+
+    torch.set_num_threads(1)
+    client = ReplayClient(addresses, timeout=120, seed=seed)
+    client.info()  # connect and discover before the clock starts
+    rows = {"obs": torch.from_numpy(
+        np.random.default_rng(seed).standard_normal((INSERT_CHUNK, ROW_FLOATS), dtype=np.float32))}
+    if case == "sample":
+        client.sample("small", BATCH)
+    time.sleep(max(0.0, start_at - time.time()))
+    start, done = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        if case == "insert":
+            client.insert("small", rows)
+            done += INSERT_CHUNK
+        else:
+            client.sample("small", BATCH)
+            done += BATCH
+    elapsed = time.perf_counter() - start
+    client.close()
+    return {"rows_per_s": done / elapsed, "seconds": elapsed}
+
+
+def _drive(case: str, addresses: list[str], seconds: float) -> dict:
+    """``len(addresses)`` worker processes at once; their summed rate."""
+    start_at = time.time() + 3.0  # time for every worker to import and connect
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--worker", case, "--addresses", ",".join(addresses),
+         "--seconds", str(seconds), "--start-at", str(start_at), "--seed", str(i)],
+        stdout=subprocess.PIPE, text=True) for i in range(len(addresses))]
+    results = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=seconds + 120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{case} worker failed ({proc.returncode})")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return {"rows_per_s": sum(r["rows_per_s"] for r in results),
+            "per_process": [round(r["rows_per_s"]) for r in results]}
+
+
+def _prefill(addresses: list[str]) -> None:
+    import numpy as np
+    import torch
+
+    from replay_client import ReplayClient
+
+    with ReplayClient(addresses, timeout=120) as client:
+        rows = torch.from_numpy(np.random.default_rng(0).standard_normal(
+            (INSERT_CHUNK, ROW_FLOATS), dtype=np.float32))
+        for first in range(0, PREFILL, INSERT_CHUNK):
+            client.insert("small", {"obs": rows}, priorities=torch.rand(INSERT_CHUNK) + 0.01)
+
+
+def _latency(address: str, blocks: int, calls: int) -> dict:
+    """Median ``sample(256)`` latency, plain client vs sharded client over the one server."""
+    from replay_client import ReplayClient
+
+    plain, sharded = ReplayClient(address, timeout=120), ReplayClient([address], timeout=120)
+    times: dict[str, list[float]] = {"plain": [], "sharded": []}
+    for client in (plain, sharded):
+        for _ in range(20):
+            client.sample("small", BATCH)  # warm up
+    for _ in range(blocks):
+        for name, client in (("plain", plain), ("sharded", sharded)):
+            for _ in range(calls):
+                start = time.perf_counter()
+                client.sample("small", BATCH)
+                times[name].append(time.perf_counter() - start)
+    plain.close()
+    sharded.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"plain_ms": med["plain"] * 1e3, "sharded_ms": med["sharded"] * 1e3,
+            "ratio": med["sharded"] / med["plain"], "calls_each": blocks * calls}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shards", default="1,2,4")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--latency-blocks", type=int, default=10)
+    parser.add_argument("--worker", choices=("insert", "sample"))
+    parser.add_argument("--addresses", default="")
+    parser.add_argument("--start-at", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(args.worker, args.addresses.split(","), args.seconds,
+                                 args.start_at, args.seed)))
+        return
+    report: dict = {"cores": os.cpu_count(), "row": f"{ROW_FLOATS} float32, prioritized",
+                    "seconds": args.seconds, "runs": []}
+    for n in [int(x) for x in args.shards.split(",")]:
+        with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+            addresses = []
+            for shard in range(n):
+                folder = Path(tmp) / f"shard{shard}"
+                folder.mkdir()
+                addresses.append(stack.enter_context(replay_server(folder, _config(shard))))
+            insert = _drive("insert", addresses, args.seconds)
+            for address in addresses:
+                from replay_client import ReplayClient
+
+                with ReplayClient(address) as one:
+                    one.reset("small")
+            _prefill(addresses)
+            sample = _drive("sample", addresses, args.seconds)
+            run = {"shards": n, "insert_rows_per_s": round(insert["rows_per_s"]),
+                   "sample_rows_per_s": round(sample["rows_per_s"]),
+                   "insert_per_process": insert["per_process"],
+                   "sample_per_process": sample["per_process"]}
+            if n == 1:
+                run["latency_at_one_shard"] = _latency(addresses[0], args.latency_blocks, 50)
+            report["runs"].append(run)
+            print(json.dumps(run), flush=True)
+    base = report["runs"][0]
+    for run in report["runs"]:
+        run["insert_vs_first"] = round(run["insert_rows_per_s"] / base["insert_rows_per_s"], 2)
+        run["sample_vs_first"] = round(run["sample_rows_per_s"] / base["sample_rows_per_s"], 2)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

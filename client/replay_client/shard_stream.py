@@ -1,0 +1,103 @@
+"""A learner's stream over shards: each batch one exact merged sample, with the feed's flow control.
+
+The source runs on the stream's background thread (:class:`~replay_feed.stream.BatchStream`)
+and draws batch ``k`` only while ``k < prefetch + taken`` (the same credits as
+a one-server stream: at most ``prefetch`` batches in flight or buffered beside
+the one the learner holds). Each batch is one
+:meth:`~replay_client.shards.ShardedReplayClient.sample` round: split across
+the shards by mass, drawn concurrently, merged (:mod:`replay_client.merge`),
+so a streamed batch is exactly a sampled one. Transform, pinning and the
+device copy are the feed's, as on one server.
+
+Not yet: batches travel as unary Sample answers over gRPC, never through a
+same-host shared-memory ring, and one round is in flight at a time (the
+learner overlaps it with its own step through ``prefetch``).
+
+Waiting: while no shard has anything to sample, the source polls (``wait``)
+up to ``wait_timeout`` per batch; a lost shard is retried with backoff
+(``reconnect``), each retry counted in ``stream.stats.reconnects``. Both
+waits end at once when the stream is closed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from replay_client.backoff import Backoff
+from replay_client.errors import DeadlineExceededError, EmptyTableError, UnavailableError
+from replay_feed.core import FeedCore
+from replay_proto.batch import SampleBatch
+
+Draw = Callable[[], SampleBatch]
+"""One merged batch (``client.sample(table, batch_size)``); raises the client's errors."""
+
+
+class ShardedSource:
+    """Produces a feed's batches by merged sampling over shards (see the module docstring).
+
+    Args:
+        draw: draws one batch.
+        shards: how many shards (for the stream's notes).
+        num_batches: batches in all (0: until the learner stops).
+        wait: wait while no shard has anything to sample (``False``: the
+            stream ends with :class:`EmptyTableError`).
+        wait_timeout: seconds one batch may wait for data (``None``: no limit).
+        reconnect: retry a batch whose shard was unavailable, with backoff.
+    """
+
+    def __init__(self, draw: Draw, shards: int, *, num_batches: int, wait: bool,
+                 wait_timeout: float | None, reconnect: bool) -> None:
+        self._draw = draw
+        self._shards = shards
+        self._num_batches = num_batches
+        self._wait = wait
+        self._wait_timeout = wait_timeout
+        self._reconnect = reconnect
+        self._stopped = threading.Event()
+
+    def run(self, core: FeedCore) -> None:
+        core.stats.transport = "grpc"
+        core.stats.notes.append(
+            f"over {self._shards} shards: each batch one round of Sample calls, split by "
+            f"mass and merged (exact); no shared-memory ring over shards")
+        credits, index = core.prefetch, 0
+        while not self._stopped.is_set() and (not self._num_batches
+                                              or index < self._num_batches):
+            while credits == 0:
+                credits += core.wait_credits()
+                if core.stopping.is_set():
+                    return
+            batch = self._next(core)
+            if batch is None:
+                return
+            core.deliver(index, batch)
+            index += 1
+            credits -= 1
+
+    def _next(self, core: FeedCore) -> SampleBatch | None:
+        """One batch, waiting for data or for a lost shard as configured (``None``: stopped)."""
+        backoff = Backoff(math.inf, max_s=0.5)
+        started = time.monotonic()
+        while not self._stopped.is_set():
+            try:
+                return self._draw()
+            except EmptyTableError:
+                if not self._wait:
+                    raise
+                waited = time.monotonic() - started
+                if self._wait_timeout is not None and waited >= self._wait_timeout:
+                    raise DeadlineExceededError(
+                        f"no shard had anything to sample within wait_timeout="
+                        f"{self._wait_timeout} s") from None
+            except UnavailableError:
+                if not self._reconnect:
+                    raise
+                core.stats.reconnects += 1
+            self._stopped.wait(backoff.next_delay() or 0.5)
+        return None
+
+    def stop(self) -> None:
+        self._stopped.set()
