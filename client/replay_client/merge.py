@@ -108,7 +108,7 @@ def min_probability(q: Mapping[int, float], fresh: Mapping[int, SamplingMass]) -
 
 def merge(parts: Mapping[int, SampleBatch], q: Mapping[int, float],
           fresh: Mapping[int, SamplingMass], beta: float | None,
-          generator: np.random.Generator) -> SampleBatch:
+          generator: np.random.Generator, missing: tuple[int, ...] = ()) -> SampleBatch:
     """The parts as one batch of ``sum k_s`` iid draws from the union (see the module docstring).
 
     Args:
@@ -119,6 +119,7 @@ def merge(parts: Mapping[int, SampleBatch], q: Mapping[int, float],
             batch's; the others' from a refresh).
         beta: the table's importance exponent; ``None``: not prioritized (weights stay ones).
         generator: shuffles the parts together.
+        missing: shards left out (degraded mode), noted on the batch.
     """
     shards = sorted(parts)
     batches = [parts[s] for s in shards]
@@ -141,6 +142,7 @@ def merge(parts: Mapping[int, SampleBatch], q: Mapping[int, float],
         SamplingMass(math.fsum(m.total for m in fresh.values()),
                      min((m.min_positive for m in fresh.values()), default=math.inf),
                      sum(m.count for m in fresh.values())),
+        missing_shards=missing,
     )
 
 

@@ -26,9 +26,19 @@ import threading
 import time
 from collections.abc import Callable
 
+from typing import Any
+
+from replay_client.arguments import check_int
 from replay_client.backoff import Backoff
-from replay_client.errors import DeadlineExceededError, EmptyTableError, UnavailableError
+from replay_client.errors import (
+    DeadlineExceededError,
+    EmptyTableError,
+    InvalidArgumentError,
+    UnavailableError,
+)
 from replay_feed.core import FeedCore
+from replay_feed.delivery import resolve_delivery
+from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
 
 Draw = Callable[[], SampleBatch]
@@ -101,3 +111,39 @@ class ShardedSource:
 
     def stop(self) -> None:
         self._stopped.set()
+
+
+def check_stream_options(batch_size: int, options: dict[str, Any]) -> None:
+    """Refuse bad stream options (``ReplayClient.stream``'s keywords) before any network call."""
+    for name, low in (("prefetch", 1), ("num_batches", 0)):
+        if options[name] is not None:
+            check_int(name, options[name], low)
+    check_int("batch_size", batch_size, 1)
+    wait_timeout = options["wait_timeout"]
+    if wait_timeout is not None and not (isinstance(wait_timeout, (int, float)) and not
+                                         isinstance(wait_timeout, bool) and wait_timeout > 0):
+        raise InvalidArgumentError(
+            f"wait_timeout must be a number of seconds > 0 or None, got {wait_timeout!r}")
+
+
+def open_stream(draw: Draw, shards: int, table: str, options: dict[str, Any]) -> BatchStream:
+    """A :class:`BatchStream` of merged batches (options: ``ReplayClient.stream``'s keywords;
+    ``prefetch`` defaults to 2; ``batches_per_message`` and ``shared_memory`` do not apply).
+
+    Raises:
+        InvalidArgumentError: a bad delivery option (e.g. ``pin_memory=True`` without an accelerator).
+    """
+    try:
+        core = FeedCore(options["prefetch"] or 2,
+                        resolve_delivery(options["device"], options["pin_memory"]),
+                        options["transform"])
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    source = ShardedSource(draw, shards, num_batches=options["num_batches"],
+                           wait=options["wait"], wait_timeout=options["wait_timeout"],
+                           reconnect=options["reconnect"])
+    stream = BatchStream(core, source, table)
+    if options["batches_per_message"] not in (None, 1) or not options["shared_memory"]:
+        stream.stats.notes.append("batches_per_message and shared_memory do not apply to a "
+                                  "sharded stream (yet)")
+    return stream

@@ -36,7 +36,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,7 +43,7 @@ import torch
 
 from replay_client.arguments import check_int, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT
-from replay_client.discovery import Resolver, addresses_of, is_sharded
+from replay_client.discovery import Resolver, addresses_of, connect_shards, is_sharded, named
 from replay_client.errors import (
     DeadlineExceededError,
     EmptyTableError,
@@ -52,16 +51,16 @@ from replay_client.errors import (
     InvalidIdsError,
     ReplayError,
     ShardingError,
+    UnavailableError,
     UnknownTableError,
     UnsupportedError,
 )
 from replay_client.merge import MassBook, merge, shares, split
 from replay_client.placement import RoundRobin, by_episode
-from replay_client.shard_stream import ShardedSource
-from replay_client.table_totals import summed_tables
+from replay_client.shard_health import ShardHealth, ShardStats
+from replay_client.shard_stream import check_stream_options, open_stream
+from replay_client.shard_tables import TableShape, summed_tables
 from replay_client.writer import Writer
-from replay_feed.core import FeedCore
-from replay_feed.delivery import resolve_delivery
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
 from replay_proto.keys import unflatten
@@ -72,26 +71,8 @@ __all__ = ["ShardedReplayClient", "is_sharded"]
 
 _SHARD_SHIFT = 56
 _EMPTY_WAIT_S = (0.01, 0.5)  # polling interval of a sample waiting for data on any shard
+_DEGRADED_RETRY_S = 0.5  # a shard client's retry window in degraded mode, unless given
 _RACES = 3  # splits a sample retries when a shard it drew from turned out empty
-
-
-@dataclass(frozen=True, slots=True)
-class TableShape:
-    """What must agree between the shards of one table, and what sampling needs of it."""
-
-    sampler: str
-    alpha: float
-    beta: float
-    slice_len: int | None
-    episode_key: str
-
-    @property
-    def prioritized(self) -> bool:
-        return self.sampler in ("prioritized", "prioritized_slice")
-
-    @property
-    def by_episode(self) -> bool:
-        return self.sampler in ("slice", "prioritized_slice")
 
 
 class ShardedReplayClient:
@@ -103,13 +84,20 @@ class ShardedReplayClient:
         resolver: resolves a ``shards://`` name (default: the system's resolver).
         seed: seeds the client's own randomness (the split of a batch across
             shards and the shuffle of its parts); ``None``: fresh entropy.
+        allow_degraded: go on without shards that are unavailable (see
+            :mod:`replay_client.shard_health`): samples from the live shards,
+            inserts to them, updates of a down shard's ids skipped; a down
+            shard is tried again after a backoff and rejoins when it answers.
+            ``False``: such a call fails with :class:`UnavailableError` naming
+            the shard. With it, each shard's client retries an unavailable
+            server for at most ``max_retry_s`` = 0.5 s unless given.
         **options: given to every shard's client (``timeout``, ``token``,
             ``tls``, ``max_message_mb``, ``max_retry_s``, ``allow_plaintext_token``).
     """
 
     def __init__(self, address: Any, *, client: Callable[..., Any],
                  resolver: Resolver | None = None, seed: int | None = None,
-                 **options: Any) -> None:
+                 allow_degraded: bool = False, **options: Any) -> None:
         if isinstance(address, (list, tuple)):
             address = list(address)
             addresses_of(address)  # bad lists fail here, before any connection
@@ -118,6 +106,12 @@ class ShardedReplayClient:
         self._resolver = resolver
         self._seed = seed
         self._options = options
+        if not isinstance(allow_degraded, bool):
+            raise InvalidArgumentError(f"allow_degraded must be True or False, got {allow_degraded!r}")
+        self._degraded = allow_degraded
+        self._shard_options = ({"max_retry_s": _DEGRADED_RETRY_S, **options} if allow_degraded
+                               else options)
+        self._health = ShardHealth()
         self._lock = threading.Lock()
         self._clients: dict[int, Any] | None = None
         self._addresses: dict[int, str] = {}
@@ -147,11 +141,13 @@ class ShardedReplayClient:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"address": self._spec, "resolver": self._resolver, "seed": self._seed,
-                "options": self._options, "client": self._factory}
+                "options": self._options, "client": self._factory,
+                "allow_degraded": self._degraded}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["address"], client=state["client"],  # type: ignore[misc]
-                      resolver=state["resolver"], seed=state["seed"], **state["options"])
+                      resolver=state["resolver"], seed=state["seed"],
+                      allow_degraded=state["allow_degraded"], **state["options"])
 
     def close(self) -> None:
         """Send pending ``wait=False`` updates and close every shard's connection."""
@@ -189,32 +185,15 @@ class ShardedReplayClient:
 
     def _discover(self) -> tuple[dict[int, Any], dict[int, str]]:
         addresses = addresses_of(self._spec, self._resolver)
-        clients = [self._factory(a, **self._options) for a in addresses]
-        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
-            futures = [pool.submit(c.server_info) for c in clients]
-        by_shard: dict[int, Any] = {}
-        where: dict[int, str] = {}
-        try:
-            for client, address, future in zip(clients, addresses, futures):
-                try:
-                    shard = future.result().shard
-                except ReplayError as exc:
-                    raise _named(exc, f"server {address}") from exc
-                if shard in by_shard:
-                    raise ShardingError(
-                        f"servers {where[shard]} and {address} both report shard {shard}: "
-                        f"each server of a sharded replay needs its own [server] shard index "
-                        f"(shard = \"auto\" takes it from a StatefulSet pod's ordinal)")
-                by_shard[shard], where[shard] = client, address
-        except BaseException:
-            for client in clients:
-                client.close()
-            raise
-        order = sorted(by_shard)
-        return {s: by_shard[s] for s in order}, {s: where[s] for s in order}
+        return connect_shards([self._factory(a, **self._shard_options) for a in addresses],
+                              addresses)
 
-    def _each(self, calls: Mapping[int, Callable[[Any], Any]]) -> dict[int, Any]:
+    def _each(self, calls: Mapping[int, Callable[[Any], Any]],
+              tolerate: bool = False) -> dict[int, Any]:
         """Run ``calls[shard](client)`` on those shards concurrently; their results by shard.
+
+        ``tolerate`` (in degraded mode): a shard that fails as unavailable is
+        marked down and left out of the results instead of failing the call.
 
         Raises:
             ReplayError: the first failure in shard order, its message naming the shard.
@@ -222,28 +201,60 @@ class ShardedReplayClient:
         clients = self._connect()
         if len(calls) == 1:
             ((shard, call),) = calls.items()
-            return {shard: self._on(shard, call, clients[shard])}
-        assert self._pool is not None
-        futures: dict[int, Future] = {
-            s: self._pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
-        results, failure = {}, None
-        for shard, future in futures.items():
+            outcomes: dict[int, Any] = {}
             try:
-                results[shard] = future.result()
+                outcomes[shard] = self._on(shard, call, clients[shard])
             except ReplayError as exc:
-                failure = failure or exc
+                outcomes[shard] = exc
+        else:
+            assert self._pool is not None
+            futures: dict[int, Future] = {
+                s: self._pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
+            outcomes = {}
+            for shard, future in futures.items():
+                try:
+                    outcomes[shard] = future.result()
+                except ReplayError as exc:
+                    outcomes[shard] = exc
+        results, failure = {}, None
+        for shard, outcome in outcomes.items():
+            if not isinstance(outcome, ReplayError):
+                results[shard] = outcome
+            elif tolerate and self._degraded and isinstance(outcome, UnavailableError):
+                self._health.failed(shard, str(outcome))
+                self._masses.forget(shard=shard)  # it may come back with other rows
+            else:
+                failure = failure or outcome
         if failure is not None:
             raise failure
+        if self._degraded:
+            self._health.answered(results)
         return results
+
+    def _live(self, clients: Mapping[int, Any]) -> list[int]:
+        """The shards to call now: all, or in degraded mode those not down (raises if none)."""
+        if not self._degraded:
+            return list(clients)
+        live = self._health.live(clients)
+        if not live:
+            raise UnavailableError(f"no shard is available (down: {self._health.stats().down})")
+        return live
+
+    def shard_stats(self) -> ShardStats:
+        """What degraded mode did: shards down now, failures, rejoins, degraded calls."""
+        return self._health.stats()
 
     def _on(self, shard: int, call: Callable[[Any], Any], client: Any) -> Any:
         try:
             return call(client)
         except ReplayError as exc:
-            raise _named(exc, f"shard {shard} ({self._addresses.get(shard, '?')})") from exc
+            raise named(exc, f"shard {shard} ({self._addresses.get(shard, '?')})") from exc
 
-    def _all(self, call: Callable[[Any], Any]) -> dict[int, Any]:
-        return self._each({s: call for s in self._connect()})
+    def _all(self, call: Callable[[Any], Any], tolerate: bool = False) -> dict[int, Any]:
+        """``call`` on every shard (``tolerate``: on the live ones, see :meth:`_each`)."""
+        clients = self._connect()
+        return self._each({s: call for s in (self._live(clients) if tolerate else clients)},
+                          tolerate)
 
     # ---------------------------------------------------------------- tables
 
@@ -251,13 +262,16 @@ class ShardedReplayClient:
         """The table's shape, checked equal on every shard (one ``info`` round the first time)."""
         shape = self._tables.get(table)
         if shape is None:
-            self._refresh(table, list(self._connect()))
-            shape = self._tables[table]
+            self._refresh(table, self._live(self._connect()))
+            shape = self._tables.get(table)
+            if shape is None:
+                raise UnavailableError(f"no shard answered for table {table!r} "
+                                       f"(down: {self._health.stats().down})")
         return shape
 
     def _refresh(self, table: str, shards: list[int]) -> dict[int, SamplingMass]:
         """Ask ``shards`` for ``table``'s info; note its shape and their masses."""
-        infos = self._each({s: (lambda c: c.info()) for s in shards})
+        infos = self._each({s: (lambda c: c.info()) for s in shards}, tolerate=True)
         masses = {}
         for shard, tables in infos.items():
             info = tables.get(table)
@@ -282,31 +296,56 @@ class ShardedReplayClient:
 
         Returns the rows' ids in the order of the rows. An insert spanning
         shards is one insert per shard, sent concurrently: if one fails, the
-        others' rows may be stored (the error names the failed shard).
+        others' rows may be stored (the error names the failed shard). In
+        degraded mode rows go to live shards only, and rows whose shard
+        failed are resent to the others (an insert in flight when its shard
+        died may then be stored twice).
         """
         clients = self._connect()
         shape = self._shape(table)
-        order = list(clients)
         flat = rows_of(data) if shape.by_episode or _has_key(data, shape.episode_key) else None
-        episodes = None if flat is None else flat.get(shape.episode_key)
-        if episodes is None:
-            shard = self._turns.next(order)
-            return self._each({shard: lambda c: c.insert(table, data, priorities)})[shard]
-        rows_for = by_episode(np.asarray(episodes).reshape(-1).astype(np.int64), order)
-        if len(rows_for) == 1:
-            ((shard, _),) = rows_for.items()
-            return self._each({shard: lambda c: c.insert(table, data, priorities)})[shard]
+        column = None if flat is None else flat.get(shape.episode_key)
+        episodes = None if column is None else np.asarray(column).reshape(-1).astype(np.int64)
         prios = None if priorities is None else torch.as_tensor(np.asarray(priorities))
+        ids = None if episodes is None else torch.empty(episodes.size, dtype=torch.int64)
+        pending = None if episodes is None else np.arange(episodes.size)
+        excluded: set[int] = set()
+        while True:
+            order = [s for s in self._live(clients) if s not in excluded]
+            if not order:
+                raise UnavailableError(f"no shard could take the insert into {table!r} "
+                                       f"(down: {self._health.stats().down})")
+            if len(order) < len(clients):
+                self._health.count("degraded_inserts")
+            if episodes is None or pending is None:
+                plan: dict[int, np.ndarray | None] = {self._turns.next(order): None}
+            else:
+                plan = {s: pending[rows] for s, rows in by_episode(episodes[pending], order).items()}
+                if len(plan) == 1 and len(pending) == episodes.size:
+                    plan = dict.fromkeys(plan)  # every row to one shard: send the data as given
 
-        def part(rows: np.ndarray) -> Callable[[Any], Any]:
-            picked = unflatten({k: v[rows] for k, v in flat.items()})
-            return lambda c: c.insert(table, picked, None if prios is None else prios[rows])
+            def part(rows: np.ndarray | None) -> Callable[[Any], Any]:
+                if rows is None:
+                    return lambda c: c.insert(table, data, priorities)
+                assert flat is not None
+                picked = unflatten({k: v[rows] for k, v in flat.items()})
+                return lambda c: c.insert(table, picked, None if prios is None else prios[rows])
 
-        results = self._each({s: part(rows) for s, rows in rows_for.items()})
-        ids = torch.empty(len(episodes), dtype=torch.int64)
-        for shard, rows in rows_for.items():
-            ids[torch.from_numpy(rows)] = results[shard]
-        return ids
+            results = self._each({s: part(rows) for s, rows in plan.items()}, tolerate=True)
+            for shard, rows in plan.items():
+                if shard in results:
+                    if rows is None:
+                        return results[shard]
+                    assert ids is not None
+                    ids[torch.from_numpy(rows)] = results[shard]
+            failed = [s for s in plan if s not in results]
+            if not failed:
+                assert ids is not None
+                return ids
+            excluded.update(failed)
+            if ids is not None:
+                pending = np.concatenate([plan[s] if plan[s] is not None  # type: ignore[misc]
+                                          else np.arange(len(ids)) for s in failed])
 
     def writer(self, table: str, **options: Any) -> Writer:
         """A :class:`~replay_client.writer.Writer` on ``table``: each episode stays on one shard.
@@ -346,17 +385,20 @@ class ShardedReplayClient:
         pause = _EMPTY_WAIT_S[0]
         raced = 0
         while True:
-            masses = self._masses.get(table)
-            unknown = [s for s in clients if s not in masses]
+            live = self._live(clients)
+            masses = {s: m for s, m in self._masses.get(table).items() if s in live}
+            unknown = [s for s in live if s not in masses]
             if unknown:
                 masses.update(self._refresh(table, unknown))
+                live = self._live(live)
+                masses = {s: m for s, m in masses.items() if s in live}
             with self._rng_lock:
                 try:
                     counts = split(batch_size, masses, self._rng)
                 except ValueError:
                     counts = None
             if counts is None:
-                masses = self._refresh(table, list(clients))
+                masses = self._refresh(table, live)
                 if any(m.total > 0 for m in masses.values()):
                     continue
                 if not wait:
@@ -369,15 +411,22 @@ class ShardedReplayClient:
                 pause = min(2 * pause, _EMPTY_WAIT_S[1])
                 continue
             try:
-                return self._draw(table, shape, counts, masses, wait, timeout)
+                batch = self._draw(table, shape, counts, masses, wait, timeout,
+                                   tuple(s for s in clients if s not in masses))
+                if batch is not None:
+                    return batch
             except EmptyTableError:
                 raced += 1  # a shard emptied (reset) since it reported its mass: split again
                 if raced >= _RACES:
                     raise
 
     def _draw(self, table: str, shape: TableShape, counts: dict[int, int],
-              masses: dict[int, SamplingMass], wait: bool, timeout: Any) -> SampleBatch:
-        """One round: sample ``counts`` from their shards, refresh the others' masses, merge."""
+              masses: dict[int, SamplingMass], wait: bool, timeout: Any,
+              missing: tuple[int, ...]) -> SampleBatch | None:
+        """One round: sample ``counts`` from their shards, refresh the others' masses, merge.
+
+        ``None``: a shard failed in degraded mode (it is down now): draw again without it.
+        """
         drawn = {s: k for s, k in counts.items() if k > 0}
 
         def draw(k: int) -> Callable[[Any], Any]:
@@ -388,11 +437,15 @@ class ShardedReplayClient:
         for shard in others:
             calls[shard] = lambda c: c.info()[table].mass
         try:
-            results = self._each(calls)
+            results = self._each(calls, tolerate=True)
         except EmptyTableError:
             for shard in drawn:  # one of them emptied since its report: ask again
                 self._masses.forget(table, shard)
             raise
+        if len(results) < len(calls):
+            return None
+        if missing:
+            self._health.count("degraded_samples")
         fresh = dict(masses)
         for shard, result in results.items():
             mass = result.mass if shard in drawn else result
@@ -400,11 +453,11 @@ class ShardedReplayClient:
                 fresh[shard] = mass
                 self._masses.put(table, shard, mass)
         q = shares(masses)
-        if len(drawn) == 1 and sum(1 for v in q.values() if v > 0) == 1:
+        if len(drawn) == 1 and sum(1 for v in q.values() if v > 0) == 1 and not missing:
             return results[next(iter(drawn))]  # one shard holds everything: its batch is exact
         with self._rng_lock:
             return merge({s: results[s] for s in drawn}, q, fresh,
-                         shape.beta if shape.prioritized else None, self._rng)
+                         shape.beta if shape.prioritized else None, self._rng, missing)
 
     # -------------------------------------------------------------- priorities
 
@@ -432,11 +485,16 @@ class ShardedReplayClient:
                    f"belongs to shard {int(owners[first])}, which is not among this client's "
                    f"shards {list(clients)}") + "; nothing was updated")
         groups = {int(s): np.flatnonzero(owners == s) for s in np.unique(owners).tolist()}
+        live = set(self._live(clients))
+        for shard in [s for s in groups if s not in live]:  # degraded: that shard is down
+            self._health.count("skipped_updates", len(groups.pop(shard)))
 
         def send(rows: np.ndarray) -> Callable[[Any], Any]:
             return lambda c: c.update_priorities(table, id_array[rows], values[rows], wait=wait)
 
-        results = self._each({s: send(rows) for s, rows in groups.items()})
+        results = self._each({s: send(rows) for s, rows in groups.items()}, tolerate=True)
+        for shard in [s for s in groups if s not in results]:
+            self._health.count("skipped_updates", len(groups[shard]))
         return None if not wait else sum(int(r) for r in results.values())
 
     def flush_updates(self, timeout: float | None = None) -> None:
@@ -447,11 +505,11 @@ class ShardedReplayClient:
 
     def info(self) -> dict[str, Any]:
         """Every table summed over shards (sizes, counters, masses); per shard: :meth:`shard_info`."""
-        return summed_tables(self._all(lambda c: c.info()))
+        return summed_tables(self._all(lambda c: c.info(), tolerate=True))
 
     def shard_info(self) -> dict[int, Any]:
         """Each shard's ``ServerInfo`` (its shard, incarnation, limits, tables), by shard index."""
-        return self._all(lambda c: c.server_info())
+        return self._all(lambda c: c.server_info(), tolerate=True)
 
     def server_info(self) -> Any:
         raise UnsupportedError("a sharded client talks to many servers: shard_info() gives each "
@@ -513,36 +571,14 @@ class ShardedReplayClient:
         Raises:
             InvalidArgumentError: a bad option, before any network call.
         """
-        for name, value, low in (("prefetch", prefetch, 1), ("batch_size", batch_size, 1),
-                                 ("num_batches", num_batches, 0)):
-            if value is not None:
-                check_int(name, value, low)
-        if wait_timeout is not None and not (isinstance(wait_timeout, (int, float)) and not
-                                             isinstance(wait_timeout, bool) and wait_timeout > 0):
-            raise InvalidArgumentError(
-                f"wait_timeout must be a number of seconds > 0 or None, got {wait_timeout!r}")
-        try:
-            core = FeedCore(prefetch or 2, resolve_delivery(device, pin_memory), transform)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
+        options = dict(prefetch=prefetch, device=device, pin_memory=pin_memory,
+                       transform=transform, num_batches=num_batches,
+                       batches_per_message=batches_per_message, shared_memory=shared_memory,
+                       reconnect=reconnect, wait=wait, wait_timeout=wait_timeout)
+        check_stream_options(batch_size, options)
         clients = self._connect()
         self._shape(table)  # an unknown or inconsistent table fails here, not in the stream
-        source = ShardedSource(lambda: self.sample(table, batch_size), len(clients),
-                               num_batches=num_batches, wait=wait, wait_timeout=wait_timeout,
-                               reconnect=reconnect)
-        stream = BatchStream(core, source, table)
-        if batches_per_message not in (None, 1) or not shared_memory:
-            stream.stats.notes.append("batches_per_message and shared_memory do not apply to "
-                                      "a sharded stream (yet)")
-        return stream
-
-
-def _named(exc: ReplayError, where: str) -> ReplayError:
-    """``exc``'s kind, its message prefixed by ``where`` (the shard it came from)."""
-    try:
-        return type(exc)(f"{where}: {exc}")
-    except TypeError:
-        return exc
+        return open_stream(lambda: self.sample(table, batch_size), len(clients), table, options)
 
 
 def _has_key(data: Any, key: str) -> bool:

@@ -11,6 +11,7 @@ probability and weight against one in-process table holding all the rows.
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
 from collections.abc import Iterator
 
@@ -19,7 +20,12 @@ import pytest
 import torch
 
 from replay_client import ReplayClient
-from replay_client.errors import InvalidIdsError, ShardingError, UnknownTableError
+from replay_client.errors import (
+    InvalidIdsError,
+    ShardingError,
+    UnavailableError,
+    UnknownTableError,
+)
 from replay_client.shards import ShardedReplayClient
 from replay_server.engine.config import SamplerKind, TableConfig
 from replay_server.engine.table import Table
@@ -312,3 +318,79 @@ def test_a_stream_over_shards_merges_batches_within_its_prefetch_bound(trio, sha
     ids = torch.cat(batches)
     assert set((ids >> 56).tolist()) == {0, 1, 2}
     assert "over 3 shards" in "; ".join(stream.stats.notes)
+
+
+# --------------------------------------------------------------------- faults
+
+
+def test_a_killed_shard_fails_calls_by_default_or_is_left_out_when_allowed_and_rejoins(
+        tmp_path) -> None:
+    """Shard 1 is killed while a degraded-mode client samples; a default client fails naming it;
+    restarted on its port, it rejoins."""
+    procs = {s: start_server(tmp_path, shard_config(s), name=f"f{s}") for s in (0, 1, 2)}
+    try:
+        addresses = [procs[s].address for s in (0, 1, 2)]
+        for shard, priority in {0: 1.0, 1: 4.0, 2: 9.0}.items():
+            with ReplayClient(procs[shard].address) as one:  # p^0.7 masses per row: 1, 2.6, 4.7
+                one.insert("p", {"key": torch.arange(10, dtype=torch.int64) + 1000 * shard},
+                           priorities=torch.full((10,), priority))
+        strict = ReplayClient(addresses, timeout=5.0, max_retry_s=0.3)
+        lenient = ReplayClient(addresses, timeout=5.0, allow_degraded=True, seed=1)
+        assert strict.sample("p", 64).batch_size == lenient.sample("p", 64).batch_size == 64
+        ids = strict.sample("p", 256).ids
+
+        batches, errors, stop = [], [], threading.Event()
+
+        def load() -> None:  # the learner: samples without pause while shard 1 dies
+            while not stop.is_set():
+                try:
+                    batches.append(lenient.sample("p", 64))
+                except Exception as exc:  # noqa: BLE001 - recorded, the test fails on it
+                    errors.append(exc)
+                    return
+
+        thread = threading.Thread(target=load)
+        thread.start()
+        assert wait_for(lambda: len(batches) >= 5)
+        procs[1].process.kill()
+        procs[1].process.wait()
+        assert wait_for(lambda: batches and batches[-1].missing_shards == (1,), timeout=30)
+        seen = len(batches)
+        assert wait_for(lambda: len(batches) >= seen + 20)
+        stop.set()
+        thread.join()
+        assert not errors, errors
+
+        # Degraded: the live shards' rows only, with probabilities over their mass alone.
+        late = batches[-1]
+        assert set((late.ids >> 56).tolist()) <= {0, 2}
+        live_mass = 10 * (1.0 ** 0.7) + 10 * (9.0 ** 0.7)
+        expected = torch.where(late.ids >> 56 == 0, 1.0, 9.0 ** 0.7).double() / live_mass
+        torch.testing.assert_close(late.probabilities, expected, rtol=1e-6, atol=0)
+        stats = lenient.shard_stats()
+        assert 1 in stats.down and stats.degraded_samples > 0
+        new = torch.cat([lenient.insert("p", {"key": torch.full((4,), -1)}) for _ in range(6)])
+        assert set((new >> 56).tolist()) == {0, 2}  # inserts go to the live shards
+        assert lenient.update_priorities("p", ids, torch.ones(len(ids))) == int(
+            ((ids >> 56) != 1).sum())  # shard 1's ids are skipped, the rest applied
+
+        # Default: every call that needs shard 1 fails, naming it.
+        for call in (lambda: strict.sample("p", 64),
+                     lambda: strict.update_priorities("p", ids, torch.ones(len(ids))),
+                     lambda: strict.info()):
+            with pytest.raises(UnavailableError, match=r"shard 1 \(127\.0\.0\.1:"):
+                call()
+
+        # Back on its port (empty: it had no checkpoint), shard 1 rejoins both clients.
+        procs[1] = start_server(tmp_path, shard_config(1), name="f1-again", port=procs[1].port)
+        assert wait_for(lambda: lenient.sample("p", 8).missing_shards == (), timeout=30)
+        assert 1 not in lenient.shard_stats().down
+        assert lenient.shard_stats().rejoins >= 1
+        back = torch.cat([lenient.insert("p", {"key": torch.full((4,), -2)}) for _ in range(6)])
+        assert 1 in set((back >> 56).tolist())
+        assert strict.info()["p"].size == lenient.info()["p"].size
+        strict.close()
+        lenient.close()
+    finally:
+        for proc in procs.values():
+            proc.stop()

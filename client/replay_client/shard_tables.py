@@ -1,6 +1,8 @@
-"""One logical table's ``info`` from its shards': sizes and counts summed, settings kept.
+"""One logical table over shards: what must agree between them, and its summed ``info``.
 
-Settings (sampler, alpha, beta, schema, the rate limiter's configuration)
+:class:`TableShape` is what every shard's copy of a table must share (a
+sharded client refuses shards that differ) and what merged sampling needs.
+In :func:`summed_tables`, settings (sampler, alpha, beta, schema, the rate limiter's configuration)
 are the lowest shard's (a sharded client checks that the sampling settings
 agree); sizes, capacities, bytes, counters, the limiters' counts and the
 sampling masses are summed; ``max_priority`` is the largest; ``can_insert``
@@ -10,10 +12,29 @@ and ``can_sample`` hold if they hold on any shard. Pure functions.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from replay_proto.mass import SamplingMass
+
+
+@dataclass(frozen=True, slots=True)
+class TableShape:
+    """What must agree between the shards of one table, and what sampling needs of it."""
+
+    sampler: str
+    alpha: float
+    beta: float
+    slice_len: int | None
+    episode_key: str
+
+    @property
+    def prioritized(self) -> bool:
+        return self.sampler in ("prioritized", "prioritized_slice")
+
+    @property
+    def by_episode(self) -> bool:
+        return self.sampler in ("slice", "prioritized_slice")
 
 
 def summed_tables(per_shard: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
