@@ -7,8 +7,9 @@ For each shard count ``n``: ``n`` servers (each its own process, shard 0..n-1,
 one prioritized table of small rows, 17 float32), driven by ``n`` client
 processes at once (one per shard), each a sharded client over all ``n``
 servers: first inserting 8,192-row chunks (round-robin over the shards), then
-sampling batches of 256 (each batch split across all shards by mass and
-merged). Rates are summed over the client processes, which start together
+sampling batches of 256 with ``sample`` (each batch split across all shards
+by mass and merged: one call per shard per batch), then streaming them with
+``stream(batches_per_message=8)`` (one call per shard per 8 batches). Rates are summed over the client processes, which start together
 and run for the same time. Then, against one server in one process, blocks
 of ``sample(256)`` by ``ReplayClient(address)`` and by
 ``ReplayClient([address])`` alternate; the median call latency of each and
@@ -42,6 +43,7 @@ CAPACITY = 1_000_000
 PREFILL = 200_000  # rows over all shards before sampling
 INSERT_CHUNK = 8192
 BATCH = 256
+GROUP = 8  # batches per round of the stream measurement
 
 
 def _config(shard: int) -> str:
@@ -62,11 +64,17 @@ def _worker(case: str, addresses: list[str], seconds: float, start_at: float, se
     client.info()  # connect and discover before the clock starts
     rows = {"obs": torch.from_numpy(
         np.random.default_rng(seed).standard_normal((INSERT_CHUNK, ROW_FLOATS), dtype=np.float32))}
-    if case == "sample":
+    if case != "insert":
         client.sample("small", BATCH)
     time.sleep(max(0.0, start_at - time.time()))
     start, done = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
+    if case == "stream":  # rounds of 8 batches (batches_per_message), the learner's path
+        with client.stream("small", BATCH, batches_per_message=GROUP) as stream:
+            for batch in stream:
+                done += batch.batch_size
+                if time.perf_counter() - start >= seconds:
+                    break
+    while case != "stream" and time.perf_counter() - start < seconds:
         if case == "insert":
             client.insert("small", rows)
             done += INSERT_CHUNK
@@ -135,7 +143,7 @@ def main() -> None:
     parser.add_argument("--shards", default="1,2,4")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--latency-blocks", type=int, default=10)
-    parser.add_argument("--worker", choices=("insert", "sample"))
+    parser.add_argument("--worker", choices=("insert", "sample", "stream"))
     parser.add_argument("--addresses", default="")
     parser.add_argument("--start-at", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -161,10 +169,13 @@ def main() -> None:
                     one.reset("small")
             _prefill(addresses)
             sample = _drive("sample", addresses, args.seconds)
+            stream = _drive("stream", addresses, args.seconds)
             run = {"shards": n, "insert_rows_per_s": round(insert["rows_per_s"]),
                    "sample_rows_per_s": round(sample["rows_per_s"]),
+                   "stream_rows_per_s": round(stream["rows_per_s"]),
                    "insert_per_process": insert["per_process"],
-                   "sample_per_process": sample["per_process"]}
+                   "sample_per_process": sample["per_process"],
+                   "stream_per_process": stream["per_process"]}
             if n == 1:
                 run["latency_at_one_shard"] = _latency(addresses[0], args.latency_blocks, 50)
             report["runs"].append(run)
@@ -173,6 +184,7 @@ def main() -> None:
     for run in report["runs"]:
         run["insert_vs_first"] = round(run["insert_rows_per_s"] / base["insert_rows_per_s"], 2)
         run["sample_vs_first"] = round(run["sample_rows_per_s"] / base["sample_rows_per_s"], 2)
+        run["stream_vs_first"] = round(run["stream_rows_per_s"] / base["stream_rows_per_s"], 2)
     print(json.dumps(report, indent=1))
 
 

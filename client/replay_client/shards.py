@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_client import grouping
 from replay_client.arguments import check_int, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT
 from replay_client.discovery import Resolver, addresses_of, connect_shards, is_sharded, named
@@ -562,11 +563,11 @@ class ShardedReplayClient:
     ) -> BatchStream:
         """A learner's stream of merged batches (see :mod:`replay_client.shard_stream`).
 
-        Each batch is one exact :meth:`sample` round over every shard; the
-        feed (prefetch bound, transform, pinning, device copies) is the
-        one-server stream's. ``batches_per_message`` and ``shared_memory``
-        are accepted for a one-server stream's signature and have no effect
-        here yet (the stream's notes say so); ``prefetch`` defaults to 2.
+        Each round is one exact :meth:`sample` over every shard, of
+        ``batches_per_message`` batches (chosen as for one server when
+        ``None``); the feed (prefetch bound, transform, pinning, device
+        copies) is the one-server stream's. ``shared_memory`` has no effect
+        here yet.
 
         Raises:
             InvalidArgumentError: a bad option, before any network call.
@@ -577,8 +578,12 @@ class ShardedReplayClient:
                        reconnect=reconnect, wait=wait, wait_timeout=wait_timeout)
         check_stream_options(batch_size, options)
         clients = self._connect()
-        self._shape(table)  # an unknown or inconsistent table fails here, not in the stream
-        return open_stream(lambda: self.sample(table, batch_size), len(clients), table, options)
+        shape = self._shape(table)  # an unknown or inconsistent table fails here
+        info = self.info().get(table) if options["batches_per_message"] is None else None
+        size = None if info is None else grouping.batch_bytes(info.schema, batch_size,
+                                                               shape.slice_len)
+        return open_stream(lambda n: self.sample(table, n), len(clients), table, batch_size,
+                           size, options)
 
 
 def _has_key(data: Any, key: str) -> bool:

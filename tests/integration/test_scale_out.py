@@ -319,6 +319,14 @@ def test_a_stream_over_shards_merges_batches_within_its_prefetch_bound(trio, sha
     assert set((ids >> 56).tolist()) == {0, 1, 2}
     assert "over 3 shards" in "; ".join(stream.stats.notes)
 
+    # Grouped: 8 batches in 2 rounds of 4, so each shard answered at most 2 sample calls.
+    calls = {s: c.info()["p"].counters["sample_calls"] for s, c in shards.items()}
+    with sharded(trio) as client:
+        grouped = [b.ids.clone() for b in client.stream("p", 32, batches_per_message=4,
+                                                        num_batches=8)]
+    assert [len(b) for b in grouped] == [32] * 8
+    assert all(c.info()["p"].counters["sample_calls"] - calls[s] <= 2 for s, c in shards.items())
+
 
 # --------------------------------------------------------------------- faults
 
