@@ -295,6 +295,27 @@ def test_writers_keep_each_episode_whole_on_one_shard(trio, shards) -> None:
         assert (batch.columns["episode"] == batch.columns["episode"][:, :1]).all()
 
 
+def test_an_insert_of_many_episodes_splits_by_episode_and_returns_ids_in_row_order(
+        trio, shards) -> None:
+    episode = torch.arange(12, dtype=torch.int64).repeat(5)  # 12 episodes, rows interleaved
+    step = torch.arange(5, dtype=torch.int64).repeat_interleave(12)
+    with sharded(trio) as client:
+        ids = client.insert("ps", {"episode": episode, "step": step},
+                            priorities=(episode + 1).double())
+        home = {}
+        for e, shard in zip(episode.tolist(), (ids >> 56).tolist()):
+            assert home.setdefault(e, shard) == shard  # one shard per episode
+        assert len(set(home.values())) >= 2
+        for e in range(12):  # each episode's rows kept their order on their shard
+            assert (ids[episode == e].diff() > 0).all()
+        assert sum(c.info()["ps"].size for c in shards.values()) == 60
+        batch = client.sample("ps", 64)
+        start = batch.columns["episode"][:, 0]
+        total = sum(2 * (e + 1.0) ** ALPHA for e in range(12))  # two slice starts per episode
+        torch.testing.assert_close(  # the priorities went with their rows
+            batch.probabilities, ((start + 1.0) ** ALPHA).double() / total, rtol=1e-5, atol=0)
+
+
 # -------------------------------------------------------------------- streams
 
 
