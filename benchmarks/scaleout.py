@@ -15,6 +15,14 @@ of ``sample(256)`` by ``ReplayClient(address)`` and by
 ``ReplayClient([address])`` alternate; the median call latency of each and
 their ratio are printed (target: the sharded one at most 1.3x).
 
+    git worktree add --detach ../base <commit>
+    python benchmarks/scaleout.py --baseline-tree ../base
+
+compares instead the plain one-server client (and its server) of this
+checkout with another tree's: median ``sample(256)`` and
+``insert(8192 rows)`` latency, the two alternating for ``--rounds`` rounds
+(what sharding costs a one-server user: nothing, it should say).
+
 Scaling needs cores: ``n`` servers and ``n`` clients each want one. On a
 machine with fewer cores than ``2n`` the figures measure contention, not
 scale-out (the JSON says how many cores there were).
@@ -138,19 +146,87 @@ def _latency(address: str, blocks: int, calls: int) -> dict:
             "ratio": med["sharded"] / med["plain"], "calls_each": blocks * calls}
 
 
+def _plain(seconds: float) -> dict:
+    """One server and the plain one-server client, in this interpreter's checkout: median
+    ``sample(256)`` and ``insert(8192 rows)`` latency (for ``--baseline-python``)."""
+    import numpy as np
+    import torch
+
+    from replay_client import ReplayClient
+
+    torch.set_num_threads(1)
+    rows = {"obs": torch.from_numpy(np.random.default_rng(0).standard_normal(
+        (INSERT_CHUNK, ROW_FLOATS), dtype=np.float32))}
+    with tempfile.TemporaryDirectory() as tmp, replay_server(Path(tmp), _config(0)) as address:
+        client = ReplayClient(address, timeout=120)
+        times: dict[str, list[float]] = {"insert": [], "sample": []}
+        for first in range(0, PREFILL, INSERT_CHUNK):
+            start = time.perf_counter()
+            client.insert("small", rows)
+            times["insert"].append(time.perf_counter() - start)
+        for _ in range(20):
+            client.sample("small", BATCH)
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            start = time.perf_counter()
+            client.sample("small", BATCH)
+            times["sample"].append(time.perf_counter() - start)
+        client.close()
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def _baseline(tree: Path, rounds: int, seconds: float) -> dict:
+    """The plain client and server of this checkout against another tree's, interleaved.
+
+    The other tree's packages are put first on ``PYTHONPATH`` (server and
+    client alike: the server process inherits it); same interpreter and
+    dependencies, so the code is all that differs.
+    """
+    roots = [tree / part for part in ("proto", "feed", "server", "client")]
+    missing = [str(r) for r in roots if not r.is_dir()]
+    if missing:
+        raise SystemExit(f"--baseline-tree {tree}: no {missing} (a replay-server checkout?)")
+    envs = {"this": dict(os.environ),
+            "baseline": {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, roots))}}
+    runs: dict[str, list[dict]] = {"this": [], "baseline": []}
+    for _ in range(rounds):
+        for side, env in envs.items():
+            out = subprocess.run([sys.executable, __file__, "--worker", "plain",
+                                  "--seconds", str(seconds)],
+                                 capture_output=True, text=True, check=True, timeout=600, env=env)
+            runs[side].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in ("insert", "sample")}
+           for side, rs in runs.items()}
+    return {"sample_ms": {s: round(m["sample"], 3) for s, m in med.items()},
+            "insert_8192_ms": {s: round(m["insert"], 3) for s, m in med.items()},
+            "sample_ratio": round(med["this"]["sample"] / med["baseline"]["sample"], 3),
+            "insert_ratio": round(med["this"]["insert"] / med["baseline"]["insert"], 3),
+            "rounds": rounds}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", default="1,2,4")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--latency-blocks", type=int, default=10)
-    parser.add_argument("--worker", choices=("insert", "sample", "stream"))
+    parser.add_argument("--worker", choices=("insert", "sample", "stream", "plain"))
+    parser.add_argument("--baseline-tree", type=Path, default=None,
+                        help="another checkout (e.g. `git worktree add --detach ../base main`): "
+                             "compare the plain one-server client and server of both, then exit")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--addresses", default="")
     parser.add_argument("--start-at", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.worker == "plain":
+        print(json.dumps(_plain(args.seconds)))
+        return
     if args.worker:
         print(json.dumps(_worker(args.worker, args.addresses.split(","), args.seconds,
                                  args.start_at, args.seed)))
+        return
+    if args.baseline_tree:
+        print(json.dumps(_baseline(args.baseline_tree, args.rounds, args.seconds), indent=1))
         return
     report: dict = {"cores": os.cpu_count(), "row": f"{ROW_FLOATS} float32, prioritized",
                     "seconds": args.seconds, "runs": []}

@@ -87,7 +87,9 @@ def encode_sample(
             last_chunk=stop == rows, batch_count=batch_count, **extra_specs,
         )
         if stop == rows and batch.mass is not None:
-            header.mass.CopyFrom(batch.mass.to_proto())
+            mass = header.mass
+            mass.total, mass.min_positive, mass.count = (
+                batch.mass.total, batch.mass.min_positive, batch.mass.count)
         messages.append(frame(header, buffers))
     return messages
 
