@@ -255,12 +255,18 @@ def test_a_name_resolving_to_every_shard_finds_them_by_their_index(trio, shards)
     assert asked == [("replay-headless.replay.svc.cluster.local", 50051)]
 
 
-def test_two_servers_reporting_one_shard_index_are_refused(trio, tmp_path) -> None:
-    twin = start_server(tmp_path, shard_config(1), name="twin")
+def test_two_servers_reporting_one_shard_index_or_differing_tables_are_refused(
+        trio, tmp_path) -> None:
+    twin = start_server(tmp_path, shard_config(1).replace(f"alpha = {ALPHA}", "alpha = 0.9", 1),
+                        name="twin")  # shard 1 again, and its table "p" has another alpha
     try:
         with pytest.raises(ShardingError, match="both report shard 1") as raised:
             ReplayClient([p.address for p in trio] + [twin.address]).info()
         assert twin.address in str(raised.value)
+        shard_2, shard_0 = trio[0], trio[1]  # the fixture started shards 2, 0, 1
+        with ReplayClient([shard_2.address, shard_0.address, twin.address]) as client:
+            with pytest.raises(ShardingError, match="table 'p' differs between shards"):
+                client.sample("p", 4)
     finally:
         twin.stop()
 
