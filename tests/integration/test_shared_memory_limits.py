@@ -63,13 +63,14 @@ def test_a_ring_over_the_budget_is_refused_with_its_reason_and_grpc_serves(
     monkeypatch.setenv("REPLAY_SHM_DIR", str(shm_dir))
     client = ReplayClient(first.address)
     # 16 frames of 7 KB = 113 KB a batch: a window of 64 needs a ring of 7 MiB, over 4 MiB.
-    stream = client.stream("frames", 16, prefetch=64, num_batches=3)
+    # One batch per message: the shared-memory ring carries ungrouped batches only.
+    stream = client.stream("frames", 16, prefetch=64, num_batches=3, batches_per_message=1)
     assert sum(batch.data["frame"].shape == (16, 84, 84) for batch in stream) == 3
     assert stream.transport == "grpc"
     assert any("no shared-memory ring" in note and "server.shared_memory_mb" in note
                for note in stream.stats.notes), stream.stats.notes
     # A window whose ring fits takes shared memory.
-    small = client.stream("frames", 16, prefetch=4, num_batches=3)
+    small = client.stream("frames", 16, prefetch=4, num_batches=3, batches_per_message=1)
     assert sum(1 for _ in small) == 3 and small.transport == "shared_memory"
     assert wait_for(lambda: rings(shm_dir) == [])
     assert client.server_info().limits["shared_memory_in_use_bytes"] == 0

@@ -89,7 +89,7 @@ def test_prioritized_sample_as_tensordict_carries_index_and_weights(client) -> N
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared_memory", "grpc"])
 def test_streams_deliver_tensordicts_with_index_and_weight(client, shared_memory) -> None:
     stream = client.stream("seq", 32, num_batches=4, transform=SampleBatch.to_tensordict,
-                           shared_memory=shared_memory)
+                           shared_memory=shared_memory, batches_per_message=1)
     count = 0
     for td in stream:
         assert isinstance(td, TensorDict) and td.batch_size == (32, L)

@@ -26,13 +26,16 @@ message ends the stream with INVALID_ARGUMENT. One request is handled at a
 time per stream, and the next is read only after the previous one is
 answered, so a stream holds at most one decoded request; gRPC's flow control
 holds back the rest. Clients keep their own window of unanswered requests
-and send larger updates as unary calls.
+and send larger updates as unary calls. When the server starts draining, a
+stream waiting for its next request ends at once with UNAVAILABLE (an idle
+learner's stream must not hold the shutdown for its whole grace).
 
 Thread-safety: event-loop only.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -73,6 +76,14 @@ class UpdateStreamHandler:
         self._calls = calls
         self._update = update
         self._update_now = update_now
+        self._idle: set[asyncio.Task] = set()  # calls waiting for their client's next request
+        calls.on_drain.append(self._end_idle)
+
+    def _end_idle(self) -> None:
+        """Draining started: streams waiting for a request end now (UNAVAILABLE), so a
+        learner's open stream does not hold the server's shutdown for its whole grace."""
+        for task in list(self._idle):
+            task.cancel()
 
     async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
                     reservation: Reservation) -> AsyncIterator[bytes]:
@@ -83,8 +94,24 @@ class UpdateStreamHandler:
             reservation.resize(2 * declared, "UpdateStream")
         except Exception as exc:
             await calls.fail(context, exc)
+        task = asyncio.current_task()
+        assert task is not None
+        incoming = requests.__aiter__()
         expected = 0
-        async for raw in requests:
+        while True:
+            if calls.draining:
+                await calls.fail(context, ShuttingDownError("the server is shutting down"))
+            self._idle.add(task)
+            try:
+                raw = await incoming.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not calls.draining:
+                    raise
+                await calls.fail(context, ShuttingDownError("the server is shutting down"))
+            finally:
+                self._idle.discard(task)
             if len(raw) > declared:
                 await calls.fail(context, InvalidArgumentError(
                     f"an UpdateStream message of {len(raw)} bytes is larger than the call "
