@@ -35,8 +35,8 @@ from replay_feed.delivery import resolve_delivery
 from replay_feed.stream import BatchStream
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
-from replay_proto.mass import SamplingMass
 from replay_proto.dtypes import dtype_name
+from replay_proto.mass import SamplingMass
 from replay_proto.rows import rows_of
 from replay_proto.sample_codec import decode_sample
 from replay_proto.v1 import replay_pb2 as pb
