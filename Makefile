@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner \
-        clean image image-test bench-starvation
+        bench-scaleout bench-starvation clean image image-test
 
 $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
@@ -69,6 +69,10 @@ bench-starvation: $(STAMP)
 	$(BIN)/python benchmarks/starvation.py $(if $(DEVICE),--device $(DEVICE),)
 
 bench: bench-engine bench-service bench-learner
+
+# Aggregate insert/sample rows/s over 1, 2 and 4 shards (docs/scale-out.md); no anchor.
+bench-scaleout: $(STAMP)
+	$(BIN)/python benchmarks/scaleout.py
 
 # The container image (Dockerfile), built with podman: no Docker daemon or registry needed
 # (a Debian base is made with debootstrap; docs/operations.md, "Container"). The default

@@ -14,6 +14,16 @@ import torch
 from replay_client.errors import InvalidArgumentError, InvalidIdsError, InvalidPriorityError
 
 
+def check_int(name: str, value: Any, low: int) -> None:
+    """Refuse ``value`` unless it is an integer (not a bool) of at least ``low``.
+
+    Raises:
+        InvalidArgumentError: naming ``name`` and the value.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
 def id_array(ids: Any) -> np.ndarray:
     """``ids`` as an int64 array of their own shape (a tensor, array or list).
 

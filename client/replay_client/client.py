@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_client import grouping, variables
+from replay_client import grouping, shards, variables
+from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import (
@@ -34,6 +35,7 @@ from replay_feed.stream import BatchStream
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.dtypes import dtype_name
+from replay_proto.mass import SamplingMass
 from replay_proto.rows import rows_of
 from replay_proto.sample_codec import decode_sample
 from replay_proto.v1 import replay_pb2 as pb
@@ -67,6 +69,8 @@ class TableInfo:
     slice_len: int | None
     rate_limiter: dict[str, Any]
     max_times_sampled: int
+    mass: SamplingMass | None = None
+    episode_key: str = "episode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +91,13 @@ class ServerInfo:
 
 
 class ReplayClient:
-    """A connection to one replay server.
+    """A connection to one replay server (or, given many, to shards: see below).
+
+    ``ReplayClient(["host-0:50051", "host-1:50051"])`` or
+    ``ReplayClient("shards://replay-headless:50051")`` (every address the name
+    resolves to) returns a :class:`~replay_client.shards.ShardedReplayClient`:
+    one logical replay over many servers, with the same calls (see
+    ``docs/scale-out.md``).
 
     Cheap to create and safe to share between threads. It connects lazily, on
     the first call, and pickles as its settings alone, so it can be handed to
@@ -135,8 +145,8 @@ class ReplayClient:
     ) -> None:
         if not isinstance(address, str):
             raise InvalidArgumentError(
-                f"address must be 'host:port' (sharding over several servers is not supported "
-                f"yet), got {type(address).__name__}"
+                f"address must be 'host:port', a list of shard addresses or "
+                f"'shards://name:port', got {type(address).__name__}"
             )
         if not (tls is None or isinstance(tls, (bool, TlsConfig))):
             raise InvalidArgumentError(
@@ -151,6 +161,11 @@ class ReplayClient:
         self._updater_pid = 0
         self._update_stream: UpdateStream | None = None
         self._update_stream_pid = 0
+
+    def __new__(cls, address: Any = "localhost:50051", *args: Any, **kwargs: Any) -> Any:
+        if cls is ReplayClient and shards.is_sharded(address):
+            return shards.ShardedReplayClient(address, *args, client=cls, **kwargs)
+        return super().__new__(cls)
 
     @property
     def address(self) -> str:
@@ -333,6 +348,8 @@ class ReplayClient:
                 slice_len=t.slice_len or None,
                 rate_limiter={f: getattr(t.rate_limiter, f) for f in _LIMITER_FIELDS},
                 max_times_sampled=t.max_times_sampled,
+                mass=SamplingMass.from_proto(t.mass) if t.HasField("mass") else None,
+                episode_key=t.episode_key or "episode",
             )
             for t in response.tables
         }
@@ -549,11 +566,6 @@ class ReplayClient:
 
 _PROBE_TIMEOUT_S = 5.0
 """How long ``stream`` waits for the table's schema when it chooses the grouping."""
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
 def _columns(data: Any) -> dict[str, torch.Tensor]:

@@ -122,6 +122,16 @@ class VariableBudgetError(ReplayError):
     """The server's budget for variables (``server.variables_max_mb``) would be exceeded."""
 
 
+class ShardingError(InvalidArgumentError):
+    """The shards do not form one logical replay: two servers report the same shard
+    index, a table differs between shards, or an id belongs to no known shard."""
+
+
+class UnsupportedError(ReplayError):
+    """The call is not supported by this kind of client (e.g. a sharded one); the message says
+    what to use instead."""
+
+
 _BY_KIND: dict[ErrorKind, type[ReplayError]] = {
     ErrorKind.SCHEMA_MISMATCH: SchemaMismatchError,
     ErrorKind.INVALID_PRIORITY: InvalidPriorityError,

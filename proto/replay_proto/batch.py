@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from replay_proto.keys import flatten, unflatten
+from replay_proto.mass import SamplingMass
 
 EXTRAS = ("ids", "weights", "probabilities")
 """The tensors every sample carries besides its columns, in wire order."""
@@ -35,6 +36,12 @@ class SampleBatch:
             ``(N * P(i)) ** -beta / max_j w_j``; ones for non-prioritized samplers.
         probabilities: float64 ``[batch]`` probability with which each row (or
             slice start) was drawn.
+        mass: the table's :class:`~replay_proto.mass.SamplingMass` when the
+            batch was drawn (``None`` where unknown: a batch built by hand or
+            read from a shared-memory ring); a sharded client merges with it.
+        missing_shards: shards a sharded client in degraded mode left out of
+            this batch (unavailable): its probabilities and weights are over
+            the other shards' rows only. Empty otherwise.
 
     Args:
         data: the rows as a nested mapping, a TensorDict or flat keys.
@@ -45,6 +52,8 @@ class SampleBatch:
     ids: torch.Tensor
     weights: torch.Tensor
     probabilities: torch.Tensor
+    mass: SamplingMass | None = field(default=None, repr=False)
+    missing_shards: tuple[int, ...] = field(default=(), repr=False)
     _nested: dict[str, Any] | None = field(default=None, repr=False)
 
     def __init__(self, data: Any, ids: torch.Tensor, weights: torch.Tensor,
@@ -53,10 +62,12 @@ class SampleBatch:
 
     @classmethod
     def from_columns(cls, columns: Mapping[str, torch.Tensor], ids: torch.Tensor,
-                     weights: torch.Tensor, probabilities: torch.Tensor) -> SampleBatch:
+                     weights: torch.Tensor, probabilities: torch.Tensor,
+                     mass: SamplingMass | None = None,
+                     missing_shards: tuple[int, ...] = ()) -> SampleBatch:
         """A batch over already-flat ``columns`` (taken as they are: no copy, no checks)."""
         batch = cls.__new__(cls)
-        _set(batch, dict(columns), ids, weights, probabilities)
+        _set(batch, dict(columns), ids, weights, probabilities, mass, missing_shards)
         return batch
 
     @property
@@ -86,7 +97,8 @@ class SampleBatch:
         n = len(self.columns)
         if len(tensors) != n + len(EXTRAS):
             raise ValueError(f"expected {n + len(EXTRAS)} tensors, got {len(tensors)}")
-        return SampleBatch.from_columns(dict(zip(self.columns, tensors[:n])), *tensors[n:])
+        return SampleBatch.from_columns(dict(zip(self.columns, tensors[:n])), *tensors[n:],
+                                        mass=self.mass, missing_shards=self.missing_shards)
 
     def to_tensordict(self, weight_key: str = "_weight") -> Any:
         """The batch as a ``tensordict.TensorDict``, with TorchRL's names for the extras.
@@ -126,7 +138,9 @@ class SampleBatch:
 
 
 def _set(batch: SampleBatch, columns: dict[str, torch.Tensor], ids: torch.Tensor,
-         weights: torch.Tensor, probabilities: torch.Tensor) -> None:
+         weights: torch.Tensor, probabilities: torch.Tensor,
+         mass: SamplingMass | None = None, missing_shards: tuple[int, ...] = ()) -> None:
     for name, value in (("columns", columns), ("ids", ids), ("weights", weights),
-                        ("probabilities", probabilities), ("_nested", None)):
+                        ("probabilities", probabilities), ("mass", mass),
+                        ("missing_shards", missing_shards), ("_nested", None)):
         object.__setattr__(batch, name, value)

@@ -36,6 +36,7 @@ from replay_proto.codec import (
     tensor_bytes,
 )
 from replay_proto.dtypes import DTYPES
+from replay_proto.mass import SamplingMass
 from replay_proto.v1 import replay_pb2 as pb
 
 STREAM_CHUNK_BYTES = 4 * 1024 * 1024
@@ -85,6 +86,10 @@ def encode_sample(
             columns=specs, batch_index=batch_index, row_start=start, batch_rows=rows,
             last_chunk=stop == rows, batch_count=batch_count, **extra_specs,
         )
+        if stop == rows and batch.mass is not None:
+            mass = header.mass
+            mass.total, mass.min_positive, mass.count = (
+                batch.mass.total, batch.mass.min_positive, batch.mass.count)
         messages.append(frame(header, buffers))
     return messages
 
@@ -201,7 +206,8 @@ class SampleDecoder:
                              f"{self._rows} rows")
         self._group = None
         n = len(self._keys)
-        return [SampleBatch.from_columns(dict(zip(self._keys, slot[:n])), *slot[n:])
+        mass = SamplingMass.from_proto(header.mass) if header.HasField("mass") else None
+        return [SampleBatch.from_columns(dict(zip(self._keys, slot[:n])), *slot[n:], mass=mass)
                 for slot in self._slots]
 
     def _begin(self, header: pb.SampleResponse, tensors: list[torch.Tensor]) -> None:

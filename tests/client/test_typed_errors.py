@@ -25,8 +25,10 @@ def test_argument_errors_are_also_value_errors() -> None:
 
 
 def test_an_address_that_is_not_a_string_is_refused() -> None:
-    with pytest.raises(errors.InvalidArgumentError, match="host:port"):
-        ReplayClient(["a:1", "b:2"])  # type: ignore[arg-type]
+    # (a list of addresses is a sharded client: tests/client/test_shards.py)
+    for address in (5, {"a:1": 1}, b"a:1"):
+        with pytest.raises(errors.InvalidArgumentError, match="host:port"):
+            ReplayClient(address)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("options,fragment", [

@@ -7,8 +7,10 @@ labels agree with the server's config in the ConfigMap and with the image.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -43,8 +45,10 @@ def _container() -> dict:
     return container
 
 
-def _settings():
-    return settings_from_dict(tomllib.loads(_resources()["ConfigMap"]["data"]["replay.toml"]))
+def _settings(pod_index: str = "0"):
+    """The ConfigMap's config as the pod with ``pod_index`` reads it (its REPLAY_SHARD_INDEX)."""
+    with mock.patch.dict(os.environ, {"REPLAY_SHARD_INDEX": pod_index}):
+        return settings_from_dict(tomllib.loads(_resources()["ConfigMap"]["data"]["replay.toml"]))
 
 
 def _port(address: str) -> int:
@@ -133,3 +137,10 @@ def test_resources_are_set_and_the_shard_index_is_passed() -> None:
     env = {e["name"]: e for e in _container()["env"]}
     assert env["REPLAY_SHARD_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == (
         "metadata.labels['apps.kubernetes.io/pod-index']")
+
+
+def test_each_pod_of_the_statefulset_is_the_shard_of_its_ordinal() -> None:
+    replicas = _resources()["StatefulSet"]["spec"]["replicas"]
+    assert replicas >= 2  # a sharded replay
+    assert [_settings(str(i)).shard for i in range(replicas)] == list(range(replicas))
+    assert _resources()["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1

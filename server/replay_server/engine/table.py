@@ -285,6 +285,7 @@ class Table:
             parts = self._parts
             parts.limiter.check_sample(rows, self.name)
             retired = None
+            mass = parts.sampler.mass()  # what this draw's probabilities are relative to
             try:
                 if parts.retirement is None:
                     index = parts.sampler.sample(batch_size, parts.generator)
@@ -316,6 +317,7 @@ class Table:
             torch.from_numpy(ids),
             torch.from_numpy(index.weights),
             torch.from_numpy(index.probabilities),
+            mass,
         )
 
     def batch_layout(self, batch_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -476,6 +478,7 @@ class Table:
                                **(parts.storage.stats() if parts.storage else {})},
                 config=self.config.describe(),
                 rate_limiter=parts.limiter.info(),
+                mass=parts.sampler.mass(),
             )
 
     def figures(self) -> TableFigures:

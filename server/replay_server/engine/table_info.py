@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from replay_proto.mass import SamplingMass
 from replay_server.engine.rate_limiter import RateLimiterInfo
 
 
@@ -39,6 +40,7 @@ class TableInfo:
     sampler_stats: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     rate_limiter: RateLimiterInfo | None = None
+    mass: SamplingMass | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -243,6 +243,8 @@ class ReplayServicer:
                     blocked_samples=blocked_samples,
                 ),
                 max_times_sampled=info.config["max_times_sampled"],
+                mass=None if info.mass is None else info.mass.to_proto(),
+                episode_key=info.config["episode_key"],
             ))
         response = pb.InfoResponse(tables=tables, shard=self._incarnations.shard,
                                    incarnation=self._incarnations.current,

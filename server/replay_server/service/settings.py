@@ -19,6 +19,7 @@ from replay_server.engine.config import TableConfig, default_table_configs
 from replay_server.errors import ConfigError
 from replay_server.service.limits import DEFAULTS as LIMIT_DEFAULTS
 from replay_server.service.limits import check_limits
+from replay_server.service.shard_index import resolve_shard
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
@@ -49,7 +50,9 @@ class ServerSettings:
         variables_max_mb: budget, in MiB, for all named variables together
             (``client.publish``); a publish past it is refused.
         shard: this server's shard index (0..127), carried in every row id it
-            issues (see :mod:`replay_server.engine.id_space`).
+            issues (see :mod:`replay_server.engine.id_space`); ``"auto"``: a
+            StatefulSet pod's ordinal (:mod:`replay_server.service.shard_index`),
+            resolved here.
         start_empty_if_unrestorable: when checkpoints exist but none can be
             restored, start with empty tables (and keep the checkpoints) instead
             of refusing to start.
@@ -94,7 +97,7 @@ class ServerSettings:
     keep_latest: int = 3
     tables: tuple[TableConfig, ...] = field(default_factory=lambda: tuple(default_table_configs()))
     variables_max_mb: int = 256
-    shard: int = 0
+    shard: int | str = 0
     start_empty_if_unrestorable: bool = False
     memory_budget_mb: int = LIMIT_DEFAULTS["memory_budget_mb"]
     max_concurrent_calls: int = LIMIT_DEFAULTS["max_concurrent_calls"]
@@ -148,6 +151,7 @@ class ServerSettings:
                 f"request and at shutdown), got {interval!r}")
         _check_int("server.keep_latest", self.keep_latest, 1, 1_000_000)
         _check_int("server.variables_max_mb", self.variables_max_mb, 0, 1 << 20)
+        object.__setattr__(self, "shard", resolve_shard(self.shard))
         check_limits(self)
         names = [t.name for t in self.tables]
         if not names:

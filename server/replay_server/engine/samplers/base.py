@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from replay_proto.mass import SamplingMass
 from replay_server.errors import NoPrioritiesError
 from replay_server.engine.ids import IdRing
 
@@ -114,6 +115,11 @@ class Sampler(ABC):
     @abstractmethod
     def clear(self) -> None:
         """All rows were removed."""
+
+    @abstractmethod
+    def mass(self) -> SamplingMass:
+        """The drawable units' total and smallest mass, and their count (O(1); see
+        :mod:`replay_proto.mass`): what a sharded client merges shards' samples with."""
 
     def stats(self) -> dict[str, Any]:
         """Sampler-specific figures for ``info``."""

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from replay_proto.mass import SamplingMass
 from replay_server.errors import EmptyTableError
 from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import (
@@ -121,6 +122,9 @@ class PrioritizedSampler(Sampler):
 
     def clear(self) -> None:
         self._tree.clear()
+
+    def mass(self) -> SamplingMass:
+        return SamplingMass(self._tree.total(), self._tree.min_positive(), self._ring.size)
 
     def stats(self) -> dict[str, Any]:
         return {"max_priority": self._prio.max_priority, "priority_mass": self._tree.total()}

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_proto.mass import SamplingMass, uniform_mass
 from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex
 from replay_server.errors import EmptyTableError, InvalidArgumentError, RateLimitedError
@@ -179,6 +180,11 @@ class QueueSampler(Sampler):
         self._starts.clear()
         self._ends.clear()
         self.depth = 0
+
+    def mass(self) -> SamplingMass:
+        """Each row waiting in the queue counts one (a sharded client does not merge
+        queue samples; ``info`` reports it like any table's)."""
+        return uniform_mass(self.depth)
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = {"queue_depth": self.depth}

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_proto.mass import SamplingMass, uniform_mass
 from replay_server.errors import EmptyTableError
 from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex
@@ -67,6 +68,9 @@ class SliceSampler(Sampler):
     def clear(self) -> None:
         self._episodes.clear()
         self._starts.clear()
+
+    def mass(self) -> SamplingMass:
+        return uniform_mass(self._starts.count)
 
     def stats(self) -> dict[str, Any]:
         return {"slices": self._starts.count, "open_episodes": self._episodes.open_episodes}
@@ -151,6 +155,9 @@ class PrioritizedSliceSampler(Sampler):
         self._tree.clear()
         self._is_start.fill(False)
         self._num_starts = 0
+
+    def mass(self) -> SamplingMass:
+        return SamplingMass(self._tree.total(), self._tree.min_positive(), self._num_starts)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_proto.mass import SamplingMass, uniform_mass
 from replay_server.errors import EmptyTableError
 from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex, uniform_draws
@@ -75,6 +76,9 @@ class UniformSampler(Sampler):
     def clear(self) -> None:
         if self._members is not None:
             self._members.clear()
+
+    def mass(self) -> SamplingMass:
+        return uniform_mass(self._ring.size if self._members is None else self._members.count)
 
     def stats(self) -> dict[str, Any]:
         return {} if self._members is None else {"drawable": self._members.count}

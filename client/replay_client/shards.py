@@ -1,0 +1,599 @@
+"""``ShardedReplayClient``: one logical replay over many replay servers (shards).
+
+``ReplayClient([...])`` and ``ReplayClient("shards://name:port")`` return one
+(see :mod:`replay_client.discovery` for the addresses). It offers the calls of
+a one-server client; what each does over shards:
+
+* ``insert``: rows go to one shard per episode, or whole to the next shard in
+  turn (:mod:`replay_client.placement`); ids come back in row order.
+* ``sample``: one batch from the union of all shards, drawn exactly as one
+  table holding every row would draw it (:mod:`replay_client.merge`).
+* ``update_priorities``: each id goes to its shard (``id >> 56``), one call per
+  shard, concurrently; stale ids are ignored per shard, as on one server.
+* ``delete``: each id to its shard, as ``update_priorities``. Queue tables
+  (``fifo``, ``lifo``) keep their order per server, so they are not sampled
+  over shards (:class:`UnsupportedError`).
+* ``info``: each table summed over shards; ``shard_info``: per shard.
+* ``checkpoint``, ``reset``: on every shard (``checkpoint`` returns each path).
+* ``publish``, ``fetch``: variables live on the shard with the lowest index.
+* ``writer``: a :class:`~replay_client.writer.Writer` whose episodes each stay
+  on one shard (placed by the episode id it adds).
+* ``stream``: a learner's stream whose batches are merged samples, with the
+  one-server stream's prefetch bound and delivery (:mod:`replay_client.shard_stream`).
+
+Shards are identified by the ``shard`` index each server reports (its
+``[server] shard``, ``"auto"`` on a StatefulSet), never by address order; two
+servers reporting the same index are refused (:class:`ShardingError`). Every
+table must have the same sampler, alpha, beta, slice_len and episode key on
+every shard. A call that fails on a shard raises the shard's error, its
+message naming the shard and its address.
+
+Thread-safety: safe to share between threads, like a one-server client. It connects
+lazily, pickles as its settings (a resolver must be picklable), and calls shards
+concurrently on a small thread pool (one thread per shard).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_client import grouping
+from replay_client.arguments import check_int, id_array, update_arrays
+from replay_client.connection import CLIENT_TIMEOUT
+from replay_client.discovery import Resolver, addresses_of, connect_shards, is_sharded, named
+from replay_client.errors import (
+    DeadlineExceededError,
+    EmptyTableError,
+    InvalidArgumentError,
+    ReplayError,
+    ShardingError,
+    UnavailableError,
+    UnknownTableError,
+    UnsupportedError,
+)
+from replay_client.merge import MassBook, merge, shares, split
+from replay_client.placement import RoundRobin, by_episode
+from replay_client.routing import by_owner
+from replay_client.shard_health import ShardHealth, ShardStats
+from replay_client.shard_stream import check_stream_options, open_stream
+from replay_client.shard_tables import TableShape, summed_tables
+from replay_client.writer import Writer
+from replay_feed.stream import BatchStream
+from replay_proto.batch import SampleBatch
+from replay_proto.keys import unflatten
+from replay_proto.mass import SamplingMass
+from replay_proto.rows import rows_of
+
+__all__ = ["ShardedReplayClient", "is_sharded"]
+
+_EMPTY_WAIT_S = (0.01, 0.5)  # polling interval of a sample waiting for data on any shard
+_DEGRADED_RETRY_S = 0.5  # a shard client's retry window in degraded mode, unless given
+_RACES = 3  # splits a sample retries when a shard it drew from turned out empty
+
+
+class ShardedReplayClient:
+    """One logical replay over many servers. See the module docstring.
+
+    Args:
+        address: a list of ``host:port`` (one per shard) or ``"shards://NAME:PORT"``.
+        client: the one-server client class (``ReplayClient``) each shard gets.
+        resolver: resolves a ``shards://`` name (default: the system's resolver).
+        seed: seeds the client's own randomness (the split of a batch across
+            shards and the shuffle of its parts); ``None``: fresh entropy.
+        allow_degraded: go on without shards that are unavailable (see
+            :mod:`replay_client.shard_health`): samples from the live shards,
+            inserts to them, updates of a down shard's ids skipped; a down
+            shard is tried again after a backoff and rejoins when it answers.
+            ``False``: such a call fails with :class:`UnavailableError` naming
+            the shard. With it, each shard's client retries an unavailable
+            server for at most ``max_retry_s`` = 0.5 s unless given.
+        **options: given to every shard's client (``timeout``, ``token``,
+            ``tls``, ``max_message_mb``, ``max_retry_s``, ``allow_plaintext_token``).
+    """
+
+    def __init__(self, address: Any, *, client: Callable[..., Any],
+                 resolver: Resolver | None = None, seed: int | None = None,
+                 allow_degraded: bool = False, **options: Any) -> None:
+        if isinstance(address, (list, tuple)):
+            address = list(address)
+            addresses_of(address)  # bad lists fail here, before any connection
+        self._spec = address
+        self._factory = client
+        self._resolver = resolver
+        self._seed = seed
+        self._options = options
+        if not isinstance(allow_degraded, bool):
+            raise InvalidArgumentError(f"allow_degraded must be True or False, got {allow_degraded!r}")
+        self._degraded = allow_degraded
+        self._shard_options = ({"max_retry_s": _DEGRADED_RETRY_S, **options} if allow_degraded
+                               else options)
+        self._health = ShardHealth()
+        self._lock = threading.Lock()
+        self._clients: dict[int, Any] | None = None
+        self._addresses: dict[int, str] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._tables: dict[str, TableShape] = {}
+        self._masses = MassBook()
+        self._rng = np.random.default_rng(seed)
+        self._rng_lock = threading.Lock()
+        self._turns = RoundRobin()
+
+    # ------------------------------------------------------------ connection
+
+    @property
+    def address(self) -> Any:
+        """The addresses as given (a list, or the ``shards://`` name)."""
+        return self._spec
+
+    @property
+    def timeout(self) -> float | None:
+        return self._options.get("timeout", 30.0)
+
+    @property
+    def shards(self) -> dict[int, str]:
+        """Shard index -> address, in index order (connects on first use)."""
+        self._connect()
+        return dict(self._addresses)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self._spec, "resolver": self._resolver, "seed": self._seed,
+                "options": self._options, "client": self._factory,
+                "allow_degraded": self._degraded}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["address"], client=state["client"],  # type: ignore[misc]
+                      resolver=state["resolver"], seed=state["seed"],
+                      allow_degraded=state["allow_degraded"], **state["options"])
+
+    def close(self) -> None:
+        """Send pending ``wait=False`` updates and close every shard's connection."""
+        with self._lock:
+            clients, self._clients = self._clients, None
+            pool, self._pool = self._pool, None
+        errors = []
+        for client in (clients or {}).values():
+            try:
+                client.close()
+            except ReplayError as exc:
+                errors.append(exc)
+        if pool is not None:
+            pool.shutdown(wait=False)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> ShardedReplayClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _connect(self) -> dict[int, Any]:
+        """Shard index -> one-server client, discovering the shards on first use."""
+        clients = self._clients
+        if clients is not None:
+            return clients
+        with self._lock:
+            if self._clients is None:
+                self._clients, self._addresses = self._discover()
+                self._pool = ThreadPoolExecutor(max_workers=len(self._clients),
+                                                thread_name_prefix="replay-shards")
+            return self._clients
+
+    def _discover(self) -> tuple[dict[int, Any], dict[int, str]]:
+        addresses = addresses_of(self._spec, self._resolver)
+        return connect_shards([self._factory(a, **self._shard_options) for a in addresses],
+                              addresses)
+
+    def _each(self, calls: Mapping[int, Callable[[Any], Any]],
+              tolerate: bool = False) -> dict[int, Any]:
+        """Run ``calls[shard](client)`` on those shards concurrently; their results by shard.
+
+        ``tolerate`` (in degraded mode): a shard that fails as unavailable is
+        marked down and left out of the results instead of failing the call.
+
+        Raises:
+            ReplayError: the first failure in shard order, its message naming the shard.
+        """
+        clients = self._connect()
+        if len(calls) == 1:
+            ((shard, call),) = calls.items()
+            outcomes: dict[int, Any] = {}
+            try:
+                outcomes[shard] = self._on(shard, call, clients[shard])
+            except ReplayError as exc:
+                outcomes[shard] = exc
+        else:
+            assert self._pool is not None
+            futures: dict[int, Future] = {
+                s: self._pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
+            outcomes = {}
+            for shard, future in futures.items():
+                try:
+                    outcomes[shard] = future.result()
+                except ReplayError as exc:
+                    outcomes[shard] = exc
+        results, failure = {}, None
+        for shard, outcome in outcomes.items():
+            if not isinstance(outcome, ReplayError):
+                results[shard] = outcome
+            elif tolerate and self._degraded and isinstance(outcome, UnavailableError):
+                self._health.failed(shard, str(outcome))
+                self._masses.forget(shard=shard)  # it may come back with other rows
+            else:
+                failure = failure or outcome
+        if failure is not None:
+            raise failure
+        if self._degraded:
+            self._health.answered(results)
+        return results
+
+    def _live(self, clients: Mapping[int, Any]) -> list[int]:
+        """The shards to call now: all, or in degraded mode those not down (raises if none)."""
+        if not self._degraded:
+            return list(clients)
+        live = self._health.live(clients)
+        if not live:
+            raise UnavailableError(f"no shard is available (down: {self._health.stats().down})")
+        return live
+
+    def shard_stats(self) -> ShardStats:
+        """What degraded mode did: shards down now, failures, rejoins, degraded calls."""
+        return self._health.stats()
+
+    def _on(self, shard: int, call: Callable[[Any], Any], client: Any) -> Any:
+        try:
+            return call(client)
+        except ReplayError as exc:
+            raise named(exc, f"shard {shard} ({self._addresses.get(shard, '?')})") from exc
+
+    def _all(self, call: Callable[[Any], Any], tolerate: bool = False) -> dict[int, Any]:
+        """``call`` on every shard (``tolerate``: on the live ones, see :meth:`_each`)."""
+        clients = self._connect()
+        return self._each({s: call for s in (self._live(clients) if tolerate else clients)},
+                          tolerate)
+
+    # ---------------------------------------------------------------- tables
+
+    def _shape(self, table: str) -> TableShape:
+        """The table's shape, checked equal on every shard (one ``info`` round the first time)."""
+        shape = self._tables.get(table)
+        if shape is None:
+            self._refresh(table, self._live(self._connect()))
+            shape = self._tables.get(table)
+            if shape is None:
+                raise UnavailableError(f"no shard answered for table {table!r} "
+                                       f"(down: {self._health.stats().down})")
+        return shape
+
+    def _refresh(self, table: str, shards: list[int]) -> dict[int, SamplingMass]:
+        """Ask ``shards`` for ``table``'s info; note its shape and their masses."""
+        infos = self._each({s: (lambda c: c.info()) for s in shards}, tolerate=True)
+        masses = {}
+        for shard, tables in infos.items():
+            info = tables.get(table)
+            if info is None:
+                raise UnknownTableError(f"shard {shard} ({self._addresses[shard]}) has no table "
+                                        f"named {table!r}; tables there: {', '.join(sorted(tables))}")
+            shape = TableShape(info.sampler, info.alpha, info.beta, info.slice_len,
+                               info.episode_key)
+            known = self._tables.setdefault(table, shape)
+            if known != shape:
+                raise ShardingError(f"table {table!r} differs between shards: {known} on one, "
+                                    f"{shape} on shard {shard} ({self._addresses[shard]})")
+            if info.mass is not None:
+                masses[shard] = info.mass
+                self._masses.put(table, shard, info.mass)
+        return masses
+
+    # ------------------------------------------------------------------ insert
+
+    def insert(self, table: str, data: Any, priorities: Any = None) -> torch.Tensor:
+        """Append rows; each episode's rows go to one shard (see :mod:`replay_client.placement`).
+
+        Returns the rows' ids in the order of the rows. An insert spanning
+        shards is one insert per shard, sent concurrently: if one fails, the
+        others' rows may be stored (the error names the failed shard). In
+        degraded mode rows go to live shards only, and rows whose shard
+        failed are resent to the others (an insert in flight when its shard
+        died may then be stored twice).
+        """
+        clients = self._connect()
+        shape = self._shape(table)
+        flat = rows_of(data) if shape.by_episode or _has_key(data, shape.episode_key) else None
+        column = None if flat is None else flat.get(shape.episode_key)
+        episodes = None if column is None else np.asarray(column).reshape(-1).astype(np.int64)
+        prios = None if priorities is None else torch.as_tensor(np.asarray(priorities))
+        ids = None if episodes is None else torch.empty(episodes.size, dtype=torch.int64)
+        pending = None if episodes is None else np.arange(episodes.size)
+        excluded: set[int] = set()
+        while True:
+            order = [s for s in self._live(clients) if s not in excluded]
+            if not order:
+                raise UnavailableError(f"no shard could take the insert into {table!r} "
+                                       f"(down: {self._health.stats().down})")
+            if len(order) < len(clients):
+                self._health.count("degraded_inserts")
+            if episodes is None or pending is None:
+                plan: dict[int, np.ndarray | None] = {self._turns.next(order): None}
+            else:
+                plan = {s: pending[rows] for s, rows in by_episode(episodes[pending], order).items()}
+                if len(plan) == 1 and len(pending) == episodes.size:
+                    plan = dict.fromkeys(plan)  # every row to one shard: send the data as given
+
+            def part(rows: np.ndarray | None) -> Callable[[Any], Any]:
+                if rows is None:
+                    return lambda c: c.insert(table, data, priorities)
+                assert flat is not None
+                picked = unflatten({k: v[rows] for k, v in flat.items()})
+                return lambda c: c.insert(table, picked, None if prios is None else prios[rows])
+
+            results = self._each({s: part(rows) for s, rows in plan.items()}, tolerate=True)
+            for shard, rows in plan.items():
+                if shard in results:
+                    if rows is None:
+                        return results[shard]
+                    assert ids is not None
+                    ids[torch.from_numpy(rows)] = results[shard]
+            failed = [s for s in plan if s not in results]
+            if not failed:
+                assert ids is not None
+                return ids
+            excluded.update(failed)
+            if ids is not None:
+                pending = np.concatenate([plan[s] if plan[s] is not None  # type: ignore[misc]
+                                          else np.arange(len(ids)) for s in failed])
+
+    def writer(self, table: str, **options: Any) -> Writer:
+        """A :class:`~replay_client.writer.Writer` on ``table``: each episode stays on one shard.
+
+        Its rows carry its episode id (``episode_key``, the table's by
+        default), by which they are placed; ``episode_key=None`` is refused
+        (its rows could not be kept together).
+        """
+        shape = self._shape(table)
+        key = options.setdefault("episode_key", shape.episode_key)
+        if key is None:
+            raise InvalidArgumentError("a sharded client's writer needs an episode_key: episodes "
+                                       "are kept on one shard by their id")
+        return Writer(self, table, **options)
+
+    # ------------------------------------------------------------------ sample
+
+    def sample(self, table: str, batch_size: int, *, wait: bool = False,
+               timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
+        """One batch from the union of every shard, as one table would draw it.
+
+        The batch is split across shards by the masses they last reported,
+        drawn concurrently, and merged (:mod:`replay_client.merge` states what
+        is exact and the staleness bound). ``wait``: while no shard has
+        anything to sample, wait (polling the shards' masses) up to the
+        timeout. Shards that get no draw report their mass in the same round.
+
+        Raises:
+            EmptyTableError: no shard has anything to sample (``wait=False``).
+            DeadlineExceededError: ``wait=True`` and nothing came within the timeout.
+        """
+        check_int("batch_size", batch_size, 1)
+        clients = self._connect()
+        shape = self._shape(table)
+        if shape.sampler in ("fifo", "lifo"):
+            raise UnsupportedError(
+                f"table {table!r} is a {shape.sampler} queue: its order is kept per server, so "
+                f"a sharded client does not sample it; use one client per shard")
+        limit = self.timeout if timeout is CLIENT_TIMEOUT else timeout
+        deadline = None if limit is None else time.monotonic() + limit
+        pause = _EMPTY_WAIT_S[0]
+        raced = 0
+        while True:
+            live = self._live(clients)
+            masses = {s: m for s, m in self._masses.get(table).items() if s in live}
+            unknown = [s for s in live if s not in masses]
+            if unknown:
+                masses.update(self._refresh(table, unknown))
+                live = self._live(live)
+                masses = {s: m for s, m in masses.items() if s in live}
+            with self._rng_lock:
+                try:
+                    counts = split(batch_size, masses, self._rng)
+                except ValueError:
+                    counts = None
+            if counts is None:
+                masses = self._refresh(table, live)
+                if any(m.total > 0 for m in masses.values()):
+                    continue
+                if not wait:
+                    raise EmptyTableError(f"table {table!r} has nothing to sample on any of its "
+                                          f"{len(clients)} shards")
+                if deadline is not None and time.monotonic() + pause > deadline:
+                    raise DeadlineExceededError(f"table {table!r} had nothing to sample on any "
+                                                f"of its {len(clients)} shards within {limit} s")
+                time.sleep(pause)
+                pause = min(2 * pause, _EMPTY_WAIT_S[1])
+                continue
+            try:
+                batch = self._draw(table, shape, counts, masses, wait, timeout,
+                                   tuple(s for s in clients if s not in masses))
+                if batch is not None:
+                    return batch
+            except EmptyTableError:
+                raced += 1  # a shard emptied (reset) since it reported its mass: split again
+                if raced >= _RACES:
+                    raise
+
+    def _draw(self, table: str, shape: TableShape, counts: dict[int, int],
+              masses: dict[int, SamplingMass], wait: bool, timeout: Any,
+              missing: tuple[int, ...]) -> SampleBatch | None:
+        """One round: sample ``counts`` from their shards, refresh the others' masses, merge.
+
+        ``None``: a shard failed in degraded mode (it is down now): draw again without it.
+        """
+        drawn = {s: k for s, k in counts.items() if k > 0}
+
+        def draw(k: int) -> Callable[[Any], Any]:
+            return lambda c: c.sample(table, k, wait=wait, timeout=timeout)
+
+        calls: dict[int, Callable[[Any], Any]] = {s: draw(k) for s, k in drawn.items()}
+        others = [s for s in masses if s not in drawn]  # an empty shard may have filled since
+        for shard in others:
+            calls[shard] = lambda c: c.info()[table].mass
+        try:
+            results = self._each(calls, tolerate=True)
+        except EmptyTableError:
+            for shard in drawn:  # one of them emptied since its report: ask again
+                self._masses.forget(table, shard)
+            raise
+        if len(results) < len(calls):
+            return None
+        if missing:
+            self._health.count("degraded_samples")
+        fresh = dict(masses)
+        for shard, result in results.items():
+            mass = result.mass if shard in drawn else result
+            if mass is not None:
+                fresh[shard] = mass
+                self._masses.put(table, shard, mass)
+        q = shares(masses)
+        if len(drawn) == 1 and sum(1 for v in q.values() if v > 0) == 1 and not missing:
+            return results[next(iter(drawn))]  # one shard holds everything: its batch is exact
+        with self._rng_lock:
+            return merge({s: results[s] for s in drawn}, q, fresh,
+                         shape.beta if shape.prioritized else None, self._rng, missing)
+
+    # -------------------------------------------------------------- priorities
+
+    def update_priorities(self, table: str, ids: Any, priorities: Any, *,
+                          wait: bool = True) -> int | None:
+        """Set priorities by id: each id goes to its shard (``id >> 56``), concurrently.
+
+        Checked whole before anything is sent (a bad priority or an id of no
+        known shard refuses the whole update). Returns how many ids named
+        stored rows, summed over shards (``None`` with ``wait=False``).
+
+        Raises:
+            InvalidIdsError: an id is negative or belongs to no shard of this client.
+            InvalidPriorityError, NoPrioritiesError, UnknownTableError, ...
+        """
+        id_array, values = update_arrays(ids, priorities)
+        clients = self._connect()
+        groups = by_owner(id_array, clients, "nothing was updated")
+        live = set(self._live(clients))
+        for shard in [s for s in groups if s not in live]:  # degraded: that shard is down
+            self._health.count("skipped_updates", len(groups.pop(shard)))
+
+        def send(rows: np.ndarray) -> Callable[[Any], Any]:
+            return lambda c: c.update_priorities(table, id_array[rows], values[rows], wait=wait)
+
+        results = self._each({s: send(rows) for s, rows in groups.items()}, tolerate=True)
+        for shard in [s for s in groups if s not in results]:
+            self._health.count("skipped_updates", len(groups[shard]))
+        return None if not wait else sum(int(r) for r in results.values())
+
+    def delete(self, table: str, ids: Any) -> int:
+        """Remove rows by id from a queue table, each id on its shard, concurrently: how many
+        named rows present (summed). An id of no known shard deletes nothing (InvalidIdsError)."""
+        array = id_array(ids).reshape(-1)
+        groups = by_owner(array, self._connect(), "nothing was deleted")
+        results = self._each({s: (lambda c, rows=rows: c.delete(table, array[rows]))
+                              for s, rows in groups.items()})
+        return sum(int(r) for r in results.values())
+
+    def flush_updates(self, timeout: float | None = None) -> None:
+        """Wait until every ``wait=False`` update reached its shard (or raise its error)."""
+        self._all(lambda c: c.flush_updates(timeout))
+
+    # ------------------------------------------------------------------- admin
+
+    def info(self) -> dict[str, Any]:
+        """Every table summed over shards (sizes, counters, masses); per shard: :meth:`shard_info`."""
+        return summed_tables(self._all(lambda c: c.info(), tolerate=True))
+
+    def shard_info(self) -> dict[int, Any]:
+        """Each shard's ``ServerInfo`` (its shard, incarnation, limits, tables), by shard index."""
+        return self._all(lambda c: c.server_info(), tolerate=True)
+
+    def server_info(self) -> Any:
+        raise UnsupportedError("a sharded client talks to many servers: shard_info() gives each "
+                               "one's ServerInfo, info() the tables summed over shards")
+
+    def checkpoint(self, *, timeout: float | None = 600.0) -> dict[int, str]:
+        """Have every shard write a checkpoint (concurrently); each one's path, by shard.
+
+        Each shard's checkpoint holds every row it acknowledged before the
+        call; the shards' checkpoints are not one atomic cut.
+        """
+        return self._all(lambda c: c.checkpoint(timeout=timeout))
+
+    def reset(self, table: str) -> None:
+        """Remove every row of ``table`` on every shard."""
+        self._all(lambda c: c.reset(table))
+        self._masses.forget(table)
+
+    @property
+    def variables_shard(self) -> int:
+        """The shard that holds named variables: the lowest index."""
+        return next(iter(self._connect()))
+
+    def publish(self, name: str, state_dict: Any) -> int:
+        """Store a variable on :attr:`variables_shard` (see ``ReplayClient.publish``)."""
+        shard = self.variables_shard
+        return self._each({shard: lambda c: c.publish(name, state_dict)})[shard]
+
+    def fetch(self, name: str, newer_than: int | None = None,
+              timeout: float | None = None) -> Any:
+        """Read a variable from :attr:`variables_shard` (see ``ReplayClient.fetch``)."""
+        shard = self.variables_shard
+        return self._each({shard: lambda c: c.fetch(name, newer_than, timeout)})[shard]
+
+    def stream(
+        self,
+        table: str,
+        batch_size: int,
+        *,
+        prefetch: int | None = None,
+        device: Any = None,
+        pin_memory: bool | str = "auto",
+        transform: Callable[[SampleBatch], Any] | None = None,
+        num_batches: int = 0,
+        batches_per_message: int | None = None,
+        shared_memory: bool = True,
+        reconnect: bool = True,
+        wait: bool = True,
+        wait_timeout: float | None = None,
+    ) -> BatchStream:
+        """A learner's stream of merged batches (see :mod:`replay_client.shard_stream`).
+
+        Each round is one exact :meth:`sample` over every shard, of
+        ``batches_per_message`` batches (chosen as for one server when
+        ``None``); the feed (prefetch bound, transform, pinning, device
+        copies) is the one-server stream's. ``shared_memory`` has no effect
+        here yet.
+
+        Raises:
+            InvalidArgumentError: a bad option, before any network call.
+        """
+        options = dict(prefetch=prefetch, device=device, pin_memory=pin_memory,
+                       transform=transform, num_batches=num_batches,
+                       batches_per_message=batches_per_message, shared_memory=shared_memory,
+                       reconnect=reconnect, wait=wait, wait_timeout=wait_timeout)
+        check_stream_options(batch_size, options)
+        clients = self._connect()
+        shape = self._shape(table)  # an unknown or inconsistent table fails here
+        info = self.info().get(table) if options["batches_per_message"] is None else None
+        size = None if info is None else grouping.batch_bytes(info.schema, batch_size,
+                                                               shape.slice_len)
+        return open_stream(lambda n: self.sample(table, n), len(clients), table, batch_size,
+                           size, options)
+
+
+def _has_key(data: Any, key: str) -> bool:
+    try:
+        return key in data.keys()
+    except (AttributeError, TypeError):
+        return False
