@@ -136,6 +136,12 @@ class SampleStreamCall:
         self._ring_accepted = False
         self._held: dict[asyncio.Future, Reservation] = {}  # each drawn group's memory
 
+    def wake(self) -> None:
+        """The server started draining: a stream waiting for credit ends now (UNAVAILABLE),
+        so a learner that stopped taking batches does not hold the shutdown for its grace.
+        Event loop only."""
+        self._credit_event.set()
+
     @property
     def transport(self) -> str:
         """How batches travel now: ``shared_memory`` once the learner took the ring, else
@@ -306,6 +312,9 @@ class SampleStreamCall:
         while self._credits <= index:
             if not wait or self._client_done:
                 return 0
+            if self._calls.draining:
+                await self._calls.fail(self._context,
+                                       ShuttingDownError("the server is shutting down"))
             self._credit_event.clear()
             await self._credit_event.wait()
         if self._refused is not None:

@@ -104,6 +104,7 @@ class ReplayServicer:
         """Publish and Fetch (named variables)."""
         self._update_stream = UpdateStreamHandler(self.calls, self._stream_update,
                                                   self._stream_update_now)
+        self.calls.on_drain.append(self._wake_streams)
 
     def use_tables(self, tables: TableSet) -> None:
         """Serve ``tables`` from now on (the restored ones, before SERVING)."""
@@ -169,6 +170,11 @@ class ReplayServicer:
                 yield chunk
         finally:
             self._streams.discard(call)
+
+    def _wake_streams(self) -> None:
+        """Draining started: streams waiting for their learner's credit end now."""
+        for call in self._streams.copy():
+            call.wake()
 
     def stream_transports(self) -> dict[str, int]:
         """Open SampleStream calls by transport (``grpc``, ``shared_memory``); any thread."""
