@@ -108,11 +108,7 @@ class _Method:
 
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             started = self._begin()
-            if streaming:
-                request = self._count_requests(request)
-            else:
-                self.received += 1
-                self.bytes_in += _size(request)
+            request = self._received(request, streaming)
             code = "UNKNOWN"
             try:
                 response = await behaviour(request, context)
@@ -132,11 +128,7 @@ class _Method:
                    ) -> Callable[..., AsyncIterator[Any]]:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             started = self._begin()
-            if request_streaming:
-                request = self._count_requests(request)
-            else:
-                self.received += 1
-                self.bytes_in += _size(request)
+            request = self._received(request, request_streaming)
             code = "UNKNOWN"
             try:
                 result = behaviour(request, context)
@@ -158,6 +150,14 @@ class _Method:
                 self._end(context, code, started)
 
         return call
+
+    def _received(self, request: Any, streaming: bool) -> Any:
+        """The handler's request, counted: one message now, or each as a stream yields it."""
+        if streaming:
+            return self._count_requests(request)
+        self.received += 1
+        self.bytes_in += _size(request)
+        return request
 
     async def _count_requests(self, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for message in requests:
