@@ -133,11 +133,6 @@ class MemmapStorage(ColumnStorage):
         finally:
             os.close(fd)
 
-    @property
-    def disk_bytes(self) -> int:
-        """Bytes reserved on disk for all columns."""
-        return self.nbytes
-
     def _take(self, view: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
         if not self.sorted_gathers or rows.size < 2:
             super()._take(view, rows, out)
