@@ -212,6 +212,20 @@ def test_malformed_raw_request_leaves_the_server_serving_and_unchanged(
     assert_still_serves(served, channel, stub, before)
 
 
+def test_a_unary_call_that_sends_no_request_gets_invalid_argument(served, channel, stub) -> None:
+    # The unary RPCs are served by stream-unary handlers (memory is reserved before the
+    # request is read), so a raw client can end its side without sending the request.
+    before = snapshot(stub)
+    for method in ("Insert", "Sample", "UpdatePriorities"):
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.stream_unary(SERVICE + method)(iter(()), timeout=CALL_TIMEOUT_S)
+        error = caught.value
+        assert (error.code(), kind_of(error)) == (
+            grpc.StatusCode.INVALID_ARGUMENT, "malformed_request"), error.details()
+        assert f"{method}: the call carried no request" in error.details()
+    assert_still_serves(served, channel, stub, before)
+
+
 def test_zero_byte_column_with_overflowing_dims_gets_invalid_argument(channel) -> None:
     raw = insert_bytes("open", [spec("obs", "float32", [0, 2**62, 2**62])], b"")
     error = send_raw(channel, "Insert", raw)

@@ -34,6 +34,7 @@ from replay_proto.v1 import replay_pb2_grpc
 from replay_server.app import logs
 from replay_server.app.channel import add_channel_flags, call_metadata, open_channel
 from replay_server.app.config_file import load_settings
+from replay_server.app.heap import keep_request_buffers
 from replay_server.app.info_table import format_info, info_json
 from replay_server.errors import ConfigError
 from replay_server.service.loop import run
@@ -44,6 +45,7 @@ log = logging.getLogger("replay_server")
 
 
 def _serve(args: argparse.Namespace) -> int:
+    keep_request_buffers()
     logs.configure()
     settings = load_settings(args.config) if args.config else ServerSettings()
     if args.address:

@@ -76,12 +76,14 @@ class Admission:
     def unary(self, name: str, behaviour: UnaryBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving unary RPC ``name`` with ``behaviour(raw, context, reservation)``."""
 
-        async def handle(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+        async def handle(_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
             reservation = await self._admit(name, context, self.limits.max_message_bytes,
                                             wait=True)
-            try:
-                raw = await requests.__anext__()
-            except StopAsyncIteration:
+            # context.read(), not the request iterator: the iterator's suspended frame
+            # would keep the message alive after the call (7 MB for an Atari insert), so
+            # each call's bytes landed in fresh pages (measured: 2.4x the page faults).
+            raw = await context.read()
+            if raw is grpc.aio.EOF:
                 await abort(context, CodecError(f"{name}: the call carried no request"))
             await self._check_size(name, raw, reservation, context)
             if len(raw) != reservation.nbytes:
