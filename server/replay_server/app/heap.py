@@ -25,7 +25,6 @@ Thread-safety: call once at start, before the server's threads exist.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import sys
 
@@ -50,7 +49,7 @@ def keep_request_buffers() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc = ctypes.CDLL(None)  # the process' own symbols: no ldconfig subprocess
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
         return False

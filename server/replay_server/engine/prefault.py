@@ -24,7 +24,6 @@ job at a time in the process.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import sys
 import threading
 from collections.abc import Iterable
@@ -43,7 +42,9 @@ _supported = sys.platform.startswith("linux")
 _madvise = None
 if _supported:
     try:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        # The process' own symbols: libc's madvise, without find_library's ldconfig
+        # subprocess (a fork, unsafe once gRPC's threads run).
+        _libc = ctypes.CDLL(None, use_errno=True)
         _madvise = _libc.madvise
         _madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         _madvise.restype = ctypes.c_int
