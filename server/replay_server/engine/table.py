@@ -263,6 +263,11 @@ class Table:
         batch) receives the rows instead of new tensors: a learner's pinned or
         shared-memory staging buffer (see :meth:`batch_layout`).
 
+        A device table (``device = "cuda"``) gathers on its device: without
+        ``out`` the whole batch (ids, weights and probabilities too) is on
+        that device; host ``out`` tensors receive one copy of the rows, and
+        the extras stay on the host.
+
         Raises:
             InvalidArgumentError: ``batch_size`` is not an integer in [1, MAX_BATCH_SIZE],
                 larger than ``max_times_sampled`` can ever serve, or ``out`` does
@@ -303,6 +308,7 @@ class Table:
             else:
                 columns = parts.storage.gather(index.slots, out)
             ids = parts.ids.ids_of(index.ids, parts.ring.first_live)
+            storage = parts.storage
             parts.counters.sample_calls += 1
             parts.counters.sampled += batch_size
             parts.limiter.sampled(rows)
@@ -312,13 +318,13 @@ class Table:
                 parts.counters.retired += retired.size
                 parts.limiter.deleted(retired.size)
             self.changes.tick()
-        return SampleBatch.from_columns(
+        return storage.place(SampleBatch.from_columns(
             columns,
             torch.from_numpy(ids),
             torch.from_numpy(index.weights),
             torch.from_numpy(index.probabilities),
             mass,
-        )
+        ), out)
 
     def batch_layout(self, batch_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Flat key -> (dtype, shape) of each column of a batch of ``batch_size`` ({} before a schema)."""

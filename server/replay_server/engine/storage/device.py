@@ -1,0 +1,183 @@
+"""Device-resident row storage: a table's columns in GPU memory (``device = "cuda"``).
+
+What runs where:
+
+* **columns**: one preallocated tensor ``[capacity, *shape]`` per flat key on
+  the table's device (allocated at once: device memory is not paged in lazily,
+  so the check against the device's free memory is exact;
+  :mod:`~replay_server.engine.storage.placement`).
+* **inserts** arrive as host rows (from the network or the caller) and are
+  copied in with one host-to-device copy per column (two where the range
+  wraps), read from pinned staging on a CUDA host (a page-locked copy of the
+  rows, from torch's caching host allocator, which keeps it alive until the
+  copy has run), so the copy is a DMA at full speed.
+* **sampling** keeps the sampler (sum tree, episode index, retirement) on the
+  host, as for every table; only the drawn slots travel to the device (one
+  small int64 copy), and every column is gathered there with
+  ``torch.index_select`` into the batch: the rows never cross to the host.
+  Without ``out`` the whole batch (ids, weights and probabilities too) is
+  on the device. With a host ``out`` (a shared-memory ring or a unary
+  sample's fallback) the gathered rows are copied to it once.
+* **priority updates** touch only the host sampler: unchanged.
+* **checkpoints** read the columns through :class:`DeviceColumn`, whose slices
+  are host copies of just those rows, so a snapshot streams the table to host
+  in pieces of ``chunk_bytes`` (:mod:`~replay_server.engine.snapshot`), never
+  the whole table at once; a restore writes the pieces back the same way.
+
+Everything is written against torch operations that run on any device, so
+the very same class runs on the CPU under the test stand-in
+(:func:`~replay_server.engine.storage.placement.cpu_stand_in`), where the
+engine tests compare it bit for bit with a host table.
+
+Not thread-safe: the owning table serializes access under its lock. All
+copies are issued on the calling thread's current stream (the default
+stream, for the server's threads), so a gather after an insert sees its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_proto.batch import SampleBatch
+from replay_server.engine.schema import Schema
+from replay_server.engine.snapshot import StorageSnapshot
+from replay_server.engine.storage.memory import ColumnStorage
+from replay_server.engine.storage.placement import pin_staging
+from replay_server.errors import InsufficientMemoryError
+
+STAGING_BYTES = 64 << 20
+"""A column's rows up to this size are staged in pinned memory before their device copy;
+larger writes (rare: one insert of over 64 MiB per column) copy from pageable memory."""
+
+
+class DeviceColumn:
+    """One device column as a checkpoint sees it: sliced like a numpy array, through host copies.
+
+    ``column[a:b]`` is a new host array of rows ``a .. b - 1`` (bfloat16 as
+    int16); ``column[a:b] = rows`` copies host rows into them. Only the rows
+    sliced ever cross to the host.
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self._bits = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+        self.shape = tuple(tensor.shape)
+        self.dtype = torch.empty(0, dtype=self._bits.dtype).numpy().dtype
+        self.itemsize = self.dtype.itemsize
+        self.ndim = len(self.shape)
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        return self._bits[index].to("cpu", copy=True).numpy()
+
+    def __setitem__(self, index: slice, rows: np.ndarray) -> None:
+        self._bits[index].copy_(torch.from_numpy(np.ascontiguousarray(rows)))
+
+
+class DeviceStorage(ColumnStorage):
+    """Preallocated columns for ``capacity`` rows of ``schema`` on ``device``.
+
+    Args:
+        schema: the columns to allocate.
+        capacity: rows per column.
+        device: where they live (``torch.device("cpu")`` under the test stand-in).
+
+    Raises:
+        InsufficientMemoryError: the device could not allocate them.
+    """
+
+    kind = "device"
+
+    def __init__(self, schema: Schema, capacity: int, device: torch.device) -> None:
+        self.schema = schema
+        self.capacity = capacity
+        self.device = device
+        self.pinned = False
+        self._pin = pin_staging(device)
+        try:
+            columns = {key: torch.empty((capacity, *spec.shape), dtype=spec.dtype, device=device)
+                       for key, spec in schema.items()}
+        except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            raise InsufficientMemoryError(
+                f"cannot allocate {capacity * schema.row_bytes:,} bytes on {device} for "
+                f"{capacity:,} rows of {schema.describe()}: {exc}") from None
+        self.columns: dict[str, torch.Tensor] = columns
+        self._views: dict[str, Any] = {key: DeviceColumn(col) for key, col in columns.items()}
+        self._snapshots: list[StorageSnapshot] = []
+        self._prefaulter = None
+
+    def _to_device(self, tensor: torch.Tensor, staged: bool = True) -> torch.Tensor:
+        """``tensor`` (host) on the device: one copy, from pinned staging on a CUDA host."""
+        if tensor.device == self.device:
+            return tensor
+        if self._pin and staged and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=self._pin)
+
+    def write(self, first_slot: int, columns: Mapping[str, torch.Tensor]) -> None:
+        """Write ``n`` host rows at slots ``first_slot, ...`` (wrapping).
+
+        Cost: a pinned staging copy (CUDA, up to :data:`STAGING_BYTES` per
+        column) and one host-to-device copy per column (two where it wraps).
+        """
+        n = next(iter(columns.values())).shape[0]
+        for snapshot in self._snapshots:
+            snapshot.before_write(first_slot, n)
+        head = min(n, self.capacity - first_slot)
+        for key, dest in self.columns.items():
+            src = columns[key].detach()
+            src = self._to_device(src, staged=src.numel() * src.element_size() <= STAGING_BYTES)
+            dest[first_slot : first_slot + head].copy_(src[:head])
+            if head < n:
+                dest[: n - head].copy_(src[head:])
+
+    def gather(
+        self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None = None,
+        keys: Iterable[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Gather the rows at ``slots`` (any shape ``S``) on the device into ``[*S, ...]`` tensors.
+
+        ``out`` tensors on the device receive the rows directly; host ones
+        (the fallback for a caller that needs host memory) receive one copy
+        of the gathered rows.
+
+        Cost: one small copy of the slots to the device, one ``index_select``
+        per column there, plus one device-to-host copy per column into a host ``out``.
+        """
+        flat = slots.reshape(-1)
+        index = self._to_device(torch.from_numpy(np.ascontiguousarray(flat, dtype=np.int64)))
+        result = {}
+        for key in self.columns if keys is None else keys:
+            col = self.columns[key]
+            shape = (flat.shape[0], *col.shape[1:])
+            dest = None if out is None else out.get(key)
+            if dest is not None and dest.device == col.device:
+                torch.index_select(col, 0, index, out=dest.view(shape))
+            elif dest is not None:  # a host destination: the one copy back
+                dest.view(shape).copy_(torch.index_select(col, 0, index))
+            else:
+                dest = torch.index_select(col, 0, index).reshape(*slots.shape, *col.shape[1:])
+            result[key] = dest
+        return result
+
+    def place(self, batch: SampleBatch, out: Mapping[str, torch.Tensor] | None) -> SampleBatch:
+        """Without ``out``, the batch's ids, weights and probabilities join its rows on the device."""
+        if out is not None:
+            return batch
+        ids, weights, probabilities = (self._to_device(t) for t in batch.extras)
+        return SampleBatch.from_columns(batch.columns, ids, weights, probabilities, batch.mass)
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def load_views(self) -> dict[str, Any]:
+        """The columns as :class:`DeviceColumn` s: a checkpoint's rows are written in pieces."""
+        return self.views
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        for key, col in self.columns.items():
+            saved = state[key].detach()
+            col[: saved.shape[0]].copy_(saved)
