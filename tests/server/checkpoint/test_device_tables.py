@@ -1,0 +1,101 @@
+"""Checkpoints of device tables, on the CPU stand-in (the device storage's own code path).
+
+A device table's columns go to the checkpoint's files in pieces of at most
+``chunk_bytes`` (each one device-to-host copy of those rows, never the whole
+table on the host at once) in the normal format, and a restore writes them
+back to the device piece by piece. The format is the host tables' own, so a
+checkpoint of a device table restores into a host table and the other way
+round. The GPU version of this test is in ``tests/gpu/test_device_table.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from replay_server import TableConfig, TableSet
+from replay_server.checkpoint import CheckpointDirectory, load_checkpoint, write_checkpoint
+from replay_server.engine.storage import DeviceStorage
+from replay_server.engine.storage import device as device_storage
+from replay_server.engine.storage.placement import cpu_stand_in
+from tests.server.checkpoint.test_writer_reader import _rows, assert_restored_state
+from tests.server.engine.test_table_errors import assert_same_draw
+
+
+def _configs(device: str) -> list[TableConfig]:
+    return [TableConfig(name="prioritized", capacity=40, sampler="prioritized", seed=2,
+                        device=device),
+            TableConfig(name="slice", capacity=60, sampler="slice", slice_len=3, seed=3,
+                        device=device),
+            TableConfig(name="empty", capacity=10, device=device)]
+
+
+def _filled(device: str) -> TableSet:
+    tables = TableSet(_configs(device))
+    for table in tables:
+        if table.name == "empty":
+            continue
+        for start in range(0, 130, 13):  # wraps the ring: the saved rows start mid-column
+            ids = table.insert(_rows(start, 13))
+            if table.config.sampler.is_prioritized:
+                table.update_priorities(ids, torch.rand(13) + 0.01)
+        table.sample(5)
+    return tables
+
+
+@pytest.fixture
+def directory(tmp_path: Path):
+    directory = CheckpointDirectory(tmp_path / "ckpt")
+    directory.open()
+    yield directory
+    directory.close()
+
+
+@pytest.mark.parametrize("saved, restored", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
+def test_a_device_table_checkpoint_restores_exactly(directory, saved, restored) -> None:
+    with cpu_stand_in():
+        tables = _filled(saved)
+        result = write_checkpoint(tables, directory, keep_latest=3, server_version="test",
+                                  chunk_bytes=200)
+        fresh = TableSet(_configs(restored))
+        load_checkpoint(result.path, fresh)
+        for table in tables:
+            got = fresh[table.name]
+            if restored == "cuda" and got.size:
+                assert isinstance(got._parts.storage, DeviceStorage)
+            got_state, saved_state = got.state_dict(), table.state_dict()
+            assert (got_state["config"].pop("device"), saved_state["config"].pop("device")) == (
+                restored, saved)  # the one difference: where the rows live
+            assert_restored_state(got_state, saved_state)
+            if table.size:
+                assert_same_draw(got.sample(7), table.sample(7))
+
+
+def test_device_rows_cross_to_the_host_in_bounded_pieces(directory, monkeypatch) -> None:
+    """Saving and restoring never copies more than ``chunk_bytes`` of a column at once."""
+    sliced: list[int] = []
+    read = device_storage.DeviceColumn.__getitem__
+    written = device_storage.DeviceColumn.__setitem__
+
+    def counting_read(self, index):
+        rows = read(self, index)
+        sliced.append(rows.nbytes)
+        return rows
+
+    def counting_write(self, index, rows):
+        sliced.append(rows.nbytes)
+        written(self, index, rows)
+
+    monkeypatch.setattr(device_storage.DeviceColumn, "__getitem__", counting_read)
+    monkeypatch.setattr(device_storage.DeviceColumn, "__setitem__", counting_write)
+    monkeypatch.setattr("replay_server.checkpoint.reader.DEFAULT_CHUNK_BYTES", 200)
+    with cpu_stand_in():
+        tables = _filled("cuda")
+        result = write_checkpoint(tables, directory, keep_latest=3, server_version="test",
+                                  chunk_bytes=200)
+        saved_pieces = len(sliced)
+        load_checkpoint(result.path, TableSet(_configs("cuda")))
+    assert saved_pieces > 10 and len(sliced) - saved_pieces > 10  # read back in pieces too
+    assert max(sliced) <= 200  # no piece of a column larger than the chunk
