@@ -181,3 +181,12 @@ class DeviceStorage(ColumnStorage):
         for key, col in self.columns.items():
             saved = state[key].detach()
             col[: saved.shape[0]].copy_(saved)
+
+
+def host_batch(batch: SampleBatch) -> SampleBatch:
+    """``batch`` with every tensor on the host: a device table's batch copied over once
+    (the network paths' fallback), a host batch as it is (no copy)."""
+    tensors = batch.tensors()
+    if all(t.device.type == "cpu" for t in tensors):
+        return batch
+    return batch.with_tensors([t.cpu() for t in tensors])
