@@ -212,8 +212,7 @@ class FeedCore:
         value = self.transform(batch) if self.transform is not None else batch
         leaves, rebuild = tree_leaves(value)
         delivery, accel = self.delivery, self.delivery.accelerator
-        if delivery.device is not None and leaves and all(
-                t.device == delivery.device for t in leaves):
+        if delivery.device is not None and leaves and _all_on(leaves, delivery.device):
             self.stats.resident += 1  # already where the learner wants it: nothing to do
             return _Ready(index, value, leaves, None,
                           sum(t.numel() * t.element_size() for t in leaves))
@@ -334,6 +333,14 @@ class FeedCore:
             except queue.Empty:
                 break
         self._ready.put(_END)
+
+
+def _all_on(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """Whether every tensor is on ``device`` (``"cuda"`` without an index: the current one)."""
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    return all(t.device.type == device.type and t.device.index == index for t in tensors)
 
 
 def _host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -77,15 +77,14 @@ def stand_in() -> CpuStandIn | None:
 
 
 def table_device(config: TableConfig) -> torch.device | None:
-    """The torch device ``config``'s columns are allocated on (None: a host table).
-
-    Under the stand-in, ``torch.device("cpu")``.
+    """The torch device ``config``'s columns are allocated on (None: a host table), always
+    with its index (``"cuda"`` is ``cuda:0``). Under the stand-in, ``torch.device("cpu")``.
     """
     if not config.on_device:
         return None
     if _STAND_IN is not None:
         return torch.device("cpu")
-    return torch.device(config.device)
+    return torch.device("cuda", _index(config))  # "cuda" is device 0, as in the checks
 
 
 def _index(config: TableConfig) -> int:
