@@ -213,8 +213,11 @@ class FeedCore:
         leaves, rebuild = tree_leaves(value)
         delivery, accel = self.delivery, self.delivery.accelerator
         if delivery.device is not None and leaves and _all_on(leaves, delivery.device):
-            self.stats.resident += 1  # already where the learner wants it: nothing to do
-            return _Ready(index, value, leaves, None,
+            # Already where the learner wants it: nothing to copy. The learner's stream
+            # still waits for the work that made it (the gather, on the producer's stream).
+            self.stats.resident += 1
+            event = accel.record(delivery.device) if accel is not None else None
+            return _Ready(index, value, leaves, event,
                           sum(t.numel() * t.element_size() for t in leaves))
         changed = False
         if delivery.pin and accel is not None:

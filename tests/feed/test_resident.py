@@ -50,6 +50,9 @@ class MixedAccelerator(SlowAccelerator):
         self.copies += 1
         return list(tensors), None
 
+    def record(self, device):
+        return None
+
 
 def _run(host_extras: bool) -> tuple[BatchStream, SlowAccelerator, list[SampleBatch]]:
     accel = MixedAccelerator(delay=0)

@@ -33,6 +33,8 @@ class RecordingAccelerator:
     def __init__(self) -> None:
         self.pinned = 0
         self.copies = 0
+        self.records = 0
+        self.consumed = 0
 
     def pinned_empty(self, shape, dtype):
         self.pinned += 1
@@ -52,10 +54,14 @@ class RecordingAccelerator:
         return [t.clone() for t in tensors], None
 
     def consume(self, tensors, event):
-        pass
+        self.consumed += 1
 
     def synchronize(self, event):
         pass
+
+    def record(self, device):
+        self.records += 1
+        return object()  # an event the learner's stream is made to wait for
 
 
 def _stream(table: Table, accel: RecordingAccelerator, batches: int) -> BatchStream:
@@ -84,6 +90,8 @@ def test_a_device_tables_batches_reach_the_learner_with_no_staging_pinning_or_co
             assert stats.resident >= stats.batches == seen  # prepared ahead, within prefetch
             assert stats.pinned_copies == stats.pageable_copies == 0
         assert seen == stream.stats.resident == 20 and accel.copies == 0 and accel.pinned == 0
+        # ... but the learner's stream was made to wait for each batch's gather.
+        assert accel.records == accel.consumed == 20
 
 
 def test_a_host_tables_batches_are_gathered_into_staging_as_before():
