@@ -189,6 +189,7 @@ class Table:
                                      f"per row ({schema.describe()})")
                 parts.allocate(schema, self.config)
             assert parts.storage is not None
+            parts.storage.prepare()  # a device table's columns are allocated here
             event = self._insert_event(columns, rows, checked_priorities)
             evicted_first_id = ring.first_live
             first_id, evicted = ring.allocate(rows)

@@ -10,6 +10,7 @@ round. The GPU version of this test is in ``tests/gpu/test_device_table.py``.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import torch
 
 from replay_server import TableConfig, TableSet
 from replay_server.checkpoint import CheckpointDirectory, load_checkpoint, write_checkpoint
+from replay_server.engine.schema import FieldSpec
 from replay_server.engine.storage import DeviceStorage
 from replay_server.engine.storage import device as device_storage
 from replay_server.engine.storage.placement import cpu_stand_in
@@ -99,3 +101,25 @@ def test_device_rows_cross_to_the_host_in_bounded_pieces(directory, monkeypatch)
         load_checkpoint(result.path, TableSet(_configs("cuda")))
     assert saved_pieces > 10 and len(sliced) - saved_pieces > 10  # read back in pieces too
     assert max(sliced) <= 200  # no piece of a column larger than the chunk
+
+
+def test_a_restore_at_start_takes_the_device_memory_of_one_table(directory) -> None:
+    """A server makes its tables, then fresh ones to restore into: only the restored rows
+    take device memory, so a table of most of the device's memory restores."""
+    schema = {"obs": FieldSpec(torch.uint8, (32, 32))}
+    config = [TableConfig(name="big", capacity=500, device="cuda", schema=schema, seed=1)]
+    nbytes = 500 * 32 * 32
+    with cpu_stand_in(free_bytes=nbytes * 3 // 2) as machine:
+        tables = TableSet(config)
+        tables["big"].insert({"obs": torch.ones(400, 32, 32, dtype=torch.uint8)})
+        result = write_checkpoint(tables, directory, keep_latest=3, server_version="test")
+        del tables
+        gc.collect()  # the table sits in reference cycles: collect it now
+        assert machine.allocated == 0
+        serving = TableSet(config)  # the server's tables before its restore
+        restored = TableSet(config)  # what the restore loads into
+        load_checkpoint(result.path, restored)
+        assert machine.allocated == nbytes and restored["big"].size == 400
+        assert torch.equal(restored["big"].sample(4).columns["obs"], torch.ones(4, 32, 32,
+                                                                               dtype=torch.uint8))
+        assert serving["big"].size == 0

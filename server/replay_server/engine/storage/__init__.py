@@ -20,6 +20,8 @@ config names with :func:`make_storage` and never asks which it got.
 
 from __future__ import annotations
 
+from functools import partial
+
 from replay_server.engine.config import StorageKind, TableConfig
 from replay_server.engine.schema import Schema
 from replay_server.engine.storage.compressed import CompressedStorage
@@ -47,10 +49,11 @@ def make_storage(config: TableConfig, schema: Schema) -> ColumnStorage:
     """
     device = table_device(config)
     if device is not None:
-        check_device_memory(config, config.capacity * schema.row_bytes,
-                            f"capacity {config.capacity:,} x {schema.row_bytes:,} bytes per row "
-                            f"({schema.describe()})")
-        return DeviceStorage(schema, config.capacity, device)
+        check = partial(check_device_memory, config, config.capacity * schema.row_bytes,
+                        f"capacity {config.capacity:,} x {schema.row_bytes:,} bytes per row "
+                        f"({schema.describe()})")
+        check()  # now (at start for a declared schema), and again when it is allocated
+        return DeviceStorage(schema, config.capacity, device, check)
     if config.storage is StorageKind.MEMMAP:
         assert config.storage_dir is not None
         return MemmapStorage(schema, config.capacity, config.storage_dir, config.name)

@@ -3,9 +3,11 @@
 What runs where:
 
 * **columns**: one preallocated tensor ``[capacity, *shape]`` per flat key on
-  the table's device (allocated at once: device memory is not paged in lazily,
-  so the check against the device's free memory is exact;
-  :mod:`~replay_server.engine.storage.placement`).
+  the table's device, checked against the device's free memory when the
+  schema is fixed (at start for a declared one;
+  :mod:`~replay_server.engine.storage.placement`) and allocated whole, after
+  a second check, at the table's first insert or when a restore fills them
+  (device memory is taken at allocation, not paged in as rows arrive).
 * **inserts** arrive as host rows (from the network or the caller) and are
   copied in with one host-to-device copy per column (two where the range
   wraps), read from pinned staging on a CUDA host (a page-locked copy of the
@@ -36,7 +38,7 @@ stream, for the server's threads), so a gather after an insert sees its rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -46,7 +48,7 @@ from replay_proto.batch import SampleBatch
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import StorageSnapshot
 from replay_server.engine.storage.memory import ColumnStorage
-from replay_server.engine.storage.placement import pin_staging
+from replay_server.engine.storage.placement import pin_staging, stand_in
 from replay_server.errors import InsufficientMemoryError
 
 STAGING_BYTES = 64 << 20
@@ -59,16 +61,24 @@ class DeviceColumn:
 
     ``column[a:b]`` is a new host array of rows ``a .. b - 1`` (bfloat16 as
     int16); ``column[a:b] = rows`` copies host rows into them. Only the rows
-    sliced ever cross to the host.
+    sliced ever cross to the host. Its shape and dtype are known before the
+    storage's columns are allocated; slicing allocates them.
     """
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-        self._bits = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-        self.shape = tuple(tensor.shape)
-        self.dtype = torch.empty(0, dtype=self._bits.dtype).numpy().dtype
+    def __init__(self, storage: DeviceStorage, key: str) -> None:
+        spec = storage.schema[key]
+        self._storage = storage
+        self._key = key
+        self.shape = (storage.capacity, *spec.shape)
+        bits = torch.int16 if spec.dtype == torch.bfloat16 else spec.dtype
+        self.dtype = torch.empty(0, dtype=bits).numpy().dtype
         self.itemsize = self.dtype.itemsize
         self.ndim = len(self.shape)
+
+    @property
+    def _bits(self) -> torch.Tensor:
+        tensor = self._storage.columns[self._key]
+        return tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
 
     def __getitem__(self, index: slice) -> np.ndarray:
         return self._bits[index].to("cpu", copy=True).numpy()
@@ -78,36 +88,74 @@ class DeviceColumn:
 
 
 class DeviceStorage(ColumnStorage):
-    """Preallocated columns for ``capacity`` rows of ``schema`` on ``device``.
+    """Columns for ``capacity`` rows of ``schema`` on ``device``, allocated on first use.
+
+    The columns are allocated by :meth:`prepare` (a table's first insert), or
+    when a restore writes into them, not when the storage is made: a server
+    that restores at start makes its tables twice (the empty ones, then the
+    restored ones), and device memory, unlike host pages, is taken the moment
+    it is allocated. ``check`` (if given) runs right before the allocation (the
+    device's free memory now; it raises to refuse).
 
     Args:
         schema: the columns to allocate.
         capacity: rows per column.
         device: where they live (``torch.device("cpu")`` under the test stand-in).
+        check: called before allocating.
 
     Raises:
-        InsufficientMemoryError: the device could not allocate them.
+        InsufficientMemoryError: (when allocating) the device could not hold them.
     """
 
     kind = "device"
 
-    def __init__(self, schema: Schema, capacity: int, device: torch.device) -> None:
+    def __init__(self, schema: Schema, capacity: int, device: torch.device,
+                 check: Callable[[], None] | None = None) -> None:
         self.schema = schema
         self.capacity = capacity
         self.device = device
         self.pinned = False
         self._pin = pin_staging(device)
+        self._check = check
+        self._columns: dict[str, torch.Tensor] | None = None
+        self._views: dict[str, Any] = {key: DeviceColumn(self, key) for key in schema}
+        self._snapshots: list[StorageSnapshot] = []
+        self._prefaulter = None
+
+    @property
+    def columns(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """The columns ``[capacity, ...]`` on the device (allocated now if they were not)."""
+        self.prepare()
+        assert self._columns is not None
+        return self._columns
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the columns hold device memory yet."""
+        return self._columns is not None
+
+    def prepare(self) -> None:
+        """Allocate the columns if they are not yet (checked against the device first).
+
+        Raises:
+            InsufficientMemoryError: the device cannot hold them; nothing changed.
+        """
+        if self._columns is not None:
+            return
+        if self._check is not None:
+            self._check()
+        schema, capacity, device = self.schema, self.capacity, self.device
         try:
-            columns = {key: torch.empty((capacity, *spec.shape), dtype=spec.dtype, device=device)
-                       for key, spec in schema.items()}
+            columns = {key: torch.empty((capacity, *spec.shape), dtype=spec.dtype,
+                                        device=device) for key, spec in schema.items()}
         except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             raise InsufficientMemoryError(
                 f"cannot allocate {capacity * schema.row_bytes:,} bytes on {device} for "
                 f"{capacity:,} rows of {schema.describe()}: {exc}") from None
-        self.columns: dict[str, torch.Tensor] = columns
-        self._views: dict[str, Any] = {key: DeviceColumn(col) for key, col in columns.items()}
-        self._snapshots: list[StorageSnapshot] = []
-        self._prefaulter = None
+        machine = stand_in()
+        if machine is not None:
+            machine.allocate(self, capacity * schema.row_bytes)
+        self._columns = columns
 
     def _to_device(self, tensor: torch.Tensor, staged: bool = True) -> torch.Tensor:
         """``tensor`` (host) on the device: one copy, from pinned staging on a CUDA host."""
@@ -122,6 +170,7 @@ class DeviceStorage(ColumnStorage):
 
         Cost: a pinned staging copy (CUDA, up to :data:`STAGING_BYTES` per
         column) and one host-to-device copy per column (two where it wraps).
+        The table calls :meth:`prepare` first, so the columns exist.
         """
         n = next(iter(columns.values())).shape[0]
         for snapshot in self._snapshots:

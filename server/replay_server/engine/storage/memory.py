@@ -136,6 +136,9 @@ class ColumnStorage:
             result[key] = rows if slots.ndim == 1 else rows.reshape(*slots.shape, *col.shape[1:])
         return result
 
+    def prepare(self) -> None:
+        """Get ready for the first write (here: nothing; a device storage allocates)."""
+
     def place(self, batch: SampleBatch, out: Mapping[str, torch.Tensor] | None) -> SampleBatch:
         """The sampled ``batch`` where this storage hands batches out (here: as it is, on the host)."""
         return batch

@@ -20,7 +20,8 @@ the very same device-table code run with ``torch.device("cpu")`` as its
 device: a ``"cuda"`` table then allocates its columns with the same torch
 calls, gathers with ``index_select`` into new tensors, and checks
 :attr:`CpuStandIn.devices` and :attr:`CpuStandIn.free_bytes` instead of the
-driver. Nothing is pinned under it (pinning needs CUDA). Production code
+driver (counting the columns it allocated as taken). Nothing is pinned
+under it (pinning needs CUDA). Production code
 never activates it; tests and benchmarks do, and say so. Not thread-safe to
 switch while tables are made.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,17 +40,28 @@ from replay_server.engine.memory import format_bytes
 from replay_server.errors import ConfigError, InsufficientMemoryError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CpuStandIn:
     """What the machine is said to have while the stand-in is active (tests only).
 
     Attributes:
         devices: how many CUDA devices the machine is said to have.
-        free_bytes: free memory each of them is said to have.
+        free_bytes: free memory the device has before any table allocates.
+        allocated: bytes of device columns allocated under the stand-in and still
+            alive (they are not free any more, as on a real device).
     """
 
     devices: int = 1
     free_bytes: int = 1 << 40
+    allocated: int = 0
+
+    def allocate(self, owner: object, nbytes: int) -> None:
+        """Count ``nbytes`` as taken until ``owner`` is garbage-collected."""
+        self.allocated += nbytes
+        weakref.finalize(owner, self._free, nbytes)
+
+    def _free(self, nbytes: int) -> None:
+        self.allocated -= nbytes
 
 
 _STAND_IN: CpuStandIn | None = None
@@ -115,7 +128,7 @@ def check_placement(config: TableConfig) -> None:
 def device_free_bytes(config: TableConfig) -> int:
     """Free memory of the table's device now (initialises CUDA on a real device)."""
     if _STAND_IN is not None:
-        return _STAND_IN.free_bytes
+        return _STAND_IN.free_bytes - _STAND_IN.allocated
     free, _ = torch.cuda.mem_get_info(_index(config))
     return int(free)
 

@@ -12,6 +12,7 @@ combinations not built) are checked with the stand-in saying so.
 
 from __future__ import annotations
 
+import gc
 import numpy as np
 import pytest
 import torch
@@ -134,7 +135,27 @@ def test_a_declared_schema_is_allocated_on_the_device_and_not_counted_in_host_me
     # A host ledger too small for the rows admits the device table: its rows are on the device.
     table = Table(device_config, memory=MemoryLedger(1000 * row // 2))
     assert table.info().storage_bytes == 1000 * row
-    assert all(col.device == torch.device("cpu") for col in table._parts.storage.columns.values())
+    storage = table._parts.storage
+    assert not storage.allocated and stand_in.allocated == 0  # checked at start, taken later
+    table.insert({"obs": torch.zeros(2, 84, 84, dtype=torch.uint8)})
+    assert storage.allocated and stand_in.allocated == 1000 * row
+    assert all(col.device == torch.device("cpu") for col in storage.columns.values())
+
+
+def test_columns_are_allocated_when_the_first_insert_needs_them_and_checked_again():
+    schema = {"obs": FieldSpec(torch.uint8, (84, 84))}
+    table_bytes_on_device = 100 * 84 * 84
+    with cpu_stand_in(free_bytes=table_bytes_on_device + 1000) as machine:
+        first = Table(TableConfig(name="a", capacity=100, device="cuda", schema=schema))
+        second = Table(TableConfig(name="b", capacity=100, device="cuda", schema=schema))
+        first.insert({"obs": torch.ones(3, 84, 84, dtype=torch.uint8)})  # takes the device
+        with pytest.raises(InsufficientMemoryError, match=r"table 'b'.*device 'cuda'.*free"):
+            second.insert({"obs": torch.ones(3, 84, 84, dtype=torch.uint8)})
+        assert second.size == 0 and second.info().counters.inserted == 0  # nothing changed
+        del first
+        gc.collect()  # the table sits in reference cycles: collect it now
+        second.insert({"obs": torch.ones(3, 84, 84, dtype=torch.uint8)})  # room again
+        assert second.size == 3 and machine.allocated == table_bytes_on_device
 
 
 def test_a_device_without_room_is_refused_naming_the_table_device_and_bytes():
