@@ -132,3 +132,25 @@ def test_network_streams_of_a_cuda_table_fall_back_to_the_host(embedded, shared_
     for batch in stream:
         _check(batch, first, "cuda")  # copied to host once by the server, to cuda by the feed
     assert stream.transport == ("shared_memory" if shared_memory else "grpc")
+
+
+def test_cuda_rows_inserted_in_process_go_straight_into_a_cuda_table(monkeypatch):
+    """Rows made on the GPU (a GPU-simulated environment) are stored without a host round trip."""
+    table = Table(TableConfig(name="t", capacity=500, sampler="slice", slice_len=4, seed=3,
+                              device="cuda"))
+    host_copies = []
+    original = torch.Tensor.cpu
+
+    def counting_cpu(self, *args, **kwargs):
+        if self.numel() > 500:  # a column of rows, not the episode ids the sampler reads
+            host_copies.append(tuple(self.shape))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counting_cpu)
+    rows = {key: value.cuda() for key, value in _rows(0, 400).items()}
+    rows["episode"] = (torch.arange(400) // 50).cuda()
+    table.insert(rows)
+    assert host_copies == []
+    batch = table.sample(32)
+    first = batch.data["row"][:, 0]
+    assert torch.equal(batch.data["row"], first.unsqueeze(1) + torch.arange(4, device="cuda"))

@@ -9,8 +9,9 @@ side stream, exactly like ``ReplayClient.stream`` (see
 :mod:`replay_feed.core`). A device table (``device = "cuda"``) gathers on
 its device instead: its batches reach the learner with no host copy (no
 staging, pinning or device copy; ``stream.stats.resident`` counts them),
-on the table's device unless ``device=`` names another. Actors in other processes still insert over gRPC:
-the embedded server listens like a standalone one unless ``listen=False``.
+on the table's device unless ``device=`` names another. Actors in other
+processes still insert over gRPC: the embedded server listens like a
+standalone one unless ``listen=False``.
 
 ::
 

@@ -31,9 +31,10 @@ the very same class runs on the CPU under the test stand-in
 (:func:`~replay_server.engine.storage.placement.cpu_stand_in`), where the
 engine tests compare it bit for bit with a host table.
 
-Not thread-safe: the owning table serializes access under its lock. All
-copies are issued on the calling thread's current stream (the default
-stream, for the server's threads), so a gather after an insert sees its rows.
+Not thread-safe: the owning table serializes access under its lock. Copies
+and gathers are issued on the calling thread's current stream (the default
+stream, for the server's threads); an insert waits for its copies to land,
+so a gather on any stream sees its rows.
 """
 
 from __future__ import annotations
@@ -169,8 +170,9 @@ class DeviceStorage(ColumnStorage):
         """Write ``n`` host rows at slots ``first_slot, ...`` (wrapping).
 
         Cost: a pinned staging copy (CUDA, up to :data:`STAGING_BYTES` per
-        column) and one host-to-device copy per column (two where it wraps).
-        The table calls :meth:`prepare` first, so the columns exist.
+        column) and one host-to-device copy per column (two where it wraps),
+        then a wait for them to land. The table calls :meth:`prepare` first,
+        so the columns exist.
         """
         n = next(iter(columns.values())).shape[0]
         for snapshot in self._snapshots:
@@ -182,6 +184,8 @@ class DeviceStorage(ColumnStorage):
             dest[first_slot : first_slot + head].copy_(src[:head])
             if head < n:
                 dest[: n - head].copy_(src[head:])
+        if self._pin:  # the rows are on the device before the insert returns, whatever
+            torch.cuda.current_stream(self.device).synchronize()  # stream samples them
 
     def gather(
         self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None = None,
