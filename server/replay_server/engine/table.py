@@ -53,6 +53,7 @@ from replay_server.engine.inputs import (
 from replay_server.engine.memory import MemoryLedger, table_bytes
 from replay_server.engine.nstep import STEPS_KEY
 from replay_server.engine.storage.framestack import check_insert as check_stacks
+from replay_server.engine.storage.placement import table_device
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.samplers import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
@@ -104,6 +105,7 @@ class Table:
         except InsufficientMemoryError as exc:
             raise ConfigError(str(exc)) from None
         self._instant_bytes = 0  # what the last snapshot's instant copied: the next one's arena
+        self._device = table_device(config)  # a device table's: rows already there stay there
         self.changes = ChangeClock()
         """Ticks once per insert, sample, priority update, reset and load."""
 
@@ -158,7 +160,7 @@ class Table:
         Cost: one copy of the rows into storage plus the sampler's insert
         (O(rows * log capacity) at worst).
         """
-        columns = columns_of(data, self.name, self.config.episode_key)
+        columns = columns_of(data, self.name, self.config.episode_key, self._device)
         rows = row_count(columns, self.name)
         if self.config.frame_stack_key is not None:
             check_stacks(columns, self.config.frame_stack_key, self.name)
@@ -249,8 +251,8 @@ class Table:
         ends = np.zeros(rows, dtype=bool)
         for key in self.config.episode_end_keys:
             if key in columns:
-                ends |= columns[key].detach().numpy().reshape(rows)
-        episodes = columns[self.config.episode_key].detach().numpy().astype(np.int64)
+                ends |= columns[key].detach().cpu().numpy().reshape(rows)
+        episodes = columns[self.config.episode_key].detach().cpu().numpy().astype(np.int64)
         return {"episodes": episodes, "ends": ends}
 
     # ------------------------------------------------------------------ sample

@@ -8,11 +8,12 @@ What runs where:
   :mod:`~replay_server.engine.storage.placement`) and allocated whole, after
   a second check, at the table's first insert or when a restore fills them
   (device memory is taken at allocation, not paged in as rows arrive).
-* **inserts** arrive as host rows (from the network or the caller) and are
-  copied in with one host-to-device copy per column (two where the range
-  wraps), read from pinned staging on a CUDA host (a page-locked copy of the
-  rows, from torch's caching host allocator, which keeps it alive until the
-  copy has run), so the copy is a DMA at full speed.
+* **inserts** of host rows (from the network or the caller) are copied in
+  with one host-to-device copy per column (two where the range wraps), read
+  from pinned staging on a CUDA host (a page-locked copy of the rows, from
+  torch's caching host allocator, which keeps it alive until the copy has
+  run), so the copy is a DMA at full speed. Rows already on the device
+  (inserted in process) are copied device to device.
 * **sampling** keeps the sampler (sum tree, episode index, retirement) on the
   host, as for every table; only the drawn slots travel to the device (one
   small int64 copy), and every column is gathered there with

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from replay_server.engine.config import TableConfig
+from replay_server.engine.inputs import columns_of
 from replay_server.engine.memory import MemoryLedger, table_bytes
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.storage import DeviceStorage
@@ -207,3 +208,13 @@ def test_combinations_not_built_are_refused_as_not_supported_yet(options, named)
     with pytest.raises(ConfigError, match=rf"table 't': device = 'cuda' with {named} is not "
                                           rf"supported yet with device tables"):
         TableConfig(name="t", capacity=10, device="cuda", **options)
+
+
+def test_rows_already_on_the_tables_device_stay_there_and_others_come_to_the_host():
+    on_device = torch.empty(3, 2, device="meta")  # stands for rows made on the GPU
+    columns = columns_of({"a": on_device, "b": np.zeros(3), "c": torch.empty(3, device="meta")},
+                         "t", device=torch.device("meta"))
+    assert columns["a"] is on_device and columns["c"].is_meta
+    assert columns["b"].device.type == "cpu"
+    with pytest.raises(NotImplementedError):  # a host table copies them out (meta cannot be)
+        columns_of({"a": on_device}, "t")
