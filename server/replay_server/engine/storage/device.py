@@ -224,9 +224,6 @@ class DeviceStorage(ColumnStorage):
         ids, weights, probabilities = (self._to_device(t) for t in batch.extras)
         return SampleBatch.from_columns(batch.columns, ids, weights, probabilities, batch.mass)
 
-    def stats(self) -> dict[str, Any]:
-        return {}
-
     def load_views(self) -> dict[str, Any]:
         """The columns as :class:`DeviceColumn` s: a checkpoint's rows are written in pieces."""
         return self.views
