@@ -11,13 +11,12 @@ round. The GPU version of this test is in ``tests/gpu/test_device_table.py``.
 from __future__ import annotations
 
 import gc
-from pathlib import Path
 
 import pytest
 import torch
 
 from replay_server import TableConfig, TableSet
-from replay_server.checkpoint import CheckpointDirectory, load_checkpoint, write_checkpoint
+from replay_server.checkpoint import load_checkpoint, write_checkpoint
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.storage import DeviceStorage
 from replay_server.engine.storage import device as device_storage
@@ -45,14 +44,6 @@ def _filled(device: str) -> TableSet:
                 table.update_priorities(ids, torch.rand(13) + 0.01)
         table.sample(5)
     return tables
-
-
-@pytest.fixture
-def directory(tmp_path: Path):
-    directory = CheckpointDirectory(tmp_path / "ckpt")
-    directory.open()
-    yield directory
-    directory.close()
 
 
 @pytest.mark.parametrize("saved, restored", [("cuda", "cuda"), ("cuda", "cpu"), ("cpu", "cuda")])
