@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
 .PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner \
-        bench-scaleout bench-starvation clean image image-test
+        bench-scaleout bench-starvation bench-gpu-table clean image image-test
 
 $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ bench-learner: $(STAMP) .venv-reverb/.installed-stamp
 # sleep) fed by each path, against the same loop on preloaded data: ratio and idle fraction.
 bench-starvation: $(STAMP)
 	$(BIN)/python benchmarks/starvation.py $(if $(DEVICE),--device $(DEVICE),)
+
+# A device-resident table (device = "cuda") vs TorchRL's LazyTensorStorage(device=...) with a
+# PrioritizedSampler: sample 256 Atari rows + priority update. Without DEVICE: CPU figures.
+bench-gpu-table: $(STAMP) .venv-torchrl/.installed-stamp
+	$(BIN)/python benchmarks/gpu_table.py --torchrl-python .venv-torchrl/bin/python $(if $(DEVICE),--device $(DEVICE),)
 
 bench: bench-engine bench-service bench-learner
 

@@ -53,17 +53,19 @@ def start_server(
     name: str = "server",
     preexec_fn: Callable[[], None] | None = None,
     extra_args: tuple[str, ...] = (),
+    module: str = "replay_server.app.cli",
 ) -> ServerProcess:
     """Start ``replay-server serve`` (with ``config`` TOML text, if given) and wait for its port.
 
     The port file is written once the server is SERVING (tables restored).
     ``preexec_fn`` runs in the child before it starts (e.g. to set resource limits);
-    ``extra_args`` are added to its command line.
+    ``extra_args`` are added to its command line; ``module`` is the module run
+    with ``python -m`` (a test's launcher that prepares the process first).
     """
     port_file = tmp_path / f"{name}.port"
     port_file.unlink(missing_ok=True)
     log_path = tmp_path / f"{name}.log"
-    args = [sys.executable, "-m", "replay_server.app.cli", "serve",
+    args = [sys.executable, "-m", module, "serve",
             "--address", f"127.0.0.1:{port}", "--port-file", str(port_file), "--grace", "5"]
     config_path = None
     if config is not None:

@@ -42,6 +42,10 @@ class Accelerator(Protocol):
     def synchronize(self, event: Any) -> None:
         """Block the calling thread until the copy behind ``event`` has finished."""
 
+    def record(self, device: torch.device) -> Any:
+        """An event after the work issued so far on ``device``'s current stream (for a batch
+        made on the device itself: the learner's stream waits for it in :meth:`consume`)."""
+
 
 class CudaAccelerator:
     """:class:`Accelerator` over CUDA: one side stream per device for host-to-device copies.
@@ -95,6 +99,11 @@ class CudaAccelerator:
 
     def synchronize(self, event: Any) -> None:
         event.synchronize()
+
+    def record(self, device: torch.device) -> Any:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        return event
 
 
 def cuda_present() -> bool:

@@ -23,6 +23,10 @@ Per batch:
    side stream and an event is recorded after the copy; :class:`FeedStats`
    counts whether each copy read pinned or pageable memory.
 
+A batch whose tensors are all on the delivery's device already (a device
+table's, sampled in this process: :mod:`replay_server.engine.storage.device`)
+skips steps 3 and 4: no staging, pinning or copy (``FeedStats.resident``).
+
 Steps 2-4 of batch ``k`` overlap step 1 of batch ``k + 1``.
 
 On the learner's thread, ``next()`` makes the current stream wait for that
@@ -126,6 +130,9 @@ class FeedStats:
     """Device copies whose host tensors were all page-locked (asynchronous DMA)."""
     pageable_copies: int = 0
     """Device copies that read pageable host memory (synchronous, slower; should stay 0 when pinned)."""
+    resident: int = 0
+    """Batches that arrived already on the delivery's device (a device table's, sampled in
+    process): handed over with no staging, pinning or copy."""
     notes: list[str] = field(default_factory=list)
 
 
@@ -205,6 +212,13 @@ class FeedCore:
         value = self.transform(batch) if self.transform is not None else batch
         leaves, rebuild = tree_leaves(value)
         delivery, accel = self.delivery, self.delivery.accelerator
+        if delivery.device is not None and leaves and _all_on(leaves, delivery.device):
+            # Already where the learner wants it: nothing to copy. The learner's stream
+            # still waits for the work that made it (the gather, on the producer's stream).
+            self.stats.resident += 1
+            event = accel.record(delivery.device) if accel is not None else None
+            return _Ready(index, value, leaves, event,
+                          sum(t.numel() * t.element_size() for t in leaves))
         changed = False
         if delivery.pin and accel is not None:
             host = [(i, t) for i, t in enumerate(leaves)
@@ -322,6 +336,14 @@ class FeedCore:
             except queue.Empty:
                 break
         self._ready.put(_END)
+
+
+def _all_on(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """Whether every tensor is on ``device`` (``"cuda"`` without an index: the current one)."""
+    index = device.index
+    if index is None and device.type == "cuda":
+        index = torch.cuda.current_device()
+    return all(t.device.type == device.type and t.device.index == index for t in tensors)
 
 
 def _host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

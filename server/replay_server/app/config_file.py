@@ -106,11 +106,6 @@ def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
             raise ConfigError(f"tables[{index}] must be a table ([[tables]] with key = value "
                               f"lines), got {table!r}")
         where = f"tables[{index}]" + (f" ({table.get('name')!r})" if "name" in table else "")
-        if "device" in table:
-            raise ConfigError(
-                f"{where}: device = {table['device']!r}: GPU-resident tables are not supported "
-                f"yet; tables live in host memory (pinned under [server] pin_memory) and learners "
-                f"get batches on their GPU with stream(..., device='cuda')")
         _check_keys(where, table, _TABLE_KEYS)
         options = dict(table)
         if "schema" in options:

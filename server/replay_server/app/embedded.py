@@ -6,8 +6,12 @@ tables on a background thread, gathering rows from table storage into the
 feed's staging ring (pinned when an accelerator is present, as is the table
 storage under ``pin_memory = "auto"``) and copying them to the device on a
 side stream, exactly like ``ReplayClient.stream`` (see
-:mod:`replay_feed.core`). Actors in other processes still insert over gRPC:
-the embedded server listens like a standalone one unless ``listen=False``.
+:mod:`replay_feed.core`). A device table (``device = "cuda"``) gathers on
+its device instead: its batches reach the learner with no host copy (no
+staging, pinning or device copy; ``stream.stats.resident`` counts them),
+on the table's device unless ``device=`` names another. Actors in other
+processes still insert over gRPC: the embedded server listens like a
+standalone one unless ``listen=False``.
 
 ::
 
@@ -76,7 +80,9 @@ class TableSource:
                 credits += core.wait_credits()
                 if core.stopping.is_set():
                     return
-            layout = self.table.batch_layout(self.batch_size)
+            # A device table gathers on its device into new tensors: no host staging.
+            layout = {} if self.table.config.on_device else self.table.batch_layout(
+                self.batch_size)
             buffers = core.staging(index, tuple(layout.values())) if layout else []
             batch = self._sample(dict(zip(layout, buffers)) if layout else None)
             if batch is None:

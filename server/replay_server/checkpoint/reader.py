@@ -37,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,6 +60,7 @@ from replay_server.errors import (
     MalformedStateError,
     RestoreError,
 )
+from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
 from replay_server.engine.table_set import TableSet
 from replay_server.engine.variables import VariableStore
 
@@ -165,11 +167,31 @@ def _read_rows(
         reader = VerifiedReader(path, column.file, cancel)
         try:
             head = min(entry.rows, capacity - entry.first_slot)
-            reader.read_into(view[entry.first_slot : entry.first_slot + head])
-            reader.read_into(view[: entry.rows - head])
+            _fill(reader, view, entry.first_slot, head)
+            _fill(reader, view, 0, entry.rows - head)
         finally:
             reader.close()
         reader.finish()
+
+
+def _fill(reader: VerifiedReader, view: Any, start: int, rows: int) -> None:
+    """Read the next ``rows`` rows of the file into ``view[start : start + rows]``.
+
+    A numpy view (host storage) is read into directly; any other column (a
+    device table's :class:`~replay_server.engine.storage.device.DeviceColumn`)
+    through one host buffer of at most :data:`DEFAULT_CHUNK_BYTES`, piece by
+    piece, so a restore never holds a whole column on the host.
+    """
+    if isinstance(view, np.ndarray):
+        reader.read_into(view[start : start + rows])
+        return
+    row_bytes = view.itemsize * int(np.prod(view.shape[1:], dtype=np.int64))
+    step = max(1, DEFAULT_CHUNK_BYTES // max(1, row_bytes))
+    buffer = np.empty((min(step, rows), *view.shape[1:]), dtype=view.dtype)
+    for done in range(0, rows, step):
+        n = min(step, rows - done)
+        reader.read_into(buffer[:n])
+        view[start + done : start + done + n] = buffer[:n]
 
 
 def restore_latest(

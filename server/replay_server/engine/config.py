@@ -17,6 +17,7 @@ from replay_server.errors import ConfigError
 from replay_server.engine.schema import FieldSpec
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}")
+_DEVICE = re.compile(r"cpu|cuda(:(0|[1-9][0-9]{0,3}))?")
 
 MAX_CAPACITY = 2**40
 """Rows per table, at most (ids are int64 insertion numbers, slots fit int64)."""
@@ -108,6 +109,10 @@ class TableConfig:
             its first frame, or ``zero``.
         compress_keys: columns whose rows are stored lz4-compressed (see
             :mod:`replay_server.engine.storage.compressed`); ``None``: none.
+        device: where the table's columns live: ``"cpu"`` (host memory, the
+            default) or ``"cuda"`` / ``"cuda:N"`` (device memory: sampling
+            gathers there; see :mod:`replay_server.engine.storage.device`).
+            Checked against the machine when the table is made.
     """
 
     name: str
@@ -135,6 +140,7 @@ class TableConfig:
     frame_stack_key: str | None = None
     frame_stack_fill: str = "repeat"
     compress_keys: tuple[str, ...] | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -204,6 +210,29 @@ class TableConfig:
         self._check_n_step(where)
         self._check_frame_stack(where)
         self._check_compression(where)
+        self._check_device(where)
+
+    def _check_device(self, where: str) -> None:
+        """Syntax and supported combinations only; the machine is asked when the table is made
+        (:func:`~replay_server.engine.storage.placement.check_placement`)."""
+        device = self.device
+        if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+            raise ConfigError(f"{where}: device must be 'cpu', 'cuda' or 'cuda:N' (N a device "
+                              f"index), got {device!r}")
+        if device == "cpu":
+            return
+        for name, on in (("storage 'memmap'", self.storage is StorageKind.MEMMAP),
+                         ("compress_keys", self.compress_keys is not None),
+                         ("frame_stack_key", self.frame_stack_key is not None),
+                         ("n_step > 1", self.n_step > 1)):
+            if on:
+                raise ConfigError(f"{where}: device = {device!r} with {name} is not supported "
+                                  f"yet with device tables; remove {name} or use device 'cpu'")
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the table's columns live in device memory (``device`` is not ``"cpu"``)."""
+        return self.device != "cpu"
 
     def _check_compression(self, where: str) -> None:
         keys = self.compress_keys
@@ -405,6 +434,7 @@ class TableConfig:
             "frame_stack_key": self.frame_stack_key,
             "frame_stack_fill": self.frame_stack_fill,
             "compress_keys": None if self.compress_keys is None else list(self.compress_keys),
+            "device": self.device,
         }
 
 

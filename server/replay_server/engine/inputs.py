@@ -40,11 +40,13 @@ _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint
 _STORABLE = frozenset(DTYPES.values())
 
 
-def columns_of(data: Any, table: str, episode_key: str = EPISODE_KEY) -> dict[str, torch.Tensor]:
+def columns_of(data: Any, table: str, episode_key: str = EPISODE_KEY,
+               device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """An insert's columns as CPU tensors by flat key, or an error naming the problem.
 
     Rows are what :func:`~replay_proto.rows.rows_of` says (a TensorDict's batch
     dimensions decide; ``[*envs, T]`` batches get ``episode_key`` ids if they lack them).
+    Tensors already on ``device`` (a device table's) stay there.
     """
     try:
         flat = rows_of(data, episode_key=episode_key)
@@ -54,7 +56,9 @@ def columns_of(data: Any, table: str, episode_key: str = EPISODE_KEY) -> dict[st
         raise InvalidArgumentError(f"table {table!r}: insert has no columns")
     columns = {}
     for key, value in flat.items():
-        columns[key] = as_tensor(value, f"key {key!r}", table)
+        on_device = isinstance(value, torch.Tensor) and device is not None and (
+            value.device == device)
+        columns[key] = value if on_device else as_tensor(value, f"key {key!r}", table)
         if columns[key].dtype not in _STORABLE:
             raise SchemaMismatchError(
                 f"table {table!r}: key {key!r} has dtype {columns[key].dtype}, which a "

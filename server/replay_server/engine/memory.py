@@ -67,10 +67,12 @@ def table_bytes(config: TableConfig, schema: Schema | None) -> int:
 
     A ``memmap`` table's rows live in files (the page cache holds what fits),
     so only its sampler state counts; its disk is checked when its files are
-    reserved (:mod:`~replay_server.engine.storage.memmap`).
+    reserved (:mod:`~replay_server.engine.storage.memmap`). A device table's
+    rows live in device memory, checked against the device when they are
+    allocated (:mod:`~replay_server.engine.storage.placement`).
     """
-    row = 0 if schema is None or config.storage is StorageKind.MEMMAP else stored_row_bytes(
-        config, schema)
+    row = 0 if (schema is None or config.storage is StorageKind.MEMMAP
+                or config.on_device) else stored_row_bytes(config, schema)
     return config.capacity * (row + sampler_slot_bytes(config))
 
 

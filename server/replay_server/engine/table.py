@@ -53,6 +53,7 @@ from replay_server.engine.inputs import (
 from replay_server.engine.memory import MemoryLedger, table_bytes
 from replay_server.engine.nstep import STEPS_KEY
 from replay_server.engine.storage.framestack import check_insert as check_stacks
+from replay_server.engine.storage.placement import table_device
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.samplers import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
@@ -104,6 +105,7 @@ class Table:
         except InsufficientMemoryError as exc:
             raise ConfigError(str(exc)) from None
         self._instant_bytes = 0  # what the last snapshot's instant copied: the next one's arena
+        self._device = table_device(config)  # a device table's: rows already there stay there
         self.changes = ChangeClock()
         """Ticks once per insert, sample, priority update, reset and load."""
 
@@ -158,7 +160,7 @@ class Table:
         Cost: one copy of the rows into storage plus the sampler's insert
         (O(rows * log capacity) at worst).
         """
-        columns = columns_of(data, self.name, self.config.episode_key)
+        columns = columns_of(data, self.name, self.config.episode_key, self._device)
         rows = row_count(columns, self.name)
         if self.config.frame_stack_key is not None:
             check_stacks(columns, self.config.frame_stack_key, self.name)
@@ -189,6 +191,7 @@ class Table:
                                      f"per row ({schema.describe()})")
                 parts.allocate(schema, self.config)
             assert parts.storage is not None
+            parts.storage.prepare()  # a device table's columns are allocated here
             event = self._insert_event(columns, rows, checked_priorities)
             evicted_first_id = ring.first_live
             first_id, evicted = ring.allocate(rows)
@@ -248,8 +251,8 @@ class Table:
         ends = np.zeros(rows, dtype=bool)
         for key in self.config.episode_end_keys:
             if key in columns:
-                ends |= columns[key].detach().numpy().reshape(rows)
-        episodes = columns[self.config.episode_key].detach().numpy().astype(np.int64)
+                ends |= columns[key].detach().cpu().numpy().reshape(rows)
+        episodes = columns[self.config.episode_key].detach().cpu().numpy().astype(np.int64)
         return {"episodes": episodes, "ends": ends}
 
     # ------------------------------------------------------------------ sample
@@ -262,6 +265,11 @@ class Table:
         ``out`` (flat key -> contiguous tensor shaped like that column of the
         batch) receives the rows instead of new tensors: a learner's pinned or
         shared-memory staging buffer (see :meth:`batch_layout`).
+
+        A device table (``device = "cuda"``) gathers on its device: without
+        ``out`` the whole batch (ids, weights and probabilities too) is on
+        that device; host ``out`` tensors receive one copy of the rows, and
+        the extras stay on the host.
 
         Raises:
             InvalidArgumentError: ``batch_size`` is not an integer in [1, MAX_BATCH_SIZE],
@@ -303,6 +311,7 @@ class Table:
             else:
                 columns = parts.storage.gather(index.slots, out)
             ids = parts.ids.ids_of(index.ids, parts.ring.first_live)
+            storage = parts.storage
             parts.counters.sample_calls += 1
             parts.counters.sampled += batch_size
             parts.limiter.sampled(rows)
@@ -312,13 +321,13 @@ class Table:
                 parts.counters.retired += retired.size
                 parts.limiter.deleted(retired.size)
             self.changes.tick()
-        return SampleBatch.from_columns(
+        return storage.place(SampleBatch.from_columns(
             columns,
             torch.from_numpy(ids),
             torch.from_numpy(index.weights),
             torch.from_numpy(index.probabilities),
             mass,
-        )
+        ), out)
 
     def batch_layout(self, batch_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Flat key -> (dtype, shape) of each column of a batch of ``batch_size`` ({} before a schema)."""

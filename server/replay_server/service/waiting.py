@@ -44,6 +44,7 @@ from typing import TypeVar
 import torch
 
 from replay_proto.batch import SampleBatch
+from replay_server.engine.storage.device import host_batch
 from replay_server.engine.table import Table
 from replay_server.errors import EmptyTableError, RateLimitedError
 from replay_server.service.status import ShuttingDownError
@@ -193,13 +194,16 @@ def draw(table: Table, batch_size: int, *, wait_for_data: bool,
          out: Mapping[str, torch.Tensor] | None = None) -> SampleBatch:
     """``table.sample(batch_size, out=out)``; with ``wait_for_data``, an empty table blocks.
 
+    The batch is on the host: a device table's is copied over once (the
+    fallback of every network path; see :func:`host_batch`).
+
     Raises:
         RateLimitedError: held back by the rate limiter, or (``wait_for_data``)
             the table has nothing to sample yet; :meth:`BlockedCalls.run` waits.
         EmptyTableError: the table is empty and the caller did not ask to wait.
     """
     try:
-        return table.sample(batch_size, out=out)
+        return host_batch(table.sample(batch_size, out=out))
     except EmptyTableError as exc:
         if not wait_for_data:
             raise

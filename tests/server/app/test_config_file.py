@@ -182,10 +182,12 @@ def test_unknown_table_key_is_named_with_its_table(tmp_path: Path) -> None:
     assert_config_error(tmp_path, ONE_TABLE + "colour = 3\n", "tables[0]", "'t'", "'colour'")
 
 
-def test_a_gpu_resident_table_is_refused_as_not_supported_yet(tmp_path: Path) -> None:
-    assert_config_error(tmp_path, ONE_TABLE + 'device = "cuda"\n', "tables[0]", "'t'",
-                        "device = 'cuda'", "GPU-resident tables are not supported yet",
-                        "stream(..., device='cuda')")
+def test_a_table_device_is_read_and_a_malformed_one_named(tmp_path: Path) -> None:
+    (table,) = load_text(tmp_path, ONE_TABLE + 'device = "cuda:1"\n').tables
+    assert table.device == "cuda:1" and table.on_device
+    assert load_text(tmp_path, ONE_TABLE).tables[0].device == "cpu"  # the default: host memory
+    assert_config_error(tmp_path, ONE_TABLE + 'device = "gpu"\n', "table 't'",
+                        "device must be 'cpu', 'cuda' or 'cuda:N'", "'gpu'")
 
 
 def test_unknown_section_is_named(tmp_path: Path) -> None:

@@ -54,3 +54,13 @@ def test_pin_memory_true_is_checked_without_initialising_cuda(gpu_machine, monke
     with pytest.raises(ConfigError, match="server.pin_memory is 'true' but no CUDA device"):
         settings_from_dict({"server": {"pin_memory": "true"}})
     assert gpu_machine == []
+
+
+def test_a_device_table_is_checked_at_start_without_initialising_cuda(gpu_machine):
+    settings = settings_from_dict({"server": {"address": "127.0.0.1:0"},
+                                   "tables": [{"name": "g", "capacity": 100, "device": "cuda"}]})
+    with EmbeddedServer(settings) as server:  # device present per NVML; columns come later
+        client = ReplayClient(server.address)
+        assert client.info()["g"].size == 0 and server.tables["g"].config.device == "cuda"
+        client.close()
+    assert gpu_machine == []

@@ -4,9 +4,7 @@ a damaged part makes the checkpoint skipped like any damaged one."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
-import pytest
 import torch
 
 from replay_server import TableConfig, TableSet
@@ -16,14 +14,6 @@ from replay_server.checkpoint.reader import restore_latest
 from replay_server.engine.variables import VariableStore
 
 CONFIGS = [TableConfig(name="t", capacity=10)]
-
-
-@pytest.fixture
-def directory(tmp_path: Path):
-    directory = CheckpointDirectory(tmp_path / "ckpt")
-    directory.open()
-    yield directory
-    directory.close()
 
 
 def write(directory: CheckpointDirectory, variables: VariableStore | None):

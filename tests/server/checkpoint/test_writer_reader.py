@@ -77,14 +77,6 @@ def assert_restored_state(got: dict, saved: dict) -> None:
     assert new_incarnation not in [s[0] for s in saved_ids["segments"]]
 
 
-@pytest.fixture
-def directory(tmp_path: Path):
-    directory = CheckpointDirectory(tmp_path / "ckpt")
-    directory.open()
-    yield directory
-    directory.close()
-
-
 def _write(tables: TableSet, directory: CheckpointDirectory, keep: int = 10):
     return write_checkpoint(tables, directory, keep_latest=keep, server_version="test")
 

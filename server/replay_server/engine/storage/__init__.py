@@ -8,6 +8,10 @@
   columns' rows lz4-compressed in RAM.
 * :mod:`~replay_server.engine.storage.framestack`: ``frame_stack_key``: a
   stacked observation kept one frame per step (beside any of the above).
+* :mod:`~replay_server.engine.storage.device`: ``device = "cuda"``: the
+  columns in device memory, gathered there
+  (:mod:`~replay_server.engine.storage.placement`: which device, and whether
+  it can hold them).
 
 Every kind is a :class:`~replay_server.engine.storage.memory.ColumnStorage`
 (the same writes, gathers and snapshots); the table builds the one its
@@ -16,14 +20,22 @@ config names with :func:`make_storage` and never asks which it got.
 
 from __future__ import annotations
 
+from functools import partial
+
 from replay_server.engine.config import StorageKind, TableConfig
 from replay_server.engine.schema import Schema
 from replay_server.engine.storage.compressed import CompressedStorage
+from replay_server.engine.storage.device import DeviceStorage
 from replay_server.engine.storage.memmap import MemmapStorage, check_directory
 from replay_server.engine.storage.memory import ColumnStorage
+from replay_server.engine.storage.placement import (
+    check_device_memory,
+    check_placement,
+    table_device,
+)
 
-__all__ = ["ColumnStorage", "CompressedStorage", "MemmapStorage", "check_storage",
-           "make_storage"]
+__all__ = ["ColumnStorage", "CompressedStorage", "DeviceStorage", "MemmapStorage",
+           "check_storage", "make_storage"]
 
 
 def make_storage(config: TableConfig, schema: Schema) -> ColumnStorage:
@@ -32,8 +44,16 @@ def make_storage(config: TableConfig, schema: Schema) -> ColumnStorage:
     Raises:
         ConfigError: pinned memory without an accelerator; a missing or
             unwritable ``storage_dir``.
-        InsufficientMemoryError: the allocation (or the disk) cannot hold the table.
+        InsufficientMemoryError: the allocation (or the disk, or the device's
+            free memory) cannot hold the table.
     """
+    device = table_device(config)
+    if device is not None:
+        check = partial(check_device_memory, config, config.capacity * schema.row_bytes,
+                        f"capacity {config.capacity:,} x {schema.row_bytes:,} bytes per row "
+                        f"({schema.describe()})")
+        check()  # now (at start for a declared schema), and again when it is allocated
+        return DeviceStorage(schema, config.capacity, device, check)
     if config.storage is StorageKind.MEMMAP:
         assert config.storage_dir is not None
         return MemmapStorage(schema, config.capacity, config.storage_dir, config.name)
@@ -46,8 +66,10 @@ def check_storage(config: TableConfig) -> None:
     """What can be checked of the storage before a schema is known (at start).
 
     Raises:
-        ConfigError: a ``memmap`` table's ``storage_dir`` is missing or not writable.
+        ConfigError: a ``memmap`` table's ``storage_dir`` is missing or not writable; a
+            device table's device is missing (asked without initialising CUDA).
     """
+    check_placement(config)
     if config.storage is StorageKind.MEMMAP:
         assert config.storage_dir is not None
         check_directory(config.storage_dir, config.name)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_proto.batch import SampleBatch
 from replay_server.engine import workers
 from replay_server.engine.prefault import Prefaulter
 from replay_server.errors import ConfigError, InsufficientMemoryError
@@ -134,6 +135,13 @@ class ColumnStorage:
                 rows = rows.view(col.dtype)
             result[key] = rows if slots.ndim == 1 else rows.reshape(*slots.shape, *col.shape[1:])
         return result
+
+    def prepare(self) -> None:
+        """Get ready for the first write (here: nothing; a device storage allocates)."""
+
+    def place(self, batch: SampleBatch, out: Mapping[str, torch.Tensor] | None) -> SampleBatch:
+        """The sampled ``batch`` where this storage hands batches out (here: as it is, on the host)."""
+        return batch
 
     def _take(self, view: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
         """``out[:] = view[rows]`` (a storage kind may read in another order)."""
