@@ -170,9 +170,17 @@ class ServerSettings:
 
     @property
     def table_configs(self) -> tuple[TableConfig, ...]:
-        """The tables, each with ``pin_memory`` resolved from the server's setting."""
-        pinned = self.pinned
-        return tuple(replace(t, pin_memory=pinned) for t in self.tables)
+        """The tables, each with ``pin_memory`` resolved from the server's setting.
+
+        ``"auto"`` pins only the tables whose storage can be pinned (not memmap,
+        compressed or device tables: their own rules refuse it); ``"true"`` asks
+        it of every table, so such a table is refused at start, naming why.
+        """
+        if not self.pinned:
+            return tuple(replace(t, pin_memory=False) for t in self.tables)
+        if self.pin_memory == "true":
+            return tuple(replace(t, pin_memory=True) for t in self.tables)
+        return tuple(_pinned_if_possible(t) for t in self.tables)
 
     @property
     def max_message_bytes(self) -> int:
@@ -186,6 +194,14 @@ class ServerSettings:
     def tls(self) -> bool:
         """Whether the server listens with TLS."""
         return self.tls_cert_file is not None
+
+
+def _pinned_if_possible(table: TableConfig) -> TableConfig:
+    """``table`` with pinned storage, or as it is where its options cannot be pinned."""
+    try:
+        return replace(table, pin_memory=True)
+    except ConfigError:
+        return replace(table, pin_memory=False)
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
