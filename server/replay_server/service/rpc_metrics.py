@@ -111,7 +111,10 @@ class _Method:
             request = self._received(request, streaming)
             code = "UNKNOWN"
             try:
-                response = await behaviour(request, context)
+                # A stream-unary handler may read with context.read() (admission does):
+                # what it reads that way is counted too.
+                response = await behaviour(request, _CountedReads(context, self)
+                                           if streaming else context)
                 self.sent += 1
                 self.bytes_out += _size(response)
                 code = "OK"
@@ -184,6 +187,32 @@ class _Method:
         outcome.seconds += seconds
         if self.streaming:
             self.open -= 1
+
+
+class _CountedReads:
+    """A call's context whose ``read()`` counts each message it returns.
+
+    The messages a handler takes from its request iterator are counted by
+    :meth:`_Method._count_requests`; those it reads with ``context.read()``
+    (gRPC's iterator reads from the real context, so nothing is counted twice)
+    are counted here. Everything else is the call's own context.
+    """
+
+    __slots__ = ("_context", "_method")
+
+    def __init__(self, context: grpc.aio.ServicerContext, method: _Method) -> None:
+        self._context = context
+        self._method = method
+
+    async def read(self) -> Any:
+        message = await self._context.read()
+        if message is not grpc.aio.EOF:
+            self._method.received += 1
+            self._method.bytes_in += _size(message)
+        return message
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 class RpcMetrics(grpc.aio.ServerInterceptor, Collector):
