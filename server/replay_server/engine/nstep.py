@@ -35,9 +35,11 @@ and ``reward_key``, which may change between runs); the windows are rebuilt
 from the links and the stored rewards at the first insert or sample after a
 load: O(live rows * n).
 
-Cost: insert O(rows + episodes) links plus O(m) vector operations over the
-windows it extends (m: the longest run of new steps of one episode, at most
-n); sample O(B) lookups plus the usual gather. Memory: 26 bytes per slot.
+Cost: insert O(rows * log rows) (a sort by episode), a loop over the
+insert's episodes for their bookkeeping, and up to ``n - 1`` rounds of vector
+operations over the windows it extends (as many as the longest run of new
+steps of one episode); sample O(B) lookups plus the usual gather. Memory: 26
+bytes per slot.
 Not thread-safe: called under the table's lock.
 """
 
@@ -61,6 +63,9 @@ NEXT_PREFIX = "next."
 """Columns under ``next`` (``next.obs``...) come from the window's last step."""
 
 _MIN_SWEEP = 1024
+
+_NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+"""The reward dtypes numpy has (bfloat16 goes through torch)."""
 
 
 class NStepIndex:
@@ -97,91 +102,134 @@ class NStepIndex:
     def insert(self, storage: ColumnStorage, event: InsertEvent) -> None:
         """Link the rows of ``event`` and extend the windows they lengthen.
 
-        Call after the ring advanced past them and they were written.
+        Call after the ring advanced past them and they were written. The
+        rows are taken grouped by episode (a stable sort); only the open
+        episodes' bookkeeping is a loop over the insert's episodes.
         """
         assert event.episodes is not None and event.ends is not None
         if self._stale:
             self._rebuild(storage)
         cap, keep = self._ring.capacity, self.n_step - 1
         positions = event.ids
-        slots = positions % cap
-        self._next[slots] = -1
-        episodes, ends = event.episodes, event.ends
-        order = np.argsort(episodes, kind="stable")
-        sorted_eps = episodes[order]
-        cuts = np.flatnonzero(sorted_eps[1:] != sorted_eps[:-1]) + 1
+        self._next[positions % cap] = -1
+        order = np.argsort(event.episodes, kind="stable")
+        rows, episodes, ends = positions[order], event.episodes[order], event.ends[order]
+        rewards = self._rewards(storage, rows % cap)
+        heads = np.flatnonzero(episodes[1:] != episodes[:-1]) + 1
+        starts = np.concatenate(([0], heads))
+        lasts = np.concatenate((heads - 1, [rows.size - 1]))
+        link = ~ends[:-1]  # a step that ends its episode links to nothing
+        link[heads - 1] = False  # nor does an episode's last row here to another's first
+        self._next[rows[:-1][link] % cap] = rows[1:][link] % cap
+        breaks = ends.copy()  # where a window stops
+        breaks[lasts] = True
+        stops = np.flatnonzero(breaks)
+        index = np.arange(rows.size)
+        after = np.searchsorted(stops, index)
+        room = stops[after] - index  # rows after each one before its window's stop
+        tail_from = np.concatenate(([-1], stops))[after[lasts]] + 1  # each episode's last run
         first_live = self._ring.first_live
-        waiting: list[np.ndarray] = []  # earlier steps whose windows the new rows extend
-        for group in np.split(order, cuts):
-            episode = int(episodes[group[0]])
-            mine, mine_ends = positions[group], ends[group]
+        waiting: list[np.ndarray] = []  # steps whose windows this insert lengthens
+        waiting_at: list[int] = []  # where their episode's new rows begin in ``rows``
+        for episode, start, last, tail_start, ended in zip(
+                episodes[starts].tolist(), starts.tolist(), lasts.tolist(), tail_from.tolist(),
+                ends[lasts].tolist()):
             pending = self._open.pop(episode, None)
             if pending is not None:
                 pending = pending[pending >= first_live]  # ascending: a suffix stays
                 if pending.size:
-                    self._next[pending[-1] % cap] = mine[0] % cap
                     waiting.append(pending)
-            follows = ~mine_ends[:-1]  # a step that ends its episode links to nothing
-            self._next[mine[:-1][follows] % cap] = mine[1:][follows] % cap
-            if not mine_ends[-1]:
-                closed = np.flatnonzero(mine_ends)
-                run = mine[closed[-1] + 1:] if closed.size else mine
-                if run.size < keep and closed.size == 0 and pending is not None:
-                    run = np.concatenate((pending, run))
-                self._open[episode] = run[-keep:]
+                    waiting_at.append(start)
+            if not ended:
+                tail = rows[max(tail_start, last + 1 - keep):last + 1]
+                if tail.size < keep and tail_start == start and pending is not None:
+                    tail = np.concatenate((pending[max(0, pending.size - keep + tail.size):], tail))
+                self._open[episode] = tail
         if len(self._open) > self._sweep_at:
             self._open = {e: p for e, p in self._open.items() if p[-1] >= first_live}
             self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
-        self._sum[slots] = self._rewards(storage, slots)
-        self._last[slots] = slots
-        self._steps[slots] = 1
-        if waiting:
-            slots = np.concatenate([np.concatenate(waiting) % cap, slots])
-        self._extend(storage, slots)
+        new_slots = rows % cap
+        slots, begins, summed, sums = new_slots, index + 1, np.ones(rows.size, np.int64), rewards
+        if waiting:  # their windows continue at their episode's first new row
+            joined = np.concatenate(waiting) % cap
+            at = np.array(waiting_at, dtype=np.int64)
+            self._next[np.array([p[-1] for p in waiting]) % cap] = new_slots[at]
+            begins = np.concatenate((begins, np.repeat(at, [p.size for p in waiting])))
+            room = np.concatenate((room, room[begins[rows.size:]] + 1))
+            summed = np.concatenate((summed, self._steps[joined].astype(np.int64)))
+            sums = np.concatenate((sums, self._sum[joined]))
+            slots = np.concatenate((slots, joined))
+        self._grow(slots, new_slots, begins, summed, room, sums, rewards)
 
-    def _extend(self, storage: ColumnStorage, slots: np.ndarray) -> None:
-        """Lengthen the windows of ``slots`` along the links from their last steps, up to n.
+    def _grow(self, slots: np.ndarray, new_slots: np.ndarray, begins: np.ndarray,
+              summed: np.ndarray, room: np.ndarray, sums: np.ndarray,
+              rewards: np.ndarray) -> None:
+        """Store the windows of ``slots``, lengthened along the new rows.
 
-        One round per step added: each adds ``gamma^m * reward`` to the
-        windows still growing, in step order.
+        ``new_slots`` and ``rewards``: the new rows, grouped by episode in
+        step order. Window ``j`` has ``summed[j]`` steps in ``sums[j]``; its
+        next steps are ``new_slots[begins[j]:]``, ``room[j]`` of them before
+        it must stop, so it takes ``count = min(n - summed, room)`` more.
+        Ordered by ``count`` (most first), each round adds one term to a
+        prefix of the windows: ``max(count) <= n - 1`` rounds of a few vector
+        operations, each window's terms added in step order.
         """
-        steps = self._steps[slots].astype(np.int64)
-        following = self._next[self._last[slots]]
-        growing = np.flatnonzero((following >= 0) & (steps < self.n_step))
-        while growing.size:
-            at = slots[growing]
-            step = following[growing]
-            self._sum[at] += self._discounts[steps[growing]] * self._rewards(storage, step)
-            self._last[at] = step
-            steps[growing] += 1
-            following[growing] = self._next[step]
-            growing = growing[(following[growing] >= 0) & (steps[growing] < self.n_step)]
-        self._steps[slots] = steps
+        n = self.n_step
+        count = np.maximum(np.minimum(n - summed, room), 0)
+        rank = np.argsort(-count, kind="stable")
+        todo, done, total, begin = count[rank], summed[rank], sums[rank], begins[rank]  # copies
+        widths = np.searchsorted(-todo, -np.arange(1, int(todo[0]) + 1), side="right")
+        discount, step = done.copy(), begin.copy()  # per window: the next term's k and row
+        for width in widths.tolist():
+            total[:width] += self._discounts[discount[:width]] * rewards[step[:width]]
+            discount[:width] += 1
+            step[:width] += 1
+        at = slots[rank]
+        self._sum[at] = total
+        self._steps[at] = done + todo
+        grown = todo > 0
+        self._last[at[grown]] = new_slots[begin[grown] + todo[grown] - 1]
+        self._last[at[~grown]] = at[~grown]  # a new row alone in its window
 
     def _rewards(self, storage: ColumnStorage, slots: np.ndarray) -> np.ndarray:
         """The stored rewards at ``slots`` as float64 (any float dtype, any storage kind)."""
+        view = storage.views[self.reward_key]
+        if isinstance(view, np.ndarray) and storage.schema[self.reward_key].dtype != torch.bfloat16:
+            return view.reshape(-1)[slots].astype(np.float64)
         rewards = storage.gather(slots, keys=[self.reward_key])[self.reward_key]
         return rewards.to(torch.float64).numpy().reshape(slots.size)
 
     def _rebuild(self, storage: ColumnStorage) -> None:
-        """The windows of every live row, and the open episodes' pending steps, from the links."""
+        """The windows of every live row, and the open episodes' waiting steps, from the links.
+
+        Walks the links from every live row, one step per round: O(live rows * n).
+        """
         self._stale = False
-        cap, ring = self._ring.capacity, self._ring
+        cap, n, ring = self._ring.capacity, self.n_step, self._ring
         positions = np.arange(ring.first_live, ring.next_id, dtype=np.int64)
         slots = positions % cap
-        self._sum[slots] = self._rewards(storage, slots)
+        by_slot = np.zeros(cap, dtype=np.float64)
+        by_slot[slots] = self._rewards(storage, slots)
+        self._sum[slots] = by_slot[slots]
         self._last[slots] = slots
-        self._steps[slots] = 1
-        self._extend(storage, slots)
+        steps = np.ones(slots.size, dtype=np.int64)
+        following = self._next[slots]
+        growing = np.flatnonzero(following >= 0)
+        while growing.size and n > 1:
+            at, step = slots[growing], following[growing]
+            self._sum[at] += self._discounts[steps[growing]] * by_slot[step]
+            self._last[at] = step
+            steps[growing] += 1
+            following[growing] = self._next[step]
+            growing = growing[(following[growing] >= 0) & (steps[growing] < n)]
+        self._steps[slots] = steps
         newest = self._open  # as loaded: episode -> [its newest position]
         self._open = {}
-        growing = self._steps[slots] < self.n_step
+        short = steps < n
         for episode, last in newest.items():
             position = int(last[-1])
-            if position < ring.first_live:
-                continue
-            ends_there = growing & (self._last[slots] == position % cap)
-            self._open[episode] = positions[ends_there]
+            if position >= ring.first_live:
+                self._open[episode] = positions[short & (self._last[slots] == position % cap)]
 
     def clear(self) -> None:
         self._open.clear()
@@ -206,16 +254,21 @@ class NStepIndex:
         reward = None if out is None else out.get(self.reward_key)
         if reward is None:
             spec = storage.schema[self.reward_key]
-            reward = torch.empty((slots.size, *spec.shape), dtype=spec.dtype)
-        if reward.dtype == torch.bfloat16:  # numpy has no bfloat16
+            if spec.dtype == torch.bfloat16:  # numpy has no bfloat16
+                reward = torch.from_numpy(total).to(spec.dtype)
+            else:
+                reward = torch.from_numpy(total.astype(_NUMPY[spec.dtype]))
+            reward = reward.view(slots.size, *spec.shape)
+        elif reward.dtype == torch.bfloat16:
             reward.copy_(torch.from_numpy(total).to(reward.dtype).view(reward.shape))
         else:
             np.copyto(reward.numpy().reshape(-1), total, casting="unsafe")
         columns[self.reward_key] = reward
         steps = None if out is None else out.get(STEPS_KEY)
         if steps is None:
-            steps = torch.empty(slots.size, dtype=torch.int64)
-        np.copyto(steps.numpy(), self._steps[slots])
+            steps = torch.from_numpy(self._steps[slots].astype(np.int64))
+        else:
+            np.copyto(steps.numpy(), self._steps[slots])
         result = {key: columns[key] for key in order}
         result[STEPS_KEY] = steps
         return result

@@ -182,7 +182,7 @@ def test_windows_stop_at_done_and_truncated_inside_them() -> None:
 
 
 def test_the_ring_overwriting_an_episodes_head_leaves_its_newer_windows_whole() -> None:
-    capacity, n = 16, 4
+    capacity, n = 16, 6
     table = Table(TableConfig(name="n", capacity=capacity, n_step=n, gamma=0.9, seed=2))
     rows: list[dict] = []
     for t in range(50):  # one long episode, one step per insert: the ring wraps three times
@@ -205,12 +205,33 @@ def test_the_ring_overwriting_an_episodes_head_leaves_its_newer_windows_whole() 
     assert (batch.data["steps_to_next_obs"][resumed] == 1).all()
 
 
-def test_bfloat16_rewards_are_summed_as_numbers() -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_rewards_of_every_float_dtype_are_summed_as_numbers(dtype, shape) -> None:
     table = Table(TableConfig(name="n", capacity=8, n_step=3, gamma=0.5, seed=0))
     data = columns([step(0, 0, t, 1.0, False, False) for t in range(4)])
-    data["reward"] = torch.tensor([1.0, 2.0, 4.0, 8.0], dtype=torch.bfloat16)
+    data["reward"] = torch.tensor([1.0, 2.0, 4.0, 8.0], dtype=dtype).reshape(4, *shape)
     first = int(table.insert(data)[0])
     batch = table.sample(32)
+    assert batch.data["reward"].dtype == dtype and batch.data["reward"].shape == (32, *shape)
     want = {0: 1 + 1 + 1, 1: 2 + 2 + 2, 2: 4 + 4, 3: 8}
-    for position, reward in zip((batch.ids - first).tolist(), batch.data["reward"].tolist()):
+    rewards = batch.data["reward"].reshape(32).tolist()
+    for position, reward in zip((batch.ids - first).tolist(), rewards):
         assert reward == want[position]
+
+
+def test_a_batch_into_staging_buffers_equals_a_batch_into_new_tensors() -> None:
+    tables = [Table(TableConfig(name="n", capacity=128, n_step=4, gamma=0.9, seed=7))
+              for _ in range(2)]
+    data = columns([step(a % 3, a % 3, a, a * 0.25, a % 11 == 10, a % 13 == 12)
+                    for a in range(100)])
+    for table in tables:
+        table.insert(data)
+    out = {key: torch.full(shape, 99, dtype=dtype)
+           for key, (dtype, shape) in tables[1].batch_layout(16).items()}
+    a, b = tables[0].sample(16), tables[1].sample(16, out=out)
+    assert torch.equal(a.ids, b.ids)
+    for key in ("obs", "reward", "done", "truncated", "steps_to_next_obs"):
+        assert torch.equal(a.data[key], b.data[key]), key
+        assert b.data[key].data_ptr() == out[key].data_ptr()
+    assert torch.equal(a.data["next"]["obs"], b.data["next"]["obs"])
