@@ -125,11 +125,15 @@ def test_bad_frame_stack_options_are_refused(fields: dict, named: str) -> None:
         TableConfig(name="t", capacity=8, **fields)
 
 
+def frame_of(step: torch.Tensor, actor: torch.Tensor) -> torch.Tensor:
+    """One value per frame (each [84, 84] frame is filled with it)."""
+    return ((step * 7 + actor * 50) % 251).to(torch.uint8)
+
+
 def atari_rows(first: int, n: int, actors: int = 3) -> dict:
-    """``n`` interleaved Atari steps ([4, 84, 84] uint8 stacks, repeat-padded) from step ``first``."""
+    """``n`` interleaved Atari steps ([4, 84, 84] uint8, repeat-padded stacks) from ``first`` on."""
     t = torch.arange(first, first + n)
     step, actor = t // actors, t % actors
-    frame_of = lambda s, a: ((s * 7 + a * 50) % 251).to(torch.uint8)  # noqa: E731
     obs = torch.empty((n, 4, 84, 84), dtype=torch.uint8)
     for k in range(4):  # frame of step s - (3 - k), the first repeated before the start
         obs[:, k] = frame_of(torch.clamp(step - (3 - k), min=0), actor)[:, None, None]
