@@ -36,6 +36,20 @@ def sample_rate(table, seconds: float, batch: int = BATCH) -> float:
     return ops * batch / (time.perf_counter() - start)
 
 
+def alternated_rates(tables: dict, seconds: float, slices: int = 10,
+                     batch: int = BATCH) -> dict:
+    """Rows/s of each table's ``sample(batch)``, ``seconds`` each, taken in ``slices`` turns.
+
+    The tables take turns (each slice after 20 warm-up samples), so a busy
+    spell on a shared machine hits every side about alike.
+    """
+    rates = {name: 0.0 for name in tables}
+    for _ in range(slices):
+        for name, table in tables.items():
+            rates[name] += sample_rate(table, seconds / slices, batch) / slices
+    return rates
+
+
 def report_medians(runs: dict[str, list[float]], json_path: Path | None) -> dict[str, float]:
     """Print the median of each measurement (and write runs and medians to ``json_path``)."""
     medians = {key: statistics.median(values) for key, values in runs.items()}

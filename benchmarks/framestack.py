@@ -10,7 +10,8 @@ and ``next.obs`` ``[4, 84, 84]`` uint8, ``action`` int64, ``reward`` float32,
 transitions go into a plain table and into one with ``frame_stack_key =
 "obs"``. Prints bytes per transition (the table's storage plus the sampler's
 per-slot state, over its capacity), the memory ratio, sampled rows/s and
-the throughput ratio dedup / plain, per repetition, then medians.
+the throughput ratio dedup / plain (the tables take turns, 10 slices each per
+repetition), per repetition, then medians.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from replay_server.engine.memory import table_bytes
 from replay_server.engine.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_rates import arguments, BATCH, report_medians, sample_rate  # noqa: E402
+from engine_rates import alternated_rates, arguments, BATCH, report_medians  # noqa: E402
 
 ROWS = 50_000
 ACTORS = 8
@@ -71,11 +72,8 @@ def main() -> None:
           f"{tables['dedup'].info().sampler_stats['frame_history_rows']}")
     ratios, plain_rates = [], []
     for repetition in range(args.repeat):
-        # Alternated, each twice, so a busy spell on a shared machine hits both sides.
-        halves = [(sample_rate(tables["plain"], args.seconds / 2),
-                   sample_rate(tables["dedup"], args.seconds / 2))
-                  for _ in range(2)]
-        plain, dedup = (sum(h[i] for h in halves) / 2 for i in (0, 1))
+        rates = alternated_rates(tables, args.seconds)
+        plain, dedup = rates["plain"], rates["dedup"]
         ratios.append(dedup / plain)
         plain_rates.append(plain)
         print(f"[{repetition}] plain {plain:>10,.0f} rows/s  dedup {dedup:>10,.0f} rows/s  "

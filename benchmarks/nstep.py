@@ -7,13 +7,15 @@ In-process engine, uniform sampler, batch 256, two row kinds: ``atari``
 ``small`` (obs and next.obs 17 float32, action, reward, done, episode), 100,000
 rows each in episodes of 1,000 steps from 8 interleaved actors. For each kind
 the same rows go into a plain table and into tables with ``n_step`` 3 and 10;
-prints sampled rows/s and the cost ratio plain / n-step (the target: n-step
-costs at most 1.5x a plain sample), per repetition, then medians.
+the tables take turns (10 slices each per repetition); prints sampled rows/s and the cost ratio plain / n-step (the target: n-step
+costs at most 1.5x a plain sample), per repetition, then medians; and the
+time the fill's inserts took (1,000 rows each) against the plain table's.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,7 +24,7 @@ from replay_server.engine.config import TableConfig
 from replay_server.engine.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_rates import arguments, report_medians, sample_rate  # noqa: E402
+from engine_rates import alternated_rates, arguments, report_medians  # noqa: E402
 
 ROWS = 100_000
 ACTORS = 8
@@ -50,15 +52,19 @@ def main() -> None:
         tables = {n: Table(TableConfig(name=f"t{n}", capacity=ROWS, seed=0, n_step=n))
                   for n in (1, 3, 10)}
         chunk = 1_000
+        filling = dict.fromkeys(tables, 0.0)  # seconds of Table.insert per table
         for first in range(0, ROWS, chunk):
             data = rows(kind, first, chunk)
-            for table in tables.values():
+            for n, table in tables.items():
+                start = time.perf_counter()
                 table.insert(data)
+                filling[n] += time.perf_counter() - start
+        for n in (3, 10):  # one fill each: noisier than the sample rates
+            print(f"{kind:5} insert: plain {ROWS / filling[1]:>12,.0f} rows/s  n_step={n:<2} "
+                  f"{ROWS / filling[n]:>12,.0f} rows/s  cost {filling[n] / filling[1]:.2f}x")
+            runs[f"{kind} n_step={n} insert cost vs plain"] = [filling[n] / filling[1]]
         for repetition in range(args.repeat):
-            # Alternated, each twice, so a busy spell on a shared machine hits every side.
-            halves = [{n: sample_rate(table, args.seconds / 2) for n, table in tables.items()}
-                      for _ in range(2)]
-            rates = {n: (halves[0][n] + halves[1][n]) / 2 for n in tables}
+            rates = alternated_rates(tables, args.seconds)
             for n in (3, 10):
                 cost = rates[1] / rates[n]
                 runs.setdefault(f"{kind} n_step={n} cost vs plain", []).append(cost)

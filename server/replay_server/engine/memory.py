@@ -57,7 +57,7 @@ def sampler_slot_bytes(config: TableConfig) -> int:
         SamplerKind.FIFO: 0,  # runs of positions: nothing per slot
         SamplerKind.LIFO: 0,
     }[kind]
-    per_slot += 8 if config.n_step > 1 else 0  # next-step positions
+    per_slot += 26 if config.n_step > 1 else 0  # next-step links and windows (nstep.py)
     per_slot += 16 if config.frame_stack_key else 0  # previous and next step positions
     return per_slot + (4 if config.max_times_sampled else 0)  # uint32 draw counts
 

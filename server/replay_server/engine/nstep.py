@@ -5,7 +5,8 @@ one-step transitions and returns, for each sampled row ``t``, the n-step
 transition that starts there (the first step's data, ids, priorities,
 probabilities and weights, as TorchRL's ``MultiStep`` does)::
 
-    reward            = sum_{k < m} gamma^k * reward[t + k]   (float64 sum, cast to the column's dtype)
+    reward            = sum_{k < m} gamma^k * reward[t + k]   (float64, added in step order,
+                                                               cast to the column's dtype)
     done, truncated   = those of step t + m - 1
     next.*            = those of step t + m - 1  (the bootstrap observation)
     steps_to_next_obs = m                        (int64; bootstrap with gamma^m)
@@ -13,19 +14,33 @@ probabilities and weights, as TorchRL's ``MultiStep`` does)::
 where ``t, t + 1, ...`` are the stored steps of ``t``'s episode in order
 (however actors interleave their inserts) and ``m <= n`` stops early at the
 step that ends the episode (``done`` or ``truncated``) or at the newest step
-of an episode still running. Every other column is that of step ``t``.
+of an episode still running.
 
 The index keeps, per slot, the slot of the next step of the same episode
 (-1: none yet, or the episode ended there), linked at insert the way
-:mod:`~replay_server.engine.samplers.episodes` links slices; a slot's link
-is reset when a new row takes the slot. A step after a stored row is always
-stored (the ring overwrites in insertion order), so the window never
-touches an overwritten row.
+:mod:`~replay_server.engine.samplers.episodes` links slices, and each slot's
+*window* as of now: its discounted sum (float64), the slot of its last step
+and ``m``. An insert extends the windows it lengthens: its own rows' and
+those of the last ``n - 1`` steps of each episode it continues (kept per open
+episode), adding each new step's term to the running sum, so the sum is
+added in step order exactly as a scan of the window would add it. A step
+after a stored row is always stored (the ring overwrites in insertion
+order), so a window never touches an overwritten row. A sample is then the
+plain gather with the ``next.*``, ``done`` and ``truncated`` columns read at
+the window's last slot and the reward taken from the kept sums: a few lookups
+of 256 elements, whatever ``n``.
 
-Cost: insert O(rows + episodes); sample O(B * n) lookups of 8 bytes plus
-the usual gather (the ``next.*``, ``done`` and ``truncated`` columns are
-read at the window's last step instead of the first). Memory: 8 bytes per
-slot. Not thread-safe: called under the table's lock.
+Checkpoints keep the links only (the windows depend on ``n_step``, ``gamma``
+and ``reward_key``, which may change between runs); the windows are rebuilt
+from the links and the stored rewards at the first insert or sample after a
+load: O(live rows * n).
+
+Cost: insert O(rows * log rows) (a sort by episode), a loop over the
+insert's episodes for their bookkeeping, and up to ``n - 1`` rounds of vector
+operations over the windows it extends (as many as the longest run of new
+steps of one episode); sample O(B) lookups plus the usual gather. Memory: 26
+bytes per slot.
+Not thread-safe: called under the table's lock.
 """
 
 from __future__ import annotations
@@ -49,13 +64,16 @@ NEXT_PREFIX = "next."
 
 _MIN_SWEEP = 1024
 
+_NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+"""The reward dtypes numpy has (bfloat16 goes through torch)."""
+
 
 class NStepIndex:
-    """Next-step links per slot, and the n-step windows of sampled rows (see the module).
+    """Next-step links and n-step windows per slot (see the module).
 
     Args:
         ring: the table's id ring (positions).
-        n_step: steps per transition (>= 2).
+        n_step: steps per transition (>= 2, <= 1000).
         gamma: discount.
         reward_key, done_key, truncated_key: the columns it reads and replaces.
     """
@@ -67,85 +85,193 @@ class NStepIndex:
         self.gamma = gamma
         self.reward_key = reward_key
         self.end_keys = (done_key, truncated_key)
-        # _next[slot]: the slot of the next step, or -1; one more entry, always -1, so that
-        # following a -1 (index -1: the last entry) stays -1.
-        self._next = np.full(ring.capacity + 1, -1, dtype=np.int64)
-        self._keys: tuple[list[str], list[str]] | None = None  # (first step's, last step's)
-        self._open: dict[int, int] = {}  # episode -> position of its newest step
+        cap = ring.capacity
+        self._next = np.full(cap, -1, dtype=np.int64)  # the slot of the next step, or -1
+        self._sum = np.zeros(cap, dtype=np.float64)  # the window's discounted reward
+        self._last = np.zeros(cap, dtype=np.int64)  # the slot of the window's last step
+        self._steps = np.zeros(cap, dtype=np.uint16)  # m
+        self._keys: tuple[list[str], list[str], list[str]] | None = None
+        # episode -> positions of its newest steps whose windows are not full (oldest first)
+        self._open: dict[int, np.ndarray] = {}
         self._sweep_at = _MIN_SWEEP
+        self._stale = False  # the windows need a rebuild from the links (after a load)
         self._discounts = gamma ** np.arange(n_step, dtype=np.float64)
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, event: InsertEvent) -> None:
-        """Link the rows of ``event`` (after the ring advanced past them)."""
+    def insert(self, storage: ColumnStorage, event: InsertEvent) -> None:
+        """Link the rows of ``event`` and extend the windows they lengthen.
+
+        Call after the ring advanced past them and they were written. The
+        rows are taken grouped by episode (a stable sort); only the open
+        episodes' bookkeeping is a loop over the insert's episodes.
+        """
         assert event.episodes is not None and event.ends is not None
-        cap = self._ring.capacity
-        positions = np.arange(event.first_id, event.first_id + event.count, dtype=np.int64)
+        if self._stale:
+            self._rebuild(storage)
+        cap, keep = self._ring.capacity, self.n_step - 1
+        positions = event.ids
         self._next[positions % cap] = -1
-        episodes, ends = event.episodes, event.ends
-        order = np.argsort(episodes, kind="stable")
-        sorted_eps = episodes[order]
-        cuts = np.flatnonzero(sorted_eps[1:] != sorted_eps[:-1]) + 1
+        order = np.argsort(event.episodes, kind="stable")
+        rows, episodes, ends = positions[order], event.episodes[order], event.ends[order]
+        rewards = self._rewards(storage, rows % cap)
+        heads = np.flatnonzero(episodes[1:] != episodes[:-1]) + 1
+        starts = np.concatenate(([0], heads))
+        lasts = np.concatenate((heads - 1, [rows.size - 1]))
+        link = ~ends[:-1]  # a step that ends its episode links to nothing
+        link[heads - 1] = False  # nor does an episode's last row here to another's first
+        self._next[rows[:-1][link] % cap] = rows[1:][link] % cap
+        breaks = ends.copy()  # where a window stops
+        breaks[lasts] = True
+        stops = np.flatnonzero(breaks)
+        index = np.arange(rows.size)
+        after = np.searchsorted(stops, index)
+        room = stops[after] - index  # rows after each one before its window's stop
+        tail_from = np.concatenate(([-1], stops))[after[lasts]] + 1  # each episode's last run
         first_live = self._ring.first_live
-        for group in np.split(order, cuts):
-            episode = int(episodes[group[0]])
-            mine, mine_ends = positions[group], ends[group]
-            previous = self._open.pop(episode, None)
-            if previous is not None and previous >= first_live:
-                self._next[previous % cap] = mine[0] % cap
-            follows = ~mine_ends[:-1]  # a step that ends its episode links to nothing
-            self._next[mine[:-1][follows] % cap] = mine[1:][follows] % cap
-            if not mine_ends[-1]:
-                self._open[episode] = int(mine[-1])
+        waiting: list[np.ndarray] = []  # steps whose windows this insert lengthens
+        waiting_at: list[int] = []  # where their episode's new rows begin in ``rows``
+        for episode, start, last, tail_start, ended in zip(
+                episodes[starts].tolist(), starts.tolist(), lasts.tolist(), tail_from.tolist(),
+                ends[lasts].tolist()):
+            pending = self._open.pop(episode, None)
+            if pending is not None:
+                pending = pending[pending >= first_live]  # ascending: a suffix stays
+                if pending.size:
+                    waiting.append(pending)
+                    waiting_at.append(start)
+            if not ended:
+                tail = rows[max(tail_start, last + 1 - keep):last + 1]
+                if tail.size < keep and tail_start == start and pending is not None:
+                    tail = np.concatenate((pending[max(0, pending.size - keep + tail.size):], tail))
+                self._open[episode] = tail
         if len(self._open) > self._sweep_at:
-            self._open = {e: p for e, p in self._open.items() if p >= first_live}
+            self._open = {e: p for e, p in self._open.items() if p[-1] >= first_live}
             self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
+        new_slots = rows % cap
+        slots, begins, summed, sums = new_slots, index + 1, np.ones(rows.size, np.int64), rewards
+        if waiting:  # their windows continue at their episode's first new row
+            joined = np.concatenate(waiting) % cap
+            at = np.array(waiting_at, dtype=np.int64)
+            self._next[np.array([p[-1] for p in waiting]) % cap] = new_slots[at]
+            begins = np.concatenate((begins, np.repeat(at, [p.size for p in waiting])))
+            room = np.concatenate((room, room[begins[rows.size:]] + 1))
+            summed = np.concatenate((summed, self._steps[joined].astype(np.int64)))
+            sums = np.concatenate((sums, self._sum[joined]))
+            slots = np.concatenate((slots, joined))
+        self._grow(slots, new_slots, begins, summed, room, sums, rewards)
+
+    def _grow(self, slots: np.ndarray, new_slots: np.ndarray, begins: np.ndarray,
+              summed: np.ndarray, room: np.ndarray, sums: np.ndarray,
+              rewards: np.ndarray) -> None:
+        """Store the windows of ``slots``, lengthened along the new rows.
+
+        ``new_slots`` and ``rewards``: the new rows, grouped by episode in
+        step order. Window ``j`` has ``summed[j]`` steps in ``sums[j]``; its
+        next steps are ``new_slots[begins[j]:]``, ``room[j]`` of them before
+        it must stop, so it takes ``count = min(n - summed, room)`` more.
+        Ordered by ``count`` (most first), each round adds one term to a
+        prefix of the windows: ``max(count) <= n - 1`` rounds of a few vector
+        operations, each window's terms added in step order.
+        """
+        n = self.n_step
+        count = np.maximum(np.minimum(n - summed, room), 0)
+        rank = np.argsort(-count, kind="stable")
+        todo, done, total, begin = count[rank], summed[rank], sums[rank], begins[rank]  # copies
+        widths = np.searchsorted(-todo, -np.arange(1, int(todo[0]) + 1), side="right")
+        discount, step = done.copy(), begin.copy()  # per window: the next term's k and row
+        for width in widths.tolist():
+            total[:width] += self._discounts[discount[:width]] * rewards[step[:width]]
+            discount[:width] += 1
+            step[:width] += 1
+        at = slots[rank]
+        self._sum[at] = total
+        self._steps[at] = done + todo
+        grown = todo > 0
+        self._last[at[grown]] = new_slots[begin[grown] + todo[grown] - 1]
+        self._last[at[~grown]] = at[~grown]  # a new row alone in its window
+
+    def _rewards(self, storage: ColumnStorage, slots: np.ndarray) -> np.ndarray:
+        """The stored rewards at ``slots`` as float64 (any float dtype, any storage kind)."""
+        view = storage.views[self.reward_key]
+        if isinstance(view, np.ndarray) and storage.schema[self.reward_key].dtype != torch.bfloat16:
+            return view.reshape(-1)[slots].astype(np.float64)
+        rewards = storage.gather(slots, keys=[self.reward_key])[self.reward_key]
+        return rewards.to(torch.float64).numpy().reshape(slots.size)
+
+    def _rebuild(self, storage: ColumnStorage) -> None:
+        """The windows of every live row, and the open episodes' waiting steps, from the links.
+
+        Walks the links from every live row, one step per round: O(live rows * n).
+        """
+        self._stale = False
+        cap, n, ring = self._ring.capacity, self.n_step, self._ring
+        positions = np.arange(ring.first_live, ring.next_id, dtype=np.int64)
+        slots = positions % cap
+        by_slot = np.zeros(cap, dtype=np.float64)
+        by_slot[slots] = self._rewards(storage, slots)
+        self._sum[slots] = by_slot[slots]
+        self._last[slots] = slots
+        steps = np.ones(slots.size, dtype=np.int64)
+        following = self._next[slots]
+        growing = np.flatnonzero(following >= 0)
+        while growing.size and n > 1:
+            at, step = slots[growing], following[growing]
+            self._sum[at] += self._discounts[steps[growing]] * by_slot[step]
+            self._last[at] = step
+            steps[growing] += 1
+            following[growing] = self._next[step]
+            growing = growing[(following[growing] >= 0) & (steps[growing] < n)]
+        self._steps[slots] = steps
+        newest = self._open  # as loaded: episode -> [its newest position]
+        self._open = {}
+        short = steps < n
+        for episode, last in newest.items():
+            position = int(last[-1])
+            if position >= ring.first_live:
+                self._open[episode] = positions[short & (self._last[slots] == position % cap)]
 
     def clear(self) -> None:
         self._open.clear()
 
     # ------------------------------------------------------------------ sample
 
-    def gather(self, storage: ColumnStorage, positions: np.ndarray,
+    def gather(self, storage: ColumnStorage, slots: np.ndarray,
                out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The n-step transitions starting at ``positions`` (int64 ``[B]``, live rows)."""
-        cap = self._ring.capacity
-        views = storage.views
+        """The n-step transitions starting at ``slots`` (int64 ``[B]``, live rows)."""
+        if self._stale:
+            self._rebuild(storage)
         if self._keys is None:
+            views = storage.views
             tail = [key for key in views if key.startswith(NEXT_PREFIX) or key in self.end_keys]
-            self._keys = ([key for key in views if key not in tail], tail)
-        head_keys, tail_keys = self._keys
-        rewards = views[self.reward_key].reshape(cap)
-        first = positions % cap
-        # chain[k]: the slot of step t + k, or -1 past the window's end (the link of a step
-        # that ended its episode, or of its episode's newest step, is -1, and so is the
-        # sentinel _next[-1], so -1 stays -1).
-        chain = np.empty((self.n_step, first.size), dtype=np.int64)
-        chain[0] = first
-        for k in range(1, self.n_step):
-            np.take(self._next, chain[k - 1], out=chain[k])
-        inside = chain >= 0
-        steps = inside.sum(axis=0)
-        terms = rewards[chain].astype(np.float64)  # -1 reads the last slot: masked next
-        terms *= self._discounts[:, None]
-        terms[~inside] = 0.0
-        total = terms.sum(axis=0)  # in step order, as a running sum would add them
-        slots = chain[steps - 1, np.arange(first.size)]
-        columns = storage.gather(first, out, keys=head_keys)
-        columns.update(storage.gather(slots, out, keys=tail_keys))
-        reward = columns[self.reward_key]
-        if reward.dtype == torch.bfloat16:  # numpy has no bfloat16
+            head = [key for key in views if key not in tail]
+            self._keys = ([key for key in head if key != self.reward_key],
+                          [key for key in tail if key != self.reward_key], head + tail)
+        head_keys, tail_keys, order = self._keys
+        columns = storage.gather(slots, out, keys=head_keys)
+        columns.update(storage.gather(self._last[slots], out, keys=tail_keys))
+        total = self._sum[slots]
+        reward = None if out is None else out.get(self.reward_key)
+        if reward is None:
+            spec = storage.schema[self.reward_key]
+            if spec.dtype == torch.bfloat16:  # numpy has no bfloat16
+                reward = torch.from_numpy(total).to(spec.dtype)
+            else:
+                reward = torch.from_numpy(total.astype(_NUMPY[spec.dtype]))
+            reward = reward.view(slots.size, *spec.shape)
+        elif reward.dtype == torch.bfloat16:
             reward.copy_(torch.from_numpy(total).to(reward.dtype).view(reward.shape))
         else:
             np.copyto(reward.numpy().reshape(-1), total, casting="unsafe")
-        steps_out = None if out is None else out.get(STEPS_KEY)
-        if steps_out is None:
-            columns[STEPS_KEY] = torch.from_numpy(steps)
+        columns[self.reward_key] = reward
+        steps = None if out is None else out.get(STEPS_KEY)
+        if steps is None:
+            steps = torch.from_numpy(self._steps[slots].astype(np.int64))
         else:
-            steps_out.copy_(torch.from_numpy(steps))
-            columns[STEPS_KEY] = steps_out
-        return columns
+            np.copyto(steps.numpy(), self._steps[slots])
+        result = {key: columns[key] for key in order}
+        result[STEPS_KEY] = steps
+        return result
 
     # ------------------------------------------------------------- persistence
 
@@ -154,11 +280,15 @@ class NStepIndex:
         return {"n_step": self.n_step,
                 "next": torch.from_numpy(saved_copy(self._next[:used])),
                 "open_episodes": torch.tensor(episodes, dtype=torch.int64),
-                "open_last": torch.tensor([self._open[e] for e in episodes], dtype=torch.int64)}
+                "open_last": torch.tensor([int(self._open[e][-1]) for e in episodes],
+                                          dtype=torch.int64)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the links; the windows are rebuilt at the next insert or sample (see the module)."""
         saved = state["next"].numpy()[: self._ring.capacity]
         self._next.fill(-1)
         self._next[: saved.size] = saved
-        self._open = {int(e): int(p) for e, p in zip(state["open_episodes"], state["open_last"])}
+        self._open = {int(e): np.array([int(p)], dtype=np.int64)
+                      for e, p in zip(state["open_episodes"], state["open_last"])}
         self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
+        self._stale = True

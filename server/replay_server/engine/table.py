@@ -222,7 +222,7 @@ class Table:
                 deleted = queue.dropped_by(depth, rows)
             if parts.nstep is not None:
                 assert linked is not None
-                parts.nstep.insert(linked)
+                parts.nstep.insert(parts.storage, linked)
             parts.counters.inserted += rows
             parts.counters.evicted += evicted
             parts.limiter.inserted(rows)
@@ -305,7 +305,7 @@ class Table:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
             assert parts.storage is not None
             if parts.nstep is not None:
-                columns = parts.nstep.gather(parts.storage, index.ids, out)
+                columns = parts.nstep.gather(parts.storage, index.slots, out)
             elif parts.frames is not None:
                 columns = parts.frames.gather(parts.storage, index.ids, out)
             else:

@@ -29,9 +29,10 @@ row's kept history goes when the row goes. Kept histories are few (about
 they count in ``info`` (``sampler_stats["frame_history_rows"]``), not in the
 memory ledger.
 
-Cost: insert O(rows * stack) link and frame compares; sample: ``stack + 1``
-frame gathers and ``stack - 1`` link lookups per row instead of ``2 * stack``
-frame gathers. Memory: 16 bytes per slot of links. Not thread-safe: called
+Cost: insert O(rows * stack) link and frame compares; sample, per row:
+``stack - 1`` link lookups, ``stack + 1`` frames read (the stack and the next
+frame) and ``stack - 1`` copied (``next.<key>``'s shared frames), instead of
+``2 * stack`` frames read. Memory: 16 bytes per slot of links. Not thread-safe: called
 under the table's lock.
 """
 
@@ -129,6 +130,7 @@ class FrameStacks:
         self._open: dict[int, int] = {}
         self._kept: dict[int, np.ndarray] = {}  # position -> its stack - 1 older frames
         self._sweep_at = _MIN_SWEEP
+        self._others: list[str] | None = None  # the columns gathered as stored
 
     # ------------------------------------------------------------------ insert
 
@@ -208,38 +210,48 @@ class FrameStacks:
         """The rows at ``positions`` (int64 ``[B]``, live) with their stacks rebuilt.
 
         The stacks are built in place in the destination tensors (``out``'s
-        where given); rows are split across the worker pool as gathers are.
+        where given): one ``np.take`` reads each row's ``stack`` frames into
+        ``<key>``; ``next.<key>`` is those rows' frames ``1..stack - 1`` (one
+        strided copy) and the next frame, taken straight into place. Rows of
+        ``_PARALLEL_BYTES`` or more of stacks are split across the worker pool
+        as plain gathers are.
         """
         cap = self._ring.capacity
         views = storage.views
-        others = [key for key in views if key not in (self.key, self.next_key)]
-        columns = storage.gather(positions % cap, out, keys=others)
+        if self._others is None:
+            self._others = [key for key in views if key not in (self.key, self.next_key)]
+        slots = positions % cap
+        columns = storage.gather(slots, out, keys=self._others)
         frames, next_frames = views[self.key], views[self.next_key]
-        dtype = storage.columns[self.key].dtype
-        dests = {}
-        for name in (self.key, self.next_key):
-            dest = None if out is None else out.get(name)
-            if dest is None:
-                dest = torch.empty((positions.size, self.stack, *frames.shape[1:]), dtype=dtype)
-            dests[name] = dest
-            columns[name] = dest
-        stacks, following = _numpy(dests[self.key]), _numpy(dests[self.next_key])
+        shape = (positions.size, self.stack, *frames.shape[1:])
+        dtype = storage.schema[self.key].dtype
+        stacks, following = (_numpy(self._destination(name, out, shape, dtype, columns))
+                             for name in (self.key, self.next_key))
 
-        def part(bounds: tuple[int, int]) -> None:
-            a, b = bounds
+        def part(a: int, b: int) -> None:
             self._rebuild(frames, positions[a:b], into=stacks[a:b])
-            following[a:b, :-1] = stacks[a:b, 1:]
-            following[a:b, -1] = next_frames[positions[a:b] % cap]
+            np.copyto(following[a:b, :-1], stacks[a:b, 1:])
+            np.take(next_frames, slots[a:b], axis=0, out=following[a:b, -1], mode="clip")
 
-        parts = min(workers.THREADS, max(1, stacks.nbytes // _PARALLEL_BYTES))
-        bounds = np.linspace(0, positions.size, parts + 1).astype(int)
-        tasks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        if len(tasks) < 2:
-            for task in tasks:
-                part(task)
+        parts = min(workers.THREADS, positions.size, max(1, stacks.nbytes // _PARALLEL_BYTES))
+        if parts < 2:
+            part(0, positions.size)
         else:
-            workers.run_split(part, tasks, len(tasks))
+            bounds = [positions.size * i // parts for i in range(parts + 1)]
+            workers.run_split(lambda task: part(*task), list(zip(bounds[:-1], bounds[1:])),
+                              parts)
         return columns
+
+    @staticmethod
+    def _destination(name: str, out: Mapping[str, torch.Tensor] | None,
+                     shape: tuple[int, ...], dtype: torch.dtype,
+                     columns: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``out[name]`` if given, else a new tensor; entered in ``columns``."""
+        dest = None if out is None else out.get(name)
+        if dest is None:
+            dest = torch.empty(shape, dtype=dtype)
+        columns[name] = dest
+        return dest
 
     def _rebuild(self, frames: np.ndarray, positions: np.ndarray,
                  gone_below: int | None = None, into: np.ndarray | None = None) -> np.ndarray:

@@ -123,3 +123,39 @@ def test_a_schema_without_next_obs_is_refused_naming_it() -> None:
 def test_bad_frame_stack_options_are_refused(fields: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         TableConfig(name="t", capacity=8, **fields)
+
+
+def frame_of(step: torch.Tensor, actor: torch.Tensor) -> torch.Tensor:
+    """One value per frame (each [84, 84] frame is filled with it)."""
+    return ((step * 7 + actor * 50) % 251).to(torch.uint8)
+
+
+def atari_rows(first: int, n: int, actors: int = 3) -> dict:
+    """``n`` interleaved Atari steps ([4, 84, 84] uint8, repeat-padded stacks) from ``first`` on."""
+    t = torch.arange(first, first + n)
+    step, actor = t // actors, t % actors
+    obs = torch.empty((n, 4, 84, 84), dtype=torch.uint8)
+    for k in range(4):  # frame of step s - (3 - k), the first repeated before the start
+        obs[:, k] = frame_of(torch.clamp(step - (3 - k), min=0), actor)[:, None, None]
+    following = obs.roll(-1, dims=1)
+    following[:, -1] = frame_of(step + 1, actor)[:, None, None]
+    return {"obs": obs, "next": {"obs": following}, "reward": t.float(),
+            "done": torch.zeros(n, dtype=torch.bool), "episode": actor}
+
+
+def test_batches_large_enough_to_split_across_workers_are_those_of_the_full_stack_table() -> None:
+    common = {"name": "t", "capacity": 96, "seed": 4}
+    plain, dedup = Table(TableConfig(**common)), Table(TableConfig(**common, frame_stack_key="obs"))
+    for first in (0, 60, 120):  # the ring wraps: kept histories too
+        for table in (plain, dedup):
+            table.insert(atari_rows(first, 60))
+    assert dedup.info().sampler_stats["frame_history_rows"] > 0
+    out = {key: torch.full(shape, 7, dtype=dtype)
+           for key, (dtype, shape) in dedup.batch_layout(160).items()}
+    # 160 stacks of 4 frames of 84x84: 4.5 MB, split across the worker pool
+    a, b, c = plain.sample(160), dedup.sample(160), dedup.sample(160, out=out)
+    d = plain.sample(160)
+    same(a, b)
+    same(d, c)
+    assert c.data["obs"].data_ptr() == out["obs"].data_ptr()
+    assert c.data["next"]["obs"].data_ptr() == out["next.obs"].data_ptr()
