@@ -45,7 +45,6 @@ log = logging.getLogger("replay_server")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    keep_request_buffers()
     logs.configure()
     settings = load_settings(args.config) if args.config else ServerSettings()
     if args.address:
@@ -55,6 +54,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.checkpoint_dir:
         settings = dataclasses.replace(settings, checkpoint_dir=args.checkpoint_dir)
     logs.configure(settings.log_format)
+    keep_request_buffers()  # after the logs: it says so when glibc refuses
     if not args.config:
         log.info("no config given: serving the default tables (one per sampler kind)")
     if settings.checkpoint_dir is None:
