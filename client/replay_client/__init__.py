@@ -7,7 +7,8 @@ package never imports ``replay_server``.
 """
 
 from replay_client import errors
-from replay_client.client import ReplayClient, ServerInfo, TableInfo
+from replay_client.client import ReplayClient
+from replay_client.table_info import ServerInfo, TableCapabilities, TableInfo
 from replay_client.errors import ReplayError
 from replay_client.tls import TlsConfig
 from replay_client.variables import Variable
@@ -15,7 +16,7 @@ from replay_client.writer import Writer
 from replay_proto.batch import SampleBatch
 
 __all__ = ["RemoteReplayBuffer", "ReplayClient", "ReplayError", "SampleBatch", "ServerInfo",
-           "TableInfo", "TlsConfig", "Variable", "Writer", "errors"]
+           "TableCapabilities", "TableInfo", "TlsConfig", "Variable", "Writer", "errors"]
 
 
 def __getattr__(name: str) -> object:

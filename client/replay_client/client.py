@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,6 +23,7 @@ from replay_client.errors import (
     UnknownTableError,
 )
 from replay_client.stream import NetworkSource
+from replay_client.table_info import ServerInfo, TableInfo, server_info_of
 from replay_client.tls import TlsConfig
 from replay_client.update_stream import StreamFallback, UpdateStream
 from replay_client.updates import PriorityUpdater
@@ -35,60 +35,9 @@ from replay_feed.stream import BatchStream
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.dtypes import dtype_name
-from replay_proto.mass import SamplingMass
 from replay_proto.rows import rows_of
 from replay_proto.sample_codec import decode_sample
 from replay_proto.v1 import replay_pb2 as pb
-
-_COUNTER_FIELDS = tuple(pb.TableCounters.DESCRIPTOR.fields_by_name)
-_LIMITER_FIELDS = tuple(pb.RateLimiterInfo.DESCRIPTOR.fields_by_name)
-_SERVER_LIMIT_FIELDS = tuple(pb.ServerLimits.DESCRIPTOR.fields_by_name)
-
-
-@dataclass(frozen=True, slots=True)
-class TableInfo:
-    """One table as the server reports it.
-
-    ``rate_limiter`` holds the fields of ``RateLimiterInfo`` in
-    ``replay.proto`` (``enabled``, ``min_size_to_sample``, ``samples_per_insert``,
-    ``error_buffer``, ``inserts``, ``samples``, ``deletes``, ``can_insert``,
-    ``can_sample``, ``blocked_inserts``, ``blocked_samples``, ...).
-    """
-
-    name: str
-    sampler: str
-    capacity: int
-    size: int
-    schema: dict[str, str]
-    pinned: bool
-    storage_bytes: int
-    counters: dict[str, int]
-    sampler_stats: dict[str, float]
-    alpha: float
-    beta: float
-    slice_len: int | None
-    rate_limiter: dict[str, Any]
-    max_times_sampled: int
-    mass: SamplingMass | None = None
-    episode_key: str = "episode"
-
-
-@dataclass(frozen=True, slots=True)
-class ServerInfo:
-    """The server as a whole: its shard and id incarnation, its limits, and its tables.
-
-    ``shard`` is bits 56..62 of every id the server issues (a sharded client
-    routes an id to shard ``id >> 56``); ``incarnation`` is bits 40..55 of
-    the ids it issues now. ``limits`` holds the fields of ``ServerLimits`` in
-    ``replay.proto`` (``memory_budget_bytes``, ``memory_in_use_bytes``,
-    ``max_concurrent_calls``, ``calls_in_flight``, ``max_connections``, ...).
-    """
-
-    shard: int
-    incarnation: int
-    limits: dict[str, int | float]
-    tables: dict[str, TableInfo]
-
 
 class ReplayClient:
     """A connection to one replay server (or, given many, to shards: see below).
@@ -333,26 +282,7 @@ class ReplayClient:
         response = pb.InfoResponse.FromString(
             self._connection.unary("Info", pb.InfoRequest().SerializeToString(), retry=True)
         )
-        limits = {f: getattr(response.limits, f) for f in _SERVER_LIMIT_FIELDS}
-        return ServerInfo(shard=response.shard, incarnation=response.incarnation,
-                          limits=limits, tables=self._tables(response))
-
-    @staticmethod
-    def _tables(response: pb.InfoResponse) -> dict[str, TableInfo]:
-        return {
-            t.name: TableInfo(
-                name=t.name, sampler=t.sampler, capacity=t.capacity, size=t.size,
-                schema=dict(t.schema), pinned=t.pinned, storage_bytes=t.storage_bytes,
-                counters={f: getattr(t.counters, f) for f in _COUNTER_FIELDS},
-                sampler_stats=dict(t.sampler_stats), alpha=t.alpha, beta=t.beta,
-                slice_len=t.slice_len or None,
-                rate_limiter={f: getattr(t.rate_limiter, f) for f in _LIMITER_FIELDS},
-                max_times_sampled=t.max_times_sampled,
-                mass=SamplingMass.from_proto(t.mass) if t.HasField("mass") else None,
-                episode_key=t.episode_key or "episode",
-            )
-            for t in response.tables
-        }
+        return server_info_of(response)
 
     def checkpoint(self, *, timeout: float | None = 600.0) -> str:
         """Have the server write a checkpoint of every table; returns its path (on the server).

@@ -58,7 +58,7 @@ from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.samplers import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
-from replay_server.engine.table_info import TableCounters, TableFigures, TableInfo
+from replay_server.engine.table_info import Capabilities, TableCounters, TableFigures, TableInfo
 from replay_server.engine.table_parts import TableParts, fresh_parts
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
@@ -488,6 +488,11 @@ class Table:
                 config=self.config.describe(),
                 rate_limiter=parts.limiter.info(),
                 mass=parts.sampler.mass(),
+                capabilities=Capabilities(
+                    **asdict(parts.sampler.traits),
+                    retires=self.config.max_times_sampled > 0,
+                    n_step=self.config.n_step,
+                    frame_stack_key=self.config.frame_stack_key or ""),
             )
 
     def figures(self) -> TableFigures:

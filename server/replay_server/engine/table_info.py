@@ -26,6 +26,25 @@ class TableCounters:
 
 
 @dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a table does, as its parts declare it (``TableCapabilities`` in
+    replay.proto): the sampler's traits (see
+    :class:`~replay_server.engine.samplers.base.SamplerTraits`), whether rows
+    retire after ``max_times_sampled`` draws, and the readers that shape a
+    draw (``n_step``; ``frame_stack_key``, empty when off)."""
+
+    priorities: bool = False
+    slices: bool = False
+    episodes: bool = False
+    consumes: bool = False
+    ordered: bool = False
+    mergeable: bool = True
+    retires: bool = False
+    n_step: int = 1
+    frame_stack_key: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class TableInfo:
     """A snapshot of one table, for ``info``."""
 
@@ -41,6 +60,7 @@ class TableInfo:
     config: dict[str, Any] = field(default_factory=dict)
     rate_limiter: RateLimiterInfo | None = None
     mass: SamplingMass | None = None
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
 
 @dataclass(frozen=True, slots=True)

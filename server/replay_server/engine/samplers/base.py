@@ -18,13 +18,35 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from replay_proto.mass import SamplingMass
 from replay_server.errors import NoPrioritiesError
 from replay_server.engine.ids import IdRing
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerTraits:
+    """What a sampler does, declared once on its class, so that nothing else
+    (the table, the service, clients) needs to match sampler names.
+
+    Attributes:
+        priorities: rows carry priorities (``update`` applies; weights vary).
+        slices: a draw is ``slice_len`` consecutive steps of one episode.
+        episodes: the sampler reads the episode ids and end flags of inserts.
+        consumes: a draw takes its rows (each handed out once; delete applies).
+        ordered: rows come out in a fixed order (fifo/lifo), kept per server.
+        mergeable: samples of many shards merge exactly by their sampling mass.
+    """
+
+    priorities: bool = False
+    slices: bool = False
+    episodes: bool = False
+    consumes: bool = False
+    ordered: bool = False
+    mergeable: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +100,8 @@ class SampleIndex:
 
 class Sampler(ABC):
     """Chooses rows to sample; maintained incrementally by its table."""
+
+    traits: ClassVar[SamplerTraits] = SamplerTraits()
 
     def __init__(self, ring: IdRing) -> None:
         self._ring = ring

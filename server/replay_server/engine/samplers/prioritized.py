@@ -14,6 +14,7 @@ from replay_server.engine.samplers.base import (
     InsertEvent,
     Sampler,
     SampleIndex,
+    SamplerTraits,
     importance_weights,
     sorted_unit_draws,
 )
@@ -84,6 +85,8 @@ class PrioritizedSampler(Sampler):
     O(n * log capacity) for n rows. Memory: 4 bytes per slot plus under 1 byte
     of inner nodes.
     """
+
+    traits = SamplerTraits(priorities=True)
 
     def __init__(self, ring: IdRing, alpha: float, beta: float) -> None:
         super().__init__(ring)

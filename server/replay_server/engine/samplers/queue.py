@@ -33,7 +33,7 @@ import torch
 
 from replay_proto.mass import SamplingMass, uniform_mass
 from replay_server.engine.ids import IdRing
-from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex
+from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex, SamplerTraits
 from replay_server.errors import EmptyTableError, InvalidArgumentError, RateLimitedError
 
 
@@ -45,6 +45,8 @@ class QueueSampler(Sampler):
         lifo: take the newest rows first (a stack) instead of the oldest.
         max_size: rows the queue holds at most before inserts wait (``None``: no limit).
     """
+
+    traits = SamplerTraits(consumes=True, ordered=True, mergeable=False)
 
     def __init__(self, ring: IdRing, *, lifo: bool, max_size: int | None) -> None:
         super().__init__(ring)

@@ -17,7 +17,7 @@ import torch
 from replay_proto.mass import SamplingMass, uniform_mass
 from replay_server.errors import EmptyTableError
 from replay_server.engine.ids import IdRing
-from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex
+from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex, SamplerTraits
 from replay_server.engine.samplers.episodes import EpisodeIndex
 from replay_server.engine.samplers.prioritized import PriorityState, draw_by_priority
 from replay_server.engine.samplers.slotset import SlotSet
@@ -41,6 +41,8 @@ class SliceSampler(Sampler):
     :class:`~replay_server.engine.samplers.episodes.EpisodeIndex`). Memory: 12 bytes
     per slot (20 when capacity >= 2**31).
     """
+
+    traits = SamplerTraits(slices=True, episodes=True)
 
     def __init__(self, ring: IdRing, slice_len: int) -> None:
         super().__init__(ring)
@@ -100,6 +102,8 @@ class PrioritizedSliceSampler(Sampler):
     Cost: ``sample`` O(B * (log capacity + slice_len)); ``insert`` and
     ``update`` O(n * log capacity). Memory: about 14 bytes per slot.
     """
+
+    traits = SamplerTraits(priorities=True, slices=True, episodes=True)
 
     def __init__(self, ring: IdRing, slice_len: int, alpha: float, beta: float) -> None:
         super().__init__(ring)

@@ -11,7 +11,13 @@ import torch
 from replay_proto.mass import SamplingMass, uniform_mass
 from replay_server.errors import EmptyTableError
 from replay_server.engine.ids import IdRing
-from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex, uniform_draws
+from replay_server.engine.samplers.base import (
+    InsertEvent,
+    Sampler,
+    SampleIndex,
+    SamplerTraits,
+    uniform_draws,
+)
 from replay_server.engine.samplers.slotset import SlotSet
 
 
@@ -29,6 +35,8 @@ class UniformSampler(Sampler):
     Cost: ``sample`` O(B); ``insert``/``clear`` O(1), or O(n) for n rows when
     retiring. Memory: none per row, or 8 bytes per slot when retiring.
     """
+
+    traits = SamplerTraits()
 
     def __init__(self, ring: IdRing, retiring: bool = False) -> None:
         super().__init__(ring)

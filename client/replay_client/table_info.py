@@ -1,0 +1,119 @@
+"""What ``info`` returns, decoded once from ``InfoResponse``: each table's
+settings, counters and capabilities, and the server's shard, incarnation and limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from replay_proto.mass import SamplingMass
+from replay_proto.v1 import replay_pb2 as pb
+
+_COUNTER_FIELDS = tuple(pb.TableCounters.DESCRIPTOR.fields_by_name)
+_LIMITER_FIELDS = tuple(pb.RateLimiterInfo.DESCRIPTOR.fields_by_name)
+_SERVER_LIMIT_FIELDS = tuple(pb.ServerLimits.DESCRIPTOR.fields_by_name)
+_CAPABILITY_FIELDS = tuple(pb.TableCapabilities.DESCRIPTOR.fields_by_name)
+
+
+@dataclass(frozen=True, slots=True)
+class TableCapabilities:
+    """What a table does (``TableCapabilities`` in ``replay.proto``): decide on
+    these, never on the sampler's name.
+
+    Attributes:
+        priorities: rows carry priorities (``update_priorities`` applies).
+        slices: a sample row is ``slice_len`` consecutive steps of one episode.
+        episodes: the table keeps episodes (inserts carry ``episode_key``).
+        consumes: a sample takes its rows (each handed out once); ``delete`` applies.
+        ordered: rows come out in a fixed order (fifo/lifo), kept per server.
+        mergeable: a sharded client can merge shards' samples exactly.
+        retires: rows retire after ``max_times_sampled`` draws.
+        n_step: 1, or the n of the n-step returns samples carry.
+        frame_stack_key: ``""``, or the column whose stacked frames samples rebuild.
+    """
+
+    priorities: bool = False
+    slices: bool = False
+    episodes: bool = False
+    consumes: bool = False
+    ordered: bool = False
+    mergeable: bool = True
+    retires: bool = False
+    n_step: int = 1
+    frame_stack_key: str = ""
+
+    @classmethod
+    def from_proto(cls, message: Any) -> TableCapabilities:
+        return cls(**{f: getattr(message, f) for f in _CAPABILITY_FIELDS})
+
+
+@dataclass(frozen=True, slots=True)
+class TableInfo:
+    """One table as the server reports it.
+
+    ``rate_limiter`` holds the fields of ``RateLimiterInfo`` in
+    ``replay.proto`` (``enabled``, ``min_size_to_sample``, ``samples_per_insert``,
+    ``error_buffer``, ``inserts``, ``samples``, ``deletes``, ``can_insert``,
+    ``can_sample``, ``blocked_inserts``, ``blocked_samples``, ...).
+    """
+
+    name: str
+    sampler: str
+    capacity: int
+    size: int
+    schema: dict[str, str]
+    pinned: bool
+    storage_bytes: int
+    counters: dict[str, int]
+    sampler_stats: dict[str, float]
+    alpha: float
+    beta: float
+    slice_len: int | None
+    rate_limiter: dict[str, Any]
+    max_times_sampled: int
+    mass: SamplingMass | None = None
+    episode_key: str = "episode"
+    capabilities: TableCapabilities = TableCapabilities()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """The server as a whole: its shard and id incarnation, its limits, and its tables.
+
+    ``shard`` is bits 56..62 of every id the server issues (a sharded client
+    routes an id to shard ``id >> 56``); ``incarnation`` is bits 40..55 of
+    the ids it issues now. ``limits`` holds the fields of ``ServerLimits`` in
+    ``replay.proto`` (``memory_budget_bytes``, ``memory_in_use_bytes``,
+    ``max_concurrent_calls``, ``calls_in_flight``, ``max_connections``, ...).
+    """
+
+    shard: int
+    incarnation: int
+    limits: dict[str, int | float]
+    tables: dict[str, TableInfo]
+
+
+def tables_of(response: pb.InfoResponse) -> dict[str, TableInfo]:
+    """Every table of an ``InfoResponse``, by name."""
+    return {
+        t.name: TableInfo(
+            name=t.name, sampler=t.sampler, capacity=t.capacity, size=t.size,
+            schema=dict(t.schema), pinned=t.pinned, storage_bytes=t.storage_bytes,
+            counters={f: getattr(t.counters, f) for f in _COUNTER_FIELDS},
+            sampler_stats=dict(t.sampler_stats), alpha=t.alpha, beta=t.beta,
+            slice_len=t.slice_len or None,
+            rate_limiter={f: getattr(t.rate_limiter, f) for f in _LIMITER_FIELDS},
+            max_times_sampled=t.max_times_sampled,
+            mass=SamplingMass.from_proto(t.mass) if t.HasField("mass") else None,
+            episode_key=t.episode_key or "episode",
+            capabilities=TableCapabilities.from_proto(t.capabilities),
+        )
+        for t in response.tables
+    }
+
+
+def server_info_of(response: pb.InfoResponse) -> ServerInfo:
+    """The server's shard, id incarnation, limits and tables from an ``InfoResponse``."""
+    limits = {f: getattr(response.limits, f) for f in _SERVER_LIMIT_FIELDS}
+    return ServerInfo(shard=response.shard, incarnation=response.incarnation,
+                      limits=limits, tables=tables_of(response))
