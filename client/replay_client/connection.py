@@ -16,8 +16,14 @@ from typing import Any
 import grpc
 
 from replay_client.backoff import Backoff
-from replay_client.errors import OverloadedError, UnavailableError, from_rpc_error
+from replay_client.errors import (
+    InvalidArgumentError,
+    OverloadedError,
+    UnavailableError,
+    from_rpc_error,
+)
 from replay_client.tls import TlsConfig, check_token_channel
+from replay_proto.addresses import AddressError, check_address
 from replay_proto.call_metadata import request_bytes_metadata
 
 SERVICE_PATH = "/replay.v1.ReplayService/"
@@ -42,13 +48,19 @@ class Connection:
         allow_plaintext_token: send ``token`` over plaintext to a non-loopback address.
 
     Raises:
-        InvalidArgumentError: a token would cross a network in clear text
+        InvalidArgumentError: ``address`` is not ``host:port`` with a port in
+            1..65535 (:func:`replay_proto.addresses.check_address`), or a token
+            would cross a network in clear text
             (:func:`~replay_client.tls.check_token_channel`).
     """
 
     def __init__(self, address: str, *, timeout: float | None, token: str | None,
                  max_message_mb: int, max_retry_s: float, tls: TlsConfig | None = None,
                  allow_plaintext_token: bool = False) -> None:
+        try:
+            check_address(address)
+        except AddressError as exc:
+            raise InvalidArgumentError(str(exc)) from None
         check_token_channel(address, token, tls, allow_plaintext_token)
         self.address = address
         self.timeout = timeout

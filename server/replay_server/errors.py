@@ -99,6 +99,12 @@ class CheckpointWriteError(ReplayServerError):
     """
 
 
+class CheckpointPartError(CheckpointWriteError):
+    """A checkpoint was written without some of its parts (a table or the named variables,
+    whose state could not be saved); every other part was written. The message names the
+    checkpoint and each missing part."""
+
+
 class CheckpointSpaceError(CheckpointWriteError):
     """Writing a checkpoint failed for lack of space (disk full, quota, file size limit)."""
 

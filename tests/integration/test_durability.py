@@ -352,15 +352,17 @@ def _wait_health(address: str, wanted: str) -> None:
     raise AssertionError(f"health stayed {status}, expected {wanted}")
 
 
-def _start_blocking(tmp_path: Path, text: str, port: int, name: str) -> ServerProcess:
-    """A server whose restore will block (the port file only appears once SERVING)."""
+def _start_blocking(tmp_path: Path, text: str, port: int, name: str,
+                    release: Path) -> ServerProcess:
+    """A server whose restore blocks reading column files until ``release`` exists (the
+    port file only appears once SERVING)."""
     (tmp_path / f"{name}.toml").write_text(text)
     log_path = tmp_path / f"{name}.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "replay_server.app.cli", "serve", "--config",
+        [sys.executable, "-m", "tests.integration.stuck_disk_server", "serve", "--config",
          str(tmp_path / f"{name}.toml"), "--address", f"127.0.0.1:{port}", "--grace", "5"],
         stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "REPLAY_TEST_RELEASE_FILE": str(release)})
     return ServerProcess(process, port, log_path)
 
 
@@ -376,19 +378,18 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
     newest = Path(client.checkpoint())
     server.process.kill()
     server.process.wait(WAIT_S)
-    # Reading the newest checkpoint's first column blocks until the test writes to it.
-    fifo = newest / "prioritized" / "column-0.bin"
-    fifo.unlink()
-    os.mkfifo(fifo)
+    column = newest / "prioritized" / "column-0.bin"
+    column.write_bytes(b"")  # damaged: the restore falls back to the older checkpoint
 
+    release = tmp_path / "release"
     port = free_port()
-    blocked = _start_blocking(tmp_path, text, port, "blocked")
+    blocked = _start_blocking(tmp_path, text, port, "blocked", release)
     try:
         _wait_health(blocked.address, "NOT_SERVING")
         with pytest.raises(errors.UnavailableError, match="restoring"):
             ReplayClient(blocked.address, max_retry_s=0).insert(
                 "prioritized", rows(torch.arange(3)))
-        os.close(os.open(fifo, os.O_WRONLY))  # unblocks the reader: an empty file
+        release.touch()  # the disk answers again
         _wait_health(blocked.address, "SERVING")
         assert ReplayClient(blocked.address).info()["prioritized"].size == 10
         log = blocked.log()
@@ -398,19 +399,41 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
         blocked.process.kill()
         blocked.process.wait(WAIT_S)
 
-    # A stop requested during the restore exits 0 and writes no checkpoint.
+    # A stop requested during a restore stuck in a read (never released) exits 0 and
+    # writes no checkpoint.
     before = sorted((tmp_path / "ckpt").iterdir())
-    stopped = _start_blocking(tmp_path, text, free_port(), "stopped")
+    stopped = _start_blocking(tmp_path, text, free_port(), "stopped", tmp_path / "never")
     try:
         _wait_health(stopped.address, "NOT_SERVING")
         stopped.process.send_signal(signal.SIGTERM)
-        # Unblock the reader only once the server has taken the signal (else the restore may
-        # finish first, and the server then drains normally).
-        assert wait_for(lambda: "SIGTERM received" in stopped.log())
-        os.close(os.open(fifo, os.O_WRONLY))
         assert stopped.process.wait(WAIT_S) == 0
     finally:
         if stopped.process.poll() is None:
             stopped.process.kill()
     assert "stopped while restoring: no checkpoint written" in stopped.log()
+    assert "the restore did not stop within" in stopped.log()
     assert sorted((tmp_path / "ckpt").iterdir()) == before
+
+
+def test_a_fifo_in_place_of_a_column_file_is_refused_unread(tmp_path: Path) -> None:
+    """Issue 23, finding 10: a FIFO in place of a column file hung the restore (opening it
+    waits for a writer), deaf to SIGTERM. It is damage now, refused without reading."""
+    text = config(tmp_path / "ckpt")
+    server = start_server(tmp_path, text)
+    client = ReplayClient(server.address)
+    client.insert("prioritized", rows(torch.arange(10)))
+    older = client.checkpoint()
+    client.insert("prioritized", rows(torch.arange(10, 20)))
+    newest = Path(client.checkpoint())
+    server.stop(signal.SIGKILL)
+    fifo = newest / "prioritized" / "column-0.bin"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    again = start_server(tmp_path, text, name="again")
+    try:
+        assert ReplayClient(again.address).info()["prioritized"].size == 10
+        assert f"skipping checkpoint {newest}: prioritized/column-0.bin is not a regular " \
+               f"file (a FIFO)" in again.log()
+        assert f"restored 2 table(s) from {older}" in again.log()
+    finally:
+        assert again.stop() == 0

@@ -242,3 +242,16 @@ def test_unpickled_client_inserts_from_a_spawned_process(served) -> None:
     batch = client.sample("from_child", 8)
     assert set(batch.ids.tolist()) <= set(child_ids)
     assert (batch.data["obs"] == 5.0).all()
+
+
+@pytest.mark.parametrize("address, why", [
+    ("", "must be 'host:port'"),
+    ("localhost:99999", "the port must be a number in 1..65535"),
+    ("127.0.0.1", "must be 'host:port'"),
+])
+def test_an_address_no_server_can_have_is_refused_at_construction(address: str, why: str) -> None:
+    # Before: "" raised InternalError at the first call, and port 99999 silently dialed
+    # port 99999 % 65536 (another server, possibly).
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        ReplayClient(address)
+    assert why in str(info.value)

@@ -10,16 +10,18 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from replay_feed.shared_ring import sweep_stale_rings
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.checkpoint import Checkpointer, RestoreCancelled
+from replay_server.checkpoint import Checkpointer, CheckpointResult, RestoreCancelled
 from replay_server.checkpoint.incarnation import IncarnationFile
 from replay_server.engine.id_space import IncarnationSource, RandomIncarnations
 from replay_server.engine.memory import MemoryLedger, format_bytes
@@ -39,6 +41,8 @@ from replay_server.service.status import UnauthenticatedError, abort
 log = logging.getLogger("replay_server")
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
+
+T = TypeVar("T")
 
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
@@ -243,11 +247,9 @@ class ReplayServer:
         if self.checkpointer is None:
             self._restored = True
             return
-        loop = asyncio.get_running_loop()
-        restored = await loop.run_in_executor(
-            self._checkpoint_executor, functools.partial(
-                self.checkpointer.restore, self._make_tables, cancel, self._make_variables,
-                start_empty=self.settings.start_empty_if_unrestorable))
+        restored = await _cancellable(functools.partial(
+            self.checkpointer.restore, self._make_tables, cancel, self._make_variables,
+            start_empty=self.settings.start_empty_if_unrestorable), cancel)
         if restored is None:
             log.info("nothing restored from %s: starting with empty tables",
                      self.checkpointer.path)
@@ -263,9 +265,9 @@ class ReplayServer:
         self._restored = True
         self._servicer.calls.restoring = False
 
-    def _checkpoint(self, reason: str) -> None:
+    def _checkpoint(self, reason: str) -> CheckpointResult:
         assert self.checkpointer is not None
-        self.checkpointer.checkpoint(self.tables, reason, variables=self.variables)
+        return self.checkpointer.checkpoint(self.tables, reason, variables=self.variables)
 
     async def _checkpoint_every(self, interval: float) -> None:
         """Timed checkpoints, ``interval`` seconds after the end of the previous one."""
@@ -296,10 +298,14 @@ class ReplayServer:
         if checkpoint and self.checkpointer is not None and self._restored:
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(self._checkpoint_executor, self._checkpoint,
-                                           "shutdown")
+                result = await loop.run_in_executor(self._checkpoint_executor,
+                                                    self._checkpoint, "shutdown")
             except CheckpointWriteError:
                 self.exit_code = 1  # logged by the checkpointer
+            else:
+                # Written without the named variables only: the tables are saved, a clean
+                # stop (logged at ERROR). Without a table: rows would be lost, exit 1.
+                self.exit_code = 1 if result.lost_tables else 0
         self._checkpoint_executor.shutdown(wait=True)
         if self.checkpointer is not None:
             self.checkpointer.close()
@@ -343,6 +349,42 @@ class ReplayServer:
             port_file.write_text(f"{port}\n")
         await stop.wait()
         await self.stop(grace)
+
+
+RESTORE_STOP_S = 5.0
+"""How long a restore told to stop may take to notice; one blocked in a system call (a hung
+network file system) is left behind after that, and the server stops without it."""
+
+
+async def _cancellable(restore: Callable[[], T], cancel: threading.Event | None) -> T:
+    """``restore()`` on a daemon thread of its own; once ``cancel`` is set, it has
+    :data:`RESTORE_STOP_S` to return (or raise), else :class:`RestoreCancelled` is raised
+    here and the thread is abandoned (a daemon: it never holds up the process' exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = restore()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, functools.partial(future.set_exception, exc))
+        else:
+            loop.call_soon_threadsafe(settle, functools.partial(future.set_result, result))
+
+    threading.Thread(target=run, name="replay-restore", daemon=True).start()
+    while not future.done():
+        await asyncio.wait({future}, timeout=0.1)
+        if cancel is not None and cancel.is_set() and not future.done():
+            done, _ = await asyncio.wait({future}, timeout=RESTORE_STOP_S)
+            if not done:
+                log.warning("the restore did not stop within %.0f s of the signal (blocked "
+                            "reading the checkpoint?): leaving it behind", RESTORE_STOP_S)
+                raise RestoreCancelled("restore cancelled (it did not stop in time)")
+    return future.result()
 
 
 def _listen(server: grpc.aio.Server, address: str,

@@ -30,12 +30,13 @@ from replay_proto.codec import CodecError
 from replay_proto.sample_codec import HEADROOM, encode_sample
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.checkpoint import Checkpointer, CheckpointResult
+from replay_server.checkpoint.checkpointer import partial_message
 from replay_server.engine.id_space import IncarnationSource, LocalIncarnations
 from replay_server.engine.inputs import MAX_BATCH_SIZE
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
 from replay_server.engine.variables import VariableStore
-from replay_server.errors import CheckpointsDisabledError
+from replay_server.errors import CheckpointPartError, CheckpointsDisabledError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner
@@ -295,6 +296,8 @@ class ReplayServicer:
                 "config to enable checkpoints")
         result = self._checkpointer.checkpoint(self._tables, "Checkpoint RPC",
                                                variables=self.variables.store)
+        if result.failed:
+            raise CheckpointPartError(f"checkpoint {partial_message(result)}")
         return _checkpoint_response(result).SerializeToString()
 
     # ---------------------------------------------------------------- helpers

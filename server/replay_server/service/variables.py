@@ -23,6 +23,7 @@ from replay_proto import variable_codec
 from replay_proto.codec import CodecError
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.engine.variables import Variable, VariableStore, check_name
+from replay_server.errors import InvalidVariableError
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.status import ShuttingDownError
@@ -58,8 +59,11 @@ class VariableService:
                                   bytes=self.store.nbytes).SerializeToString()
 
     def _publish(self, raw: bytes) -> Variable:
-        name, tensors = variable_codec.decode_publish(raw)
-        return self.store.publish(name, tensors)
+        try:
+            name, specs, payload = variable_codec.decode_publish_packed(raw)
+        except variable_codec.VariableFormatError as exc:
+            raise InvalidVariableError(f"variable: {exc}") from None
+        return self.store.publish_packed(name, specs, payload)
 
     async def fetch(self, raw: bytes, context: grpc.aio.ServicerContext,
                     reservation: Reservation) -> bytes:
@@ -98,7 +102,8 @@ class VariableService:
 
     def _encode(self, name: str) -> bytes:
         variable = self.store.get(name)
-        return variable_codec.encode_fetch(variable.name, variable.version, variable.tensors)
+        return variable_codec.encode_fetch_packed(variable.name, variable.version,
+                                                  variable.layout, variable.data)
 
     def _wake_all(self) -> None:
         events, self._published = list(self._published.values()), {}
