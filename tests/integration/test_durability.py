@@ -25,7 +25,7 @@ from replay_client import ReplayClient, ReplayError, errors
 from replay_server import TableSet
 from replay_server.checkpoint import load_checkpoint
 from replay_server.app.config_file import settings_from_dict
-from tests.conftest import ServerProcess, start_server, wait_for
+from tests.conftest import ServerProcess, start_server
 from tests.integration.test_unavailable import free_port
 
 WAIT_S = 60

@@ -72,6 +72,8 @@ class Admission:
         self.budget = budget
         self.in_flight = 0
         self.refused = 0
+        self.on_call: Callable[[str], None] | None = None
+        """Told the peer of every call admitted (the connection guard keeps its connection)."""
 
     def unary(self, name: str, behaviour: UnaryBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving unary RPC ``name`` with ``behaviour(raw, context, reservation)``."""
@@ -112,6 +114,8 @@ class Admission:
                      wait: bool) -> Reservation:
         """Count the call and reserve its request's memory (what it declared, else
         ``default``; waiting for room if ``wait``), or end it with RESOURCE_EXHAUSTED."""
+        if self.on_call is not None:
+            self.on_call(context.peer())
         if self.in_flight >= self.limits.max_concurrent_calls:
             self.refused += 1
             await abort(context, OverloadedError(

@@ -30,6 +30,7 @@ from replay_server.engine.variables import VariableStore
 from replay_server.errors import CheckpointWriteError, ConfigError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget
+from replay_server.service.connections import ConnectionGuard
 from replay_server.service.limits import MIB, ServiceLimits
 from replay_server.service.credentials import server_credentials
 from replay_server.service.loop import loop_name
@@ -158,6 +159,7 @@ class ReplayServer:
                 version=server_version()))
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
+        self.connections: ConnectionGuard | None = None
         self._timer: asyncio.Task | None = None
         self._restored = False
         self.port: int | None = None
@@ -203,9 +205,10 @@ class ReplayServer:
         self._server.add_generic_rpc_handlers((self._servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = _listen(self._server, self.settings.address, self._credentials)
+        self._start_guard(asyncio.get_running_loop())
         health_port = None
         if self.settings.health_address is not None:
-            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self._health_server = grpc.aio.server(options=self.limits.side_listener_options())
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
             health_port = _listen(self._health_server, self.settings.health_address, None,
                                   "server.health_address: ")
@@ -221,10 +224,12 @@ class ReplayServer:
                  self.settings.workers, "token" if self._token else "off",
                  _tls_mode(self.settings), self.settings.shard, self.incarnations.current)
         limits = self.limits
-        log.info("limits: calls may hold %s at once, %d calls, %d connections (idle %.0f s), "
-                 "batches up to %s, shared-memory rings %s, tables %s",
+        log.info("limits: calls may hold %s at once, %d calls, %d connections (idle %.0f s, "
+                 "%g s to a first call, %d without one per host), batches up to %s, "
+                 "shared-memory rings %s, tables %s",
                  format_bytes(limits.memory_budget_bytes), limits.max_concurrent_calls,
-                 limits.max_connections, limits.idle_timeout_s,
+                 limits.max_connections, limits.idle_timeout_s, limits.handshake_timeout_s,
+                 limits.max_idle_connections_per_host,
                  format_bytes(limits.max_batch_bytes), format_bytes(limits.shared_memory_bytes),
                  format_bytes(self.tables.memory.limit))
         if self._health_server is not None:
@@ -236,12 +241,36 @@ class ReplayServer:
         # collector's sight, a full collection takes well under a millisecond instead of
         # ~70 ms, a pause every request (and checkpoint) thread would wait out.
         gc.freeze()
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health()
         interval = self.settings.checkpoint_interval_s
         if self.checkpointer is not None and interval > 0:
             self._timer = asyncio.create_task(self._checkpoint_every(interval))
         return self.port
+
+    def _start_guard(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close connections that make no call (:mod:`~replay_server.service.connections`);
+        health says NOT_SERVING while the port is full."""
+        limits = self.limits
+
+        def on_full(full: bool) -> None:  # on the guard's thread
+            asyncio.run_coroutine_threadsafe(self._set_health(), loop)
+
+        self.connections = ConnectionGuard(
+            self.port, handshake_timeout_s=limits.handshake_timeout_s,
+            max_idle_per_host=limits.max_idle_connections_per_host,
+            max_idle=limits.max_idle_connections, max_connections=limits.max_connections,
+            on_full=on_full)
+        self.admission.on_call = self.connections.called
+        self.connections.start()
+
+    async def _set_health(self) -> None:
+        """SERVING once restored, unless draining or the port is full (new clients refused)."""
+        serving = (self._restored and not self._servicer.calls.draining
+                   and (self.connections is None or not self.connections.full))
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
 
     async def _restore(self, cancel: threading.Event | None) -> None:
         if self.checkpointer is None:
@@ -314,6 +343,8 @@ class ReplayServer:
             self._health_server = None
         if self.metrics is not None:
             self.metrics.stop()
+        if self.connections is not None:
+            self.connections.stop()
         self._server = None
         log.info("stopped")
 
