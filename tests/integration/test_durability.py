@@ -25,7 +25,7 @@ from replay_client import ReplayClient, ReplayError, errors
 from replay_server import TableSet
 from replay_server.checkpoint import load_checkpoint
 from replay_server.app.config_file import settings_from_dict
-from tests.conftest import ServerProcess, start_server
+from tests.conftest import ServerProcess, serve_until_exit, start_server
 from tests.integration.test_unavailable import free_port
 
 WAIT_S = 60
@@ -437,3 +437,73 @@ def test_a_fifo_in_place_of_a_column_file_is_refused_unread(tmp_path: Path) -> N
         assert f"restored 2 table(s) from {older}" in again.log()
     finally:
         assert again.stop() == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """Mount a tmpfs of a given size (MiB) under ``tmp_path``: a disk that really fills up.
+    Skipped where this process may not mount (it needs CAP_SYS_ADMIN)."""
+    mounted: list[Path] = []
+
+    def mount(mib: int) -> Path:
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def memmap_config(checkpoints: Path, storage: Path, capacity: int = 30) -> str:
+    return f"""
+[server]
+checkpoint_dir = "{checkpoints}"
+checkpoint_interval_s = 0
+
+[[tables]]
+name = "disk"
+capacity = {capacity}
+storage = "memmap"
+storage_dir = "{storage}"
+[tables.schema]
+obs = "uint8[1024, 1024]"
+"""
+
+
+def test_a_memmap_table_restores_in_place_on_a_disk_that_holds_one_copy(
+        tmp_path: Path, small_disk) -> None:
+    """Issue 23, finding 8: with a declared schema, a memmap table's restore needed a second
+    copy on disk (a 150 MiB table on a 200 MiB disk could not restart). 30 MiB of rows on
+    a 50 MiB disk restart now, the rows read straight into the table's own files."""
+    disk = small_disk(50)
+    text = memmap_config(tmp_path / "ckpt", disk)
+    server = start_server(tmp_path, text)
+    client = ReplayClient(server.address)
+    client.insert("disk", {"obs": torch.arange(30, dtype=torch.uint8).view(30, 1, 1).expand(
+        30, 1024, 1024).contiguous()})
+    assert server.stop() == 0
+    again = start_server(tmp_path, text, name="again")
+    try:
+        client = ReplayClient(again.address)
+        assert client.info()["disk"].size == 30
+        obs = client.sample("disk", 8).data["obs"]
+        assert obs.shape == (8, 1024, 1024)
+        assert all(bool((row == row[0, 0]).all()) and int(row[0, 0]) < 30 for row in obs)
+    finally:
+        assert again.stop() == 0
+
+
+def test_a_disk_too_small_for_a_memmap_table_stops_the_start_naming_the_disk(
+        tmp_path: Path, small_disk) -> None:
+    disk = small_disk(20)
+    code, output = serve_until_exit(tmp_path, memmap_config(tmp_path / "ckpt", disk))
+    assert code == 2, output
+    assert "replay-server: not enough memory or disk space: table 'disk': storage 'memmap' " \
+           "needs 30.0 MiB on disk" in output and str(disk) in output
+    assert "Traceback" not in output

@@ -282,10 +282,16 @@ def test_the_reported_floods_at_their_full_size_stay_within_the_budget(server, c
                     server.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
                 insert = channel.unary_unary("/replay.v1.ReplayService/Insert")
                 futures = [insert.future(b"\0" * (60 << 20), timeout=300) for _ in range(100)]
+                codes = []
                 for future in futures:
                     with pytest.raises(grpc.RpcError) as info:
                         future.result()
-                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    codes.append(info.value.code())
+                # Refused unread; a connection without the token is also closed after the
+                # handshake deadline (server.handshake_timeout_s), ending what it still sends.
+                assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED,
+                                      grpc.StatusCode.UNAVAILABLE}, codes
+                assert grpc.StatusCode.UNAUTHENTICATED in codes
         finally:
             reader.close()
     watch.check()

@@ -36,7 +36,7 @@ from replay_server.app.channel import add_channel_flags, call_metadata, open_cha
 from replay_server.app.config_file import load_settings
 from replay_server.app.heap import keep_request_buffers
 from replay_server.app.info_table import format_info, info_json
-from replay_server.errors import ConfigError
+from replay_server.errors import ConfigError, InsufficientMemoryError, RestoreError
 from replay_server.service.loop import run
 from replay_server.service.server import ReplayServer, server_version
 from replay_server.service.settings import ServerSettings
@@ -150,10 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except ConfigError as exc:
+    except ConfigError as exc:  # exit 2: the server does not start; say what kind of problem
         logging.basicConfig()
-        print(f"replay-server: configuration error: {exc}", file=sys.stderr)
+        print(f"replay-server: {_heading(exc)}: {exc}", file=sys.stderr)
         return 2
+
+
+def _heading(exc: ConfigError) -> str:
+    if isinstance(exc, InsufficientMemoryError):
+        return "not enough memory or disk space"
+    if isinstance(exc, RestoreError):
+        return "cannot restore the checkpoints"
+    return "configuration error"
 
 
 if __name__ == "__main__":

@@ -260,6 +260,7 @@ def restore_latest(
             log.warning("skipping checkpoint %s: %s", ref.path, exc)
             skipped.append((ref.path, str(exc)))
             directory.mark_damaged(ref.path, str(exc))
+            tables = variables = None  # dropped before the next attempt makes new ones
             continue
         except NewerFormatError as exc:
             raise ConfigError(

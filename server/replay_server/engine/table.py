@@ -62,12 +62,12 @@ from replay_server.engine.table_info import Capabilities, TableCounters, TableFi
 from replay_server.engine.table_parts import TableParts, fresh_parts
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
-    ConfigError,
     EmptyTableError,
     InsufficientMemoryError,
     InvalidArgumentError,
     InvalidPriorityError,
     NoPrioritiesError,
+    TableSpaceError,
 )
 
 __all__ = ["MAX_BATCH_SIZE", "STATE_VERSION", "Table"]
@@ -103,7 +103,7 @@ class Table:
                                  f"{'' if declared is None else ' and the declared schema'})")
             self._parts = fresh_parts(config, incarnations)
         except InsufficientMemoryError as exc:
-            raise ConfigError(str(exc)) from None
+            raise TableSpaceError(str(exc)) from None
         self._instant_bytes = 0  # what the last snapshot's instant copied: the next one's arena
         self._device = table_device(config)  # a device table's: rows already there stay there
         self.changes = ChangeClock()
@@ -537,7 +537,8 @@ class Table:
 
         The state is loaded into fresh parts first and swapped in only once
         it has loaded completely, so a malformed state changes nothing (the
-        cost: twice the table's memory while loading). ``read_rows``, if
+        cost: twice the table's memory while loading, except for a table that
+        never held a row, whose storage is loaded into). ``read_rows``, if
         given, fills the rows instead of ``state["columns"]``: it is called
         with numpy views of the fresh table's whole columns (bfloat16 as
         int16), e.g. to read them from files; what it raises propagates as is.
@@ -550,8 +551,11 @@ class Table:
             InsufficientMemoryError: the saved schema at the table's capacity
                 needs more memory than the server may give it.
         """
+        # A table that never held a row (one made to be restored) lends its storage: its
+        # contents do not matter, and a restore then needs no second copy (memmap: on disk).
+        reuse = self._parts.storage if self._parts.ring.next_id == 0 else None
         parts: TableParts = load_parts(self.config, state, self._parts.schema, read_rows is None,
-                                       self._incarnations, self._memory)
+                                       self._incarnations, self._memory, reuse)
         if read_rows is not None and parts.storage is not None:
             views = parts.storage.load_views()
             read_rows(views)

@@ -62,23 +62,31 @@ class TableParts:
         """Slots ever written."""
         return min(self.ring.next_id, self.ring.capacity)
 
-    def allocate(self, schema: Schema, config: TableConfig) -> None:
-        """Fix the schema and allocate the storage ``config`` names for the table's capacity."""
+    def allocate(self, schema: Schema, config: TableConfig,
+                 reuse: ColumnStorage | None = None) -> None:
+        """Fix the schema and allocate the storage ``config`` names for the table's capacity
+        (``reuse``: an empty table's storage of that very layout, taken instead of a new one:
+        a restore then needs no second copy, on disk for a memmap table)."""
         key = config.frame_stack_key
-        if key is None:
-            self.storage = make_storage(config, schema)
+        layout = schema if key is None else storage_schema(schema, key)
+        if (reuse is not None and reuse.capacity == config.capacity
+                and dict(reuse.schema) == dict(layout)):
+            self.storage = reuse
         else:
-            self.storage = make_storage(config, storage_schema(schema, key))
+            self.storage = make_storage(config, layout)
+        if key is not None:
             self.frames = FrameStacks(self.ring, key, schema[key].shape[0],
                                       config.frame_stack_fill)
         self.schema = schema
 
 
-def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = None) -> TableParts:
+def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = None,
+                reuse: ColumnStorage | None = None) -> TableParts:
     """An empty table's parts; storage allocated now if the config declares a schema.
 
     ``incarnations``: where its id segments get their incarnation (``None``:
-    an in-process table's, shard 0 and incarnation 0).
+    an in-process table's, shard 0 and incarnation 0). ``reuse``: see
+    :meth:`TableParts.allocate`.
 
     Raises:
         ConfigError: the declared schema cannot serve the sampler, pinned
@@ -117,5 +125,5 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
             check_sampler_columns(config, schema)
         except SchemaMismatchError as exc:
             raise ConfigError(str(exc)) from None
-        parts.allocate(schema, config)
+        parts.allocate(schema, config, reuse)
     return parts

@@ -8,8 +8,15 @@ options, and describes them for ``info`` and the start-up log.
 * ``memory_budget_mb``: bytes all calls together may hold at once; a call
   reserves what it will hold before it holds it (see
   :mod:`replay_server.service.budget`).
-* ``max_concurrent_calls``: replay calls served at once; more are refused
+* ``max_concurrent_calls``: replay calls working at once; more are refused
   before their request is read.
+* ``max_waiting_calls``, ``default_wait_s``: calls waiting at once (streams,
+  fetches for a newer version, samples and inserts a rate limiter holds or
+  that wait for data), a pool of their own, so waiters never take the slots
+  of the calls that would release them; and how long a unary call whose
+  client set no deadline may wait.
+* ``response_timeout_s``: how long a unary call's answer may wait for its
+  client to take it (one nobody reads is dropped, its memory freed).
 * ``max_connections``, ``idle_timeout_s``: open connections (more are closed
   at once, by gRPC), and how long one that made calls may stay without one.
 * ``handshake_timeout_s``, ``max_idle_connections_per_host``: how long a
@@ -34,7 +41,8 @@ MIB = 1 << 20
 
 DEFAULTS = {"memory_budget_mb": 1024, "max_concurrent_calls": 256, "max_connections": 512,
             "idle_timeout_s": 300.0, "max_batch_mb": 256, "shared_memory_mb": 1024,
-            "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16}
+            "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
+            "max_waiting_calls": 1024, "default_wait_s": 300.0, "response_timeout_s": 60.0}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
 
 RESERVED_FILES = 64
@@ -76,6 +84,15 @@ def check_limits(settings: Any) -> None:
                           f"60], got {handshake!r}")
     _int("server.max_idle_connections_per_host", settings.max_idle_connections_per_host, 1,
          settings.max_connections)
+    _int("server.max_waiting_calls", settings.max_waiting_calls, 1, 1_000_000)
+    wait = settings.default_wait_s
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < math.inf:
+        raise ConfigError(f"server.default_wait_s must be a number of seconds > 0, got {wait!r}")
+    answer = settings.response_timeout_s
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not (
+            0 < answer < math.inf):
+        raise ConfigError(
+            f"server.response_timeout_s must be a number of seconds > 0, got {answer!r}")
     most = max_batch_mb_for(settings.memory_budget_mb)
     if not isinstance(settings.max_batch_mb, int) or isinstance(settings.max_batch_mb, bool) \
             or not 1 <= settings.max_batch_mb <= most:
@@ -111,6 +128,9 @@ class ServiceLimits:
     max_message_bytes: int
     handshake_timeout_s: float = DEFAULTS["handshake_timeout_s"]
     max_idle_connections_per_host: int = DEFAULTS["max_idle_connections_per_host"]
+    max_waiting_calls: int = DEFAULTS["max_waiting_calls"]
+    default_wait_s: float = DEFAULTS["default_wait_s"]
+    response_timeout_s: float = DEFAULTS["response_timeout_s"]
 
     @classmethod
     def of(cls, settings: Any) -> ServiceLimits:
@@ -126,6 +146,9 @@ class ServiceLimits:
             handshake_timeout_s=min(float(settings.handshake_timeout_s),
                                     float(settings.idle_timeout_s)),
             max_idle_connections_per_host=settings.max_idle_connections_per_host,
+            max_waiting_calls=settings.max_waiting_calls,
+            default_wait_s=float(settings.default_wait_s),
+            response_timeout_s=float(settings.response_timeout_s),
         )
 
     @classmethod
@@ -152,9 +175,10 @@ class ServiceLimits:
             ("grpc.max_allowed_incoming_connections", self.max_connections),
             ("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)),
             ("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_s * 1000)),
-            # Per connection: a call over max_concurrent_calls is refused by the service (with
-            # its reason); this only keeps one connection from queueing without bound.
-            ("grpc.max_concurrent_streams", self.max_concurrent_calls + 16),
+            # Per connection: a call over the pools is refused by the service (with its
+            # reason); this only keeps one connection from queueing without bound.
+            ("grpc.max_concurrent_streams",
+             self.max_concurrent_calls + self.max_waiting_calls + 16),
         ]
 
     @property
@@ -203,4 +227,7 @@ class ServiceLimits:
             "max_message_bytes": self.max_message_bytes,
             "handshake_timeout_s": self.handshake_timeout_s,
             "max_idle_connections_per_host": self.max_idle_connections_per_host,
+            "max_waiting_calls": self.max_waiting_calls,
+            "default_wait_s": self.default_wait_s,
+            "response_timeout_s": self.response_timeout_s,
         }

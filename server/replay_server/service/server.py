@@ -261,6 +261,8 @@ class ReplayServer:
             max_idle=limits.max_idle_connections, max_connections=limits.max_connections,
             on_full=on_full)
         self.admission.on_call = self.connections.called
+        guard = self.connections
+        self._servicer.connection_figures = lambda: (guard.open, guard.closed)
         self.connections.start()
 
     async def _set_health(self) -> None:
@@ -276,10 +278,22 @@ class ReplayServer:
         if self.checkpointer is None:
             self._restored = True
             return
+        # The first attempt loads into the tables made at start, which hold no row yet, so
+        # their storage is loaded into (no second copy: memmap tables fit a disk sized for
+        # one); only a retry after a damaged checkpoint makes new ones.
+        initial = [self.tables]
+
+        def make_tables() -> TableSet:
+            return initial.pop() if initial else self._make_tables()
+
         restored = await _cancellable(functools.partial(
-            self.checkpointer.restore, self._make_tables, cancel, self._make_variables,
+            self.checkpointer.restore, make_tables, cancel, self._make_variables,
             start_empty=self.settings.start_empty_if_unrestorable), cancel)
         if restored is None:
+            if not initial:  # loaded into by a failed attempt: start from new, empty ones
+                self.tables = None  # type: ignore[assignment]  # dropped before remade
+                self.tables = self._make_tables()
+                self._servicer.use_tables(self.tables)
             log.info("nothing restored from %s: starting with empty tables",
                      self.checkpointer.path)
         else:

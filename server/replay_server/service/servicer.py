@@ -17,7 +17,7 @@ updates on the event loop when their table is free), sharing the runner.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import asdict
 from typing import Any
@@ -100,6 +100,10 @@ class ReplayServicer:
         self._streams: set[SampleStreamCall] = set()
         self.calls = CallRunner(executor, self._may_pass)
         """Runs every call's engine work; the server sets its ``draining``/``restoring``."""
+        self.connection_figures: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        """Connections open on the main port and closed for making no call (for ``info``)."""
+        self.calls.start_waiting = admission.start_waiting
+        self.calls.default_wait_s = admission.limits.default_wait_s
         self.variables = VariableService(
             VariableStore(0) if variables is None else variables, self.calls)
         """Publish and Fetch (named variables)."""
@@ -321,6 +325,7 @@ class ReplayServicer:
 
     def _limits_info(self) -> pb.ServerLimits:
         limits, budget = self._admission.limits, self._admission.budget
+        connections_open, connections_closed = self.connection_figures()
         rings = self._stream_limits.shared_memory_budget
         memory = self._tables.memory
         return pb.ServerLimits(
@@ -333,6 +338,10 @@ class ReplayServicer:
             shared_memory_in_use_bytes=rings.in_use, table_memory_bytes=memory.limit,
             table_memory_committed_bytes=memory.committed,
             refused_calls=budget.refused + self._admission.refused,
+            max_waiting_calls=limits.max_waiting_calls, calls_waiting=self._admission.waiting,
+            default_wait_s=limits.default_wait_s, handshake_timeout_s=limits.handshake_timeout_s,
+            max_idle_connections_per_host=limits.max_idle_connections_per_host,
+            connections_open=connections_open, connections_closed=connections_closed,
         )
 
     def _may_pass(self, table: str, operation: str, count: int) -> bool:

@@ -59,7 +59,16 @@ class ServerSettings:
         memory_budget_mb: bytes all calls together may hold at once (requests
             read, batches drawn, responses not yet taken by slow readers), in
             MiB; a call that does not fit is refused (RESOURCE_EXHAUSTED).
-        max_concurrent_calls: replay calls served at once (health checks aside).
+        max_concurrent_calls: replay calls working at once (health checks and
+            waiting calls aside).
+        max_waiting_calls: calls waiting at once (streams; fetches, samples and
+            inserts waiting for a newer version, for data or for their rate
+            limiter), a pool of their own; more are refused (RESOURCE_EXHAUSTED).
+        default_wait_s: how long a unary call whose client set no deadline may
+            wait (a fetch for a newer version, a sample for data or its rate
+            limiter, an insert for its rate limiter).
+        response_timeout_s: how long a unary call's answer may wait for its client
+            to take it; one not taken is dropped (the call ends, its memory is freed).
         max_connections: open client connections; more are closed at once.
         idle_timeout_s: a connection that made calls is closed after this long
             without one.
@@ -109,6 +118,9 @@ class ServerSettings:
     idle_timeout_s: float = LIMIT_DEFAULTS["idle_timeout_s"]
     handshake_timeout_s: float = LIMIT_DEFAULTS["handshake_timeout_s"]
     max_idle_connections_per_host: int = LIMIT_DEFAULTS["max_idle_connections_per_host"]
+    max_waiting_calls: int = LIMIT_DEFAULTS["max_waiting_calls"]
+    default_wait_s: float = LIMIT_DEFAULTS["default_wait_s"]
+    response_timeout_s: float = LIMIT_DEFAULTS["response_timeout_s"]
     max_batch_mb: int = LIMIT_DEFAULTS["max_batch_mb"]
     shared_memory_mb: int = LIMIT_DEFAULTS["shared_memory_mb"]
     table_memory_mb: int = 0

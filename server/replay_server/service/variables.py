@@ -6,8 +6,10 @@ then wakes the fetches waiting on that name. A fetch with ``newer_than``
 that finds nothing newer waits on an event of its name, on the event loop,
 holding no thread and polling nothing, until a publish wakes it, its
 ``timeout_s`` passes (answered ``found = false``), shortly before its gRPC
-deadline (the same: so the answer reaches the client in time), or the server
-drains (UNAVAILABLE).
+deadline (the same: so the answer reaches the client in time; without a
+deadline, ``server.default_wait_s``), or the server drains (UNAVAILABLE).
+While it waits it counts in the waiting calls' pool, not the working one
+(:mod:`~replay_server.service.admission`).
 
 Thread-safety: event-loop only (the engine work runs in the pool).
 """
@@ -26,7 +28,7 @@ from replay_server.engine.variables import Variable, VariableStore, check_name
 from replay_server.errors import InvalidVariableError
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
-from replay_server.service.status import ShuttingDownError
+from replay_server.service.status import OverloadedError, ShuttingDownError
 from replay_server.service.waiting import GIVE_UP_EARLY_FRACTION, GIVE_UP_EARLY_MAX_S
 
 
@@ -82,10 +84,11 @@ class VariableService:
         check = await self._calls.run(context, check_name, request.name)  # refuse bad names now
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + request.timeout_s
-        remaining = context.time_remaining()
+        remaining = self._calls.deadline_or_default(context)()
         if remaining is not None:  # answer before the client's own deadline fires
             early = min(GIVE_UP_EARLY_MAX_S, GIVE_UP_EARLY_FRACTION * remaining)
             give_up_at = min(give_up_at, loop.time() + remaining - early)
+        waiting = False
         while True:
             if self._calls.draining:
                 await self._calls.fail(context, ShuttingDownError("the server is shutting down"))
@@ -94,6 +97,12 @@ class VariableService:
             left = give_up_at - loop.time()
             if left <= 0:
                 return variable_codec.encode_not_newer(check)
+            if not waiting:
+                waiting = True
+                try:
+                    self._calls.start_waiting(context)  # out of the working calls' pool
+                except OverloadedError as exc:
+                    await self._calls.fail(context, exc)
             event = self._published.setdefault(check, asyncio.Event())
             try:
                 await asyncio.wait_for(event.wait(), None if math.isinf(left) else left)
