@@ -60,8 +60,7 @@ min_size_to_sample = 50
 """
 
 
-def _usual_open_file_limit() -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+USUAL_OPEN_FILE_LIMIT = {"NOFILE": (1024, 1024)}
 
 
 def _idle_sockets_we_can_open() -> int:
@@ -101,7 +100,7 @@ def _closed_by_server(sockets: list[socket.socket]) -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[ServerProcess]:
     proc = start_server(tmp_path_factory.mktemp("limits"), CONFIG,
-                        preexec_fn=_usual_open_file_limit)
+                        rlimits=USUAL_OPEN_FILE_LIMIT)
     yield proc
     proc.stop()
 
@@ -213,7 +212,7 @@ TOKEN = "guard-token"
 def guarded(tmp_path_factory) -> Iterator[ServerProcess]:
     tmp_path = tmp_path_factory.mktemp("guarded")
     proc = start_server(tmp_path, GUARDED.format(directory=tmp_path / "ckpt"),
-                        env={"REPLAY_TEST_TOKEN": TOKEN}, preexec_fn=_usual_open_file_limit)
+                        env={"REPLAY_TEST_TOKEN": TOKEN}, rlimits=USUAL_OPEN_FILE_LIMIT)
     yield proc
     proc.stop()
 

@@ -250,19 +250,17 @@ def test_a_truncated_newest_checkpoint_is_skipped_with_the_reason_logged(tmp_pat
         again.stop()
 
 
-def _limit_file_size() -> None:
-    """In the server process: writes past 1 MiB fail with EFBIG (SIGXFSZ ignored), like a
-    full disk does with ENOSPC. Real, reliable, needs no privileges, and root (which
-    ignores permission bits) cannot bypass it; the test lifts it with prlimit."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+FULL_DISK = {"rlimits": {"FSIZE": (1 << 20, -1)}, "ignore_sigxfsz": True}
+"""In the server process: writes past 1 MiB fail with EFBIG (SIGXFSZ ignored), like a full
+disk does with ENOSPC. Real, reliable, needs no privileges, and root (which ignores
+permission bits) cannot bypass it; the test lifts it with prlimit."""
 
 
 def test_a_full_disk_fails_the_checkpoint_clearly_and_the_server_keeps_serving(
     tmp_path: Path
 ) -> None:
     text = config(tmp_path / "ckpt")
-    server = start_server(tmp_path, text, preexec_fn=_limit_file_size)
+    server = start_server(tmp_path, text, **FULL_DISK)
     try:
         client = ReplayClient(server.address)
         client.insert("prioritized", rows(torch.arange(40_000)))  # 1.6 MB of obs
