@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replay_client import ReplayClient, errors
 from replay_proto.v1 import replay_pb2 as pb
-from tests.conftest import ServerProcess, module_server, wait_for
+from tests.conftest import ServerProcess, module_server, start_server, wait_for
 
 TOKEN = "budget-test-token"
 BUDGET_MIB = 256
@@ -296,3 +296,64 @@ def test_the_reported_floods_at_their_full_size_stay_within_the_budget(server, c
             reader.close()
     watch.check()
     assert wait_for(lambda: in_use(client) == 0)
+
+
+# ---------------------------------------------------------------- issue 23, finding 10
+
+ATARI = (84, 84, 4)
+
+
+def test_an_address_space_too_small_to_serve_stops_the_start_saying_so(tmp_path) -> None:
+    """Under a 2.3 GB RLIMIT_AS the server started, then died of std::bad_alloc under load."""
+    limit = 2300 << 20
+    with pytest.raises(RuntimeError) as info:
+        start_server(tmp_path, "[[tables]]\nname = \"t\"\ncapacity = 1000\n",
+                     rlimits={"AS": (limit, limit)})
+    message = str(info.value)
+    assert "server exited with 2" in message
+    assert "replay-server: not enough memory or disk space: this process may map at most " \
+           "2.2 GiB (ulimit -v, RLIMIT_AS)" in message and "memory_budget_mb" in message
+    assert "bad_alloc" not in message and "Traceback" not in message
+
+
+def test_under_an_address_space_limit_tables_get_only_what_it_leaves(tmp_path) -> None:
+    limit = 3500 << 20
+    config = """
+[server]
+max_message_mb = 128
+
+[[tables]]
+name = "fits"
+capacity = 20_000
+
+[[tables]]
+name = "too_big"
+capacity = 50_000
+"""
+    server = start_server(tmp_path, config, rlimits={"AS": (limit, limit)})
+    try:
+        client = ReplayClient(server.address, timeout=60, max_message_mb=128)
+        with pytest.raises(errors.LimitExceededError, match=r"ulimit -v \(RLIMIT_AS\)"):
+            client.insert("too_big", {"obs": torch.zeros(1, *ATARI, dtype=torch.uint8)})
+        refused: list[BaseException] = []
+
+        def load() -> None:
+            mine = ReplayClient(server.address, timeout=60, max_message_mb=128, max_retry_s=0)
+            for _ in range(8):
+                try:
+                    mine.insert("fits", {"obs": torch.zeros(1024, *ATARI, dtype=torch.uint8)})
+                    mine.sample("fits", 2048)
+                except errors.OverloadedError as exc:  # the budget, or memory: a clear refusal
+                    refused.append(exc)
+
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        assert not any(t.is_alive() for t in threads)
+        assert client.info()["fits"].size == 20_000
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()[-3000:]
+    assert "bad_alloc" not in server.log() and "Unexpected [MemoryError]" not in server.log()

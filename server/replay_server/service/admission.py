@@ -115,7 +115,10 @@ class Admission:
             # context.read(), not the request iterator: the iterator's suspended frame
             # would keep the message alive after the call (7 MB for an Atari insert), so
             # each call's bytes landed in fresh pages (measured: 2.4x the page faults).
-            raw = await context.read()
+            try:
+                raw = await context.read()
+            except MemoryError as exc:  # gRPC could not hold the request (RLIMIT_AS, say)
+                await abort(context, exc)
             if raw is grpc.aio.EOF:
                 await abort(context, CodecError(f"{name}: the call carried no request"))
             await self._check_size(name, raw, reservation, context)

@@ -34,8 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from replay_server.engine.id_space import check_shard
+from replay_server.engine.memory import format_bytes
 from replay_server.service.budget import BULK_SHARE
-from replay_server.errors import ConfigError
+from replay_server.errors import ConfigError, TableSpaceError
 
 MIB = 1 << 20
 
@@ -47,6 +48,10 @@ DEFAULTS = {"memory_budget_mb": 1024, "max_concurrent_calls": 256, "max_connecti
 
 RESERVED_FILES = 64
 """Open files a server needs besides its connections (listeners, checkpoint files, rings, logs)."""
+
+RUNTIME_ADDRESS_SPACE = 3 << 29
+"""Address space the server's runtime takes besides tables and calls (interpreter, torch,
+gRPC, thread stacks): an idle server maps about 1.2 GiB; 1.5 GiB leaves room for load."""
 
 HEALTH_MAX_CONNECTIONS = 16
 """Connections the plaintext health listener (``health_address``) takes at once."""
@@ -214,6 +219,32 @@ class ServiceLimits:
                     f"and the health and metrics connections), but this process may open at most "
                     f"{hard} (ulimit -n); lower max_connections or raise the limit")
             resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+    def table_memory_within_address_space(self, table_limit: int | None) -> int | None:
+        """The tables' memory limit once this process' address-space limit (``ulimit -v``)
+        is counted: what remains after the runtime and the calls' budget, if that is lower
+        than ``table_limit`` (``None``: no limit set, the machine's memory).
+
+        A server under a low ``RLIMIT_AS`` used to die of ``std::bad_alloc`` deep in a
+        library; now its tables are promised no more than the limit leaves, and a limit
+        too low to serve at all stops the start, saying so.
+
+        Raises:
+            TableSpaceError: the limit leaves nothing for tables (names the limit, the
+                runtime's share and ``memory_budget_mb``).
+        """
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return table_limit
+        left = soft - RUNTIME_ADDRESS_SPACE - self.memory_budget_bytes
+        if left <= 0:
+            raise TableSpaceError(
+                f"this process may map at most {format_bytes(soft)} (ulimit -v, RLIMIT_AS), "
+                f"which leaves nothing for tables after the runtime (about "
+                f"{format_bytes(RUNTIME_ADDRESS_SPACE)}) and server.memory_budget_mb = "
+                f"{self.memory_budget_bytes >> 20}; raise the limit or lower "
+                f"server.memory_budget_mb")
+        return left if table_limit is None else min(left, table_limit)
 
     def describe(self) -> dict[str, int | float]:
         """The limits by name, for ``info`` and the log."""

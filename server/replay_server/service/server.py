@@ -166,7 +166,14 @@ class ReplayServer:
 
     def _make_tables(self) -> TableSet:
         mb = self.settings.table_memory_mb
-        memory = MemoryLedger(mb * MIB, "server.table_memory_mb") if mb else MemoryLedger()
+        configured = mb * MIB if mb else None
+        limit = self.limits.table_memory_within_address_space(configured)
+        if limit is None:
+            memory = MemoryLedger()
+        elif limit == configured:
+            memory = MemoryLedger(limit, "server.table_memory_mb")
+        else:  # the address-space limit is the tighter one
+            memory = MemoryLedger(limit, "the address space left by ulimit -v (RLIMIT_AS)")
         return TableSet(self.settings.table_configs, self.incarnations, memory)
 
     def _make_variables(self) -> VariableStore:

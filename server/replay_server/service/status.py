@@ -97,7 +97,9 @@ _ROUTINE = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE}
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     """End the call with ``exc``'s status and kind (a bug: logged, answered INTERNAL).
 
-    The message is cut to :data:`~replay_server.service.excerpt.STATUS_CHARS`
+    A MemoryError (the process out of memory or address space) is answered
+    RESOURCE_EXHAUSTED, kind ``overloaded``, never INTERNAL. The message is cut
+    to :data:`~replay_server.service.excerpt.STATUS_CHARS`
     (an error listing a huge schema must still reach the client as its type).
 
     Refusals are logged per client, rate-limited (:mod:`~replay_server.service.peer_log`):
@@ -107,6 +109,10 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoRetu
     at DEBUG (its end is expected, whatever it raised).
     """
     peer = _peer(context)
+    if isinstance(exc, MemoryError):  # the machine, not a bug: the call may be tried again
+        exc = OverloadedError(
+            "the server ran out of memory serving this call (its address-space limit or the "
+            "machine's memory); try again later, or send less at once")
     mapped = status_of(exc)
     if mapped is None:
         if _cancelled(context):
