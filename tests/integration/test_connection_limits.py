@@ -230,8 +230,9 @@ class Probe:
     """A legitimate client calling the server over a fresh connection every few tens of
     milliseconds, recording how long it was locked out (failed calls end to end)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: str | None = TOKEN) -> None:
         self._address = address
+        self._token = token
         self.calls = 0
         self.failures: list[str] = []
         self.lockout_s = 0.0
@@ -242,7 +243,7 @@ class Probe:
     def _run(self) -> None:
         failing_since = None
         while not self._stop.is_set() and self.calls < 10_000:
-            client = ReplayClient(self._address, token=TOKEN, timeout=2, max_retry_s=0)
+            client = ReplayClient(self._address, token=self._token, timeout=2, max_retry_s=0)
             try:
                 client.info()
                 if failing_since is not None:
@@ -261,12 +262,15 @@ class Probe:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(30)
+        if self._thread.is_alive():
+            self._thread.join(30)
 
 
-def _hold_idle_connections(port: int, source: str, until: float, held: list) -> None:
-    """Open handshaked connections that make no call, as fast as possible, until ``until``."""
-    for _ in range(ATTACK_CONNECTIONS):
+def _hold_idle_connections(port: int, source: str, until: float, held: list,
+                           most: int = ATTACK_CONNECTIONS) -> None:
+    """Open handshaked connections that make no call, as fast as possible, until ``until``
+    (at most ``most``)."""
+    for _ in range(most):
         if time.monotonic() >= until:
             return
         try:
@@ -350,6 +354,8 @@ def test_idle_sockets_on_health_and_metrics_take_no_descriptors_from_clients(gua
             except OSError:
                 pass
         assert len(sockets) >= count // 2
+        print(f"{len(sockets)} idle sockets on health and /metrics: server descriptors "
+              f"{process.num_fds()}")
         assert process.num_fds() < 200 + 64 + 32 + 64  # bounded: nowhere near 1,024
         client = ReplayClient(guarded.address, token=TOKEN, timeout=10)
         client.insert("replay", {"x": torch.zeros(4)})
@@ -413,3 +419,33 @@ capacity = 100
         assert wait_for(lambda: _serving(health_address), timeout=10)
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_the_reported_idle_connection_attack_at_full_size(tmp_path) -> None:
+    """The report's size against the default limits: waves of 600 handshaked connections
+    that make no call, from one address, renewed for a minute."""
+    server = start_server(tmp_path, "[[tables]]\nname = \"replay\"\ncapacity = 100\n",
+                          rlimits=USUAL_OPEN_FILE_LIMIT)
+    held: list[RawConnection] = []
+    probe = Probe(server.address, token=None)
+    try:
+        until = time.monotonic() + 60
+        while time.monotonic() < until and len(held) < 60_000:
+            wave: list[RawConnection] = []
+            _hold_idle_connections(server.port, "127.0.0.2", min(until, time.monotonic() + 5),
+                                   wave, 600)
+            held.extend(wave)
+            for connection in held[:-600]:
+                connection.close()
+            del held[:-600]
+        probe.stop()
+        print(f"idle-connection waves for 60 s: {probe.calls} calls, {len(probe.failures)} "
+              f"failed, locked out {probe.lockout_s:.2f} s")
+        assert probe.calls >= 100 and probe.lockout_s <= LOCKOUT_BOUND_S, probe.failures
+        assert server.process.poll() is None
+    finally:
+        probe.stop()
+        for connection in held:
+            connection.close()
+        assert server.stop() == 0

@@ -116,6 +116,8 @@ class Watch:
     def check(self) -> None:
         assert self.checks >= 3, "the probe did not run"
         mib = 2**20
+        print(f"server RSS {self.start_rss / mib:.0f} MiB before, peak {self.peak_rss / mib:.0f}"
+              f" MiB (budget {BUDGET_MIB} MiB); slowest probe {self.slowest_s:.2f} s")
         assert self.peak_rss <= self.bound, (
             f"server RSS peaked at {self.peak_rss / mib:.0f} MiB, over the bound of "
             f"{self.bound / mib:.0f} MiB ({self.start_rss / mib:.0f} MiB before + budget + slack)")

@@ -96,7 +96,9 @@ def test_repeated_and_overlong_keys_are_refused(tmp_path, specs, why: str) -> No
 
 
 KEYS_PER_PUBLISH = 50_000
-RSS_SLACK_MIB = 48
+RSS_SLACK_MIB = 64
+"""Freed request buffers the server's heap keeps for the next ones (app/heap.py), plus the
+parse of one publish of 50,000 keys."""
 
 
 def many_keys(prefix: str) -> dict[str, torch.Tensor]:
@@ -125,7 +127,8 @@ def test_many_small_keys_cost_no_more_memory_than_the_budget_charges(
         print(f"{keys:,} keys stored under variables_max_mb = {budget_mb}: RSS "
               f"+{grown / 2**20:.1f} MiB")
         assert keys >= 4 * KEYS_PER_PUBLISH  # small keys are cheap to hold ...
-        assert grown <= (budget_mb + RSS_SLACK_MIB) * 2**20  # ... and charged what they hold
+        # ... and charged what they hold (within a tenth, for the heap's own bookkeeping)
+        assert grown <= (1.1 * budget_mb + RSS_SLACK_MIB) * 2**20
         assert client.fetch("v0")["v0.layer7.weight"].shape == (1,)
         assert client.checkpoint()
     finally:

@@ -127,3 +127,28 @@ def test_a_waiting_call_without_a_deadline_waits_the_default_at_most(served) -> 
     with pytest.raises(errors.DeadlineExceededError):
         client.sample("never", 4, wait=True)
     assert time.monotonic() - started < JOIN_S
+
+
+@pytest.mark.slow
+def test_the_reported_waiters_at_full_size(tmp_path) -> None:
+    """The report's size against the default limits: 300 waiters (more than the 256 working
+    slots), then the insert, info and publish that release them."""
+    from tests.conftest import start_server
+
+    server = start_server(tmp_path, "[[tables]]\nname = \"gate\"\ncapacity = 1000\n"
+                                    "min_size_to_sample = 500\n")
+    try:
+        client = ReplayClient(server.address, timeout=60, max_retry_s=0)
+        version = client.publish("policy", {"w": torch.zeros(3)})
+        waiters = Waiters()
+        waiters.start(lambda: ReplayClient(server.address, timeout=120).fetch(
+            "policy", newer_than=version, timeout=90), 200)
+        waiters.start(lambda: ReplayClient(server.address, timeout=90).sample("gate", 4), 100)
+        assert wait_for(lambda: waiting(client) >= 300, timeout=120)
+        assert client.info()["gate"].rate_limiter["blocked_samples"] == 100
+        client.insert("gate", {"x": torch.zeros(500, 2)})
+        client.publish("policy", {"w": torch.ones(3)})
+        waiters.join()
+        assert not [o for o in waiters.outcomes if isinstance(o, BaseException)]
+    finally:
+        assert server.stop() == 0
