@@ -195,3 +195,16 @@ def test_the_cycle_check_would_see_a_cycle() -> None:
                                            if not _in(m, "replay_proto.v1")))  # protoc's output
 def test_no_module_is_over_600_lines(module: str) -> None:
     assert len(_modules()[module].read_text().splitlines()) <= 600, module
+
+
+@pytest.mark.parametrize("module", _modules_in("replay_server.engine.samplers"))
+def test_samplers_know_positions_only_never_storage_readers_or_the_table(module: str) -> None:
+    """A sampler sees the id ring and the insert events: never the rows, the readers that
+    shape them, the remover that counts draws, the config or the table that wires it."""
+    banned = ("replay_server.engine.storage", "replay_server.engine.nstep",
+              "replay_server.engine.readers", "replay_server.engine.remover",
+              "replay_server.engine.config", "replay_server.engine.table",
+              "replay_server.engine.table_parts", "replay_server.engine.table_state")
+    reached = _reaches(module)
+    assert not any(_in(m, *banned) for m in reached), (
+        module, sorted(m for m in reached if _in(m, *banned)))

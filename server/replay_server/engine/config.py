@@ -14,6 +14,7 @@ from typing import Any
 
 from replay_proto.keys import check_prefixes
 from replay_server.errors import ConfigError
+from replay_server.engine.samplers import SAMPLERS, SamplerTraits
 from replay_server.engine.schema import FieldSpec
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}")
@@ -36,28 +37,31 @@ class StorageKind(str, Enum):
     MEMMAP = "memmap"
 
 
-class SamplerKind(str, Enum):
-    """How a table picks the rows of a sample (see ``replay_server.engine.samplers``)."""
+class _SamplerKinds(str, Enum):
+    """What a sampler's name tells, read from the declaration of the class it names."""
 
-    UNIFORM = "uniform"
-    PRIORITIZED = "prioritized"
-    SLICE = "slice"
-    PRIORITIZED_SLICE = "prioritized_slice"
-    FIFO = "fifo"
-    LIFO = "lifo"
+    @property
+    def traits(self) -> SamplerTraits:
+        return SAMPLERS[self.value].traits
 
     @property
     def is_queue(self) -> bool:
         """Consume-once kinds: a sample takes the oldest (fifo) or newest (lifo) rows away."""
-        return self in (SamplerKind.FIFO, SamplerKind.LIFO)
+        return self.traits.consumes
 
     @property
     def is_prioritized(self) -> bool:
-        return self in (SamplerKind.PRIORITIZED, SamplerKind.PRIORITIZED_SLICE)
+        return self.traits.priorities
 
     @property
     def is_slice(self) -> bool:
-        return self in (SamplerKind.SLICE, SamplerKind.PRIORITIZED_SLICE)
+        return self.traits.slices
+
+
+SamplerKind = _SamplerKinds(  # type: ignore[call-overload]
+    "SamplerKind", [(name.upper(), name) for name in SAMPLERS], module=__name__)
+"""How a table picks the rows of a sample: one member per registered sampler
+(:data:`~replay_server.engine.samplers.SAMPLERS`), named as the config names it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +71,8 @@ class TableConfig:
     Attributes:
         name: the table's name (letters, digits, ``_`` and ``-``).
         capacity: rows kept; when full, the oldest row is overwritten (FIFO).
-        sampler: ``uniform``, ``prioritized``, ``slice`` or ``prioritized_slice``.
+        sampler: a registered sampler's name (``uniform``, ``prioritized``,
+            ``slice``, ``prioritized_slice``, ``fifo``, ``lifo``).
         alpha: priority exponent, P(i) = p_i^alpha / sum_k p_k^alpha (prioritized kinds).
         beta: importance-weight exponent (prioritized kinds).
         slice_len: steps per sampled slice (slice kinds; required there, refused elsewhere).
@@ -87,10 +92,11 @@ class TableConfig:
             calls wait, in sampled rows (see :mod:`replay_server.engine.rate_limiter`);
             ``None``: ``max(1, samples_per_insert) * max(min_size_to_sample, 1000)``.
         max_times_sampled: a row drawn this many times is retired (no longer
-            sampled); 0: no limit. Row samplers only.
-        max_size: (``fifo``/``lifo`` only) inserts wait while the queue holds
-            more than ``max_size - rows`` rows; ``None``: they never wait, and
-            the ring overwrites the oldest rows when full. At most ``capacity``.
+            sampled); 0: no limit (``fifo``/``lifo``: 1). Row samplers only.
+        max_size: (tables whose rows leave when sampled: ``fifo``/``lifo``, or
+            ``max_times_sampled``) inserts wait while the table holds more
+            than ``max_size - rows`` rows; ``None``: they never wait, and the
+            ring overwrites the oldest rows when full. At most ``capacity``.
         storage: ``memory`` (preallocated tensors in RAM) or ``memmap``
             (memory-mapped files under ``storage_dir``: the page cache decides
             what stays in RAM, so a table may be larger than RAM).
@@ -205,7 +211,7 @@ class TableConfig:
             except ValueError as exc:
                 raise ConfigError(f"{where}: schema: {exc}") from None
         self._check_flow_control(where)
-        self._check_queue(where)
+        self._check_max_size(where)
         self._check_storage(where)
         self._check_n_step(where)
         self._check_frame_stack(where)
@@ -283,29 +289,18 @@ class TableConfig:
                 f"{where}: n_step={self.n_step} needs sampler 'uniform' or 'prioritized' (a row "
                 f"sampler); sampler {self.sampler.value!r} does not support it")
 
-    def _check_queue(self, where: str) -> None:
-        """fifo/lifo: consume-once already, so the other flow controls are refused."""
-        if not self.sampler.is_queue:
-            if self.max_size is not None:
-                raise ConfigError(
-                    f"{where}: max_size={self.max_size!r} only applies to the queue samplers "
-                    f"'fifo' and 'lifo', and sampler is {self.sampler.value!r}; remove max_size")
+    def _check_max_size(self, where: str) -> None:
+        """max_size bounds tables whose rows leave when sampled (a remover's)."""
+        if self.max_size is None:
             return
-        if self.max_size is not None and (not _is_int(self.max_size)
-                                          or not 1 <= self.max_size <= self.capacity):
+        if self.removal_limit == 0:
+            raise ConfigError(
+                f"{where}: max_size={self.max_size!r} only applies where rows leave the table "
+                f"when sampled (sampler 'fifo' or 'lifo', or max_times_sampled); without that "
+                f"a table at max_size would stop taking inserts for good; remove max_size")
+        if not _is_int(self.max_size) or not 1 <= self.max_size <= self.capacity:
             raise ConfigError(f"{where}: max_size must be an integer in [1, capacity="
                               f"{self.capacity}] or omitted, got {self.max_size!r}")
-        for name in ("samples_per_insert", "max_times_sampled"):
-            if getattr(self, name):
-                raise ConfigError(
-                    f"{where}: {name}={getattr(self, name)!r} does not apply to sampler "
-                    f"{self.sampler.value!r}: a queue hands each row out once, and inserts wait "
-                    f"at max_size; remove {name}")
-        if self.min_size_to_sample is not None:
-            raise ConfigError(
-                f"{where}: min_size_to_sample={self.min_size_to_sample!r} does not apply to "
-                f"sampler {self.sampler.value!r}: a queue's sample waits until it holds "
-                f"batch_size rows; remove min_size_to_sample")
 
     def _check_storage(self, where: str) -> None:
         try:
@@ -375,12 +370,27 @@ class TableConfig:
                 f"so how often it was sampled has no single meaning; remove max_times_sampled "
                 f"or use a row sampler"
             )
+        limit = self.removal_limit
         if limit and spi is not None and spi > limit:
             raise ConfigError(
                 f"{where}: samples_per_insert={spi!r} asks for more samples per row than "
-                f"max_times_sampled={limit} allows (a row is retired after {limit} draws), so "
-                f"the ratio could never be held"
+                f"{self._limit_name} allows (a row leaves after {limit} draws), so the ratio "
+                f"could never be held"
             )
+
+    @property
+    def removal_limit(self) -> int:
+        """Draws after which a row leaves the table: ``max_times_sampled``, else 1 for a
+        sampler that consumes its rows (``fifo``/``lifo``), else 0 (rows only age out)."""
+        if self.max_times_sampled:
+            return self.max_times_sampled
+        return 1 if self.sampler.traits.consumes else 0
+
+    @property
+    def _limit_name(self) -> str:
+        if self.max_times_sampled:
+            return f"max_times_sampled={self.max_times_sampled}"
+        return f"sampler {self.sampler.value!r} (each row handed out once)"
 
     @property
     def rate_limited(self) -> bool:

@@ -158,7 +158,7 @@ def insert_priorities(priorities: Any, rows: int, config: TableConfig) -> np.nda
     """
     if priorities is None:
         return None
-    if not config.sampler.is_prioritized:
+    if not config.sampler.traits.priorities:
         raise NoPrioritiesError(
             f"table {config.name!r} uses sampler {config.sampler.value!r}, which has "
             f"no priorities; insert without priorities"
@@ -201,7 +201,7 @@ def check_sampler_columns(config: TableConfig, schema: Schema) -> None:
     if missing:
         raise SchemaMismatchError(f"table {config.name!r}: compress_keys names {missing}, which "
                                   f"the schema lacks; it has {sorted(schema)}")
-    if not (config.sampler.is_slice or config.n_step > 1 or config.frame_stack_key):
+    if not (config.sampler.traits.episodes or config.n_step > 1 or config.frame_stack_key):
         return
     key = config.episode_key
     spec = schema.get(key)

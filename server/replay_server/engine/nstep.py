@@ -78,6 +78,10 @@ class NStepIndex:
         reward_key, done_key, truncated_key: the columns it reads and replaces.
     """
 
+    SLOT_BYTES = 26
+    """Per slot: the next step's slot, the window's sum and last slot (int64, float64,
+    int64) and its length (uint16)."""
+
     def __init__(self, ring: IdRing, n_step: int, gamma: float, reward_key: str,
                  done_key: str, truncated_key: str) -> None:
         self._ring = ring

@@ -24,7 +24,7 @@ from functools import partial
 
 from replay_server.engine.config import StorageKind, TableConfig
 from replay_server.engine.schema import Schema
-from replay_server.engine.storage.compressed import CompressedStorage
+from replay_server.engine.storage.compressed import ROW_OVERHEAD, CompressedStorage
 from replay_server.engine.storage.device import DeviceStorage
 from replay_server.engine.storage.memmap import MemmapStorage, check_directory
 from replay_server.engine.storage.memory import ColumnStorage
@@ -35,7 +35,7 @@ from replay_server.engine.storage.placement import (
 )
 
 __all__ = ["ColumnStorage", "CompressedStorage", "DeviceStorage", "MemmapStorage",
-           "check_storage", "make_storage"]
+           "check_storage", "make_storage", "stored_row_bytes"]
 
 
 def make_storage(config: TableConfig, schema: Schema) -> ColumnStorage:
@@ -74,3 +74,21 @@ def check_storage(config: TableConfig) -> None:
         assert config.storage_dir is not None
         check_directory(config.storage_dir, config.name)
 
+
+
+def stored_row_bytes(config: TableConfig, schema: Schema) -> int:
+    """Bytes a row of ``schema`` takes in storage at most: a frame-stacked key keeps one frame
+    of its stack; a compressed column is promised lz4's worst case (its raw size, lz4's bound
+    and :data:`~replay_server.engine.storage.compressed.ROW_OVERHEAD`)."""
+    row = schema.row_bytes
+    for key in config.compress_keys or ():
+        spec = schema.get(key)
+        if spec is not None:
+            row += spec.row_bytes // 255 + 16 + ROW_OVERHEAD
+    key = config.frame_stack_key
+    if key is not None:
+        for name in (key, f"next.{key}"):
+            spec = schema.get(name)
+            if spec is not None and spec.shape:
+                row -= spec.row_bytes - spec.row_bytes // spec.shape[0]
+    return row

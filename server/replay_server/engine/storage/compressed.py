@@ -31,9 +31,11 @@ import torch
 
 from replay_server.engine import workers
 from replay_server.engine.schema import Schema
-from replay_server.engine.memory import COMPRESSED_ROW_OVERHEAD as ROW_OVERHEAD
 from replay_server.engine.storage.memory import ColumnStorage, _numpy_view
 from replay_server.errors import InsufficientMemoryError
+
+ROW_OVERHEAD = 41
+"""Bytes a compressed row costs beyond its compressed bytes (a bytes object, a list slot)."""
 
 _PARALLEL_BYTES = 1 << 20
 """Gathers of at least this many raw bytes decompress on several threads."""

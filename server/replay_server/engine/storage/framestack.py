@@ -120,6 +120,9 @@ class FrameStacks:
         fill: ``"repeat"`` or ``"zero"``: the frames before an episode's first step.
     """
 
+    SLOT_BYTES = 16
+    """Per slot: the previous and the next step's positions (int64 each)."""
+
     def __init__(self, ring: IdRing, key: str, stack: int, fill: str) -> None:
         self._ring = ring
         self.key, self.next_key = key, next_key(key)

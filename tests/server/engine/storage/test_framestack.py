@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replay_server.engine.config import TableConfig
-from replay_server.engine.memory import stored_row_bytes
+from replay_server.engine.storage import stored_row_bytes
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.table import Table
 from replay_server.errors import ConfigError, InvalidArgumentError, SchemaMismatchError
