@@ -97,28 +97,33 @@ class TableConfig:
             ``max_times_sampled``) inserts wait while the table holds more
             than ``max_size - rows`` rows; ``None``: they never wait, and the
             ring overwrites the oldest rows when full. At most ``capacity``.
-        storage: ``memory`` (preallocated tensors in RAM) or ``memmap``
+        storage: every column's backend: ``memory`` (preallocated tensors in
+            RAM; on a device table, in device memory) or ``memmap``
             (memory-mapped files under ``storage_dir``: the page cache decides
             what stays in RAM, so a table may be larger than RAM).
-        storage_dir: the existing directory a ``memmap`` table keeps its files
-            in; ``memmap`` only.
-        n_step: (``uniform``/``prioritized`` only) samples return n-step
+        column_storage: per-column backends overriding ``storage`` (flat key ->
+            ``memory`` or ``memmap``); ``None``: none.
+        storage_dir: the existing directory ``memmap`` columns keep their
+            files in; only with a ``memmap`` column.
+        n_step: (any sampler but ``fifo``/``lifo``) samples return n-step
             transitions built from the stored steps of each row's episode
-            (see :mod:`replay_server.engine.nstep`); 1: plain rows.
+            (see :mod:`replay_server.engine.readers.nstep`); 1: plain rows.
         gamma: the discount of the n-step return (``n_step > 1`` only), in [0, 1].
         reward_key: the column summed into the n-step return (``n_step > 1`` only).
-        frame_stack_key: (``uniform``/``prioritized`` only) a stacked observation
-            ``[stack, ...]`` stored one frame per step with ``next.<key>``, its
-            stacks rebuilt at sample time (see
-            :mod:`replay_server.engine.storage.framestack`); ``None``: off.
+        frame_stack_key: a stacked observation ``[stack, ...]`` stored one frame
+            per step (with ``next.<key>`` when present), its stacks rebuilt at
+            sample time (see :mod:`replay_server.engine.readers.framestack`);
+            ``None``: off.
         frame_stack_fill: the frames before an episode's first step: ``repeat``
             its first frame, or ``zero``.
-        compress_keys: columns whose rows are stored lz4-compressed (see
-            :mod:`replay_server.engine.storage.compressed`); ``None``: none.
-        device: where the table's columns live: ``"cpu"`` (host memory, the
-            default) or ``"cuda"`` / ``"cuda:N"`` (device memory: sampling
-            gathers there; see :mod:`replay_server.engine.storage.device`).
-            Checked against the machine when the table is made.
+        compress_keys: columns whose rows are stored lz4-compressed, over their
+            backend (see :mod:`replay_server.engine.storage.compressed`);
+            ``None``: none.
+        device: where the table's batches are handed out and its ``memory``
+            columns live: ``"cpu"`` (host memory, the default) or ``"cuda"`` /
+            ``"cuda:N"`` (device memory: sampling gathers there; see
+            :mod:`replay_server.engine.storage.device`). Checked against the
+            machine when the table is made.
     """
 
     name: str
@@ -147,6 +152,7 @@ class TableConfig:
     frame_stack_fill: str = "repeat"
     compress_keys: tuple[str, ...] | None = None
     device: str = "cpu"
+    column_storage: dict[str, StorageKind] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -227,13 +233,6 @@ class TableConfig:
                               f"index), got {device!r}")
         if device == "cpu":
             return
-        for name, on in (("storage 'memmap'", self.storage is StorageKind.MEMMAP),
-                         ("compress_keys", self.compress_keys is not None),
-                         ("frame_stack_key", self.frame_stack_key is not None),
-                         ("n_step > 1", self.n_step > 1)):
-            if on:
-                raise ConfigError(f"{where}: device = {device!r} with {name} is not supported "
-                                  f"yet with device tables; remove {name} or use device 'cpu'")
 
     @property
     def on_device(self) -> bool:
@@ -249,12 +248,6 @@ class TableConfig:
             raise ConfigError(f"{where}: compress_keys must be a non-empty list of distinct "
                               f"column names, got {keys!r}")
         object.__setattr__(self, "compress_keys", tuple(keys))
-        for name, on in (("storage 'memmap'", self.storage is StorageKind.MEMMAP),
-                         ("frame_stack_key", self.frame_stack_key is not None),
-                         ("n_step > 1", self.n_step > 1), ("pin_memory", self.pin_memory)):
-            if on:
-                raise ConfigError(f"{where}: compress_keys with {name} is not supported yet; "
-                                  f"use one of them")
 
     def _check_frame_stack(self, where: str) -> None:
         if self.frame_stack_fill not in ("repeat", "zero"):
@@ -266,13 +259,6 @@ class TableConfig:
         if not isinstance(key, str) or not key or key.startswith("next."):
             raise ConfigError(f"{where}: frame_stack_key must name the stacked observation "
                               f"(e.g. 'obs'; 'next.<key>' is stacked with it), got {key!r}")
-        if self.sampler not in (SamplerKind.UNIFORM, SamplerKind.PRIORITIZED):
-            raise ConfigError(f"{where}: frame_stack_key needs sampler 'uniform' or "
-                              f"'prioritized'; sampler {self.sampler.value!r} does not support "
-                              f"it yet")
-        if self.n_step > 1:
-            raise ConfigError(f"{where}: frame_stack_key with n_step > 1 is not supported yet; "
-                              f"use one of them")
 
     def _check_n_step(self, where: str) -> None:
         if not _is_int(self.n_step) or not 1 <= self.n_step <= min(self.capacity, 1000):
@@ -284,10 +270,12 @@ class TableConfig:
         if not isinstance(self.reward_key, str) or not self.reward_key:
             raise ConfigError(f"{where}: reward_key must be a non-empty string, got "
                               f"{self.reward_key!r}")
-        if self.n_step > 1 and self.sampler not in (SamplerKind.UNIFORM, SamplerKind.PRIORITIZED):
+        if self.n_step > 1 and self.sampler.traits.consumes:
             raise ConfigError(
-                f"{where}: n_step={self.n_step} needs sampler 'uniform' or 'prioritized' (a row "
-                f"sampler); sampler {self.sampler.value!r} does not support it")
+                f"{where}: n_step={self.n_step} has no meaning with sampler "
+                f"{self.sampler.value!r}: a queue hands a row out as soon as it arrives, before "
+                f"the later steps its n-step return sums have arrived; use n_step = 1 or a "
+                f"sampler that keeps its rows")
 
     def _check_max_size(self, where: str) -> None:
         """max_size bounds tables whose rows leave when sampled (a remover's)."""
@@ -309,17 +297,36 @@ class TableConfig:
             kinds = ", ".join(k.value for k in StorageKind)
             raise ConfigError(
                 f"{where}: storage must be one of {kinds}, got {self.storage!r}") from None
-        if self.storage is StorageKind.MEMMAP:
+        overrides = self.column_storage
+        if overrides is not None:
+            if not isinstance(overrides, dict) or not overrides or not all(
+                    isinstance(k, str) and k for k in overrides):
+                raise ConfigError(f"{where}: column_storage must map column keys to storage "
+                                  f"kinds, got {overrides!r}")
+            try:
+                object.__setattr__(self, "column_storage", {
+                    key: StorageKind(kind) for key, kind in overrides.items()})
+            except ValueError:
+                kinds = ", ".join(k.value for k in StorageKind)
+                raise ConfigError(f"{where}: column_storage values must be one of {kinds}, "
+                                  f"got {overrides!r}") from None
+        kinds = {self.storage, *(self.column_storage or {}).values()}
+        if StorageKind.MEMMAP in kinds:
             if not isinstance(self.storage_dir, str) or not self.storage_dir:
                 raise ConfigError(f"{where}: storage 'memmap' needs storage_dir, the directory "
                                   f"its files go in; got {self.storage_dir!r}")
-            if self.pin_memory:
-                raise ConfigError(f"{where}: pin_memory cannot be true with storage 'memmap' "
-                                  f"(file-backed pages cannot be pinned); remove one")
+            if self.pin_memory and StorageKind.MEMORY not in kinds:
+                raise ConfigError(f"{where}: pin_memory has no meaning with storage 'memmap': "
+                                  f"pinning file-backed pages would hold the table's files in "
+                                  f"RAM, which memmap avoids; remove pin_memory")
         elif self.storage_dir is not None:
             raise ConfigError(f"{where}: storage_dir={self.storage_dir!r} is only used by "
                               f"storage 'memmap', and storage is {self.storage.value!r}; remove "
                               f"storage_dir or set storage = \"memmap\"")
+
+    def backend_of(self, key: str) -> StorageKind:
+        """The storage kind of column ``key`` (``column_storage``'s, else ``storage``)."""
+        return (self.column_storage or {}).get(key, self.storage)
 
     def _check_flow_control(self, where: str) -> None:
         """Rate limiter and max_times_sampled: refuse settings that can never make progress."""
@@ -445,6 +452,8 @@ class TableConfig:
             "frame_stack_fill": self.frame_stack_fill,
             "compress_keys": None if self.compress_keys is None else list(self.compress_keys),
             "device": self.device,
+            "column_storage": None if self.column_storage is None else {
+                key: kind.value for key, kind in self.column_storage.items()},
         }
 
 

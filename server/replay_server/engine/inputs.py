@@ -20,8 +20,7 @@ import torch
 from replay_proto.dtypes import DTYPES
 from replay_proto.rows import EPISODE_KEY, rows_of
 from replay_server.engine.config import TableConfig
-from replay_server.engine.nstep import NEXT_PREFIX, STEPS_KEY
-from replay_server.engine.storage.framestack import check_stack_columns
+from replay_server.engine.readers import NEXT_PREFIX, STEPS_KEY, check_stack_columns
 from replay_server.engine.schema import Schema
 from replay_server.errors import (
     InvalidArgumentError,
@@ -170,6 +169,17 @@ def insert_priorities(priorities: Any, rows: int, config: TableConfig) -> np.nda
             f"got {list(values.shape)}"
         )
     return values
+
+
+def episode_values(columns: Mapping[str, torch.Tensor], rows: int,
+                   config: TableConfig) -> dict[str, np.ndarray]:
+    """An insert's episode ids (int64) and end flags (``done`` or ``truncated``), per row."""
+    ends = np.zeros(rows, dtype=bool)
+    for key in config.episode_end_keys:
+        if key in columns:
+            ends |= columns[key].detach().cpu().numpy().reshape(rows)
+    episodes = columns[config.episode_key].detach().cpu().numpy().astype(np.int64)
+    return {"episodes": episodes, "ends": ends}
 
 
 def id_values(ids: Any, table: str) -> np.ndarray:

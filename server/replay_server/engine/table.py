@@ -46,21 +46,21 @@ from replay_server.engine.inputs import (
     batch_size_of,
     check_sampler_columns,
     columns_of,
+    episode_values,
     id_values,
     insert_priorities,
     priority_values,
     row_count,
 )
 from replay_server.engine.memory import MemoryLedger
-from replay_server.engine.nstep import STEPS_KEY
-from replay_server.engine.storage.framestack import check_insert as check_stacks
+from replay_server.engine.readers.framestack import check_insert as check_stacks
 from replay_server.engine.storage.placement import table_device
 from replay_server.engine.rate_limiter import RateLimiter
-from replay_server.engine.samplers import InsertEvent
+from replay_server.engine.insert_event import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
 from replay_server.engine.table_info import Capabilities, TableCounters, TableFigures, TableInfo
-from replay_server.engine.table_parts import TableParts, fresh_parts, table_bytes
+from replay_server.engine.table_parts import TableParts, fresh_parts, memory_promise, table_bytes
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
     ConfigError,
@@ -102,7 +102,7 @@ class Table:
             self._memory.require(config.name, table_bytes(config, declared),
                                  f"capacity {config.capacity:,} (sampler state"
                                  f"{'' if declared is None else ' and the declared schema'})")
-            self._parts = fresh_parts(config, incarnations)
+            self._parts = fresh_parts(config, incarnations, memory_promise(config, self._memory))
         except InsufficientMemoryError as exc:
             raise ConfigError(str(exc)) from None
         self._instant_bytes = 0  # what the last snapshot's instant copied: the next one's arena
@@ -165,6 +165,7 @@ class Table:
         if self.config.frame_stack_key is not None:
             check_stacks(columns, self.config.frame_stack_key, self.name)
         checked_priorities = insert_priorities(priorities, rows, self.config)
+        early = self._parts.encode_early(columns, self.name)
         with self._lock:
             parts = self._parts
             schema = parts.schema
@@ -186,10 +187,14 @@ class Table:
                 self._memory.require(self.name, table_bytes(self.config, schema),
                                      f"capacity {ring.capacity:,} x {schema.row_bytes:,} bytes "
                                      f"per row ({schema.describe()})")
-                parts.allocate(schema, self.config)
-            assert parts.storage is not None
-            parts.storage.prepare()  # a device table's columns are allocated here
-            episodes = self._episode_event(columns, rows) if self._episodes else {}
+                parts.allocate(schema, self.config, memory_promise(self.config, self._memory)(
+                    schema))
+            storage = parts.storage
+            assert storage is not None
+            encoded = early[1] if early is not None and early[0] is storage else \
+                storage.encode(parts.stored(columns))
+            storage.reserve(ring.next_id % ring.capacity, encoded)  # may refuse: nothing changed
+            episodes = episode_values(columns, rows, self.config) if self._episodes else {}
             evicted_first_id = ring.first_live
             first_id, evicted = ring.allocate(rows)
             first_row_id = parts.ids.id_of(first_id)
@@ -198,31 +203,18 @@ class Table:
             deleted = evicted
             if parts.remover is not None:  # rows retired before were deleted then
                 deleted -= parts.remover.inserted(event.ids, event.evicted_ids)
-            if parts.frames is None:
-                parts.storage.write(first_id % ring.capacity, columns)
-            else:
-                parts.frames.before_write(parts.storage, event)
-                parts.storage.write(first_id % ring.capacity, parts.frames.frames_of(columns))
-                parts.frames.after_write(parts.storage, event, columns)
+            for reader in parts.readers:
+                reader.before_write(event)
+            storage.write(first_id % ring.capacity, encoded)
+            for reader in parts.readers:
+                reader.after_write(event, columns)
             parts.sampler.insert(event)
-            if parts.nstep is not None:
-                parts.nstep.insert(parts.storage, event)
             parts.counters.inserted += rows
             parts.counters.evicted += evicted
             parts.limiter.inserted(rows)
             parts.limiter.deleted(deleted)
             self.changes.tick()
         return torch.from_numpy(ring.range(first_row_id, rows))
-
-    def _episode_event(self, columns: Mapping[str, torch.Tensor], rows: int
-                       ) -> dict[str, np.ndarray]:
-        """The new rows' episode ids and end flags."""
-        ends = np.zeros(rows, dtype=bool)
-        for key in self.config.episode_end_keys:
-            if key in columns:
-                ends |= columns[key].detach().cpu().numpy().reshape(rows)
-        episodes = columns[self.config.episode_key].detach().cpu().numpy().astype(np.int64)
-        return {"episodes": episodes, "ends": ends}
 
     # ------------------------------------------------------------------ sample
 
@@ -274,12 +266,7 @@ class Table:
             except EmptyTableError as exc:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
             assert parts.storage is not None
-            if parts.nstep is not None:
-                columns = parts.nstep.gather(parts.storage, index.slots, out)
-            elif parts.frames is not None:
-                columns = parts.frames.gather(parts.storage, index.ids, out)
-            else:
-                columns = parts.storage.gather(index.slots, out)
+            columns = parts.top.read(index.ids, None, out, index.slots)
             ids = parts.ids.ids_of(index.ids, parts.ring.first_live)
             storage = parts.storage
             parts.counters.sample_calls += 1
@@ -301,10 +288,8 @@ class Table:
         schema = self._parts.schema
         if schema is None:
             return {}
-        layout = schema.batch_layout(self._lead(batch_size))
-        if self._parts.nstep is not None:
-            layout[STEPS_KEY] = (torch.int64, (batch_size,))
-        return layout
+        lead = self._lead(batch_size)
+        return {**schema.batch_layout(lead), **self._parts.top.extra_layout(lead)}
 
     def batch_nbytes(self, batch_size: int) -> int:
         """Bytes of a batch of ``batch_size``, extras included (0 before a schema)."""
@@ -312,10 +297,10 @@ class Table:
         if schema is None:
             return 0
         steps = self.config.slice_len or 1
-        # per step: the row and its int64 id; per row or slice: a float32 weight, a float64
-        # probability (and an n-step transition's int64 step count)
+        # per step: the row, its int64 id (and an n-step transition's int64 step count); per
+        # row or slice: a float32 weight and a float64 probability
         extra = 8 if self.config.n_step > 1 else 0
-        return batch_size * (steps * (schema.row_bytes + 8) + 4 + 8 + extra)
+        return batch_size * (steps * (schema.row_bytes + 8 + extra) + 4 + 8)
 
     def _lead(self, batch_size: int) -> tuple[int, ...]:
         slice_len = self.config.slice_len
@@ -433,10 +418,8 @@ class Table:
             parts.limiter.reset()
             if parts.remover is not None:
                 parts.remover.clear()
-            if parts.nstep is not None:
-                parts.nstep.clear()
-            if parts.frames is not None:
-                parts.frames.clear()
+            for reader in parts.readers:
+                reader.clear()
             parts.counters.resets += 1
             self.changes.tick()
 
@@ -454,7 +437,7 @@ class Table:
                 storage_bytes=0 if parts.storage is None else parts.storage.nbytes,
                 counters=TableCounters(**asdict(parts.counters)),
                 sampler_stats={**parts.sampler.stats(),
-                               **(parts.frames.stats() if parts.frames else {}),
+                               **{k: v for r in parts.readers for k, v in r.stats().items()},
                                **(parts.storage.stats() if parts.storage else {})},
                 config=self.config.describe(),
                 rate_limiter=parts.limiter.info(),

@@ -37,7 +37,12 @@ from replay_server.engine.rng import generator_from_state, generator_state
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import Arena, TableSnapshot
 from replay_server.engine.table_info import TableCounters
-from replay_server.engine.table_parts import TableParts, fresh_parts, table_bytes
+from replay_server.engine.table_parts import (
+    TableParts,
+    fresh_parts,
+    memory_promise,
+    table_bytes,
+)
 from replay_server.errors import ConfigError, InsufficientMemoryError, MalformedStateError
 
 STATE_VERSION = 1
@@ -72,8 +77,10 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
             "generator": generator_state(parts.generator),
             "rate_limiter": parts.limiter.state_dict(),
             "times_sampled": parts.remover.state_dict(used) if parts.remover else None,
-            "nstep": parts.nstep.state_dict(used) if parts.nstep else None,
-            "frames": parts.frames.state_dict(used) if parts.frames else None,
+            "nstep": None,  # the readers' parts, where the table has them:
+            "frames": None,
+            **{reader.STATE_KEY: reader.state_dict(used) for reader in parts.readers
+               if reader.STATE_KEY is not None},
         }
         rows = None if parts.storage is None else parts.storage.snapshot(
             lock, parts.ring.next_id % parts.ring.capacity, used, chunk_bytes)
@@ -124,7 +131,8 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
         raise ConfigError(f"table {name!r}: config says frame_stack_key="
                           f"{config.frame_stack_key!r} but the saved state has "
                           f"frame_stack_key={saved_key!r} (its rows are stored differently)")
-    parts = fresh_parts(config, incarnations)
+    promise = memory_promise(config, memory)
+    parts = fresh_parts(config, incarnations, promise)
     schema = None if state["schema"] is None else Schema.from_state_dict(state["schema"])
     if schema_now is not None and schema is not None and dict(schema) != dict(schema_now):
         raise ConfigError(f"table {name!r}: the table's schema is {schema_now.describe()} but "
@@ -134,7 +142,7 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
             memory.require(name, table_bytes(config, schema),
                            f"capacity {config.capacity:,} x {schema.row_bytes:,} bytes per row "
                            f"(the saved schema {schema.describe()})")
-        parts.allocate(schema, config)
+        parts.allocate(schema, config, promise(schema))
     parts.ring.load_state_dict(state["ring"])
     parts.ids.load(state.get("ids"), parts.ring.next_id, name)
     if parts.storage is not None and with_columns:
@@ -144,18 +152,17 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
             if key not in stored or column.shape[0] != used:
                 raise MalformedStateError(f"table {name!r}: saved column {key!r} does not fit "
                                           f"the schema and {used} stored slots")
-        parts.storage.load_state_dict(state["columns"])
+        parts.storage.load_state_dict(state["columns"], parts.ring.next_id % parts.ring.capacity)
     parts.sampler.load_state_dict(state["sampler"])
     load_remover(parts.remover, _times_sampled(config, state, parts), name)
-    saved_nstep = state.get("nstep")
-    if parts.nstep is not None:
-        if saved_nstep is None and parts.ring.next_id > parts.ring.first_live:
+    for reader in parts.readers:
+        key = reader.STATE_KEY
+        saved = None if key is None else state.get(key)
+        if saved is not None:
+            reader.load_state_dict(saved)
+        elif key == "nstep" and parts.ring.next_id > parts.ring.first_live:
             raise ConfigError(f"table {name!r}: config says n_step={config.n_step} but the "
                               f"saved state has no n-step index (saved with n_step=1)")
-        if saved_nstep is not None:
-            parts.nstep.load_state_dict(saved_nstep)
-    if parts.frames is not None and state.get("frames") is not None:
-        parts.frames.load_state_dict(state["frames"])
     parts.limiter.load_state_dict(state.get("rate_limiter"), size=parts.size)
     parts.counters = TableCounters(**state["counters"])
     parts.generator.bit_generator.state = generator_from_state(state["generator"])
