@@ -92,7 +92,8 @@ class TableConfig:
             calls wait, in sampled rows (see :mod:`replay_server.engine.rate_limiter`);
             ``None``: ``max(1, samples_per_insert) * max(min_size_to_sample, 1000)``.
         max_times_sampled: a row drawn this many times is retired (no longer
-            sampled); 0: no limit (``fifo``/``lifo``: 1). Row samplers only.
+            sampled; slice samplers: a slice drawn this many times is retired);
+            0: no limit (``fifo``/``lifo``: 1).
         max_size: (tables whose rows leave when sampled: ``fifo``/``lifo``, or
             ``max_times_sampled``) inserts wait while the table holds more
             than ``max_size - rows`` rows; ``None``: they never wait, and the
@@ -223,6 +224,7 @@ class TableConfig:
         self._check_frame_stack(where)
         self._check_compression(where)
         self._check_device(where)
+        self._check_combinations(where)
 
     def _check_device(self, where: str) -> None:
         """Syntax and supported combinations only; the machine is asked when the table is made
@@ -270,12 +272,6 @@ class TableConfig:
         if not isinstance(self.reward_key, str) or not self.reward_key:
             raise ConfigError(f"{where}: reward_key must be a non-empty string, got "
                               f"{self.reward_key!r}")
-        if self.n_step > 1 and self.sampler.traits.consumes:
-            raise ConfigError(
-                f"{where}: n_step={self.n_step} has no meaning with sampler "
-                f"{self.sampler.value!r}: a queue hands a row out as soon as it arrives, before "
-                f"the later steps its n-step return sums have arrived; use n_step = 1 or a "
-                f"sampler that keeps its rows")
 
     def _check_max_size(self, where: str) -> None:
         """max_size bounds tables whose rows leave when sampled (a remover's)."""
@@ -315,10 +311,6 @@ class TableConfig:
             if not isinstance(self.storage_dir, str) or not self.storage_dir:
                 raise ConfigError(f"{where}: storage 'memmap' needs storage_dir, the directory "
                                   f"its files go in; got {self.storage_dir!r}")
-            if self.pin_memory and StorageKind.MEMORY not in kinds:
-                raise ConfigError(f"{where}: pin_memory has no meaning with storage 'memmap': "
-                                  f"pinning file-backed pages would hold the table's files in "
-                                  f"RAM, which memmap avoids; remove pin_memory")
         elif self.storage_dir is not None:
             raise ConfigError(f"{where}: storage_dir={self.storage_dir!r} is only used by "
                               f"storage 'memmap', and storage is {self.storage.value!r}; remove "
@@ -370,20 +362,29 @@ class TableConfig:
                 f"{where}: max_times_sampled must be an integer in [0, {MAX_TIMES_SAMPLED}] "
                 f"(0: no limit), got {limit!r}"
             )
-        if limit and self.sampler.is_slice:
+
+    def _check_combinations(self, where: str) -> None:
+        """The only combinations of features refused, each because it has no meaning
+        (docs/engine.md, "What is refused"); every other combination composes."""
+        kind = self.sampler.value
+        if self.n_step > 1 and self.sampler.traits.consumes:
             raise ConfigError(
-                f"{where}: max_times_sampled={limit} is not supported by sampler "
-                f"{self.sampler.value!r}: a step belongs to up to slice_len overlapping slices, "
-                f"so how often it was sampled has no single meaning; remove max_times_sampled "
-                f"or use a row sampler"
-            )
-        limit = self.removal_limit
-        if limit and spi is not None and spi > limit:
+                f"{where}: n_step={self.n_step} has no meaning with sampler {kind!r}, which "
+                f"hands a row out as soon as it arrives, before the later steps its n-step "
+                f"return sums exist; use n_step = 1 or a sampler that keeps its rows")
+        kinds = {self.storage, *(self.column_storage or {}).values()}
+        if self.pin_memory and kinds == {StorageKind.MEMMAP}:
             raise ConfigError(
-                f"{where}: samples_per_insert={spi!r} asks for more samples per row than "
-                f"{self._limit_name} allows (a row leaves after {limit} draws), so the ratio "
-                f"could never be held"
-            )
+                f"{where}: pin_memory has no meaning with storage 'memmap', whose rows are "
+                f"file pages that pinning would hold in RAM, which memmap exists to avoid; "
+                f"remove pin_memory")
+        spi, limit = self.samples_per_insert, self.removal_limit
+        most = limit * (self.slice_len or 1)  # a slice's draw samples slice_len rows
+        if limit and spi is not None and spi > most:
+            raise ConfigError(
+                f"{where}: samples_per_insert={spi!r} has no meaning with {self._limit_name}, "
+                f"which lets a row be sampled at most {most} time{'s' if most > 1 else ''}, so "
+                f"inserts would wait for samples that wait for inserts; lower samples_per_insert or raise the limit")
 
     @property
     def removal_limit(self) -> int:

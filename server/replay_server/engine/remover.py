@@ -14,6 +14,13 @@ counts in the table's size, priority updates for it are ignored as stale,
 and it stays stored until the ring overwrites it. For the rate limiter a
 retirement is a delete, as in Reverb. ``Table.delete`` retires rows at once.
 
+With a slice sampler the remover counts *slices*, as Reverb counts its items
+(which are sequences): each draw counts for the slice's first step, and a
+slice drawn ``limit`` times is retired, its start no longer drawn; its rows
+stay (they belong to up to ``slice_len`` overlapping slices, the others still
+drawable), so the table's size and the rate limiter's deletes do not change
+(:attr:`Remover.removes_rows` is False).
+
 Draws within a batch may repeat a row (samplers draw with replacement), so
 a batch may draw a row more often than it has draws left. :meth:`Remover.sample`
 settles draws in batch order: a row keeps its first ``limit - count`` draws,
@@ -64,14 +71,17 @@ class Remover:
     Args:
         ring: the table's id ring (positions; read only).
         limit: draws a row may be handed out (>= 1).
+        removes_rows: retiring removes the row (row samplers); ``False``: it
+            only retires the slice that starts at it (slice samplers).
 
     Attributes:
         retired: rows stored but retired.
         draws_left: draws the stored, unretired rows have left, together.
     """
 
-    def __init__(self, ring: IdRing, limit: int) -> None:
+    def __init__(self, ring: IdRing, limit: int, *, removes_rows: bool = True) -> None:
         self.limit = limit
+        self.removes_rows = removes_rows
         self._ring = ring
         self._counts = np.zeros(ring.capacity, dtype=count_dtype(limit))
         self.retired = 0
@@ -82,6 +92,12 @@ class Remover:
         """Bytes per slot of a remover of ``limit``."""
         return np.dtype(count_dtype(limit)).itemsize
 
+    @property
+    def rows_gone(self) -> int:
+        """Rows stored that no longer count in the table's size (retired rows; 0 when
+        retiring a slice leaves its rows)."""
+        return self.retired if self.removes_rows else 0
+
     def drawable(self, positions: np.ndarray) -> np.ndarray:
         """Bool mask: which of ``positions`` (of live rows) are not retired."""
         return self._counts[self._ring.slots(positions)] < self.limit
@@ -90,8 +106,8 @@ class Remover:
         """New rows went in at ``positions``, overwriting the rows at positions ``evicted``.
 
         Returns:
-            How many of the overwritten rows had already retired (their delete
-            was counted when they retired).
+            How many of the overwritten rows had already retired and left the
+            table (their delete was counted when they retired).
         """
         retired_gone = 0
         if evicted.size:
@@ -102,7 +118,7 @@ class Remover:
             self.draws_left -= int((self.limit - counts[~gone]).sum())
         self._counts[self._ring.slots(positions)] = 0
         self.draws_left += self.limit * int(positions.size)
-        return retired_gone
+        return retired_gone if self.removes_rows else 0
 
     def check_sample(self, batch_size: int, table: str, *, can_wait: bool,
                      distinct: bool) -> None:
@@ -163,7 +179,7 @@ class Remover:
         removals: list[Removal] = []
         try:
             for _ in range(batch_size + 1):
-                over = self._settle(slots[pending], taken, removals, sampler)
+                over = self._settle(_first(slots[pending]), taken, removals, sampler)
                 if over.size == 0:
                     break
                 positions = np.sort(pending[over])
@@ -271,6 +287,11 @@ class Remover:
         gone = live >= self.limit
         self.retired = int(gone.sum())
         self.draws_left = int((self.limit - live[~gone]).sum())
+
+
+def _first(slots: np.ndarray) -> np.ndarray:
+    """What a draw counts for: the row, or a slice's first step."""
+    return slots if slots.ndim == 1 else slots[:, 0]
 
 
 def load_remover(remover: Remover | None, state: dict[str, Any] | None, table: str) -> None:

@@ -253,7 +253,7 @@ class Table:
         with self._lock:
             parts = self._parts
             parts.limiter.check_sample(rows, self.name)
-            retired = 0
+            retired = gone = 0
             mass = parts.sampler.mass()  # what this draw's probabilities are relative to
             try:
                 if parts.remover is None:
@@ -263,6 +263,7 @@ class Table:
                         parts.sampler, batch_size, parts.generator, self.name,
                         can_wait=parts.limiter.enabled)
                     retired = sum(removal.positions.size for removal in removals)
+                    gone = retired if parts.remover.removes_rows else 0
             except EmptyTableError as exc:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
             assert parts.storage is not None
@@ -273,7 +274,7 @@ class Table:
             parts.counters.sampled += batch_size
             parts.limiter.sampled(rows)
             parts.counters.retired += retired
-            parts.limiter.deleted(retired)
+            parts.limiter.deleted(gone)
             self.changes.tick()
         return storage.place(SampleBatch.from_columns(
             columns,
@@ -357,7 +358,7 @@ class Table:
             # Positions are issued in order, so when the lowest is live they all are.
             lowest = int(positions.min()) if positions.size else ring.first_live
             live = None if lowest >= ring.first_live else ring.live(positions)
-            if parts.remover is not None:  # a retired row's priority stays 0
+            if parts.remover is not None and parts.remover.removes_rows:  # retired: stays 0
                 drawable = parts.remover.drawable(positions)
                 live = drawable if live is None else live & drawable
             applied = id_array.size if live is None else int(live.sum())
@@ -405,7 +406,7 @@ class Table:
             positions = np.unique(positions[parts.ring.live(positions)])
             deleted = parts.remover.delete(parts.sampler, positions)
             parts.counters.deleted += deleted
-            parts.limiter.deleted(deleted)
+            parts.limiter.deleted(deleted if parts.remover.removes_rows else 0)
             self.changes.tick()
         return deleted
 

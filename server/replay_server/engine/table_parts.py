@@ -66,7 +66,7 @@ class TableParts:
     @property
     def size(self) -> int:
         """Rows present (retired rows excluded: a queue's rows taken)."""
-        return self.ring.size - (self.remover.retired if self.remover else 0)
+        return self.ring.size - (self.remover.rows_gone if self.remover else 0)
 
     @property
     def used(self) -> int:
@@ -144,7 +144,8 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
     limit = config.removal_limit
     try:
         sampler = SAMPLERS[config.sampler.value].build(ring, config, deletes=limit > 0)
-        remover = Remover(ring, limit) if limit else None
+        remover = (Remover(ring, limit, removes_rows=not config.sampler.traits.slices)
+                   if limit else None)
     except MemoryError:
         raise InsufficientMemoryError(
             f"table {config.name!r}: cannot allocate the {config.sampler.value} sampler's "
