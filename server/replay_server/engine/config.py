@@ -120,6 +120,11 @@ class TableConfig:
         compress_keys: columns whose rows are stored lz4-compressed, over their
             backend (see :mod:`replay_server.engine.storage.compressed`);
             ``None``: none.
+        priority_mixing: (samplers with priorities and slices) ``eta``: priority
+            updates are of whole slices (a batch's ids ``[B, slice_len]``, flat
+            over the wire) and give each slice's start ``eta * max + (1 - eta) *
+            mean`` of its steps' priorities, as R2D2 does; ``None``: updates
+            apply per row.
         device: where the table's batches are handed out and its ``memory``
             columns live: ``"cpu"`` (host memory, the default) or ``"cuda"`` /
             ``"cuda:N"`` (device memory: sampling gathers there; see
@@ -154,6 +159,7 @@ class TableConfig:
     compress_keys: tuple[str, ...] | None = None
     device: str = "cpu"
     column_storage: dict[str, StorageKind] | None = field(default=None, hash=False)
+    priority_mixing: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -224,6 +230,7 @@ class TableConfig:
         self._check_frame_stack(where)
         self._check_compression(where)
         self._check_device(where)
+        self._check_priority_mixing(where)
         self._check_combinations(where)
 
     def _check_device(self, where: str) -> None:
@@ -363,6 +370,22 @@ class TableConfig:
                 f"(0: no limit), got {limit!r}"
             )
 
+    def _check_priority_mixing(self, where: str) -> None:
+        eta = self.priority_mixing
+        if eta is None:
+            return
+        if not _is_real(eta) or not 0.0 <= eta <= 1.0:
+            raise ConfigError(f"{where}: priority_mixing must be a number in [0, 1] or omitted, "
+                              f"got {eta!r}")
+        object.__setattr__(self, "priority_mixing", float(eta))
+        traits = self.sampler.traits
+        if not (traits.priorities and traits.slices):
+            raise ConfigError(
+                f"{where}: priority_mixing={eta!r} only applies to samplers with priorities and "
+                f"slices (it mixes a slice's steps' priorities into its start's), and sampler "
+                f"is {self.sampler.value!r}; remove priority_mixing or choose "
+                f"'prioritized_slice'")
+
     def _check_combinations(self, where: str) -> None:
         """The only combinations of features refused, each because it has no meaning
         (docs/engine.md, "What is refused"); every other combination composes."""
@@ -455,6 +478,7 @@ class TableConfig:
             "device": self.device,
             "column_storage": None if self.column_storage is None else {
                 key: kind.value for key, kind in self.column_storage.items()},
+            "priority_mixing": self.priority_mixing,
         }
 
 

@@ -171,6 +171,27 @@ def insert_priorities(priorities: Any, rows: int, config: TableConfig) -> np.nda
     return values
 
 
+def mixed_priorities(ids: np.ndarray, values: np.ndarray, config: TableConfig, table: str
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """An update of whole slices (ids ``[B, slice_len]``, or flat with ``slice_len`` per
+    slice in order, as the wire carries them) to its starts' ids ``[B]`` and priorities
+    ``eta * max + (1 - eta) * mean`` of each slice's (R2D2's mixing, Kapturowski et al. 2019).
+
+    Raises:
+        InvalidPriorityError: the ids are not a whole number of slices.
+    """
+    length = config.slice_len
+    assert length is not None and config.priority_mixing is not None
+    if ids.size % length:
+        raise InvalidPriorityError(
+            f"table {table!r} mixes priorities per slice (priority_mixing): an update gives "
+            f"slice_len={length} priorities per slice (the batch's ids [B, {length}]), got "
+            f"{ids.size} ids")
+    eta = config.priority_mixing
+    slices, per_step = ids.reshape(-1, length), values.reshape(-1, length)
+    return slices[:, 0], eta * per_step.max(axis=1) + (1.0 - eta) * per_step.mean(axis=1)
+
+
 def episode_values(columns: Mapping[str, torch.Tensor], rows: int,
                    config: TableConfig) -> dict[str, np.ndarray]:
     """An insert's episode ids (int64) and end flags (``done`` or ``truncated``), per row."""

@@ -49,6 +49,7 @@ from replay_server.engine.inputs import (
     episode_values,
     id_values,
     insert_priorities,
+    mixed_priorities,
     priority_values,
     row_count,
 )
@@ -315,7 +316,10 @@ class Table:
         Ids whose rows have since been overwritten (or reset, or retired), and
         ids of a run that crashed after its last checkpoint, are *stale*:
         ignored and counted in ``stale_priority_updates``; they never touch
-        a newer row. For a repeated id, the last priority wins.
+        a newer row. For a repeated id, the last priority wins. With the
+        config's ``priority_mixing``, ids are a batch's slices (``[B, slice_len]``,
+        or flat, ``slice_len`` per slice in order) and each slice's start gets
+        the mix of its steps' priorities.
 
         Args:
             ids: int64 ids, any shape.
@@ -348,6 +352,8 @@ class Table:
                 f"table {self.name!r}: priorities must have the same shape as ids "
                 f"{list(id_array.shape)}, got {list(values.shape)}"
             )
+        if self.config.priority_mixing is not None:  # whole slices, mixed into their starts
+            id_array, values = mixed_priorities(id_array, values, self.config, self.name)
         id_array, values = id_array.reshape(-1), values.reshape(-1)
         with _holding(self._lock, blocking) as held:
             if not held:
