@@ -247,7 +247,9 @@ class Remover:
         """Return retired rows to the sampler with all their draws left (those still live).
 
         What a lease's expiry does (a later layer): the rows of ``removal``
-        (as :meth:`sample` returned it) may be drawn again. Returns how many came back.
+        (as :meth:`sample` returned it) may be drawn again. The remover knows
+        which rows are retired, not who took them: a lease gives back only
+        rows it still holds. Returns how many came back.
         """
         live = removal.positions[self._ring.live(removal.positions)]
         slots = self._ring.slots(live)

@@ -158,3 +158,16 @@ def test_a_queue_state_saved_before_queues_had_a_remover_loads() -> None:
     restored.load_state_dict(state)
     assert restored.size == 3
     assert restored.sample(3).data["x"].tolist() == [3, 4, 5]
+
+
+def test_rows_taken_can_be_given_back_in_their_place_as_a_lease_expiry_would() -> None:
+    """The remover keeps what a later lease needs: the removal of the rows a sample took,
+    which give_back returns to the sampler (in their place in the order) with their draws."""
+    table = Table(TableConfig(name="q", capacity=8, sampler="fifo"))
+    table.insert({"x": torch.arange(5)})
+    parts = table._parts
+    index, removals = parts.remover.sample(parts.sampler, 2, parts.generator, "q",
+                                           can_wait=False)
+    assert index.ids.tolist() == [0, 1] and parts.size == 3
+    assert parts.remover.give_back(parts.sampler, removals[0]) == 2
+    assert parts.size == 5 and table.sample(5).data["x"].tolist() == [0, 1, 2, 3, 4]
