@@ -50,6 +50,7 @@ def test_writes_and_gathers_split_across_threads_equal_one_thread(monkeypatch):
     from replay_server.engine import workers
 
     monkeypatch.setattr(storage_module, "PARALLEL_BYTES", 64)
+    monkeypatch.setattr(workers, "PARALLEL_BYTES", 64)
     monkeypatch.setattr(workers, "THREADS", 3)
     monkeypatch.setattr(storage_module, "WRITE_THREADS", 3)
     schema = Schema({"obs": FieldSpec(torch.uint8, (5, 3)), "reward": FieldSpec(torch.float32, ())})
@@ -61,6 +62,7 @@ def test_writes_and_gathers_split_across_threads_equal_one_thread(monkeypatch):
         split.write(first, data)
         with monkeypatch.context() as single:
             single.setattr(storage_module, "PARALLEL_BYTES", 1 << 40)
+            single.setattr(workers, "PARALLEL_BYTES", 1 << 40)
             plain.write(first, data)
     slots = torch.randint(0, 50, (37,), generator=generator).numpy()
     gathered = split.gather(slots)

@@ -57,6 +57,7 @@ from replay_server.engine.insert_event import InsertEvent
 from replay_server.engine.readers.base import Reader
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.snapshot import saved_copy
+from replay_server.engine.workers import take_rows
 from replay_server.errors import InvalidArgumentError, SchemaMismatchError
 
 FILLS = ("repeat", "zero")
@@ -250,11 +251,11 @@ class FrameStacks(Reader):
             return columns
         shape = (*positions.shape, *self._spec.shape)
         stacks = self._destination(self.key, out, shape, self.key in wanted, columns)
-        self._rebuild(positions.reshape(-1), into=stacks.view(-1, *self._spec.shape))
+        self._rebuild(positions.reshape(-1), into=stacks.view(-1, *self._spec.shape),
+                      shared=positions.ndim > 1)
         if self.next_key is not None and self.next_key in wanted:
             following = self._destination(self.next_key, out, shape, True, columns)
-            following.view(-1, *self._spec.shape)[:, :-1].copy_(
-                stacks.view(-1, *self._spec.shape)[:, 1:])
+            _shift(stacks.view(-1, *self._spec.shape), following.view(-1, *self._spec.shape))
             last = {self.next_key: following.view(-1, *self._spec.shape)[:, -1]}
             self.source.read(positions.reshape(-1), [self.next_key], last,
                              None if slots is None else slots.reshape(-1))
@@ -273,7 +274,7 @@ class FrameStacks(Reader):
         return dest
 
     def _rebuild(self, positions: np.ndarray, gone_below: int | None = None,
-                 into: torch.Tensor | None = None) -> torch.Tensor:
+                 into: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
         """Stacks ``[n, stack, ...]`` of ``positions`` from the stored frames and kept histories.
 
         Walks each row's links back to find the positions of its frames; a
@@ -284,7 +285,8 @@ class FrameStacks(Reader):
         distinct frame once, when many are shared, as in slices).
         ``gone_below``: rows from this position on are still readable although
         the ring's ``first_live`` has passed them (they are about to be overwritten).
-        ``into``: a contiguous tensor to build them in (else a new one).
+        ``into``: a contiguous tensor to build them in (else a new one). ``shared``:
+        the stacks share frames (consecutive steps of slices): read each frame once.
         """
         cap = self._ring.capacity
         floor = self._ring.first_live if gone_below is None else gone_below
@@ -312,7 +314,7 @@ class FrameStacks(Reader):
         if into is None:
             into = torch.empty((n, *self._spec.shape), dtype=self._spec.dtype,
                                device=self.device)
-        self._read_frames(frames, into)
+        self._read_frames(frames, into, shared)
         if filled is not None and filled.any():
             into[torch.from_numpy(filled).to(into.device)] = 0
         for index, count, history in overrides:  # a kept history is exact: it wins over fills
@@ -320,16 +322,23 @@ class FrameStacks(Reader):
                 self._spec.dtype).to(into.device)
         return into
 
-    def _read_frames(self, frames: np.ndarray, into: torch.Tensor) -> None:
+    def _read_frames(self, frames: np.ndarray, into: torch.Tensor, shared: bool) -> None:
         """``into[i, j] = frame at frames[i, j]``, each distinct frame read once when many repeat."""
         assert self.source is not None
+        if not shared:
+            self.source.read(frames, [self.key], {self.key: into})
+            return
         distinct, inverse = np.unique(frames, return_inverse=True)
         if distinct.size > _SHARED_READ * frames.size:
             self.source.read(frames, [self.key], {self.key: into})
             return
         once = self.source.read(distinct, [self.key])[self.key]
-        torch.index_select(once, 0, torch.from_numpy(inverse.reshape(-1)).to(once.device),
-                           out=into.view(-1, *self._spec.shape[1:]))
+        spread = into.view(-1, *self._spec.shape[1:])
+        if once.device.type == "cpu":  # numpy's take, split across the worker pool
+            take_rows(_numpy(once), inverse.reshape(-1), _numpy(spread))
+        else:
+            torch.index_select(once, 0, torch.from_numpy(inverse.reshape(-1)).to(once.device),
+                               out=spread)
 
     # ------------------------------------------------------------- the rest
 
@@ -361,6 +370,15 @@ class FrameStacks(Reader):
         self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
         frames = state["kept_frames"].numpy()
         self._kept = {int(p): frames[i].copy() for i, p in enumerate(state["kept_positions"])}
+
+
+def _shift(stacks: torch.Tensor, following: torch.Tensor) -> None:
+    """``following[:, :-1] = stacks[:, 1:]``: through numpy on the host (a strided torch copy
+    is several times slower there), torch's copy on a device."""
+    if stacks.device.type == "cpu":
+        np.copyto(_numpy(following)[:, :-1], _numpy(stacks)[:, 1:])
+    else:
+        following[:, :-1].copy_(stacks[:, 1:])
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:

@@ -72,6 +72,8 @@ class ByteArena:
         self._file = file
         self.buffer = (np.empty(total, dtype=np.uint8) if file is None
                        else file.array(np.dtype(np.uint8), (total,)))
+        self.view = memoryview(self.buffer)
+        """The arena as a memoryview (slicing it costs less than slicing the array)."""
         self.offsets = np.full(capacity, -1, dtype=np.int64)
         self.lengths = np.zeros(capacity, dtype=np.int32)
         self._live = np.zeros(self.segments, dtype=np.int64)  # bytes of live blocks per segment
@@ -155,7 +157,7 @@ class ByteArena:
             if self._head < 0 or self._cursor + size > self.segment:
                 self._next_segment()
             offset = self._head * self.segment + self._cursor
-            self.buffer[offset:offset + size] = np.frombuffer(block, dtype=np.uint8)
+            self.view[offset:offset + size] = block
             self.offsets[slot] = offset
             self.lengths[slot] = size
             self._live[self._head] += size

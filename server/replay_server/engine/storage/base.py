@@ -37,6 +37,9 @@ import torch
 
 from replay_server.engine import workers
 from replay_server.engine.schema import FieldSpec
+from replay_server.engine.workers import take_rows
+
+__all__ = ["ArrayColumn", "Column", "copy_rows", "numpy_dtype", "numpy_view", "take_rows"]
 
 
 class Column(ABC):
@@ -166,8 +169,8 @@ class ArrayColumn(Column):
         self.array[index] = rows
 
 
-PARALLEL_BYTES = 2 << 20
-"""Copies at least this large are split across the worker pool."""
+PARALLEL_BYTES = workers.PARALLEL_BYTES
+"""Writes at least this large are split across the worker pool (gathers: :mod:`workers`)."""
 
 WRITE_THREADS = workers.THREADS if workers.MANY_CORES else 1
 """Writes go parallel from 4 cores on. A write is bandwidth-bound (and, into fresh
@@ -215,23 +218,3 @@ def copy_rows(dest: np.ndarray, first_slot: int, src: np.ndarray) -> None:
         bounds = np.linspace(0, d.shape[0], share + 1).astype(int)
         tasks += [(d[a:b], s[a:b]) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     workers.run_split(lambda task: np.copyto(*task), tasks, parts)
-
-
-def take_rows(src: Any, rows: np.ndarray, out: np.ndarray) -> None:
-    """``out[:] = src[rows]``; large gathers run on several threads (numpy releases the GIL).
-
-    A 7 MB gather of Atari rows is memory-latency bound on one core: two
-    threads make it about 1.5x faster on a 2-core machine. ``mode="clip"``:
-    with an ``out`` and the default ``mode="raise"`` numpy gathers into a
-    temporary and copies it over (to leave ``out`` untouched on a bad index);
-    slots come from the table's own ring, never out of range.
-    """
-    parts = pieces(out.nbytes, len(rows), workers.THREADS)
-    if parts < 2:
-        np.take(src, rows, axis=0, out=out, mode="clip")
-        return
-    bounds = np.linspace(0, len(rows), parts + 1).astype(int)
-    tasks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-    workers.run_split(
-        lambda t: np.take(src, rows[t[0]:t[1]], axis=0, out=out[t[0]:t[1]], mode="clip"),
-        tasks, parts)

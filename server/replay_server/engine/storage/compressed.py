@@ -100,17 +100,28 @@ class Lz4Column(Column):
                           tasks, len(tasks))
 
     def _read(self, slots: np.ndarray, out: np.ndarray) -> None:
-        """Decompress the rows at ``slots`` into ``out`` (``[n, row values]``; zeros where
-        none was written)."""
-        flat = out.view(np.uint8).reshape(len(slots), -1)
-        size, arena = self.row_bytes, self.arena
-        for i, slot in enumerate(slots.tolist()):
-            block = arena.block(slot)
-            if block is None:
-                flat[i] = 0
+        """Decompress the rows at ``slots`` into ``out`` (``[n, row values]``, contiguous;
+        zeros where none was written). Memoryviews all the way: per row one decompress
+        and one copy, and little else holding the GIL (the other threads decompress)."""
+        size = self.row_bytes
+        buffer, decompress = self.arena.view, lz4.block.decompress
+        offsets = self.arena.offsets[slots].tolist()
+        lengths = self.arena.lengths[slots].tolist()
+        if not out.flags.c_contiguous:  # e.g. the last frame of each stack: row by row
+            for i, (offset, length) in enumerate(zip(offsets, lengths)):
+                out[i] = 0 if offset < 0 else np.frombuffer(
+                    decompress(buffer[offset:offset + length], uncompressed_size=size),
+                    dtype=out.dtype)
+            return
+        flat = memoryview(out).cast("B")
+        at = 0
+        for offset, length in zip(offsets, lengths):
+            if offset < 0:
+                flat[at:at + size] = bytes(size)
             else:
-                flat[i] = np.frombuffer(lz4.block.decompress(block, uncompressed_size=size),
-                                        dtype=np.uint8)
+                flat[at:at + size] = decompress(buffer[offset:offset + length],
+                                                uncompressed_size=size)
+            at += size
 
     def __getitem__(self, index: slice) -> np.ndarray:
         slots = np.arange(*index.indices(self.capacity))
