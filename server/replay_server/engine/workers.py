@@ -86,7 +86,7 @@ def take_rows(src: Any, rows: np.ndarray, out: np.ndarray) -> None:
     """
     parts = _pieces(out.nbytes, len(rows))
     if parts < 2:
-        np.take(src, rows, axis=0, out=out, mode="clip")
+        src.take(rows, axis=0, out=out, mode="clip")
         return
     bounds = np.linspace(0, len(rows), parts + 1).astype(int)
     tasks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:])]

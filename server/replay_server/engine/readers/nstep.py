@@ -71,6 +71,9 @@ NEXT_PREFIX = "next."
 
 _MIN_SWEEP = 1024
 
+_NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+"""The reward dtypes numpy has (bfloat16 goes through torch)."""
+
 
 class NStepReturns(Reader):
     """Next-step links and n-step windows per slot (see the module).
@@ -107,6 +110,7 @@ class NStepReturns(Reader):
         self._sweep_at = _MIN_SWEEP
         self._stale = False  # the windows need a rebuild from the links (after a load)
         self._discounts = gamma ** np.arange(n_step, dtype=np.float64)
+        self._split: tuple[list[str], list[str], list[str]] | None = None
 
     # ------------------------------------------------------------------ insert
 
@@ -256,34 +260,52 @@ class NStepReturns(Reader):
         if self._stale:
             self._rebuild()
         assert self.source is not None and self._schema is not None
-        wanted = [*self.keys, STEPS_KEY] if keys is None else keys
-        tail = [k for k in wanted if k != self.reward_key and k != STEPS_KEY
-                and (k.startswith(NEXT_PREFIX) or k in self.end_keys)]
-        head = [k for k in wanted if k not in tail and k not in (self.reward_key, STEPS_KEY)]
+        if keys is None:
+            if self._split is None:  # the batch's keys never change once the schema is fixed
+                self._split = self._split_keys([*self.keys, STEPS_KEY])
+            wanted, head, tail = self._split
+        else:
+            wanted, head, tail = self._split_keys(keys)
         slots = self._ring.slots(positions) if slots is None else slots
         columns = self.source.read(positions, head, out, slots) if head else {}
         if tail:
-            last = self._ring.ids_of_slots(self._last[slots])
-            columns.update(self.source.read(last, tail, out))
+            last_slots = self._last[slots]
+            columns.update(self.source.read(self._ring.ids_of_slots(last_slots), tail, out,
+                                            last_slots))
+        device = self.device
         if self.reward_key in wanted:
-            columns[self.reward_key] = self._reward(slots, out)
+            columns[self.reward_key] = self._reward(slots, out, device)
         if STEPS_KEY in wanted:
             steps = None if out is None else out.get(STEPS_KEY)
+            counts = torch.from_numpy(self._steps[slots].astype(np.int64))
             if steps is None:
-                steps = torch.from_numpy(self._steps[slots].astype(np.int64)).to(self.device)
+                steps = counts if device.type == "cpu" else counts.to(device)
             else:
-                steps.copy_(torch.from_numpy(self._steps[slots].astype(np.int64)))
+                steps.copy_(counts)
             columns[STEPS_KEY] = steps
         return {key: columns[key] for key in wanted}
 
-    def _reward(self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+    def _split_keys(self, wanted: list[str]) -> tuple[list[str], list[str], list[str]]:
+        """``wanted``, the keys read at a transition's first step and at its last."""
+        tail = [k for k in wanted if k != self.reward_key and k != STEPS_KEY
+                and (k.startswith(NEXT_PREFIX) or k in self.end_keys)]
+        head = [k for k in wanted if k not in tail and k not in (self.reward_key, STEPS_KEY)]
+        return wanted, head, tail
+
+    def _reward(self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None,
+                device: torch.device) -> torch.Tensor:
         """The windows' discounted sums in the reward column's dtype and shape."""
         assert self._schema is not None
         spec = self._schema[self.reward_key]
-        total = torch.from_numpy(self._sum[slots]).to(spec.dtype).view(*slots.shape, *spec.shape)
+        sums = self._sum[slots]
+        if spec.dtype == torch.bfloat16:  # numpy has no bfloat16
+            total = torch.from_numpy(sums).to(spec.dtype)
+        else:
+            total = torch.from_numpy(sums.astype(_NUMPY[spec.dtype]))
+        total = total.view(*slots.shape, *spec.shape)
         reward = None if out is None else out.get(self.reward_key)
         if reward is None:
-            return total.to(self.device)
+            return total if device.type == "cpu" else total.to(device)
         reward.copy_(total.view(reward.shape))
         return reward
 

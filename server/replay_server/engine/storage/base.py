@@ -42,6 +42,10 @@ from replay_server.engine.workers import take_rows
 __all__ = ["ArrayColumn", "Column", "copy_rows", "numpy_dtype", "numpy_view", "take_rows"]
 
 
+HOST = torch.device("cpu")
+"""The host, one object for every host column (compared by identity on the hot path)."""
+
+
 class Column(ABC):
     """``capacity`` rows of one column, in one backend (see the module docstring).
 
@@ -64,7 +68,7 @@ class Column(ABC):
         self.itemsize = self.dtype.itemsize
         self.ndim = len(self.shape)
         self.row_bytes = spec.row_bytes
-        self.device = torch.device("cpu")
+        self.device = HOST
 
     @staticmethod
     def ram_bytes(spec: FieldSpec, capacity: int) -> int:
@@ -141,6 +145,11 @@ class ArrayColumn(Column):
     array: np.ndarray
 
     @property
+    def _bits(self) -> bool:
+        """Whether its array holds the column's values as other bits (bfloat16 as int16)."""
+        return self.spec.dtype == torch.bfloat16
+
+    @property
     def view(self) -> np.ndarray:
         return self.array
 
@@ -157,10 +166,10 @@ class ArrayColumn(Column):
         """Through numpy (its allocation is cheaper than torch's for a batch)."""
         if device.type != "cpu":
             return super().gather(slots, device)
-        rows = np.empty((slots.size, *self.array.shape[1:]), dtype=self.array.dtype)
+        rows = np.empty((slots.size, *self.shape[1:]), dtype=self.dtype)
         self._take(slots, rows)
         tensor = torch.from_numpy(rows)
-        return tensor.view(self.spec.dtype) if tensor.dtype != self.spec.dtype else tensor
+        return tensor.view(torch.bfloat16) if self._bits else tensor
 
     def __getitem__(self, index: slice) -> np.ndarray:
         return self.array[index]

@@ -31,7 +31,7 @@ from replay_proto.batch import SampleBatch
 from replay_server.engine.prefault import Prefaulter
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, StorageSnapshot
-from replay_server.engine.storage.base import Column, numpy_view
+from replay_server.engine.storage.base import HOST, Column, numpy_view
 from replay_server.engine.storage.memory import HostColumn
 from replay_server.engine.storage.placement import pin_staging
 
@@ -54,7 +54,7 @@ class ColumnStorage:
         self.schema = schema
         self.capacity = capacity
         self.columns = columns
-        self.device = torch.device("cpu") if device is None else device
+        self.device = HOST if device is None else device
         self._on_device = device is not None
         self._pin = pin_staging(self.device)
         self._check = check
@@ -149,14 +149,16 @@ class ColumnStorage:
 
         Cost: one gather per column (see each backend), O(rows gathered * row bytes).
         """
-        flat = np.ascontiguousarray(slots.reshape(-1), dtype=np.int64)
+        flat = slots if slots.ndim == 1 and slots.dtype == np.int64 else \
+            np.ascontiguousarray(slots.reshape(-1), dtype=np.int64)
         n = flat.size
         result = {}
+        here = self.device
         for key in self.columns if keys is None else keys:
             column = self.columns[key]
             spec = column.spec
             dest = None if out is None else out.get(key)
-            if dest is None and column.device == self.device:
+            if dest is None and column.device is here or dest is None and column.device == here:
                 rows = column.gather(flat, self.device)
                 result[key] = rows if slots.ndim == 1 else rows.view(*slots.shape, *spec.shape)
                 continue
@@ -166,7 +168,7 @@ class ColumnStorage:
             else:
                 result[key] = dest
             target = dest.view(n, *spec.shape)
-            if target.device == column.device or column.device != torch.device("cpu"):
+            if target.device == column.device or column.device != HOST:
                 column.take(flat, target)  # a device column copies to a host target itself
             else:  # a host column of a device table: gather on the host, one copy over
                 staging = torch.empty(target.shape, dtype=spec.dtype, pin_memory=self._pin)
