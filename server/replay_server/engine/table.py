@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,7 @@ from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.insert_event import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
-from replay_server.engine.table_info import Capabilities, TableCounters, TableFigures, TableInfo
+from replay_server.engine.table_info import TableCounters, TableFigures, TableInfo
 from replay_server.engine.table_parts import (
     TableParts,
     fresh_parts,
@@ -79,7 +79,7 @@ from replay_server.errors import (
     SchemaMismatchError,
 )
 
-__all__ = ["MAX_BATCH_SIZE", "STATE_VERSION", "Table"]
+__all__ = ["MAX_BATCH_SIZE", "STATE_VERSION", "Table", "TableCounters"]
 
 
 class Table:
@@ -454,28 +454,7 @@ class Table:
     def info(self) -> TableInfo:
         """A consistent snapshot of sizes, counters and sampler figures."""
         with self._lock:
-            parts = self._parts
-            return TableInfo(
-                name=self.name,
-                sampler=self.config.sampler.value,
-                capacity=parts.ring.capacity,
-                size=parts.size,
-                schema=None if parts.schema is None else parts.schema.describe(),
-                pinned=parts.storage is not None and parts.storage.pinned,
-                storage_bytes=0 if parts.storage is None else parts.storage.nbytes,
-                counters=TableCounters(**asdict(parts.counters)),
-                sampler_stats={**parts.sampler.stats(),
-                               **{k: v for r in parts.readers for k, v in r.stats().items()},
-                               **(parts.storage.stats() if parts.storage else {})},
-                config=self.config.describe(),
-                rate_limiter=parts.limiter.info(),
-                mass=parts.sampler.mass(),
-                capabilities=Capabilities(
-                    **asdict(parts.sampler.traits),
-                    retires=self.config.max_times_sampled > 0,
-                    n_step=self.config.n_step,
-                    frame_stack_key=self.config.frame_stack_key or ""),
-            )
+            return self._parts.info(self.config)
 
     def figures(self) -> TableFigures:
         """Size, capacity, bytes stored and counters, read WITHOUT the lock (see

@@ -12,7 +12,7 @@ into batch columns through the storage. This module builds them from a
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from replay_server.engine.storage import (
     make_storage,
     storage_ram_bytes,
 )
-from replay_server.engine.table_info import TableCounters
+from replay_server.engine.table_info import Capabilities, TableCounters, TableInfo
 from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMismatchError
 
 
@@ -77,6 +77,32 @@ class TableParts:
     def top(self) -> Reader:
         """The reader a sample reads through."""
         return self.readers[-1]
+
+    def info(self, config: TableConfig) -> TableInfo:
+        """Sizes, counters and figures of each layer, and the capabilities they declare
+        (call under the table's lock)."""
+        storage = self.storage
+        return TableInfo(
+            name=config.name,
+            sampler=config.sampler.value,
+            capacity=self.ring.capacity,
+            size=self.size,
+            schema=None if self.schema is None else self.schema.describe(),
+            pinned=storage is not None and storage.pinned,
+            storage_bytes=0 if storage is None else storage.nbytes,
+            counters=TableCounters(**asdict(self.counters)),
+            sampler_stats={**self.sampler.stats(),
+                           **{k: v for reader in self.readers for k, v in reader.stats().items()},
+                           **(storage.stats() if storage else {})},
+            config=config.describe(),
+            rate_limiter=self.limiter.info(),
+            mass=self.sampler.mass(),
+            capabilities=Capabilities(
+                **asdict(self.sampler.traits),
+                retires=config.max_times_sampled > 0,
+                n_step=config.n_step,
+                frame_stack_key=config.frame_stack_key or ""),
+        )
 
     def stored(self, columns: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """An insert's columns as the readers have them stored (a frame stack keeps its
