@@ -190,16 +190,19 @@ class ReplayClient:
             )
         return messages.decode_insert_response(self._connection.unary("Insert", raw, retry=False))
 
-    def sample(self, table: str, batch_size: int, *, wait: bool = False,
+    def sample(self, table: str, batch_size: int, *, wait: bool | None = None,
                timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
         """Draw one batch; ``batch.data`` keeps the inserted (nested) structure.
 
         Args:
             table: table name.
             batch_size: rows (or slices).
-            wait: while the table is empty, wait on the server (holding no
-                thread there) for rows to arrive instead of raising
-                :class:`EmptyTableError`; a rate-limited sample always waits.
+            wait: ``True``: while the table cannot serve the batch (empty, or
+                held back by its rate limiter), wait on the server (holding no
+                thread there). ``False``: never wait: raise
+                :class:`EmptyTableError` at once. ``None`` (the default): an
+                empty table raises :class:`EmptyTableError` at once, a sample
+                the rate limiter holds back waits (Reverb's flow control).
             timeout: seconds the call may take, waiting included (default: the
                 client's; ``None``: no limit), then :class:`DeadlineExceededError`.
 
@@ -208,8 +211,8 @@ class ReplayClient:
             EmptyTableError, UnknownTableError, DeadlineExceededError, ...: from the server.
         """
         _check_int("batch_size", batch_size, 1)
-        request = pb.SampleRequest(table=table, batch_size=batch_size,
-                                   wait_for_data=bool(wait)).SerializeToString()
+        request = pb.SampleRequest(table=table, batch_size=batch_size, wait_for_data=bool(wait),
+                                   never_wait=wait is False).SerializeToString()
         return decode_sample(self._connection.unary("Sample", request, retry=True,
                                                     timeout=timeout))
 
