@@ -15,8 +15,9 @@ this package loads nothing (the ``replay-server`` command's light commands,
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from replay_proto.exports import lazy_exports
 
 if TYPE_CHECKING:
     from replay_proto.batch import SampleBatch
@@ -53,11 +54,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """The exported ``name``, imported from its module on first use (PEP 562)."""
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(home), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _HOMES)

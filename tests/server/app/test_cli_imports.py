@@ -56,3 +56,13 @@ def test_the_packages_load_nothing_until_a_name_is_used():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                             timeout=60, check=True)
     assert json.loads(result.stdout) == [False, True, "Table", "SampleBatch"]
+
+
+@pytest.mark.parametrize("package", ["replay_proto", "replay_server", "replay_server.app"])
+def test_every_exported_name_resolves(package):
+    import importlib
+
+    module = importlib.import_module(package)
+    assert module.__all__ and all(getattr(module, name) is not None for name in module.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        module.no_such_name  # noqa: B018
