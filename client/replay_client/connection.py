@@ -17,12 +17,14 @@ import grpc
 
 from replay_client.backoff import Backoff
 from replay_client.errors import (
+    InvalidArgumentError,
     OverloadedError,
     ReplayError,
     UnavailableError,
     from_rpc_error,
 )
 from replay_client.tls import TlsConfig, check_token_channel
+from replay_proto.addresses import AddressError, with_port
 from replay_proto.call_metadata import request_bytes_metadata
 from replay_proto.error_kinds import kind_of
 
@@ -42,7 +44,7 @@ class Connection:
     its settings.
 
     Args:
-        address: ``host:port`` of the server.
+        address: ``host:port`` of the server (``host`` alone: port 50051).
         timeout: seconds each call may take, retries included (``None``: no limit).
         token: auth token, sent as ``authorization: Bearer <token>``.
         max_message_mb: the message-size limit (match the server's).
@@ -54,7 +56,8 @@ class Connection:
             server that answered once and went away is retried for ``max_retry_s``.
 
     Raises:
-        InvalidArgumentError: a token would cross a network in clear text
+        InvalidArgumentError: a malformed address (a port that is no number), or a
+            token would cross a network in clear text
             (:func:`~replay_client.tls.check_token_channel`).
     """
 
@@ -62,6 +65,10 @@ class Connection:
                  max_message_mb: int, max_retry_s: float, tls: TlsConfig | None = None,
                  allow_plaintext_token: bool = False,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        try:
+            address = with_port(address)  # "localhost": port 50051, never gRPC's 443
+        except AddressError as exc:
+            raise InvalidArgumentError(str(exc)) from None
         check_token_channel(address, token, tls, allow_plaintext_token)
         self.address = address
         self.timeout = timeout

@@ -290,3 +290,9 @@ def test_unpickled_client_inserts_from_a_spawned_process(served) -> None:
     batch = client.sample("from_child", 8)
     assert set(batch.ids.tolist()) <= set(child_ids)
     assert (batch.data["obs"] == 5.0).all()
+
+
+def test_an_address_without_a_port_means_the_default_port_never_443() -> None:
+    assert ReplayClient("localhost", timeout=1).address == "localhost:50051"
+    with pytest.raises(errors.InvalidArgumentError, match="'localhost:http'"):
+        ReplayClient("localhost:http")
