@@ -16,6 +16,9 @@ import sys
 import pytest
 
 from replay_server.app.cli import build_parser, main
+from tests.conftest import module_server
+
+server = module_server(None)  # one server with the default tables for the module
 
 OPERATOR_COMMANDS = (["health"], ["info"], ["checkpoint"], ["reset", "replay"])
 

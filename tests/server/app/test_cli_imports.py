@@ -14,6 +14,10 @@ import sys
 
 import pytest
 
+from tests.conftest import module_server
+
+server = module_server(None)  # one server with the default tables for the module
+
 HEAVY = ("torch", "numpy", "tensordict", "replay_server.engine", "replay_server.service")
 
 PROBE = f"""
