@@ -8,7 +8,10 @@ import sys
 
 import pytest
 
-from tests.conftest import start_server
+from tests.conftest import module_server, start_server
+
+# One server with the default tables for the module: each test reads or writes its own table.
+server = module_server(None)
 
 
 def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
