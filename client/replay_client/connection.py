@@ -9,6 +9,7 @@ each hold the connection, never the whole client.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -173,10 +174,14 @@ class Connection:
         return error
 
     def retry_window(self) -> float:
-        """Seconds to retry an unavailable server: ``connect_timeout_s`` (at most
-        ``max_retry_s``) until it first answered, then ``max_retry_s``."""
-        return self.max_retry_s if self.answered else min(self.max_retry_s,
-                                                           self.connect_timeout_s)
+        """Seconds to retry an unavailable server: ``max_retry_s``, but only
+        ``connect_timeout_s`` while no server has answered and nothing accepts a
+        TCP connection at the address (gRPC may report a refusal it saw earlier,
+        through a connection another client in this process shares, so the
+        address is asked directly)."""
+        if self.answered or _accepts_connections(self.address, self.connect_timeout_s):
+            return self.max_retry_s
+        return min(self.max_retry_s, self.connect_timeout_s)
 
     def close(self) -> None:
         """Close the channel (a later call opens a new one)."""
@@ -184,3 +189,16 @@ class Connection:
             if self._channel is not None:
                 self._channel.close()
                 self._channel, self._calls = None, {}
+
+
+def _accepts_connections(address: str, timeout: float) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` now (an address of
+    another form, ``unix:`` or ``dns:///`` say, is taken to: it gets the long window)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "/" in address:
+        return True
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=max(timeout, 0.1)):
+            return True
+    except OSError:
+        return False

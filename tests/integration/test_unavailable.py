@@ -296,3 +296,26 @@ def test_an_address_without_a_port_means_the_default_port_never_443() -> None:
     assert ReplayClient("localhost", timeout=1).address == "localhost:50051"
     with pytest.raises(errors.InvalidArgumentError, match="'localhost:http'"):
         ReplayClient("localhost:http")
+
+
+def test_a_new_client_reaches_a_restarted_server_another_client_saw_down(server_factory) -> None:
+    # gRPC shares connections between the channels of a process: a new client may be
+    # answered with the refusal an older one met while the server was down (the shared
+    # connection's reconnect backoff, seconds after a while). The connect timeout applies
+    # only while nothing accepts connections at the address.
+    first = server_factory(CONFIG)
+    old = ReplayClient(first.address, timeout=120, max_retry_s=120)
+    old.info()
+    assert first.stop(signal.SIGTERM) == 0
+    retried: list = []
+    thread = threading.Thread(target=lambda: retried.append(old.info()), daemon=True)
+    thread.start()  # keeps retrying while the server is down, and through its restart
+    second = server_factory(CONFIG, port=first.port)
+    fresh = ReplayClient(second.address, timeout=30)
+    try:
+        assert "uniform" in fresh.info()
+    finally:
+        thread.join(THREAD_JOIN_S)
+        old.close()
+        fresh.close()
+    assert retried and "uniform" in retried[0]
