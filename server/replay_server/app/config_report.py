@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from replay_server.checkpoint.directory import CheckpointDirectory
 from replay_server.engine.config import TableConfig
-from replay_server.engine.memory import MemoryLedger, format_bytes, table_bytes
+from replay_server.engine.memory import MemoryLedger, format_bytes
+from replay_server.engine.table_parts import table_bytes
 from replay_server.engine.schema import Schema
 from replay_server.errors import ConfigError, InsufficientMemoryError
 from replay_server.service.limits import MIB
