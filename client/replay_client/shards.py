@@ -366,7 +366,7 @@ class ShardedReplayClient:
 
     # ------------------------------------------------------------------ sample
 
-    def sample(self, table: str, batch_size: int, *, wait: bool = False,
+    def sample(self, table: str, batch_size: int, *, wait: bool | None = None,
                timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
         """One batch from the union of every shard, as one table would draw it.
 
@@ -530,9 +530,9 @@ class ShardedReplayClient:
         """
         return self._all(lambda c: c.checkpoint(timeout=timeout))
 
-    def reset(self, table: str) -> None:
-        """Remove every row of ``table`` on every shard."""
-        self._all(lambda c: c.reset(table))
+    def reset(self, table: str, *, schema: bool = False) -> None:
+        """Remove every row of ``table`` on every shard (``schema``: see ``ReplayClient.reset``)."""
+        self._all(lambda c: c.reset(table, schema=schema))
         self._masses.forget(table)
 
     @property

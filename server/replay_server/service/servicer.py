@@ -157,7 +157,8 @@ class ReplayServicer:
         reservation.resize(len(raw) + 2 * estimate,
                            f"Sample: a batch of {request.batch_size} from table {table.name!r}")
         try:
-            batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data)
+            batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data,
+                         never_wait=request.never_wait)
         except BaseException:
             reservation.resize(len(raw), "")
             raise
@@ -273,9 +274,9 @@ class ReplayServicer:
         return await self.calls.change(context, self._reset, raw)
 
     def _reset(self, raw: bytes) -> tuple[str, bytes]:
-        name = _parse(pb.ResetRequest, raw).table
-        self._tables[name].reset()
-        return name, pb.ResetResponse().SerializeToString()
+        request = _parse(pb.ResetRequest, raw)
+        self._tables[request.table].reset(schema=request.schema)
+        return request.table, pb.ResetResponse().SerializeToString()
 
     async def delete(self, raw: bytes, context: grpc.aio.ServicerContext, _: Reservation) -> bytes:
         return await self.calls.change(context, self._delete, raw)
