@@ -364,18 +364,24 @@ def _start_blocking(tmp_path: Path, text: str, port: int, name: str,
     return ServerProcess(process, port, log_path)
 
 
-def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
-    tmp_path: Path
-) -> None:
-    text = config(tmp_path / "ckpt")
+def _two_checkpoints_then_kill(tmp_path: Path, text: str) -> tuple[str, Path]:
+    """Start a server, write a checkpoint of 10 rows and a newer one of 20, kill -9 it;
+    return both checkpoints (the older as the server named it)."""
     server = start_server(tmp_path, text)
     client = ReplayClient(server.address)
     client.insert("prioritized", rows(torch.arange(10)))
     older = client.checkpoint()
     client.insert("prioritized", rows(torch.arange(10, 20)))
     newest = Path(client.checkpoint())
-    server.process.kill()
-    server.process.wait(WAIT_S)
+    server.stop(signal.SIGKILL)
+    return older, newest
+
+
+def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
+    tmp_path: Path
+) -> None:
+    text = config(tmp_path / "ckpt")
+    older, newest = _two_checkpoints_then_kill(tmp_path, text)
     column = newest / "prioritized" / "column-0.bin"
     column.write_bytes(b"")  # damaged: the restore falls back to the older checkpoint
 
@@ -417,13 +423,7 @@ def test_a_fifo_in_place_of_a_column_file_is_refused_unread(tmp_path: Path) -> N
     """Issue 23, finding 10: a FIFO in place of a column file hung the restore (opening it
     waits for a writer), deaf to SIGTERM. It is damage now, refused without reading."""
     text = config(tmp_path / "ckpt")
-    server = start_server(tmp_path, text)
-    client = ReplayClient(server.address)
-    client.insert("prioritized", rows(torch.arange(10)))
-    older = client.checkpoint()
-    client.insert("prioritized", rows(torch.arange(10, 20)))
-    newest = Path(client.checkpoint())
-    server.stop(signal.SIGKILL)
+    older, newest = _two_checkpoints_then_kill(tmp_path, text)
     fifo = newest / "prioritized" / "column-0.bin"
     fifo.unlink()
     os.mkfifo(fifo)

@@ -124,6 +124,17 @@ class Watch:
         assert self.slowest_s < FAST_S, f"a health check + small sample took {self.slowest_s:.2f} s"
 
 
+def run_threads(target, count: int, timeout: float) -> None:
+    """Run ``target`` on ``count`` threads at once and wait for all of them (bounded)."""
+    threads = [threading.Thread(target=target) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
+
+
 def in_use(client: ReplayClient) -> int:
     return client.server_info().limits["memory_in_use_bytes"]
 
@@ -147,12 +158,7 @@ def test_a_stream_of_huge_batches_is_refused_naming_the_limit(server, client) ->
             except BaseException as exc:  # reported below
                 got.append(exc)
 
-        threads = [threading.Thread(target=learner) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-    assert not any(t.is_alive() for t in threads)
+        run_threads(learner, 8, timeout=120)
     assert got == [(33_000, 32)] * 16, [g for g in got if isinstance(g, BaseException)]
     watch.check()
     limits = client.server_info().limits
@@ -348,12 +354,7 @@ capacity = 50_000
                 except errors.OverloadedError as exc:  # the budget, or memory: a clear refusal
                     refused.append(exc)
 
-        threads = [threading.Thread(target=load) for _ in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(300)
-        assert not any(t.is_alive() for t in threads)
+        run_threads(load, 4, timeout=300)
         assert client.info()["fits"].size == 20_000
     finally:
         code = server.stop()
