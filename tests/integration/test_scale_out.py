@@ -27,7 +27,7 @@ from replay_client.errors import (
     UnknownTableError,
     UnsupportedError,
 )
-from replay_client.shards import ShardedReplayClient
+from replay_client.sharded.client import ShardedClient
 from replay_server.engine.config import SamplerKind, TableConfig
 from replay_server.engine.table import Table
 from tests.conftest import ServerProcess, start_server, stays, wait_for
@@ -80,9 +80,9 @@ def shards(trio) -> Iterator[dict[int, ReplayClient]]:
         client.close()
 
 
-def sharded(trio, seed: int = 7) -> ShardedReplayClient:
+def sharded(trio, seed: int = 7) -> ShardedClient:
     client = ReplayClient([p.address for p in trio], seed=seed)
-    assert isinstance(client, ShardedReplayClient)
+    assert isinstance(client, ShardedClient)
     return client
 
 

@@ -27,11 +27,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from replay_feed.core import FeedCore
-from replay_feed.delivery import resolve_delivery
+from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
 from replay_server.engine.table import Table
@@ -112,23 +111,25 @@ class TableSource:
         self.table.changes.wake()
 
 
-def stream_table(
-    table: Table, batch_size: int, *, prefetch: int = 2, device: Any = None,
-    pin_memory: bool | str = "auto", transform: Callable[[SampleBatch], Any] | None = None,
-    num_batches: int = 0, wait: bool = True,
-) -> BatchStream:
-    """A learner's stream over an in-process table (arguments as ``ReplayClient.stream``).
+def stream_table(table: Table, batch_size: int, options: StreamOptions | None = None,
+                 **keywords: Any) -> BatchStream:
+    """A learner's stream over an in-process table (options as ``ReplayClient.stream``: one
+    :class:`~replay_feed.options.StreamOptions`). ``prefetch`` defaults to 2; a connection's
+    options (``reconnect``, ``shared_memory``, ``batches_per_message``) have nothing to act
+    on in process.
 
     Raises:
         InvalidArgumentError: a bad option (e.g. ``pin_memory=True`` without an accelerator).
     """
-    try:
-        core = FeedCore(prefetch, resolve_delivery(device, pin_memory), transform)
-    except ValueError as exc:
-        raise InvalidArgumentError(str(exc)) from None
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    return BatchStream(core, TableSource(table, batch_size, num_batches, wait), table.name)
+    try:
+        opts = StreamOptions.build(options, **keywords)
+        core = FeedCore(opts.prefetch or 2, opts.delivery(), opts.transform)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    source = TableSource(table, batch_size, opts.num_batches, opts.wait)
+    return BatchStream(core, source, table.name)
 
 
 class EmbeddedServer:
@@ -192,13 +193,14 @@ class EmbeddedServer:
         host = self.settings.address.rsplit(":", 1)[0]
         return f"{host}:{self._server.port}"
 
-    def stream(self, table: str, batch_size: int, **options: Any) -> BatchStream:
+    def stream(self, table: str, batch_size: int, options: StreamOptions | None = None,
+               **keywords: Any) -> BatchStream:
         """Batches sampled in this process; options as ``ReplayClient.stream`` (see :func:`stream_table`).
 
         Raises:
             UnknownTableError: no such table.
         """
-        return stream_table(self.tables[table], batch_size, **options)
+        return stream_table(self.tables[table], batch_size, options, **keywords)
 
     def close(self, grace: float = 5.0) -> None:
         """Stop serving (in-flight calls get ``grace`` seconds); tables stay readable. Idempotent."""

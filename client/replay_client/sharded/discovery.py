@@ -5,7 +5,7 @@
   (a Kubernetes headless Service resolves to one address per ready pod of its
   StatefulSet: ``docs/scale-out.md``). Resolved when the client first
   connects, and again when it looks for shards that went away
-  (:meth:`~replay_client.shards.ShardedReplayClient.rediscover`).
+  (:meth:`~replay_client.sharded.client.ShardedClient.rediscover`).
 
 Which shard a server is comes from the server itself (its ``shard`` in
 ``info``), never from the order of addresses.

@@ -1,13 +1,15 @@
-"""``ShardedReplayClient``: one logical replay over many replay servers (shards).
+"""``ShardedClient``: one logical replay over many replay servers (shards).
 
 ``ReplayClient([...])`` and ``ReplayClient("shards://name:port")`` return one
-(see :mod:`replay_client.discovery` for the addresses). It offers the calls of
+(see :mod:`replay_client.sharded.discovery` for the addresses). It is a layer
+over one-server clients (:class:`~replay_client.server_client.ServerClient`),
+which never import it. It offers the calls of
 a one-server client; what each does over shards:
 
 * ``insert``: rows go to one shard per episode, or whole to the next shard in
-  turn (:mod:`replay_client.placement`); ids come back in row order.
+  turn (:mod:`replay_client.sharded.placement`); ids come back in row order.
 * ``sample``: one batch from the union of all shards, drawn exactly as one
-  table holding every row would draw it (:mod:`replay_client.merge`).
+  table holding every row would draw it (:mod:`replay_client.sharded.merge`).
 * ``update_priorities``: each id goes to its shard (``id >> 56``), one call per
   shard, concurrently; stale ids are ignored per shard, as on one server.
 * ``delete``: each id to its shard, as ``update_priorities``. Queue tables
@@ -19,7 +21,7 @@ a one-server client; what each does over shards:
 * ``writer``: a :class:`~replay_client.writer.Writer` whose episodes each stay
   on one shard (placed by the episode id it adds).
 * ``stream``: a learner's stream whose batches are merged samples, with the
-  one-server stream's prefetch bound and delivery (:mod:`replay_client.shard_stream`).
+  one-server stream's prefetch bound and delivery (:mod:`replay_client.sharded.stream`).
 
 Shards are identified by the ``shard`` index each server reports (its
 ``[server] shard``, ``"auto"`` on a StatefulSet), never by address order; two
@@ -47,7 +49,6 @@ import torch
 from replay_client import grouping
 from replay_client.arguments import check_int, id_array, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT
-from replay_client.discovery import Resolver, addresses_of, connect_shards, is_sharded, named
 from replay_client.errors import (
     DeadlineExceededError,
     EmptyTableError,
@@ -58,37 +59,48 @@ from replay_client.errors import (
     UnknownTableError,
     UnsupportedError,
 )
-from replay_client.merge import MassBook, merge, shares, split
-from replay_client.placement import RoundRobin, by_episode
-from replay_client.routing import by_owner
-from replay_client.shard_health import ShardHealth, ShardStats
-from replay_client.shard_stream import check_stream_options, open_stream
-from replay_client.shard_tables import TableShape, summed_tables
+from replay_client.server_client import ServerClient
+from replay_client.sharded.discovery import (
+    Resolver,
+    addresses_of,
+    connect_shards,
+    is_sharded,
+    named,
+)
+from replay_client.sharded.health import ShardHealth, ShardStats
+from replay_client.sharded.merge import MassBook, merge, shares, split
+from replay_client.sharded.placement import RoundRobin, by_episode
+from replay_client.sharded.routing import by_owner
+from replay_client.sharded.stream import open_stream
+from replay_client.sharded.tables import TableShape, summed_tables
+from replay_client.stream_options import stream_options
 from replay_client.writer import Writer
+from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
 from replay_proto.keys import unflatten
 from replay_proto.mass import SamplingMass
 from replay_proto.rows import rows_of
 
-__all__ = ["ShardedReplayClient", "is_sharded"]
+__all__ = ["ShardedClient", "is_sharded"]
 
 _EMPTY_WAIT_S = (0.01, 0.5)  # polling interval of a sample waiting for data on any shard
 _DEGRADED_RETRY_S = 0.5  # a shard client's retry window in degraded mode, unless given
 _RACES = 3  # splits a sample retries when a shard it drew from turned out empty
 
 
-class ShardedReplayClient:
+class ShardedClient:
     """One logical replay over many servers. See the module docstring.
 
     Args:
         address: a list of ``host:port`` (one per shard) or ``"shards://NAME:PORT"``.
-        client: the one-server client class (``ReplayClient``) each shard gets.
+        client: makes each shard's one-server client from its address and
+            options (default: :class:`~replay_client.server_client.ServerClient`).
         resolver: resolves a ``shards://`` name (default: the system's resolver).
         seed: seeds the client's own randomness (the split of a batch across
             shards and the shuffle of its parts); ``None``: fresh entropy.
         allow_degraded: go on without shards that are unavailable (see
-            :mod:`replay_client.shard_health`): samples from the live shards,
+            :mod:`replay_client.sharded.health`): samples from the live shards,
             inserts to them, updates of a down shard's ids skipped; a down
             shard is tried again after a backoff and rejoins when it answers.
             ``False``: such a call fails with :class:`UnavailableError` naming
@@ -98,7 +110,7 @@ class ShardedReplayClient:
             ``tls``, ``max_message_mb``, ``max_retry_s``, ``allow_plaintext_token``).
     """
 
-    def __init__(self, address: Any, *, client: Callable[..., Any],
+    def __init__(self, address: Any, *, client: Callable[..., Any] = ServerClient,
                  resolver: Resolver | None = None, seed: int | None = None,
                  allow_degraded: bool = False, **options: Any) -> None:
         if isinstance(address, (list, tuple)):
@@ -168,7 +180,7 @@ class ShardedReplayClient:
         if errors:
             raise errors[0]
 
-    def __enter__(self) -> ShardedReplayClient:
+    def __enter__(self) -> ShardedClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -281,8 +293,7 @@ class ShardedReplayClient:
             if info is None:
                 raise UnknownTableError(f"shard {shard} ({self._addresses[shard]}) has no table "
                                         f"named {table!r}; tables there: {', '.join(sorted(tables))}")
-            shape = TableShape(info.sampler, info.alpha, info.beta, info.slice_len,
-                               info.episode_key)
+            shape = TableShape.of(info)
             known = self._tables.setdefault(table, shape)
             if known != shape:
                 raise ShardingError(f"table {table!r} differs between shards: {known} on one, "
@@ -295,7 +306,7 @@ class ShardedReplayClient:
     # ------------------------------------------------------------------ insert
 
     def insert(self, table: str, data: Any, priorities: Any = None) -> torch.Tensor:
-        """Append rows; each episode's rows go to one shard (see :mod:`replay_client.placement`).
+        """Append rows; each episode's rows go to one shard (see :mod:`replay_client.sharded.placement`).
 
         Returns the rows' ids in the order of the rows. An insert spanning
         shards is one insert per shard, sent concurrently: if one fails, the
@@ -371,7 +382,7 @@ class ShardedReplayClient:
         """One batch from the union of every shard, as one table would draw it.
 
         The batch is split across shards by the masses they last reported,
-        drawn concurrently, and merged (:mod:`replay_client.merge` states what
+        drawn concurrently, and merged (:mod:`replay_client.sharded.merge` states what
         is exact and the staleness bound). ``wait``: while no shard has
         anything to sample, wait (polling the shards' masses) up to the
         timeout. Shards that get no draw report their mass in the same round.
@@ -383,10 +394,10 @@ class ShardedReplayClient:
         check_int("batch_size", batch_size, 1)
         clients = self._connect()
         shape = self._shape(table)
-        if shape.sampler in ("fifo", "lifo"):
+        if not shape.mergeable:
             raise UnsupportedError(
-                f"table {table!r} is a {shape.sampler} queue: its order is kept per server, so "
-                f"a sharded client does not sample it; use one client per shard")
+                f"table {table!r} ({shape.sampler}) is a queue: its order is kept per server, "
+                f"so a sharded client does not sample it; use one client per shard")
         limit = self.timeout if timeout is CLIENT_TIMEOUT else timeout
         deadline = None if limit is None else time.monotonic() + limit
         pause = _EMPTY_WAIT_S[0]
@@ -551,45 +562,28 @@ class ShardedReplayClient:
         shard = self.variables_shard
         return self._each({shard: lambda c: c.fetch(name, newer_than, timeout)})[shard]
 
-    def stream(
-        self,
-        table: str,
-        batch_size: int,
-        *,
-        prefetch: int | None = None,
-        device: Any = None,
-        pin_memory: bool | str = "auto",
-        transform: Callable[[SampleBatch], Any] | None = None,
-        num_batches: int = 0,
-        batches_per_message: int | None = None,
-        shared_memory: bool = True,
-        reconnect: bool = True,
-        wait: bool = True,
-        wait_timeout: float | None = None,
-    ) -> BatchStream:
-        """A learner's stream of merged batches (see :mod:`replay_client.shard_stream`).
+    def stream(self, table: str, batch_size: int, options: StreamOptions | None = None,
+               **keywords: Any) -> BatchStream:
+        """A learner's stream of merged batches (see :mod:`replay_client.sharded.stream`).
 
+        Options as ``ServerClient.stream`` (one :class:`~replay_feed.options.StreamOptions`).
         Each round is one exact :meth:`sample` over every shard, of
         ``batches_per_message`` batches (chosen as for one server when
         ``None``); the feed (prefetch bound, transform, pinning, device
-        copies) is the one-server stream's. ``shared_memory`` has no effect
-        here yet.
+        copies) is the one-server stream's.
 
         Raises:
             InvalidArgumentError: a bad option, before any network call.
         """
-        options = dict(prefetch=prefetch, device=device, pin_memory=pin_memory,
-                       transform=transform, num_batches=num_batches,
-                       batches_per_message=batches_per_message, shared_memory=shared_memory,
-                       reconnect=reconnect, wait=wait, wait_timeout=wait_timeout)
-        check_stream_options(batch_size, options)
+        check_int("batch_size", batch_size, 1)
+        opts = stream_options(options, keywords)
         clients = self._connect()
         shape = self._shape(table)  # an unknown or inconsistent table fails here
-        info = self.info().get(table) if options["batches_per_message"] is None else None
+        info = self.info().get(table) if opts.batches_per_message is None else None
         size = None if info is None else grouping.batch_bytes(info.schema, batch_size,
                                                                shape.slice_len)
         return open_stream(lambda n: self.sample(table, n), len(clients), table, batch_size,
-                           size, options)
+                           size, opts)
 
 
 def _has_key(data: Any, key: str) -> bool:

@@ -4,8 +4,8 @@ The source runs on the stream's background thread (:class:`~replay_feed.stream.B
 and draws batch ``k`` only while ``k < prefetch + taken`` (the same credits as
 a one-server stream: at most ``prefetch`` batches in flight or buffered beside
 the one the learner holds). Each batch is one
-:meth:`~replay_client.shards.ShardedReplayClient.sample` round: split across
-the shards by mass, drawn concurrently, merged (:mod:`replay_client.merge`),
+:meth:`~replay_client.sharded.client.ShardedClient.sample` round: split across
+the shards by mass, drawn concurrently, merged (:mod:`replay_client.sharded.merge`),
 so a streamed batch is exactly a sampled one. Transform, pinning and the
 device copy are the feed's, as on one server.
 
@@ -33,19 +33,17 @@ import threading
 import time
 from collections.abc import Callable
 
-from typing import Any
 
 from replay_client import grouping
-from replay_client.arguments import check_int
 from replay_client.backoff import Backoff
 from replay_client.errors import (
     DeadlineExceededError,
     EmptyTableError,
-    InvalidArgumentError,
     UnavailableError,
 )
+from replay_client.stream_options import feed_core
 from replay_feed.core import FeedCore
-from replay_feed.delivery import resolve_delivery
+from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
 
@@ -139,41 +137,24 @@ def _cut(batch: SampleBatch, count: int, size: int) -> list[SampleBatch]:
         mass=batch.mass, missing_shards=batch.missing_shards) for i in range(count)]
 
 
-def check_stream_options(batch_size: int, options: dict[str, Any]) -> None:
-    """Refuse bad stream options (``ReplayClient.stream``'s keywords) before any network call."""
-    for name, low in (("prefetch", 1), ("num_batches", 0), ("batches_per_message", 0)):
-        if options[name] is not None:
-            check_int(name, options[name], low)
-    check_int("batch_size", batch_size, 1)
-    wait_timeout = options["wait_timeout"]
-    if wait_timeout is not None and not (isinstance(wait_timeout, (int, float)) and not
-                                         isinstance(wait_timeout, bool) and wait_timeout > 0):
-        raise InvalidArgumentError(
-            f"wait_timeout must be a number of seconds > 0 or None, got {wait_timeout!r}")
-
-
 def open_stream(draw: Draw, shards: int, table: str, batch_size: int, batch_bytes: int | None,
-                options: dict[str, Any]) -> BatchStream:
-    """A :class:`BatchStream` of merged batches (options: ``ReplayClient.stream``'s keywords;
-    ``batch_bytes``: one batch's size, for choosing the grouping; ``shared_memory`` does not apply).
+                options: StreamOptions) -> BatchStream:
+    """A :class:`BatchStream` of merged batches (``batch_bytes``: one batch's size, for
+    choosing the grouping; ``shared_memory`` does not apply).
 
     Raises:
         InvalidArgumentError: a bad delivery option (e.g. ``pin_memory=True`` without an accelerator).
     """
-    prefetch, group, note = options["prefetch"], options["batches_per_message"], ""
+    prefetch, group, note = options.prefetch, options.batches_per_message, ""
     if group is None:
         chosen = grouping.choose(batch_bytes, prefetch)
         prefetch, group, note = chosen.prefetch, chosen.batches_per_message, chosen.note
     group = max(1, group)
     window = max(prefetch or grouping.DEFAULT_PREFETCH, 2 * group if group > 1 else 1)
-    try:
-        core = FeedCore(window, resolve_delivery(options["device"], options["pin_memory"]),
-                        options["transform"])
-    except ValueError as exc:
-        raise InvalidArgumentError(str(exc)) from None
-    source = ShardedSource(draw, batch_size, group, shards, num_batches=options["num_batches"],
-                           wait=options["wait"], wait_timeout=options["wait_timeout"],
-                           reconnect=options["reconnect"])
+    core = feed_core(window, options)
+    source = ShardedSource(draw, batch_size, group, shards, num_batches=options.num_batches,
+                           wait=options.wait, wait_timeout=options.wait_timeout,
+                           reconnect=options.reconnect)
     stream = BatchStream(core, source, table)
     if note:
         stream.stats.notes.append(note)
