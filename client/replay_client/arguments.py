@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from replay_client.errors import InvalidArgumentError, InvalidIdsError, InvalidPriorityError
+from replay_feed.credits import PriorityUpdate
 
 
 def check_int(name: str, value: Any, low: int) -> None:
@@ -58,6 +59,12 @@ def update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
             f"(first at index {first}: {array[first]})"
         )
     return np.array(ids, dtype=np.int64).reshape(-1), np.array(array)
+
+
+def priority_update(ids: Any, priorities: Any) -> PriorityUpdate:
+    """A stream's priority update, checked as :func:`update_arrays` checks it."""
+    id_values, values = update_arrays(ids, priorities)
+    return PriorityUpdate(id_values, values)
 
 
 def tensor_of(value: Any, what: str) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from replay_client.backoff import Backoff
+from replay_feed.backoff import Backoff
 from replay_client.errors import OverloadedError, UnavailableError, from_rpc_error
 from replay_client.tls import TlsConfig, check_token_channel
 from replay_proto.call_metadata import request_bytes_metadata

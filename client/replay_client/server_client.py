@@ -11,7 +11,7 @@ import torch
 
 from replay_client import grouping, variables
 from replay_client.arguments import check_int as _check_int
-from replay_client.arguments import id_array, tensor_of, update_arrays
+from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import (
     DeadlineExceededError,
@@ -21,7 +21,7 @@ from replay_client.errors import (
     UnavailableError,
     UnknownTableError,
 )
-from replay_client.stream import NetworkSource
+from replay_client.stream import SampleLink, StagingTarget
 from replay_client.stream_options import feed_core, stream_options
 from replay_client.table_info import ServerInfo, TableInfo, server_info_of
 from replay_client.tls import TlsConfig
@@ -30,6 +30,7 @@ from replay_client.updates import PriorityUpdater
 from replay_client.variables import Variable
 from replay_client.writer import Writer
 from replay_feed.options import StreamOptions
+from replay_feed.source import LinkSource
 from replay_feed.stream import BatchStream
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
@@ -410,11 +411,16 @@ class ServerClient:
             shared_memory = False
             window = max(prefetch, 2 * batches_per_message)
         core = feed_core(window, opts)
-        source = NetworkSource(
-            self._connection, table, batch_size, num_batches=opts.num_batches,
+        link = SampleLink(
+            self._connection, table, batch_size,
+            StagingTarget(core.staging, core.copy_rows, core.stats, core.delivery),
             batches_per_message=batches_per_message,
             shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
-            reconnect=opts.reconnect, wait=opts.wait, wait_timeout=opts.wait_timeout)
+            wait=opts.wait, wait_timeout=opts.wait_timeout)
+        source = LinkSource(link, check_update=priority_update, num_batches=opts.num_batches,
+                            reconnect=opts.reconnect,
+                            retry_window_s=self._connection.max_retry_s,
+                            name=self._connection.address)
         stream = BatchStream(core, source, table)
         if chosen is not None and chosen.note:
             stream.stats.notes.append(chosen.note)

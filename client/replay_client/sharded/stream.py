@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 
 from replay_client import grouping
-from replay_client.backoff import Backoff
+from replay_feed.backoff import Backoff
 from replay_client.errors import (
     DeadlineExceededError,
     EmptyTableError,

@@ -27,9 +27,15 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+import torch
+
 from replay_feed.core import FeedCore
+from replay_feed.credits import CreditFlow, PriorityUpdate
+from replay_feed.source import LinkSource
 from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
@@ -39,6 +45,8 @@ from replay_server.errors import (
     ConfigError,
     EmptyTableError,
     InvalidArgumentError,
+    InvalidIdsError,
+    InvalidPriorityError,
     RateLimitedError,
 )
 from replay_server.service.server import ReplayServer
@@ -47,52 +55,75 @@ from replay_server.service.settings import ServerSettings
 log = logging.getLogger("replay_server")
 
 
-class TableSource:
-    """Produces a feed's batches by sampling a table in this process (no sockets, no codec).
+class TableLink:
+    """A table in this process as a :class:`~replay_feed.link.Link`: no sockets, no codec.
 
-    A sample the table's rate limiter holds back, or (``wait``) one from an
-    empty table, waits for the table to change
-    (:attr:`Table.changes <replay_server.engine.table.Table.changes>`), then
-    tries again, until it passes or the stream stops.
+    One endless call: it draws a batch whenever the learner's credits allow
+    (its grants applied as they come: priority updates before the next draw),
+    gathering rows straight into the feed's staging buffers (a device
+    table's batch stays on its device). A sample the table's rate limiter
+    holds back, or (``wait``) one from an empty table, waits for the table to
+    change (:attr:`Table.changes <replay_server.engine.table.Table.changes>`),
+    at most ``wait_timeout`` seconds, then tries again, until it passes or the
+    stream stops.
 
     Args:
         table: the table.
         batch_size: rows (or slices) per batch.
-        num_batches: batches in all (0: until the learner stops).
+        staging: the feed's staging buffers of batch ``k`` (``staging(k, layout)``).
         wait: wait while the table is empty (``False``: raise EmptyTableError).
+        wait_timeout: seconds one batch may wait (``None``: no limit); then the
+            stream ends with :class:`RateLimitedError` (DEADLINE_EXCEEDED over gRPC).
     """
 
-    def __init__(self, table: Table, batch_size: int, num_batches: int = 0,
-                 wait: bool = True) -> None:
+    transport = "in_process"
+
+    def __init__(self, table: Table, batch_size: int,
+                 staging: Callable[[int, Any], list[torch.Tensor]], *, wait: bool = True,
+                 wait_timeout: float | None = None) -> None:
         self.table = table
         self.batch_size = batch_size
-        self.num_batches = num_batches
+        self._staging = staging
         self.wait = wait
+        self.wait_timeout = wait_timeout
         self._stopped = threading.Event()
 
-    def run(self, core: FeedCore) -> None:
-        core.stats.transport = "in_process"
-        credits = core.prefetch
-        index = 0
-        while not self._stopped.is_set() and (not self.num_batches or index < self.num_batches):
-            while credits == 0:
-                credits += core.wait_credits()
-                if core.stopping.is_set():
+    def call(self, flow: CreditFlow, credits: int, updates: list[PriorityUpdate],
+             remaining: int, first: int) -> Iterator[SampleBatch]:
+        allowance = credits
+        self._apply(updates)
+        index = first
+        while not self._stopped.is_set() and (not remaining or index - first < remaining):
+            grant = flow.next_grant(block=allowance == 0)
+            while grant is not None and allowance + grant.credits == 0 and not grant.updates:
+                if self._stopped.is_set():
                     return
+                grant = flow.next_grant()  # woken for nothing: wait on
+            if grant is None:
+                return
+            self._apply(grant.updates)
+            allowance += grant.credits
+            if allowance == 0:
+                continue
             # A device table gathers on its device into new tensors: no host staging.
             layout = {} if self.table.config.on_device else self.table.batch_layout(
                 self.batch_size)
-            buffers = core.staging(index, tuple(layout.values())) if layout else []
+            buffers = self._staging(index, tuple(layout.values())) if layout else []
             batch = self._sample(dict(zip(layout, buffers)) if layout else None)
             if batch is None:
                 return
-            core.deliver(index, batch)
+            yield batch
             index += 1
-            credits -= 1
+            allowance -= 1
+
+    def _apply(self, updates: list[PriorityUpdate]) -> None:
+        for update in updates:
+            self.table.update_priorities(update.ids, update.priorities)
 
     def _sample(self, out: dict | None) -> SampleBatch | None:
         """One batch; while the rate limiter holds it back, wait for a change (None: stopped)."""
         changes = self.table.changes
+        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
         while True:
             mark = changes.mark()  # before the stop check: a stop after it wakes the wait below
             if self._stopped.is_set():
@@ -100,15 +131,43 @@ class TableSource:
             try:
                 return self.table.sample(self.batch_size, out=out)
             except RateLimitedError:
-                changes.wait(mark)
-            except EmptyTableError:
+                if not self._wait_for_change(mark, deadline):
+                    raise
+            except EmptyTableError as exc:
                 if not self.wait:
                     raise
-                changes.wait(mark)
+                if not self._wait_for_change(mark, deadline):
+                    raise RateLimitedError(
+                        f"{exc}; waited for data {self.wait_timeout} s", table=self.table.name,
+                        operation="sample", count=self.batch_size) from None
+
+    def _wait_for_change(self, mark: tuple[int, int], deadline: float | None) -> bool:
+        """Wait for the table to change; False once ``deadline`` has passed."""
+        if deadline is None:
+            self.table.changes.wait(mark)
+            return True
+        left = deadline - time.monotonic()
+        return left > 0 and (self.table.changes.wait(mark, left) or time.monotonic() < deadline)
 
     def stop(self) -> None:
         self._stopped.set()
         self.table.changes.wake()
+
+    def close(self) -> None:
+        pass
+
+
+def _priority_update(ids: Any, priorities: Any) -> PriorityUpdate:
+    """A learner's update as flat arrays; the table checks the values when it applies them."""
+    id_values = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids)
+    if id_values.dtype != np.int64:
+        raise InvalidIdsError(f"ids must be int64 (as returned by insert and sample), got "
+                              f"dtype {id_values.dtype}")
+    values = torch.as_tensor(priorities).detach().cpu().to(torch.float64).numpy()
+    if values.shape != id_values.shape:
+        raise InvalidPriorityError(f"priorities must have the same shape as ids "
+                                   f"{list(id_values.shape)}, got {list(values.shape)}")
+    return PriorityUpdate(id_values.reshape(-1).copy(), values.reshape(-1).copy())
 
 
 def stream_table(table: Table, batch_size: int, options: StreamOptions | None = None,
@@ -128,7 +187,10 @@ def stream_table(table: Table, batch_size: int, options: StreamOptions | None = 
         core = FeedCore(opts.prefetch or 2, opts.delivery(), opts.transform)
     except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from None
-    source = TableSource(table, batch_size, opts.num_batches, opts.wait)
+    link = TableLink(table, batch_size, core.staging, wait=opts.wait,
+                     wait_timeout=opts.wait_timeout)
+    source = LinkSource(link, check_update=_priority_update, num_batches=opts.num_batches,
+                        reconnect=False, name=table.name)
     return BatchStream(core, source, table.name)
 
 
