@@ -117,6 +117,11 @@ class ServerClient:
     def timeout(self) -> float | None:
         return self._connection.timeout
 
+    @property
+    def connection(self) -> Connection:
+        """The connection's settings and channel (shared by this client's calls and streams)."""
+        return self._connection
+
     # ------------------------------------------------------------ connection
 
     def __getstate__(self) -> dict[str, Any]:
@@ -411,12 +416,10 @@ class ServerClient:
             shared_memory = False
             window = max(prefetch, 2 * batches_per_message)
         core = feed_core(window, opts)
-        link = SampleLink(
-            self._connection, table, batch_size,
-            StagingTarget(core.staging, core.copy_rows, core.stats, core.delivery),
-            batches_per_message=batches_per_message,
-            shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
-            wait=opts.wait, wait_timeout=opts.wait_timeout)
+        link = self.link(table, batch_size,
+                         StagingTarget(core.staging, core.copy_rows, core.stats, core.delivery),
+                         batches_per_message=batches_per_message, shared_memory=shared_memory,
+                         wait=opts.wait, wait_timeout=opts.wait_timeout)
         source = LinkSource(link, check_update=priority_update, num_batches=opts.num_batches,
                             reconnect=opts.reconnect,
                             retry_window_s=self._connection.max_retry_s,
@@ -428,6 +431,15 @@ class ServerClient:
             stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
                                       f"batches_per_message={batches_per_message} fit the window")
         return stream
+
+    def link(self, table: str, batch_size: int, target: StagingTarget, *,
+             batches_per_message: int = 1, shared_memory: bool = True, wait: bool = True,
+             wait_timeout: float | None = None) -> SampleLink:
+        """This server's ``SampleStream`` as a :class:`~replay_feed.link.Link`, for a stream
+        built over many servers (the sharded stream's shards); see :mod:`replay_client.stream`."""
+        return SampleLink(self._connection, table, batch_size, target,
+                          batches_per_message=batches_per_message,
+                          shared_memory=shared_memory, wait=wait, wait_timeout=wait_timeout)
 
     def _batch_bytes(self, table: str, batch_size: int) -> int | None:
         """Bytes of one batch of ``table`` from its schema (``None``: no schema yet, or no answer)."""

@@ -33,6 +33,7 @@ empty, waits instead of failing with ``EmptyTableError``.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -124,7 +125,8 @@ class SampleLink:
         batches_per_message: let the server draw and send that many batches at
             once (gRPC only; a throughput trade-off for small rows).
         shared_memory: offer to read a same-host ring (falls back to gRPC when
-            the server cannot or the ring cannot be mapped).
+            the server cannot or the ring cannot be mapped; ``REPLAY_SHARED_MEMORY=0``
+            in the environment turns it off).
         wait: the server waits while the table cannot serve a batch (also after a reconnect).
         wait_timeout: seconds a batch may wait (``None``: no limit).
     """
@@ -138,7 +140,7 @@ class SampleLink:
         self.batch_size = batch_size
         self.target = target
         self.batches_per_message = batches_per_message
-        self.shared_memory = shared_memory
+        self.shared_memory = shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0"
         self.wait = wait
         self.wait_timeout = wait_timeout
         self._call: Any = None
