@@ -58,6 +58,9 @@ from replay_proto.v1 import replay_pb2 as pb
 
 log = logging.getLogger("replay_client.stream")
 
+FLUSH_S = 0.5
+"""How long closing a stream waits for its last updates to be sent before cancelling."""
+
 MAX_UPDATE_IDS = (STREAM_MESSAGE_BYTES - 1024) // 16
 """Ids one credit message carries at most (int64 id + float64 priority each); a larger
 update travels as several messages, the credits on the last."""
@@ -89,24 +92,28 @@ class _Outgoing:
         self.flow = flow
         self.first = first
         self.done = False
+        self.finished = threading.Event()
         self.answers: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
     def requests(self) -> Iterator[bytes]:
-        yield from self.first
-        while True:
-            grant = self.flow.next_grant()
-            if grant is None:
-                return  # the stream is stopping: half-close
-            if self.done:
-                self.flow.unsent(grant)
-                return
+        try:
+            yield from self.first
             while True:
-                try:
-                    yield self.answers.get_nowait()
-                except queue.Empty:
-                    break
-            if grant:
-                yield from self.link.encode_grant(grant)
+                grant = self.flow.next_grant()
+                if grant is None:
+                    return  # the stream is stopping: half-close
+                if self.done:
+                    self.flow.unsent(grant)
+                    return
+                while True:
+                    try:
+                        yield self.answers.get_nowait()
+                    except queue.Empty:
+                        break
+                if grant:
+                    yield from self.link.encode_grant(grant)
+        finally:
+            self.finished.set()
 
     def answer(self, accepted: bool, reason: str = "") -> None:
         self.answers.put(pb.SampleStreamRequest(shared_memory_answer=pb.SharedMemoryAnswer(
@@ -144,6 +151,7 @@ class SampleLink:
         self.wait = wait
         self.wait_timeout = wait_timeout
         self._call: Any = None
+        self._outgoing: _Outgoing | None = None
         self._ring: SharedRing | None = None
         self._registered = False
         self._stopped = threading.Event()
@@ -162,7 +170,7 @@ class SampleLink:
                                    batches_per_message=self.batches_per_message,
                                    wait_for_data=self.wait,
                                    wait_timeout_s=self.wait_timeout or 0.0)
-        opening = pb.SampleStreamRequest(request=request, credits=credits,
+        opening = pb.SampleStreamRequest(request=request, credits=credits, window=flow.window,
                                          shared_memory=self.shared_memory, host_id=host_id())
         head = (self._first_with_updates(opening, updates) if updates
                 else [opening.SerializeToString()])
@@ -175,7 +183,7 @@ class SampleLink:
             call = connection.method("SampleStream", kind="stream_stream")(
                 outgoing.requests(),
                 metadata=connection.metadata + request_bytes_metadata(STREAM_MESSAGE_BYTES))
-            self._call = call
+            self._call, self._outgoing = call, outgoing
         target = self.target
         views = target.allocate is None
 
@@ -242,10 +250,14 @@ class SampleLink:
         return give_up
 
     def stop(self) -> None:
+        """End the call: once the request iterator has sent what it holds (the updates the
+        learner made last, when its credits stopped; at most :data:`FLUSH_S`), cancel it."""
         with self._lock:
             self._stopped.set()
-            call = self._call
+            call, outgoing = self._call, self._outgoing
         if call is not None:
+            if outgoing is not None and outgoing.flow.stopping.is_set():
+                outgoing.finished.wait(FLUSH_S)
             call.cancel()
 
     def close(self) -> None:

@@ -125,10 +125,16 @@ class CreditFlow:
     Args:
         credits: the consumer's queue.
         window: the initial window (>= 1).
+        ride: priority updates wait for the next credit and travel in its message
+            (a learner's stream: one message per batch taken); ``False``: they
+            go at once, in a message of their own (a shard of a sharded stream,
+            whose credits come only as the merge uses its rows). Either way an
+            update reaches the producer before the credits granted after it.
     """
 
-    def __init__(self, credits: CreditQueue, window: int) -> None:
+    def __init__(self, credits: CreditQueue, window: int, *, ride: bool = True) -> None:
         self._credits = credits
+        self._ride = ride
         self._lock = threading.Lock()
         self.window = window
         self._finished = 0      # credits forwarded (one per batch the consumer finished)
@@ -173,18 +179,26 @@ class CreditFlow:
 
     def next_grant(self, block: bool = True) -> Grant | None:
         """The next grant to forward on the open call: blocking until there is one, or
-        until a :meth:`wake` (an empty grant); ``None``: stopping."""
-        grant = self._credits.take(block)
-        with self._lock:
-            if grant is None:
-                if not self._unsent:
-                    return None
-                grant = Grant()
-            self._finished += grant.credits
-            grant.credits += self._extra
-            grant.updates[:0], self._unsent = self._unsent, []
-            self._extra = 0
-        return grant
+        until a :meth:`wake` (an empty grant); ``None``: stopping (updates still held then
+        come first, in a grant of their own)."""
+        while True:
+            grant = self._credits.take(block)
+            with self._lock:
+                if grant is None:
+                    if not self._unsent:
+                        return None
+                    grant, self._unsent = Grant(0, self._unsent), []
+                    return grant
+                self._finished += grant.credits
+                grant.credits += self._extra
+                self._extra = 0
+                grant.updates[:0], self._unsent = self._unsent, []
+                if self._ride and grant.updates and not grant.credits:
+                    self._unsent = grant.updates  # they ride on the next credit
+                    if not block:
+                        return Grant()
+                    continue
+            return grant
 
     def unsent(self, grant: Grant) -> None:
         """``grant`` was taken for a call that has ended: its updates go with the next call's

@@ -56,7 +56,8 @@ class ShardRows:
         self.mass = mass
         self._cond = cond
         self._credits = CreditQueue()
-        self._runner = LinkRunner(link, CreditFlow(self._credits, window), reconnect=reconnect,
+        self._runner = LinkRunner(link, CreditFlow(self._credits, window, ride=False),
+                                  reconnect=reconnect,
                                   retry_window_s=retry_window_s, name=name)
         self._segments: deque[list] = deque()  # [batch, rows taken from it]
         self._rows = 0
@@ -122,7 +123,8 @@ class ShardRows:
         self._released = done
 
     def update(self, update: PriorityUpdate) -> None:
-        """A priority update of this shard's ids: sent at once, before its next credits."""
+        """A priority update of this shard's ids: sent at once (its credits come only as the
+        merge uses its rows), before its next credits."""
         self._credits.update(update)
 
     def stop(self) -> None:

@@ -179,7 +179,8 @@ class SampleStreamCall:
                 await self._apply(first.update)
             except Exception as exc:
                 await calls.fail(context, exc)
-        self._credits = self._window = first.credits
+        self._credits = first.credits
+        self._window = max(first.credits, first.window)  # a ring gets window + 1 slots
         reader = asyncio.create_task(self._read())
         want_ring = first.shared_memory and self._limits.shared_memory
         note = ""
@@ -477,4 +478,8 @@ def _parse_first(raw: bytes) -> pb.SampleStreamRequest:
         raise InvalidArgumentError(
             f"the first SampleStream message must grant credits in [1, {MAX_CREDITS}] (the "
             f"prefetch window), got {first.credits}")
+    if not 0 <= first.window <= MAX_CREDITS:
+        raise InvalidArgumentError(
+            f"the first SampleStream message's window must be in [0, {MAX_CREDITS}], got "
+            f"{first.window}")
     return first
