@@ -479,3 +479,83 @@ def test_deletes_go_to_each_ids_shard_and_queues_are_not_sampled_over_shards(tri
         client.sample("q", 4)
     assert client.info()["q"].size == 15  # nothing was taken
     client.close()
+
+
+# --------------------------------------------------------- following the cluster
+
+
+def test_a_fourth_server_under_the_name_joins_without_a_client_restart(trio, shards,
+                                                                       tmp_path) -> None:
+    """A StatefulSet scaled from 3 to 4: the name resolves to one more address; the client,
+    resolving again on its interval, inserts into and samples from the new shard, and a
+    stream opened before the scale-up takes it in too."""
+    names = [p.address for p in trio]
+
+    def resolver(host: str, port: int) -> list[str]:
+        assert (host, port) == ("replay-server.replay.svc", 50051)
+        return list(names)
+
+    fourth = start_server(tmp_path, shard_config(3), name="shard3")
+    try:
+        with ReplayClient("shards://replay-server.replay.svc:50051", resolver=resolver,
+                          resolve_interval_s=0.2, seed=5) as client:
+            for _ in range(6):
+                client.insert("u", {"key": torch.arange(10, dtype=torch.int64)})
+            assert sorted(client.shards) == [0, 1, 2]
+            stream = client.stream("u", 16, batches_per_message=1)
+            next(stream)
+            names.append(fourth.address)  # the fourth pod is ready: the name gives it
+            assert wait_for(lambda: sorted(client.shards) == [0, 1, 2, 3], timeout=10)
+            ids = torch.cat([client.insert("u", {"key": torch.arange(10, dtype=torch.int64)})
+                             for _ in range(8)])
+            assert 3 in set((ids >> 56).tolist())  # inserts reach it...
+            assert wait_for(lambda: 3 in set((client.sample("u", 64).ids >> 56).tolist()))
+            assert wait_for(lambda: 3 in set((next(stream).ids >> 56).tolist()))  # ...the stream too
+            stream.close()
+    finally:
+        fourth.stop()
+
+
+def test_a_degraded_client_starts_with_a_server_down_and_takes_it_when_it_comes(
+        trio, shards, tmp_path) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port no one listens on yet
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    addresses = [p.address for p in trio] + [f"127.0.0.1:{port}"]
+    with pytest.raises(UnavailableError, match=f"127.0.0.1:{port}"):
+        ReplayClient(addresses, max_retry_s=0.3).info()  # strict: every server must answer
+    client = ReplayClient(addresses, allow_degraded=True, resolve_interval_s=0.2)
+    try:
+        client.insert("u", {"key": torch.arange(4, dtype=torch.int64)})
+        assert sorted(client.shards) == [0, 1, 2]
+        late = start_server(tmp_path, shard_config(3), name="late", port=port)
+        try:
+            assert wait_for(lambda: sorted(client.shards) == [0, 1, 2, 3], timeout=20)
+            ids = torch.cat([client.insert("u", {"key": torch.arange(4, dtype=torch.int64)})
+                             for _ in range(8)])
+            assert 3 in set((ids >> 56).tolist())
+        finally:
+            late.stop()
+    finally:
+        client.close()
+
+
+def test_a_shard_the_name_no_longer_gives_is_down(trio, shards) -> None:
+    names = [p.address for p in trio]
+    client = ReplayClient("shards://replay:50051", resolver=lambda h, p: list(names),
+                          allow_degraded=True, resolve_interval_s=0.2)
+    try:
+        client.insert("u", {"key": torch.arange(4, dtype=torch.int64)})
+        gone = next(s for s, a in client.shards.items() if a == names[-1])
+        names.pop()  # scaled down: that pod is gone from the name
+        assert wait_for(lambda: client.info() and gone in client.shard_stats().down, timeout=10)
+        ids = torch.cat([client.insert("u", {"key": torch.arange(4, dtype=torch.int64)})
+                         for _ in range(6)])
+        assert gone not in set((ids >> 56).tolist())  # down: left out, though it would answer
+        names.append(trio[-1].address)  # scaled up again
+        assert wait_for(lambda: client.info() and gone not in client.shard_stats().down,
+                        timeout=10)
+    finally:
+        client.close()

@@ -63,7 +63,7 @@ from replay_client.sharded.discovery import Resolver, addresses_of, is_sharded
 from replay_client.sharded.health import ShardStats
 from replay_client.sharded.merge import MassBook, merge, shares, split
 from replay_client.sharded.placement import RoundRobin, by_episode
-from replay_client.sharded.routing import by_owner
+from replay_client.sharded.routing import SHARD_SHIFT, by_owner
 from replay_client.sharded.shard_set import ShardSet
 from replay_client.sharded.stream import open_stream
 from replay_client.sharded.tables import TableShape, summed_tables
@@ -416,8 +416,10 @@ class ShardedClient:
         """Set priorities by id: each id goes to its shard (``id >> 56``), concurrently.
 
         Checked whole before anything is sent (a bad priority or an id of no
-        known shard refuses the whole update). Returns how many ids named
-        stored rows, summed over shards (``None`` with ``wait=False``).
+        known shard refuses the whole update; in degraded mode, while a server
+        has not answered yet, ids of no known shard are skipped and counted
+        instead). Returns how many ids named stored rows, summed over shards
+        (``None`` with ``wait=False``).
 
         Raises:
             InvalidIdsError: an id is negative or belongs to no shard of this client.
@@ -425,6 +427,12 @@ class ShardedClient:
         """
         id_array, values = update_arrays(ids, priorities)
         clients = self._connect()
+        if self._degraded and self._set.unidentified:
+            # Some server has not answered yet: an id of no known shard may be one of its.
+            known = np.isin(id_array >> SHARD_SHIFT, list(clients)) & (id_array >= 0)
+            if not known.all():
+                self._health.count("skipped_updates", int((~known).sum()))
+                id_array, values = id_array[known], values[known]
         groups = by_owner(id_array, clients, "nothing was updated")
         live = set(self._live(clients))
         for shard in [s for s in groups if s not in live]:  # degraded: that shard is down

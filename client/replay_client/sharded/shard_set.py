@@ -48,8 +48,8 @@ class ShardSet:
         options: given to every shard's client.
         resolver: resolves a name (``None``: the system's resolver).
         degraded: go on without unavailable shards (see ``allow_degraded``).
-        resolve_interval_s: how often a name is resolved again (``None``: never;
-            lists are never resolved again).
+        resolve_interval_s: how often a name is resolved again, and servers that
+            had not answered are asked again (``None``: only after a failure).
         forget: told when a shard may have come back with other rows (its
             masses must be asked again).
     """
@@ -63,13 +63,14 @@ class ShardSet:
         self._options = dict(options)
         self._resolver = resolver
         self._degraded = degraded
-        self._interval = resolve_interval_s if isinstance(spec, str) else None
+        self._interval = resolve_interval_s
         self._forget = forget
         self._lock = threading.Lock()
         self._resolving = threading.Lock()
         self._clients: dict[int, Any] | None = None
         self._addresses: dict[int, str] = {}
         self._pending: dict[str, Any] = {}  # addresses whose server has not answered yet
+        self._gone: set[int] = set()  # shards whose address the name no longer gives
         self._next_resolve = 0.0
         self._last_resolve = 0.0
         self._failures: dict[str, ReplayError] = {}
@@ -86,8 +87,9 @@ class ShardSet:
                 if self._clients is None:
                     self._resolve(first=True)
             clients = self._clients
-        elif self._interval is not None and time.monotonic() >= self._next_resolve:
-            self.resolve()
+        elif (self._interval is not None and time.monotonic() >= self._next_resolve
+              and (isinstance(self.spec, str) or self._pending)):
+            self.resolve()  # a name again, or (a list) the servers that had not answered
             clients = self._clients
         assert clients is not None
         return clients
@@ -132,8 +134,9 @@ class ShardSet:
         known = {address: shard for shard, address in self._addresses.items()}
         clients = dict(self._clients or {})
         addresses = dict(self._addresses)
-        ask = {a: self._pending.get(a) or self._factory(a, **self._options)
-               for a in wanted if a not in known}
+        for client in self._pending.values():  # asked afresh: a new channel, no old backoff
+            client.close()
+        ask = {a: self._factory(a, **self._options) for a in wanted if a not in known}
         found = self._identify(ask)
         pending = {a: c for a, c in ask.items() if a not in found}
         for address, (client, shard) in found.items():
@@ -148,10 +151,13 @@ class ShardSet:
             self._forget(shard)
             if not first:
                 self.health.answered([shard])
-        for shard, address in list(addresses.items()):
-            if address not in wanted and shard not in {s for _, s in found.values()}:
-                self.health.failed(shard, f"{address} is no longer among the addresses "
-                                          f"{self.spec!r} resolves to")
+        gone = {shard for shard, address in addresses.items() if address not in wanted}
+        for shard in gone - self._gone:
+            self.health.failed(shard, f"{addresses[shard]} is no longer among the addresses "
+                                      f"{self.spec!r} resolves to")
+        if not first:
+            self.health.answered(self._gone - gone)  # named again
+        self._gone = gone
         if first and not clients:
             reasons = "; ".join(f"{a}: {e}" for a, e in self._failures.items())
             raise UnavailableError(f"no server of {self.spec!r} answered ({reasons})")
@@ -203,7 +209,7 @@ class ShardSet:
         """The shards to call now: all, or in degraded mode those not down (raises if none)."""
         if not self._degraded:
             return list(clients)
-        live = self.health.live(clients)
+        live = [s for s in self.health.live(clients) if s not in self._gone]
         if not live:
             raise UnavailableError(f"no shard is available (down: {self.health.stats().down})")
         return live
