@@ -14,12 +14,9 @@ from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import (
-    DeadlineExceededError,
     InvalidArgumentError,
     InvalidPriorityError,
     MessageTooLargeError,
-    UnavailableError,
-    UnknownTableError,
 )
 from replay_client.stream import SampleLink, StagingTarget
 from replay_client.stream_options import feed_core, stream_options
@@ -400,65 +397,44 @@ class ServerClient:
         """
         _check_int("batch_size", batch_size, 1)
         opts = stream_options(options, keywords)
-        prefetch, batches_per_message = opts.prefetch, opts.batches_per_message
-        chosen = None
-        if batches_per_message is None:
-            chosen = grouping.choose(self._batch_bytes(table, batch_size), prefetch)
-            prefetch, batches_per_message = chosen.prefetch, chosen.batches_per_message
-        elif prefetch is None:
-            prefetch = grouping.DEFAULT_PREFETCH
-        window = prefetch
+        group = opts.batches_per_message
+        window = opts.prefetch or grouping.DEFAULT_PREFETCH
         shared_memory = opts.shared_memory
-        if batches_per_message > 1:
+        if group is not None and group > 1:
             # Groups travel in gRPC messages (one shared-memory descriptor per batch would
             # cost more for the small rows grouping is for), and the window holds two groups
             # so the server draws one while the learner consumes the other.
             shared_memory = False
-            window = max(prefetch, 2 * batches_per_message)
+            window = max(window, 2 * group)
         core = feed_core(window, opts)
         link = self.link(table, batch_size,
                          StagingTarget(core.staging, core.copy_rows, core.stats, core.delivery),
-                         batches_per_message=batches_per_message, shared_memory=shared_memory,
-                         wait=opts.wait, wait_timeout=opts.wait_timeout)
+                         batches_per_message=group, prefetch=opts.prefetch,
+                         shared_memory=shared_memory, wait=opts.wait,
+                         wait_timeout=opts.wait_timeout)
+        if opts.prefetch is None:  # the stream's own window: widened over a slow link
+            core.grow_window(opts.memory_mb * 2**20, lambda: link.transport == "grpc")
         source = LinkSource(link, check_update=priority_update, num_batches=opts.num_batches,
                             reconnect=opts.reconnect,
                             retry_window_s=self._connection.max_retry_s,
                             name=self._connection.address)
         stream = BatchStream(core, source, table)
-        if chosen is not None and chosen.note:
-            stream.stats.notes.append(chosen.note)
-        if window > prefetch:
+        if group is not None and window > (opts.prefetch or window):
             stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
-                                      f"batches_per_message={batches_per_message} fit the window")
+                                      f"batches_per_message={group} fit the window")
         return stream
 
     def link(self, table: str, batch_size: int, target: StagingTarget, *,
-             batches_per_message: int = 1, shared_memory: bool = True, wait: bool = True,
+             batches_per_message: int | None = 1, prefetch: int | None = None,
+             shared_memory: bool = True, wait: bool = True,
              wait_timeout: float | None = None) -> SampleLink:
-        """This server's ``SampleStream`` as a :class:`~replay_feed.link.Link`, for a stream
-        built over many servers (the sharded stream's shards); see :mod:`replay_client.stream`."""
+        """This server's ``SampleStream`` as a :class:`~replay_feed.link.Link` (arguments as
+        :class:`~replay_client.stream.SampleLink`'s), for :meth:`stream` and for a stream
+        built over many servers (the sharded stream's shards)."""
         return SampleLink(self._connection, table, batch_size, target,
-                          batches_per_message=batches_per_message,
+                          batches_per_message=batches_per_message, prefetch=prefetch,
                           shared_memory=shared_memory, wait=wait, wait_timeout=wait_timeout)
 
-    def _batch_bytes(self, table: str, batch_size: int) -> int | None:
-        """Bytes of one batch of ``table`` from its schema (``None``: no schema yet, or no answer)."""
-        try:
-            timeout = min(self.timeout or _PROBE_TIMEOUT_S, _PROBE_TIMEOUT_S)
-            raw = self._connection.unary("Info", pb.InfoRequest().SerializeToString(),
-                                         retry=False, timeout=timeout)
-        except (UnavailableError, DeadlineExceededError):
-            return None  # the stream itself will wait for the server; nothing is grouped
-        tables = pb.InfoResponse.FromString(raw).tables
-        for t in tables:
-            if t.name == table:
-                return grouping.batch_bytes(dict(t.schema), batch_size, t.slice_len or None)
-        raise UnknownTableError(
-            f"no table named {table!r}; tables: {', '.join(sorted(t.name for t in tables))}")
-
-
-_PROBE_TIMEOUT_S = 5.0
-"""How long ``stream`` waits for the table's schema when it chooses the grouping."""
 
 
 def _columns(data: Any) -> dict[str, torch.Tensor]:

@@ -43,6 +43,7 @@ import grpc
 import numpy as np
 import torch
 
+from replay_client import grouping
 from replay_client.connection import Connection
 from replay_client.errors import UnavailableError, from_rpc_error
 from replay_feed.core import FeedStats
@@ -53,6 +54,7 @@ from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, request_bytes_metadata
+from replay_proto.codec import spec_nbytes
 from replay_proto.sample_codec import Allocate, SampleDecoder, split_sample
 from replay_proto.v1 import replay_pb2 as pb
 
@@ -116,8 +118,12 @@ class _Outgoing:
             self.finished.set()
 
     def answer(self, accepted: bool, reason: str = "") -> None:
-        self.answers.put(pb.SampleStreamRequest(shared_memory_answer=pb.SharedMemoryAnswer(
-            accepted=accepted, reason=reason)).SerializeToString())
+        self.send(pb.SampleStreamRequest(shared_memory_answer=pb.SharedMemoryAnswer(
+            accepted=accepted, reason=reason)))
+
+    def send(self, message: pb.SampleStreamRequest) -> None:
+        """A message of the client's own (an answer, a new grouping), before the next grant."""
+        self.answers.put(message.SerializeToString())
         self.flow.wake()
 
 
@@ -130,7 +136,11 @@ class SampleLink:
         batch_size: rows (or slices) per batch.
         target: where batches go (the feed's staging, or views).
         batches_per_message: let the server draw and send that many batches at
-            once (gRPC only; a throughput trade-off for small rows).
+            once (gRPC only; a throughput trade-off for small rows); ``None``:
+            chosen when the first batch's size is known (:mod:`replay_client.grouping`),
+            within ``prefetch`` if the learner gave one, else widening the window
+            to hold two groups.
+        prefetch: the window the learner asked for (``None``: the stream's own).
         shared_memory: offer to read a same-host ring (falls back to gRPC when
             the server cannot or the ring cannot be mapped; ``REPLAY_SHARED_MEMORY=0``
             in the environment turns it off).
@@ -139,14 +149,16 @@ class SampleLink:
     """
 
     def __init__(self, connection: Connection, table: str, batch_size: int,
-                 target: StagingTarget, *, batches_per_message: int = 1,
-                 shared_memory: bool = True, wait: bool = True,
+                 target: StagingTarget, *, batches_per_message: int | None = 1,
+                 prefetch: int | None = None, shared_memory: bool = True, wait: bool = True,
                  wait_timeout: float | None = None) -> None:
         self.connection = connection
         self.table = table
         self.batch_size = batch_size
         self.target = target
-        self.batches_per_message = batches_per_message
+        self.batches_per_message = batches_per_message or 1
+        self._grouping_chosen = batches_per_message is not None
+        self._prefetch = prefetch
         self.shared_memory = shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0"
         self.wait = wait
         self.wait_timeout = wait_timeout
@@ -266,9 +278,31 @@ class SampleLink:
 
     # ------------------------------------------------------------ shared memory
 
+    def _choose_grouping(self, header: pb.SampleResponse, outgoing: _Outgoing,
+                         flow: CreditFlow) -> bool:
+        """Group small batches, now that the first one's size is known; whether grouped."""
+        self._grouping_chosen = True
+        specs = [*header.columns, header.ids, header.weights, header.probabilities]
+        per_row = sum(spec_nbytes(spec) // max(1, spec.shape[0]) for spec in specs if spec.shape)
+        chosen = grouping.choose(per_row * self.batch_size, self._prefetch)
+        if chosen.batches_per_message <= 1:
+            return False
+        self.batches_per_message = chosen.batches_per_message
+        outgoing.send(pb.SampleStreamRequest(batches_per_message=chosen.batches_per_message))
+        if chosen.prefetch > flow.window:
+            flow.grow(chosen.prefetch - flow.window)
+        self.target.stats.notes.append(chosen.note)
+        return True
+
     def _on_first(self, header: pb.SampleResponse, outgoing: _Outgoing, flow: CreditFlow) -> None:
         notes = self.target.stats.notes
-        if header.HasField("shared_memory_offer"):
+        grouped = not self._grouping_chosen and self._choose_grouping(header, outgoing, flow)
+        if grouped and header.HasField("shared_memory_offer"):
+            reason = (f"small batches are grouped over gRPC (batches_per_message="
+                      f"{self.batches_per_message})")
+            outgoing.answer(False, reason)  # the server unlinks the ring it offered
+            notes.append(f"gRPC: {reason}")
+        elif header.HasField("shared_memory_offer"):
             offer = header.shared_memory_offer
             try:
                 ring = SharedRing.open(offer.name, offer.token, offer.slots, offer.slot_bytes,

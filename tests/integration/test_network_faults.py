@@ -37,6 +37,10 @@ sampler = "prioritized"
 name = "rows"
 capacity = 3000
 sampler = "prioritized"
+
+[[tables]]
+name = "wide"
+capacity = 3000
 """
 
 
@@ -78,6 +82,24 @@ def test_a_stream_at_5_ms_each_way_delivers_whole_batches_in_order(servers) -> N
             count += 1
         assert count == 20 and proxy.stats.bytes_down > 20 * 64 * 84 * 84 * 4
         client.close()
+
+
+def test_over_a_slow_link_the_window_widens_unless_the_learner_fixed_it(servers) -> None:
+    server = servers[0]
+    client = ReplayClient(server.address)
+    client.insert("wide", {"x": torch.randn(3000, 64)})
+    with LinkProxy(server.address, delay_s=0.02) as proxy:  # a 40 ms round trip
+        remote = ReplayClient(proxy.address)
+        with remote.stream("wide", 256, batches_per_message=1, shared_memory=False) as stream:
+            for _ in range(60):  # the learner waits on every batch at first: wider
+                next(stream)
+            assert stream.window > 2, stream.stats.notes
+        with remote.stream("wide", 256, prefetch=2, batches_per_message=1,
+                           shared_memory=False) as fixed:
+            for _ in range(20):
+                next(fixed)
+            assert fixed.window == 2  # the learner's own prefetch is kept
+        remote.close()
 
 
 def test_resets_in_the_middle_of_batches_lose_duplicate_and_tear_none(servers) -> None:

@@ -385,7 +385,7 @@ def test_a_stream_over_shards_stays_within_its_windows_and_groups_small_rows(tri
     with sharded(trio) as client:
         grouped = client.stream("p", 32, num_batches=8)
         assert [len(b.ids) for b in grouped] == [32] * 8
-    assert "per message" in "; ".join(grouped.stats.notes)
+    assert "batches_per_message=" in "; ".join(grouped.stats.notes)
 
 
 # --------------------------------------------------------------------- faults

@@ -142,12 +142,16 @@ class LinkProxy:
             return
         self.stats.connections += 1
         self._writers.update((client_writer, server_writer))
-        await asyncio.gather(self._pump(client_reader, server_writer, "bytes_up"),
-                             self._pump(server_reader, client_writer, "bytes_down"),
-                             return_exceptions=True)
-        for writer in (client_writer, server_writer):
-            self._writers.discard(writer)
-            writer.transport.abort()
+        try:
+            await asyncio.gather(self._pump(client_reader, server_writer, "bytes_up"),
+                                 self._pump(server_reader, client_writer, "bytes_down"),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:  # the proxy is closing
+            pass
+        finally:
+            for writer in (client_writer, server_writer):
+                self._writers.discard(writer)
+                writer.transport.abort()
 
     async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     counter: str) -> None:

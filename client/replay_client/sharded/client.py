@@ -45,7 +45,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_client import grouping
 from replay_client.arguments import check_int, id_array, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT
 from replay_client.errors import (
@@ -522,9 +521,6 @@ class ShardedClient:
                 f"so a sharded client does not stream it; use one client per shard")
         live = self._live(clients)
         masses = self._refresh(table, live)
-        info = self.info().get(table) if opts.batches_per_message is None else None
-        size = None if info is None else grouping.batch_bytes(info.schema, batch_size,
-                                                               shape.slice_len)
         shard_ids = sorted(clients)
 
         def check(ids: Any, priorities: Any) -> PriorityUpdate:
@@ -544,7 +540,7 @@ class ShardedClient:
 
         return open_stream(self._set.clients, lambda: self._set.addresses, table, batch_size, opts,
                            beta=shape.beta if shape.prioritized else None, masses=masses,
-                           batch_bytes=size, refresh=refresh, generator=self._rng,
+                           refresh=refresh, generator=self._rng,
                            rng_lock=self._rng_lock, health=self._health,
                            degraded=self._degraded, check_update=check)
 

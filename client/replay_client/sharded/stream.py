@@ -361,7 +361,7 @@ def shard_window(prefetch: int, batch_size: int, chunk: int) -> int:
 def open_stream(clients: Callable[[], Mapping[int, Any]],
                 addresses: Callable[[], Mapping[int, str]], table: str,
                 batch_size: int, options: StreamOptions, *, beta: float | None,
-                masses: Mapping[int, SamplingMass], batch_bytes: int | None,
+                masses: Mapping[int, SamplingMass],
                 refresh: Callable[[int], SamplingMass | None], generator: np.random.Generator,
                 rng_lock: threading.Lock, health: ShardHealth, degraded: bool,
                 check_update: Callable[[Any, Any], PriorityUpdate]) -> BatchStream:
@@ -376,17 +376,15 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
     shards = len(clients())
     chunk = chunk_rows(batch_size, shards)
     window = shard_window(prefetch, batch_size, chunk)
-    group = options.batches_per_message
-    if group is None:  # as on one server, from a chunk's size (a shard's messages)
-        chunk_bytes = None if batch_bytes is None else batch_bytes * chunk // batch_size
-        group = grouping.choose(chunk_bytes, window).batches_per_message
+    group = options.batches_per_message  # None: chosen per shard at its first chunk
     target = StagingTarget(None, None, core.stats, core.delivery)
 
     def make(shard: int, cond: threading.Condition) -> ShardRows:
         client = clients()[shard]
-        link = client.link(table, chunk, target, batches_per_message=max(1, group),
-                           shared_memory=options.shared_memory and group <= 1, wait=True)
-        return ShardRows(shard, link, cond, window=max(window, 2 * group), chunk_rows=chunk,
+        link = client.link(table, chunk, target, batches_per_message=group, prefetch=window,
+                           shared_memory=options.shared_memory and (group or 1) <= 1, wait=True)
+        return ShardRows(shard, link, cond, window=max(window, 2 * (group or 1)),
+                         chunk_rows=chunk,
                          mass=None, reconnect=options.reconnect,
                          retry_window_s=client.connection.max_retry_s,
                          name=f"shard {shard} ({client.address})")
@@ -400,6 +398,5 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
     stream = BatchStream(core, source, table)
     stream.stats.notes.append(
         f"over {shards} shards: one SampleStream each, chunks of {chunk} rows "
-        f"(window {max(window, 2 * group)} chunks, {max(1, group)} per message), merged "
-        f"exactly into each batch")
+        f"(window {max(window, 2 * (group or 1))} chunks), merged exactly into each batch")
     return stream
