@@ -78,6 +78,42 @@ class Link(Protocol):
         """Release what the link holds (a mapped ring), once no call runs any more."""
 
 
+def drawn_here(flow: CreditFlow, credits: int, updates: list[PriorityUpdate], remaining: int,
+               first: int, *, apply: Callable[[list[PriorityUpdate]], None],
+               draw: Callable[[int], SampleBatch | None],
+               stopped: Callable[[], bool]) -> Iterator[SampleBatch]:
+    """The call of a link that draws where it runs (a table in this process, the merge of a
+    sharded stream's shards): batch ``k`` is drawn only once a credit allows it, and the
+    updates that came with (or before) that credit are applied first.
+
+    Args:
+        apply: applies priority updates (before any later draw).
+        draw: draws batch ``k`` (``None``: stopped meanwhile).
+        stopped: whether the link was stopped.
+    """
+    allowance = credits
+    apply(updates)
+    index = first
+    while not stopped() and (not remaining or index - first < remaining):
+        grant = flow.next_grant(block=allowance == 0)
+        while grant is not None and allowance + grant.credits == 0 and not grant.updates:
+            if stopped():
+                return
+            grant = flow.next_grant()  # woken for nothing: wait on
+        if grant is None:
+            return
+        apply(grant.updates)
+        allowance += grant.credits
+        if allowance == 0:
+            continue
+        batch = draw(index)
+        if batch is None:
+            return
+        yield batch
+        index += 1
+        allowance -= 1
+
+
 class LinkRunner:
     """The calls of one stream over ``link`` until it has its batches (see the module docstring).
 

@@ -60,6 +60,7 @@ from replay_client.sharded.rows import ShardRows
 from replay_client.stream import StagingTarget
 from replay_client.stream_options import feed_core
 from replay_feed.credits import CreditFlow, PriorityUpdate
+from replay_feed.link import drawn_here
 from replay_feed.options import StreamOptions
 from replay_feed.source import LinkSource
 from replay_feed.stream import BatchStream
@@ -142,27 +143,8 @@ class MergedLink:
             for shard in self._addresses:
                 if shard not in self._rows and not self._stopped:
                     self._start(shard)
-        allowance = credits
-        self._route(updates)
-        index = first
-        while not self._stopped and (not remaining or index - first < remaining):
-            grant = flow.next_grant(block=allowance == 0)
-            while grant is not None and allowance + grant.credits == 0 and not grant.updates:
-                if self._stopped:
-                    return
-                grant = flow.next_grant()
-            if grant is None:
-                return
-            self._route(grant.updates)
-            allowance += grant.credits
-            if allowance == 0:
-                continue
-            batch = self._merged(index)
-            if batch is None:
-                return
-            yield batch
-            index += 1
-            allowance -= 1
+        return drawn_here(flow, credits, updates, remaining, first, apply=self._route,
+                          draw=self._merged, stopped=lambda: self._stopped)
 
     def _start(self, shard: int) -> None:
         rows = self._make(shard, self._cond)

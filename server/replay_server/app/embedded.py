@@ -35,6 +35,7 @@ import torch
 
 from replay_feed.core import FeedCore
 from replay_feed.credits import CreditFlow, PriorityUpdate
+from replay_feed.link import drawn_here
 from replay_feed.source import LinkSource
 from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
@@ -90,31 +91,14 @@ class TableLink:
 
     def call(self, flow: CreditFlow, credits: int, updates: list[PriorityUpdate],
              remaining: int, first: int) -> Iterator[SampleBatch]:
-        allowance = credits
-        self._apply(updates)
-        index = first
-        while not self._stopped.is_set() and (not remaining or index - first < remaining):
-            grant = flow.next_grant(block=allowance == 0)
-            while grant is not None and allowance + grant.credits == 0 and not grant.updates:
-                if self._stopped.is_set():
-                    return
-                grant = flow.next_grant()  # woken for nothing: wait on
-            if grant is None:
-                return
-            self._apply(grant.updates)
-            allowance += grant.credits
-            if allowance == 0:
-                continue
-            # A device table gathers on its device into new tensors: no host staging.
-            layout = {} if self.table.config.on_device else self.table.batch_layout(
-                self.batch_size)
-            buffers = self._staging(index, tuple(layout.values())) if layout else []
-            batch = self._sample(dict(zip(layout, buffers)) if layout else None)
-            if batch is None:
-                return
-            yield batch
-            index += 1
-            allowance -= 1
+        return drawn_here(flow, credits, updates, remaining, first, apply=self._apply,
+                          draw=self._draw, stopped=self._stopped.is_set)
+
+    def _draw(self, index: int) -> SampleBatch | None:
+        # A device table gathers on its device into new tensors: no host staging.
+        layout = {} if self.table.config.on_device else self.table.batch_layout(self.batch_size)
+        buffers = self._staging(index, tuple(layout.values())) if layout else []
+        return self._sample(dict(zip(layout, buffers)) if layout else None)
 
     def _apply(self, updates: list[PriorityUpdate]) -> None:
         for update in updates:
