@@ -31,6 +31,10 @@ from typing import Any
 
 import numpy as np
 
+RIDE_MAX_IDS = 4096
+"""Updates held for the next credit go without it once they hold this many ids (a learner
+updating faster than it takes batches does not pile them up)."""
+
 _STOP: Any = object()
 _WAKE: Any = object()
 
@@ -128,8 +132,9 @@ class CreditFlow:
         ride: priority updates wait for the next credit and travel in its message
             (a learner's stream: one message per batch taken); ``False``: they
             go at once, in a message of their own (a shard of a sharded stream,
-            whose credits come only as the merge uses its rows). Either way an
-            update reaches the producer before the credits granted after it.
+            whose credits come only as the merge uses its rows). Held updates go
+            without a credit once they hold :data:`RIDE_MAX_IDS` ids. Either way
+            an update reaches the producer before the credits granted after it.
     """
 
     def __init__(self, credits: CreditQueue, window: int, *, ride: bool = True) -> None:
@@ -193,7 +198,8 @@ class CreditFlow:
                 grant.credits += self._extra
                 self._extra = 0
                 grant.updates[:0], self._unsent = self._unsent, []
-                if self._ride and grant.updates and not grant.credits:
+                held = sum(u.ids.size for u in grant.updates)
+                if self._ride and grant.updates and not grant.credits and held < RIDE_MAX_IDS:
                     self._unsent = grant.updates  # they ride on the next credit
                     if not block:
                         return Grant()

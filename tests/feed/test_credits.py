@@ -6,7 +6,7 @@ import threading
 
 import numpy as np
 
-from replay_feed.credits import CreditFlow, CreditQueue, PriorityUpdate
+from replay_feed.credits import RIDE_MAX_IDS, CreditFlow, CreditQueue, PriorityUpdate
 
 
 def update(*ids: int) -> PriorityUpdate:
@@ -73,3 +73,12 @@ def test_stop_sends_what_is_held_once_then_ends() -> None:
     assert grant.updates[0].ids.tolist() == [9]
     assert released == ["token"]
     assert flow.next_grant() is None and queue.take() is None
+
+
+def test_held_updates_go_without_a_credit_once_they_are_many() -> None:
+    queue = CreditQueue()
+    flow = CreditFlow(queue, window=1)
+    for start in range(0, RIDE_MAX_IDS, 1024):
+        queue.update(update(*range(start, start + 1024)))
+    grant = flow.next_grant()
+    assert grant.credits == 0 and sum(u.ids.size for u in grant.updates) == RIDE_MAX_IDS
