@@ -208,6 +208,7 @@ class FeedCore:
         self._held: _Ready | None = None
         self._taken = 0
         self._flow: CreditFlow | None = None
+        self._on_release: dict[int, Callable[[], None]] = {}
         self._growth: WindowGrowth | None = None
         self._copier = HostCopier(threads)
         if pipelined is None:
@@ -329,6 +330,15 @@ class FeedCore:
             self.delivery.accelerator.synchronize(event)
         self._staging.release(index)
         self._pinned_out.release(index)
+        hook = self._on_release.pop(index, None)
+        if hook is not None:
+            hook()
+
+    def when_released(self, index: int, hook: Callable[[], None]) -> None:
+        """Call ``hook`` once the learner gave batch ``index`` back and its device copy is done
+        (for a source that lent the learner memory of its own: a shared-memory chunk).
+        Producer thread; the hook runs on the credits' reader thread."""
+        self._on_release[index] = hook
 
     def update_priorities(self, update: PriorityUpdate) -> None:
         """Queue ``update`` to go before the next credit (learner's thread)."""

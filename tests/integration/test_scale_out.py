@@ -360,7 +360,7 @@ def test_a_stream_over_shards_stays_within_its_windows_and_groups_small_rows(tri
         stream = client.stream("p", 32, prefetch=3, batches_per_message=1)
         batches = [next(stream).ids.clone() for _ in range(2)]
         notes = "; ".join(stream.stats.notes)
-        chunk, window = 11, 12  # 32 rows over 3 shards; (3 + 1) * 32 / 11 chunks in flight
+        chunk, window = 11, 15  # 32 rows over 3 shards; (3 + 2) * 32 / 11 chunks in flight
         assert f"chunks of {chunk} rows (window {window} chunks" in notes, notes
         # Each shard runs at most its window of chunks ahead of what the merge took: the learner
         # holds 2 merged batches (+ 3 ahead), so the shards drew at most that plus their windows.

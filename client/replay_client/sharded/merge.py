@@ -154,14 +154,19 @@ def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
     low = min_probability(q, fresh) if beta is not None else math.inf
     shuffled = len(sizes) > 1
     order = torch.from_numpy(generator.permutation(total)) if shuffled else None
+    # One shard holding all the mass drew exactly as one table: its numbers stand as drawn.
+    as_drawn = not shuffled and q.get(next(iter(sizes), -1), 0.0) == 1.0
     start = 0
     for shard in sorted(sizes):
         for piece in pieces[shard]:
             rows = piece.batch_size
-            prob = piece.probabilities.to(torch.float64) * q[shard]
-            weight = (torch.pow(low / prob, beta).to(torch.float32) if beta is not None
-                      else piece.weights)
-            sources = [*piece.columns.values(), piece.ids, weight, prob]
+            if as_drawn:
+                sources = piece.tensors()
+            else:
+                prob = piece.probabilities.numpy().astype(np.float64) * q[shard]
+                weight = (torch.from_numpy(np.power(low / prob, beta).astype(np.float32))
+                          if beta is not None else piece.weights)
+                sources = [*piece.columns.values(), piece.ids, weight, torch.from_numpy(prob)]
             if order is None:
                 for dest, src in zip(out, sources):
                     if copy is not None and dest.device.type == "cpu":

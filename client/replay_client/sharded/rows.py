@@ -8,9 +8,10 @@ own, through the skeleton every stream uses
 are *chunks* of ``chunk_rows`` iid draws from that shard, kept as they
 arrived (views of the gRPC message or of the ring slot: nothing is copied
 here). The merge takes as many rows as its split gives the shard, in
-order, and copies them once, into the learner's batch; a chunk's credit goes
-back to the shard only once all its rows were copied, so a ring slot is
-never rewritten under a view.
+order, and copies them once, into the learner's batch (or, when one shard's
+whole chunk is the batch, hands the chunk over as it is); a chunk's credit
+goes back to the shard only once all its rows were copied (or the learner
+gave the batch back), so a ring slot is never rewritten under a view.
 
 Rows drawn ahead are iid draws made when the shard drew them: merging
 ``k`` of them is drawing ``k`` (``replay_client.sharded.merge``). A shard
@@ -63,6 +64,7 @@ class ShardRows:
         self._rows = 0
         self._taken = 0
         self._released = 0
+        self._holds: deque[list] = deque()  # [rows taken up to, done], in order
         self.error: BaseException | None = None
         self.ended = False
         self.arrivals = 0
@@ -98,8 +100,9 @@ class ShardRows:
         """Rows arrived and not taken (under ``cond``)."""
         return self._rows
 
-    def take(self, count: int) -> list[SampleBatch]:
-        """The next ``count`` rows, as views (under ``cond``; ``count <= available``)."""
+    def take(self, count: int) -> tuple[list[SampleBatch], list]:
+        """The next ``count`` rows, as views, and the hold on them (under ``cond``;
+        ``count <= available``): their chunks' credits wait until :meth:`done` with it."""
         pieces = []
         while count:
             entry = self._segments[0]
@@ -112,15 +115,26 @@ class ShardRows:
             count -= n
             self._rows -= n
             self._taken += n
-        return pieces
+        hold = [self._taken, False]
+        self._holds.append(hold)
+        return pieces, hold
 
-    def release(self) -> None:
-        """Give the shard a credit for each chunk whose rows were all copied out (after the merge
-        copied what :meth:`take` returned)."""
-        done = self._taken // self.chunk_rows
-        for _ in range(done - self._released):
-            self._credits.credit()
-        self._released = done
+    def done(self, hold: list) -> None:
+        """The rows of ``hold`` are no longer read (copied out, or the learner gave back the
+        batch they were handed over in): a credit for each chunk all of whose rows, and all
+        earlier ones, are done. Holds end in any order; credits go in order, so a ring slot
+        is never rewritten under a view. Under ``cond``."""
+        hold[1] = True
+        while self._holds and self._holds[0][1]:
+            free = self._holds.popleft()[0] // self.chunk_rows
+            for _ in range(free - self._released):
+                self._credits.credit()
+            self._released = max(self._released, free)
+
+    def grow(self, chunks: int) -> None:
+        """Widen the shard's window (over gRPC only: a ring's slots are fixed)."""
+        if chunks > 0 and self.link.transport == "grpc":
+            self._runner.flow.grow(chunks)
 
     def update(self, update: PriorityUpdate) -> None:
         """A priority update of this shard's ids: sent at once (its credits come only as the

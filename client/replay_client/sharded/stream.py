@@ -92,6 +92,8 @@ class MergedLink:
         beta: the table's importance exponent (``None``: not prioritized).
         masses: each shard's mass when the stream opened.
         staging: the feed's staging buffers of batch ``k``.
+        when_released: ``when_released(k, fn)`` calls ``fn`` once the learner gave batch
+            ``k`` back (the feed's hook).
         copy: the feed's row copier (contiguous copies split across cores).
         generator: the split's and shuffle's randomness (its own lock is ``rng_lock``).
         refresh: asks a shard for the table's mass now (``None``: no answer).
@@ -107,6 +109,7 @@ class MergedLink:
                  batch_size: int, *,
                  beta: float | None, masses: Mapping[int, SamplingMass],
                  staging: Callable[[int, Any], list[torch.Tensor]],
+                 when_released: Callable[[int, Callable[[], None]], None],
                  copy: Callable[[torch.Tensor, int, torch.Tensor], None],
                  generator: np.random.Generator, rng_lock: threading.Lock,
                  refresh: Callable[[int], SamplingMass | None],
@@ -119,6 +122,7 @@ class MergedLink:
         self._batch_size = batch_size
         self._beta = beta
         self._staging = staging
+        self._when_released = when_released
         self._copy = copy
         self._rng = generator
         self._rng_lock = rng_lock
@@ -134,6 +138,8 @@ class MergedLink:
         self._stalled: dict[int, int] = {}  # shard -> its arrivals when it was left out
         self._initial = dict(masses)
         self._keys: list[str] | None = None
+        self._flow: CreditFlow | None = None
+        self._learner_window = 0
 
     # ------------------------------------------------------------ the call
 
@@ -143,8 +149,20 @@ class MergedLink:
             for shard in self._addresses:
                 if shard not in self._rows and not self._stopped:
                     self._start(shard)
+        self._flow = flow
+        self._learner_window = flow.window
         return drawn_here(flow, credits, updates, remaining, first, apply=self._route,
                           draw=self._merged, stopped=lambda: self._stopped)
+
+    def _widen(self) -> None:
+        """The learner's window grew (over a slow link): the shards' windows follow."""
+        flow = self._flow
+        if flow is None or flow.window <= self._learner_window:
+            return
+        grown, self._learner_window = flow.window - self._learner_window, flow.window
+        with self._cond:
+            for rows in self._rows.values():
+                rows.grow(-(-grown * self._batch_size // rows.chunk_rows))
 
     def _start(self, shard: int) -> None:
         rows = self._make(shard, self._cond)
@@ -186,6 +204,7 @@ class MergedLink:
     def _merged(self, index: int) -> SampleBatch | None:
         started = time.monotonic()
         self._follow()
+        self._widen()
         with self._cond:
             while not self._stopped:
                 self._rejoin()
@@ -201,7 +220,7 @@ class MergedLink:
                     continue
                 if not self._wait_for_rows(counts):
                     continue  # a shard failed or stalled and was left out: split again
-                pieces = {s: self._rows[s].take(k) for s, k in counts.items() if k > 0}
+                taken = {s: self._rows[s].take(k) for s, k in counts.items() if k > 0}
                 missing = tuple(sorted(s for s in self._addresses if s not in live))
                 q = shares(masses)
                 if missing:
@@ -209,11 +228,34 @@ class MergedLink:
                 break
             else:
                 return None
+        pieces = {s: p for s, (p, _) in taken.items()}
+        whole = self._whole(pieces, q, missing)
+        if whole is not None:  # handed over as it is: its chunk is freed when given back
+            ((rows, hold),) = [(self._rows[s], h) for s, (_, h) in taken.items()]
+            self._when_released(index, lambda: self._done(rows, hold))
+            return whole
         batch = self._write(index, pieces, q, masses, missing)
         with self._cond:
-            for shard in pieces:
-                self._rows[shard].release()
+            for shard, (_, hold) in taken.items():
+                self._rows[shard].done(hold)
         return batch
+
+    def _done(self, rows: ShardRows, hold: list) -> None:
+        with self._cond:
+            rows.done(hold)
+
+    def _whole(self, pieces: dict[int, list[SampleBatch]], q: dict[int, float],
+               missing: tuple[int, ...]) -> SampleBatch | None:
+        """The batch as it arrived, when one shard holds all the mass and one piece of its
+        (a ring slot, or rows of one message) is the whole batch: its probabilities and
+        weights are one table's already, and its views need no copy (host batches are
+        views on one server too, valid until the next one is asked for)."""
+        if len(pieces) != 1 or missing:
+            return None
+        ((shard, parts),) = pieces.items()
+        if len(parts) != 1 or q.get(shard, 0.0) != 1.0:
+            return None
+        return parts[0]
 
     def _write(self, index: int, pieces: dict[int, list[SampleBatch]], q: dict[int, float],
                masses: dict[int, SamplingMass], missing: tuple[int, ...]) -> SampleBatch:
@@ -335,9 +377,9 @@ def chunk_rows(batch_size: int, shards: int) -> int:
 
 
 def shard_window(prefetch: int, batch_size: int, chunk: int) -> int:
-    """Chunks a shard may have in flight or buffered: enough for the learner's window and one
-    more batch, were every draw to come from that shard."""
-    return max(2, math.ceil((prefetch + 1) * batch_size / chunk))
+    """Chunks a shard may have in flight or buffered: enough for the learner's window, the
+    batch it holds and one more, were every draw to come from that shard."""
+    return max(2, math.ceil((prefetch + 2) * batch_size / chunk))
 
 
 def open_stream(clients: Callable[[], Mapping[int, Any]],
@@ -363,7 +405,9 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
 
     def make(shard: int, cond: threading.Condition) -> ShardRows:
         client = clients()[shard]
-        link = client.link(table, chunk, target, batches_per_message=group, prefetch=window,
+        # A chunk's grouping is chosen as on one server (small chunks: groups of up to 8 per
+        # message, the shard's window widened to two groups).
+        link = client.link(table, chunk, target, batches_per_message=group, prefetch=None,
                            shared_memory=options.shared_memory and (group or 1) <= 1, wait=True)
         return ShardRows(shard, link, cond, window=max(window, 2 * (group or 1)),
                          chunk_rows=chunk,
@@ -372,11 +416,14 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
                          name=f"shard {shard} ({client.address})")
 
     link = MergedLink(addresses, make, batch_size, beta=beta, masses=masses,
-                      staging=core.staging, copy=core.copy_rows, generator=generator,
+                      staging=core.staging, when_released=core.when_released,
+                      copy=core.copy_rows, generator=generator,
                       rng_lock=rng_lock, refresh=refresh, health=health, degraded=degraded,
                       wait=options.wait, wait_timeout=options.wait_timeout)
     source = LinkSource(link, check_update=check_update, num_batches=options.num_batches,
                         reconnect=False, name=f"{shards} shards")
+    if options.prefetch is None:  # widened over slow links; the shards' buffers take as much
+        core.grow_window(options.memory_mb * 2**20 / 2, lambda: True)
     stream = BatchStream(core, source, table)
     stream.stats.notes.append(
         f"over {shards} shards: one SampleStream each, chunks of {chunk} rows "
