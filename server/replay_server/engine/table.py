@@ -59,7 +59,7 @@ from replay_server.engine.samplers import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
 from replay_server.engine.table_info import Capabilities, TableCounters, TableFigures, TableInfo
-from replay_server.engine.table_parts import TableParts, fresh_parts
+from replay_server.engine.table_parts import TableParts, fresh_parts, schema_way_out
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
     ConfigError,
@@ -68,6 +68,7 @@ from replay_server.errors import (
     InvalidArgumentError,
     InvalidPriorityError,
     NoPrioritiesError,
+    SchemaMismatchError,
 )
 
 __all__ = ["MAX_BATCH_SIZE", "STATE_VERSION", "Table"]
@@ -171,7 +172,10 @@ class Table:
             if schema is None:
                 schema = schema_of(columns, self.name)
                 check_sampler_columns(self.config, schema)
-            schema.check(columns, self.name)
+            try:
+                schema.check(columns, self.name)
+            except SchemaMismatchError as exc:
+                raise SchemaMismatchError(f"{exc}; {schema_way_out(self.config)}") from None
             if rows == 0:
                 return torch.empty(0, dtype=torch.int64)
             ring = parts.ring
@@ -453,10 +457,21 @@ class Table:
             self.changes.tick()
         return deleted
 
-    def reset(self) -> None:
-        """Remove every row. Ids keep counting (old ids become stale); the schema stays."""
+    def reset(self, *, schema: bool = False) -> None:
+        """Remove every row. Ids keep counting (old ids become stale).
+
+        Args:
+            schema: also forget the schema the first insert fixed, and free its
+                storage: the next insert fixes a new one. A table whose config
+                declares its schema keeps the declared one (and its storage).
+        """
         with self._lock:
             parts = self._parts
+            if schema and self.config.schema is None and parts.schema is not None:
+                parts.forget_schema()
+                # smaller than the promise it replaces, so it is never refused
+                self._memory.require(self.name, table_bytes(self.config, None),
+                                     f"capacity {self.config.capacity:,} (sampler state)")
             parts.ring.clear()
             parts.sampler.clear()
             parts.limiter.reset()
