@@ -47,7 +47,7 @@ import torch
 
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, align, host_id
 from replay_proto import messages
-from replay_proto.batch import SampleBatch
+from replay_proto.batch import SampleBatch, batch_nbytes
 from replay_proto.sample_codec import (
     HEADROOM,
     STREAM_CHUNK_BYTES,
@@ -264,7 +264,7 @@ class SampleStreamCall:
                                    self._too_large(table, request.batch_size, batch_bytes))
         # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT) when it draws.
         rows = request.batch_size if 1 <= request.batch_size <= MAX_BATCH_SIZE else 0
-        extras = rows * 12 + rows * (table.config.slice_len or 1) * 8
+        extras = batch_nbytes(0, rows, table.config.slice_len, table.config.n_step)
         nbytes = extras if self._ring_accepted else 2 * count * batch_bytes + extras
         purpose = f"SampleStream: {count} batch(es) of {request.batch_size} from {table.name!r}"
         budget = self._limits.budget
