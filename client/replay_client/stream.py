@@ -45,7 +45,7 @@ import torch
 
 from replay_client import grouping
 from replay_client.connection import Connection
-from replay_client.errors import UnavailableError, from_rpc_error
+from replay_client.errors import UnavailableError
 from replay_feed.core import FeedStats
 from replay_feed.credits import CreditFlow, Grant, PriorityUpdate
 from replay_feed.delivery import Delivery
@@ -212,12 +212,13 @@ class SampleLink:
                 header, payload = split_sample(raw)
                 if opened:
                     opened = False
+                    connection.answered = True
                     self._on_first(header, outgoing, flow)
                 yield from decoder.add(header, payload)
         except grpc.RpcError as exc:
             if self._stopped.is_set():
                 return
-            error = from_rpc_error(exc, connection.address)
+            error = connection.error(exc)
             if isinstance(error, UnavailableError):
                 raise LinkLost(error, self._give_up(error)) from None
             raise error from None
@@ -253,11 +254,13 @@ class SampleLink:
         return parts
 
     def _give_up(self, error: BaseException) -> Callable[[float], BaseException]:
-        address = self.connection.address
+        connection = self.connection
 
         def give_up(window: float) -> BaseException:
-            return UnavailableError(
-                f"stream from {address} lost and not back within {window:.0f} s: {error}")
+            if not connection.answered:
+                return error  # "no replay server at HOST:PORT (is it running?)"
+            return UnavailableError(f"stream from {connection.address} lost and not back "
+                                    f"within {window:.0f} s: {error}")
 
         return give_up
 

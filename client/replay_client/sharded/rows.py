@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from replay_feed.credits import CreditFlow, CreditQueue, PriorityUpdate
 from replay_feed.link import Link, LinkRunner
@@ -50,7 +51,7 @@ class ShardRows:
 
     def __init__(self, shard: int, link: Link, cond: threading.Condition, *, window: int,
                  chunk_rows: int, mass: SamplingMass | None, reconnect: bool,
-                 retry_window_s: float, name: str) -> None:
+                 retry_window_s: float | Callable[[], float], name: str) -> None:
         self.shard = shard
         self.link = link
         self.chunk_rows = chunk_rows

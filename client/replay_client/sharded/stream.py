@@ -412,7 +412,7 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
         return ShardRows(shard, link, cond, window=max(window, 2 * (group or 1)),
                          chunk_rows=chunk,
                          mass=None, reconnect=options.reconnect,
-                         retry_window_s=client.connection.max_retry_s,
+                         retry_window_s=client.connection.retry_window,
                          name=f"shard {shard} ({client.address})")
 
     link = MergedLink(addresses, make, batch_size, beta=beta, masses=masses,
