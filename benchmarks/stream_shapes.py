@@ -16,7 +16,10 @@ kept):
   same number of rows each;
 * ``plain 5 ms`` / ``plain 5 ms, prefetch 2``: the plain stream through the
   test proxy adding 5 ms each way (``tests/tools/proxy.py``), with the window
-  left to the stream (it widens) and fixed at 2.
+  left to the stream (it widens) and fixed at 2; ``plain proxy 0 ms``: the
+  same proxy adding no delay, so that the 5 ms ratio can also be read
+  without the proxy's own cost (it relays every byte in a thread of this
+  process, so it competes with the learner for the interpreter).
 
 Each over gRPC (``shared_memory=False``) and, for ``plain`` and
 ``sharded x1``, through the same-host shared-memory ring; ``prefetch`` is
@@ -98,6 +101,8 @@ def measure(kind: str, seconds: float, rounds: int) -> dict[str, dict]:
         trio = ReplayClient(addresses, timeout=120, seed=1)
         proxy = stack.enter_context(LinkProxy(addresses[0], delay_s=0.005))
         far = ReplayClient(proxy.address, timeout=120)
+        relay = stack.enter_context(LinkProxy(addresses[0], delay_s=0.0))
+        near = ReplayClient(relay.address, timeout=120)
         single = ReplayClient([addresses[0]], timeout=120, seed=1)
         paths = {
             "plain, gRPC": lambda: one.stream(kind, w.SAMPLE_BATCH, shared_memory=False),
@@ -108,6 +113,8 @@ def measure(kind: str, seconds: float, rounds: int) -> dict[str, dict]:
             "sharded x1, shared memory": lambda: single.stream(kind, w.SAMPLE_BATCH,
                                                                batches_per_message=1),
             "sharded x3, gRPC": lambda: trio.stream(kind, w.SAMPLE_BATCH, shared_memory=False),
+            "plain proxy 0 ms, gRPC": lambda: near.stream(kind, w.SAMPLE_BATCH,
+                                                          shared_memory=False),
             "plain 5 ms, gRPC": lambda: far.stream(kind, w.SAMPLE_BATCH, shared_memory=False),
             "plain 5 ms, gRPC, prefetch 2": lambda: far.stream(
                 kind, w.SAMPLE_BATCH, shared_memory=False, prefetch=2),
@@ -117,7 +124,7 @@ def measure(kind: str, seconds: float, rounds: int) -> dict[str, dict]:
                 runs.setdefault(name, []).append(_drive(open_stream(), seconds))
                 print(f"  {kind} {name}: {runs[name][-1]['batches_per_s']:.1f} batches/s",
                       file=sys.stderr)
-        for client in (one, trio, far, single):
+        for client in (one, trio, far, near, single):
             client.close()
     return {name: sorted(r, key=lambda x: x["batches_per_s"])[len(r) // 2]
             for name, r in runs.items()} | {"_all": runs}  # type: ignore[operator]
@@ -151,6 +158,8 @@ def table(results: dict[str, dict[str, dict]], rounds: int) -> str:
             f"{rate('sharded x3, gRPC') / rate('sharded x1, gRPC'):.2f}x |",
             f"| {kind} | plain 5 ms / plain loopback, gRPC | "
             f"{rate('plain 5 ms, gRPC') / rate('plain, gRPC'):.0%} |",
+            f"| {kind} | plain 5 ms / plain proxy 0 ms, gRPC (the proxy's own cost taken out) | "
+            f"{rate('plain 5 ms, gRPC') / rate('plain proxy 0 ms, gRPC'):.0%} |",
             f"| {kind} | plain 5 ms, prefetch 2 / plain loopback, gRPC | "
             f"{rate('plain 5 ms, gRPC, prefetch 2') / rate('plain, gRPC'):.0%} |",
         ]
