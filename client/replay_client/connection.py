@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from replay_client.backoff import Backoff
+from replay_feed.backoff import Backoff
 from replay_client.errors import (
     InvalidArgumentError,
     OverloadedError,

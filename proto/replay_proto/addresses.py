@@ -105,3 +105,10 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def token_may_travel(address: str, *, tls: bool, plaintext_allowed: bool) -> bool:
+    """The token rule both sides apply: an auth token goes over TLS, over plaintext to a
+    loopback address (the bytes never leave the host), or anywhere when the user allowed
+    plaintext (``allow_plaintext_token``, ``--allow-plaintext-token``)."""
+    return tls or plaintext_allowed or is_loopback(address)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_proto.dtypes import DTYPES, dtype_name
+from replay_proto.dtypes import DTYPES, dtype_name, numpy_view
 from replay_proto.v1 import replay_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - every platform we run on is little-endian
@@ -57,18 +57,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(_as_numpy(t)).cast("B")
+    return memoryview(numpy_view(t)).cast("B")
 
 
 def copy_rows(dest: torch.Tensor, start: int, src: torch.Tensor) -> None:
     """``dest[start : start + len(src)] = src`` as one memcpy (no intra-op threads)."""
-    np.copyto(_as_numpy(dest)[start : start + src.shape[0]], _as_numpy(src))
-
-
-def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy()
+    np.copyto(numpy_view(dest)[start : start + src.shape[0]], numpy_view(src))
 
 
 def spec_of(key: str, tensor: torch.Tensor) -> pb.TensorSpec:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_proto.batch import SampleBatch
+from replay_proto.batch import SampleBatch, batch_nbytes
 from replay_server.engine.change_clock import ChangeClock
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IncarnationSource
@@ -308,11 +308,8 @@ class Table:
         schema = self._parts.schema
         if schema is None:
             return 0
-        steps = self.config.slice_len or 1
-        # per step: the row, its int64 id (and an n-step transition's int64 step count); per
-        # row or slice: a float32 weight and a float64 probability
-        extra = 8 if self.config.n_step > 1 else 0
-        return batch_size * (steps * (schema.row_bytes + 8 + extra) + 4 + 8)
+        return batch_nbytes(schema.row_bytes, batch_size, self.config.slice_len,
+                            self.config.n_step)
 
     def _lead(self, batch_size: int) -> tuple[int, ...]:
         slice_len = self.config.slice_len
