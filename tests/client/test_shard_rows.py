@@ -1,12 +1,18 @@
-"""One shard's rows in a sharded stream: credits go back a group at a time (no server involved)."""
+"""A sharded stream's parts: one shard's rows (credits back a group at a time) and the merge's
+window rule (no server involved)."""
 
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
+from replay_client.sharded.health import ShardHealth
 from replay_client.sharded.rows import ShardRows
+from replay_client.sharded.stream import MergedLink
+from replay_feed.credits import CreditFlow, CreditQueue
 from replay_proto.batch import SampleBatch
 
 
@@ -79,3 +85,23 @@ def test_a_grouped_view_counts_every_chunk_it_holds_as_arrived() -> None:
     finally:
         rows.stop()
         rows.join(5.0)
+
+
+def test_the_learners_window_does_not_grow_while_a_shard_reads_a_ring() -> None:
+    """A ring's slots are fixed: a wider learner window would let the merge wait for rows
+    that only batches the learner gives back later could free (the stream hung)."""
+
+    def make(shard: int, cond: threading.Condition) -> SimpleNamespace:
+        transport = "shared_memory" if shard == 0 else "grpc"
+        return SimpleNamespace(link=SimpleNamespace(transport=transport), mass=None,
+                               start=lambda: None)
+
+    link = MergedLink(lambda: {0: "a", 1: "b"}, make, 4, beta=None, masses={},
+                      staging=None, when_released=None, copy=None,  # type: ignore[arg-type]
+                      generator=np.random.default_rng(0), rng_lock=threading.Lock(),
+                      refresh=lambda shard: None, health=ShardHealth(), degraded=False,
+                      wait=True, wait_timeout=None)
+    link.call(CreditFlow(CreditQueue(), 2), 2, [], 0, 0)  # starts both shards' rows
+    assert not link.may_grow()
+    link._rows[0].link.transport = "grpc"  # the shard fell back to gRPC
+    assert link.may_grow()

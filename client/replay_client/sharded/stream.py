@@ -172,6 +172,13 @@ class MergedLink:
                           stopped=lambda: self._stopped,
                           draw_group=self._merged)
 
+    def may_grow(self) -> bool:
+        """Whether the learner's window may widen now: not while a shard reads a shared-memory
+        ring (its slots are fixed, so its chunks could not follow, and a merge would wait for
+        rows that only the learner's batches, given back after it, could free)."""
+        with self._cond:
+            return all(rows.link.transport == "grpc" for rows in self._rows.values())
+
     def _widen(self) -> None:
         """The learner's window grew (over a slow link): the shards' windows follow."""
         flow = self._flow
@@ -281,7 +288,8 @@ class MergedLink:
         if self._group <= 1:
             return
         flow = self._flow
-        if self._prefetch is None and flow is not None and chosen.prefetch > flow.window:
+        if (self._prefetch is None and flow is not None and chosen.prefetch > flow.window
+                and self.may_grow()):
             flow.grow(chosen.prefetch - flow.window)
         self._notes.append(f"{self._group} merged batches per pass for {nbytes / 1024:.0f} KiB "
                            f"batches (prefetch {max(chosen.prefetch, self._learner_window)}; "
@@ -473,7 +481,7 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
     source = LinkSource(link, check_update=check_update, num_batches=options.num_batches,
                         reconnect=False, name=f"{shards} shards")
     if options.prefetch is None:  # widened over slow links; the shards' buffers take as much
-        core.grow_window(options.memory_mb * 2**20 / 2, lambda: True)
+        core.grow_window(options.memory_mb * 2**20 / 2, link.may_grow)
     stream = BatchStream(core, source, table)
     stream.stats.notes.append(
         f"over {shards} shards: one SampleStream each, chunks of {chunk} rows "
