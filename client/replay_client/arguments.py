@@ -39,7 +39,9 @@ def id_array(ids: Any) -> np.ndarray:
 
 
 def update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Validated, contiguous copies: int64 ids and float64 priorities of one shape."""
+    """Validated, contiguous copies: int64 ids and float64 priorities, in the ids' shape (a
+    slice batch's ``[B, slice_len]`` crosses the wire as it is: a table that mixes
+    priorities per slice takes whole slices)."""
     ids = id_array(ids)
     values = tensor_of(priorities, "priorities")
     if tuple(values.shape) != ids.shape:
@@ -57,7 +59,7 @@ def update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
             f"priorities must be finite and >= 0; {int(bad.sum())} are not "
             f"(first at index {first}: {array[first]})"
         )
-    return np.array(ids, dtype=np.int64).reshape(-1), np.array(array)
+    return np.array(ids, dtype=np.int64), np.array(array).reshape(ids.shape)
 
 
 def tensor_of(value: Any, what: str) -> torch.Tensor:

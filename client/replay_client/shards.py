@@ -480,7 +480,7 @@ class ShardedReplayClient:
             InvalidIdsError: an id is negative or belongs to no shard of this client.
             InvalidPriorityError, NoPrioritiesError, UnknownTableError, ...
         """
-        id_array, values = update_arrays(ids, priorities)
+        id_array, values = (a.reshape(-1) for a in update_arrays(ids, priorities))  # slices whole
         clients = self._connect()
         groups = by_owner(id_array, clients, "nothing was updated")
         live = set(self._live(clients))
