@@ -113,6 +113,24 @@ def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema
         ) from exc
 
 
+def check_saved_config(config: TableConfig, saved: Mapping[str, Any]) -> None:
+    """Refuse a saved state's ``config`` (plain values) that contradicts ``config``.
+
+    Raises:
+        ConfigError: naming the table, the field and both values.
+    """
+    name, mine = config.name, config.describe()
+    for key in _MUST_MATCH:
+        if saved[key] != mine[key]:
+            raise ConfigError(f"table {name!r}: config says {key}={mine[key]!r} but the saved "
+                              f"state has {key}={saved[key]!r}")
+    saved_key = saved.get("frame_stack_key")
+    if saved_key != config.frame_stack_key:
+        raise ConfigError(f"table {name!r}: config says frame_stack_key="
+                          f"{config.frame_stack_key!r} but the saved state has "
+                          f"frame_stack_key={saved_key!r} (its rows are stored differently)")
+
+
 def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
           with_columns: bool, incarnations: IncarnationSource | None,
           memory: MemoryLedger | None) -> TableParts:
@@ -121,16 +139,7 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
     if version != STATE_VERSION:
         raise ConfigError(f"table {name!r}: saved state has layout version {version!r}, this "
                           f"server reads version {STATE_VERSION}")
-    mine = config.describe()
-    for key in _MUST_MATCH:
-        if state["config"][key] != mine[key]:
-            raise ConfigError(f"table {name!r}: config says {key}={mine[key]!r} but the saved "
-                              f"state has {key}={state['config'][key]!r}")
-    saved_key = state["config"].get("frame_stack_key")
-    if saved_key != config.frame_stack_key:
-        raise ConfigError(f"table {name!r}: config says frame_stack_key="
-                          f"{config.frame_stack_key!r} but the saved state has "
-                          f"frame_stack_key={saved_key!r} (its rows are stored differently)")
+    check_saved_config(config, state["config"])
     promise = memory_promise(config, memory)
     parts = fresh_parts(config, incarnations, promise)
     schema = None if state["schema"] is None else Schema.from_state_dict(state["schema"])

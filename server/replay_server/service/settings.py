@@ -14,14 +14,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from replay_feed.accelerator import cuda_present
-from replay_proto.addresses import is_loopback
+from replay_proto.addresses import DEFAULT_ADDRESS, is_loopback
 from replay_server.engine.config import TableConfig, default_table_configs
 from replay_server.errors import ConfigError
 from replay_server.service.limits import DEFAULTS as LIMIT_DEFAULTS
 from replay_server.service.limits import check_limits
 from replay_server.service.shard_index import resolve_shard
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 
 
