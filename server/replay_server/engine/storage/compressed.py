@@ -40,6 +40,11 @@ from replay_server.engine.storage.memmap import MappedFile
 _PARALLEL_BYTES = 1 << 20
 """Gathers of at least this many raw bytes decompress on several threads."""
 
+_JOINED_BLOCK = 256
+"""Gathers whose stored blocks are all at most this many bytes (compressed small rows)
+join them by numpy's gather (:meth:`ByteArena.joined`), not a slice per block: at 74
+bytes 4x cheaper; at Atari frames' 600 bytes and more, 9x dearer."""
+
 
 def bound(row_bytes: int) -> int:
     """The most bytes lz4 can make of ``row_bytes`` (its ``LZ4_compressBound``)."""
@@ -105,8 +110,12 @@ class Lz4Column(Column):
         target = numpy_view(into).reshape(slots.size, -1)
         if self._decoder is None:
             self._split(slots.size, lambda a, b: self._read_blocks(slots[a:b], target[a:b]))
-        else:
+            return
+        joined = self.arena.joined(slots, _JOINED_BLOCK)
+        if joined is None:
             self._decode(self._blocks(slots), target)
+        else:
+            self._decode_joined(*joined, target)
 
     def take_interleaved(self, parts: Sequence[tuple[Column, np.ndarray]],
                          into: torch.Tensor) -> bool:
@@ -147,6 +156,20 @@ class Lz4Column(Column):
             np.copyto(out, rows)
             return
         self._split(len(blocks), lambda a, b: decode(header, blocks[a:b], out[a:b]))
+
+    def _decode_joined(self, body: np.ndarray, ends: np.ndarray, out: np.ndarray) -> None:
+        """:meth:`_decode` of blocks joined in ``body`` (block ``i`` ends at ``ends[i]``)."""
+        assert self._decoder is not None
+        decode, header = self._decoder.decode, self._header
+        rows = out if out.flags.c_contiguous else np.empty(out.shape, dtype=out.dtype)
+
+        def work(a: int, b: int) -> None:
+            start = int(ends[a - 1]) if a else 0
+            decode(header, body[start:int(ends[b - 1])], rows[a:b], b - a)
+
+        self._split(len(ends), work)
+        if rows is not out:
+            np.copyto(out, rows)
 
     def _split(self, rows: int, work: Callable[[int, int], None]) -> None:
         """``work(a, b)`` over rows ``[0, rows)``: in parts across the worker pool when they

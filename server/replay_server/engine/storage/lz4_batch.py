@@ -107,14 +107,16 @@ class BatchDecoder:
                 block_checksum=False).begin()
         return header
 
-    def decode(self, header: bytes, blocks: Sequence[bytes | memoryview], out: np.ndarray
-               ) -> None:
+    def decode(self, header: bytes, blocks: Sequence[bytes | memoryview] | np.ndarray,
+               out: np.ndarray, count: int | None = None) -> None:
         """Decode ``blocks`` (each :func:`prefixed`) one after the other into ``out``.
 
         Args:
             header: :meth:`header` for the blocks' largest size.
-            blocks: the blocks, in ``out``'s order.
+            blocks: the blocks, in ``out``'s order: a sequence of them, or one uint8
+                array of ``count`` of them joined.
             out: contiguous memory exactly the size the blocks decode to.
+            count: the blocks in a joined array (for the error message).
 
         Raises:
             Lz4Error: the blocks did not decode to exactly ``out``'s bytes.
@@ -123,7 +125,10 @@ class BatchDecoder:
         call, outside the GIL.
         """
         assert out.flags.c_contiguous
-        source = b"".join((header, *blocks, _END))
+        if isinstance(blocks, np.ndarray):
+            source = b"".join((header, blocks, _END))
+        else:
+            source, count = b"".join((header, *blocks, _END)), len(blocks)
         context = self._context()
         written = ctypes.c_size_t(out.nbytes)
         read = ctypes.c_size_t(len(source))
@@ -134,7 +139,7 @@ class BatchDecoder:
             self._reset(context)
             with self._lock:
                 self._contexts.append(context)
-            raise Lz4Error(f"{len(blocks)} lz4 blocks decoded to {written.value:,} of "
+            raise Lz4Error(f"{count} lz4 blocks decoded to {written.value:,} of "
                            f"{out.nbytes:,} bytes (status {status})")
         with self._lock:
             self._contexts.append(context)

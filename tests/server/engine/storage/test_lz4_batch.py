@@ -123,3 +123,42 @@ def test_an_interleaved_take_equals_one_take_per_part_and_declines_other_columns
 def test_where_no_library_offers_the_frame_api_there_is_no_decoder(monkeypatch) -> None:
     monkeypatch.setattr(lz4_batch, "_library", lambda: None)
     assert lz4_batch.load() is None
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_small_rows_joined_by_one_gather_decode_to_the_rows_of_the_block_by_block_path(
+        contiguous: bool) -> None:
+    """Compressed small rows (blocks of tens of bytes) are joined by the arena's numpy gather:
+    the same rows as python-lz4 gives one by one, a batch large enough to split across the
+    worker pool included; a batch with a never-written slot takes the slice-per-block path."""
+    rows = frames(3000, 68, seed=8)
+    fast, slow = column_with(rows, DECODER), column_with(rows, None)
+    rng = np.random.default_rng(9)
+    for count in (5, 40_000):
+        slots = rng.integers(0, 3000, count)
+        assert fast.arena.joined(slots, compressed._JOINED_BLOCK) is not None
+        results = []
+        for column in (fast, slow):
+            into = torch.full((count, 2, 68), 9, dtype=torch.uint8)
+            column.take(slots, into[:, 1] if not contiguous else into.view(2 * count, 68)[:count])
+            results.append(into)
+        assert torch.equal(results[0], results[1])
+        got = results[0][:, 1] if not contiguous else results[0].view(2 * count, 68)[:count]
+        assert np.array_equal(got.numpy(), rows[slots])
+    unwritten = np.array([0, 3000, 1])
+    assert fast.arena.joined(unwritten, compressed._JOINED_BLOCK) is None
+    into = torch.full((3, 68), 9, dtype=torch.uint8)
+    fast.take(unwritten, into)
+    assert np.array_equal(into.numpy(), np.stack([rows[0], np.zeros(68, np.uint8), rows[1]]))
+
+
+def test_the_arena_joins_blocks_only_when_all_are_written_and_small_enough() -> None:
+    rows = frames(20, 7056, seed=10)
+    column = column_with(rows, DECODER)
+    arena, slots = column.arena, np.array([3, 1, 3, 7])
+    widest = int(arena.lengths[slots].max())
+    body, ends = arena.joined(slots, widest)
+    assert body.tobytes() == b"".join(bytes(arena.block(int(s))) for s in slots)
+    assert ends.tolist() == np.cumsum(arena.lengths[slots]).tolist()
+    assert arena.joined(slots, widest - 1) is None  # a block wider than asked
+    assert arena.joined(np.array([3, 20]), 1 << 20) is None  # slot 20 never written
