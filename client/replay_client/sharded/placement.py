@@ -17,7 +17,7 @@ Two rules, chosen per insert by what the rows carry:
 
 Placement depends on the set of shards: adding a shard moves where new
 episodes go (rows already stored stay where they are). Exactness of sampling
-does not depend on placement (see :mod:`replay_client.merge`); balance does:
+does not depend on placement (see :mod:`replay_client.sharded.merge`); balance does:
 mass is best spread evenly, since a draw's cost on a shard grows with its share.
 
 Cost: by episode O(rows) (one hash per row and a stable partition); round-robin O(1).
