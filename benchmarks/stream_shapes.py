@@ -1,6 +1,7 @@
 """Stream shapes benchmark: one server's stream against a sharded stream, and across a slow link.
 
     python benchmarks/stream_shapes.py [--kinds atari,small] [--seconds 5] [--rounds 2]
+        [--paths "plain, gRPC|sharded x1"] [--in-process-proxy]
 
 The learner is this process; the servers run in their own processes on
 127.0.0.1. For each row kind (Atari frames, about 28 KB, or 17 floats) it
@@ -18,8 +19,10 @@ kept):
   test proxy adding 5 ms each way (``tests/tools/proxy.py``), with the window
   left to the stream (it widens) and fixed at 2; ``plain proxy 0 ms``: the
   same proxy adding no delay, so that the 5 ms ratio can also be read
-  without the proxy's own cost (it relays every byte in a thread of this
-  process, so it competes with the learner for the interpreter).
+  without the proxy's own cost. Each proxy runs in a process of its own
+  (:func:`proxy_process`), as a network between hosts would, so its relaying
+  does not take the learner's interpreter (on this 2-core machine it still
+  takes a core's share from the learner and the servers).
 
 Each over gRPC (``shared_memory=False``) and, for ``plain`` and
 ``sharded x1``, through the same-host shared-memory ring; ``prefetch`` is
@@ -31,12 +34,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
+import subprocess
 import tempfile
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -65,6 +71,45 @@ def _fill(client, kind: str, rows: int) -> None:  # type: ignore[no-untyped-def]
         client.insert(kind, {key: torch.from_numpy(value) for key, value in batch.items()})
 
 
+PLAIN_IN_PROCESS = "plain 5 ms, gRPC, proxy in the learner's process"
+
+_PROXY = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import tests.tools.proxy as tool
+tool.CHUNK_BYTES = int(sys.argv[4])  # relayed per read: fewer, larger reads cost less
+tool.QUEUE_CHUNKS = max(2, (16 << 20) // tool.CHUNK_BYTES)  # the tool's 16 MiB bound each way
+with tool.LinkProxy(sys.argv[2], delay_s=float(sys.argv[3])) as proxy:
+    print(proxy.address, flush=True)
+    sys.stdin.read()  # until the benchmark closes the pipe
+"""
+
+
+@contextmanager
+def proxy_process(target: str, delay_s: float, chunk_bytes: int = 1 << 20) -> Iterator[str]:
+    """The test proxy (``tests/tools/proxy.py``) to ``target`` in a process of its own, adding
+    ``delay_s`` each way and relaying up to ``chunk_bytes`` per read (the tool's 64 KiB costs
+    a Python loop turn per 64 KiB: at 0.7 GB/s that alone takes a core); yields its address.
+    Ends it when the block ends."""
+    proc = subprocess.Popen([sys.executable, "-c", _PROXY, str(HERE.parent), target, str(delay_s),
+                             str(chunk_bytes)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        address = proc.stdout.readline().strip()
+        if not address:
+            raise RuntimeError(f"the proxy process ended (rc {proc.wait(10)})")
+        yield address
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
 def _drive(stream, seconds: float) -> dict:  # type: ignore[no-untyped-def]
     with stream:
         for _ in range(WARMUP_BATCHES):
@@ -81,11 +126,11 @@ def _drive(stream, seconds: float) -> dict:  # type: ignore[no-untyped-def]
                 "notes": stream.stats.notes}
 
 
-def measure(kind: str, seconds: float, rounds: int) -> dict[str, dict]:
+def measure(kind: str, seconds: float, rounds: int, only: list[str] | None = None,
+            in_process_proxy: bool = False, proxy_chunk: int = 1 << 20) -> dict[str, dict]:
     import torch
 
     from replay_client import ReplayClient
-    from tests.tools.proxy import LinkProxy
 
     torch.set_num_threads(1)
     runs: dict[str, list[dict]] = {}
@@ -99,11 +144,17 @@ def measure(kind: str, seconds: float, rounds: int) -> dict[str, dict]:
             _fill(ReplayClient(address, timeout=120), kind, PREFILL[kind])
         one = ReplayClient(addresses[0], timeout=120)
         trio = ReplayClient(addresses, timeout=120, seed=1)
-        proxy = stack.enter_context(LinkProxy(addresses[0], delay_s=0.005))
-        far = ReplayClient(proxy.address, timeout=120)
-        relay = stack.enter_context(LinkProxy(addresses[0], delay_s=0.0))
-        near = ReplayClient(relay.address, timeout=120)
+        far = ReplayClient(stack.enter_context(proxy_process(addresses[0], 0.005, proxy_chunk)),
+                           timeout=120)
+        near = ReplayClient(stack.enter_context(proxy_process(addresses[0], 0.0, proxy_chunk)),
+                            timeout=120)
         single = ReplayClient([addresses[0]], timeout=120, seed=1)
+        clients = [one, trio, far, near, single]
+        if in_process_proxy:  # the earlier set-up: the proxy in a thread of the learner's process
+            from tests.tools.proxy import LinkProxy
+
+            inner = stack.enter_context(LinkProxy(addresses[0], delay_s=0.005))
+            clients.append(ReplayClient(inner.address, timeout=120))
         paths = {
             "plain, gRPC": lambda: one.stream(kind, w.SAMPLE_BATCH, shared_memory=False),
             "sharded x1, gRPC": lambda: single.stream(kind, w.SAMPLE_BATCH,
@@ -119,12 +170,17 @@ def measure(kind: str, seconds: float, rounds: int) -> dict[str, dict]:
             "plain 5 ms, gRPC, prefetch 2": lambda: far.stream(
                 kind, w.SAMPLE_BATCH, shared_memory=False, prefetch=2),
         }
+        if in_process_proxy:
+            paths[PLAIN_IN_PROCESS] = lambda: clients[-1].stream(
+                kind, w.SAMPLE_BATCH, shared_memory=False)
+        if only:
+            paths = {name: fn for name, fn in paths.items() if any(o in name for o in only)}
         for _ in range(rounds):
             for name, open_stream in paths.items():
                 runs.setdefault(name, []).append(_drive(open_stream(), seconds))
                 print(f"  {kind} {name}: {runs[name][-1]['batches_per_s']:.1f} batches/s",
                       file=sys.stderr)
-        for client in (one, trio, far, near, single):
+        for client in clients:
             client.close()
     return {name: sorted(r, key=lambda x: x["batches_per_s"])[len(r) // 2]
             for name, r in runs.items()} | {"_all": runs}  # type: ignore[operator]
@@ -148,7 +204,7 @@ def table(results: dict[str, dict[str, dict]], rounds: int) -> str:
                          f" | {r['window']} | {each} |")
 
         def rate(name: str) -> float:
-            return paths[name]["batches_per_s"]
+            return paths[name]["batches_per_s"] if name in paths else math.nan
 
         ratios += [
             f"| {kind} | sharded x1 / plain, gRPC | {rate('sharded x1, gRPC') / rate('plain, gRPC'):.2f}x |",
@@ -162,7 +218,10 @@ def table(results: dict[str, dict[str, dict]], rounds: int) -> str:
             f"{rate('plain 5 ms, gRPC') / rate('plain proxy 0 ms, gRPC'):.0%} |",
             f"| {kind} | plain 5 ms, prefetch 2 / plain loopback, gRPC | "
             f"{rate('plain 5 ms, gRPC, prefetch 2') / rate('plain, gRPC'):.0%} |",
+            f"| {kind} | plain 5 ms, proxy in the learner's process / plain loopback, gRPC | "
+            f"{rate(PLAIN_IN_PROCESS) / rate('plain, gRPC'):.0%} |",
         ]
+        ratios = [r for r in ratios if "nan" not in r]
     return head + "\n".join(lines) + "\n\n| rows | ratio | value |\n|---|---|---:|\n" + \
         "\n".join(ratios)
 
@@ -172,9 +231,20 @@ def main() -> None:
     parser.add_argument("--kinds", default=",".join(w.ROW_KINDS))
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--paths", help="measure only the paths whose names contain one of "
+                                            "these |-separated texts (e.g. 'plain, gRPC|5 ms')")
+    parser.add_argument("--in-process-proxy", action="store_true",
+                        help="also measure 5 ms through the proxy in a thread of this process "
+                             "(the earlier set-up, for comparison)")
+    parser.add_argument("--proxy-chunk-kb", type=int, default=1024,
+                        help="bytes the proxy process relays per read, in KiB (the test tool's "
+                             "own default is 64)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
-    results = {kind: measure(kind, args.seconds, args.rounds) for kind in args.kinds.split(",")}
+    only = args.paths.split("|") if args.paths else None
+    results = {kind: measure(kind, args.seconds, args.rounds, only, args.in_process_proxy,
+                             args.proxy_chunk_kb * 1024)
+               for kind in args.kinds.split(",")}
     print(table(results, args.rounds))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1, default=str))

@@ -81,7 +81,9 @@ class Link(Protocol):
 def drawn_here(flow: CreditFlow, credits: int, updates: list[PriorityUpdate], remaining: int,
                first: int, *, apply: Callable[[list[PriorityUpdate]], None],
                draw: Callable[[int], SampleBatch | None],
-               stopped: Callable[[], bool]) -> Iterator[SampleBatch]:
+               stopped: Callable[[], bool],
+               draw_group: Callable[[int, int], list[SampleBatch]] | None = None
+               ) -> Iterator[SampleBatch]:
     """The call of a link that draws where it runs (a table in this process, the merge of a
     sharded stream's shards): batch ``k`` is drawn only once a credit allows it, and the
     updates that came with (or before) that credit are applied first.
@@ -90,6 +92,11 @@ def drawn_here(flow: CreditFlow, credits: int, updates: list[PriorityUpdate], re
         apply: applies priority updates (before any later draw).
         draw: draws batch ``k`` (``None``: stopped meanwhile).
         stopped: whether the link was stopped.
+        draw_group: ``draw_group(k, n)`` draws batches ``k, k + 1, ...``: at least one, at
+            most ``n`` (every credit granted so far allows them; ``[]``: stopped), so a link
+            may make several batches in one pass, as a server draws a group of small
+            batches for one message. Updates that come meanwhile apply from the next pass:
+            the batches of one pass were allowed by credits granted before them.
     """
     allowance = credits
     apply(updates)
@@ -106,12 +113,18 @@ def drawn_here(flow: CreditFlow, credits: int, updates: list[PriorityUpdate], re
         allowance += grant.credits
         if allowance == 0:
             continue
-        batch = draw(index)
-        if batch is None:
+        if draw_group is None:
+            batch = draw(index)
+            batches = [] if batch is None else [batch]
+        else:
+            most = allowance if not remaining else min(allowance, remaining - (index - first))
+            batches = draw_group(index, most)
+        if not batches:
             return
-        yield batch
-        index += 1
-        allowance -= 1
+        for batch in batches:
+            yield batch
+        index += len(batches)
+        allowance -= len(batches)
 
 
 class LinkRunner:
@@ -127,13 +140,18 @@ class LinkRunner:
             shorter window than one that went away).
         name: for the log (the server's address).
         resumed: called with the first batch of a call that follows a lost one.
+        credits_of: the credits a batch used (default one; a link that hands over a
+            message's chunks as one view, as a sharded stream's shard does, counts
+            them), so that a call reopened after a lost one grants only the room left.
     """
 
     def __init__(self, link: Link, flow: CreditFlow, *, num_batches: int = 0,
                  reconnect: bool = True,
                  retry_window_s: float | Callable[[], float] = 10.0, name: str = "",
-                 resumed: Callable[[], None] | None = None) -> None:
+                 resumed: Callable[[], None] | None = None,
+                 credits_of: Callable[[SampleBatch], int] | None = None) -> None:
         self.link = link
+        self._credits_of = credits_of
         self.flow = flow
         self.num_batches = num_batches
         self.reconnect = reconnect
@@ -168,7 +186,8 @@ class LinkRunner:
                         if self._resumed is not None:
                             self._resumed()
                     self.received += 1
-                    self.flow.arrived(1)
+                    self.flow.arrived(1 if self._credits_of is None
+                                      else self._credits_of(batch))
                     yield batch
             except LinkLost as lost:
                 if self._stopped.is_set():

@@ -9,6 +9,8 @@ probability and weight against one in-process table holding all the rows.
 Each exactness test runs twice: through ``sample`` (a round of unary calls)
 and through ``stream`` (a SampleStream per shard, merged): shards 0 and 1
 stream through shared memory, shard 2 (``shared_memory = false``) over gRPC.
+The prioritized one runs a third time through a ``grouped`` stream (small
+batches merged several per pass, as the learner's stream chooses by default).
 """
 
 from __future__ import annotations
@@ -91,14 +93,19 @@ def sharded(trio, seed: int = 7) -> ShardedClient:
 
 
 def drawn(client: ShardedClient, table: str, batch_size: int, via: str) -> list:
-    """``DRAWS`` merged batches (clones), by unary samples or from one stream."""
+    """``DRAWS`` merged batches (clones), by unary samples or from one stream (``grouped``:
+    small batches merged several per pass, the shards' chunks grouped per message)."""
     if via == "sample":
         return [client.sample(table, batch_size) for _ in range(DRAWS)]
-    stream = client.stream(table, batch_size, num_batches=DRAWS, batches_per_message=1)
+    group = None if via == "grouped" else 1
+    stream = client.stream(table, batch_size, num_batches=DRAWS, batches_per_message=group)
     out = [SampleBatch.from_columns({k: v.clone() for k, v in b.columns.items()},
                                     b.ids.clone(), b.weights.clone(), b.probabilities.clone())
            for b in stream]
     transports = "; ".join(stream.stats.notes)
+    if via == "grouped":  # as the plain stream: 8 per pass, a window of two passes
+        assert "8 merged batches per pass" in transports and stream.window == 16, transports
+        return out
     assert transports.count("shared memory:") == 2, transports  # shards 0 and 1
     assert "shared_memory = false" in transports  # shard 2's note: gRPC
     return out
@@ -130,7 +137,7 @@ def one_table(sampler: SamplerKind, rows: dict[str, torch.Tensor],
 # ------------------------------------------------------------------ exactness
 
 
-@VIA
+@pytest.mark.parametrize("via", ["sample", "stream", "grouped"])
 def test_prioritized_merge_is_one_tables_distribution_and_weights(trio, shards, via) -> None:
     # Shard masses about 0.6 : 20 : 430 (p^alpha summed): hundreds of times apart.
     layout = {0: (5, 0.05), 1: (20, 1.0), 2: (40, 30.0)}

@@ -12,6 +12,13 @@ order, and copies them once, into the learner's batch (or, when one shard's
 whole chunk is the batch, hands the chunk over as it is); a chunk's credit
 goes back to the shard only once all its rows were copied (or the learner
 gave the batch back), so a ring slot is never rewritten under a view.
+Over gRPC, freed chunks' credits go back a group at a time (the chunks the
+shard's server sends per message, its ``batches_per_message``), so the
+server draws and sends full groups instead of a chunk per credit; while the
+merge waits for this shard's rows, every freed chunk's credit goes at once
+(:meth:`ShardRows.flush`), so holding credits back never holds the merge up
+for long and can never leave it waiting for rows the server was not allowed
+to draw.
 
 Rows drawn ahead are iid draws made when the shard drew them: merging
 ``k`` of them is drawing ``k`` (``replay_client.sharded.merge``). A shard
@@ -60,11 +67,13 @@ class ShardRows:
         self._credits = CreditQueue()
         self._runner = LinkRunner(link, CreditFlow(self._credits, window, ride=False),
                                   reconnect=reconnect,
-                                  retry_window_s=retry_window_s, name=name)
+                                  retry_window_s=retry_window_s, name=name,
+                                  credits_of=self._chunks_in)
         self._segments: deque[list] = deque()  # [batch, rows taken from it]
         self._rows = 0
         self._taken = 0
-        self._released = 0
+        self._released = 0      # chunks whose rows are all done
+        self._credited = 0      # credits sent for them
         self._holds: deque[list] = deque()  # [rows taken up to, done], in order
         self.error: BaseException | None = None
         self.ended = False
@@ -95,6 +104,10 @@ class ShardRows:
             with self._cond:
                 self.ended = True
                 self._cond.notify_all()
+
+    def _chunks_in(self, batch: SampleBatch) -> int:
+        """Chunks (credits) one delivered view holds: a grouped message's are one view."""
+        return max(1, -(-batch.batch_size // self.chunk_rows))
 
     @property
     def available(self) -> int:
@@ -128,9 +141,24 @@ class ShardRows:
         hold[1] = True
         while self._holds and self._holds[0][1]:
             free = self._holds.popleft()[0] // self.chunk_rows
-            for _ in range(free - self._released):
-                self._credits.credit()
             self._released = max(self._released, free)
+        if self._released - self._credited >= self.credit_group:
+            self.flush()
+
+    @property
+    def credit_group(self) -> int:
+        """Freed chunks whose credits go back together: the chunks the shard's server sends
+        per message over gRPC (one on shared memory, where each chunk is a ring slot)."""
+        if self.link.transport != "grpc":
+            return 1
+        return max(1, int(getattr(self.link, "batches_per_message", 1)))
+
+    def flush(self) -> None:
+        """Send the credits of every freed chunk now (the merge waits for this shard's rows).
+        Under ``cond``."""
+        for _ in range(self._released - self._credited):
+            self._credits.credit()
+        self._credited = self._released
 
     def grow(self, chunks: int) -> None:
         """Widen the shard's window (over gRPC only: a ring's slots are fixed)."""

@@ -14,6 +14,14 @@ written once into the learner's staging buffer (shuffled together when
 several shards gave rows), with one table's probabilities and importance
 weights. So a streamed batch is distributed as a sampled one.
 
+Small batches are merged several per pass (as a server draws several per
+message for the plain stream, :mod:`replay_client.grouping`): once the
+first batch's size is known, up to ``k`` batches are made each time the
+merge wakes, while their rows are there, and the learner's window widens to
+``2 k`` (unless it gave ``prefetch``); each batch of a pass is still split
+and merged on its own. The shards' credits go back a group at a time too
+(:class:`~replay_client.sharded.rows.ShardRows`).
+
 Copies per batch: the server's gather (into the ring slot, or into its
 batch) and, over gRPC, its encoding; the merge's one copy into the
 learner's (pinned) staging buffer; the device copy. Four at most, three on
@@ -101,6 +109,10 @@ class MergedLink:
         degraded: leave failed or stalled shards out instead of failing.
         wait: wait while no shard has anything to sample.
         wait_timeout: seconds one batch may wait for data (``None``: no limit).
+        group: merged batches made per pass at most (``None``: chosen from the first
+            batch's size, :func:`replay_client.grouping.choose`; small batches: up to 8).
+        prefetch: the window the learner asked for (``None``: widened for small batches).
+        notes: the stream's notes (the grouping chosen is added).
     """
 
     transport = "sharded"
@@ -114,7 +126,8 @@ class MergedLink:
                  generator: np.random.Generator, rng_lock: threading.Lock,
                  refresh: Callable[[int], SamplingMass | None],
                  health: ShardHealth, degraded: bool, wait: bool,
-                 wait_timeout: float | None) -> None:
+                 wait_timeout: float | None, group: int | None = None,
+                 prefetch: int | None = None, notes: list[str] | None = None) -> None:
         self._shards = shards
         self._addresses = dict(shards())
         self._followed = time.monotonic()
@@ -131,6 +144,9 @@ class MergedLink:
         self._degraded = degraded
         self._wait = wait
         self._wait_timeout = wait_timeout
+        self._group = group
+        self._prefetch = prefetch
+        self._notes = notes if notes is not None else []
         self._cond = threading.Condition()
         self._stopped = False
         self._rows: dict[int, ShardRows] = {}
@@ -152,7 +168,16 @@ class MergedLink:
         self._flow = flow
         self._learner_window = flow.window
         return drawn_here(flow, credits, updates, remaining, first, apply=self._route,
-                          draw=self._merged, stopped=lambda: self._stopped)
+                          draw=lambda k: next(iter(self._merged(k, 1)), None),
+                          stopped=lambda: self._stopped,
+                          draw_group=self._merged)
+
+    def may_grow(self) -> bool:
+        """Whether the learner's window may widen now: not while a shard reads a shared-memory
+        ring (its slots are fixed, so its chunks could not follow, and a merge would wait for
+        rows that only the learner's batches, given back after it, could free)."""
+        with self._cond:
+            return all(rows.link.transport == "grpc" for rows in self._rows.values())
 
     def _widen(self) -> None:
         """The learner's window grew (over a slow link): the shards' windows follow."""
@@ -201,12 +226,18 @@ class MergedLink:
                 if shard not in self._rows and not self._stopped:
                     self._start(shard)
 
-    def _merged(self, index: int) -> SampleBatch | None:
+    def _merged(self, index: int, count: int) -> list[SampleBatch]:
+        """Merged batches ``index, index + 1, ...``: at least one (waiting for it), at most
+        ``count`` and the group size; later ones only while every shard has their rows now
+        (``[]``: stopped). Each batch is split and merged on its own, as one draw."""
         started = time.monotonic()
         self._follow()
         self._widen()
+        most = max(1, min(count, self._group or 1))
+        drawn: list[tuple[dict[int, tuple[list[SampleBatch], list]], dict[int, float],
+                          dict[int, SamplingMass], tuple[int, ...]]] = []
         with self._cond:
-            while not self._stopped:
+            while not self._stopped and len(drawn) < most:
                 self._rejoin()
                 live = [s for s in self._rows if s not in self._down]
                 masses = {s: self._rows[s].mass for s in live if self._rows[s].mass is not None}
@@ -215,6 +246,9 @@ class MergedLink:
                         counts = split(self._batch_size, masses, self._rng)
                     except ValueError:
                         counts = None
+                if drawn and (counts is None or any(
+                        k > self._rows[s].available for s, k in counts.items())):
+                    break  # a later batch of the pass waits for nothing: the next pass's turn
                 if counts is None:
                     self._wait_for_data(started, live)
                     continue
@@ -222,23 +256,44 @@ class MergedLink:
                     continue  # a shard failed or stalled and was left out: split again
                 taken = {s: self._rows[s].take(k) for s, k in counts.items() if k > 0}
                 missing = tuple(sorted(s for s in self._addresses if s not in live))
-                q = shares(masses)
                 if missing:
                     self._health.count("degraded_samples")
-                break
+                drawn.append((taken, shares(masses), masses, missing))
+        batches, copied = [], []
+        for offset, (taken, q, masses, missing) in enumerate(drawn):
+            pieces = {s: p for s, (p, _) in taken.items()}
+            whole = self._whole(pieces, q, missing)
+            if whole is not None:  # handed over as it is: its chunk is freed when given back
+                ((rows, hold),) = [(self._rows[s], h) for s, (_, h) in taken.items()]
+                self._when_released(index + offset,
+                                    lambda rows=rows, hold=hold: self._done(rows, hold))
+                batches.append(whole)
             else:
-                return None
-        pieces = {s: p for s, (p, _) in taken.items()}
-        whole = self._whole(pieces, q, missing)
-        if whole is not None:  # handed over as it is: its chunk is freed when given back
-            ((rows, hold),) = [(self._rows[s], h) for s, (_, h) in taken.items()]
-            self._when_released(index, lambda: self._done(rows, hold))
-            return whole
-        batch = self._write(index, pieces, q, masses, missing)
-        with self._cond:
-            for shard, (_, hold) in taken.items():
-                self._rows[shard].done(hold)
-        return batch
+                batches.append(self._write(index + offset, pieces, q, masses, missing))
+                copied += [(self._rows[s], hold) for s, (_, hold) in taken.items()]
+        if copied:
+            with self._cond:
+                for rows, hold in copied:
+                    rows.done(hold)
+        if batches and self._group is None:
+            self._choose_group(batches[0])
+        return batches
+
+    def _choose_group(self, batch: SampleBatch) -> None:
+        """Small batches: merge several per pass and widen the learner's window to two
+        passes, as the plain stream groups them per message (:mod:`replay_client.grouping`)."""
+        nbytes = sum(t.numel() * t.element_size() for t in batch.tensors())
+        chosen = grouping.choose(nbytes, self._prefetch)
+        self._group = chosen.batches_per_message
+        if self._group <= 1:
+            return
+        flow = self._flow
+        if (self._prefetch is None and flow is not None and chosen.prefetch > flow.window
+                and self.may_grow()):
+            flow.grow(chosen.prefetch - flow.window)
+        self._notes.append(f"{self._group} merged batches per pass for {nbytes / 1024:.0f} KiB "
+                           f"batches (prefetch {max(chosen.prefetch, self._learner_window)}; "
+                           f"see replay_client.grouping)")
 
     def _done(self, rows: ShardRows, hold: list) -> None:
         with self._cond:
@@ -291,6 +346,8 @@ class MergedLink:
             short = [s for s, k in counts.items() if k > self._rows[s].available]
             if not short:
                 return True
+            for shard in short:
+                self._rows[shard].flush()  # its held-back credits go now
             now = time.monotonic()
             for shard in short:
                 rows = self._rows[shard]
@@ -419,11 +476,12 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
                       staging=core.staging, when_released=core.when_released,
                       copy=core.copy_rows, generator=generator,
                       rng_lock=rng_lock, refresh=refresh, health=health, degraded=degraded,
-                      wait=options.wait, wait_timeout=options.wait_timeout)
+                      wait=options.wait, wait_timeout=options.wait_timeout,
+                      group=group, prefetch=options.prefetch, notes=core.stats.notes)
     source = LinkSource(link, check_update=check_update, num_batches=options.num_batches,
                         reconnect=False, name=f"{shards} shards")
     if options.prefetch is None:  # widened over slow links; the shards' buffers take as much
-        core.grow_window(options.memory_mb * 2**20 / 2, lambda: True)
+        core.grow_window(options.memory_mb * 2**20 / 2, link.may_grow)
     stream = BatchStream(core, source, table)
     stream.stats.notes.append(
         f"over {shards} shards: one SampleStream each, chunks of {chunk} rows "
