@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_client import grouping, variables
+from replay_client import chunked, grouping, variables
 from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, Connection
@@ -17,7 +17,6 @@ from replay_client.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
     InvalidPriorityError,
-    MessageTooLargeError,
     UnavailableError,
     UnknownTableError,
 )
@@ -36,7 +35,6 @@ from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.dtypes import dtype_name
 from replay_proto.rows import rows_of
-from replay_proto.sample_codec import decode_sample
 from replay_proto.v1 import replay_pb2 as pb
 
 class ServerClient:
@@ -85,7 +83,7 @@ class ServerClient:
         *,
         timeout: float | None = 30.0,
         token: str | None = None,
-        max_message_mb: int = 64,
+        max_message_mb: int = 4,
         max_retry_s: float = 10.0,
         tls: TlsConfig | bool | None = None,
         allow_plaintext_token: bool = False,
@@ -103,6 +101,7 @@ class ServerClient:
                 "REPLAY_TOKEN"), max_message_mb=max_message_mb, max_retry_s=max_retry_s,
             tls=TlsConfig() if tls is True else (tls or None),
             allow_plaintext_token=allow_plaintext_token)
+        self._answers = chunked.LargeAnswers(self._connection)
         self._lock = threading.Lock()
         self._updater: PriorityUpdater | None = None
         self._updater_pid = 0
@@ -171,17 +170,7 @@ class ServerClient:
                 raise InvalidPriorityError(
                     f"priorities must have shape [{rows}] (one per row), got {list(prios.shape)}"
                 )
-        raw = messages.encode_insert(table, columns, prios)
-        limit = self._connection.max_message_bytes
-        if len(raw) > limit:
-            rows = next(iter(columns.values())).shape[0] if columns else 0
-            fit = max(1, rows * limit // (2 * len(raw)))
-            raise MessageTooLargeError(
-                f"an insert of {rows} rows is {len(raw) / 2**20:.1f} MiB, over the "
-                f"{limit >> 20} MiB message limit; insert at most about {fit} rows "
-                f"per call (or use a Writer, which batches for you)"
-            )
-        return messages.decode_insert_response(self._connection.unary("Insert", raw, retry=False))
+        return chunked.insert(self._connection, table, columns, prios)
 
     def sample(self, table: str, batch_size: int, *, wait: bool = False,
                timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
@@ -203,8 +192,7 @@ class ServerClient:
         _check_int("batch_size", batch_size, 1)
         request = pb.SampleRequest(table=table, batch_size=batch_size,
                                    wait_for_data=bool(wait)).SerializeToString()
-        return decode_sample(self._connection.unary("Sample", request, retry=True,
-                                                    timeout=timeout))
+        return self._answers.sample(table, batch_size, request, timeout)
 
     def update_priorities(
         self, table: str, ids: Any, priorities: Any, *, wait: bool = True
@@ -334,7 +322,8 @@ class ServerClient:
                 tensors of a supported dtype, empty, or a bad name (nothing sent
                 when the client can tell).
             VariableBudgetError: the server's variables would exceed its budget.
-            MessageTooLargeError: larger than the message-size limit.
+            OverloadedError, LimitExceededError: a variable over the message limit
+                travels in chunks, reserved whole from the server's memory budget.
         """
         return variables.publish(self._connection, name, state_dict)
 
@@ -353,7 +342,7 @@ class ServerClient:
             UnknownVariableError: nothing was published under ``name`` (without ``newer_than``).
             InvalidArgumentError: a bad ``newer_than`` or ``timeout``.
         """
-        return variables.fetch(self._connection, name, newer_than, timeout)
+        return variables.fetch(self._answers, name, newer_than, timeout)
 
     def writer(self, table: str, **options: Any) -> Writer:
         """A :class:`~replay_client.writer.Writer` appending steps to ``table``."""

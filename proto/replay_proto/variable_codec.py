@@ -15,7 +15,17 @@ from typing import Any
 
 import torch
 
-from replay_proto.codec import decode_tensors, encode_tensors, expect_end, frame, split_payload
+from replay_proto.chunks import payload_parts, scatter
+from replay_proto.codec import (
+    CodecError,
+    decode_tensors,
+    encode_tensors,
+    expect_end,
+    frame,
+    spec_nbytes,
+    split_payload,
+    tensor_bytes,
+)
 from replay_proto.dtypes import DTYPES
 from replay_proto.v1 import replay_pb2 as pb
 
@@ -64,8 +74,15 @@ class FetchAnswer:
 
 
 def encode_publish(name: str, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    return frame(*publish_parts(name, tensors))
+
+
+def publish_parts(name: str, tensors: Mapping[str, torch.Tensor]
+                  ) -> tuple[pb.PublishRequest, list[memoryview]]:
+    """A PublishRequest's header and payload buffers, not yet joined (one message, or
+    chunks: :mod:`replay_proto.chunks`)."""
     specs, buffers = encode_tensors(tensors)
-    return frame(pb.PublishRequest(name=name, tensors=specs), buffers)
+    return pb.PublishRequest(name=name, tensors=specs), buffers
 
 
 def decode_publish(raw: bytes) -> tuple[str, dict[str, torch.Tensor]]:
@@ -77,8 +94,15 @@ def decode_publish(raw: bytes) -> tuple[str, dict[str, torch.Tensor]]:
 
 
 def encode_fetch(name: str, version: int, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    return frame(*fetch_parts(name, version, tensors))
+
+
+def fetch_parts(name: str, version: int, tensors: Mapping[str, torch.Tensor]
+                ) -> tuple[pb.FetchResponse, list[memoryview]]:
+    """A FetchResponse's header and payload buffers, not yet joined (one message, or
+    chunks: :mod:`replay_proto.chunks`)."""
     specs, buffers = encode_tensors(tensors)
-    return frame(pb.FetchResponse(found=True, name=name, version=version, tensors=specs), buffers)
+    return pb.FetchResponse(found=True, name=name, version=version, tensors=specs), buffers
 
 
 def encode_not_newer(name: str) -> bytes:
@@ -92,3 +116,24 @@ def decode_fetch(raw: bytes) -> FetchAnswer:
     expect_end(payload, offset)
     return FetchAnswer(header.found, header.name, header.version,
                        {key: t.clone() for key, t in tensors.items()})
+
+
+def decode_fetch_chunks(messages: list[bytes]) -> FetchAnswer:
+    """The answer of ``FetchChunks`` (one message, or a chunked transfer), its tensors
+    copied out of the messages into one new tensor each (the caller owns them)."""
+    header, parts = payload_parts(messages, pb.FetchResponse)
+    if len(parts) == 1:
+        return decode_fetch(messages[0])
+    specs = list(header.tensors)
+    keys = [spec.key for spec in specs]
+    if len(set(keys)) != len(keys):
+        raise CodecError("a key appears twice in a FetchResponse")
+    needed = sum(spec_nbytes(spec) for spec in specs)
+    if needed != header.payload_bytes:
+        raise CodecError(f"payload has {header.payload_bytes} bytes but the tensors described "
+                         f"need {needed}")
+    tensors = {spec.key: torch.empty(tuple(spec.shape), dtype=DTYPES[spec.dtype])
+               for spec in specs}
+    scatter(parts, [tensor_bytes(t) for t in tensors.values()])
+    return FetchAnswer(header.found, header.name, header.version, tensors)
+

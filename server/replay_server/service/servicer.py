@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 
 from replay_proto import messages
+from replay_proto.chunks import chunk_bytes
 from replay_proto.codec import CodecError
 from replay_proto.sample_codec import HEADROOM, encode_sample
 from replay_proto.v1 import replay_pb2 as pb
@@ -100,7 +101,7 @@ class ReplayServicer:
         self.calls = CallRunner(executor, self._may_pass)
         """Runs every call's engine work; the server sets its ``draining``/``restoring``."""
         self.variables = VariableService(
-            VariableStore(0) if variables is None else variables, self.calls)
+            VariableStore(0) if variables is None else variables, self.calls, max_message_bytes)
         """Publish and Fetch (named variables)."""
         self._update_stream = UpdateStreamHandler(self.calls, self._stream_update,
                                                   self._stream_update_now)
@@ -113,18 +114,24 @@ class ReplayServicer:
     def handler(self) -> grpc.GenericRpcHandler:
         """A generic handler serving every RPC of ``replay.v1.ReplayService``."""
         unary, stream = self._admission.unary, self._admission.stream
+        chunked, unary_stream = self._admission.chunked, self._admission.unary_stream
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
                 "Insert": unary("Insert", self.insert),
+                "InsertChunks": chunked("InsertChunks", pb.InsertRequest, self.insert),
                 "Sample": unary("Sample", self.sample),
+                "SampleChunks": unary_stream("SampleChunks", self.sample_chunks),
                 "SampleStream": stream("SampleStream", self.sample_stream),
                 "UpdatePriorities": unary("UpdatePriorities", self.update_priorities),
                 "Info": unary("Info", self.info),
                 "Reset": unary("Reset", self.reset),
                 "Checkpoint": unary("Checkpoint", self.checkpoint),
                 "Publish": unary("Publish", self.variables.publish),
+                "PublishChunks": chunked("PublishChunks", pb.PublishRequest,
+                                         self.variables.publish),
                 "Fetch": unary("Fetch", self.variables.fetch),
+                "FetchChunks": unary_stream("FetchChunks", self.variables.fetch_chunks),
                 "UpdateStream": stream("UpdateStream", self._update_stream.serve),
                 "Delete": unary("Delete", self.delete),
             },
@@ -144,10 +151,12 @@ class ReplayServicer:
                      reservation: Reservation) -> bytes:
         return await self.calls.change(context, self._sample, raw, reservation)
 
-    def _sample(self, raw: bytes, reservation: Reservation) -> tuple[str, bytes]:
+    def _sample(self, raw: bytes, reservation: Reservation,
+                chunks: bool = False) -> tuple[str, Any]:
+        """A batch as one message, or (``chunks``) as SampleChunks' messages."""
         request = _parse(pb.SampleRequest, raw)
         table = self._tables[request.table]
-        estimate = self._check_unary_size(table, request.batch_size)
+        estimate = self._check_unary_size(table, request.batch_size, chunks)
         # The batch and its encoded message, held until the client has taken the answer.
         reservation.resize(len(raw) + 2 * estimate,
                            f"Sample: a batch of {request.batch_size} from table {table.name!r}")
@@ -156,7 +165,16 @@ class ReplayServicer:
         except BaseException:
             reservation.resize(len(raw), "")
             raise
+        if chunks:
+            return request.table, encode_sample(batch, 0, chunk_bytes(self._max_message))
         return request.table, encode_sample(batch, 0, self._max_message)[0]
+
+    async def sample_chunks(self, raw: bytes, context: grpc.aio.ServicerContext,
+                            reservation: Reservation) -> AsyncIterator[bytes]:
+        """SampleChunks: one batch as messages of whole rows under the message limit."""
+        messages = await self.calls.change(context, self._sample, raw, reservation, True)
+        for message in messages:
+            yield message
 
     async def sample_stream(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
@@ -299,15 +317,22 @@ class ReplayServicer:
 
     # ---------------------------------------------------------------- helpers
 
-    def _check_unary_size(self, table: Table, batch_size: int) -> int:
-        """The bytes of a batch of ``batch_size``, refused if over the message or batch limit."""
+    def _check_unary_size(self, table: Table, batch_size: int, chunks: bool = False) -> int:
+        """The bytes of a batch of ``batch_size``, refused if over the message (one message,
+        or with ``chunks`` one row) or batch limit."""
         # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT), not a size problem.
         estimate = table.batch_nbytes(batch_size) if 1 <= batch_size <= MAX_BATCH_SIZE else 0
-        if estimate > self._max_message - HEADROOM:
+        row = table.batch_nbytes(1) if estimate else 0
+        if chunks and row > chunk_bytes(self._max_message):
+            raise LimitExceededError(
+                f"table {table.name!r}: one row (or slice) of a sample is about {row >> 10} KiB, "
+                f"over the {self._max_message >> 20} MiB message limit less its header; raise "
+                f"server.max_message_mb (and the client's max_message_mb)")
+        if not chunks and estimate > self._max_message - HEADROOM:
             raise MessageTooLargeError(
                 f"table {table.name!r}: a batch of {batch_size} is about {estimate >> 20} MiB, "
-                f"over the {self._max_message >> 20} MiB message limit; use SampleStream "
-                f"(client.stream), which splits batches, or a smaller batch_size"
+                f"over the {self._max_message >> 20} MiB message limit: sample it with "
+                f"SampleChunks (ReplayClient.sample does by itself) or SampleStream"
             )
         limit = self._stream_limits.max_batch_bytes
         if estimate > limit:
