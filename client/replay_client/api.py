@@ -65,8 +65,8 @@ class ReplayApi(Protocol):
     def checkpoint(self, *, timeout: float | None = 600.0) -> str | dict[int, str]:
         """Have the server(s) write a checkpoint; where it was written."""
 
-    def reset(self, table: str) -> None:
-        """Remove every row of ``table``."""
+    def reset(self, table: str, *, schema: bool = False) -> None:
+        """Remove every row of ``table`` (``schema=True``: and forget its schema)."""
 
     def publish(self, name: str, state_dict: Any) -> int:
         """Store ``state_dict`` as the next version of variable ``name``; that version."""

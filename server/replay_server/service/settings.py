@@ -172,9 +172,10 @@ class ServerSettings:
     def table_configs(self) -> tuple[TableConfig, ...]:
         """The tables, each with ``pin_memory`` resolved from the server's setting.
 
-        ``"auto"`` pins only the tables whose storage can be pinned (not memmap
-        or compressed tables: their own rules refuse it); ``"true"`` asks it of
-        every table, so such a table is refused at start, naming why.
+        ``"auto"`` pins only the tables whose storage can be pinned (not a table
+        with every column on memmap: its own rule refuses it; a compressed
+        table's plain columns are pinned); ``"true"`` asks it of every table, so
+        such a table is refused at start, naming why.
         """
         if not self.pinned:
             return tuple(replace(t, pin_memory=False) for t in self.tables)
