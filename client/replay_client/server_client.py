@@ -13,6 +13,7 @@ from replay_client import chunked, grouping, variables
 from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, Connection
+from replay_client.leases import ClientLeases
 from replay_client.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -102,6 +103,7 @@ class ServerClient:
             tls=TlsConfig() if tls is True else (tls or None),
             allow_plaintext_token=allow_plaintext_token)
         self._answers = chunked.LargeAnswers(self._connection)
+        self._leases = ClientLeases()
         self._lock = threading.Lock()
         self._updater: PriorityUpdater | None = None
         self._updater_pid = 0
@@ -185,14 +187,33 @@ class ServerClient:
             timeout: seconds the call may take, waiting included (default: the
                 client's; ``None``: no limit), then :class:`DeadlineExceededError`.
 
+        On a queue table (``fifo``/``lifo``) the rows are taken under a lease:
+        the client's next sample of the table (or :meth:`ack`) acknowledges
+        them; a retry after a lost answer gets the same rows; rows never
+        acknowledged return to the queue after the table's ``lease_timeout_s``
+        (:mod:`replay_client.leases`; docs/service.md, "Delivery").
+
         Raises:
             InvalidArgumentError: ``batch_size`` is not a positive integer (checked here).
             EmptyTableError, UnknownTableError, DeadlineExceededError, ...: from the server.
         """
         _check_int("batch_size", batch_size, 1)
-        request = pb.SampleRequest(table=table, batch_size=batch_size,
-                                   wait_for_data=bool(wait)).SerializeToString()
-        return self._answers.sample(table, batch_size, request, timeout)
+        lease, acknowledge = self._leases.next(table)
+        request = pb.SampleRequest(table=table, batch_size=batch_size, wait_for_data=bool(wait),
+                                   lease=lease, acknowledge=acknowledge).SerializeToString()
+        batch = self._answers.sample(table, batch_size, request, timeout)
+        self._leases.taken(table, lease, acknowledge)
+        return batch
+
+    def ack(self, table: str) -> None:
+        """Acknowledge the rows this client's samples of queue table ``table`` took: they
+        never return to the queue (its next sample would acknowledge them too). A no-op
+        for other tables, and when nothing is pending."""
+        pending = self._leases.pending(table)
+        if pending:
+            request = pb.AcknowledgeRequest(table=table, leases=pending).SerializeToString()
+            self._connection.unary("Acknowledge", request, retry=True)
+            self._leases.acknowledged(table, pending)
 
     def update_priorities(
         self, table: str, ids: Any, priorities: Any, *, wait: bool = True

@@ -541,6 +541,10 @@ class ShardedClient:
         """
         return self._all(lambda c: c.checkpoint(timeout=timeout))
 
+    def ack(self, table: str) -> None:
+        """Acknowledge this client's samples of queue table ``table`` on every shard."""
+        self._all(lambda c: c.ack(table))
+
     def reset(self, table: str, *, schema: bool = False) -> None:
         """Remove every row of ``table`` on every shard (``schema``: see ``ReplayClient.reset``)."""
         self._all(lambda c: c.reset(table, schema=schema))

@@ -111,6 +111,11 @@ class ReplayServiceStub:
                 request_serializer=replay_dot_v1_dot_replay__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.DeleteResponse.FromString,
                 _registered_method=True)
+        self.Acknowledge = channel.unary_unary(
+                '/replay.v1.ReplayService/Acknowledge',
+                request_serializer=replay_dot_v1_dot_replay__pb2.AcknowledgeRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.AcknowledgeResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServiceServicer:
@@ -330,6 +335,16 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Acknowledge(self, request, context):
+        """Acknowledges leases of a table (see SampleRequest.lease): their rows
+        never come back. Unknown or expired names are ignored (an expired
+        lease's rows are back in the queue). Acknowledging is also what a
+        sample's `acknowledge` does, so a learner rarely needs this call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -407,6 +422,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=replay_dot_v1_dot_replay__pb2.DeleteRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.DeleteResponse.SerializeToString,
+            ),
+            'Acknowledge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acknowledge,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.AcknowledgeRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.AcknowledgeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -815,6 +835,33 @@ class ReplayService:
             '/replay.v1.ReplayService/Delete',
             replay_dot_v1_dot_replay__pb2.DeleteRequest.SerializeToString,
             replay_dot_v1_dot_replay__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acknowledge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replay.v1.ReplayService/Acknowledge',
+            replay_dot_v1_dot_replay__pb2.AcknowledgeRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.AcknowledgeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,6 +22,7 @@ from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IdSpace, IncarnationSource, LocalIncarnations
 from replay_server.engine.ids import IdRing
 from replay_server.engine.inputs import check_sampler_columns
+from replay_server.engine.leases import Leases
 from replay_server.engine.memory import MemoryLedger, format_bytes
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.readers import FrameStacks, NStepReturns, Reader, StoredRows
@@ -60,6 +61,7 @@ class TableParts:
     limiter: RateLimiter
     remover: Remover | None
     readers: list[Reader] = field(default_factory=list)
+    leases: Leases = field(default_factory=Leases)
     schema: Schema | None = None
     storage: ColumnStorage | None = None
 

@@ -40,6 +40,9 @@ log = logging.getLogger("replay_server")
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 
+LEASE_CLOCK_S = 0.5
+"""How often the rows of expired leases are returned to their queues (without a sample)."""
+
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
     """Refuses calls without ``authorization: Bearer <token>`` (health checks excepted).
@@ -155,6 +158,7 @@ class ReplayServer:
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self._timer: asyncio.Task | None = None
+        self._leases: asyncio.Task | None = None
         self._restored = False
         self.port: int | None = None
 
@@ -237,6 +241,7 @@ class ReplayServer:
         interval = self.settings.checkpoint_interval_s
         if self.checkpointer is not None and interval > 0:
             self._timer = asyncio.create_task(self._checkpoint_every(interval))
+        self._leases = asyncio.create_task(self._servicer.expire_leases_every(LEASE_CLOCK_S))
         return self.port
 
     async def _restore(self, cancel: threading.Event | None) -> None:
@@ -291,6 +296,8 @@ class ReplayServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._timer is not None:
             self._timer.cancel()
+        if self._leases is not None:
+            self._leases.cancel()
         await self._server.stop(grace)
         self._executor.shutdown(wait=True)
         if checkpoint and self.checkpointer is not None and self._restored:

@@ -16,6 +16,7 @@ updates on the event loop when their table is free), sharing the runner.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Executor
@@ -33,6 +34,7 @@ from replay_proto.v1 import replay_pb2 as pb
 from replay_server.checkpoint import Checkpointer, CheckpointResult
 from replay_server.engine.id_space import IncarnationSource, LocalIncarnations
 from replay_server.engine.inputs import MAX_BATCH_SIZE
+from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
 from replay_server.engine.variables import VariableStore
@@ -134,6 +136,7 @@ class ReplayServicer:
                 "FetchChunks": unary_stream("FetchChunks", self.variables.fetch_chunks),
                 "UpdateStream": stream("UpdateStream", self._update_stream.serve),
                 "Delete": unary("Delete", self.delete),
+                "Acknowledge": unary("Acknowledge", self.acknowledge),
             },
         )
 
@@ -156,18 +159,52 @@ class ReplayServicer:
         """A batch as one message, or (``chunks``) as SampleChunks' messages."""
         request = _parse(pb.SampleRequest, raw)
         table = self._tables[request.table]
+        lease = self._lease(table, request)
         estimate = self._check_unary_size(table, request.batch_size, chunks)
         # The batch and its encoded message, held until the client has taken the answer.
         reservation.resize(len(raw) + 2 * estimate,
                            f"Sample: a batch of {request.batch_size} from table {table.name!r}")
         try:
-            batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data)
+            batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data,
+                         lease=lease)
         except BaseException:
             reservation.resize(len(raw), "")
             raise
         if chunks:
             return request.table, encode_sample(batch, 0, chunk_bytes(self._max_message))
         return request.table, encode_sample(batch, 0, self._max_message)[0]
+
+    @staticmethod
+    def _lease(table: Table, request: pb.SampleRequest) -> LeaseRequest | None:
+        """The sample's lease (its acknowledgements applied first), or ``None``."""
+        if not table.config.sampler.traits.consumes:
+            return None  # nothing is leased: nothing to acknowledge
+        if request.acknowledge:
+            table.settle_leases(acknowledge=request.acknowledge)
+        if not request.lease:
+            return None
+        return LeaseRequest(request.lease, table.config.effective_lease_timeout_s)
+
+    async def acknowledge(self, raw: bytes, context: grpc.aio.ServicerContext,
+                          _: Reservation) -> bytes:
+        return await self.calls.run(context, self._acknowledge, raw)
+
+    def _acknowledge(self, raw: bytes) -> bytes:
+        request = _parse(pb.AcknowledgeRequest, raw)
+        self._tables[request.table].settle_leases(acknowledge=request.leases)
+        return pb.AcknowledgeResponse().SerializeToString()
+
+    async def expire_leases_every(self, interval_s: float) -> None:
+        """Return the rows of expired leases to their queues every ``interval_s`` (so calls
+        waiting for rows wake without a sample to notice); runs until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval_s)
+            for table in self._tables:
+                if table.config.sampler.traits.consumes:
+                    back = await loop.run_in_executor(self.calls.executor, table.settle_leases)
+                    if back:
+                        self.calls.blocked.changed(table.name)
 
     async def sample_chunks(self, raw: bytes, context: grpc.aio.ServicerContext,
                             reservation: Reservation) -> AsyncIterator[bytes]:
