@@ -157,38 +157,40 @@ def test_a_retry_with_the_same_request_id_gets_the_same_rows(queue_server) -> No
         assert client.info()["queue"].size == 35
 
 
-def test_expired_leases_return_their_rows_to_a_waiting_learner(tmp_path) -> None:
+@pytest.fixture
+def two_learners(tmp_path: Path) -> Iterator[tuple[ReplayClient, ReplayClient]]:
+    """Two clients of a queue whose leases expire after one second."""
     server = start_server(tmp_path, config(lease_timeout_s=1.0))
     try:
-        with ReplayClient(server.address, timeout=30) as gone, \
-                ReplayClient(server.address, timeout=30) as other:
-            fill(gone, 10)
-            taken = gone.sample("queue", 10).data["x"].tolist()  # never acknowledged
-            assert other.info()["queue"].size == 0
-            again = other.sample("queue", 10, wait=True, timeout=20).data["x"].tolist()
-            assert sorted(again) == sorted(taken) == list(range(10))
-            assert other.info()["queue"].counters["returned"] == 10
+        with ReplayClient(server.address, timeout=30) as one, \
+                ReplayClient(server.address, timeout=30) as two:
+            yield one, two
     finally:
         server.stop()
 
 
-def test_acknowledged_rows_never_come_back(tmp_path) -> None:
-    server = start_server(tmp_path, config(lease_timeout_s=1.0))
-    try:
-        with ReplayClient(server.address, timeout=30) as acker, \
-                ReplayClient(server.address, timeout=30) as leaver:
-            fill(acker, 20)
-            acked = acker.sample("queue", 5).data["x"].tolist()
-            acker.ack("queue")
-            left = leaver.sample("queue", 5).data["x"].tolist()  # never acknowledged
-            # The positive event: the later lease expired and its rows came back ...
-            assert wait_for(lambda: acker.info()["queue"].counters["returned"] == 5, timeout=20)
-            rest = drain(acker)
-            # ... and the acknowledged rows, taken earlier, did not.
-            assert sorted(rest) == sorted(left + list(range(10, 20)))
-            assert not set(rest) & set(acked)
-    finally:
-        server.stop()
+def test_expired_leases_return_their_rows_to_a_waiting_learner(two_learners) -> None:
+    gone, other = two_learners
+    fill(gone, 10)
+    taken = gone.sample("queue", 10).data["x"].tolist()  # never acknowledged
+    assert other.info()["queue"].size == 0
+    again = other.sample("queue", 10, wait=True, timeout=20).data["x"].tolist()
+    assert sorted(again) == sorted(taken) == list(range(10))
+    assert other.info()["queue"].counters["returned"] == 10
+
+
+def test_acknowledged_rows_never_come_back(two_learners) -> None:
+    acker, leaver = two_learners
+    fill(acker, 20)
+    acked = acker.sample("queue", 5).data["x"].tolist()
+    acker.ack("queue")
+    left = leaver.sample("queue", 5).data["x"].tolist()  # never acknowledged
+    # The positive event: the later lease expired and its rows came back ...
+    assert wait_for(lambda: acker.info()["queue"].counters["returned"] == 5, timeout=20)
+    rest = drain(acker)
+    # ... and the acknowledged rows, taken earlier, did not.
+    assert sorted(rest) == sorted(left + list(range(10, 20)))
+    assert not set(rest) & set(acked)
 
 
 def test_kill_9_redelivers_exactly_what_was_not_acknowledged_by_the_checkpoint(tmp_path) -> None:

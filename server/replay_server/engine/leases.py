@@ -14,11 +14,12 @@ positions, weights and probabilities. Then:
 * **expired** (``lease_timeout_s`` after it was taken, :meth:`Leases.due`)
   or **given back** (its taker went away: a stream that ended): the remover
   returns the rows to their place in the queue's order
-  (:meth:`~replay_server.engine.remover.Remover.give_back`), the rate
+  (:meth:`~replay_server.engine.table_parts.TableParts.give_back`, through
+  :meth:`~replay_server.engine.remover.Remover.give_back`), the rate
   limiter counts them as never sampled nor deleted, and they are handed out
   again.
 * **a checkpoint** saves the queue as if every lease had been given back
-  (:meth:`Leases.unheld`), so after a crash and restore a lease never
+  (:meth:`~replay_server.engine.table_parts.TableParts.leases_given_back`), so after a crash and restore a lease never
   acknowledged is handed out again (at least once); acknowledged rows are
   not, if the checkpoint came after the acknowledgement.
 
@@ -31,8 +32,9 @@ Memory: per lease, its rows' positions, weights and probabilities (20 bytes
 a row) and a deadline entry (kept under twice the leases held, plus 64);
 leases hold distinct rows, so at most ``capacity`` rows in all.
 Cost: O(rows + log leases) to take, acknowledge or return a lease; an
-expiry check is O(1) when nothing is due (a heap of deadlines). Not
-thread-safe: called under the table's lock.
+expiry check is O(1) when nothing is due (a heap of deadlines). This
+module keeps the books; the table's parts move the rows (the layers meet
+only there). Not thread-safe: called under the table's lock.
 """
 
 from __future__ import annotations
@@ -40,19 +42,13 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-import numpy as np
 
 from replay_proto.mass import SamplingMass
+from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import Removal, SampleIndex
 from replay_server.errors import InvalidArgumentError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from replay_server.engine.table_parts import TableParts
 
 MAX_LEASE_NAME = 256
 """Longest lease name (a request id) accepted."""
@@ -86,6 +82,10 @@ class Lease:
     mass: SamplingMass | None
     deadline: float
 
+    def all(self) -> list[Lease]:
+        """The leases held, oldest first."""
+        return list(self._held.values())
+
     @property
     def rows(self) -> int:
         return sum(removal.positions.size for removal in self.removals)
@@ -102,12 +102,16 @@ class Leases:
     def __len__(self) -> int:
         return len(self._held)
 
+    def all(self) -> list[Lease]:
+        """The leases held, oldest first."""
+        return list(self._held.values())
+
     @property
     def rows(self) -> int:
         """Rows held by leases now."""
         return sum(lease.rows for lease in self._held.values())
 
-    def held(self, name: str, parts: TableParts) -> Lease | None:
+    def held(self, name: str, ring: IdRing) -> Lease | None:
         """The lease ``name`` if it is held and its rows are still stored.
 
         Raises:
@@ -117,7 +121,7 @@ class Leases:
         lease = self._held.get(name)
         if lease is None:
             return None
-        if not parts.ring.live(lease.index.ids.reshape(-1)).all():
+        if not ring.live(lease.index.ids.reshape(-1)).all():
             del self._held[name]
             raise InvalidArgumentError(
                 f"the rows of lease {name[:64]!r} were overwritten by newer inserts before it "
@@ -168,59 +172,3 @@ class Leases:
         """Forget every lease (the table was reset or loaded: their rows are gone)."""
         self._held.clear()
         self._deadlines.clear()
-
-    @contextmanager
-    def unheld(self, parts: TableParts) -> Iterator[None]:
-        """For the block, the queue as if every lease had been given back; then held again.
-
-        What a checkpoint saves (under the table's lock): rows not acknowledged
-        are in the queue, so a restore hands them out again.
-        """
-        leases = list(self._held.values())
-        for lease in leases:
-            give_back(parts, lease, count=False)
-        try:
-            yield
-        finally:
-            for lease in reversed(leases):
-                retake(parts, lease)
-
-
-def give_back(parts: TableParts, lease: Lease, *, count: bool = True) -> int:
-    """Return ``lease``'s rows still stored to the queue; how many came back.
-
-    The rate limiter counts them as neither sampled nor deleted; with
-    ``count``, the table's ``returned`` counter grows by them.
-    """
-    remover = parts.remover
-    assert remover is not None, "leases are taken from tables whose rows leave when sampled"
-    back = sum(remover.give_back(parts.sampler, removal) for removal in reversed(lease.removals))
-    parts.limiter.deleted(-back)
-    parts.limiter.sampled(-back)
-    if count:
-        parts.counters.returned += back
-    return back
-
-
-def retake(parts: TableParts, lease: Lease) -> None:
-    """Take ``lease``'s rows out of the queue again after :func:`give_back` (``count=False``)."""
-    remover = parts.remover
-    assert remover is not None
-    positions = np.concatenate([removal.positions for removal in lease.removals]) \
-        if lease.removals else np.empty(0, dtype=np.int64)
-    positions = positions[parts.ring.live(positions)] if positions.size else positions
-    again = remover.delete(parts.sampler, np.sort(positions))
-    parts.limiter.deleted(again)
-    parts.limiter.sampled(again)
-
-
-def settle(parts: TableParts, acknowledge: Iterable[str] = (),
-           give_back_names: Iterable[str] = ()) -> int:
-    """Acknowledge leases, give others back, and return the rows of those expired now;
-    the rows that came back. O(1) when the table holds no lease."""
-    leases = parts.leases
-    if not len(leases):
-        return 0
-    leases.acknowledge(acknowledge)
-    taken = leases.take_back(give_back_names) + leases.due()
-    return sum(give_back(parts, lease) for lease in taken)

@@ -58,7 +58,7 @@ from replay_server.engine.readers.framestack import check_insert as check_stacks
 from replay_server.engine.storage.placement import table_device
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.insert_event import InsertEvent
-from replay_server.engine.leases import LeaseRequest, settle
+from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
 from replay_server.engine.table_info import Capabilities, TableCounters, TableFigures, TableInfo
@@ -270,8 +270,8 @@ class Table:
         leased = lease is not None and self.config.sampler.traits.consumes
         with self._lock:
             parts = self._parts
-            settle(parts)
-            held = parts.leases.held(lease.name, parts) if leased else None
+            parts.settle_leases()
+            held = parts.leases.held(lease.name, parts.ring) if leased else None
             if held is not None:  # a retry of a sample whose answer was lost: the same rows
                 return parts.storage.place(self._read(parts, held.index, held.mass, out), out)
             parts.limiter.check_sample(rows, self.name)
@@ -317,7 +317,7 @@ class Table:
         went away), and return the rows of expired ones to the queue. Unknown names are
         ignored. Returns the rows that came back. See :mod:`replay_server.engine.leases`."""
         with self._lock:
-            back = settle(self._parts, acknowledge, give_back)
+            back = self._parts.settle_leases(acknowledge, give_back)
             if back:
                 self.changes.tick()
         return back

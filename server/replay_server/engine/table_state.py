@@ -64,7 +64,7 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
     """
     arena = Arena(arena_bytes or 16 * parts.used)
     # Leased rows are saved in the queue: a lease not acknowledged is handed out again.
-    with lock, arena.active(), parts.leases.unheld(parts):
+    with lock, arena.active(), parts.leases_given_back():
         used = parts.used
         state = {
             "version": STATE_VERSION,
