@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from replay_client import ReplayClient, errors
+from replay_client.leases import ClientLeases
 from replay_proto.sample_codec import decode_sample
 from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import ServerProcess, start_server, wait_for
@@ -111,13 +112,17 @@ def fill(client: ReplayClient, n: int = ROWS) -> None:
 
 
 def drain(client: ReplayClient, batch: int = BATCH) -> list[int]:
-    """Every row the queue hands out, taken batch by batch (each acknowledging the last)."""
+    """Every row the queue hands out, taken batch by batch (each acknowledging the last) until
+    it is empty (the last rows one at a time). Only samples: every answer the proxy loses is
+    a sample's."""
     got: list[int] = []
     while True:
-        size = client.info()["queue"].size
-        if size == 0:
-            break
-        got += client.sample("queue", min(batch, size)).data["x"].tolist()
+        try:
+            got += client.sample("queue", batch).data["x"].tolist()
+        except errors.EmptyTableError:
+            if batch == 1:
+                break
+            batch = 1
     client.ack("queue")
     return got
 
@@ -136,6 +141,21 @@ def test_lost_answers_lose_no_row_and_duplicate_none(queue_server) -> None:
           f"{len(got) - len(set(got))} duplicated")
     assert len(got) == len(set(got)), "a row was delivered twice to the live learner"
     assert sorted(got) == list(range(ROWS)), "a row was lost"
+
+
+def test_without_leases_the_same_attack_loses_rows(queue_server, monkeypatch) -> None:
+    """The attack bites: a client that names no lease (as before leases) loses rows to it."""
+    monkeypatch.setattr(ClientLeases, "next", lambda self, table: ("", []))
+    with ReplayClient(queue_server.address, timeout=30) as writer:
+        fill(writer)
+    proxy = LossyProxy(queue_server.address, every=3)
+    try:
+        with ReplayClient(proxy.address, timeout=60, max_retry_s=30) as learner:
+            got = drain(learner)
+    finally:
+        proxy.close()
+    print(f"without leases, {proxy.dropped} answers lost: {ROWS - len(set(got))} rows lost")
+    assert len(set(got)) < ROWS and proxy.dropped >= 10
 
 
 def test_a_retry_with_the_same_request_id_gets_the_same_rows(queue_server) -> None:
@@ -191,6 +211,17 @@ def test_acknowledged_rows_never_come_back(two_learners) -> None:
     # ... and the acknowledged rows, taken earlier, did not.
     assert sorted(rest) == sorted(left + list(range(10, 20)))
     assert not set(rest) & set(acked)
+
+
+def test_the_next_sample_acknowledges_the_last(two_learners) -> None:
+    learner, other = two_learners
+    fill(learner, 20)
+    first = learner.sample("queue", 5).data["x"].tolist()
+    second = learner.sample("queue", 5).data["x"].tolist()  # acknowledges the first; then silent
+    assert wait_for(lambda: other.info()["queue"].counters["returned"] == 5, timeout=20)
+    rest = drain(other)
+    assert sorted(rest) == sorted(second + list(range(10, 20)))
+    assert not set(rest) & set(first)
 
 
 def test_kill_9_redelivers_exactly_what_was_not_acknowledged_by_the_checkpoint(tmp_path) -> None:
