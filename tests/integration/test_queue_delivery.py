@@ -127,17 +127,23 @@ def drain(client: ReplayClient, batch: int = BATCH) -> list[int]:
     return got
 
 
-def test_lost_answers_lose_no_row_and_duplicate_none(queue_server) -> None:
-    with ReplayClient(queue_server.address, timeout=30) as writer:
+def drain_through_lossy_proxy(server: ServerProcess) -> tuple[list[int], int]:
+    """Fill the queue with :data:`ROWS` rows, then drain it through a proxy losing every third
+    answer; the rows the learner got, and how many answers were lost."""
+    with ReplayClient(server.address, timeout=30) as writer:
         fill(writer)
-    proxy = LossyProxy(queue_server.address, every=3)
+    proxy = LossyProxy(server.address, every=3)
     try:
         with ReplayClient(proxy.address, timeout=60, max_retry_s=30) as learner:
-            got = drain(learner)
+            return drain(learner), proxy.dropped
     finally:
         proxy.close()
-    assert proxy.dropped >= 10, "the proxy lost no answer"
-    print(f"{proxy.dropped} answers lost: {ROWS - len(set(got))} rows lost, "
+
+
+def test_lost_answers_lose_no_row_and_duplicate_none(queue_server) -> None:
+    got, dropped = drain_through_lossy_proxy(queue_server)
+    assert dropped >= 10, "the proxy lost no answer"
+    print(f"{dropped} answers lost: {ROWS - len(set(got))} rows lost, "
           f"{len(got) - len(set(got))} duplicated")
     assert len(got) == len(set(got)), "a row was delivered twice to the live learner"
     assert sorted(got) == list(range(ROWS)), "a row was lost"
@@ -146,16 +152,9 @@ def test_lost_answers_lose_no_row_and_duplicate_none(queue_server) -> None:
 def test_without_leases_the_same_attack_loses_rows(queue_server, monkeypatch) -> None:
     """The attack bites: a client that names no lease (as before leases) loses rows to it."""
     monkeypatch.setattr(ClientLeases, "next", lambda self, table: ("", []))
-    with ReplayClient(queue_server.address, timeout=30) as writer:
-        fill(writer)
-    proxy = LossyProxy(queue_server.address, every=3)
-    try:
-        with ReplayClient(proxy.address, timeout=60, max_retry_s=30) as learner:
-            got = drain(learner)
-    finally:
-        proxy.close()
-    print(f"without leases, {proxy.dropped} answers lost: {ROWS - len(set(got))} rows lost")
-    assert len(set(got)) < ROWS and proxy.dropped >= 10
+    got, dropped = drain_through_lossy_proxy(queue_server)
+    print(f"without leases, {dropped} answers lost: {ROWS - len(set(got))} rows lost")
+    assert len(set(got)) < ROWS and dropped >= 10
 
 
 def test_a_retry_with_the_same_request_id_gets_the_same_rows(queue_server) -> None:
