@@ -23,7 +23,7 @@ import torch
 
 from replay_client import ReplayClient, errors
 from replay_client.leases import ClientLeases
-from replay_proto.sample_codec import decode_sample
+from replay_proto.sample_codec import SampleDecoder, decode_sample, split_sample
 from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import ServerProcess, start_server, wait_for
 
@@ -31,7 +31,8 @@ ROWS = 1000
 BATCH = 10
 
 
-def config(lease_timeout_s: float = 60.0, checkpoint_dir: Path | None = None) -> str:
+def config(lease_timeout_s: float = 60.0, checkpoint_dir: Path | None = None,
+           capacity: int = 10000) -> str:
     server = f'checkpoint_dir = "{checkpoint_dir}"\ncheckpoint_interval_s = 0\n' \
         if checkpoint_dir else ""
     return f"""
@@ -39,7 +40,7 @@ def config(lease_timeout_s: float = 60.0, checkpoint_dir: Path | None = None) ->
 {server}
 [[tables]]
 name = "queue"
-capacity = 10000
+capacity = {capacity}
 sampler = "fifo"
 lease_timeout_s = {lease_timeout_s}
 """
@@ -174,6 +175,32 @@ def test_a_retry_with_the_same_request_id_gets_the_same_rows(queue_server) -> No
             assert not set(second) & set(first)
             assert ask("request-1") != first  # acknowledged: a new lease of that name
         assert client.info()["queue"].size == 35
+
+
+def test_a_retried_chunked_sample_gets_the_same_rows(tmp_path) -> None:
+    """A batch over the message limit travels on SampleChunks; its lease holds there too."""
+    server = start_server(tmp_path, config(capacity=8))
+    try:
+        with ReplayClient(server.address, timeout=30) as client, \
+                grpc.insecure_channel(server.address) as channel:
+            client.insert("queue", {"x": torch.arange(6),
+                                    "frame": torch.zeros(6, 3 << 20, dtype=torch.uint8)})
+            chunks = channel.unary_stream("/replay.v1.ReplayService/SampleChunks")
+
+            def ask(lease: str) -> list[int]:
+                request = pb.SampleRequest(table="queue", batch_size=2, lease=lease)
+                decoder, batches = SampleDecoder(), []
+                for answer in chunks(request.SerializeToString(), timeout=30):
+                    batches += decoder.add(*split_sample(answer))
+                assert len(batches) == 1
+                return batches[0].ids.tolist()
+
+            first = ask("chunked-1")
+            assert ask("chunked-1") == first  # the answer was "lost": the same rows again
+            assert client.info()["queue"].size == 4
+            assert client.sample("queue", 2).data["x"].tolist() == [2, 3]  # the client chunks it
+    finally:
+        server.stop()
 
 
 @pytest.fixture
