@@ -29,7 +29,7 @@ class ReplayClient(ReplayApi):
             shard) or ``"shards://NAME:PORT"`` for a sharded replay.
         **options: the chosen client's keywords: ``timeout``, ``token``,
             ``max_message_mb``, ``max_retry_s``, ``tls``,
-            ``allow_plaintext_token`` for every client (see
+            ``allow_plaintext_token``, ``connect_timeout_s`` for every client (see
             :class:`~replay_client.server_client.ServerClient`); ``resolver``,
             ``seed``, ``allow_degraded``, ``resolve_interval_s`` for a sharded
             one (see :class:`~replay_client.sharded.client.ShardedClient`).

@@ -12,15 +12,9 @@ import torch
 from replay_client import chunked, grouping, variables
 from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
-from replay_client.connection import CLIENT_TIMEOUT, Connection
+from replay_client.connection import CLIENT_TIMEOUT, CONNECT_TIMEOUT_S, Connection
+from replay_client.errors import InvalidArgumentError, InvalidPriorityError
 from replay_client.leases import ClientLeases
-from replay_client.errors import (
-    DeadlineExceededError,
-    InvalidArgumentError,
-    InvalidPriorityError,
-    UnavailableError,
-    UnknownTableError,
-)
 from replay_client.stream import SampleLink, StagingTarget
 from replay_client.stream_options import feed_core, stream_options
 from replay_client.table_info import ServerInfo, TableInfo, server_info_of
@@ -61,7 +55,7 @@ class ServerClient:
     state; it is never retried. ``timeout=None`` waits as long as it takes.
 
     Args:
-        address: ``host:port`` of the server.
+        address: ``host:port`` of the server (``host`` alone: port 50051).
         timeout: seconds each call may take, retries included (``None``: no limit).
         token: auth token, sent as ``authorization: Bearer <token>``; defaults
             to the ``REPLAY_TOKEN`` environment variable when set.
@@ -72,6 +66,9 @@ class ServerClient:
             mutual TLS, the client's certificate and key.
         allow_plaintext_token: send the token over plaintext to a non-loopback
             address (it can be read on the network); otherwise that is refused.
+        connect_timeout_s: seconds calls retry a server that has not answered yet
+            (nothing listening at ``address``) before raising
+            :class:`UnavailableError` "no replay server at HOST:PORT (is it running?)".
 
     Raises:
         InvalidArgumentError: the address is not a string, or a token would
@@ -88,6 +85,7 @@ class ServerClient:
         max_retry_s: float = 10.0,
         tls: TlsConfig | bool | None = None,
         allow_plaintext_token: bool = False,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ) -> None:
         if not isinstance(address, str):
             raise InvalidArgumentError(
@@ -101,7 +99,7 @@ class ServerClient:
             address, timeout=timeout, token=token if token is not None else os.environ.get(
                 "REPLAY_TOKEN"), max_message_mb=max_message_mb, max_retry_s=max_retry_s,
             tls=TlsConfig() if tls is True else (tls or None),
-            allow_plaintext_token=allow_plaintext_token)
+            allow_plaintext_token=allow_plaintext_token, connect_timeout_s=connect_timeout_s)
         self._answers = chunked.LargeAnswers(self._connection)
         self._leases = ClientLeases()
         self._lock = threading.Lock()
@@ -117,6 +115,11 @@ class ServerClient:
     @property
     def timeout(self) -> float | None:
         return self._connection.timeout
+
+    @property
+    def connection(self) -> Connection:
+        """The connection's settings and channel (shared by this client's calls and streams)."""
+        return self._connection
 
     # ------------------------------------------------------------ connection
 
@@ -174,16 +177,19 @@ class ServerClient:
                 )
         return chunked.insert(self._connection, table, columns, prios)
 
-    def sample(self, table: str, batch_size: int, *, wait: bool = False,
+    def sample(self, table: str, batch_size: int, *, wait: bool | None = None,
                timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
         """Draw one batch; ``batch.data`` keeps the inserted (nested) structure.
 
         Args:
             table: table name.
             batch_size: rows (or slices).
-            wait: while the table is empty, wait on the server (holding no
-                thread there) for rows to arrive instead of raising
-                :class:`EmptyTableError`; a rate-limited sample always waits.
+            wait: ``True``: while the table cannot serve the batch (empty, or
+                held back by its rate limiter), wait on the server (holding no
+                thread there). ``False``: never wait: raise
+                :class:`EmptyTableError` at once. ``None`` (the default): an
+                empty table raises :class:`EmptyTableError` at once, a sample
+                the rate limiter holds back waits (Reverb's flow control).
             timeout: seconds the call may take, waiting included (default: the
                 client's; ``None``: no limit), then :class:`DeadlineExceededError`.
 
@@ -200,7 +206,8 @@ class ServerClient:
         _check_int("batch_size", batch_size, 1)
         lease, acknowledge = self._leases.next(table)
         request = pb.SampleRequest(table=table, batch_size=batch_size, wait_for_data=bool(wait),
-                                   lease=lease, acknowledge=acknowledge).SerializeToString()
+                                   never_wait=wait is False, lease=lease,
+                                   acknowledge=acknowledge).SerializeToString()
         batch = self._answers.sample(table, batch_size, request, timeout)
         self._leases.taken(table, lease, acknowledge)
         return batch
@@ -410,58 +417,44 @@ class ServerClient:
         """
         _check_int("batch_size", batch_size, 1)
         opts = stream_options(options, keywords)
-        prefetch, batches_per_message = opts.prefetch, opts.batches_per_message
-        chosen = None
-        if batches_per_message is None:
-            chosen = grouping.choose(self._batch_bytes(table, batch_size), prefetch)
-            prefetch, batches_per_message = chosen.prefetch, chosen.batches_per_message
-        elif prefetch is None:
-            prefetch = grouping.DEFAULT_PREFETCH
-        window = prefetch
+        group = opts.batches_per_message
+        window = opts.prefetch or grouping.DEFAULT_PREFETCH
         shared_memory = opts.shared_memory
-        if batches_per_message > 1:
+        if group is not None and group > 1:
             # Groups travel in gRPC messages (one shared-memory descriptor per batch would
             # cost more for the small rows grouping is for), and the window holds two groups
             # so the server draws one while the learner consumes the other.
             shared_memory = False
-            window = max(prefetch, 2 * batches_per_message)
+            window = max(window, 2 * group)
         core = feed_core(window, opts)
-        link = SampleLink(
-            self._connection, table, batch_size,
-            StagingTarget(core.staging, core.copy_rows, core.stats, core.delivery),
-            batches_per_message=batches_per_message,
-            shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
-            wait=opts.wait, wait_timeout=opts.wait_timeout)
+        link = self.link(table, batch_size,
+                         StagingTarget(core.staging, core.copy_rows, core.stats, core.delivery),
+                         batches_per_message=group, prefetch=opts.prefetch,
+                         shared_memory=shared_memory, wait=opts.wait,
+                         wait_timeout=opts.wait_timeout)
+        if opts.prefetch is None:  # the stream's own window: widened over a slow link
+            core.grow_window(opts.memory_mb * 2**20, lambda: link.transport == "grpc")
         source = LinkSource(link, check_update=priority_update, num_batches=opts.num_batches,
                             reconnect=opts.reconnect,
-                            retry_window_s=self._connection.max_retry_s,
+                            retry_window_s=self._connection.retry_window,
                             name=self._connection.address)
         stream = BatchStream(core, source, table)
-        if chosen is not None and chosen.note:
-            stream.stats.notes.append(chosen.note)
-        if window > prefetch:
+        if group is not None and window > (opts.prefetch or window):
             stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
-                                      f"batches_per_message={batches_per_message} fit the window")
+                                      f"batches_per_message={group} fit the window")
         return stream
 
-    def _batch_bytes(self, table: str, batch_size: int) -> int | None:
-        """Bytes of one batch of ``table`` from its schema (``None``: no schema yet, or no answer)."""
-        try:
-            timeout = min(self.timeout or _PROBE_TIMEOUT_S, _PROBE_TIMEOUT_S)
-            raw = self._connection.unary("Info", pb.InfoRequest().SerializeToString(),
-                                         retry=False, timeout=timeout)
-        except (UnavailableError, DeadlineExceededError):
-            return None  # the stream itself will wait for the server; nothing is grouped
-        tables = pb.InfoResponse.FromString(raw).tables
-        for t in tables:
-            if t.name == table:
-                return grouping.batch_bytes(dict(t.schema), batch_size, t.slice_len or None)
-        raise UnknownTableError(
-            f"no table named {table!r}; tables: {', '.join(sorted(t.name for t in tables))}")
+    def link(self, table: str, batch_size: int, target: StagingTarget, *,
+             batches_per_message: int | None = 1, prefetch: int | None = None,
+             shared_memory: bool = True, wait: bool = True,
+             wait_timeout: float | None = None) -> SampleLink:
+        """This server's ``SampleStream`` as a :class:`~replay_feed.link.Link` (arguments as
+        :class:`~replay_client.stream.SampleLink`'s), for :meth:`stream` and for a stream
+        built over many servers (the sharded stream's shards)."""
+        return SampleLink(self._connection, table, batch_size, target,
+                          batches_per_message=batches_per_message, prefetch=prefetch,
+                          shared_memory=shared_memory, wait=wait, wait_timeout=wait_timeout)
 
-
-_PROBE_TIMEOUT_S = 5.0
-"""How long ``stream`` waits for the table's schema when it chooses the grouping."""
 
 
 def _columns(data: Any) -> dict[str, torch.Tensor]:

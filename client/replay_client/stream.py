@@ -33,6 +33,7 @@ empty, waits instead of failing with ``EmptyTableError``.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -42,8 +43,9 @@ import grpc
 import numpy as np
 import torch
 
+from replay_client import grouping
 from replay_client.connection import Connection
-from replay_client.errors import UnavailableError, from_rpc_error
+from replay_client.errors import UnavailableError
 from replay_feed.core import FeedStats
 from replay_feed.credits import CreditFlow, Grant, PriorityUpdate
 from replay_feed.delivery import Delivery
@@ -52,10 +54,14 @@ from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, request_bytes_metadata
+from replay_proto.codec import spec_nbytes
 from replay_proto.sample_codec import Allocate, SampleDecoder, split_sample
 from replay_proto.v1 import replay_pb2 as pb
 
 log = logging.getLogger("replay_client.stream")
+
+FLUSH_S = 0.5
+"""How long closing a stream waits for its last updates to be sent before cancelling."""
 
 MAX_UPDATE_IDS = (STREAM_MESSAGE_BYTES - 1024) // 16
 """Ids one credit message carries at most (int64 id + float64 priority each); a larger
@@ -88,28 +94,36 @@ class _Outgoing:
         self.flow = flow
         self.first = first
         self.done = False
+        self.finished = threading.Event()
         self.answers: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
     def requests(self) -> Iterator[bytes]:
-        yield from self.first
-        while True:
-            grant = self.flow.next_grant()
-            if grant is None:
-                return  # the stream is stopping: half-close
-            if self.done:
-                self.flow.unsent(grant)
-                return
+        try:
+            yield from self.first
             while True:
-                try:
-                    yield self.answers.get_nowait()
-                except queue.Empty:
-                    break
-            if grant:
-                yield from self.link.encode_grant(grant)
+                grant = self.flow.next_grant()
+                if grant is None:
+                    return  # the stream is stopping: half-close
+                if self.done:
+                    self.flow.unsent(grant)
+                    return
+                while True:
+                    try:
+                        yield self.answers.get_nowait()
+                    except queue.Empty:
+                        break
+                if grant:
+                    yield from self.link.encode_grant(grant)
+        finally:
+            self.finished.set()
 
     def answer(self, accepted: bool, reason: str = "") -> None:
-        self.answers.put(pb.SampleStreamRequest(shared_memory_answer=pb.SharedMemoryAnswer(
-            accepted=accepted, reason=reason)).SerializeToString())
+        self.send(pb.SampleStreamRequest(shared_memory_answer=pb.SharedMemoryAnswer(
+            accepted=accepted, reason=reason)))
+
+    def send(self, message: pb.SampleStreamRequest) -> None:
+        """A message of the client's own (an answer, a new grouping), before the next grant."""
+        self.answers.put(message.SerializeToString())
         self.flow.wake()
 
 
@@ -122,26 +136,34 @@ class SampleLink:
         batch_size: rows (or slices) per batch.
         target: where batches go (the feed's staging, or views).
         batches_per_message: let the server draw and send that many batches at
-            once (gRPC only; a throughput trade-off for small rows).
+            once (gRPC only; a throughput trade-off for small rows); ``None``:
+            chosen when the first batch's size is known (:mod:`replay_client.grouping`),
+            within ``prefetch`` if the learner gave one, else widening the window
+            to hold two groups.
+        prefetch: the window the learner asked for (``None``: the stream's own).
         shared_memory: offer to read a same-host ring (falls back to gRPC when
-            the server cannot or the ring cannot be mapped).
+            the server cannot or the ring cannot be mapped; ``REPLAY_SHARED_MEMORY=0``
+            in the environment turns it off).
         wait: the server waits while the table cannot serve a batch (also after a reconnect).
         wait_timeout: seconds a batch may wait (``None``: no limit).
     """
 
     def __init__(self, connection: Connection, table: str, batch_size: int,
-                 target: StagingTarget, *, batches_per_message: int = 1,
-                 shared_memory: bool = True, wait: bool = True,
+                 target: StagingTarget, *, batches_per_message: int | None = 1,
+                 prefetch: int | None = None, shared_memory: bool = True, wait: bool = True,
                  wait_timeout: float | None = None) -> None:
         self.connection = connection
         self.table = table
         self.batch_size = batch_size
         self.target = target
-        self.batches_per_message = batches_per_message
-        self.shared_memory = shared_memory
+        self.batches_per_message = batches_per_message or 1
+        self._grouping_chosen = batches_per_message is not None
+        self._prefetch = prefetch
+        self.shared_memory = shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0"
         self.wait = wait
         self.wait_timeout = wait_timeout
         self._call: Any = None
+        self._outgoing: _Outgoing | None = None
         self._ring: SharedRing | None = None
         self._registered = False
         self._stopped = threading.Event()
@@ -160,7 +182,7 @@ class SampleLink:
                                    batches_per_message=self.batches_per_message,
                                    wait_for_data=self.wait,
                                    wait_timeout_s=self.wait_timeout or 0.0)
-        opening = pb.SampleStreamRequest(request=request, credits=credits,
+        opening = pb.SampleStreamRequest(request=request, credits=credits, window=flow.window,
                                          shared_memory=self.shared_memory, host_id=host_id())
         head = (self._first_with_updates(opening, updates) if updates
                 else [opening.SerializeToString()])
@@ -173,7 +195,7 @@ class SampleLink:
             call = connection.method("SampleStream", kind="stream_stream")(
                 outgoing.requests(),
                 metadata=connection.metadata + request_bytes_metadata(STREAM_MESSAGE_BYTES))
-            self._call = call
+            self._call, self._outgoing = call, outgoing
         target = self.target
         views = target.allocate is None
 
@@ -190,12 +212,13 @@ class SampleLink:
                 header, payload = split_sample(raw)
                 if opened:
                     opened = False
+                    connection.answered = True
                     self._on_first(header, outgoing, flow)
                 yield from decoder.add(header, payload)
         except grpc.RpcError as exc:
             if self._stopped.is_set():
                 return
-            error = from_rpc_error(exc, connection.address)
+            error = connection.error(exc)
             if isinstance(error, UnavailableError):
                 raise LinkLost(error, self._give_up(error)) from None
             raise error from None
@@ -231,19 +254,25 @@ class SampleLink:
         return parts
 
     def _give_up(self, error: BaseException) -> Callable[[float], BaseException]:
-        address = self.connection.address
+        connection = self.connection
 
         def give_up(window: float) -> BaseException:
-            return UnavailableError(
-                f"stream from {address} lost and not back within {window:.0f} s: {error}")
+            if not connection.answered:
+                return error  # "no replay server at HOST:PORT (is it running?)"
+            return UnavailableError(f"stream from {connection.address} lost and not back "
+                                    f"within {window:.0f} s: {error}")
 
         return give_up
 
     def stop(self) -> None:
+        """End the call: once the request iterator has sent what it holds (the updates the
+        learner made last, when its credits stopped; at most :data:`FLUSH_S`), cancel it."""
         with self._lock:
             self._stopped.set()
-            call = self._call
+            call, outgoing = self._call, self._outgoing
         if call is not None:
+            if outgoing is not None and outgoing.flow.stopping.is_set():
+                outgoing.finished.wait(FLUSH_S)
             call.cancel()
 
     def close(self) -> None:
@@ -252,9 +281,31 @@ class SampleLink:
 
     # ------------------------------------------------------------ shared memory
 
+    def _choose_grouping(self, header: pb.SampleResponse, outgoing: _Outgoing,
+                         flow: CreditFlow) -> bool:
+        """Group small batches, now that the first one's size is known; whether grouped."""
+        self._grouping_chosen = True
+        specs = [*header.columns, header.ids, header.weights, header.probabilities]
+        per_row = sum(spec_nbytes(spec) // max(1, spec.shape[0]) for spec in specs if spec.shape)
+        chosen = grouping.choose(per_row * self.batch_size, self._prefetch)
+        if chosen.batches_per_message <= 1:
+            return False
+        self.batches_per_message = chosen.batches_per_message
+        outgoing.send(pb.SampleStreamRequest(batches_per_message=chosen.batches_per_message))
+        if chosen.prefetch > flow.window:
+            flow.grow(chosen.prefetch - flow.window)
+        self.target.stats.notes.append(chosen.note)
+        return True
+
     def _on_first(self, header: pb.SampleResponse, outgoing: _Outgoing, flow: CreditFlow) -> None:
         notes = self.target.stats.notes
-        if header.HasField("shared_memory_offer"):
+        grouped = not self._grouping_chosen and self._choose_grouping(header, outgoing, flow)
+        if grouped and header.HasField("shared_memory_offer"):
+            reason = (f"small batches are grouped over gRPC (batches_per_message="
+                      f"{self.batches_per_message})")
+            outgoing.answer(False, reason)  # the server unlinks the ring it offered
+            notes.append(f"gRPC: {reason}")
+        elif header.HasField("shared_memory_offer"):
             offer = header.shared_memory_offer
             try:
                 ring = SharedRing.open(offer.name, offer.token, offer.slots, offer.slot_bytes,

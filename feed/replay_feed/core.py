@@ -66,6 +66,7 @@ from replay_feed.credits import CreditFlow, CreditQueue, PriorityUpdate
 from replay_feed.delivery import Delivery
 from replay_feed.pipeline import DeliveryStage, HostCopier
 from replay_feed.tree import tree_leaves
+from replay_feed.window import WindowGrowth
 from replay_proto.batch import SampleBatch
 
 Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
@@ -193,7 +194,6 @@ class FeedCore:
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {type(transform).__name__}")
         self.prefetch = prefetch
-        self.slots = prefetch + 1
         self.delivery = delivery
         self.transform = transform
         self.stats = FeedStats()
@@ -207,6 +207,9 @@ class FeedCore:
         self._pinned_out = _Slots(accel.pinned_empty if pinned else _host_empty)  # type: ignore[union-attr]
         self._held: _Ready | None = None
         self._taken = 0
+        self._flow: CreditFlow | None = None
+        self._on_release: dict[int, Callable[[], None]] = {}
+        self._growth: WindowGrowth | None = None
         self._copier = HostCopier(threads)
         if pipelined is None:
             pipelined = delivery.device is not None
@@ -230,8 +233,23 @@ class FeedCore:
         return self._staging.sets
 
     def flow(self) -> CreditFlow:
-        """The learner's credits as a link forwards them, over a window of ``prefetch``."""
-        return CreditFlow(self.credits, self.prefetch)
+        """The learner's credits as a link forwards them, over a window of ``prefetch``
+        (grown later by :meth:`grow_window`'s rule, if set)."""
+        if self._flow is None:
+            self._flow = CreditFlow(self.credits, self.prefetch)
+        return self._flow
+
+    @property
+    def window(self) -> int:
+        """The learner's window now (``prefetch`` until a link widened it)."""
+        return self.prefetch if self._flow is None else self._flow.window
+
+    def grow_window(self, budget_bytes: float, may_grow: Callable[[], bool]) -> None:
+        """Let the window grow while the learner starves (:mod:`replay_feed.window`)."""
+        self._growth = WindowGrowth(
+            self.flow(), budget_bytes,
+            lambda: self.stats.bytes / self.stats.batches if self.stats.batches else None,
+            may_grow, self.stats.notes.append)
 
     def copy_rows(self, dest: torch.Tensor, start: int, src: torch.Tensor) -> None:
         """``dest[start : start + len(src)] = src`` on host memory, split across cores when large.
@@ -312,6 +330,15 @@ class FeedCore:
             self.delivery.accelerator.synchronize(event)
         self._staging.release(index)
         self._pinned_out.release(index)
+        hook = self._on_release.pop(index, None)
+        if hook is not None:
+            hook()
+
+    def when_released(self, index: int, hook: Callable[[], None]) -> None:
+        """Call ``hook`` once the learner gave batch ``index`` back and its device copy is done
+        (for a source that lent the learner memory of its own: a shared-memory chunk).
+        Producer thread; the hook runs on the credits' reader thread."""
+        self._on_release[index] = hook
 
     def update_priorities(self, update: PriorityUpdate) -> None:
         """Queue ``update`` to go before the next credit (learner's thread)."""
@@ -328,7 +355,8 @@ class FeedCore:
         held, self._held = self._held, None
         start = time.perf_counter()
         item = self._ready.get()
-        self.stats.wait_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.stats.wait_s += waited
         if item is _END:
             self._ready.put(_END)
             raise StopIteration
@@ -343,6 +371,8 @@ class FeedCore:
             self.delivery.accelerator.consume(item.leaves, item.event)
         self.stats.batches += 1
         self.stats.bytes += item.nbytes
+        if self._growth is not None:
+            self._growth.took(waited)
         return item.value
 
     @property

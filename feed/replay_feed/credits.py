@@ -31,6 +31,10 @@ from typing import Any
 
 import numpy as np
 
+RIDE_MAX_IDS = 4096
+"""Updates held for the next credit go without it once they hold this many ids (a learner
+updating faster than it takes batches does not pile them up)."""
+
 _STOP: Any = object()
 _WAKE: Any = object()
 
@@ -125,10 +129,17 @@ class CreditFlow:
     Args:
         credits: the consumer's queue.
         window: the initial window (>= 1).
+        ride: priority updates wait for the next credit and travel in its message
+            (a learner's stream: one message per batch taken); ``False``: they
+            go at once, in a message of their own (a shard of a sharded stream,
+            whose credits come only as the merge uses its rows). Held updates go
+            without a credit once they hold :data:`RIDE_MAX_IDS` ids. Either way
+            an update reaches the producer before the credits granted after it.
     """
 
-    def __init__(self, credits: CreditQueue, window: int) -> None:
+    def __init__(self, credits: CreditQueue, window: int, *, ride: bool = True) -> None:
         self._credits = credits
+        self._ride = ride
         self._lock = threading.Lock()
         self.window = window
         self._finished = 0      # credits forwarded (one per batch the consumer finished)
@@ -173,18 +184,27 @@ class CreditFlow:
 
     def next_grant(self, block: bool = True) -> Grant | None:
         """The next grant to forward on the open call: blocking until there is one, or
-        until a :meth:`wake` (an empty grant); ``None``: stopping."""
-        grant = self._credits.take(block)
-        with self._lock:
-            if grant is None:
-                if not self._unsent:
-                    return None
-                grant = Grant()
-            self._finished += grant.credits
-            grant.credits += self._extra
-            grant.updates[:0], self._unsent = self._unsent, []
-            self._extra = 0
-        return grant
+        until a :meth:`wake` (an empty grant); ``None``: stopping (updates still held then
+        come first, in a grant of their own)."""
+        while True:
+            grant = self._credits.take(block)
+            with self._lock:
+                if grant is None:
+                    if not self._unsent:
+                        return None
+                    grant, self._unsent = Grant(0, self._unsent), []
+                    return grant
+                self._finished += grant.credits
+                grant.credits += self._extra
+                self._extra = 0
+                grant.updates[:0], self._unsent = self._unsent, []
+                held = sum(u.ids.size for u in grant.updates)
+                if self._ride and grant.updates and not grant.credits and held < RIDE_MAX_IDS:
+                    self._unsent = grant.updates  # they ride on the next credit
+                    if not block:
+                        return Grant()
+                    continue
+            return grant
 
     def unsent(self, grant: Grant) -> None:
         """``grant`` was taken for a call that has ended: its updates go with the next call's

@@ -78,6 +78,42 @@ class Link(Protocol):
         """Release what the link holds (a mapped ring), once no call runs any more."""
 
 
+def drawn_here(flow: CreditFlow, credits: int, updates: list[PriorityUpdate], remaining: int,
+               first: int, *, apply: Callable[[list[PriorityUpdate]], None],
+               draw: Callable[[int], SampleBatch | None],
+               stopped: Callable[[], bool]) -> Iterator[SampleBatch]:
+    """The call of a link that draws where it runs (a table in this process, the merge of a
+    sharded stream's shards): batch ``k`` is drawn only once a credit allows it, and the
+    updates that came with (or before) that credit are applied first.
+
+    Args:
+        apply: applies priority updates (before any later draw).
+        draw: draws batch ``k`` (``None``: stopped meanwhile).
+        stopped: whether the link was stopped.
+    """
+    allowance = credits
+    apply(updates)
+    index = first
+    while not stopped() and (not remaining or index - first < remaining):
+        grant = flow.next_grant(block=allowance == 0)
+        while grant is not None and allowance + grant.credits == 0 and not grant.updates:
+            if stopped():
+                return
+            grant = flow.next_grant()  # woken for nothing: wait on
+        if grant is None:
+            return
+        apply(grant.updates)
+        allowance += grant.credits
+        if allowance == 0:
+            continue
+        batch = draw(index)
+        if batch is None:
+            return
+        yield batch
+        index += 1
+        allowance -= 1
+
+
 class LinkRunner:
     """The calls of one stream over ``link`` until it has its batches (see the module docstring).
 
@@ -86,13 +122,16 @@ class LinkRunner:
         flow: the consumer's credits.
         num_batches: batches in all (0: until stopped).
         reconnect: open a new call after a lost one (else raise its error).
-        retry_window_s: how long reconnecting may go on before giving up.
+        retry_window_s: how long reconnecting may go on before giving up: seconds, or
+            a function asked once per outage (a server that never answered may get a
+            shorter window than one that went away).
         name: for the log (the server's address).
         resumed: called with the first batch of a call that follows a lost one.
     """
 
     def __init__(self, link: Link, flow: CreditFlow, *, num_batches: int = 0,
-                 reconnect: bool = True, retry_window_s: float = 10.0, name: str = "",
+                 reconnect: bool = True,
+                 retry_window_s: float | Callable[[], float] = 10.0, name: str = "",
                  resumed: Callable[[], None] | None = None) -> None:
         self.link = link
         self.flow = flow
@@ -137,12 +176,14 @@ class LinkRunner:
                 if not self.reconnect:
                     raise lost.error from None
                 if backoff is None:
-                    backoff = Backoff(self.retry_window_s)
+                    window = self.retry_window_s
+                    window = window() if callable(window) else window
+                    backoff = Backoff(window)
                     log.warning("stream from %s lost (%s); reconnecting for up to %.0f s",
-                                self.name, lost.error, self.retry_window_s)
+                                self.name, lost.error, window)
                 delay = backoff.next_delay()
                 if delay is None:
-                    raise lost.give_up(self.retry_window_s) from None
+                    raise lost.give_up(window) from None
                 self._stopped.wait(delay)
             # A call that ended by itself before the stream had its batches: open the next.
 

@@ -30,13 +30,14 @@ class LinkSource:
             entry's own typed error); ``None``: the stream takes none.
         num_batches: batches in all (0: until the learner stops).
         reconnect: reopen a lost call (with backoff, within ``retry_window_s``).
-        retry_window_s: how long reconnecting may go on.
+        retry_window_s: how long reconnecting may go on (seconds, or a function asked
+            once per outage; see :class:`~replay_feed.link.LinkRunner`).
         name: for the log (where batches come from).
     """
 
     def __init__(self, link: Link, *, check_update: CheckUpdate | None = None,
-                 num_batches: int = 0, reconnect: bool = True, retry_window_s: float = 10.0,
-                 name: str = "") -> None:
+                 num_batches: int = 0, reconnect: bool = True,
+                 retry_window_s: float | Callable[[], float] = 10.0, name: str = "") -> None:
         self.link = link
         self._check = check_update
         self._num_batches = num_batches

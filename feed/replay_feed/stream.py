@@ -86,6 +86,12 @@ class BatchStream:
         return self._core.delivery.pin
 
     @property
+    def window(self) -> int:
+        """Batches that may be in flight or buffered ahead of the learner now (``prefetch``,
+        or what the stream widened it to over a slow link)."""
+        return self._core.window
+
+    @property
     def transport(self) -> str:
         """How batches travel: ``shared_memory``, ``grpc`` or ``in_process``."""
         return self.stats.transport

@@ -53,7 +53,8 @@ def test_both_clients_implement_every_call_of_the_protocol_with_its_signature(
 
 
 def test_the_sharded_client_has_every_public_call_of_the_plain_one() -> None:
-    public = {n for n in dir(ServerClient) if not n.startswith("_")}
+    # What the sharded layer builds on (one server's connection and stream link) is not a call.
+    public = {n for n in dir(ServerClient) if not n.startswith("_")} - {"connection", "link"}
     missing = {n for n in public if n not in ShardedClient.__dict__}
     assert not missing, missing
 

@@ -8,7 +8,7 @@ at most ``max_message_mb`` (4 MiB), large requests travel in chunks reserved
 whole from the budget before they are read, and a stream's flow-control
 window stays 64 KiB, so the server holds at most
 
-    budget + max_concurrent_calls x (2 x max_message + 64 KiB)
+    budget + (max_concurrent_calls + max_waiting_calls) x (2 x max_message + 64 KiB)
 
 (a message is held twice for a moment: in gRPC's buffer and in the copy it
 hands the handler)
@@ -39,16 +39,18 @@ from tests.conftest import ServerProcess, module_server, wait_for
 
 BUDGET_MIB = 128
 CALLS = 32
+WAITING = 8
 MESSAGE_MIB = 4
 WINDOW_KIB = 64
 SLACK_MIB = 96
-BOUND_MIB = BUDGET_MIB + CALLS * (2 * MESSAGE_MIB + WINDOW_KIB / 1024)
+BOUND_MIB = BUDGET_MIB + (CALLS + WAITING) * (2 * MESSAGE_MIB + WINDOW_KIB / 1024)
 
 CONFIG = f"""
 [server]
 memory_budget_mb = {BUDGET_MIB}
 max_batch_mb = 48
 max_concurrent_calls = {CALLS}
+max_waiting_calls = {WAITING}
 
 [[tables]]
 name = "frames"
@@ -224,7 +226,7 @@ def test_lying_clients_cannot_push_the_server_past_the_transport_bound(
     assert set(codes) <= allowed, codes
     assert_nothing_stored(client)
     print(f"{name}: {clients} clients, server RSS +{watch.grew_mib:.0f} MiB (bound "
-          f"{BOUND_MIB:.0f} MiB = budget {BUDGET_MIB} + {CALLS} calls x (2 x {MESSAGE_MIB} MiB "
+          f"{BOUND_MIB:.0f} MiB = budget {BUDGET_MIB} + {CALLS + WAITING} calls x (2 x {MESSAGE_MIB} MiB "
           f"+ window))")
 
 

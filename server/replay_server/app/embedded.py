@@ -30,23 +30,22 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from replay_feed.core import FeedCore
 from replay_feed.credits import CreditFlow, PriorityUpdate
+from replay_feed.link import drawn_here
 from replay_feed.source import LinkSource
 from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
+from replay_server.engine.inputs import update_values
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
 from replay_server.errors import (
     ConfigError,
     EmptyTableError,
     InvalidArgumentError,
-    InvalidIdsError,
-    InvalidPriorityError,
     RateLimitedError,
 )
 from replay_server.service.server import ReplayServer
@@ -90,31 +89,14 @@ class TableLink:
 
     def call(self, flow: CreditFlow, credits: int, updates: list[PriorityUpdate],
              remaining: int, first: int) -> Iterator[SampleBatch]:
-        allowance = credits
-        self._apply(updates)
-        index = first
-        while not self._stopped.is_set() and (not remaining or index - first < remaining):
-            grant = flow.next_grant(block=allowance == 0)
-            while grant is not None and allowance + grant.credits == 0 and not grant.updates:
-                if self._stopped.is_set():
-                    return
-                grant = flow.next_grant()  # woken for nothing: wait on
-            if grant is None:
-                return
-            self._apply(grant.updates)
-            allowance += grant.credits
-            if allowance == 0:
-                continue
-            # A device table gathers on its device into new tensors: no host staging.
-            layout = {} if self.table.config.on_device else self.table.batch_layout(
-                self.batch_size)
-            buffers = self._staging(index, tuple(layout.values())) if layout else []
-            batch = self._sample(dict(zip(layout, buffers)) if layout else None)
-            if batch is None:
-                return
-            yield batch
-            index += 1
-            allowance -= 1
+        return drawn_here(flow, credits, updates, remaining, first, apply=self._apply,
+                          draw=self._draw, stopped=self._stopped.is_set)
+
+    def _draw(self, index: int) -> SampleBatch | None:
+        # A device table gathers on its device into new tensors: no host staging.
+        layout = {} if self.table.config.on_device else self.table.batch_layout(self.batch_size)
+        buffers = self._staging(index, tuple(layout.values())) if layout else []
+        return self._sample(dict(zip(layout, buffers)) if layout else None)
 
     def _apply(self, updates: list[PriorityUpdate]) -> None:
         for update in updates:
@@ -157,19 +139,6 @@ class TableLink:
         pass
 
 
-def _priority_update(ids: Any, priorities: Any) -> PriorityUpdate:
-    """A learner's update as flat arrays; the table checks the values when it applies them."""
-    id_values = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids)
-    if id_values.dtype != np.int64:
-        raise InvalidIdsError(f"ids must be int64 (as returned by insert and sample), got "
-                              f"dtype {id_values.dtype}")
-    values = torch.as_tensor(priorities).detach().cpu().to(torch.float64).numpy()
-    if values.shape != id_values.shape:
-        raise InvalidPriorityError(f"priorities must have the same shape as ids "
-                                   f"{list(id_values.shape)}, got {list(values.shape)}")
-    return PriorityUpdate(id_values.reshape(-1).copy(), values.reshape(-1).copy())
-
-
 def stream_table(table: Table, batch_size: int, options: StreamOptions | None = None,
                  **keywords: Any) -> BatchStream:
     """A learner's stream over an in-process table (options as ``ReplayClient.stream``: one
@@ -189,7 +158,10 @@ def stream_table(table: Table, batch_size: int, options: StreamOptions | None = 
         raise InvalidArgumentError(str(exc)) from None
     link = TableLink(table, batch_size, core.staging, wait=opts.wait,
                      wait_timeout=opts.wait_timeout)
-    source = LinkSource(link, check_update=_priority_update, num_batches=opts.num_batches,
+    def check_update(ids: Any, priorities: Any) -> PriorityUpdate:
+        return PriorityUpdate(*update_values(ids, priorities, table.name))
+
+    source = LinkSource(link, check_update=check_update, num_batches=opts.num_batches,
                         reconnect=False, name=table.name)
     return BatchStream(core, source, table.name)
 

@@ -39,6 +39,8 @@ def format_info(response: pb.InfoResponse) -> str:
             lines.append(f"{t.name} columns: {columns}")
         if t.rate_limiter.enabled or t.max_times_sampled:
             lines.append(f"{t.name} flow control: {format_flow_control(t)}")
+    if response.server.restored_checkpoint:
+        lines.append(f"restored at start from: {response.server.restored_checkpoint}")
     if response.HasField("last_checkpoint"):
         last = response.last_checkpoint
         lines.append(f"last checkpoint: {last.path} ({last.created}, {nbytes(last.bytes)})")
@@ -52,8 +54,10 @@ def format_limits(limits: pb.ServerLimits) -> str:
     """One line: the server's limits and what is in use."""
     return (f"calls hold {nbytes(limits.memory_in_use_bytes)} of "
             f"{nbytes(limits.memory_budget_bytes)} (peak {nbytes(limits.memory_peak_bytes)}); "
-            f"{limits.calls_in_flight} of {limits.max_concurrent_calls} calls; "
-            f"{limits.max_connections} connections, idle {limits.idle_timeout_s:g} s; "
+            f"{limits.calls_in_flight} of {limits.max_concurrent_calls} calls, "
+            f"{limits.calls_waiting} of {limits.max_waiting_calls} waiting; "
+            f"{limits.connections_open} of {limits.max_connections} connections, idle "
+            f"{limits.idle_timeout_s:g} s ({limits.connections_closed} closed without a call); "
             f"batches up to {nbytes(limits.max_batch_bytes)}; rings "
             f"{nbytes(limits.shared_memory_in_use_bytes)} of {nbytes(limits.shared_memory_bytes)}; "
             f"tables {nbytes(limits.table_memory_committed_bytes)} of "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from replay_server.engine.storage import (
     make_storage,
     storage_ram_bytes,
 )
-from replay_server.engine.table_info import TableCounters
+from replay_server.engine.table_info import Capabilities, TableCounters, TableInfo
 from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMismatchError
 
 
@@ -80,6 +80,32 @@ class TableParts:
     def top(self) -> Reader:
         """The reader a sample reads through."""
         return self.readers[-1]
+
+    def info(self, config: TableConfig) -> TableInfo:
+        """Sizes, counters and figures of each layer, and the capabilities they declare
+        (call under the table's lock)."""
+        storage = self.storage
+        return TableInfo(
+            name=config.name,
+            sampler=config.sampler.value,
+            capacity=self.ring.capacity,
+            size=self.size,
+            schema=None if self.schema is None else self.schema.describe(),
+            pinned=storage is not None and storage.pinned,
+            storage_bytes=0 if storage is None else storage.nbytes,
+            counters=TableCounters(**asdict(self.counters)),
+            sampler_stats={**self.sampler.stats(),
+                           **{k: v for reader in self.readers for k, v in reader.stats().items()},
+                           **(storage.stats() if storage else {})},
+            config=config.describe(),
+            rate_limiter=self.limiter.info(),
+            mass=self.sampler.mass(),
+            capabilities=Capabilities(
+                **asdict(self.sampler.traits),
+                retires=config.max_times_sampled > 0,
+                n_step=config.n_step,
+                frame_stack_key=config.frame_stack_key or ""),
+        )
 
     def stored(self, columns: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """An insert's columns as the readers have them stored (a frame stack keeps its
@@ -158,9 +184,12 @@ class TableParts:
         return storage, storage.encode(self.stored(columns))
 
     def allocate(self, schema: Schema, config: TableConfig,
-                 grow: Callable[[int], None] | None = None) -> None:
+                 grow: Callable[[int], None] | None = None,
+                 reuse: ColumnStorage | None = None) -> None:
         """Fix the schema, stack the readers ``config`` names and allocate the storage for
-        the rows as they store them. ``grow``: see :func:`make_storage`."""
+        the rows as they store them. ``grow``: see :func:`make_storage`. ``reuse``: an
+        empty table's storage, taken instead of a new one where it has that very layout
+        (a restore then needs no second copy: for a ``memmap`` table, no second file)."""
         bottom = StoredRows(self.ring)
         readers: list[Reader] = [bottom]
         if config.frame_stack_key is not None:
@@ -173,7 +202,11 @@ class TableParts:
         stored = schema
         for reader in readers:
             stored = reader.stored_schema(stored)
-        self.storage = make_storage(config, stored, grow)
+        if (reuse is not None and reuse.capacity == config.capacity
+                and dict(reuse.schema) == dict(stored)):
+            self.storage = reuse
+        else:
+            self.storage = make_storage(config, stored, grow)
         bottom.attach(self.storage)
         self.readers = readers
         self.schema = schema
@@ -202,13 +235,14 @@ def schema_way_out(config: TableConfig) -> str:
 
 
 def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = None,
-                grow: Callable[[Schema], Callable[[int], None] | None] | None = None
-                ) -> TableParts:
+                grow: Callable[[Schema], Callable[[int], None] | None] | None = None,
+                reuse: ColumnStorage | None = None) -> TableParts:
     """An empty table's parts; storage allocated now if the config declares a schema.
 
     ``incarnations``: where its id segments get their incarnation (``None``:
     an in-process table's, shard 0 and incarnation 0). ``grow``: the promise
     of compressed rows' memory for a schema (see :func:`make_storage`).
+    ``reuse``: see :meth:`TableParts.allocate`.
 
     Raises:
         ConfigError: the declared schema cannot serve the sampler or readers, pinned
@@ -246,7 +280,7 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
             check_sampler_columns(config, schema)
         except SchemaMismatchError as exc:
             raise ConfigError(str(exc)) from None
-        parts.allocate(schema, config, None if grow is None else grow(schema))
+        parts.allocate(schema, config, None if grow is None else grow(schema), reuse)
     return parts
 
 

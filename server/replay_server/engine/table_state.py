@@ -36,6 +36,7 @@ from replay_server.engine.remover import load_remover
 from replay_server.engine.rng import generator_from_state, generator_state
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import Arena, TableSnapshot
+from replay_server.engine.storage import ColumnStorage
 from replay_server.engine.table_info import TableCounters
 from replay_server.engine.table_parts import (
     TableParts,
@@ -90,8 +91,10 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
 
 def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
                with_columns: bool, incarnations: IncarnationSource | None = None,
-               memory: MemoryLedger | None = None) -> TableParts:
-    """Fresh parts holding ``state`` (its rows too, if ``with_columns``).
+               memory: MemoryLedger | None = None,
+               reuse: ColumnStorage | None = None) -> TableParts:
+    """Fresh parts holding ``state`` (its rows too, if ``with_columns``); ``reuse``: an
+    empty table's storage to load into instead of a new one (see ``TableParts.allocate``).
 
     The restored ids keep their segments, and a new segment (of
     ``incarnations``) begins where the saved ring stopped, so no id the saved
@@ -105,7 +108,7 @@ def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema
         MemoryError, OSError: the machine failed (never taken for a malformed state).
     """
     try:
-        return _load(config, state, schema_now, with_columns, incarnations, memory)
+        return _load(config, state, schema_now, with_columns, incarnations, memory, reuse)
     except (ConfigError, InsufficientMemoryError, MemoryError, OSError):
         raise  # a contradiction, or the machine failing: not a malformed state
     except Exception as exc:
@@ -114,26 +117,35 @@ def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema
         ) from exc
 
 
+def check_saved_config(config: TableConfig, saved: Mapping[str, Any]) -> None:
+    """Refuse a saved state's ``config`` (plain values) that contradicts ``config``.
+
+    Raises:
+        ConfigError: naming the table, the field and both values.
+    """
+    name, mine = config.name, config.describe()
+    for key in _MUST_MATCH:
+        if saved[key] != mine[key]:
+            raise ConfigError(f"table {name!r}: config says {key}={mine[key]!r} but the saved "
+                              f"state has {key}={saved[key]!r}")
+    saved_key = saved.get("frame_stack_key")
+    if saved_key != config.frame_stack_key:
+        raise ConfigError(f"table {name!r}: config says frame_stack_key="
+                          f"{config.frame_stack_key!r} but the saved state has "
+                          f"frame_stack_key={saved_key!r} (its rows are stored differently)")
+
+
 def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
           with_columns: bool, incarnations: IncarnationSource | None,
-          memory: MemoryLedger | None) -> TableParts:
+          memory: MemoryLedger | None, reuse: ColumnStorage | None) -> TableParts:
     name = config.name
     version = state.get("version")
     if version != STATE_VERSION:
         raise ConfigError(f"table {name!r}: saved state has layout version {version!r}, this "
                           f"server reads version {STATE_VERSION}")
-    mine = config.describe()
-    for key in _MUST_MATCH:
-        if state["config"][key] != mine[key]:
-            raise ConfigError(f"table {name!r}: config says {key}={mine[key]!r} but the saved "
-                              f"state has {key}={state['config'][key]!r}")
-    saved_key = state["config"].get("frame_stack_key")
-    if saved_key != config.frame_stack_key:
-        raise ConfigError(f"table {name!r}: config says frame_stack_key="
-                          f"{config.frame_stack_key!r} but the saved state has "
-                          f"frame_stack_key={saved_key!r} (its rows are stored differently)")
+    check_saved_config(config, state["config"])
     promise = memory_promise(config, memory)
-    parts = fresh_parts(config, incarnations, promise)
+    parts = fresh_parts(config, incarnations, promise, reuse)
     schema = None if state["schema"] is None else Schema.from_state_dict(state["schema"])
     if schema_now is not None and schema is not None and dict(schema) != dict(schema_now):
         raise ConfigError(f"table {name!r}: the table's schema is {schema_now.describe()} but "
@@ -143,7 +155,7 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
             memory.require(name, table_bytes(config, schema),
                            f"capacity {config.capacity:,} x {schema.row_bytes:,} bytes per row "
                            f"(the saved schema {schema.describe()})")
-        parts.allocate(schema, config, promise(schema))
+        parts.allocate(schema, config, promise(schema), reuse)
     parts.ring.load_state_dict(state["ring"])
     parts.ids.load(state.get("ids"), parts.ring.next_id, name)
     if parts.storage is not None and with_columns:

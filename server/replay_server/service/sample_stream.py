@@ -47,7 +47,7 @@ import torch
 
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, align, host_id
 from replay_proto import messages
-from replay_proto.batch import SampleBatch
+from replay_proto.batch import SampleBatch, batch_nbytes
 from replay_proto.sample_codec import (
     HEADROOM,
     STREAM_CHUNK_BYTES,
@@ -179,7 +179,8 @@ class SampleStreamCall:
                 await self._apply(first.update)
             except Exception as exc:
                 await calls.fail(context, exc)
-        self._credits = self._window = first.credits
+        self._credits = first.credits
+        self._window = max(first.credits, first.window)  # a ring gets window + 1 slots
         reader = asyncio.create_task(self._read())
         want_ring = first.shared_memory and self._limits.shared_memory
         note = ""
@@ -263,7 +264,7 @@ class SampleStreamCall:
                                    self._too_large(table, request.batch_size, batch_bytes))
         # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT) when it draws.
         rows = request.batch_size if 1 <= request.batch_size <= MAX_BATCH_SIZE else 0
-        extras = rows * 12 + rows * (table.config.slice_len or 1) * 8
+        extras = batch_nbytes(0, rows, table.config.slice_len, table.config.n_step)
         nbytes = extras if self._ring_accepted else 2 * count * batch_bytes + extras
         purpose = f"SampleStream: {count} batch(es) of {request.batch_size} from {table.name!r}"
         budget = self._limits.budget
@@ -477,4 +478,8 @@ def _parse_first(raw: bytes) -> pb.SampleStreamRequest:
         raise InvalidArgumentError(
             f"the first SampleStream message must grant credits in [1, {MAX_CREDITS}] (the "
             f"prefetch window), got {first.credits}")
+    if not 0 <= first.window <= MAX_CREDITS:
+        raise InvalidArgumentError(
+            f"the first SampleStream message's window must be in [0, {MAX_CREDITS}], got "
+            f"{first.window}")
     return first

@@ -122,6 +122,7 @@ class BlockedCalls:
         *,
         time_remaining: Callable[[], float | None],
         stopping: Callable[[], bool],
+        on_block: Callable[[], None] | None = None,
     ) -> T:
         """``await attempt()`` until it does not raise RateLimitedError, waiting in between.
 
@@ -129,11 +130,13 @@ class BlockedCalls:
             attempt: starts the engine call (in the thread pool) and returns its future.
             time_remaining: seconds to the call's deadline (``None``: no deadline).
             stopping: whether the server is draining.
+            on_block: called once, when the call is first held back, before it waits
+                (what it raises ends the call: the admission refusing a waiter).
 
         Raises:
             RateLimitedError: still held back shortly before the deadline.
             ShuttingDownError: the server started draining while the call waited.
-            Exception: whatever else the attempt raises.
+            Exception: whatever else the attempt (or ``on_block``) raises.
         """
         loop = asyncio.get_running_loop()
         give_up_at: float | None = None
@@ -146,6 +149,8 @@ class BlockedCalls:
                 blocked = exc
             if first:
                 first = False
+                if on_block is not None:
+                    on_block()
                 self._blocked_calls[(blocked.table, blocked.operation)] += 1
                 remaining = time_remaining()
                 if remaining is not None:
@@ -192,7 +197,7 @@ class BlockedCalls:
 
 
 def draw(table: Table, batch_size: int, *, wait_for_data: bool,
-         out: Mapping[str, torch.Tensor] | None = None,
+         out: Mapping[str, torch.Tensor] | None = None, never_wait: bool = False,
          lease: LeaseRequest | None = None) -> SampleBatch:
     """``table.sample(batch_size, out=out, lease=lease)``; with ``wait_for_data``, an empty
     table blocks.
@@ -203,11 +208,18 @@ def draw(table: Table, batch_size: int, *, wait_for_data: bool,
     Raises:
         RateLimitedError: held back by the rate limiter, or (``wait_for_data``)
             the table has nothing to sample yet; :meth:`BlockedCalls.run` waits.
-        EmptyTableError: the table is empty and the caller did not ask to wait.
+        EmptyTableError: the table is empty and the caller did not ask to wait,
+            or (``never_wait``) it cannot serve the batch now for any reason.
     """
     try:
         return host_batch(table.sample(batch_size, out=out, lease=lease))
+    except RateLimitedError as exc:
+        if not never_wait:
+            raise
+        raise EmptyTableError(f"{exc}; the call asked not to wait (wait=False)") from None
     except EmptyTableError as exc:
+        if never_wait:
+            raise
         if not wait_for_data:
             raise
         raise RateLimitedError(
