@@ -155,6 +155,15 @@ def chunked_lie(kind: str) -> Callable[[grpc.Channel], None]:
     return attack
 
 
+def stream_lie(channel: grpc.Channel) -> None:
+    """A SampleStream (a waiting call) whose first message is just under the message limit,
+    declared as 100 bytes."""
+    call = channel.stream_stream("/replay.v1.ReplayService/SampleStream")(
+        iter([b"\0" * CHUNK]), timeout=60, metadata=_declared(100))
+    for _ in call:
+        pass
+
+
 def run_attack(server: ServerProcess, attack: Callable[[grpc.Channel], None],
                clients: int) -> dict[grpc.StatusCode, int]:
     """``clients`` threads, each on its own connection; the status codes they got."""
@@ -206,6 +215,9 @@ ATTACKS = {
     "chunked inserts whose messages exceed what they declared": (
         chunked_lie("undeclared"), 48, {grpc.StatusCode.INVALID_ARGUMENT,
                                         grpc.StatusCode.RESOURCE_EXHAUSTED}),
+    "sample streams whose first message is over what they declared": (
+        stream_lie, 48, {grpc.StatusCode.INVALID_ARGUMENT,
+                         grpc.StatusCode.RESOURCE_EXHAUSTED}),
     "chunked inserts pushing chunks while the budget makes them wait": (
         chunked_lie("push"), 48, {grpc.StatusCode.INVALID_ARGUMENT,
                                   grpc.StatusCode.RESOURCE_EXHAUSTED}),
