@@ -4,6 +4,8 @@ storing the full stacks, on real Atari frames, side by side in one process.
     /tmp/ale/bin/python benchmarks/atari_frames.py     # once: record real frames (own venv)
     python benchmarks/flagship.py [--apex-rows 50000] [--r2d2-rows 100000]
                                   [--r2d2-large 1000000] [--seconds 6] [--repeat 3]
+                                  [--torchrl-python PATH [--torchrl-rows 300000]
+                                   [--index-rows 10000000]]
 
 Rows: 8 actors replay the recorded games (``benchmarks/data/atari_frames.npz``; without
 it, synthetic screens, and the output says so) from different points, each step a
@@ -18,6 +20,13 @@ it, synthetic screens, and the output says so) from different points, each step 
   memory-mapped file, small columns in RAM; rows without ``next.obs``) and a plain
   prioritized_slice table of full stacks in RAM, ``sample(64)`` (64 x 80 steps) per
   second, taking turns; then the config's table at ``--r2d2-large`` rows alone.
+* R2D2 against TorchRL (``--torchrl-python``): the config's table and TorchRL's
+  equivalent (``benchmarks/torchrl_slices.py``: LazyMemmapStorage +
+  PrioritizedSliceSampler + CatFrames, in its own process and virtualenv), each alone
+  in turn, ``sample(64)`` per second: at ``--torchrl-rows`` steps of Atari frames, and
+  at ``--index-rows`` steps of small observations (``[4, 17]`` float32 stacks: the
+  samplers' and indexes' cost at R2D2's 10M steps, which Atari frames would need
+  70 GB of files for, per side).
 
 The sizes are scaled to this machine's RAM (the plain tables hold 56 KB (Ape-X) or
 28 KB (R2D2) per row in RAM); the figures per row and the ratios are what the
@@ -44,6 +53,9 @@ from replay_server.app.config_file import settings_from_dict
 from replay_server.engine.table import Table
 from replay_server.engine.table_parts import sampler_slot_bytes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sides import run_side  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 CONFIGS = HERE.parent / "deploy" / "configs"
 FRAMES = HERE / "data" / "atari_frames.npz"
@@ -58,10 +70,15 @@ def shipped(name: str, **changes):
 
 
 class Recorded:
-    """Steps of ACTORS actors replaying the recorded games from different points."""
+    """Steps of ACTORS actors replaying the recorded games from different points (``small``:
+    17 float32 observations in episodes of 1,000 steps instead)."""
 
-    def __init__(self) -> None:
-        if FRAMES.exists():
+    def __init__(self, small: bool = False) -> None:
+        if small:
+            self.frames = np.random.default_rng(0).standard_normal((20_000, 17)).astype(
+                np.float32)
+            starts, self.real = np.arange(0, 20_000, 1000), True
+        elif FRAMES.exists():
             data = np.load(FRAMES)
             self.frames, starts, self.real = data["frames"], data["starts"], True
         else:
@@ -103,11 +120,12 @@ class Recorded:
         return data
 
 
-def fill(table: Table, recorded: Recorded, rows: int, with_next: bool = True) -> float:
+def fill(table: Table, recorded: Recorded, rows: int, with_next: bool = True,
+         chunk: int = CHUNK) -> float:
     """Insert ``rows`` steps in chunks; returns rows/s."""
     start = time.perf_counter()
-    for begin in range(0, rows, CHUNK):
-        table.insert(recorded.rows(begin, min(CHUNK, rows - begin), with_next))
+    for begin in range(0, rows, chunk):
+        table.insert(recorded.rows(begin, min(chunk, rows - begin), with_next))
     return rows / (time.perf_counter() - start)
 
 
@@ -193,6 +211,37 @@ def r2d2(recorded: Recorded, rows: int, large: int, seconds: float, directory: P
     return result
 
 
+def versus_torchrl(python: str, kind: str, rows: int, seconds: float, repeat: int) -> dict:
+    """The R2D2 table and TorchRL's equivalent at ``rows`` steps of ``kind`` (``atari`` or
+    ``small``), each alone in turn (ours in this process, TorchRL's in its own):
+    ``sample(64)`` per second, medians over ``repeat`` turns each."""
+    small = kind == "small"
+    recorded = Recorded(small=small)
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory(dir=HERE / "data") as directory:
+            changes = {"schema": None} if small else {}
+            table = Table(shipped("r2d2_atari.toml", capacity=rows, min_size_to_sample=None,
+                                  seed=0, storage_dir=directory, **changes))
+            fill(table, recorded, rows, False, chunk=10 * CHUNK if small else CHUNK)
+            ours.append(turns({"ours": lambda t=table: t.sample(64)}, seconds)["ours"])
+            table = None
+            gc.collect()
+        with tempfile.TemporaryDirectory(dir=HERE / "data") as directory:
+            side = run_side([python, str(HERE / "torchrl_slices.py"), "--rows", str(rows),
+                             "--dir", directory, "--kind", kind, "--seconds", str(seconds)],
+                            timeout=3600)
+        if side is not None:
+            theirs.append(side["sample_per_s"])
+        print(f"  r2d2 vs torchrl, {kind} x {rows:,}: ours {ours[-1]:.2f}/s, torchrl "
+              f"{theirs[-1] if side else float('nan'):.2f}/s", file=sys.stderr)
+    result = {"ours_sample_per_s": statistics.median(ours)}
+    if theirs:
+        result["torchrl_sample_per_s"] = statistics.median(theirs)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--apex-rows", type=int, default=50_000)
@@ -200,7 +249,12 @@ def main() -> None:
     parser.add_argument("--r2d2-large", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--repeat", type=int, default=3, help="rate measurements per table set")
-    parser.add_argument("--only", choices=["apex", "r2d2"])
+    parser.add_argument("--only", choices=["apex", "r2d2", "torchrl"])
+    parser.add_argument("--torchrl-python", help="TorchRL's virtualenv python: R2D2 against it")
+    parser.add_argument("--torchrl-rows", type=int, default=300_000,
+                        help="Atari-frame steps of the TorchRL comparison")
+    parser.add_argument("--index-rows", type=int, default=10_000_000,
+                        help="small-observation steps of the TorchRL comparison (0: skip)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     recorded = Recorded()
@@ -217,6 +271,12 @@ def main() -> None:
                     recorded, args.r2d2_rows, args.r2d2_large, args.seconds,
                     Path(directory)).items()})
             args.r2d2_large = 0  # the large table once
+        if args.torchrl_python and args.only in (None, "torchrl"):
+            sizes = [("atari", args.torchrl_rows)] + ([("small", args.index_rows)]
+                                                     if args.index_rows else [])
+            for kind, rows in sizes:
+                results.update({f"torchrl.{kind}.{k}": v for k, v in versus_torchrl(
+                    args.torchrl_python, kind, rows, args.seconds, 1).items()})
         for key, value in results.items():
             runs.setdefault(key, []).append(value)
         gc.collect()
@@ -229,6 +289,12 @@ def main() -> None:
               f"less than plain, {m['apex.plain_lz4_bytes_per_row'] / m['apex.apex_bytes_per_row']:.1f}x "
               f"less than plain + lz4; sample+update "
               f"{m['apex.apex_sample_update_per_s'] / m['apex.plain_sample_update_per_s']:.2f}x plain")
+    for kind in ("atari", "small"):
+        m = medians
+        if f"torchrl.{kind}.torchrl_sample_per_s" in m:
+            speedup = (m[f"torchrl.{kind}.ours_sample_per_s"]
+                       / m[f"torchrl.{kind}.torchrl_sample_per_s"])
+            print(f"r2d2 vs torchrl ({kind}): {speedup:.1f}x torchrl's sample(64 x 80) rate")
     if "r2d2.plain_sample_per_s" in medians:
         m = medians
         print(f"r2d2 sample 64x80: {m['r2d2.r2d2_sample_per_s'] / m['r2d2.plain_sample_per_s']:.2f}x "

@@ -39,8 +39,9 @@ def id_array(ids: Any) -> np.ndarray:
 
 
 def update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Validated, contiguous copies: int64 ids and float64 priorities of one shape
-    (:func:`replay_proto.inputs.update_values`, the rules the server applies).
+    """Validated, contiguous copies: int64 ids and float64 priorities in the ids' shape
+    (:func:`replay_proto.inputs.update_values`, the rules the server applies; a slice
+    batch's ``[B, slice_len]`` crosses the wire as it is).
 
     Raises:
         InvalidIdsError, InvalidPriorityError, InvalidArgumentError: naming what was wrong.

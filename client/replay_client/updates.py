@@ -129,6 +129,9 @@ def _merge(batch: list[tuple[str, np.ndarray, np.ndarray]]):
         run = batch[start:stop]
         if len(run) == 1:
             yield run[0]
-        else:
+        elif len({r[1].shape[1:] for r in run}) == 1 and run[0][1].ndim > 1:  # rows of slices
             yield table, np.concatenate([r[1] for r in run]), np.concatenate([r[2] for r in run])
+        else:
+            yield (table, np.concatenate([r[1].reshape(-1) for r in run]),
+                   np.concatenate([r[2].reshape(-1) for r in run]))
         start = stop

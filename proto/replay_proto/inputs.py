@@ -88,7 +88,9 @@ def priority_values(priorities: Any) -> np.ndarray:
 
 
 def update_values(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
-    """A priority update as flat, contiguous copies: int64 ids and float64 priorities of one shape.
+    """A priority update as contiguous copies: int64 ids and float64 priorities in the ids'
+    shape (a slice batch's ``[B, slice_len]`` stays so: a table that mixes priorities per
+    slice takes whole slices, and checks each row is one).
 
     Raises:
         InputError: ``INVALID_IDS``, ``INVALID_PRIORITY`` (also for a shape that is
@@ -101,5 +103,5 @@ def update_values(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
                          f"priorities must have the same shape as ids {list(id_array.shape)}, "
                          f"got {list(tensor.shape)}")
     values = priority_values(tensor)
-    return (np.array(id_array, dtype=np.int64).reshape(-1),
-            np.array(values, dtype=np.float64).reshape(-1))
+    return (np.array(id_array, dtype=np.int64),
+            np.array(values, dtype=np.float64).reshape(id_array.shape))

@@ -9,7 +9,7 @@ these functions, so the wire format is defined once (see
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,22 +88,31 @@ def decode_insert_response(raw: bytes) -> torch.Tensor:
 
 
 def encode_update(table: str, ids: np.ndarray, priorities: np.ndarray) -> bytes:
+    """An UpdatePrioritiesRequest; ids of more than one dimension keep their shape (a slice
+    batch's ``[B, slice_len]``: see the message)."""
+    shape = list(np.shape(ids)) if np.ndim(ids) > 1 else []
     ids = np.ascontiguousarray(ids, dtype="<i8").reshape(-1)
     priorities = np.ascontiguousarray(priorities, dtype="<f8").reshape(-1)
-    header = pb.UpdatePrioritiesRequest(table=table, count=ids.size)
+    header = pb.UpdatePrioritiesRequest(table=table, count=ids.size, shape=shape)
     return frame(header, [memoryview(ids).cast("B"), memoryview(priorities).cast("B")])
 
 
 def decode_update(raw: bytes) -> tuple[str, np.ndarray, np.ndarray]:
-    """``(table, ids int64, priorities float64)`` (read-only views)."""
+    """``(table, ids int64, priorities float64)`` (read-only views, in the ids' shape)."""
     header, payload = split_payload(raw, pb.UpdatePrioritiesRequest)
-    return (header.table, *_update_arrays(payload, header.count))
+    return (header.table, *_update_arrays(payload, header.count, header.shape))
 
 
-def _update_arrays(payload: memoryview, count: int) -> tuple[np.ndarray, np.ndarray]:
+def _update_arrays(payload: memoryview, count: int, shape: Sequence[int] = ()
+                   ) -> tuple[np.ndarray, np.ndarray]:
     ids, offset = fixed_array(payload, 0, count, "int64")
     priorities, offset = fixed_array(payload, offset, count, "float64")
     expect_end(payload, offset)
+    if shape:
+        if any(n < 0 for n in shape) or int(np.prod(shape)) != count:
+            raise CodecError(f"UpdatePrioritiesRequest: shape {list(shape)} does not hold "
+                             f"its {count} ids")
+        ids, priorities = ids.reshape(shape), priorities.reshape(shape)
     return ids, priorities
 
 
@@ -143,4 +152,4 @@ def decode_update_stream_request(raw: bytes) -> tuple[int, pb.UpdatePrioritiesRe
 
 def update_arrays(header: pb.UpdatePrioritiesRequest) -> tuple[np.ndarray, np.ndarray]:
     """A parsed UpdatePrioritiesRequest's ``(ids int64, priorities float64)`` (read-only views)."""
-    return _update_arrays(memoryview(header.payload), header.count)
+    return _update_arrays(memoryview(header.payload), header.count, header.shape)

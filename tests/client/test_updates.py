@@ -112,3 +112,32 @@ def test_queued_updates_to_one_table_are_merged_into_few_calls():
     assert len(calls) <= 3
     assert np.concatenate([c[1] for c in calls]).tolist() == list(range(20))
     assert updater.applied == 20
+
+
+def test_merged_updates_of_slices_keep_their_rows_and_others_go_flat():
+    """Slices ``[B, L]`` stay rows when merged (a table that mixes priorities per slice takes
+    whole slices); updates of other shapes merge flat, as before."""
+    calls = []
+    threading = __import__("threading")
+    started, release = threading.Event(), threading.Event()
+
+    def send(table, ids, priorities):
+        started.set()
+        release.wait(5)
+        calls.append((table, ids.copy(), priorities.copy()))
+        return ids.size
+
+    updater = PriorityUpdater(send)
+    updater.submit("first", np.zeros(1, dtype=np.int64), np.zeros(1))
+    assert started.wait(5)  # the first call is held: the rest pile up behind it
+    for i in range(3):
+        rows = np.arange(4 * i, 4 * i + 4, dtype=np.int64).reshape(2, 2)
+        updater.submit("slices", rows, rows.astype(np.float64))
+    updater.submit("mixed", np.arange(2, dtype=np.int64), np.zeros(2))
+    updater.submit("mixed", np.arange(2, 6, dtype=np.int64).reshape(2, 2), np.zeros((2, 2)))
+    release.set()
+    updater.flush(timeout=10)
+    updater.close()
+    sent = {table: ids for table, ids, _ in calls}
+    assert sent["slices"].shape == (6, 2) and sent["slices"].reshape(-1).tolist() == list(range(12))
+    assert sent["mixed"].shape == (6,) and sent["mixed"].tolist() == list(range(6))

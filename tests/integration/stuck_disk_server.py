@@ -3,8 +3,10 @@
 Tests only (``start_server(..., module="tests.integration.stuck_disk_server")``,
 or run with ``python -m``): reading a checkpoint's column file blocks, deaf
 to the restore's cancellation as a read stuck in the kernel is, until the
-file named by ``REPLAY_TEST_RELEASE_FILE`` exists. A FIFO can no longer
-stand in for such a disk (the restore refuses special files unread).
+file named by ``REPLAY_TEST_RELEASE_FILE`` exists. When the first read blocks, the
+file named by ``REPLAY_TEST_BLOCKED_FILE`` (if set) is created, so that a test can
+act once the restore is stuck in the read rather than on its way to it. A FIFO can
+no longer stand in for such a disk (the restore refuses special files unread).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from replay_server.app.cli import main
 from replay_server.checkpoint.fileio import VerifiedReader
 
 
-def hang_column_reads(release: Path) -> None:
+def hang_column_reads(release: Path, blocked: Path | None = None) -> None:
     real = VerifiedReader.read_into
 
     def read_into(self: VerifiedReader, array) -> None:  # type: ignore[no-untyped-def]
         if "column-" in self.entry.name:
+            if blocked is not None and not release.exists():
+                blocked.touch()
             while not release.exists():
                 time.sleep(0.02)
         real(self, array)
@@ -31,5 +35,7 @@ def hang_column_reads(release: Path) -> None:
 
 
 if __name__ == "__main__":
-    hang_column_reads(Path(os.environ["REPLAY_TEST_RELEASE_FILE"]))
+    blocked = os.environ.get("REPLAY_TEST_BLOCKED_FILE")
+    hang_column_reads(Path(os.environ["REPLAY_TEST_RELEASE_FILE"]),
+                      Path(blocked) if blocked else None)
     sys.exit(main())

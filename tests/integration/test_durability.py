@@ -350,17 +350,27 @@ def _wait_health(address: str, wanted: str) -> None:
     raise AssertionError(f"health stayed {status}, expected {wanted}")
 
 
+def _wait_for_file(path: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} never appeared")
+        time.sleep(0.05)
+
+
 def _start_blocking(tmp_path: Path, text: str, port: int, name: str,
                     release: Path) -> ServerProcess:
     """A server whose restore blocks reading column files until ``release`` exists (the
-    port file only appears once SERVING)."""
+    port file only appears once SERVING); ``<name>.blocked`` appears in ``tmp_path``
+    once a read is stuck."""
     (tmp_path / f"{name}.toml").write_text(text)
     log_path = tmp_path / f"{name}.log"
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.integration.stuck_disk_server", "serve", "--config",
          str(tmp_path / f"{name}.toml"), "--address", f"127.0.0.1:{port}", "--grace", "5"],
         stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "REPLAY_TEST_RELEASE_FILE": str(release)})
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "REPLAY_TEST_RELEASE_FILE": str(release),
+             "REPLAY_TEST_BLOCKED_FILE": str(tmp_path / f"{name}.blocked")})
     return ServerProcess(process, port, log_path)
 
 
@@ -409,6 +419,9 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
     stopped = _start_blocking(tmp_path, text, free_port(), "stopped", tmp_path / "never")
     try:
         _wait_health(stopped.address, "NOT_SERVING")
+        # the signal must find the restore inside the stuck read, not on its way to it
+        # (there it stops by itself, and the warning below is rightly not logged)
+        _wait_for_file(tmp_path / "stopped.blocked")
         stopped.process.send_signal(signal.SIGTERM)
         assert stopped.process.wait(WAIT_S) == 0
     finally:

@@ -15,9 +15,11 @@ import re
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from replay_client import ReplayClient
+from replay_client.errors import InvalidPriorityError
 from tests.conftest import start_server
 
 CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
@@ -162,7 +164,12 @@ def test_r2d2_atari_config_serves_prioritized_80_step_slices_of_stacked_frames_f
             for j, row_id in enumerate(slice_ids):
                 assert torch.equal(batch.data["obs"][i, j], atari.sent[row_id]["obs"])
         td = torch.rand(8, 80, dtype=torch.float64)
-        assert client.update_priorities("r2d2", batch.ids, td) == 8  # mixed into the starts
+        with pytest.raises(InvalidPriorityError, match="not a slice as sampled"):  # time-major
+            client.update_priorities("r2d2", batch.ids.T.reshape(-1), td.T.reshape(-1))
+        with pytest.raises(InvalidPriorityError, match=r"ids \[80, 8\]"):  # its shape crosses
+            client.update_priorities("r2d2", batch.ids.T, td.T)
+        assert client.update_priorities("r2d2", batch.ids, td) == 8 * 80  # mixed into the starts
+        assert client.info()["r2d2"].counters["stale_priority_updates"] == 0
         assert list((tmp_path / "files").iterdir()) == []  # files unlinked once mapped
         client.checkpoint()
     finally:

@@ -205,6 +205,22 @@ def test_update_request_round_trips_ids_and_priorities() -> None:
     assert got_priorities.dtype == np.float64 and np.array_equal(got_priorities, priorities)
 
 
+def test_update_request_keeps_the_ids_shape_of_a_slice_batch_and_refuses_a_shape_that_lies(
+        ) -> None:
+    ids = np.arange(12, dtype=np.int64).reshape(3, 4)
+    raw = messages.encode_update("p", ids, ids.astype(np.float64))
+    _, got_ids, got_priorities = messages.decode_update(raw)
+    assert got_ids.shape == got_priorities.shape == (3, 4) and np.array_equal(got_ids, ids)
+    header = pb.UpdatePrioritiesRequest.FromString(raw)
+    assert list(header.shape) == [3, 4]
+    assert messages.update_arrays(header)[0].shape == (3, 4)  # the update stream's way
+    flat = pb.UpdatePrioritiesRequest.FromString(messages.encode_update("p", ids[0], ids[0]))
+    assert list(flat.shape) == []  # one dimension: sent as before
+    header.shape[:] = [5, 4]
+    with pytest.raises(CodecError, match=r"shape \[5, 4\] does not hold its 12 ids"):
+        messages.decode_update(header.SerializeToString())
+
+
 def test_insert_response_decodes_to_consecutive_ids() -> None:
     ids = messages.decode_insert_response(messages.encode_insert_response(41, 3))
     assert ids.dtype == torch.int64 and ids.tolist() == [41, 42, 43]

@@ -424,7 +424,7 @@ class ShardedClient:
             InvalidIdsError: an id is negative or belongs to no shard of this client.
             InvalidPriorityError, NoPrioritiesError, UnknownTableError, ...
         """
-        id_array, values = update_arrays(ids, priorities)
+        id_array, values = (a.reshape(-1) for a in update_arrays(ids, priorities))  # slices whole
         clients = self._connect()
         if self._degraded and self._set.unidentified:
             # Some server has not answered yet: an id of no known shard may be one of its.

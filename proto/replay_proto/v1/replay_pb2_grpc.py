@@ -217,8 +217,11 @@ class ReplayServiceServicer:
         or that a crashed run issued after its last checkpoint, are ignored and
         counted as stale; an id that cannot be this server's (negative, another
         shard's, never issued) or any invalid priority (negative, NaN, infinite)
-        refuses the whole update. Ids: shard (bits 56..62) | incarnation
-        (40..55) | sequence (0..39), never issued twice (docs/durability.md).
+        refuses the whole update. A table with priority_mixing takes whole slices
+        and sets each slice's start (see UpdatePrioritiesRequest.shape); `applied`
+        counts the ids of slices whose start was present. Ids: shard (bits
+        56..62) | incarnation (40..55) | sequence (0..39), never issued twice
+        (docs/durability.md).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -132,10 +132,10 @@ class TableConfig:
             backend (see :mod:`replay_server.engine.storage.compressed`);
             ``None``: none.
         priority_mixing: (samplers with priorities and slices) ``eta``: priority
-            updates are of whole slices (a batch's ids ``[B, slice_len]``, flat
-            over the wire) and give each slice's start ``eta * max + (1 - eta) *
-            mean`` of its steps' priorities, as R2D2 does; ``None``: updates
-            apply per row.
+            updates are of whole slices (a batch's ids ``[B, slice_len]``, each
+            row one slice as sampled, which the sampler checks) and give each
+            slice's start ``eta * max + (1 - eta) * mean`` of its steps'
+            priorities, as R2D2 does; ``None``: updates apply per row.
         device: where the table's batches are handed out and its ``memory``
             columns live: ``"cpu"`` (host memory, the default) or ``"cuda"`` /
             ``"cuda:N"`` (device memory: sampling gathers there; see

@@ -150,25 +150,24 @@ def insert_priorities(priorities: Any, rows: int, config: TableConfig) -> np.nda
     return values
 
 
-def mixed_priorities(ids: np.ndarray, values: np.ndarray, config: TableConfig, table: str
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """An update of whole slices (ids ``[B, slice_len]``, or flat with ``slice_len`` per
-    slice in order, as the wire carries them) to its starts' ids ``[B]`` and priorities
-    ``eta * max + (1 - eta) * mean`` of each slice's (R2D2's mixing, Kapturowski et al. 2019).
+def slice_rows(ids: np.ndarray, values: np.ndarray, config: TableConfig, table: str
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """An update of whole slices as ``[B, slice_len]`` ids and priorities: given so (any
+    leading dims), or flat with ``slice_len`` per slice in order (a client that sends
+    updates flat). The sampler checks that each row is a slice as sampled and mixes it
+    (``priority_mixing``).
 
     Raises:
-        InvalidPriorityError: the ids are not a whole number of slices.
+        InvalidPriorityError: the ids are not whole slices of ``slice_len`` steps.
     """
     length = config.slice_len
     assert length is not None and config.priority_mixing is not None
-    if ids.size % length:
+    if ids.shape[-1:] != (length,) and (ids.ndim > 1 or ids.size % length):
         raise InvalidPriorityError(
             f"table {table!r} mixes priorities per slice (priority_mixing): an update gives "
             f"slice_len={length} priorities per slice (the batch's ids [B, {length}]), got "
-            f"{ids.size} ids")
-    eta = config.priority_mixing
-    slices, per_step = ids.reshape(-1, length), values.reshape(-1, length)
-    return slices[:, 0], eta * per_step.max(axis=1) + (1.0 - eta) * per_step.mean(axis=1)
+            f"ids {list(ids.shape)}")
+    return ids.reshape(-1, length), values.reshape(-1, length)
 
 
 def episode_values(columns: Mapping[str, torch.Tensor], rows: int,
@@ -190,7 +189,7 @@ def id_values(ids: Any, table: str) -> np.ndarray:
 
 
 def update_values(ids: Any, priorities: Any, table: str) -> tuple[np.ndarray, np.ndarray]:
-    """A priority update as flat int64 ids and float64 priorities of one shape, or the typed
+    """A priority update as int64 ids and float64 priorities in the ids' shape, or the typed
     error naming ``table`` (:func:`replay_proto.inputs.update_values`; the priorities'
     bound for ``alpha`` is the table's to check when it applies them)."""
     with _typed(table):

@@ -49,9 +49,9 @@ from replay_server.engine.inputs import (
     episode_values,
     id_values,
     insert_priorities,
-    mixed_priorities,
     priority_values,
     row_count,
+    slice_rows,
 )
 from replay_server.engine.memory import MemoryLedger
 from replay_server.engine.readers.framestack import check_insert as check_stacks
@@ -352,8 +352,10 @@ class Table:
         ignored and counted in ``stale_priority_updates``; they never touch
         a newer row. For a repeated id, the last priority wins. With the
         config's ``priority_mixing``, ids are a batch's slices (``[B, slice_len]``,
-        or flat, ``slice_len`` per slice in order) and each slice's start gets
-        the mix of its steps' priorities.
+        or flat, ``slice_len`` per slice in order), each checked to be a slice
+        as sampled, and each slice's start gets the mix of its steps'
+        priorities; a slice counts as applied (all its ids) when its start is
+        present.
 
         Args:
             ids: int64 ids, any shape.
@@ -386,26 +388,34 @@ class Table:
                 f"table {self.name!r}: priorities must have the same shape as ids "
                 f"{list(id_array.shape)}, got {list(values.shape)}"
             )
-        if self.config.priority_mixing is not None:  # whole slices, mixed into their starts
-            id_array, values = mixed_priorities(id_array, values, self.config, self.name)
-        id_array, values = id_array.reshape(-1), values.reshape(-1)
+        mixing = self.config.priority_mixing is not None
+        if mixing:  # whole slices [B, slice_len], mixed into their starts by the sampler
+            id_array, values = slice_rows(id_array, values, self.config, self.name)
+        else:
+            id_array, values = id_array.reshape(-1), values.reshape(-1)
         with _holding(self._lock, blocking) as held:
             if not held:
                 return None
             parts = self._parts
             ring = parts.ring
-            positions = parts.ids.positions_of(id_array, ring.next_id, self.name)
+            positions = parts.ids.positions_of(id_array.reshape(-1), ring.next_id,
+                                               self.name).reshape(id_array.shape)
+            heads = positions[:, 0] if mixing else positions  # a slice stays while its start does
             # Positions are issued in order, so when the lowest is live they all are.
-            lowest = int(positions.min()) if positions.size else ring.first_live
-            live = None if lowest >= ring.first_live else ring.live(positions)
+            lowest = int(heads.min()) if heads.size else ring.first_live
+            live = None if lowest >= ring.first_live else ring.live(heads)
             if parts.remover is not None and parts.remover.removes_rows:  # retired: stays 0
-                drawable = parts.remover.drawable(positions)
+                drawable = parts.remover.drawable(heads)
                 live = drawable if live is None else live & drawable
-            applied = id_array.size if live is None else int(live.sum())
-            if applied == id_array.size:
-                parts.sampler.update(positions, values)
-            elif applied:
-                parts.sampler.update(positions[live], values[live])
+            present = heads.size if live is None else int(live.sum())
+            try:
+                if present == heads.size:
+                    parts.sampler.update(positions, values)
+                elif present:
+                    parts.sampler.update(positions[live], values[live])
+            except InvalidPriorityError as exc:  # a slice that is not one: nothing applied
+                raise InvalidPriorityError(f"table {self.name!r}: {exc}") from None
+            applied = present * (id_array.size // max(1, heads.size))
             parts.counters.priority_updates += applied
             parts.counters.stale_priority_updates += id_array.size - applied
             self.changes.tick()

@@ -82,8 +82,18 @@ def take_rows(src: Any, rows: np.ndarray, out: np.ndarray) -> None:
     threads make it about 1.5x faster on a 2-core machine. ``mode="clip"``:
     with an ``out`` and the default ``mode="raise"`` numpy gathers into a
     temporary and copies it over (to leave ``out`` untouched on a bad index);
-    slots come from the table's own ring, never out of range.
+    slots come from the table's own ring, never out of range. An ``out`` whose
+    rows are apart is gathered into a new buffer and copied over (numpy would
+    first copy ``out`` into its own buffer, then back).
     """
+    if out.nbytes < PARALLEL_BYTES and out.flags.c_contiguous:  # the common small gather
+        src.take(rows, axis=0, out=out, mode="clip")
+        return
+    if not out.flags.c_contiguous:  # e.g. the last frame of each stack
+        gathered = np.empty(out.shape, dtype=out.dtype)
+        take_rows(src, rows, gathered)
+        np.copyto(out, gathered)
+        return
     parts = _pieces(out.nbytes, len(rows))
     if parts < 2:
         src.take(rows, axis=0, out=out, mode="clip")

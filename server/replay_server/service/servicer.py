@@ -269,12 +269,12 @@ class ReplayServicer:
         applied = self._tables[request.table].update_priorities(ids, priorities, blocking=False)
         if applied is None:
             return None
-        return pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied)
+        return pb.UpdatePrioritiesResponse(applied=applied, stale=ids.size - applied)
 
     def _apply_update(self, name: str, ids: Any, priorities: Any) -> pb.UpdatePrioritiesResponse:
         applied = self._tables[name].update_priorities(ids, priorities)
         assert applied is not None
-        return pb.UpdatePrioritiesResponse(applied=applied, stale=len(ids) - applied)
+        return pb.UpdatePrioritiesResponse(applied=applied, stale=ids.size - applied)
 
     async def info(self, raw: bytes, context: grpc.aio.ServicerContext, _: Reservation) -> bytes:
         blocked = self.calls.blocked

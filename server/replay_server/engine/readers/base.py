@@ -29,7 +29,7 @@ the table's lock.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -88,13 +88,24 @@ class Reader(ABC):
         """The rows of ``event`` were written (``columns``: as inserted)."""
 
     @abstractmethod
-    def read(self, positions: np.ndarray, keys: list[str] | None = None,
+    def read(self, positions: np.ndarray | None, keys: list[str] | None = None,
              out: Mapping[str, torch.Tensor] | None = None,
              slots: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         """The batch columns ``keys`` (default: all of :attr:`keys` and the extras) of the
         rows at ``positions`` (int64, any shape ``S``, live rows): tensors ``[*S, ...]``,
         written into ``out``'s where given. ``slots``: the positions' slots, when the
-        caller has them (a sampler does), passed on to reads at the same positions."""
+        caller has them (a sampler does), passed on to reads at the same positions;
+        with them ``positions`` may be ``None`` (a reader that needs the positions
+        derives them: the stored rows need none)."""
+
+    def read_interleaved(self, parts: Sequence[tuple[str, np.ndarray]],
+                         into: torch.Tensor) -> None:
+        """``into[:, j]`` = column ``parts[j][0]`` of the rows at positions ``parts[j][1]``
+        (each ``[n]``, live rows; the columns share one spec): e.g. the next observation's
+        stack, three frames of one column and the newest of another. Part by part here;
+        the stored rows read them in one pass where their backend can."""
+        for j, (key, positions) in enumerate(parts):
+            self.read(positions, [key], {key: into[:, j]})
 
     def extra_layout(self, lead: tuple[int, ...]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Columns it adds to a batch with leading dims ``lead`` (none by default)."""
@@ -136,8 +147,15 @@ class StoredRows(Reader):
     def device(self) -> torch.device:
         return torch.device("cpu") if self.storage is None else self.storage.device
 
-    def read(self, positions: np.ndarray, keys: list[str] | None = None,
+    def read(self, positions: np.ndarray | None, keys: list[str] | None = None,
              out: Mapping[str, torch.Tensor] | None = None,
              slots: np.ndarray | None = None) -> dict[str, torch.Tensor]:
-        return self.storage.gather(self._ring.slots(positions) if slots is None else slots,
-                                   out, keys)
+        if slots is None:
+            assert positions is not None
+            slots = self._ring.slots(positions)
+        return self.storage.gather(slots, out, keys)
+
+    def read_interleaved(self, parts: Sequence[tuple[str, np.ndarray]],
+                         into: torch.Tensor) -> None:
+        self.storage.gather_interleaved(
+            [(key, self._ring.slots(positions)) for key, positions in parts], into)

@@ -33,15 +33,17 @@ memory ledger.
 It is a reader (:mod:`replay_server.engine.readers.base`): the frames are
 read through the reader below it, so they may be stored compressed, in a
 file or on a device, and the positions it is asked for may be rows or slices
-(``[B, L]``: each step of each slice gets its stack; a frame several stacks
-share is read once). The n-step reader above it reads ``next.<key>`` of a
-transition's last step through it.
+(``[B, L]``: each step of each slice gets its stack; the frames a slice's
+stacks share are read once). The n-step reader above it reads ``next.<key>``
+of a transition's last step through it, without ``<key>``: its ``stack - 1``
+frames and the next frame in one interleaved read.
 
 Cost: insert O(rows * stack) link and frame compares; sample, per row:
 ``stack - 1`` link lookups, ``stack + 1`` frames read (the stack and the next
 frame) and ``stack - 1`` copied (``next.<key>``'s shared frames), instead of
-``2 * stack`` frames read. Memory: 16 bytes per slot of links. Not thread-safe: called
-under the table's lock.
+``2 * stack`` frames read; per step of a slice, one frame read and ``stack``
+copied. Memory: 16 bytes per slot of links. Not thread-safe: called under the
+table's lock.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_server.engine import buffers
 from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
 from replay_server.engine.readers.base import Reader
@@ -64,9 +67,6 @@ FILLS = ("repeat", "zero")
 
 _MIN_SWEEP = 1024
 """Open episodes kept before those whose newest step left the ring are forgotten."""
-
-_SHARED_READ = 0.75
-"""Read each distinct frame once when at most this fraction of the frames asked for are distinct."""
 
 
 def next_key(key: str) -> str:
@@ -232,7 +232,7 @@ class FrameStacks(Reader):
 
     # ------------------------------------------------------------------ sample
 
-    def read(self, positions: np.ndarray, keys: list[str] | None = None,
+    def read(self, positions: np.ndarray | None, keys: list[str] | None = None,
              out: Mapping[str, torch.Tensor] | None = None,
              slots: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         """The rows at ``positions`` (any shape ``S``, live) with their stacks rebuilt.
@@ -241,23 +241,40 @@ class FrameStacks(Reader):
         where given): the frames of every row's stack are read in one read
         through the source into ``<key>``; ``next.<key>`` is those rows'
         frames ``1..stack - 1`` (one strided copy) and the next frame, read
-        straight into place.
+        straight into place. Without ``<key>`` (an n-step transition's last
+        step), ``next.<key>`` is read alone: its ``stack - 1`` frames and the
+        next frame in one interleaved read through the source.
         """
+        if positions is None:  # the links are by position
+            assert slots is not None
+            positions = self._ring.ids_of_slots(slots)
         wanted = self.keys if keys is None else keys
         others = [k for k in wanted if k not in self._stacked]
         assert self.source is not None
         columns = self.source.read(positions, others, out, slots) if others else {}
-        if not any(k in self._stacked for k in wanted):
+        want_stack = self.key in wanted
+        want_next = self.next_key is not None and self.next_key in wanted
+        if not want_stack and not want_next:
             return columns
-        shape = (*positions.shape, *self._spec.shape)
-        stacks = self._destination(self.key, out, shape, self.key in wanted, columns)
-        self._rebuild(positions.reshape(-1), into=stacks.view(-1, *self._spec.shape),
-                      shared=positions.ndim > 1)
-        if self.next_key is not None and self.next_key in wanted:
-            following = self._destination(self.next_key, out, shape, True, columns)
-            _shift(stacks.view(-1, *self._spec.shape), following.view(-1, *self._spec.shape))
-            last = {self.next_key: following.view(-1, *self._spec.shape)[:, -1]}
-            self.source.read(positions.reshape(-1), [self.next_key], last,
+        shape, frame = (*positions.shape, *self._spec.shape), self._spec.shape
+        flat = positions.reshape(-1)
+        walk = self._walk(flat)
+        if not want_stack:
+            assert self.next_key is not None
+            following = self._destination(self.next_key, out, shape, True, columns).view(-1, *frame)
+            parts = [(self.key, walk.frames[:, j]) for j in range(1, self.stack)]
+            self.source.read_interleaved([*parts, (self.next_key, flat)], following)
+            walk.place(following, shift=1)
+            return columns
+        stacks = self._destination(self.key, out, shape, True, columns).view(-1, *frame)
+        self._read_frames(walk.frames, stacks, steps=positions.shape[-1] if positions.ndim > 1
+                          else 1)
+        walk.place(stacks)
+        if want_next:
+            assert self.next_key is not None
+            following = self._destination(self.next_key, out, shape, True, columns).view(-1, *frame)
+            _shift(stacks, following)
+            self.source.read(flat, [self.next_key], {self.next_key: following[:, -1]},
                              None if slots is None else slots.reshape(-1))
         return columns
 
@@ -268,25 +285,29 @@ class FrameStacks(Reader):
         ``columns`` when ``wanted``."""
         dest = None if out is None else out.get(name)
         if dest is None:
-            dest = torch.empty(shape, dtype=self._spec.dtype, device=self.device)
+            dest = buffers.empty(shape, self._spec.dtype, self.device)
         if wanted:
             columns[name] = dest
         return dest
 
-    def _rebuild(self, positions: np.ndarray, gone_below: int | None = None,
-                 into: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
-        """Stacks ``[n, stack, ...]`` of ``positions`` from the stored frames and kept histories.
+    def _rebuild(self, positions: np.ndarray, gone_below: int | None = None) -> torch.Tensor:
+        """Stacks ``[n, stack, ...]`` of ``positions`` (see :meth:`_walk`), read into a new
+        tensor."""
+        walk = self._walk(positions, gone_below)
+        into = buffers.empty((positions.size, *self._spec.shape), self._spec.dtype, self.device)
+        self._read_frames(walk.frames, into)
+        walk.place(into)
+        return into
+
+    def _walk(self, positions: np.ndarray, gone_below: int | None = None) -> _Walk:
+        """Where the frames of the stacks of ``positions`` come from.
 
         Walks each row's links back to find the positions of its frames; a
         row on the way with a kept history supplies the older frames from it;
         an episode's start (or a link below the ring's oldest row) ends the
         walk and the rest is filled (``repeat``: the earliest frame again).
-        Then one read through the source takes every frame into place (each
-        distinct frame once, when many are shared, as in slices).
         ``gone_below``: rows from this position on are still readable although
         the ring's ``first_live`` has passed them (they are about to be overwritten).
-        ``into``: a contiguous tensor to build them in (else a new one). ``shared``:
-        the stacks share frames (consecutive steps of slices): read each frame once.
         """
         cap = self._ring.capacity
         floor = self._ring.first_live if gone_below is None else gone_below
@@ -296,11 +317,12 @@ class FrameStacks(Reader):
         filled = np.zeros((n, self.stack), dtype=bool) if self.fill == "zero" else None
         current = positions.copy()
         walking = np.ones(n, dtype=bool)
-        kept = np.fromiter(self._kept, dtype=np.int64, count=len(self._kept))
+        kept = np.sort(np.fromiter(self._kept, dtype=np.int64, count=len(self._kept)))
         overrides: list[tuple[int, int, np.ndarray]] = []
         for k in range(2, self.stack + 1):
-            if kept.size:
-                hit = walking & np.isin(current, kept)
+            if kept.size:  # membership by a search in the (few) kept rows, sorted
+                at = np.minimum(np.searchsorted(kept, current), kept.size - 1)
+                hit = walking & (kept[at] == current)
                 for index in np.flatnonzero(hit).tolist():
                     overrides.append((index, self.stack - k + 1, self._kept[int(current[index])]))
                 walking &= ~hit
@@ -311,28 +333,18 @@ class FrameStacks(Reader):
             frames[:, -k] = np.where(ok, current, frames[:, -k + 1])
             if filled is not None:
                 filled[:, -k] = ~ok
-        if into is None:
-            into = torch.empty((n, *self._spec.shape), dtype=self._spec.dtype,
-                               device=self.device)
-        self._read_frames(frames, into, shared)
-        if filled is not None and filled.any():
-            into[torch.from_numpy(filled).to(into.device)] = 0
-        for index, count, history in overrides:  # a kept history is exact: it wins over fills
-            into[index, :count] = torch.from_numpy(history[-count:]).view(
-                self._spec.dtype).to(into.device)
-        return into
+        return _Walk(frames, filled, overrides, self._spec.dtype)
 
-    def _read_frames(self, frames: np.ndarray, into: torch.Tensor, shared: bool) -> None:
-        """``into[i, j] = frame at frames[i, j]``, each distinct frame read once when many repeat."""
+    def _read_frames(self, frames: np.ndarray, into: torch.Tensor, steps: int = 1) -> None:
+        """``into[i, j] = frame at frames[i, j]``. ``steps > 1``: the rows are slices of
+        ``steps`` consecutive steps each (in order), whose stacks share frames: each frame
+        is read once (see :func:`_slice_reads`) and spread into place."""
         assert self.source is not None
-        if not shared:
+        if steps < 2:
             self.source.read(frames, [self.key], {self.key: into})
             return
-        distinct, inverse = np.unique(frames, return_inverse=True)
-        if distinct.size > _SHARED_READ * frames.size:
-            self.source.read(frames, [self.key], {self.key: into})
-            return
-        once = self.source.read(distinct, [self.key])[self.key]
+        reads, inverse = _slice_reads(frames, steps)
+        once = self.source.read(reads, [self.key])[self.key]
         spread = into.view(-1, *self._spec.shape[1:])
         if once.device.type == "cpu":  # numpy's take, split across the worker pool
             take_rows(_numpy(once), inverse.reshape(-1), _numpy(spread))
@@ -370,6 +382,58 @@ class FrameStacks(Reader):
         self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
         frames = state["kept_frames"].numpy()
         self._kept = {int(p): frames[i].copy() for i, p in enumerate(state["kept_positions"])}
+
+
+class _Walk:
+    """The frames of some stacks: ``frames[i, j]``, the position whose stored frame is frame
+    ``j`` of stack ``i``; ``filled[i, j]``: frame ``j`` is a zero fill (``zero`` only);
+    ``overrides``: ``(i, count, history)``, the first ``count`` frames of stack ``i`` are
+    the last ones of its kept ``history`` (exact: they win over fills)."""
+
+    def __init__(self, frames: np.ndarray, filled: np.ndarray | None,
+                 overrides: list[tuple[int, int, np.ndarray]], dtype: torch.dtype) -> None:
+        self.frames, self.filled, self.overrides, self._dtype = frames, filled, overrides, dtype
+
+    def place(self, into: torch.Tensor, shift: int = 0) -> None:
+        """Apply the fills and kept histories to ``into`` ``[n, stack, ...]``, read from
+        :attr:`frames`, or (``shift = 1``) to the next stacks read from ``frames[:, 1:]``
+        and the next frames."""
+        stack = self.frames.shape[1]
+        if self.filled is not None and self.filled[:, shift:].any():
+            mask = torch.from_numpy(np.ascontiguousarray(self.filled[:, shift:]))
+            into[:, :stack - shift][mask.to(into.device)] = 0
+        for index, count, history in self.overrides:
+            if count > shift:
+                into[index, :count - shift] = torch.from_numpy(
+                    history[shift - count:]).view(self._dtype).to(into.device)
+
+
+def _slice_reads(frames: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """The frames to read for the stacks ``frames`` ``[n, stack]`` of slices of ``steps``
+    consecutive steps (rows in slice order), and where each stack frame is among them:
+    ``frames == reads[inverse]``.
+
+    Frame ``k`` of step ``t``'s stack is, but at an episode's start or a kept history,
+    the newest frame of step ``t - (stack - 1 - k)`` of the same slice: the reads are
+    every step's newest frame, then the few others (a slice's first steps reach before
+    it). O(n * stack) vector operations, no sort.
+    """
+    n, stack = frames.shape
+    rows = np.arange(n)
+    step = rows % steps
+    newest = frames[:, -1]
+    inverse = np.empty((n, stack), dtype=np.int64)
+    inverse[:, -1] = rows
+    other = np.zeros((n, stack - 1), dtype=bool)
+    for k in range(stack - 1):
+        back = stack - 1 - k
+        source = np.where(step >= back, rows - back, rows)
+        same = (step >= back) & (newest[source] == frames[:, k])
+        inverse[:, k] = source
+        other[:, k] = ~same
+    extra = frames[:, :-1][other]
+    inverse[:, :-1][other] = n + np.arange(extra.size)
+    return np.concatenate((newest, extra)), inverse
 
 
 def _shift(stacks: torch.Tensor, following: torch.Tensor) -> None:

@@ -253,7 +253,7 @@ class NStepReturns(Reader):
 
     # ------------------------------------------------------------------ sample
 
-    def read(self, positions: np.ndarray, keys: list[str] | None = None,
+    def read(self, positions: np.ndarray | None, keys: list[str] | None = None,
              out: Mapping[str, torch.Tensor] | None = None,
              slots: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         """The n-step transitions starting at ``positions`` (int64, any shape ``S``, live rows)."""
@@ -266,12 +266,12 @@ class NStepReturns(Reader):
             wanted, head, tail = self._split
         else:
             wanted, head, tail = self._split_keys(keys)
-        slots = self._ring.slots(positions) if slots is None else slots
+        if slots is None:
+            assert positions is not None
+            slots = self._ring.slots(positions)
         columns = self.source.read(positions, head, out, slots) if head else {}
-        if tail:
-            last_slots = self._last[slots]
-            columns.update(self.source.read(self._ring.ids_of_slots(last_slots), tail, out,
-                                            last_slots))
+        if tail:  # at each window's last step (its positions: where a reader needs them)
+            columns.update(self.source.read(None, tail, out, self._last[slots]))
         device = self.device
         if self.reward_key in wanted:
             columns[self.reward_key] = self._reward(slots, out, device)
@@ -297,12 +297,11 @@ class NStepReturns(Reader):
         """The windows' discounted sums in the reward column's dtype and shape."""
         assert self._schema is not None
         spec = self._schema[self.reward_key]
-        sums = self._sum[slots]
+        sums = self._sum[slots].reshape(*slots.shape, *spec.shape)  # numpy's: cheaper than torch's
         if spec.dtype == torch.bfloat16:  # numpy has no bfloat16
             total = torch.from_numpy(sums).to(spec.dtype)
         else:
             total = torch.from_numpy(sums.astype(_NUMPY[spec.dtype]))
-        total = total.view(*slots.shape, *spec.shape)
         reward = None if out is None else out.get(self.reward_key)
         if reward is None:
             return total if device.type == "cpu" else total.to(device)

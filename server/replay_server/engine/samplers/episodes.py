@@ -152,8 +152,9 @@ class EpisodeIndex:
         """
         steps = np.empty((self.slice_len, start_slots.size), dtype=self._next.dtype)
         steps[0] = start_slots
+        take = self._next.take  # the method: np.take's wrapper costs as much again per step
         for k in range(1, self.slice_len):
-            np.take(self._next, steps[k - 1], out=steps[k])
+            take(steps[k - 1], out=steps[k])
         return steps.T.astype(np.int64)
 
     def clear(self) -> None:

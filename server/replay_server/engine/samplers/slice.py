@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from replay_proto.mass import SamplingMass, uniform_mass
-from replay_server.errors import EmptyTableError
+from replay_server.errors import EmptyTableError, InvalidPriorityError
 from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import (
     InsertEvent,
@@ -144,16 +144,19 @@ class PrioritizedSliceSampler(Sampler):
     def build(cls, ring: IdRing, options: SamplerOptions, *,
               deletes: bool) -> PrioritizedSliceSampler:
         assert options.slice_len is not None
-        return cls(ring, options.slice_len, options.alpha, options.beta)
+        return cls(ring, options.slice_len, options.alpha, options.beta,
+                   options.priority_mixing)
 
     @classmethod
     def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
         # links, the tree, each row's mass (float32) and whether it starts a slice (bool)
         return np.dtype(index_dtype(options.capacity)).itemsize + SLOT_BYTES + 4 + 1
 
-    def __init__(self, ring: IdRing, slice_len: int, alpha: float, beta: float) -> None:
+    def __init__(self, ring: IdRing, slice_len: int, alpha: float, beta: float,
+                 mixing: float | None = None) -> None:
         super().__init__(ring)
         cap = ring.capacity
+        self._mixing = mixing
         self._episodes = EpisodeIndex(ring, slice_len)
         self._prio = PriorityState(alpha, beta)
         self._tree = SumTree(cap)
@@ -178,12 +181,41 @@ class PrioritizedSliceSampler(Sampler):
         self._num_starts += int(new.size)
 
     def update(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        """Rows' priorities (``[n]``), or, with ``priority_mixing``, whole slices' (``[B,
+        slice_len]``: each row one slice as sampled, its start given the mix).
+
+        Raises:
+            InvalidPriorityError: (slices) a row is not a slice as sampled; nothing changed.
+        """
+        if positions.ndim == 2:
+            positions, priorities = self._mixed(positions, priorities)
         self._prio.observe(priorities)
         mass = self._prio.mass(priorities)
         slots = self._ring.slots(positions)
         self._row_mass[slots] = mass  # a repeated id keeps its last priority (see SumTree.set)
         starts = slots[self._is_start[slots]]
         self._tree.set(starts, self._row_mass[starts])
+
+    def _mixed(self, slices: np.ndarray, per_step: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each slice's start and ``eta * max + (1 - eta) * mean`` of its steps' priorities
+        (R2D2's mixing, Kapturowski et al. 2019), once every row is checked to be the slice
+        a draw of its start returns: its ``slice_len`` steps, in order. So ids grouped
+        otherwise (time-major, a subset of steps, slices of two batches interleaved) are
+        refused rather than mixed into the wrong start. Cost: O(B * slice_len)."""
+        assert self._mixing is not None
+        starts = self._ring.slots(slices[:, 0])
+        steps = self._ring.slots(slices)
+        whole = self._is_start[starts]
+        whole[whole] = (self._episodes.chain(starts[whole]) == steps[whole]).all(axis=1)
+        if not whole.all():
+            row = int(np.flatnonzero(~whole)[0])
+            raise InvalidPriorityError(
+                f"priority_mixing mixes whole slices: row {row} of the update is not a "
+                f"slice as sampled (the ids of one slice's {slices.shape[1]} steps, in "
+                f"order); update with the batch's ids [B, {slices.shape[1]}] and per-step "
+                f"priorities of that shape")
+        eta = self._mixing
+        return slices[:, 0], eta * per_step.max(axis=1) + (1.0 - eta) * per_step.mean(axis=1)
 
     def delete(self, positions: np.ndarray) -> Removal:
         """Stop drawing the slices that start at ``positions`` (their rows keep their mass)."""

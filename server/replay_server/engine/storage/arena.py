@@ -165,6 +165,32 @@ class ByteArena:
             self.stored += size
             self.blocks += 1
 
+    # ------------------------------------------------------------------ reads
+
+    def joined(self, slots: np.ndarray, widest: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The blocks of ``slots`` one after the other, gathered without a Python step per
+        block, or ``None`` where they are not all written and at most ``widest`` bytes.
+
+        numpy takes a window of the widest block's bytes at each block's offset (one
+        fancy index of a strided view), then keeps each window's first ``length``
+        bytes. Cost: O(len(slots) * widest) bytes copied twice: cheaper than a slice
+        per block while blocks are small (a few hundred bytes, e.g. compressed small
+        observations), dearer for larger ones.
+
+        Returns:
+            ``(body, ends)``: the joined blocks (uint8) and where each block ends in it.
+        """
+        offsets, lengths = self.offsets[slots], self.lengths[slots]
+        width = int(lengths.max(initial=0))
+        if (not 0 < width <= widest or offsets.min() < 0
+                or offsets.max() > self.buffer.size - width):
+            return None
+        windows = np.lib.stride_tricks.as_strided(
+            self.buffer, shape=(self.buffer.size - width + 1, width), strides=(1, 1),
+            writeable=False)
+        body = windows[offsets][np.arange(width) < lengths[:, None]]
+        return body, np.cumsum(lengths, dtype=np.int64)
+
     def _release(self, slot: int) -> None:
         offset = int(self.offsets[slot])
         if offset < 0:

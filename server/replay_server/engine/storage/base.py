@@ -30,12 +30,13 @@ Not thread-safe: the owning table serializes access under its lock.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from replay_server.engine import workers
+from replay_server.engine import buffers, workers
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.workers import take_rows
 
@@ -116,9 +117,16 @@ class Column(ABC):
         """``into[i] = row at slots[i]``: ``slots`` flat int64, ``into`` ``[n, *spec.shape]``
         contiguous on :attr:`device`."""
 
+    def take_interleaved(self, parts: Sequence[tuple[Column, np.ndarray]],
+                         into: torch.Tensor) -> bool:
+        """``into[i, j] = row at parts[j]'s slots[i] of parts[j]'s column`` in one pass, where
+        the backend has one (``into`` ``[n, len(parts), *spec.shape]`` contiguous); ``False``
+        (the default): the caller takes part by part."""
+        return False
+
     def gather(self, slots: np.ndarray, device: torch.device) -> torch.Tensor:
         """A new tensor ``[n, *spec.shape]`` on ``device`` of the rows at ``slots`` (flat)."""
-        into = torch.empty((slots.size, *self.spec.shape), dtype=self.spec.dtype, device=device)
+        into = buffers.empty((slots.size, *self.spec.shape), self.spec.dtype, device)
         self.take(slots, into)
         return into
 
@@ -144,10 +152,10 @@ class ArrayColumn(Column):
 
     array: np.ndarray
 
-    @property
-    def _bits(self) -> bool:
-        """Whether its array holds the column's values as other bits (bfloat16 as int16)."""
-        return self.spec.dtype == torch.bfloat16
+    def __init__(self, spec: FieldSpec, capacity: int) -> None:
+        super().__init__(spec, capacity)
+        self._as_bits = spec.dtype == torch.bfloat16  # its array holds bfloat16 as int16
+        self._row_shape = tuple(spec.shape)
 
     @property
     def view(self) -> np.ndarray:
@@ -166,10 +174,10 @@ class ArrayColumn(Column):
         """Through numpy (its allocation is cheaper than torch's for a batch)."""
         if device.type != "cpu":
             return super().gather(slots, device)
-        rows = np.empty((slots.size, *self.shape[1:]), dtype=self.dtype)
+        rows = np.empty((slots.size, *self._row_shape), dtype=self.dtype)
         self._take(slots, rows)
         tensor = torch.from_numpy(rows)
-        return tensor.view(torch.bfloat16) if self._bits else tensor
+        return tensor.view(torch.bfloat16) if self._as_bits else tensor
 
     def __getitem__(self, index: slice) -> np.ndarray:
         return self.array[index]

@@ -21,13 +21,14 @@ Not thread-safe: the owning table serializes access under its lock.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from replay_proto.batch import SampleBatch
+from replay_server.engine import buffers
 from replay_server.engine.prefault import Prefaulter
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, StorageSnapshot
@@ -163,7 +164,7 @@ class ColumnStorage:
                 result[key] = rows if slots.ndim == 1 else rows.view(*slots.shape, *spec.shape)
                 continue
             if dest is None:
-                dest = torch.empty((n, *spec.shape), dtype=spec.dtype, device=self.device)
+                dest = buffers.empty((n, *spec.shape), spec.dtype, self.device)
                 result[key] = dest.view(*slots.shape, *spec.shape)
             else:
                 result[key] = dest
@@ -175,6 +176,22 @@ class ColumnStorage:
                 column.take(flat, staging)
                 target.copy_(staging, non_blocking=self._pin)
         return result
+
+    def gather_interleaved(self, parts: Sequence[tuple[str, np.ndarray]],
+                           into: torch.Tensor) -> None:
+        """``into[:, j]`` = the rows of column ``parts[j][0]`` at slots ``parts[j][1]`` (each
+        ``[n]``; the columns share one spec), e.g. a stack of frames of which the last
+        comes from another column. One pass where the columns' backend has one (lz4:
+        one decode), else one gather per part.
+
+        Cost: as :meth:`gather` of ``n * len(parts)`` rows.
+        """
+        columns = [(self.columns[key], slots) for key, slots in parts]
+        first = columns[0][0]
+        if first.device == into.device and first.take_interleaved(columns, into):
+            return
+        for j, (key, slots) in enumerate(parts):
+            self.gather(slots, {key: into[:, j]}, [key])
 
     def place(self, batch: SampleBatch, out: Mapping[str, torch.Tensor] | None) -> SampleBatch:
         """A device table's batch without ``out``: its ids, weights and probabilities join

@@ -1,9 +1,11 @@
 """The lz4 codec: a column's rows compressed, over RAM or a memory-mapped file.
 
 A column named in ``compress_keys`` keeps each row as one lz4 block
-(``lz4.block``), compressed before the table takes its lock and
-decompressed on gather straight into the batch, split across the worker
-pool (lz4 releases the GIL). The blocks live in a
+(``lz4.block``, behind its 4-byte size), compressed before the table takes
+its lock and decompressed on gather straight into the batch: a batch's
+blocks in one call outside the GIL
+(:mod:`~replay_server.engine.storage.lz4_batch`), a large batch in parts
+across the worker pool. The blocks live in a
 :class:`~replay_server.engine.storage.arena.ByteArena`: in RAM, or, for a
 column whose backend is ``memmap``, in a sparse file reserved a segment at a
 time. The codec sits over either backend, and beside any other column's:
@@ -12,8 +14,8 @@ a table can compress ``obs`` on disk and keep ``action`` plain in RAM.
 rows present) in ``sampler_stats["compression_ratio"]``.
 
 Memory: the segments holding the blocks (promised to the memory ledger as
-they are first taken, in RAM; reserved on disk, in a file) and 12 bytes per
-slot. Snapshots and restores see decompressed rows (``column[a:b]``), so a
+they are first taken, in RAM; reserved on disk, in a file), 4 bytes per
+block (its size) and 12 bytes per slot. Snapshots and restores see decompressed rows (``column[a:b]``), so a
 checkpoint's format does not depend on compression.
 
 Not thread-safe: the owning table serializes access under its lock.
@@ -21,7 +23,7 @@ Not thread-safe: the owning table serializes access under its lock.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lz4.block
@@ -32,15 +34,26 @@ from replay_server.engine import workers
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.storage.arena import ByteArena
 from replay_server.engine.storage.base import Column, numpy_view
+from replay_server.engine.storage.lz4_batch import DECODER, PREFIX, prefixed, zero_block
 from replay_server.engine.storage.memmap import MappedFile
 
 _PARALLEL_BYTES = 1 << 20
 """Gathers of at least this many raw bytes decompress on several threads."""
 
+_JOINED_BLOCK = 256
+"""Gathers whose stored blocks are all at most this many bytes (compressed small rows)
+join them by numpy's gather (:meth:`ByteArena.joined`), not a slice per block: at 74
+bytes 4x cheaper; at Atari frames' 600 bytes and more, 9x dearer."""
+
 
 def bound(row_bytes: int) -> int:
     """The most bytes lz4 can make of ``row_bytes`` (its ``LZ4_compressBound``)."""
     return row_bytes + row_bytes // 255 + 16
+
+
+def stored_bound(row_bytes: int) -> int:
+    """The most bytes a row of ``row_bytes`` takes in the arena (its block and the block's size)."""
+    return PREFIX + bound(row_bytes)
 
 
 class Lz4Column(Column):
@@ -60,7 +73,12 @@ class Lz4Column(Column):
                  grow: Callable[[int], None] | None = None) -> None:
         super().__init__(spec, capacity)
         self.backend = "memory" if file is None else "memmap"
-        self.arena = ByteArena(capacity, bound(spec.row_bytes), file, grow)
+        self.arena = ByteArena(capacity, stored_bound(spec.row_bytes), file, grow)
+        self._decoder = DECODER if DECODER is not None and DECODER.fits(
+            spec.row_bytes, bound(spec.row_bytes)) else None
+        self._header = b"" if self._decoder is None else self._decoder.header(
+            bound(spec.row_bytes))
+        self._zeros = zero_block(spec.row_bytes)
 
     @staticmethod
     def ram_bytes(spec: FieldSpec, capacity: int) -> int:
@@ -70,7 +88,7 @@ class Lz4Column(Column):
     @staticmethod
     def file_bytes(spec: FieldSpec, capacity: int) -> int:
         """The address range of a column's file (sparse: reserved a segment at a time)."""
-        return ByteArena.file_bytes(capacity, bound(spec.row_bytes))
+        return ByteArena.file_bytes(capacity, stored_bound(spec.row_bytes))
 
     @property
     def nbytes(self) -> int:
@@ -78,7 +96,7 @@ class Lz4Column(Column):
 
     def encode(self, rows: torch.Tensor) -> list[bytes]:
         flat = np.ascontiguousarray(numpy_view(rows.detach().cpu())).reshape(len(rows), -1)
-        return [lz4.block.compress(row, store_size=False) for row in flat]
+        return [prefixed(lz4.block.compress(row, store_size=False)) for row in flat]
 
     def reserve(self, first_slot: int, encoded: list[bytes]) -> None:
         slots = (first_slot + np.arange(len(encoded))) % self.capacity
@@ -90,33 +108,99 @@ class Lz4Column(Column):
 
     def take(self, slots: np.ndarray, into: torch.Tensor) -> None:
         target = numpy_view(into).reshape(slots.size, -1)
-        parts = min(workers.THREADS, max(1, slots.size * self.row_bytes // _PARALLEL_BYTES))
-        if parts < 2:
-            self._read(slots, target)
+        if self._decoder is None:
+            self._split(slots.size, lambda a, b: self._read_blocks(slots[a:b], target[a:b]))
             return
-        bounds = np.linspace(0, slots.size, parts + 1).astype(int)
-        tasks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        workers.run_split(lambda t: self._read(slots[t[0]:t[1]], target[t[0]:t[1]]),
-                          tasks, len(tasks))
+        joined = self.arena.joined(slots, _JOINED_BLOCK)
+        if joined is None:
+            self._decode(self._blocks(slots), target)
+        else:
+            self._decode_joined(*joined, target)
 
-    def _read(self, slots: np.ndarray, out: np.ndarray) -> None:
-        """Decompress the rows at ``slots`` into ``out`` (``[n, row values]``, contiguous;
-        zeros where none was written). Memoryviews all the way: per row one decompress
-        and one copy, and little else holding the GIL (the other threads decompress)."""
+    def take_interleaved(self, parts: Sequence[tuple[Column, np.ndarray]],
+                         into: torch.Tensor) -> bool:
+        """Decode every part's blocks, row by row, in one pass (all lz4 columns of one
+        spec, as a frame-stacked key and its ``next.`` key are)."""
+        columns = [column for column, _ in parts]
+        if self._decoder is None or not into.is_contiguous() or not all(
+                isinstance(c, Lz4Column) and c._decoder is not None and c.spec == self.spec
+                for c in columns):
+            return False
+        blocks: list[Any] = [None] * (len(parts) * parts[0][1].size)
+        for j, (column, slots) in enumerate(parts):  # row by row: part j at j, j + k, ...
+            blocks[j::len(parts)] = column._blocks(slots)  # type: ignore[attr-defined]
+        self._decode(blocks, numpy_view(into).reshape(len(blocks), -1))
+        return True
+
+    def _blocks(self, slots: np.ndarray) -> list[Any]:
+        """The stored blocks of ``slots`` (views into the arena; zeros where none was written)."""
+        arena = self.arena
+        offsets = arena.offsets[slots]
+        ends = (offsets + arena.lengths[slots]).tolist()
+        view = arena.view
+        if offsets.min(initial=0) >= 0:
+            return [view[offset:end] for offset, end in zip(offsets.tolist(), ends)]
+        zeros = self._zeros
+        return [zeros if offset < 0 else view[offset:end]
+                for offset, end in zip(offsets.tolist(), ends)]
+
+    def _decode(self, blocks: list[Any], out: np.ndarray) -> None:
+        """Decode ``blocks`` into ``out`` (``[len(blocks), row values]``, each row contiguous):
+        a large batch in parts across the worker pool; rows apart (e.g. the last frame of
+        each stack) through a buffer copied over."""
+        assert self._decoder is not None
+        decode, header = self._decoder.decode, self._header
+        if not out.flags.c_contiguous:
+            rows = np.empty(out.shape, dtype=out.dtype)
+            self._split(len(blocks), lambda a, b: decode(header, blocks[a:b], rows[a:b]))
+            np.copyto(out, rows)
+            return
+        self._split(len(blocks), lambda a, b: decode(header, blocks[a:b], out[a:b]))
+
+    def _decode_joined(self, body: np.ndarray, ends: np.ndarray, out: np.ndarray) -> None:
+        """:meth:`_decode` of blocks joined in ``body`` (block ``i`` ends at ``ends[i]``)."""
+        assert self._decoder is not None
+        decode, header = self._decoder.decode, self._header
+        rows = out if out.flags.c_contiguous else np.empty(out.shape, dtype=out.dtype)
+
+        def work(a: int, b: int) -> None:
+            start = int(ends[a - 1]) if a else 0
+            decode(header, body[start:int(ends[b - 1])], rows[a:b], b - a)
+
+        self._split(len(ends), work)
+        if rows is not out:
+            np.copyto(out, rows)
+
+    def _split(self, rows: int, work: Callable[[int, int], None]) -> None:
+        """``work(a, b)`` over rows ``[0, rows)``: in parts across the worker pool when they
+        are large (lz4 releases the GIL)."""
+        parts = min(workers.THREADS, max(1, rows * self.row_bytes // _PARALLEL_BYTES))
+        if parts < 2:
+            work(0, rows)
+            return
+        bounds = np.linspace(0, rows, parts + 1).astype(int).tolist()
+        tasks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        workers.run_split(lambda task: work(*task), tasks, len(tasks))
+
+    def _read_blocks(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """Decompress the rows at ``slots`` into ``out`` (``[n, row values]``, each row
+        contiguous; zeros where none was written) through python-lz4, one block per call
+        (where no batch decoder is). Memoryviews all the way: per row one decompress and
+        one copy."""
         size = self.row_bytes
         buffer, decompress = self.arena.view, lz4.block.decompress
-        offsets = self.arena.offsets[slots].tolist()
-        lengths = self.arena.lengths[slots].tolist()
-        if not out.flags.c_contiguous:  # e.g. the last frame of each stack: row by row
+        offsets = (self.arena.offsets[slots] + PREFIX).tolist()
+        lengths = (self.arena.lengths[slots] - PREFIX).tolist()
+        if not out.flags.c_contiguous:
             for i, (offset, length) in enumerate(zip(offsets, lengths)):
-                out[i] = 0 if offset < 0 else np.frombuffer(
+                out[i] = 0 if offset < PREFIX else np.frombuffer(
                     decompress(buffer[offset:offset + length], uncompressed_size=size),
                     dtype=out.dtype)
             return
         flat = memoryview(out).cast("B")
         at = 0
         for offset, length in zip(offsets, lengths):
-            if offset < 0:
+            if offset < PREFIX:
                 flat[at:at + size] = bytes(size)
             else:
                 flat[at:at + size] = decompress(buffer[offset:offset + length],
@@ -126,13 +210,16 @@ class Lz4Column(Column):
     def __getitem__(self, index: slice) -> np.ndarray:
         slots = np.arange(*index.indices(self.capacity))
         out = np.empty((slots.size, *self.spec.shape), dtype=self.dtype)
-        self._read(slots, out.reshape(slots.size, -1))
+        if self._decoder is None:
+            self._read_blocks(slots, out.reshape(slots.size, -1))
+        else:
+            self._decode(self._blocks(slots), out.reshape(slots.size, -1))
         return out
 
     def __setitem__(self, index: slice, rows: np.ndarray) -> None:
         slots = np.arange(*index.indices(self.capacity))
         flat = np.ascontiguousarray(rows).reshape(slots.size, -1)
-        blocks = [lz4.block.compress(row, store_size=False) for row in flat]
+        blocks = [prefixed(lz4.block.compress(row, store_size=False)) for row in flat]
         self.arena.reserve([len(b) for b in blocks], slots)
         self.arena.write(slots.tolist(), blocks)
 

@@ -164,7 +164,7 @@ def test_priority_mixing_gives_each_slice_start_the_mix_of_its_steps_as_r2d2_doe
         table.insert(rows)
     batch = mixed.sample(4)
     td = torch.rand(4, 3, dtype=torch.float64)
-    assert mixed.update_priorities(batch.ids, td) == 4  # one per slice: its start
+    assert mixed.update_priorities(batch.ids, td) == 12  # every id of the 4 slices
     starts = batch.ids[:, 0]
     expected = eta * td.max(dim=1).values + (1 - eta) * td.mean(dim=1)
     plain.update_priorities(starts, expected)  # the same, applied by hand
@@ -182,6 +182,45 @@ def test_priority_mixing_takes_flat_slices_as_the_wire_carries_them_and_refuses_
     table.insert({"x": torch.arange(12), "episode": torch.zeros(12, dtype=torch.int64)})
     batch = table.sample(2)
     flat = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 4.0], dtype=torch.float64)
-    assert table.update_priorities(batch.ids.reshape(-1), flat) == 2
+    assert table.update_priorities(batch.ids.reshape(-1), flat) == 6
     with pytest.raises(InvalidPriorityError, match=r"slice_len=3 priorities per slice"):
         table.update_priorities(batch.ids[:, :2], flat[:4].view(2, 2))
+
+
+def _episodes_table(mixing: float | None = 0.5) -> Table:
+    """A mixing table of two interleaved episodes of 20 steps (ids of a slice are not
+    consecutive numbers)."""
+    table = Table(TableConfig(name="r", capacity=64, sampler="prioritized_slice", slice_len=4,
+                              seed=3, priority_mixing=mixing))
+    table.insert({"x": torch.arange(40), "episode": torch.arange(40) % 2})
+    return table
+
+
+@pytest.mark.parametrize("regroup", ["time-major", "steps reversed", "two halves swapped"])
+def test_priority_mixing_refuses_ids_grouped_otherwise_than_the_sampled_slices(regroup) -> None:
+    """A learner whose ids are not the batch's slices row by row (time-major ``[L, B]``
+    flattened, steps out of order, halves of two slices) would mix the wrong steps into a
+    start: refused, naming the row, and nothing is applied."""
+    from replay_server.errors import InvalidPriorityError
+
+    table = _episodes_table()
+    batch = table.sample(6)
+    td = torch.rand(6, 4, dtype=torch.float64)
+    ids = {"time-major": batch.ids.T.reshape(-1), "steps reversed": batch.ids.flip(1),
+           "two halves swapped": torch.cat([batch.ids[:, 2:], batch.ids[:, :2]], dim=1)}[regroup]
+    before = table.info().mass
+    with pytest.raises(InvalidPriorityError, match=r"row \d+ of the update is not a slice"):
+        table.update_priorities(ids, td.reshape(ids.shape))
+    assert table.info().mass == before
+    assert table.update_priorities(batch.ids, td) == 24  # the same ids as sampled: applied
+
+
+def test_priority_mixing_counts_a_slice_whose_start_was_overwritten_as_stale_ids() -> None:
+    table = _episodes_table()
+    batch = table.sample(8)
+    table.insert({"x": torch.arange(40, 80), "episode": torch.arange(40, 80) % 2 + 2})
+    gone = int((batch.ids[:, 0] < 80 - 64).sum())  # starts the ring overwrote
+    assert 0 < gone < 8
+    td = torch.rand(8, 4, dtype=torch.float64)
+    assert table.update_priorities(batch.ids, td) == 4 * (8 - gone)
+    assert table.info().counters.stale_priority_updates == 4 * gone

@@ -67,9 +67,14 @@ def same(a, b) -> None:
 @given(plan=st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.integers(1, 5),
                                st.integers(0, 12)), min_size=1, max_size=30),
        stack=st.integers(2, 4), fill=st.sampled_from(["repeat", "zero"]),
-       paddings=st.lists(st.sampled_from(["repeat", "zero"]), min_size=3, max_size=3))
-def test_batches_are_bit_identical_to_the_full_stack_table(plan, stack, fill, paddings) -> None:
-    common = {"name": "t", "capacity": CAPACITY, "seed": 11, "sampler": "prioritized"}
+       paddings=st.lists(st.sampled_from(["repeat", "zero"]), min_size=3, max_size=3),
+       n_step=st.sampled_from([1, 3]))
+def test_batches_are_bit_identical_to_the_full_stack_table(plan, stack, fill, paddings,
+                                                           n_step) -> None:
+    """With ``n_step = 3`` the reference is the n-step table of full stacks: ``next.obs`` is
+    then read at each transition's last step, without ``obs`` (its own read path)."""
+    common = {"name": "t", "capacity": CAPACITY, "seed": 11, "sampler": "prioritized",
+              "n_step": n_step, "gamma": 0.5}
     plain = Table(TableConfig(**common))
     config = TableConfig(**common, frame_stack_key="obs", frame_stack_fill=fill)
     dedup = Table(config)
