@@ -4,7 +4,7 @@
 
 (or ``make bench-service``, which also builds Reverb's virtualenv). For each
 row kind (Atari frames, 17 floats) and operation (insert, prioritized sample
-of 256, priority updates), it starts the server in a separate process, drives
+of 256, priority updates; publish and fetch of a policy, ours alone), it starts the server in a separate process, drives
 it from this one client process over 127.0.0.1, stops it, and moves on; then
 the same for Reverb (``benchmarks/reverb_service.py`` in its own virtualenv).
 Prints rows/s (or ids/s), MB/s and the ratio ours / Reverb.
@@ -28,7 +28,7 @@ import service_workload as w  # noqa: E402
 from sides import replay_server, run_side  # noqa: E402
 
 
-_CONFIG = "[server]\nmax_message_mb = 64\nworkers = 2\n" + "".join(
+_CONFIG = "[server]\nworkers = 2\n" + "".join(
     f'[[tables]]\nname = "{kind}"\ncapacity = {w.CAPACITY[kind]}\n'
     f'sampler = "prioritized"\nalpha = {w.ALPHA}\nbeta = {w.BETA}\n'
     for kind in w.ROW_KINDS
@@ -53,6 +53,8 @@ def _ours(kind: str, case: str, seconds: float, per_call: int = w.UPDATE_BATCH,
             client = ReplayClient(address, timeout=120)
             mb = w.row_bytes(kind) / 1e6
             out = []
+            if case == "publish":
+                return _variables(client, kind, seconds)
             if case == "insert":
                 n = w.INSERT_ROWS[kind]
                 rows = _rows_as_torch(w.make_rows(kind, 0, n))
@@ -129,6 +131,29 @@ def _ours(kind: str, case: str, seconds: float, per_call: int = w.UPDATE_BATCH,
             return out
 
 
+def _variables(client, kind: str, seconds: float) -> list[dict]:
+    """Publish and fetch of a policy's state dict (Reverb has no counterpart)."""
+    import torch
+
+    params = w.POLICY_PARAMS[kind]
+    state = {f"layer{i}.weight": torch.randn(params // 4) for i in range(4)}
+    mb = sum(t.numel() * t.element_size() for t in state.values()) / 1e6
+    out = []
+    for api in ("publish", "fetch"):
+        calls = 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            if api == "publish":
+                client.publish("policy", state)
+            else:
+                client.fetch("policy")
+            calls += 1
+        rate = calls / (time.perf_counter() - start)
+        out.append({"api": f"{api} ({mb:.2f} MB state dict)", "calls_per_s": rate,
+                    "mb_per_s": rate * mb})
+    return out
+
+
 def _stream_updates(client, kind: str, ids, priorities, seconds: float) -> list[dict]:  # type: ignore[no-untyped-def]
     """Updates on a learner's stream (``stream.update_priorities``, riding on its credits).
 
@@ -187,7 +212,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=w.SECONDS)
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--cases", default="insert,sample,update",
-                        help="comma-separated subset of insert,sample,update")
+                        help="comma-separated subset of insert,sample,update,publish "
+                             "(publish: ours alone, Reverb has no variables)")
 
     parser.add_argument("--kinds", default=",".join(w.ROW_KINDS),
                         help="comma-separated subset of " + ",".join(w.ROW_KINDS))
@@ -201,7 +227,7 @@ def main() -> None:
                 print(f"{kind} {case}", file=sys.stderr)
                 ours = _ours(kind, case, args.seconds, per_call)
                 theirs = (_reverb(args.reverb_python, kind, case, args.seconds, per_call)
-                          if args.reverb_python else None)
+                          if args.reverb_python and case != "publish" else None)
                 results.append({"kind": kind, "case": case, "ours": ours, "reverb": theirs})
                 print(f"  ours={ours}\n  reverb={theirs}", file=sys.stderr)
     print(_table(results))
@@ -219,8 +245,8 @@ def _table(results: list[dict]) -> str:
              "|---|---|---:|---:|---:|"]
     for r in results:
         theirs = r["reverb"] or {}
-        metric = "ids_per_s" if r["case"] == "update" else "rows_per_s"
-        unit = "ids/s" if r["case"] == "update" else "rows/s"
+        metric, unit = {"update": ("ids_per_s", "ids/s"),
+                        "publish": ("calls_per_s", "calls/s")}.get(r["case"], ("rows_per_s", "rows/s"))
         base = theirs.get(metric)
         for record in r["ours"]:
             value = record[metric]

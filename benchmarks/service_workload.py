@@ -23,6 +23,8 @@ UPDATE_BATCH = 1_024                                 # ids per priority-update c
 UPDATE_BATCHES = (128, 1_024)                        # ids per call, each measured
 ALPHA = 0.6
 BETA = 0.4
+POLICY_PARAMS = {"atari": 1_700_000, "small": 20_000}  # float32 parameters of a policy (DQN's Atari
+                                                     # network; a small MLP), for publish/fetch
 SECONDS = 10.0                                       # time bound of each measurement
 
 

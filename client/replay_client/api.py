@@ -68,6 +68,9 @@ class ReplayApi(Protocol):
     def reset(self, table: str, *, schema: bool = False) -> None:
         """Remove every row of ``table`` (``schema=True``: and forget its schema)."""
 
+    def ack(self, table: str) -> None:
+        """Acknowledge the rows this client's samples of queue table ``table`` took."""
+
     def publish(self, name: str, state_dict: Any) -> int:
         """Store ``state_dict`` as the next version of variable ``name``; that version."""
 

@@ -103,7 +103,8 @@ class Connection:
         self.__init__(state.pop("address"), **state)  # type: ignore[misc]
 
     def method(self, name: str, kind: str = "unary_unary") -> Any:
-        """The callable of RPC ``name`` (``kind``: ``unary_unary`` or ``stream_stream``)."""
+        """The callable of RPC ``name`` (``kind``: ``unary_unary``, ``stream_stream``,
+        ``stream_unary`` or ``unary_stream``)."""
         call = self._calls.get(name)
         if call is not None and self._pid == os.getpid():
             return call
@@ -124,9 +125,13 @@ class Connection:
                 self._calls[name] = getattr(self._channel, kind)(SERVICE_PATH + name)
             return self._calls[name]
 
-    def unary(self, name: str, request: bytes, *, retry: bool,
-              timeout: Any = CLIENT_TIMEOUT) -> bytes:
+    def unary(self, name: str, request: Any, *, retry: bool,
+              timeout: Any = CLIENT_TIMEOUT, kind: str = "unary_unary") -> Any:
         """Call RPC ``name`` with raw ``request`` bytes; return the raw answer.
+
+        ``kind`` ``"stream_unary"``: ``request`` is a list of messages (a chunked
+        request, :mod:`replay_client.chunked`), declared as its largest;
+        ``"unary_stream"``: the answer is the list of messages received.
 
         Retries (``retry``: the call is safe to repeat) while the server is
         UNAVAILABLE, and any call the server refused as overloaded (it ran
@@ -140,12 +145,15 @@ class Connection:
         """
         timeout = self.timeout if timeout is CLIENT_TIMEOUT else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        metadata = self.metadata + request_bytes_metadata(len(request))
+        size = max(map(len, request)) if kind == "stream_unary" else len(request)
+        metadata = self.metadata + request_bytes_metadata(size)
         backoff: Backoff | None = None
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                answer = self.method(name)(request, timeout=remaining, metadata=metadata)
+                sent = iter(request) if kind == "stream_unary" else request
+                answer = self.method(name, kind)(sent, timeout=remaining, metadata=metadata)
+                answer = list(answer) if kind == "unary_stream" else answer
                 self.answered = True
                 return answer
             except grpc.RpcError as exc:

@@ -9,15 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_client import grouping, variables
+from replay_client import chunked, grouping, variables
 from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, CONNECT_TIMEOUT_S, Connection
-from replay_client.errors import (
-    InvalidArgumentError,
-    InvalidPriorityError,
-    MessageTooLargeError,
-)
+from replay_client.errors import InvalidArgumentError, InvalidPriorityError
+from replay_client.leases import ClientLeases
 from replay_client.stream import SampleLink, StagingTarget
 from replay_client.stream_options import feed_core, stream_options
 from replay_client.table_info import ServerInfo, TableInfo, server_info_of
@@ -33,7 +30,6 @@ from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.dtypes import dtype_name
 from replay_proto.rows import rows_of
-from replay_proto.sample_codec import decode_sample
 from replay_proto.v1 import replay_pb2 as pb
 
 class ServerClient:
@@ -85,7 +81,7 @@ class ServerClient:
         *,
         timeout: float | None = 30.0,
         token: str | None = None,
-        max_message_mb: int = 64,
+        max_message_mb: int = 4,
         max_retry_s: float = 10.0,
         tls: TlsConfig | bool | None = None,
         allow_plaintext_token: bool = False,
@@ -104,6 +100,8 @@ class ServerClient:
                 "REPLAY_TOKEN"), max_message_mb=max_message_mb, max_retry_s=max_retry_s,
             tls=TlsConfig() if tls is True else (tls or None),
             allow_plaintext_token=allow_plaintext_token, connect_timeout_s=connect_timeout_s)
+        self._answers = chunked.LargeAnswers(self._connection)
+        self._leases = ClientLeases()
         self._lock = threading.Lock()
         self._updater: PriorityUpdater | None = None
         self._updater_pid = 0
@@ -177,17 +175,7 @@ class ServerClient:
                 raise InvalidPriorityError(
                     f"priorities must have shape [{rows}] (one per row), got {list(prios.shape)}"
                 )
-        raw = messages.encode_insert(table, columns, prios)
-        limit = self._connection.max_message_bytes
-        if len(raw) > limit:
-            rows = next(iter(columns.values())).shape[0] if columns else 0
-            fit = max(1, rows * limit // (2 * len(raw)))
-            raise MessageTooLargeError(
-                f"an insert of {rows} rows is {len(raw) / 2**20:.1f} MiB, over the "
-                f"{limit >> 20} MiB message limit; insert at most about {fit} rows "
-                f"per call (or use a Writer, which batches for you)"
-            )
-        return messages.decode_insert_response(self._connection.unary("Insert", raw, retry=False))
+        return chunked.insert(self._connection, table, columns, prios)
 
     def sample(self, table: str, batch_size: int, *, wait: bool | None = None,
                timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
@@ -205,15 +193,34 @@ class ServerClient:
             timeout: seconds the call may take, waiting included (default: the
                 client's; ``None``: no limit), then :class:`DeadlineExceededError`.
 
+        On a queue table (``fifo``/``lifo``) the rows are taken under a lease:
+        the client's next sample of the table (or :meth:`ack`) acknowledges
+        them; a retry after a lost answer gets the same rows; rows never
+        acknowledged return to the queue after the table's ``lease_timeout_s``
+        (:mod:`replay_client.leases`; docs/service.md, "Delivery").
+
         Raises:
             InvalidArgumentError: ``batch_size`` is not a positive integer (checked here).
             EmptyTableError, UnknownTableError, DeadlineExceededError, ...: from the server.
         """
         _check_int("batch_size", batch_size, 1)
+        lease, acknowledge = self._leases.next(table)
         request = pb.SampleRequest(table=table, batch_size=batch_size, wait_for_data=bool(wait),
-                                   never_wait=wait is False).SerializeToString()
-        return decode_sample(self._connection.unary("Sample", request, retry=True,
-                                                    timeout=timeout))
+                                   never_wait=wait is False, lease=lease,
+                                   acknowledge=acknowledge).SerializeToString()
+        batch = self._answers.sample(table, batch_size, request, timeout)
+        self._leases.taken(table, lease, acknowledge)
+        return batch
+
+    def ack(self, table: str) -> None:
+        """Acknowledge the rows this client's samples of queue table ``table`` took: they
+        never return to the queue (its next sample would acknowledge them too). A no-op
+        for other tables, and when nothing is pending."""
+        pending = self._leases.pending(table)
+        if pending:
+            request = pb.AcknowledgeRequest(table=table, leases=pending).SerializeToString()
+            self._connection.unary("Acknowledge", request, retry=True)
+            self._leases.acknowledged(table, pending)
 
     def update_priorities(
         self, table: str, ids: Any, priorities: Any, *, wait: bool = True
@@ -348,7 +355,8 @@ class ServerClient:
                 tensors of a supported dtype, empty, or a bad name (nothing sent
                 when the client can tell).
             VariableBudgetError: the server's variables would exceed its budget.
-            MessageTooLargeError: larger than the message-size limit.
+            OverloadedError, LimitExceededError: a variable over the message limit
+                travels in chunks, reserved whole from the server's memory budget.
         """
         return variables.publish(self._connection, name, state_dict)
 
@@ -367,7 +375,7 @@ class ServerClient:
             UnknownVariableError: nothing was published under ``name`` (without ``newer_than``).
             InvalidArgumentError: a bad ``newer_than`` or ``timeout``.
         """
-        return variables.fetch(self._connection, name, newer_than, timeout)
+        return variables.fetch(self._answers, name, newer_than, timeout)
 
     def writer(self, table: str, **options: Any) -> Writer:
         """A :class:`~replay_client.writer.Writer` appending steps to ``table``."""

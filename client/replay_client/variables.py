@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from replay_client.connection import Connection
-from replay_client.errors import InvalidArgumentError, InvalidVariableError, MessageTooLargeError
+from replay_client import chunked
+from replay_client.errors import InvalidArgumentError, InvalidVariableError
 from replay_proto import variable_codec
 from replay_proto.v1 import replay_pb2 as pb
 
@@ -48,21 +49,15 @@ def publish(connection: Connection, name: str, state_dict: Any) -> int:
         tensors = variable_codec.check_state(state_dict)
     except variable_codec.VariableFormatError as exc:
         raise InvalidVariableError(f"variable {name!r}: {exc}") from None
-    raw = variable_codec.encode_publish(name, tensors)
-    limit = connection.max_message_bytes
-    if len(raw) > limit:
-        raise MessageTooLargeError(
-            f"variable {name!r} is {len(raw) / 2**20:.1f} MiB, over the {limit >> 20} MiB "
-            f"message limit (max_message_mb on the server and the client)")
-    response = pb.PublishResponse.FromString(connection.unary("Publish", raw, retry=False))
+    response = pb.PublishResponse.FromString(chunked.publish(connection, name, tensors))
     return int(response.version)
 
 
-def fetch(connection: Connection, name: str, newer_than: int | None,
+def fetch(answers: chunked.LargeAnswers, name: str, newer_than: int | None,
           timeout: float | None) -> Variable | None:
     """See :meth:`replay_client.ReplayClient.fetch`."""
     request = pb.FetchRequest(name=name)
-    call_timeout = connection.timeout
+    call_timeout = answers.connection.timeout
     if newer_than is not None:
         if isinstance(newer_than, bool) or not isinstance(newer_than, int) or newer_than < 0:
             raise InvalidArgumentError(f"newer_than must be a version >= 0 or None, "
@@ -75,8 +70,7 @@ def fetch(connection: Connection, name: str, newer_than: int | None,
         request.timeout_s = math.inf if timeout is None else float(timeout)
         # The server answers by timeout_s; the call's own deadline leaves room for the transfer.
         call_timeout = None if timeout is None or call_timeout is None else timeout + call_timeout
-    answer = variable_codec.decode_fetch(connection.unary(
-        "Fetch", request.SerializeToString(), retry=True, timeout=call_timeout))
+    answer = answers.fetch(name, request.SerializeToString(), call_timeout)
     if not answer.found:
         return None
     return Variable(answer.name, answer.version, answer.tensors)

@@ -45,11 +45,19 @@ class InsertCall:
 def encode_insert(
     table: str, columns: Mapping[str, torch.Tensor], priorities: torch.Tensor | None = None
 ) -> bytes:
+    return frame(*insert_parts(table, columns, priorities))
+
+
+def insert_parts(
+    table: str, columns: Mapping[str, torch.Tensor], priorities: torch.Tensor | None = None
+) -> tuple[pb.InsertRequest, list[memoryview]]:
+    """An InsertRequest's header and payload buffers, not yet joined (one message, or
+    chunks: :mod:`replay_proto.chunks`)."""
     specs, buffers = encode_tensors(columns)
     if priorities is not None:
         buffers.append(tensor_bytes(priorities.to(torch.float64)))
     header = pb.InsertRequest(table=table, columns=specs, has_priorities=priorities is not None)
-    return frame(header, buffers)
+    return header, buffers
 
 
 def decode_insert(raw: bytes) -> InsertCall:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from replay_proto.chunks import payload_parts, scatter
 from replay_proto.codec import (
     CodecError,
     decode_tensors,
@@ -23,6 +24,7 @@ from replay_proto.codec import (
     frame,
     spec_nbytes,
     split_payload,
+    tensor_bytes,
 )
 from replay_proto.dtypes import DTYPES
 from replay_proto.v1 import replay_pb2 as pb
@@ -88,8 +90,15 @@ class FetchAnswer:
 
 
 def encode_publish(name: str, tensors: Mapping[str, torch.Tensor]) -> bytes:
+    return frame(*publish_parts(name, tensors))
+
+
+def publish_parts(name: str, tensors: Mapping[str, torch.Tensor]
+                  ) -> tuple[pb.PublishRequest, list[memoryview]]:
+    """A PublishRequest's header and payload buffers, not yet joined (one message, or
+    chunks: :mod:`replay_proto.chunks`)."""
     specs, buffers = encode_tensors(tensors)
-    return frame(pb.PublishRequest(name=name, tensors=specs), buffers)
+    return pb.PublishRequest(name=name, tensors=specs), buffers
 
 
 def decode_publish(raw: bytes) -> tuple[str, dict[str, torch.Tensor]]:
@@ -177,6 +186,15 @@ def encode_fetch_packed(name: str, version: int, layout: bytes, data: Any) -> by
     return frame(head + layout, [data])
 
 
+def fetch_packed_parts(name: str, version: int, layout: bytes, data: Any
+                       ) -> tuple[pb.FetchResponse, list[memoryview]]:
+    """A Fetch answer's header and payload from a stored layout and its tensors' bytes, not
+    yet joined: what a chunked answer sends (:func:`replay_proto.chunks.frame_chunks`)."""
+    header = pb.FetchResponse(found=True, name=name, version=version,
+                              tensors=decode_layout(layout))
+    return header, [memoryview(data).cast("B")]
+
+
 def encode_fetch(name: str, version: int, tensors: Mapping[str, torch.Tensor]) -> bytes:
     specs, buffers = encode_tensors(tensors)
     return frame(pb.FetchResponse(found=True, name=name, version=version, tensors=specs), buffers)
@@ -193,3 +211,24 @@ def decode_fetch(raw: bytes) -> FetchAnswer:
     expect_end(payload, offset)
     return FetchAnswer(header.found, header.name, header.version,
                        {key: t.clone() for key, t in tensors.items()})
+
+
+def decode_fetch_chunks(messages: list[bytes]) -> FetchAnswer:
+    """The answer of ``FetchChunks`` (one message, or a chunked transfer), its tensors
+    copied out of the messages into one new tensor each (the caller owns them)."""
+    header, parts = payload_parts(messages, pb.FetchResponse)
+    if len(parts) == 1:
+        return decode_fetch(messages[0])
+    specs = list(header.tensors)
+    keys = [spec.key for spec in specs]
+    if len(set(keys)) != len(keys):
+        raise CodecError("a key appears twice in a FetchResponse")
+    needed = sum(spec_nbytes(spec) for spec in specs)
+    if needed != header.payload_bytes:
+        raise CodecError(f"payload has {header.payload_bytes} bytes but the tensors described "
+                         f"need {needed}")
+    tensors = {spec.key: torch.empty(tuple(spec.shape), dtype=DTYPES[spec.dtype])
+               for spec in specs}
+    scatter(parts, [tensor_bytes(t) for t in tensors.values()])
+    return FetchAnswer(header.found, header.name, header.version, tensors)
+

@@ -105,20 +105,22 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
     proc.stop()
 
 
+@pytest.mark.parametrize(("method", "batch"), [("Sample", 48), ("SampleChunks", 100)])
 def test_calls_over_max_concurrent_calls_are_refused_and_unread_answers_are_dropped(
-        server) -> None:
+        server, method, batch) -> None:
     """Calls whose answers a client never reads hold working slots and memory: over
     max_concurrent_calls the next call is refused before it is read, naming the limit.
     Issue 23, finding 10: such answers were held for good (720 MiB, samples refused); now
-    one not taken within response_timeout_s is dropped, freeing its slot and memory."""
+    one not taken within response_timeout_s is dropped, freeing its slot and memory; so is
+    a chunked answer (SampleChunks: 6.25 MiB in messages under the 4 MiB limit)."""
     client = ReplayClient(server.address, timeout=10, max_retry_s=0)
     client.insert("big", {"x": torch.zeros(100, 16384)})  # rows of 64 KiB
     before = client.server_info().limits["memory_in_use_bytes"]
     reader = RawConnection(server.port)
     assert reader.handshake()
-    request = pb.SampleRequest(table="big", batch_size=64).SerializeToString()  # 4 MiB
+    request = pb.SampleRequest(table="big", batch_size=batch).SerializeToString()
     for _ in range(CALLS):  # answers HTTP/2 flow control holds: the client reads nothing
-        reader.call("/replay.v1.ReplayService/Sample", request)
+        reader.call(f"/replay.v1.ReplayService/{method}", request)
 
     def refused() -> bool:
         try:
@@ -138,7 +140,7 @@ def test_calls_over_max_concurrent_calls_are_refused_and_unread_answers_are_drop
         limits = client.server_info().limits
         assert limits["memory_in_use_bytes"] <= before + (1 << 20)  # the answers' memory
         assert limits["calls_waiting"] == 0
-        assert client.sample("big", 64).data["x"].shape == (64, 16384)
+        assert client.sample("big", batch).data["x"].shape == (batch, 16384)
     finally:
         reader.close()
 

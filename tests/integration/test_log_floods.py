@@ -139,8 +139,9 @@ def test_a_client_rotating_its_address_gets_the_global_limit(server, channel, ad
 
 def test_huge_values_make_short_lines_and_short_typed_errors(server, channel) -> None:
     """An 8 MiB table name made an 8 MiB log line; an error listing a large schema became a
-    status no client could receive (MessageTooLargeError instead of the typed error)."""
-    name = "n" * (8 << 20)
+    status no client could receive (MessageTooLargeError instead of the typed error). The
+    name here is 3 MiB: a message stays under max_message_mb (4 MiB)."""
+    name = "n" * (3 << 20)
     sample = channel.unary_unary("/replay.v1.ReplayService/Sample")
     with pytest.raises(grpc.RpcError) as info:
         sample(pb.SampleRequest(table=name, batch_size=4).SerializeToString(), timeout=30)

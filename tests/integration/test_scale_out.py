@@ -484,6 +484,8 @@ def test_deletes_go_to_each_ids_shard_and_queues_are_not_sampled_over_shards(tri
         assert one.info()["q"].size == 10 - sum(o == shard for o in owners[::2])
     with pytest.raises(UnsupportedError, match="queue"):
         client.sample("q", 4)
+    with pytest.raises(UnsupportedError, match="no lease to acknowledge"):
+        client.ack("q")
     assert client.info()["q"].size == 15  # nothing was taken
     client.close()
 

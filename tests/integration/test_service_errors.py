@@ -330,13 +330,6 @@ def test_insert_over_the_message_limit_raises_message_too_large(client, stored) 
     assert_error(error, errors.MessageTooLargeError, "larger than max")
 
 
-def test_insert_over_the_client_message_limit_raises_before_sending() -> None:
-    offline = ReplayClient("127.0.0.1:1", timeout=2, max_retry_s=0, max_message_mb=1)
-    data = {"pixels": torch.zeros(80, *BIG_ROW, dtype=torch.uint8)}
-    error = raised(lambda: offline.insert("big", data))
-    assert_error(error, errors.MessageTooLargeError, "80 rows", "1 MiB")
-
-
 def test_zero_row_insert_returns_no_ids_and_stores_nothing(client, stored) -> None:
     with unchanged(client, stored, "uniform"):
         ids = client.insert("uniform", rows(0))
@@ -488,10 +481,12 @@ def test_slice_sample_with_only_short_episodes_raises_empty_table_error(
     assert_error(error, errors.EmptyTableError, f"'{table}'", f"{SLICE_LEN} consecutive steps")
 
 
-def test_unary_sample_over_the_message_limit_raises_message_too_large(client, stored) -> None:
-    with unchanged(client, stored, "big"):
-        error = raised(lambda: client.sample("big", BIG_BATCH))
-    assert_error(error, errors.MessageTooLargeError, "'big'", "1 MiB", "SampleStream")
+def test_a_sample_over_the_message_limit_arrives_whole_in_chunks(client, stored) -> None:
+    batch = client.sample("big", BIG_BATCH)  # the unary Sample is refused, SampleChunks serves
+    assert batch.ids.shape == (BIG_BATCH,)
+    rows_by_id = stored["big"].rows
+    for i, row_id in enumerate(batch.ids.tolist()):
+        assert torch.equal(batch.data["pixels"][i], rows_by_id[row_id]["pixels"])
 
 
 def test_stream_of_a_batch_over_the_message_limit_delivers_it_whole(client, stored) -> None:

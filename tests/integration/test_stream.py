@@ -113,11 +113,10 @@ def test_batches_bigger_than_the_message_limit_arrive_in_chunks(client, issued):
         assert torch.equal(issued["frames"][batch.data["row"]], batch.ids)
 
 
-def test_a_unary_sample_over_the_limit_is_refused_but_streams(client):
-    with pytest.raises(errors.MessageTooLargeError, match="client.stream"):
-        client.sample("frames", 400)
+def test_a_sample_over_the_message_limit_arrives_whole_as_a_stream_does(client):
+    sampled = client.sample("frames", 400)  # over max_message_mb: SampleChunks
     batch = next(iter(client.stream("frames", 400, num_batches=1)))
-    assert batch.batch_size == 400
+    assert sampled.batch_size == batch.batch_size == 400
 
 
 def test_breaking_out_of_an_endless_stream_cancels_it(client):

@@ -262,7 +262,7 @@ def test_client_pickles_as_its_settings() -> None:
     copy = pickle.loads(pickle.dumps(client))
     assert (copy.address, copy.timeout) == ("127.0.0.1:1", 7.5)
     assert copy.__getstate__() == {"address": "127.0.0.1:1", "timeout": 7.5, "token": "secret",
-                                   "max_message_mb": 64, "max_retry_s": 3, "tls": None,
+                                   "max_message_mb": 4, "max_retry_s": 3, "tls": None,
                                    "allow_plaintext_token": False, "connect_timeout_s": 1.0}
 
 

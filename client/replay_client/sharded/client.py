@@ -480,6 +480,20 @@ class ShardedClient:
         """
         return self._all(lambda c: c.checkpoint(timeout=timeout))
 
+    def ack(self, table: str) -> None:
+        """Refuse: a sharded client takes no lease, since it does not sample queues.
+
+        A no-op for other tables, as ``ReplayClient.ack`` (nothing is leased).
+
+        Raises:
+            UnsupportedError: ``table`` is a queue (``fifo``/``lifo``): sample and
+                acknowledge it with one client per shard.
+        """
+        if not self._shape(table).mergeable:
+            raise UnsupportedError(
+                f"table {table!r} is a queue: a sharded client does not sample it, so it holds "
+                f"no lease to acknowledge; sample and ack with one client per shard")
+
     def reset(self, table: str, *, schema: bool = False) -> None:
         """Remove every row of ``table`` on every shard (``schema``: see ``ReplayClient.reset``)."""
         self._all(lambda c: c.reset(table, schema=schema))

@@ -41,8 +41,18 @@ class ReplayServiceStub:
                 request_serializer=replay_dot_v1_dot_replay__pb2.InsertRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.InsertResponse.FromString,
                 _registered_method=True)
+        self.InsertChunks = channel.stream_unary(
+                '/replay.v1.ReplayService/InsertChunks',
+                request_serializer=replay_dot_v1_dot_replay__pb2.InsertRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.InsertResponse.FromString,
+                _registered_method=True)
         self.Sample = channel.unary_unary(
                 '/replay.v1.ReplayService/Sample',
+                request_serializer=replay_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.SampleResponse.FromString,
+                _registered_method=True)
+        self.SampleChunks = channel.unary_stream(
+                '/replay.v1.ReplayService/SampleChunks',
                 request_serializer=replay_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.SampleResponse.FromString,
                 _registered_method=True)
@@ -76,8 +86,18 @@ class ReplayServiceStub:
                 request_serializer=replay_dot_v1_dot_replay__pb2.PublishRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.PublishResponse.FromString,
                 _registered_method=True)
+        self.PublishChunks = channel.stream_unary(
+                '/replay.v1.ReplayService/PublishChunks',
+                request_serializer=replay_dot_v1_dot_replay__pb2.PublishRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.PublishResponse.FromString,
+                _registered_method=True)
         self.Fetch = channel.unary_unary(
                 '/replay.v1.ReplayService/Fetch',
+                request_serializer=replay_dot_v1_dot_replay__pb2.FetchRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.FetchResponse.FromString,
+                _registered_method=True)
+        self.FetchChunks = channel.unary_stream(
+                '/replay.v1.ReplayService/FetchChunks',
                 request_serializer=replay_dot_v1_dot_replay__pb2.FetchRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.FetchResponse.FromString,
                 _registered_method=True)
@@ -90,6 +110,11 @@ class ReplayServiceStub:
                 '/replay.v1.ReplayService/Delete',
                 request_serializer=replay_dot_v1_dot_replay__pb2.DeleteRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.DeleteResponse.FromString,
+                _registered_method=True)
+        self.Acknowledge = channel.unary_unary(
+                '/replay.v1.ReplayService/Acknowledge',
+                request_serializer=replay_dot_v1_dot_replay__pb2.AcknowledgeRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.AcknowledgeResponse.FromString,
                 _registered_method=True)
 
 
@@ -110,11 +135,36 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def InsertChunks(self, request_iterator, context):
+        """Insert, for requests over the message limit: the InsertRequest travels
+        chunked (see "Chunked transfers" above). The server reserves the whole
+        request's memory from its budget when the first message arrives (waiting
+        up to a second for room, then RESOURCE_EXHAUSTED, kind "overloaded"), and
+        reads the rest into it; a message larger than the call declared
+        (replay-request-bytes) or a payload longer than `payload_bytes` ends the
+        call with INVALID_ARGUMENT. Nothing is stored before the last message
+        arrived and the whole insert was accepted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Sample(self, request, context):
         """Draws one batch (with replacement) with the table's sampler. The whole
         batch is one message; a batch too large for the message-size limit is
         refused with RESOURCE_EXHAUSTED (use SampleStream, which chunks). A
         sample the rate limiter holds back waits like an Insert.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SampleChunks(self, request, context):
+        """Sample, for batches over the message limit: the batch arrives as
+        SampleResponse chunks of whole rows (batch_index 0, row_start ascending
+        and contiguous, last_chunk on the last), as one group of SampleStream
+        does. A row (or slice) over the message limit is refused
+        (RESOURCE_EXHAUSTED, kind "limit_exceeded").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -222,12 +272,30 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishChunks(self, request_iterator, context):
+        """Publish, for variables over the message limit: the PublishRequest travels
+        chunked (see "Chunked transfers"), admitted like InsertChunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Fetch(self, request, context):
         """Reads a named variable: the newest version, or, with `newer_than`, the
         first version newer than that, waiting (holding no server thread) up to
         `timeout_s` for one to be published. Not found: NOT_FOUND (kind
         "unknown_variable") when no version exists and no newer_than was given.
-        A wait that ends without a newer version answers `found = false`.
+        A wait that ends without a newer version answers `found = false`. A
+        variable over the message limit is refused (RESOURCE_EXHAUSTED, kind
+        "message_too_large"): fetch it with FetchChunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchChunks(self, request, context):
+        """Fetch, answered chunked (see "Chunked transfers"): one FetchResponse
+        when it fits one message, else several.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -270,6 +338,16 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Acknowledge(self, request, context):
+        """Acknowledges leases of a table (see SampleRequest.lease): their rows
+        never come back. Unknown or expired names are ignored (an expired
+        lease's rows are back in the queue). Acknowledging is also what a
+        sample's `acknowledge` does, so a learner rarely needs this call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -278,8 +356,18 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     request_deserializer=replay_dot_v1_dot_replay__pb2.InsertRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.InsertResponse.SerializeToString,
             ),
+            'InsertChunks': grpc.stream_unary_rpc_method_handler(
+                    servicer.InsertChunks,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.InsertRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.InsertResponse.SerializeToString,
+            ),
             'Sample': grpc.unary_unary_rpc_method_handler(
                     servicer.Sample,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.SampleRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.SampleResponse.SerializeToString,
+            ),
+            'SampleChunks': grpc.unary_stream_rpc_method_handler(
+                    servicer.SampleChunks,
                     request_deserializer=replay_dot_v1_dot_replay__pb2.SampleRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.SampleResponse.SerializeToString,
             ),
@@ -313,8 +401,18 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     request_deserializer=replay_dot_v1_dot_replay__pb2.PublishRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.PublishResponse.SerializeToString,
             ),
+            'PublishChunks': grpc.stream_unary_rpc_method_handler(
+                    servicer.PublishChunks,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.PublishRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.PublishResponse.SerializeToString,
+            ),
             'Fetch': grpc.unary_unary_rpc_method_handler(
                     servicer.Fetch,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.FetchRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.FetchResponse.SerializeToString,
+            ),
+            'FetchChunks': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchChunks,
                     request_deserializer=replay_dot_v1_dot_replay__pb2.FetchRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.FetchResponse.SerializeToString,
             ),
@@ -327,6 +425,11 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.Delete,
                     request_deserializer=replay_dot_v1_dot_replay__pb2.DeleteRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.DeleteResponse.SerializeToString,
+            ),
+            'Acknowledge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Acknowledge,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.AcknowledgeRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.AcknowledgeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -368,6 +471,33 @@ class ReplayService:
             _registered_method=True)
 
     @staticmethod
+    def InsertChunks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/replay.v1.ReplayService/InsertChunks',
+            replay_dot_v1_dot_replay__pb2.InsertRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.InsertResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Sample(request,
             target,
             options=(),
@@ -382,6 +512,33 @@ class ReplayService:
             request,
             target,
             '/replay.v1.ReplayService/Sample',
+            replay_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SampleChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/replay.v1.ReplayService/SampleChunks',
             replay_dot_v1_dot_replay__pb2.SampleRequest.SerializeToString,
             replay_dot_v1_dot_replay__pb2.SampleResponse.FromString,
             options,
@@ -557,6 +714,33 @@ class ReplayService:
             _registered_method=True)
 
     @staticmethod
+    def PublishChunks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/replay.v1.ReplayService/PublishChunks',
+            replay_dot_v1_dot_replay__pb2.PublishRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Fetch(request,
             target,
             options=(),
@@ -571,6 +755,33 @@ class ReplayService:
             request,
             target,
             '/replay.v1.ReplayService/Fetch',
+            replay_dot_v1_dot_replay__pb2.FetchRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.FetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/replay.v1.ReplayService/FetchChunks',
             replay_dot_v1_dot_replay__pb2.FetchRequest.SerializeToString,
             replay_dot_v1_dot_replay__pb2.FetchResponse.FromString,
             options,
@@ -627,6 +838,33 @@ class ReplayService:
             '/replay.v1.ReplayService/Delete',
             replay_dot_v1_dot_replay__pb2.DeleteRequest.SerializeToString,
             replay_dot_v1_dot_replay__pb2.DeleteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Acknowledge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replay.v1.ReplayService/Acknowledge',
+            replay_dot_v1_dot_replay__pb2.AcknowledgeRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.AcknowledgeResponse.FromString,
             options,
             channel_credentials,
             insecure,

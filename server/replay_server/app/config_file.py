@@ -6,7 +6,7 @@
     address = "127.0.0.1:50051"
     pin_memory = "auto"            # auto | true | false
     auth_token_env = "REPLAY_TOKEN"  # omitted: no auth
-    max_message_mb = 64
+    max_message_mb = 4
     workers = 4                    # threads running engine work
     log_format = "text"            # text | json
     shared_memory = true           # offer same-host learners a /dev/shm ring

@@ -64,6 +64,13 @@ SamplerKind = _SamplerKinds(  # type: ignore[call-overload]
 (:data:`~replay_server.engine.samplers.SAMPLERS`), named as the config names it."""
 
 
+DEFAULT_LEASE_TIMEOUT_S = 60.0
+"""How long a queue's rows taken under a lease wait for their acknowledgement by default."""
+
+MAX_LEASE_TIMEOUT_S = 86_400.0
+"""The longest ``lease_timeout_s`` (a day)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TableConfig:
     """Everything that defines one table.
@@ -98,6 +105,10 @@ class TableConfig:
             ``max_times_sampled``) inserts wait while the table holds more
             than ``max_size - rows`` rows; ``None``: they never wait, and the
             ring overwrites the oldest rows when full. At most ``capacity``.
+        lease_timeout_s: (samplers that consume their rows: ``fifo``/``lifo``)
+            seconds a sample's rows taken under a lease stay its taker's
+            before they return to the queue unless acknowledged
+            (:mod:`replay_server.engine.leases`); ``None``: 60.
         storage: every column's backend: ``memory`` (preallocated tensors in
             RAM; on a device table, in device memory) or ``memmap``
             (memory-mapped files under ``storage_dir``: the page cache decides
@@ -149,6 +160,7 @@ class TableConfig:
     error_buffer: float | None = None
     max_times_sampled: int = 0
     max_size: int | None = None
+    lease_timeout_s: float | None = None
     storage: StorageKind = StorageKind.MEMORY
     storage_dir: str | None = None
     n_step: int = 1
@@ -225,6 +237,7 @@ class TableConfig:
                 raise ConfigError(f"{where}: schema: {exc}") from None
         self._check_flow_control(where)
         self._check_max_size(where)
+        self._check_lease(where)
         self._check_storage(where)
         self._check_n_step(where)
         self._check_frame_stack(where)
@@ -292,6 +305,26 @@ class TableConfig:
         if not _is_int(self.max_size) or not 1 <= self.max_size <= self.capacity:
             raise ConfigError(f"{where}: max_size must be an integer in [1, capacity="
                               f"{self.capacity}] or omitted, got {self.max_size!r}")
+
+    def _check_lease(self, where: str) -> None:
+        """lease_timeout_s applies where a sample takes its rows (a consuming sampler)."""
+        timeout = self.lease_timeout_s
+        if timeout is None:
+            return
+        if not self.sampler.traits.consumes:
+            raise ConfigError(
+                f"{where}: lease_timeout_s={timeout!r} only applies where a sample takes its "
+                f"rows (sampler 'fifo' or 'lifo'): sampler {self.sampler.value!r} hands rows "
+                f"out without taking them, so nothing is leased; remove lease_timeout_s")
+        if not _is_real(timeout) or not 0 < timeout <= MAX_LEASE_TIMEOUT_S:
+            raise ConfigError(f"{where}: lease_timeout_s must be a number of seconds in "
+                              f"(0, {MAX_LEASE_TIMEOUT_S:g}] or omitted, got {timeout!r}")
+        object.__setattr__(self, "lease_timeout_s", float(timeout))
+
+    @property
+    def effective_lease_timeout_s(self) -> float:
+        """``lease_timeout_s`` with its default resolved."""
+        return DEFAULT_LEASE_TIMEOUT_S if self.lease_timeout_s is None else self.lease_timeout_s
 
     def _check_storage(self, where: str) -> None:
         try:
@@ -467,6 +500,7 @@ class TableConfig:
             "error_buffer": self.error_buffer,
             "max_times_sampled": self.max_times_sampled,
             "max_size": self.max_size,
+            "lease_timeout_s": self.lease_timeout_s,
             "storage": self.storage.value,
             "storage_dir": self.storage_dir,
             "n_step": self.n_step,

@@ -29,7 +29,7 @@ inputs happens before the lock is taken, the copies in and out under it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
@@ -58,6 +58,7 @@ from replay_server.engine.readers.framestack import check_insert as check_stacks
 from replay_server.engine.storage.placement import table_device
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.insert_event import InsertEvent
+from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
 from replay_server.engine.table_info import TableCounters, TableFigures, TableInfo
@@ -230,9 +231,14 @@ class Table:
     # ------------------------------------------------------------------ sample
 
     def sample(
-        self, batch_size: int, *, out: Mapping[str, torch.Tensor] | None = None
+        self, batch_size: int, *, out: Mapping[str, torch.Tensor] | None = None,
+        lease: LeaseRequest | None = None,
     ) -> SampleBatch:
         """Draw ``batch_size`` rows (or slices) with replacement, per the table's sampler.
+
+        ``lease`` (tables whose sampler consumes its rows; ignored elsewhere):
+        take the rows under that lease (:mod:`replay_server.engine.leases`);
+        a lease of that name still held answers with its rows again.
 
         ``out`` (flat key -> contiguous tensor shaped like that column of the
         batch) receives the rows instead of new tensors: a learner's pinned or
@@ -261,8 +267,13 @@ class Table:
             if problem:
                 raise InvalidArgumentError(f"table {self.name!r}: {problem}")
         rows = batch_size * (self.config.slice_len or 1)
+        leased = lease is not None and self.config.sampler.traits.consumes
         with self._lock:
             parts = self._parts
+            parts.settle_leases()
+            held = parts.leases.held(lease.name, parts.ring) if leased else None
+            if held is not None:  # a retry of a sample whose answer was lost: the same rows
+                return parts.storage.place(self._read(parts, held.index, held.mass, out), out)
             parts.limiter.check_sample(rows, self.name)
             retired = gone = 0
             mass = parts.sampler.mass()  # what this draw's probabilities are relative to
@@ -277,23 +288,39 @@ class Table:
                     gone = retired if parts.remover.removes_rows else 0
             except EmptyTableError as exc:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
-            assert parts.storage is not None
-            columns = parts.top.read(index.ids, None, out, index.slots)
-            ids = parts.ids.ids_of(index.ids, parts.ring.first_live)
-            storage = parts.storage
+            if leased:
+                assert lease is not None
+                parts.leases.hold(lease, index, removals, mass)
             parts.counters.sample_calls += 1
             parts.counters.sampled += batch_size
             parts.limiter.sampled(rows)
             parts.counters.retired += retired
             parts.limiter.deleted(gone)
             self.changes.tick()
-        return storage.place(SampleBatch.from_columns(
-            columns,
-            torch.from_numpy(ids),
-            torch.from_numpy(index.weights),
-            torch.from_numpy(index.probabilities),
-            mass,
-        ), out)
+            batch = self._read(parts, index, mass, out)
+            storage = parts.storage
+        return storage.place(batch, out)
+
+    @staticmethod
+    def _read(parts: TableParts, index: Any, mass: Any,
+              out: Mapping[str, torch.Tensor] | None) -> SampleBatch:
+        """The batch of a drawn ``index``, not yet placed (under the lock)."""
+        assert parts.storage is not None
+        columns = parts.top.read(index.ids, None, out, index.slots)
+        ids = parts.ids.ids_of(index.ids, parts.ring.first_live)
+        return SampleBatch.from_columns(columns, torch.from_numpy(ids),
+                                        torch.from_numpy(index.weights),
+                                        torch.from_numpy(index.probabilities), mass)
+
+    def settle_leases(self, acknowledge: Iterable[str] = (), give_back: Iterable[str] = ()) -> int:
+        """Acknowledge leases (their rows are gone for good), give others back (their taker
+        went away), and return the rows of expired ones to the queue. Unknown names are
+        ignored. Returns the rows that came back. See :mod:`replay_server.engine.leases`."""
+        with self._lock:
+            back = self._parts.settle_leases(acknowledge, give_back)
+            if back:
+                self.changes.tick()
+        return back
 
     def batch_layout(self, batch_size: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Flat key -> (dtype, shape) of each column of a batch of ``batch_size`` ({} before a schema)."""
@@ -449,6 +476,7 @@ class Table:
                 self._memory.require(self.name, table_bytes(self.config, None),
                                      f"capacity {self.config.capacity:,} (sampler state)")
             parts.ring.clear()
+            parts.leases.clear()
             parts.sampler.clear()
             parts.limiter.reset()
             if parts.remover is not None:

@@ -23,6 +23,7 @@ class TableCounters:
     resets: int = 0
     retired: int = 0
     deleted: int = 0
+    returned: int = 0  # rows taken under a lease that came back (expired, or given back)
 
 
 @dataclass(frozen=True, slots=True)

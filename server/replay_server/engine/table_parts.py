@@ -11,7 +11,8 @@ into batch columns through the storage. This module builds them from a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IdSpace, IncarnationSource, LocalIncarnations
 from replay_server.engine.ids import IdRing
 from replay_server.engine.inputs import check_sampler_columns
+from replay_server.engine.leases import Lease, Leases
 from replay_server.engine.memory import MemoryLedger, format_bytes
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.readers import FrameStacks, NStepReturns, Reader, StoredRows
@@ -60,6 +62,7 @@ class TableParts:
     limiter: RateLimiter
     remover: Remover | None
     readers: list[Reader] = field(default_factory=list)
+    leases: Leases = field(default_factory=Leases)
     schema: Schema | None = None
     storage: ColumnStorage | None = None
 
@@ -110,6 +113,60 @@ class TableParts:
         for reader in self.readers:
             columns = reader.stored(columns)
         return columns
+
+    def give_back(self, lease: Lease, *, count: bool = True) -> int:
+        """Return ``lease``'s rows still stored to the queue, in their place in its order;
+        how many came back.
+
+        The rate limiter counts them as neither sampled nor deleted; with
+        ``count``, the ``returned`` counter grows by them. O(rows).
+        """
+        remover = self.remover
+        assert remover is not None, "leases are taken from tables whose rows leave when sampled"
+        back = sum(remover.give_back(self.sampler, removal) for removal in reversed(lease.removals))
+        self.limiter.deleted(-back)
+        self.limiter.sampled(-back)
+        if count:
+            self.counters.returned += back
+        return back
+
+    def retake(self, lease: Lease) -> None:
+        """Take ``lease``'s rows out of the queue again after :meth:`give_back` (``count=False``)."""
+        remover = self.remover
+        assert remover is not None
+        positions = np.concatenate([removal.positions for removal in lease.removals]) \
+            if lease.removals else np.empty(0, dtype=np.int64)
+        positions = positions[self.ring.live(positions)] if positions.size else positions
+        again = remover.delete(self.sampler, np.sort(positions))
+        self.limiter.deleted(again)
+        self.limiter.sampled(again)
+
+    def settle_leases(self, acknowledge: Iterable[str] = (),
+                      give_back: Iterable[str] = ()) -> int:
+        """Acknowledge leases, give others back, and return the rows of those expired now;
+        the rows that came back. O(1) when the table holds no lease."""
+        leases = self.leases
+        if not len(leases):
+            return 0
+        leases.acknowledge(acknowledge)
+        taken = leases.take_back(give_back) + leases.due()
+        return sum(self.give_back(lease) for lease in taken)
+
+    @contextmanager
+    def leases_given_back(self) -> Iterator[None]:
+        """For the block, the queue as if every lease had been given back; then held again.
+
+        What a checkpoint saves (under the table's lock): rows not acknowledged
+        are in the queue, so a restore hands them out again.
+        """
+        leases = self.leases.all()
+        for lease in leases:
+            self.give_back(lease, count=False)
+        try:
+            yield
+        finally:
+            for lease in reversed(leases):
+                self.retake(lease)
 
     def encode_early(self, columns: Mapping[str, torch.Tensor], table: str
                      ) -> tuple[ColumnStorage, dict[str, Any]] | None:

@@ -64,7 +64,8 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
     later. Returns the snapshot and the arena size the next one should use.
     """
     arena = Arena(arena_bytes or 16 * parts.used)
-    with lock, arena.active():
+    # Leased rows are saved in the queue: a lease not acknowledged is handed out again.
+    with lock, arena.active(), parts.leases_given_back():
         used = parts.used
         state = {
             "version": STATE_VERSION,

@@ -34,14 +34,23 @@ read or run:
    unread answers once stayed reserved for good, refusing every sample.)
    The client sees an ordinary unary call.
 
+A chunked request (``InsertChunks``, ``PublishChunks``) is admitted like a
+unary one for its first message, then reserves the whole request before
+the rest is read (:mod:`replay_server.service.chunked_request`); a
+server-streaming call (``SampleChunks``, ``FetchChunks``) like a unary one.
+
 A ``SampleStream`` reserves, for its whole life, room for one learner
 message at a time: the size it declared, else
 :data:`~replay_proto.call_metadata.STREAM_MESSAGE_BYTES` (the protocol's
 messages are a few hundred bytes). A message over that ends the stream
-(INVALID_ARGUMENT); as gRPC reads a message before its size is known, a
-client holding the token can make the server hold one message of up to
-``max_message_mb`` per stream for that moment: the one bound not kept by the
-budget, and the reason a client should declare its sizes.
+(INVALID_ARGUMENT).
+
+What the budget cannot see: gRPC reads a message before its size is known,
+so a call that declares less than it sends makes the server hold one
+message of up to ``max_message_mb`` (a few MiB) before it is refused. That
+is bounded by the transport, not by the client's word: at most
+``max_concurrent_calls`` such messages (plus each stream's 64 KiB
+flow-control window; see docs/service.md, "Limits").
 
 That is why the unary RPCs are served by *stream* handlers: gRPC reads a
 unary handler's request before the handler runs, while a stream handler
@@ -63,6 +72,7 @@ import grpc
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, declared_request_bytes
 from replay_proto.codec import CodecError
 from replay_server.service.budget import MemoryBudget, Reservation
+from replay_server.service.chunked_request import read_chunked
 from replay_server.service.limits import ServiceLimits
 from replay_server.service.status import (
     CLIENT_LOG,
@@ -110,27 +120,15 @@ class Admission:
 
         async def handle(_requests: AsyncIterator[bytes],
                          context: grpc.aio.ServicerContext) -> None:
-            reservation = await self._admit(name, context, self.limits.max_message_bytes,
-                                            wait=True)
-            # context.read(), not the request iterator: the iterator's suspended frame
-            # would keep the message alive after the call (7 MB for an Atari insert), so
-            # each call's bytes landed in fresh pages (measured: 2.4x the page faults).
-            try:
-                raw = await context.read()
-            except MemoryError as exc:  # gRPC could not hold the request (RLIMIT_AS, say)
-                await abort(context, exc)
-            if raw is grpc.aio.EOF:
-                await abort(context, CodecError(f"{name}: the call carried no request"))
-            await self._check_size(name, raw, reservation, context)
-            if len(raw) != reservation.nbytes:
-                reservation.resize(len(raw), "")  # read: it holds exactly its request now
+            raw, reservation = await self._request(name, context)
             answer = await behaviour(raw, context, reservation)
             await self._answer(name, answer, context)
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
     async def _answer(self, name: str, answer: bytes, context: grpc.aio.ServicerContext) -> None:
-        """Write a unary call's one answer; one not taken in ``response_timeout_s`` ends the call."""
+        """Write an answer message (a unary call's one, or each of a chunked answer); one not
+        taken in ``response_timeout_s`` ends the call."""
         timeout = self.limits.response_timeout_s
         task = asyncio.current_task()
         assert task is not None
@@ -154,6 +152,72 @@ class Admission:
             raise
         finally:
             timer.cancel()
+
+    def chunked(self, name: str, message_type: type,
+                behaviour: UnaryBehaviour) -> grpc.RpcMethodHandler:
+        """A handler serving client-streaming RPC ``name``: a chunked transfer of
+        ``message_type`` (:mod:`replay_proto.chunks`), rebuilt in memory reserved from the
+        budget, then served by ``behaviour`` exactly as the unary form would be."""
+
+        async def handle(_requests: AsyncIterator[bytes],
+                         context: grpc.aio.ServicerContext) -> None:
+            raw, reservation = await self._request(name, context, keep=True)
+            message = await read_chunked(raw, message_type, context, reservation,
+                                         self._grow, name)
+            answer = await behaviour(message, context, reservation)
+            await self._answer(name, answer, context)
+
+        return grpc.stream_stream_rpc_method_handler(handle)
+
+    def unary_stream(self, name: str, behaviour: StreamBehaviour) -> grpc.RpcMethodHandler:
+        """A handler serving server-streaming RPC ``name`` with
+        ``behaviour(raw, context, reservation)``, an async iterator of answers."""
+
+        async def handle(_requests: AsyncIterator[bytes],
+                         context: grpc.aio.ServicerContext) -> None:
+            raw, reservation = await self._request(name, context)
+            async for message in behaviour(raw, context, reservation):
+                await self._answer(name, message, context)  # each taken in response_timeout_s
+
+        return grpc.stream_stream_rpc_method_handler(handle)
+
+    async def _request(self, name: str, context: grpc.aio.ServicerContext,
+                       keep: bool = False) -> tuple[bytes, Reservation]:
+        """Admit the call and read its (first) request message; the reservation then holds
+        exactly that message, or (``keep``) still what the call declared."""
+        reservation = await self._admit(name, context, self.limits.max_message_bytes, wait=True)
+        # context.read(), not the request iterator: the iterator's suspended frame
+        # would keep the message alive after the call (7 MB for an Atari insert), so
+        # each call's bytes landed in fresh pages (measured: 2.4x the page faults).
+        try:
+            raw = await context.read()
+        except MemoryError as exc:  # gRPC could not hold the request (RLIMIT_AS, say)
+            await abort(context, exc)
+        if raw is grpc.aio.EOF:
+            await abort(context, CodecError(f"{name}: the call carried no request"))
+        await self._check_size(name, raw, reservation, context)
+        if not keep and len(raw) != reservation.nbytes:
+            reservation.resize(len(raw), "")  # read: it holds exactly its request now
+        return raw, reservation
+
+    async def _grow(self, reservation: Reservation, nbytes: int, purpose: str,
+                    context: grpc.aio.ServicerContext) -> None:
+        """Grow ``reservation`` to ``nbytes``, waiting up to ADMISSION_WAIT_S (within the
+        deadline) for room, or end the call with RESOURCE_EXHAUSTED."""
+        try:
+            reservation.resize(nbytes, purpose)
+            return
+        except OverloadedError as exc:
+            refusal = exc
+        except LimitExceededError as exc:
+            await abort(context, exc)
+        remaining = context.time_remaining()
+        timeout = ADMISSION_WAIT_S if remaining is None else min(ADMISSION_WAIT_S, remaining)
+        try:
+            await asyncio.wait_for(self.budget.wait(nbytes, purpose, reservation),
+                                   max(0.0, timeout))
+        except TimeoutError:
+            await abort(context, refusal)
 
     def stream(self, name: str, behaviour: StreamBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving bidirectional RPC ``name`` with ``behaviour(requests, context, reservation)``.

@@ -75,19 +75,23 @@ class MemoryBudget:
         reservation.resize(nbytes, purpose)
         return reservation
 
-    async def wait(self, nbytes: int, purpose: str) -> Reservation:
-        """Reserve ``nbytes``, waiting (on the event loop) until they fit.
+    async def wait(self, nbytes: int, purpose: str,
+                   reservation: Reservation | None = None) -> Reservation:
+        """Reserve ``nbytes`` (or grow ``reservation`` to them), waiting (on the event loop)
+        until they fit.
 
         Raises:
             LimitExceededError: ``nbytes`` could never fit.
         """
+        reservation = reservation or Reservation(self)
         loop = asyncio.get_running_loop()
         while True:
             event = asyncio.Event()
             with self._lock:
                 self._waiters.append((loop, event))
             try:
-                return self.reserve(nbytes, purpose)
+                reservation.resize(nbytes, purpose)
+                return reservation
             except OverloadedError:
                 await event.wait()
             finally:

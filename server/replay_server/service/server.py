@@ -45,6 +45,9 @@ log = logging.getLogger("replay_server")
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
 
+LEASE_CLOCK_S = 0.5
+"""How often the rows of expired leases are returned to their queues (without a sample)."""
+
 T = TypeVar("T")
 
 
@@ -164,6 +167,7 @@ class ReplayServer:
         self._health_server: grpc.aio.Server | None = None
         self.connections: ConnectionGuard | None = None
         self._timer: asyncio.Task | None = None
+        self._leases: asyncio.Task | None = None
         self._restored = False
         self.port: int | None = None
 
@@ -255,6 +259,7 @@ class ReplayServer:
         interval = self.settings.checkpoint_interval_s
         if self.checkpointer is not None and interval > 0:
             self._timer = asyncio.create_task(self._checkpoint_every(interval))
+        self._leases = asyncio.create_task(self._servicer.expire_leases_every(LEASE_CLOCK_S))
         return self.port
 
     def _start_guard(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -347,6 +352,8 @@ class ReplayServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self._timer is not None:
             self._timer.cancel()
+        if self._leases is not None:
+            self._leases.cancel()
         await self._server.stop(grace)
         self._executor.shutdown(wait=True)
         if checkpoint and self.checkpointer is not None and self._restored:

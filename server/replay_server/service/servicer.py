@@ -16,6 +16,7 @@ updates on the event loop when their table is free), sharing the runner.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -26,6 +27,7 @@ import grpc
 import numpy as np
 
 from replay_proto import messages
+from replay_proto.chunks import chunk_bytes
 from replay_proto.codec import CodecError
 from replay_proto.sample_codec import HEADROOM, encode_sample
 from replay_proto.v1 import replay_pb2 as pb
@@ -33,6 +35,7 @@ from replay_server.checkpoint import Checkpointer, CheckpointResult
 from replay_server.checkpoint.checkpointer import partial_message
 from replay_server.engine.id_space import IncarnationSource, LocalIncarnations
 from replay_server.engine.inputs import MAX_BATCH_SIZE
+from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
 from replay_server.engine.variables import VariableStore
@@ -105,7 +108,7 @@ class ReplayServicer:
         self.calls.start_waiting = admission.start_waiting
         self.calls.default_wait_s = admission.limits.default_wait_s
         self.variables = VariableService(
-            VariableStore(0) if variables is None else variables, self.calls)
+            VariableStore(0) if variables is None else variables, self.calls, max_message_bytes)
         """Publish and Fetch (named variables)."""
         self._update_stream = UpdateStreamHandler(self.calls, self._stream_update,
                                                   self._stream_update_now)
@@ -118,20 +121,27 @@ class ReplayServicer:
     def handler(self) -> grpc.GenericRpcHandler:
         """A generic handler serving every RPC of ``replay.v1.ReplayService``."""
         unary, stream = self._admission.unary, self._admission.stream
+        chunked, unary_stream = self._admission.chunked, self._admission.unary_stream
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
                 "Insert": unary("Insert", self.insert),
+                "InsertChunks": chunked("InsertChunks", pb.InsertRequest, self.insert),
                 "Sample": unary("Sample", self.sample),
+                "SampleChunks": unary_stream("SampleChunks", self.sample_chunks),
                 "SampleStream": stream("SampleStream", self.sample_stream),
                 "UpdatePriorities": unary("UpdatePriorities", self.update_priorities),
                 "Info": unary("Info", self.info),
                 "Reset": unary("Reset", self.reset),
                 "Checkpoint": unary("Checkpoint", self.checkpoint),
                 "Publish": unary("Publish", self.variables.publish),
+                "PublishChunks": chunked("PublishChunks", pb.PublishRequest,
+                                         self.variables.publish),
                 "Fetch": unary("Fetch", self.variables.fetch),
+                "FetchChunks": unary_stream("FetchChunks", self.variables.fetch_chunks),
                 "UpdateStream": stream("UpdateStream", self._update_stream.serve),
                 "Delete": unary("Delete", self.delete),
+                "Acknowledge": unary("Acknowledge", self.acknowledge),
             },
         )
 
@@ -149,20 +159,64 @@ class ReplayServicer:
                      reservation: Reservation) -> bytes:
         return await self.calls.change(context, self._sample, raw, reservation)
 
-    def _sample(self, raw: bytes, reservation: Reservation) -> tuple[str, bytes]:
+    def _sample(self, raw: bytes, reservation: Reservation,
+                chunks: bool = False) -> tuple[str, Any]:
+        """A batch as one message, or (``chunks``) as SampleChunks' messages."""
         request = _parse(pb.SampleRequest, raw)
         table = self._tables[request.table]
-        estimate = self._check_unary_size(table, request.batch_size)
+        lease = self._lease(table, request)
+        estimate = self._check_unary_size(table, request.batch_size, chunks)
         # The batch and its encoded message, held until the client has taken the answer.
         reservation.resize(len(raw) + 2 * estimate,
                            f"Sample: a batch of {request.batch_size} from table {table.name!r}")
         try:
             batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data,
-                         never_wait=request.never_wait)
+                         lease=lease, never_wait=request.never_wait)
         except BaseException:
             reservation.resize(len(raw), "")
             raise
+        if chunks:
+            return request.table, encode_sample(batch, 0, chunk_bytes(self._max_message))
         return request.table, encode_sample(batch, 0, self._max_message)[0]
+
+    @staticmethod
+    def _lease(table: Table, request: pb.SampleRequest) -> LeaseRequest | None:
+        """The sample's lease (its acknowledgements applied first), or ``None``."""
+        if not table.config.sampler.traits.consumes:
+            return None  # nothing is leased: nothing to acknowledge
+        if request.acknowledge:
+            table.settle_leases(acknowledge=request.acknowledge)
+        if not request.lease:
+            return None
+        return LeaseRequest(request.lease, table.config.effective_lease_timeout_s)
+
+    async def acknowledge(self, raw: bytes, context: grpc.aio.ServicerContext,
+                          _: Reservation) -> bytes:
+        return await self.calls.run(context, self._acknowledge, raw)
+
+    def _acknowledge(self, raw: bytes) -> bytes:
+        request = _parse(pb.AcknowledgeRequest, raw)
+        self._tables[request.table].settle_leases(acknowledge=request.leases)
+        return pb.AcknowledgeResponse().SerializeToString()
+
+    async def expire_leases_every(self, interval_s: float) -> None:
+        """Return the rows of expired leases to their queues every ``interval_s`` (so calls
+        waiting for rows wake without a sample to notice); runs until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(interval_s)
+            for table in self._tables:
+                if table.config.sampler.traits.consumes:
+                    back = await loop.run_in_executor(self.calls.executor, table.settle_leases)
+                    if back:
+                        self.calls.blocked.changed(table.name)
+
+    async def sample_chunks(self, raw: bytes, context: grpc.aio.ServicerContext,
+                            reservation: Reservation) -> AsyncIterator[bytes]:
+        """SampleChunks: one batch as messages of whole rows under the message limit."""
+        messages = await self.calls.change(context, self._sample, raw, reservation, True)
+        for message in messages:
+            yield message
 
     async def sample_stream(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
@@ -307,15 +361,22 @@ class ReplayServicer:
 
     # ---------------------------------------------------------------- helpers
 
-    def _check_unary_size(self, table: Table, batch_size: int) -> int:
-        """The bytes of a batch of ``batch_size``, refused if over the message or batch limit."""
+    def _check_unary_size(self, table: Table, batch_size: int, chunks: bool = False) -> int:
+        """The bytes of a batch of ``batch_size``, refused if over the message (one message,
+        or with ``chunks`` one row) or batch limit."""
         # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT), not a size problem.
         estimate = table.batch_nbytes(batch_size) if 1 <= batch_size <= MAX_BATCH_SIZE else 0
-        if estimate > self._max_message - HEADROOM:
+        row = table.batch_nbytes(1) if estimate else 0
+        if chunks and row > chunk_bytes(self._max_message):
+            raise LimitExceededError(
+                f"table {table.name!r}: one row (or slice) of a sample is about {row >> 10} KiB, "
+                f"over the {self._max_message >> 20} MiB message limit less its header; raise "
+                f"server.max_message_mb (and the client's max_message_mb)")
+        if not chunks and estimate > self._max_message - HEADROOM:
             raise MessageTooLargeError(
                 f"table {table.name!r}: a batch of {batch_size} is about {estimate >> 20} MiB, "
-                f"over the {self._max_message >> 20} MiB message limit; use SampleStream "
-                f"(client.stream), which splits batches, or a smaller batch_size"
+                f"over the {self._max_message >> 20} MiB message limit: sample it with "
+                f"SampleChunks (ReplayClient.sample does by itself) or SampleStream"
             )
         limit = self._stream_limits.max_batch_bytes
         if estimate > limit:

@@ -100,7 +100,7 @@ class ServerSettings:
     address: str = DEFAULT_ADDRESS
     pin_memory: str = "auto"
     auth_token_env: str | None = None
-    max_message_mb: int = 64
+    max_message_mb: int = 4
     workers: int = 4
     log_format: str = "text"
     shared_memory: bool = True

@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from replay_proto import variable_codec
+from replay_proto.chunks import CHUNK_HEADROOM, chunk_bytes, frame_chunks
 from replay_proto.codec import CodecError
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.engine.variables import Variable, VariableStore, check_name
 from replay_server.errors import InvalidVariableError
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
-from replay_server.service.status import OverloadedError, ShuttingDownError
+from replay_server.service.status import MessageTooLargeError, OverloadedError, ShuttingDownError
 from replay_server.service.waiting import GIVE_UP_EARLY_FRACTION, GIVE_UP_EARLY_MAX_S
 
 
@@ -38,10 +41,13 @@ class VariableService:
     Args:
         store: the server's variables.
         calls: runs engine work; its ``draining`` ends waiting fetches.
+        max_message_bytes: the message limit; a larger answer goes by ``FetchChunks``.
     """
 
-    def __init__(self, store: VariableStore, calls: CallRunner) -> None:
+    def __init__(self, store: VariableStore, calls: CallRunner,
+                 max_message_bytes: int = 1 << 31) -> None:
         self.store = store
+        self._max_message = max_message_bytes
         self._calls = calls
         self._published: dict[str, asyncio.Event] = {}
         calls.on_drain.append(self._wake_all)
@@ -77,10 +83,25 @@ class VariableService:
             await self._calls.fail(context, exc)
         return answer
 
-    async def _fetch(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def fetch_chunks(self, raw: bytes, context: grpc.aio.ServicerContext,
+                           reservation: Reservation) -> AsyncIterator[bytes]:
+        """FetchChunks: the answer as one message, or chunked when over the message limit
+        (the answer and its chunks are reserved until the client has taken them)."""
+        messages = await self._fetch(raw, context, chunk_bytes(self._max_message))
+        try:
+            reservation.resize(len(raw) + sum(map(len, messages)),
+                               f"FetchChunks: an answer of {sum(map(len, messages))} bytes")
+        except Exception as exc:  # over the memory budget: refused with its status
+            await self._calls.fail(context, exc)
+        for message in messages:
+            yield message
+
+    async def _fetch(self, raw: bytes, context: grpc.aio.ServicerContext,
+                     chunk: int | None = None) -> Any:
+        """The answer: one message, or (``chunk``) the list of FetchChunks' messages."""
         request = await self._calls.run(context, _parse_fetch, raw)
         if not request.HasField("newer_than"):
-            return await self._calls.run(context, self._encode, request.name)
+            return await self._calls.run(context, self._encode, request.name, chunk)
         check = await self._calls.run(context, check_name, request.name)  # refuse bad names now
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + request.timeout_s
@@ -93,10 +114,11 @@ class VariableService:
             if self._calls.draining:
                 await self._calls.fail(context, ShuttingDownError("the server is shutting down"))
             if self.store.version(check) > request.newer_than:
-                return await self._calls.run(context, self._encode, check)
+                return await self._calls.run(context, self._encode, check, chunk)
             left = give_up_at - loop.time()
             if left <= 0:
-                return variable_codec.encode_not_newer(check)
+                answer = variable_codec.encode_not_newer(check)
+                return answer if chunk is None else [answer]
             if not waiting:
                 waiting = True
                 try:
@@ -109,10 +131,22 @@ class VariableService:
             except TimeoutError:
                 pass
 
-    def _encode(self, name: str) -> bytes:
+    def _encode(self, name: str, chunk: int | None = None) -> Any:
         variable = self.store.get(name)
-        return variable_codec.encode_fetch_packed(variable.name, variable.version,
-                                                  variable.layout, variable.data)
+        head = pb.FetchResponse(found=True, name=variable.name, version=variable.version)
+        nbytes = head.ByteSize() + len(variable.layout) + variable.data.nbytes + 16
+        if chunk is None or nbytes < chunk:
+            if chunk is None and nbytes > self._max_message - CHUNK_HEADROOM:
+                raise MessageTooLargeError(
+                    f"variable {name[:200]!r} is {nbytes / 2**20:.1f} MiB, over the "
+                    f"{self._max_message >> 20} MiB message limit: fetch it with FetchChunks "
+                    f"(ReplayClient.fetch does by itself)")
+            answer = variable_codec.encode_fetch_packed(variable.name, variable.version,
+                                                        variable.layout, variable.data)
+            return answer if chunk is None else [answer]
+        header, buffers = variable_codec.fetch_packed_parts(variable.name, variable.version,
+                                                            variable.layout, variable.data)
+        return frame_chunks(header, buffers, chunk)
 
     def _wake_all(self) -> None:
         events, self._published = list(self._published.values()), {}

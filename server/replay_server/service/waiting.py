@@ -45,6 +45,7 @@ import torch
 
 from replay_proto.batch import SampleBatch
 from replay_server.engine.storage.device import host_batch
+from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.table import Table
 from replay_server.errors import EmptyTableError, RateLimitedError
 from replay_server.service.status import ShuttingDownError
@@ -196,8 +197,10 @@ class BlockedCalls:
 
 
 def draw(table: Table, batch_size: int, *, wait_for_data: bool,
-         out: Mapping[str, torch.Tensor] | None = None, never_wait: bool = False) -> SampleBatch:
-    """``table.sample(batch_size, out=out)``; with ``wait_for_data``, an empty table blocks.
+         out: Mapping[str, torch.Tensor] | None = None, never_wait: bool = False,
+         lease: LeaseRequest | None = None) -> SampleBatch:
+    """``table.sample(batch_size, out=out, lease=lease)``; with ``wait_for_data``, an empty
+    table blocks.
 
     The batch is on the host: a device table's is copied over once (the
     fallback of every network path; see :func:`host_batch`).
@@ -209,7 +212,7 @@ def draw(table: Table, batch_size: int, *, wait_for_data: bool,
             or (``never_wait``) it cannot serve the batch now for any reason.
     """
     try:
-        return host_batch(table.sample(batch_size, out=out))
+        return host_batch(table.sample(batch_size, out=out, lease=lease))
     except RateLimitedError as exc:
         if not never_wait:
             raise

@@ -100,7 +100,7 @@ def test_omitted_server_keys_take_their_defaults(tmp_path: Path) -> None:
     settings = load_text(tmp_path, ONE_TABLE)
     assert (settings.address, settings.pin_memory, settings.auth_token_env,
             settings.max_message_mb, settings.workers, settings.log_format) == (
-        "127.0.0.1:50051", "auto", None, 64, 4, "text")
+        "127.0.0.1:50051", "auto", None, 4, 4, "text")
     assert (settings.checkpoint_dir, settings.checkpoint_interval_s, settings.keep_latest) == (
         None, 600.0, 3)
 
