@@ -1,0 +1,228 @@
+"""TorchRL's buffer parts (storage, sampler, writer objects) and the server table they need.
+
+A TorchRL buffer is built from parts: ``LazyTensorStorage(N)``,
+``PrioritizedSampler(N, alpha, beta)``, ``SliceSampler(num_slices=8)``, a
+writer. On a replay server those parts are one table's config. This module
+reads the parts a script passes (duck typed, by the TorchRL class names in
+their MRO, so torchrl stays optional) into a :class:`TableRequest`: what a
+table must be to serve them, as TOML settings (:meth:`TableRequest.config`)
+and as checks against a table's ``info`` (:meth:`TableRequest.problems`).
+
+Parts with no server counterpart raise :class:`UnsupportedComponentError`
+naming the alternative; nothing is silently ignored.
+
+Thread-safety: pure functions and frozen values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from replay_client.errors import InvalidArgumentError
+from replay_client.table_info import TableInfo
+
+DEFAULT_CAPACITY = 1000
+"""TorchRL's buffer without a storage gets ``ListStorage(max_size=1000)``."""
+
+
+class UnsupportedComponentError(InvalidArgumentError):
+    """A TorchRL storage, sampler or writer that no server table can stand in for."""
+
+
+def _names(obj: Any) -> set[str]:
+    """Class names in ``obj``'s MRO that come from torchrl."""
+    return {cls.__name__ for cls in type(obj).__mro__
+            if getattr(cls, "__module__", "").startswith("torchrl.")}
+
+
+def flat_key(key: Any) -> str:
+    """A TensorDict key (``"a"`` or ``("next", "done")``) as a flat column name."""
+    return ".".join(key) if isinstance(key, tuple) else str(key)
+
+
+@dataclass(frozen=True, slots=True)
+class SliceRequest:
+    """What a TorchRL ``SliceSampler`` asks of a slice table.
+
+    Attributes:
+        slice_len: steps per slice, when fixed (``slice_len=``, or
+            ``batch_size // num_slices``); ``None``: decided per sample.
+        num_slices: slices per batch (``num_slices=``), else ``None``.
+        traj_key: flat column of trajectory ids (TorchRL's ``traj_key``), if given.
+        end_key: flat column of end-of-trajectory flags (TorchRL's ``end_key``).
+        truncated_key: where samples mark slice ends (``None``: not marked).
+        strict_length: ``False``: shorter trajectories may be sampled whole.
+        pad_output: pad short slices to ``slice_len`` (with ``strict_length=False``).
+        span: TorchRL's ``span`` (slices reaching past a trajectory's ends).
+    """
+
+    slice_len: int | None
+    num_slices: int | None
+    traj_key: str | None
+    end_key: str
+    truncated_key: str | None
+    strict_length: bool = True
+    pad_output: bool = False
+    span: Any = False
+
+
+@dataclass(frozen=True, slots=True)
+class TableRequest:
+    """The table a TorchRL buffer's parts need.
+
+    Attributes:
+        capacity: rows (``None``: any capacity).
+        prioritized: rows must carry priorities.
+        alpha: priority exponent asked for (``None``: the table's).
+        beta: importance-weight exponent asked for (``None``: the table's).
+        slices: set when samples are slices (a ``SliceSampler``).
+    """
+
+    capacity: int | None = None
+    prioritized: bool = False
+    alpha: float | None = None
+    beta: float | None = None
+    slices: SliceRequest | None = None
+
+    def config(self) -> dict[str, Any]:
+        """TOML settings of a ``[[tables]]`` entry that serves this request (name left out)."""
+        out: dict[str, Any] = {"capacity": self.capacity or DEFAULT_CAPACITY}
+        if self.slices is None:
+            out["sampler"] = "prioritized" if self.prioritized else "uniform"
+        else:
+            out["sampler"] = "prioritized_slice" if self.prioritized else "slice"
+            out["slice_len"] = self.slices.slice_len or 1
+            out["done_key"] = self.slices.end_key
+        if self.prioritized:
+            for name in ("alpha", "beta"):
+                value = getattr(self, name)
+                if value is not None:
+                    out[name] = float(value)
+        return out
+
+    def problems(self, info: TableInfo) -> list[str]:
+        """What table ``info`` lacks for this request, each naming the config line to change."""
+        found = []
+        caps = info.capabilities
+        where = f"table {info.name!r}"
+        if self.capacity is not None and info.capacity != self.capacity:
+            found.append(f"{where} has capacity = {info.capacity}, the storage asks for "
+                         f"{self.capacity} (set capacity = {self.capacity}, or pass the "
+                         f"table's capacity to the storage)")
+        if self.prioritized and not caps.priorities:
+            found.append(f"{where} has no priorities (sampler {info.sampler!r}); a "
+                         f"prioritized sampler needs sampler = \"prioritized\"")
+        if self.slices is None and caps.slices:
+            found.append(f"{where} samples slices; a row sampler needs sampler = \"uniform\" "
+                         f"or \"prioritized\" (or pass a SliceSampler)")
+        if caps.consumes:
+            found.append(f"{where} hands each row out once (sampler {info.sampler!r}); "
+                         f"TorchRL's samplers draw with replacement")
+        if self.slices is not None:
+            if not caps.slices:
+                found.append(f"{where} samples rows; a SliceSampler needs sampler = \"slice\" "
+                             f"(or \"prioritized_slice\") and slice_len")
+            elif self.slices.slice_len is not None and info.slice_len != self.slices.slice_len:
+                found.append(f"{where} has slice_len = {info.slice_len}, the sampler asks for "
+                             f"{self.slices.slice_len} (set slice_len = {self.slices.slice_len})")
+        return found
+
+
+def request_of(*, storage: Any = None, sampler: Any = None, writer: Any = None,
+               batch_size: int | None = None, alpha: float | None = None,
+               beta: float | None = None) -> TableRequest:
+    """Read TorchRL buffer parts into the table they need.
+
+    Args:
+        storage: a TorchRL storage (its ``max_size`` is the capacity), or ``None``.
+        sampler: a TorchRL sampler, or ``None`` (uniform).
+        writer: a TorchRL writer, or ``None`` (round robin).
+        batch_size: the buffer's batch size (decides ``slice_len`` with ``num_slices``).
+        alpha, beta: a prioritized buffer's own arguments (they override the sampler's).
+
+    Raises:
+        UnsupportedComponentError: a part has no server counterpart (the message names
+            what to use instead).
+    """
+    storage, sampler, writer = (_built(part) for part in (storage, sampler, writer))
+    capacity = _capacity(storage, sampler)
+    _check_writer(writer)
+    prioritized = alpha is not None or beta is not None
+    slices = None
+    if sampler is not None:
+        names = _names(sampler)
+        if "SamplerWithoutReplacement" in names:
+            raise UnsupportedComponentError(
+                f"{type(sampler).__name__} (each element once per epoch) has no server "
+                f"counterpart: a table samples with replacement (sampler \"uniform\"), or hands "
+                f"each row out once (sampler \"fifo\"); pass no sampler for uniform sampling")
+        if "PrioritizedSampler" in names:
+            prioritized = True
+            alpha = getattr(sampler, "_alpha", None) if alpha is None else alpha
+            beta = getattr(sampler, "_beta", None) if beta is None else beta
+        if "SliceSampler" in names:
+            slices = _slice_request(sampler, batch_size)
+        elif not names & {"RandomSampler", "PrioritizedSampler"}:
+            raise UnsupportedComponentError(
+                f"sampler {type(sampler).__name__} has no server counterpart; use RandomSampler, "
+                f"PrioritizedSampler, SliceSampler or PrioritizedSliceSampler (tables with "
+                f"sampler \"uniform\", \"prioritized\", \"slice\" or \"prioritized_slice\")")
+    return TableRequest(capacity=capacity, prioritized=prioritized, alpha=alpha, beta=beta,
+                        slices=slices)
+
+
+def _built(part: Any) -> Any:
+    """TorchRL takes parts or factories of parts (``partial(LazyTensorStorage, 100)``)."""
+    if part is not None and not _names(part) and callable(part):
+        return part()
+    return part
+
+
+def _capacity(storage: Any, sampler: Any) -> int | None:
+    if storage is None:
+        # TorchRL's default ListStorage(1000) behind a PrioritizedSampler(max_capacity) keeps
+        # priorities for max_capacity positions only: that many rows are what it serves.
+        return int(getattr(sampler, "_max_capacity", None) or DEFAULT_CAPACITY)
+    names = _names(storage)
+    if "StorageEnsemble" in names or not hasattr(storage, "max_size"):
+        raise UnsupportedComponentError(
+            f"storage {type(storage).__name__} has no server counterpart; pass "
+            f"LazyTensorStorage(capacity) (a table's rows live on the server)")
+    return int(storage.max_size)
+
+
+def _check_writer(writer: Any) -> None:
+    if writer is None:
+        return
+    names = _names(writer)
+    if names & {"RoundRobinWriter", "TensorDictRoundRobinWriter"}:
+        return
+    raise UnsupportedComponentError(
+        f"writer {type(writer).__name__} has no server counterpart: a table overwrites its "
+        f"oldest rows when full (TorchRL's RoundRobinWriter); pass no writer")
+
+
+def _slice_request(sampler: Any, batch_size: int | None) -> SliceRequest:
+    names = _names(sampler)
+    if "SliceSamplerWithoutReplacement" in names:
+        raise UnsupportedComponentError(
+            "SliceSamplerWithoutReplacement has no server counterpart: slice tables draw with "
+            "replacement; use SliceSampler")
+    num_slices = getattr(sampler, "num_slices", None)
+    slice_len = getattr(sampler, "slice_len", None)
+    if slice_len is None and num_slices is not None and batch_size is not None:
+        if batch_size % num_slices:
+            raise InvalidArgumentError(
+                f"batch_size={batch_size} is not a multiple of num_slices={num_slices}")
+        slice_len = batch_size // num_slices
+    end_key = getattr(sampler, "end_key", None) or ("next", "done")
+    traj_key = getattr(sampler, "traj_key", None)
+    truncated_key = getattr(sampler, "truncated_key", ("next", "truncated"))
+    return SliceRequest(
+        slice_len=slice_len, num_slices=num_slices,
+        traj_key=None if traj_key is None else flat_key(traj_key), end_key=flat_key(end_key),
+        truncated_key=None if truncated_key is None else flat_key(truncated_key),
+        strict_length=bool(getattr(sampler, "strict_length", True)),
+        pad_output=bool(getattr(sampler, "pad_output", False)),
+        span=getattr(sampler, "span", False))
