@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_client import grouping, shards, variables
+from replay_client import grouping, shards, table_rows, variables
 from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, Connection
@@ -324,6 +324,18 @@ class ReplayClient:
         request = pb.DeleteRequest(table=table, ids=id_array(ids).tolist())
         raw = self._connection.unary("Delete", request.SerializeToString(), retry=True)
         return pb.DeleteResponse.FromString(raw).deleted
+
+    def read(self, table: str, **request: Any) -> table_rows.RowsRead:
+        """Stored rows by ``positions=`` or ``ids=`` (:func:`replay_client.table_rows.read`)."""
+        return table_rows.read(self._connection, table, **request)
+
+    def write(self, table: str, positions: Any, data: Any) -> int:
+        """Overwrite stored rows by position (:func:`replay_client.table_rows.write`)."""
+        return table_rows.write(self._connection, table, positions, data)
+
+    def set_sampling(self, table: str, **settings: Any) -> tuple[float, float]:
+        """``alpha=``, ``beta=``, ``seed=`` from now on (:func:`replay_client.table_rows.set_sampling`)."""
+        return table_rows.set_sampling(self._connection, table, **settings)
 
     def publish(self, name: str, state_dict: Any) -> int:
         """Store ``state_dict`` (tensors only) as the next version of variable ``name``.

@@ -9,7 +9,8 @@ prioritized ones):
 
 * storage, sampler, writer, ``alpha`` and ``beta`` pick (or start) the server
   table; they are also passed on when ``RemoteReplayBuffer`` takes them;
-* every other argument goes to ``RemoteReplayBuffer`` when it takes it; one
+* every other argument goes to ``RemoteReplayBuffer`` when it takes it (by
+  name, or through its ``**options``, where it refuses what it cannot do); one
   it does not take fails the test (:class:`NoSuchArgument`) unless the test
   left it at TorchRL's default.
 
@@ -94,17 +95,19 @@ def remote_classes(record: Any) -> dict[str, type]:
     from replay_client import RemoteReplayBuffer, ReplayClient
     from replay_client.torchrl.components import request_of
 
-    accepted = set(inspect.signature(RemoteReplayBuffer.__init__).parameters) - {"self"}
+    parameters = inspect.signature(RemoteReplayBuffer.__init__).parameters
+    accepted = set(parameters) - {"self"}
+    takes_options = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     reset = _reset_with_schema if _can_reset_schema() else None
 
     def build(self: Any, kwargs: dict[str, Any], include_info: bool) -> None:
-        record.buffers += 1
+        record.built(kwargs)
         request = request_of(**{k: kwargs.get(k) for k in COMPONENTS},
                              batch_size=kwargs.get("batch_size"))
         address, table = pool().table(request.config(), reset)
         passed: dict[str, Any] = {}
         for name, value in kwargs.items():
-            if name in accepted:
+            if name in accepted or (takes_options and name not in COMPONENTS):
                 passed[name] = value
             elif name in COMPONENTS:
                 continue  # the table stands for it
@@ -119,7 +122,7 @@ def remote_classes(record: Any) -> dict[str, type]:
         RemoteReplayBuffer.__init__(self, client, table, **passed)
 
     def missing(self: Any, name: str) -> Any:
-        if not name.startswith("__"):
+        if not name.startswith("__") and "client" in self.__dict__:  # built, and asked for it
             record.missing.append(name)
         raise AttributeError(f"{type(self).__name__} (RemoteReplayBuffer) has no attribute "
                              f"{name!r}")

@@ -1,11 +1,12 @@
 """Verdicts per test from the two runs' records, and the printed table.
 
-Scope comes from the reference run (TorchRL's own classes): a test is in
-scope when it passed there, built at least one of the public buffer classes
-and wrote only TensorDicts to it (or nothing). Tests that build a buffer but
-write other data (plain tensors, lists, tensorclasses) are counted apart, as
-"other data". In scope, a test is *not applicable* when it matches
-:data:`~tests.conformance.not_applicable.NOT_APPLICABLE` (tests of TorchRL's
+Scope comes from the reference run (TorchRL's own classes), as
+:mod:`tests.conformance.scope` defines it: a test is in scope when it passed
+there, built at least one of the public buffer classes from parts a table
+can stand for, and wrote only TensorDicts to it (or nothing). Tests that
+build a buffer but write other data (plain tensors, lists, tensorclasses) are
+counted apart, as "other data". In scope, a test is *not applicable* when it
+matches :data:`~tests.conformance.scope.NOT_APPLICABLE` (tests of TorchRL's
 own internals, each with its reason), else it *passes* or *fails* as the
 swapped run recorded it.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.conformance.not_applicable import reason_not_applicable
+from tests.conformance.scope import reason_not_applicable, reason_out_of_scope
 
 TENSORDICT_DATA = {"tensordict"}
 
@@ -53,6 +54,10 @@ def verdicts(reference: dict[str, dict], remote: dict[str, dict]) -> tuple[list[
             continue
         if not ref["buffers"]:
             outside["builds no replay buffer"] += 1
+            continue
+        part = reason_out_of_scope(ref.get("parts", []))
+        if part:
+            outside[part] += 1
             continue
         group = "tensordict" if set(ref["data"]) <= TENSORDICT_DATA else "other data"
         why = reason_not_applicable(nodeid)

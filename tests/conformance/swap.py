@@ -46,6 +46,12 @@ class Record:
         self.buffers = 0
         self.data: set[str] = set()
         self.missing: list[str] = []
+        self.parts: set[str] = set()
+
+    def built(self, kwargs: dict[str, Any]) -> None:
+        """A buffer was built with ``kwargs``: note its parts and options (see :func:`parts_of`)."""
+        self.buffers += 1
+        self.parts.update(parts_of(kwargs))
 
     def wrote(self, data: Any) -> None:
         self.data.add(data_kind(data))
@@ -71,11 +77,38 @@ def data_kind(data: Any) -> str:
     return type(data).__name__
 
 
+OPTION_DEFAULTS: dict[str, Any] = {
+    "sample_unit": None, "checkpointer": None, "consume_after_n_samples": None,
+    "dim_extend": None, "transform_factory": None, "collate_fn": None,
+    "service_backend": "direct", "transport": "auto",
+}
+"""Options worth noting when a test sets them (what they are at TorchRL's default)."""
+
+
+def parts_of(kwargs: dict[str, Any]) -> list[str]:
+    """The storage, sampler and writer classes of a buffer, and the options it set:
+    ``"sampler=SamplerWithoutReplacement"``, ``"storage.ndim=2"``, ``"option=sample_unit"``."""
+    parts = []
+    for name in ("storage", "sampler", "writer"):
+        part = kwargs.get(name)
+        if part is None:
+            continue
+        cls = part.func if hasattr(part, "func") else part if isinstance(part, type) else type(part)
+        parts.append(f"{name}={getattr(cls, '__name__', type(cls).__name__)}")
+        if name == "storage" and getattr(part, "ndim", 1) != 1:
+            parts.append(f"storage.ndim={part.ndim}")
+    for name, default in OPTION_DEFAULTS.items():
+        value = kwargs.get(name, default)
+        if value is not default and not (isinstance(value, str) and value == default):
+            parts.append(f"option={name}")
+    return parts
+
+
 def _recording(base: type) -> type:
     """``base`` (one of TorchRL's classes), recording builds and writes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        CURRENT.buffers += 1
+        CURRENT.built(kwargs)
         base.__init__(self, *args, **kwargs)
 
     def extend(self, data: Any, *args: Any, **kwargs: Any) -> Any:
@@ -159,7 +192,8 @@ class _Plugin:
 
     def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
         record = {"nodeid": nodeid, **self.outcome, "buffers": CURRENT.buffers,
-                  "data": sorted(CURRENT.data), "missing": sorted(set(CURRENT.missing))}
+                  "data": sorted(CURRENT.data), "missing": sorted(set(CURRENT.missing)),
+                  "parts": sorted(CURRENT.parts)}
         with self.records.open("a") as out:
             out.write(json.dumps(record) + "\n")
 

@@ -19,15 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from replay_client.errors import InvalidArgumentError
+from replay_client.errors import InvalidArgumentError, UnsupportedComponentError
 from replay_client.table_info import TableInfo
 
 DEFAULT_CAPACITY = 1000
 """TorchRL's buffer without a storage gets ``ListStorage(max_size=1000)``."""
-
-
-class UnsupportedComponentError(InvalidArgumentError):
-    """A TorchRL storage, sampler or writer that no server table can stand in for."""
 
 
 def _names(obj: Any) -> set[str]:
@@ -226,3 +222,69 @@ def _slice_request(sampler: Any, batch_size: int | None) -> SliceRequest:
         strict_length=bool(getattr(sampler, "strict_length", True)),
         pad_output=bool(getattr(sampler, "pad_output", False)),
         span=getattr(sampler, "span", False))
+
+
+IGNORED_OPTIONS: dict[str, str] = {
+    "shared": "a table is shared already: every process that connects uses it",
+    "compilable": "sampling runs on the server, outside torch.compile",
+    "delayed_init": "the table exists before the buffer",
+    "dtype": "priorities travel as float64 and are summed as float32 on the server",
+}
+"""TorchRL buffer options that mean nothing for a table on a server: accepted, with why."""
+
+UNSUPPORTED_OPTIONS: dict[str, tuple[Any, str]] = {
+    "collate_fn": (None, "samples are the stored columns as the kind written; transform them "
+                         "with transform= instead"),
+    "sample_unit": (None, "TorchRL's sample units have no server counterpart; a slice table "
+                          "samples sequences (sampler = \"slice\")"),
+    "checkpointer": (None, "save the buffer with rb.dumps(path) / rb.loads(path), or "
+                           "checkpoint the server (client.checkpoint())"),
+    "consume_after_n_samples": (None, "configure the table with max_times_sampled = n (rows "
+                                      "retire after n draws), or sampler = \"fifo\""),
+    "dim_extend": (None, "a TensorDict's batch dimensions decide what a row is ([n_envs, T]: "
+                         "n_envs * T rows, each env's steps kept in order)"),
+    "service_backend": ("direct", "the buffer is a service already: its table is on a server"),
+    "service_backend_options": (None, "the buffer is a service already"),
+    "transport": ("auto", "the buffer talks gRPC (or shared memory) to its server"),
+    "transport_options": (None, "the buffer talks gRPC (or shared memory) to its server"),
+}
+"""TorchRL buffer options with no server counterpart: refused unless left at TorchRL's
+default (the value), naming the alternative."""
+
+REDUCTIONS = ("max", "min", "mean", "median")
+"""How TorchRL reduces a row's priorities over trailing dims (``reduction=``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityOptions:
+    """How written priorities become one per row: ``abs(p) + eps``, ``reduction`` over trailing dims."""
+
+    eps: float = 1e-8
+    reduction: str = "max"
+
+
+def priority_options(sampler: Any, options: dict[str, Any]) -> PriorityOptions:
+    """``eps`` and ``reduction`` from the buffer's options, else from a prioritized sampler.
+
+    Raises:
+        UnsupportedComponentError: an option of :data:`UNSUPPORTED_OPTIONS` not at its
+            default, or an unknown reduction.
+        TypeError: an option TorchRL's buffers do not take either.
+    """
+    for name, value in options.items():
+        if name in IGNORED_OPTIONS or name in ("eps", "reduction"):
+            continue
+        if name in UNSUPPORTED_OPTIONS:
+            default, why = UNSUPPORTED_OPTIONS[name]
+            if value is not default and value != default:
+                raise UnsupportedComponentError(f"{name}={value!r} has no server counterpart: "
+                                                f"{why}")
+            continue
+        raise TypeError(f"RemoteReplayBuffer() got an unexpected keyword argument {name!r}")
+    sampler = _built(sampler)
+    eps = options.get("eps", getattr(sampler, "_eps", 1e-8))
+    reduction = options.get("reduction", getattr(sampler, "reduction", "max"))
+    if reduction not in REDUCTIONS:
+        raise UnsupportedComponentError(f"reduction must be one of {REDUCTIONS}, got "
+                                        f"{reduction!r}")
+    return PriorityOptions(float(eps), reduction)

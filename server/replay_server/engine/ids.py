@@ -54,7 +54,10 @@ class IdRing:
         return first_id, evicted
 
     def clear(self) -> None:
-        """Forget all rows; ids keep counting."""
+        """Forget all rows; ids keep counting, from the next multiple of the capacity, so
+        the first row after a reset goes to slot 0 again (storage positions start over,
+        as TorchRL's do after ``empty()``; the skipped ids are never issued)."""
+        self.next_id = -(-self.next_id // self.capacity) * self.capacity
         self.first_live = self.next_id
 
     def slots(self, ids: np.ndarray) -> np.ndarray:

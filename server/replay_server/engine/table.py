@@ -40,6 +40,7 @@ from replay_proto.batch import SampleBatch
 from replay_server.engine.change_clock import ChangeClock
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IncarnationSource
+from replay_server.engine import draw_settings, row_access
 from replay_server.engine.inputs import (
     MAX_BATCH_SIZE,
     batch_size_of,
@@ -55,6 +56,7 @@ from replay_server.engine.nstep import STEPS_KEY
 from replay_server.engine.storage.framestack import check_insert as check_stacks
 from replay_server.engine.storage.placement import table_device
 from replay_server.engine.rate_limiter import RateLimiter
+from replay_server.engine.row_access import RowRead
 from replay_server.engine.samplers import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
@@ -389,7 +391,7 @@ class Table:
                 f"no priorities to update"
             )
         id_array = id_values(ids, self.name)
-        values = priority_values(priorities, self.name, self.config.alpha)
+        values = priority_values(priorities, self.name, self._parts.sampler.alpha or 0.0)
         if values.shape != id_array.shape:
             raise InvalidPriorityError(
                 f"table {self.name!r}: priorities must have the same shape as ids "
@@ -417,6 +419,29 @@ class Table:
             parts.counters.stale_priority_updates += id_array.size - applied
             self.changes.tick()
         return applied
+
+    # -------------------------------------------------------------- row access
+
+    def read(self, **request: Any) -> RowRead:
+        """Stored rows by position or id, changing nothing: :func:`row_access.read`."""
+        with self._lock:
+            return row_access.read(self._parts, self.config, **request)
+
+    def write(self, positions: Any, data: Any) -> None:
+        """Overwrite stored rows in place, by position: :func:`row_access.write`."""
+        columns = columns_of(data, self.name, self.config.episode_key, self._device)
+        with self._lock:
+            row_access.write(self._parts, self.config, positions, columns)
+            self.changes.tick()
+
+    def set_sampling(self, alpha: float | None = None, beta: float | None = None,
+                     seed: int | None = None) -> tuple[float, float]:
+        """How the table draws from now on (alpha, beta, seed): :func:`draw_settings.set_sampling`."""
+        draw_settings.check(self.config, alpha, beta, seed)
+        with self._lock:
+            result = draw_settings.set_sampling(self._parts, self.config, alpha, beta, seed)
+            self.changes.tick()
+        return result
 
     # ------------------------------------------------------------------- admin
 

@@ -136,6 +136,19 @@ class Sampler(ABC):
         """The priority a new row gets when none is given (``None``: no priorities)."""
         return None
 
+    @property
+    def alpha(self) -> float | None:
+        """The priority exponent now (``None``: no priorities); :meth:`set_exponents` changes it."""
+        return None
+
+    def priorities(self, slots: np.ndarray) -> np.ndarray:
+        """The priorities (float64) of the live rows at ``slots`` (prioritized samplers)."""
+        raise NoPrioritiesError("this table's sampler does not use priorities")
+
+    def set_exponents(self, alpha: float | None, beta: float | None) -> tuple[float, float]:
+        """Change ``alpha`` and/or ``beta`` from now on; returns both (prioritized samplers)."""
+        raise NoPrioritiesError("this table's sampler has no alpha or beta")
+
     @abstractmethod
     def clear(self) -> None:
         """All rows were removed."""

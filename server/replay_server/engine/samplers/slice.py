@@ -119,6 +119,10 @@ class PrioritizedSliceSampler(Sampler):
     def max_priority(self) -> float:
         return self._prio.max_priority
 
+    @property
+    def alpha(self) -> float:
+        return self._prio.alpha
+
     def insert(self, event: InsertEvent) -> None:
         assert event.priorities is not None
         cap = self._ring.capacity
@@ -134,6 +138,16 @@ class PrioritizedSliceSampler(Sampler):
         self._is_start[new] = True
         self._tree.set(new, self._row_mass[new])
         self._num_starts += int(new.size)
+
+    def priorities(self, slots: np.ndarray) -> np.ndarray:
+        return self._prio.priorities(self._row_mass[slots])
+
+    def set_exponents(self, alpha: float | None, beta: float | None) -> tuple[float, float]:
+        used = self._used
+        self._prio.set_exponents(alpha, beta, [self._row_mass[:used]])
+        starts = np.flatnonzero(self._is_start[:used])
+        self._tree.set(starts, self._row_mass[starts])
+        return self._prio.alpha, self._prio.beta
 
     def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
         self._prio.observe(priorities)
@@ -169,6 +183,8 @@ class PrioritizedSliceSampler(Sampler):
             "open_episodes": self._episodes.open_episodes,
             "max_priority": self._prio.max_priority,
             "priority_mass": self._tree.total(),
+            "alpha": self._prio.alpha,
+            "beta": self._prio.beta,
         }
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,90 @@
+"""``rb.sampler``: a table's sampling settings under the names of TorchRL's sampler attributes.
+
+TorchRL scripts anneal importance sampling through the buffer's sampler:
+``rb.sampler.beta = x`` by hand, or TorchRL's ``ParameterScheduler`` /
+``LinearScheduler(rb.sampler, param_name="beta", ...)``, which read and set
+the attribute (a :class:`RemoteSampler` is registered as a virtual subclass
+of TorchRL's ``Sampler`` ABC so they accept it; they refuse the buffer
+itself, which is not TorchRL's ``ReplayBuffer``: pass ``rb.sampler``). :class:`RemoteSampler` reads ``alpha`` and ``beta`` from the table
+and sets them on it (``ReplayClient.set_sampling``: from the next draw on,
+kept in checkpoints). Its other attributes describe the table as TorchRL's
+samplers do (``slice_len``, ``num_slices``, ``max_capacity``).
+
+Thread-safety: as the client (each read or write is one call).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from replay_client.errors import NoPrioritiesError
+
+
+class RemoteSampler:
+    """The sampler of a :class:`~replay_client.torchrl.buffer.RemoteReplayBuffer`'s table.
+
+    Args:
+        buffer: the buffer (its client, table and what the table can do).
+    """
+
+    def __init__(self, buffer: Any) -> None:
+        self._buffer = buffer
+        _register_with_torchrl()
+
+    def _exponents(self) -> tuple[float, float]:
+        info = self._buffer.table_info(fresh=True)
+        if not info.capabilities.priorities:
+            raise NoPrioritiesError(f"table {info.name!r} has no priorities, so no alpha or "
+                                    f"beta (sampler {info.sampler!r})")
+        return info.alpha, info.beta
+
+    @property
+    def alpha(self) -> float:
+        return self._exponents()[0]
+
+    @alpha.setter
+    def alpha(self, value: float) -> None:
+        self._buffer.client.set_sampling(self._buffer.table, alpha=value)
+
+    @property
+    def beta(self) -> float:
+        return self._exponents()[1]
+
+    @beta.setter
+    def beta(self, value: float) -> None:
+        self._buffer.client.set_sampling(self._buffer.table, beta=value)
+
+    @property
+    def max_capacity(self) -> int:
+        return self._buffer.table_info().capacity
+
+    @property
+    def slice_len(self) -> int | None:
+        layout = self._buffer.slice_layout
+        return None if layout is None else layout.slice_len
+
+    @property
+    def num_slices(self) -> int | None:
+        layout = self._buffer.slice_layout
+        return None if layout is None else layout.num_slices
+
+    def __repr__(self) -> str:
+        info = self._buffer.table_info()
+        return f"RemoteSampler(table={info.name!r}, sampler={info.sampler!r})"
+
+
+_registered = False
+
+
+def _register_with_torchrl() -> None:
+    """Make a RemoteSampler an instance of TorchRL's ``Sampler`` ABC (when torchrl is
+    installed), so TorchRL's ``ParameterScheduler(rb.sampler, ...)`` accepts it."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    try:
+        from torchrl.data.replay_buffers.samplers import Sampler
+    except ImportError:  # torchrl is optional
+        return
+    Sampler.register(RemoteSampler)

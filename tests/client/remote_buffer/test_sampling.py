@@ -1,0 +1,110 @@
+"""RemoteReplayBuffer.sample as TorchRL's: batch sizes in steps (slices too), trajectory
+markers, trajectories found in 1-D data, and an empty buffer that raises at once."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, SliceSampler
+
+from replay_client import RemoteReplayBuffer, errors
+from tests.client.remote_buffer.data import rows, trajectories
+
+
+def test_slice_batch_size_counts_steps_and_marks_slice_ends(client, fresh) -> None:
+    """6e15745 returned [8, 4] for batch_size=8 on a 4-step slice table: 4x the data TorchRL
+    returns, silently."""
+    rb = RemoteReplayBuffer(client, fresh("seq"), batch_size=8)
+    rb.extend(trajectories(3, 10))  # 1-D, no episode column: split by ("next", "done")
+    batch = rb.sample()
+    assert batch.batch_size == (8,)
+    steps, traj = batch["step"].reshape(2, 4), batch["traj"].reshape(2, 4)
+    assert (steps[:, 1:] - steps[:, :-1] == 1).all()
+    assert (traj == traj[:, :1]).all(), "a slice spans two trajectories"
+    truncated = batch["next", "truncated"].reshape(2, 4)
+    assert truncated[:, -1].all() and not truncated[:, :-1].any()
+    done = batch["next", "done"].reshape(2, 4)
+    assert done[:, -1].all()  # the stored flag OR the slice end, as TorchRL's markers
+    assert "episode" not in batch.keys()  # the buffer's own column stays out of samples
+    assert batch["index"].shape == (8,)
+    with pytest.raises(errors.InvalidArgumentError, match="multiple of 4"):
+        rb.sample(6)
+
+
+def test_slice_sampler_objects_are_checked_against_the_table(client, fresh) -> None:
+    table = fresh("seq")
+    rb = RemoteReplayBuffer(client, table, sampler=SliceSampler(num_slices=3), batch_size=12)
+    rb.extend(trajectories(2, 8))
+    assert rb.sample().batch_size == (12,)
+    with pytest.raises(errors.TableMismatchError, match="slice_len = 5"):
+        RemoteReplayBuffer(client, table, sampler=SliceSampler(slice_len=5))
+    with pytest.raises(errors.TableMismatchError, match="capacity = 64"):
+        RemoteReplayBuffer(client, table, storage=LazyTensorStorage(64),
+                           sampler=SliceSampler(slice_len=4))
+    with pytest.raises(errors.TableMismatchError, match="samples slices"):
+        RemoteReplayBuffer(client, table, storage=LazyTensorStorage(1000))
+
+
+def test_trajectories_are_found_by_traj_key(client, fresh) -> None:
+    rb = RemoteReplayBuffer(client, fresh("seq"), batch_size=40,
+                            sampler=SliceSampler(slice_len=4, traj_key="traj"))
+    rb.extend(trajectories(5, 6, done=False))  # no end flags: the traj ids alone split them
+    traj = rb.sample()["traj"].reshape(10, 4)
+    assert (traj == traj[:, :1]).all()
+
+
+def test_a_trajectory_left_open_goes_on_in_the_next_extend(client, fresh) -> None:
+    rb = RemoteReplayBuffer(client, fresh("seq"), batch_size=400)
+    rb.extend(trajectories(1, 6, done=False))
+    rb.extend(trajectories(1, 6, start=6))  # steps 6..11 end at 11: one trajectory of 12
+    steps = rb.sample()["step"].reshape(100, 4)
+    assert (steps[:, 1:] - steps[:, :-1] == 1).all()
+    assert ((steps[:, 0] == 4) | (steps[:, 0] == 5)).any()  # slices across the two extends
+
+
+def test_an_empty_buffer_raises_a_runtime_error_at_once(client, fresh) -> None:
+    """6e15745 waited for the client's timeout, then raised DeadlineExceededError; TorchRL code
+    catches RuntimeError."""
+    rb = RemoteReplayBuffer(client, fresh("rows"), batch_size=4)
+    with pytest.raises(RuntimeError) as caught:
+        rb.sample()
+    assert isinstance(caught.value, errors.EmptyTableError)
+    assert "wait=True" in str(caught.value)
+
+
+def test_a_buffer_asked_to_wait_waits_for_rows(client, fresh) -> None:
+    table = fresh("rows")
+    rb = RemoteReplayBuffer(client, table, batch_size=4, wait=True, timeout=60)
+    got: list = []
+    sampler = threading.Thread(target=lambda: got.append(rb.sample()))
+    sampler.start()
+    RemoteReplayBuffer(client, table).extend(rows(5))
+    sampler.join(timeout=60)
+    assert got and got[0].batch_size == (4,)
+
+
+def test_plain_buffers_return_the_data_alone_and_info_apart(client, fresh) -> None:
+    rb = RemoteReplayBuffer(client, fresh("per"), batch_size=4, include_info=False)
+    data = rows(5)
+    rb.extend(data)
+    assert "index" not in data.keys()  # TorchRL's ReplayBuffer leaves the data alone
+    batch, info = rb.sample(return_info=True)
+    assert set(batch.keys()) == {"x", "obs"}
+    assert set(info) == {"index", "priority_weight"} and info["index"].shape == (4,)
+
+
+def test_transform_applies_to_samples_and_its_inverse_to_writes(client, fresh) -> None:
+    class Double:
+        def __call__(self, td: TensorDict) -> TensorDict:
+            return td.set("obs", td["obs"] * 2)
+
+        def inv(self, td: TensorDict) -> TensorDict:
+            return td.set("obs", td["obs"] + 100)
+
+    rb = RemoteReplayBuffer(client, fresh("rows"), batch_size=4, transform=Double())
+    rb.extend(rows(5))
+    batch = rb.sample()
+    assert torch.equal(batch["obs"], (batch["x"].float()[:, None] + 100).expand(4, 2) * 2)
