@@ -88,6 +88,8 @@ def set_sampling(connection: Connection, table: str, *, alpha: float | None = No
     for name, value in (("alpha", alpha), ("beta", beta)):
         if value is None:
             continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()  # schedulers hand out 0-d tensors
         if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
             raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
         setattr(request, name, float(value))

@@ -149,8 +149,6 @@ def test_refused_input_names_the_problem(served) -> None:
         rb.extend("not data")
     with pytest.raises(errors.InvalidArgumentError, match="batch_size"):
         rb.sample()
-    with pytest.raises(errors.InvalidArgumentError, match="one transition"):
-        rb.add(TensorDict({"x": torch.zeros(2)}, [2]))
     with pytest.raises(errors.InvalidPriorityError, match="do not fit"):
         rb.update_priority(torch.zeros(3, dtype=torch.int64), torch.ones(2))
 

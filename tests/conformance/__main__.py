@@ -41,9 +41,11 @@ def _pytest(mode: str, args: argparse.Namespace, out: Path, targets: list[str]) 
            "CONFORMANCE_SERVER_PYTHON": args.server_python,
            "CONFORMANCE_WORKDIR": str(out / f"{mode}-servers"),
            "PYTHONPATH": os.pathsep.join(path + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-           "PYTHONDONTWRITEBYTECODE": "1", "REPLAY_SHARED_MEMORY": "0"}
+           "PYTHONDONTWRITEBYTECODE": "1", "REPLAY_SHARED_MEMORY": "0",
+           "CONFORMANCE_DROP_UNKNOWN_ARGS": "1" if args.drop_unknown_args else "",
+           "CONFORMANCE_TESTS_DIR": str(tests)}
     command = [args.python, "-m", "pytest", "-p", "tests.conformance.swap", "-p",
-               "no:cacheprovider", "-q", "--rootdir", str(tests), *args.pytest_args]
+               "no:cacheprovider", "-q", "--tb=no", "-rN", "--rootdir", str(tests), *args.pytest_args]
     if (tests.parent / "conftest.py").exists():  # TorchRL's test/conftest.py (RNG hygiene)
         command += ["--confcutdir", str(tests.parent)]
     command += targets
@@ -84,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="where records, logs and the report go")
     parser.add_argument("--summary", action="store_true",
                         help="print the totals and failure causes, not a line per test")
+    parser.add_argument("--drop-unknown-args", action="store_true",
+                        help="drop TorchRL arguments RemoteReplayBuffer does not take instead "
+                             "of failing the test (measures an older RemoteReplayBuffer as "
+                             "issue 22 did)")
+    parser.add_argument("--reuse-reference", action="store_true",
+                        help="use the reference records already in --out, whatever they ran")
     parser.add_argument("files", nargs="*", help="test files or node ids (default: all of DIR)")
     parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[],
                         help="passed on to pytest (e.g. -k expr); must come last")
@@ -94,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
     key = _fingerprint(args, targets)
     key_file = out / "reference.key"
-    if key_file.exists() and key_file.read_text() == key and (out / "reference.jsonl").exists():
+    reuse = args.reuse_reference or (key_file.exists() and key_file.read_text() == key)
+    if reuse and (out / "reference.jsonl").exists():
         print("reference run: reused (same test files, interpreter and selection)",
               file=sys.stderr)
         reference_records = out / "reference.jsonl"
@@ -104,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         key_file.write_text(key)
     remote_records = _pytest("remote", args, out, targets)
 
-    found, outside = report.verdicts(report.load(reference_records), report.load(remote_records))
+    reference, remote = report.load(reference_records), report.load(remote_records)
+    if args.files:  # a selection: report the tests it ran
+        reference = {k: v for k, v in reference.items() if k in remote}
+    found, outside = report.verdicts(reference, remote)
     text = report.render(found, outside, details=True)
     (out / "report.txt").write_text(text + "\n")
     (out / "verdicts.json").write_text(json.dumps(

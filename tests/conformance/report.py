@@ -60,7 +60,7 @@ def verdicts(reference: dict[str, dict], remote: dict[str, dict]) -> tuple[list[
             outside[part] += 1
             continue
         group = "tensordict" if set(ref["data"]) <= TENSORDICT_DATA else "other data"
-        why = reason_not_applicable(nodeid)
+        why = reason_not_applicable(nodeid, ref.get("private", []))
         if why:
             out.append(Verdict(nodeid, "n/a", why, group))
             continue

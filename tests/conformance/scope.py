@@ -8,10 +8,12 @@ lists the TorchRL parts that have no server counterpart; ``RemoteReplayBuffer``
 refuses each with an error naming the alternative, and the tests that
 build with them are counted apart, by part.
 
-In scope, :data:`NOT_APPLICABLE` lists tests of TorchRL's own internals (its
-storages', writers' and samplers' private state): each is reported as not
-applicable, with its reason. Kept short: a test whose behaviour a TorchRL
-user's code could depend on is never listed; it passes or fails.
+In scope, a test is *not applicable* when its own code reads private state
+of TorchRL's buffers, storages, samplers or writers (``rb._storage``,
+``rb.writer._cursor``, ``sampler._cache``: recorded in the reference run,
+the attributes named), or when :data:`NOT_APPLICABLE` lists it, with its
+reason. The list is kept short: a test whose behaviour a TorchRL user's
+code could depend on is never listed; it passes or fails.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ OUT_OF_SCOPE_PARTS: dict[str, str] = {
     "storage=StorageEnsemble": "TorchRL's ensembles of storages",
     "storage.ndim=2": "multi-dimensional storages (a table's rows are one-dimensional)",
     "storage.ndim=3": "multi-dimensional storages (a table's rows are one-dimensional)",
+    "ensemble=ReplayBufferEnsemble": "TorchRL's ensembles of buffers (they compose each "
+                                     "buffer's private storage and sampler)",
     "option=sample_unit": "TorchRL's sample units (sequence windows around anchors)",
     "option=checkpointer": "TorchRL's storage checkpointers",
     "option=consume_after_n_samples": "TorchRL's consume-after-n option (tables: "
@@ -45,6 +49,9 @@ OUT_OF_SCOPE_PARTS: dict[str, str] = {
 :func:`tests.conformance.swap.parts_of` names it) -> what it is."""
 
 NOT_APPLICABLE: list[tuple[str, str]] = [
+    (r"^test_prioritized\.py::test_(ptdrb|prb)\[",
+     "edits the caller's TensorDict after extend and expects samples to show it: TorchRL's "
+     "ListStorage keeps references to the caller's data, a server stores copies"),
 ]
 """``(regular expression on the node id, why)``: tests of TorchRL's own internals."""
 
@@ -54,13 +61,16 @@ def reason_out_of_scope(parts: list[str]) -> str:
     for part in parts:
         if part in OUT_OF_SCOPE_PARTS:
             kind, _, name = part.partition("=")
-            what = name if kind in ("storage", "sampler", "writer") else part
+            what = name if kind in ("storage", "sampler", "writer", "ensemble") else part
             return f"uses {what}: {OUT_OF_SCOPE_PARTS[part]}"
     return ""
 
 
-def reason_not_applicable(nodeid: str) -> str:
-    """Why the test at ``nodeid`` is not applicable ('' when it is)."""
+def reason_not_applicable(nodeid: str, private: list[str] = ()) -> str:
+    """Why the test at ``nodeid`` is not applicable ('' when it is): listed, or its code
+    read ``private`` attributes of TorchRL's buffers, storages, samplers or writers."""
+    if private:
+        return f"reads TorchRL's private state: {', '.join(private[:3])}"
     for pattern, reason in NOT_APPLICABLE:
         if re.search(pattern, nodeid):
             return reason

@@ -6,9 +6,10 @@ their ``from torchrl.data import ReplayBuffer`` picks up the swapped names.
 ``CONFORMANCE_MODE`` says which classes go in:
 
 * ``reference``: TorchRL's own classes, subclassed only to record that a test
-  built a buffer and what data it wrote (TensorDict or not). This run decides
-  which tests are in scope (those that pass with TorchRL, build a buffer and
-  write TensorDicts).
+  built a buffer, from which parts, what data it wrote (TensorDict or not)
+  and which private attributes of TorchRL's buffers, storages, samplers and
+  writers the test's own code read. This run decides which tests are in
+  scope and which test TorchRL's internals (:mod:`tests.conformance.scope`).
 * ``remote``: :mod:`tests.conformance.buffers`: ``RemoteReplayBuffer`` on a
   table of a real server (:mod:`tests.conformance.servers`) that matches the
   buffer's storage and sampler, the test's assertions unchanged.
@@ -47,6 +48,7 @@ class Record:
         self.data: set[str] = set()
         self.missing: list[str] = []
         self.parts: set[str] = set()
+        self.private: set[str] = set()
 
     def built(self, kwargs: dict[str, Any]) -> None:
         """A buffer was built with ``kwargs``: note its parts and options (see :func:`parts_of`)."""
@@ -129,6 +131,42 @@ def _recording(base: type) -> type:
     return type(base.__name__, (base,), namespace)
 
 
+PRIVATE_WATCHED = ("torchrl.data.replay_buffers.replay_buffers:ReplayBuffer",
+                   "torchrl.data.replay_buffers.storages:Storage",
+                   "torchrl.data.replay_buffers.samplers:Sampler",
+                   "torchrl.data.replay_buffers.writers:Writer")
+"""TorchRL's classes whose private attributes a test may read (recorded in the reference run)."""
+
+
+def _watch_private(cls: type, tests_dir: str) -> None:
+    """Record reads of ``cls``'s private attributes made by code in ``tests_dir``."""
+    original = cls.__getattribute__
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        if name[:1] == "_" and name[:2] != "__":
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(tests_dir):
+                CURRENT.private.add(f"{type(self).__name__}.{name}")
+        return original(self, name)
+
+    cls.__getattribute__ = __getattribute__
+
+
+def _note_ensembles(data_module: Any) -> None:
+    """Record TorchRL's ``ReplayBufferEnsemble`` as a part: it composes buffers through
+    their private storage and sampler, which a buffer on a server does not have."""
+    ensemble = getattr(data_module, "ReplayBufferEnsemble", None)
+    if ensemble is None:
+        return
+    original = ensemble.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        CURRENT.parts.add("ensemble=ReplayBufferEnsemble")
+        original(self, *args, **kwargs)
+
+    ensemble.__init__ = __init__
+
+
 def install(mode: str) -> dict[str, type]:
     """Put the ``mode``'s classes in TorchRL's namespaces; returns them by name."""
     import importlib
@@ -137,6 +175,12 @@ def install(mode: str) -> dict[str, type]:
 
     if mode == "reference":
         classes = {name: _recording(getattr(data_module, name)) for name in BUFFER_NAMES}
+        _note_ensembles(data_module)
+        tests_dir = os.environ.get("CONFORMANCE_TESTS_DIR")
+        if tests_dir:
+            for spec in PRIVATE_WATCHED:
+                module, _, name = spec.partition(":")
+                _watch_private(getattr(importlib.import_module(module), name), tests_dir)
     elif mode == "remote":
         from tests.conformance import buffers
 
@@ -193,7 +237,7 @@ class _Plugin:
     def pytest_runtest_logfinish(self, nodeid: str, location: Any) -> None:
         record = {"nodeid": nodeid, **self.outcome, "buffers": CURRENT.buffers,
                   "data": sorted(CURRENT.data), "missing": sorted(set(CURRENT.missing)),
-                  "parts": sorted(CURRENT.parts)}
+                  "parts": sorted(CURRENT.parts), "private": sorted(CURRENT.private)}
         with self.records.open("a") as out:
             out.write(json.dumps(record) + "\n")
 

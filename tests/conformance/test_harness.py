@@ -28,7 +28,9 @@ def test_the_harness_reports_a_verdict_and_reason_per_test(tmp_path) -> None:
     assert line("test_extend_sample[8]").startswith("PASS")
     assert line("test_extend_sample[16]").startswith("PASS")
     cursor = line("test_cursor_internals")
-    assert cursor.startswith("FAIL") and "_writer" in cursor  # the reason names what was missing
+    assert cursor.startswith("N/A") and "_writer" in cursor  # it reads TorchRL's private state
+    index = line("test_index_is_a_position")
+    assert index.startswith("FAIL") and "assert" in index  # the reason is the failed assertion
     assert line("test_plain_tensors").startswith("PASS") and "(other data)" in line(
         "test_plain_tensors")
     assert not [text for text in lines if "test_without_replacement" in text]  # out of scope
@@ -36,7 +38,7 @@ def test_the_harness_reports_a_verdict_and_reason_per_test(tmp_path) -> None:
     assert "1  uses SamplerWithoutReplacement" in out_of_scope
     assert "1  builds no replay buffer" in out_of_scope
     assert "1  skipped with TorchRL's own buffers" in out_of_scope
-    assert ("TensorDict data (the headline): 3 tests: 2 pass, 1 fail, 0 not applicable; "
+    assert ("TensorDict data (the headline): 4 tests: 2 pass, 1 fail, 1 not applicable; "
             "66.7% of the applicable ones pass") in result.stdout
     assert (tmp_path / "report.txt").read_text().strip() == result.stdout.strip()
 
@@ -44,6 +46,8 @@ def test_the_harness_reports_a_verdict_and_reason_per_test(tmp_path) -> None:
 def test_not_applicable_entries_name_their_reason() -> None:
     for pattern, reason in scope.NOT_APPLICABLE:
         assert reason and pattern
+    assert scope.reason_not_applicable("t.py::test_x", ["ReplayBuffer._storage"]) == (
+        "reads TorchRL's private state: ReplayBuffer._storage")
     assert scope.reason_out_of_scope(["storage=LazyTensorStorage", "storage.ndim=2"]).startswith(
         "uses storage.ndim=2")
     assert scope.reason_out_of_scope(["sampler=PrioritizedSampler"]) == ""

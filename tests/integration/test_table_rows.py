@@ -127,3 +127,11 @@ def test_a_seed_makes_draws_repeat(client) -> None:
     client.set_sampling("rows", seed=7)
     assert torch.equal(client.sample("rows", 16).data["step"], first)
     assert client.set_sampling("rows", seed=8) == (0.0, 0.0)  # a table without priorities
+
+
+def test_small_alphas_are_taken_and_priorities_update_under_them(client) -> None:
+    """An alpha below ~0.125 made the priority bound overflow (an internal error)."""
+    ids = client.insert("per", rows(0, 3))
+    assert client.set_sampling("per", alpha=0.05)[0] == pytest.approx(0.05)
+    assert client.update_priorities("per", ids, torch.tensor([1.0, 2.0, 1e30])) == 3
+    client.set_sampling("per", alpha=0.5)

@@ -51,14 +51,21 @@ from replay_client.errors import (
 )
 from replay_client.table_info import TableInfo
 from replay_client.torchrl import indexing, state
-from replay_client.torchrl.components import PriorityOptions, priority_options, request_of
+from replay_client.torchrl.components import (
+    PriorityOptions,
+    built,
+    priority_options,
+    request_of,
+)
 from replay_client.torchrl.data_kinds import DataKind
 from replay_client.torchrl.episodes import DEFAULT_END_KEYS, EpisodeColumn
 from replay_client.torchrl.positions import as_index_array, split_index
-from replay_client.torchrl.sampler_view import RemoteSampler
+from replay_client.torchrl.row_shape import RowShape, expand_right
+from replay_client.torchrl.sampler_view import RemoteSampler, register_with_torchrl
 from replay_client.torchrl.slices import INIT_KEY, TRUNCATED_KEY, SliceLayout
+from replay_client.torchrl.transforms import Transforms
 from replay_proto.batch import SampleBatch
-from replay_proto.rows import EpisodeTracker, rows_of
+from replay_proto.rows import EpisodeTracker
 
 METADATA_KEYS = ("index", "_weight", "priority_weight")
 """What a sample adds (ids, weights): never stored as data when a batch is extended again."""
@@ -129,7 +136,9 @@ class RemoteReplayBuffer:
         factory = options.pop("transform_factory", None)
         if factory is not None:
             transform = factory()
+        self._collate = options.pop("collate_fn", None)
         self._priority = priority_options(sampler, options)
+        self._torchrl_sampler = built(sampler)
         info = self.table_info()
         caps = info.capabilities
         request = request_of(storage=storage, sampler=sampler, writer=writer,
@@ -146,12 +155,14 @@ class RemoteReplayBuffer:
             slices.truncated_key if slices else TRUNCATED_KEY, INIT_KEY)
         self._episodes = None if not caps.episodes else EpisodeColumn(
             info.episode_key, slices.traj_key if slices else None,
-            (slices.end_key,) if slices else DEFAULT_END_KEYS)
+            slices.end_keys if slices else DEFAULT_END_KEYS)
         self._tracker = EpisodeTracker()
         self._kind = DataKind()
-        self._transforms: list[Callable] = [] if transform is None else [transform]
+        self._rows = RowShape(steps=caps.episodes)
+        self._transforms = Transforms(transform)
         if generator is not None:
             self.set_rng(generator)
+        register_with_torchrl(type(self))
 
     # ------------------------------------------------------------------ table
 
@@ -205,33 +216,29 @@ class RemoteReplayBuffer:
         return self._write(data, single=False, update_priority=update_priority)
 
     def add(self, data: Any) -> int:
-        """Insert one transition (no batch dimension); returns its id."""
-        if isinstance(data, TensorDictBase) and data.batch_dims:
-            raise InvalidArgumentError(
-                "RemoteReplayBuffer.add takes one transition: a TensorDict with batch_size [] "
-                "(use extend for batches)")
+        """Insert one element, as TorchRL's ``add``: a transition (a TensorDict with batch
+        size ``[]``), or one row of a buffer whose rows have their own batch dims; returns its id."""
         return int(self._write(data, single=True, update_priority=None)[0])
 
     def _write(self, data: Any, *, single: bool, update_priority: bool | None) -> torch.Tensor:
-        td = self._kind.encode(data, single=single)
-        for transform in reversed(self._transforms):
-            inverse = getattr(transform, "inv", None)
-            if inverse is not None:
-                td = inverse(td)
-        priorities = None
-        if update_priority is not False and self._prioritized and self.priority_key in td.keys(
-                include_nested=True):
-            rows = max(1, td.batch_size.numel())
-            priorities = _priorities(td.get(self.priority_key), rows, self._priority)
+        td = self._transforms.inverse(self._kind.encode(data, single=single))
+        if single:
+            td = td.unsqueeze(0)
+            self._rows.wrote(td)
         rows_td = td.exclude(*METADATA_KEYS)  # a re-inserted sample's ids and weights
         if self._episodes is not None:
             rows_td = self._episodes.fill(rows_td)
-        columns = rows_of(rows_td, episode_key=self.table_info().episode_key,
-                          tracker=self._tracker)
+        columns = self._rows.columns(rows_td, self.table_info().episode_key, self._tracker)
+        priorities = None
+        if update_priority is not False and self._prioritized and self.priority_key in td.keys(
+                include_nested=True):
+            rows = next(iter(columns.values())).shape[0]
+            priorities = _priorities(td.get(self.priority_key), rows, self._priority)
         ids = self._insert(columns, priorities)
         target = data if isinstance(data, TensorDictBase) else None
         if self.include_info and target is not None and not target.is_locked:
-            target.set("index", ids.reshape(target.batch_size))
+            shaped = target.unsqueeze(0) if single else target
+            target.set("index", self._rows.index(ids, shaped).reshape(target.batch_size))
         return ids
 
     def _insert(self, columns: dict[str, torch.Tensor], priorities: torch.Tensor | None
@@ -255,10 +262,12 @@ class RemoteReplayBuffer:
     def batch_size(self) -> int | None:
         return self._batch_size
 
-    def sample(self, batch_size: int | None = None, return_info: bool = False) -> Any:
+    def sample(self, batch_size: int | None = None, return_info: bool = False,
+               include_info: bool | None = None) -> Any:
         """One batch: the data and (``include_info``) ``"index"``, weights, slice markers.
 
-        ``return_info=True`` returns ``(batch, info)`` as TorchRL does.
+        ``return_info=True`` returns ``(batch, info)`` as TorchRL does;
+        ``include_info`` overrides the buffer's for this call.
 
         Raises:
             InvalidArgumentError: no batch size, or not a whole number of slices.
@@ -272,12 +281,14 @@ class RemoteReplayBuffer:
         try:
             batch = self.client.sample(self.table, draws, wait=self.wait, timeout=self.timeout)
         except EmptyTableError as exc:
-            raise EmptyBufferError(f"{exc} (RemoteReplayBuffer(..., wait=True) waits for "
-                                   f"rows instead)") from None
-        data, info = self._output(batch)
+            raise EmptyBufferError(f"Cannot sample from an empty storage: {exc} "
+                                   f"(RemoteReplayBuffer(..., wait=True) waits for rows "
+                                   f"instead)") from None
+        data, info = self._output(batch, include_info)
         return (data, info) if return_info else data
 
-    def _output(self, batch: SampleBatch) -> tuple[Any, dict[Any, torch.Tensor]]:
+    def _output(self, batch: SampleBatch,
+                include_info: bool | None = None) -> tuple[Any, dict[Any, torch.Tensor]]:
         td = batch.to_tensordict(self.weight_key)
         info_keys = ["index", self.weight_key] if self._prioritized else ["index"]
         if not self._prioritized:
@@ -289,12 +300,14 @@ class RemoteReplayBuffer:
             td = self._episodes.strip(td)
         info = {key: td.get(key) for key in info_keys}
         info.update(markers)
-        data = td.exclude(*info_keys)
-        for transform in self._transforms:
-            data = transform(data)
-        if self._kind.name in (None, "tensordict") and self.include_info:
+        data = self._rows.restore(td.exclude(*info_keys, *markers))
+        if self._collate is not None:
+            data = self._collate(data)
+        data = self._transforms.forward(data)
+        with_info = self.include_info if include_info is None else include_info
+        if self._kind.name in (None, "tensordict") and with_info:
             for key, value in info.items():
-                data.set(key, value.reshape(*data.batch_size, *value.shape[1:]))
+                data.set(key, expand_right(value, data.batch_size))
         out = self._kind.decode(data)
         if self.pin_memory and torch.cuda.is_available():
             out = out.pin_memory()
@@ -348,7 +361,10 @@ class RemoteReplayBuffer:
         """
         if not self._prioritized:
             return
-        self.update_priority(data.get("index"), data.get(self.priority_key))
+        index = data.get("index")
+        while index.dim() > 1 and self._rows.dims:  # rows with their own dims: one id each
+            index = index[..., 0]
+        self.update_priority(index, data.get(self.priority_key))
 
     # ------------------------------------------------------------------ state
 
@@ -365,6 +381,7 @@ class RemoteReplayBuffer:
         indexing.reset(self)
         self._tracker = EpisodeTracker()
         self._kind = DataKind()
+        self._rows.reset()
 
     __getitem__ = indexing.get_rows
     __setitem__ = indexing.set_rows
@@ -378,14 +395,29 @@ class RemoteReplayBuffer:
     save = state.dumps
     load = state.loads
     dump = state.dumps
+    read_all_in_order = indexing.read_all_in_order
+    query = indexing.query
+    write_all = indexing.write_all
 
-    def append_transform(self, transform: Callable) -> RemoteReplayBuffer:
+    @property
+    def transform(self) -> Transforms:
+        """The transforms samples go through (``append_transform``, ``insert_transform``)."""
+        return self._transforms
+
+    def append_transform(self, transform: Callable, *, invert: bool = False
+                         ) -> RemoteReplayBuffer:
         """Apply ``transform`` to samples (after the others; its ``inv`` to written data)."""
-        self._transforms.append(transform)
+        self._transforms.append(transform, invert)
         return self
 
-    def insert_transform(self, index: int, transform: Callable) -> RemoteReplayBuffer:
-        self._transforms.insert(index, transform)
+    def insert_transform(self, index: int, transform: Callable, *, invert: bool = False
+                         ) -> RemoteReplayBuffer:
+        self._transforms.insert(index, transform, invert)
+        return self
+
+    def share(self, shared: bool = True) -> RemoteReplayBuffer:
+        """Nothing to do: the table is shared by every process that connects (TorchRL's
+        ``share``). The buffer pickles as its client's settings and table name."""
         return self
 
     def __repr__(self) -> str:

@@ -46,21 +46,15 @@ class SliceRequest:
             ``batch_size // num_slices``); ``None``: decided per sample.
         num_slices: slices per batch (``num_slices=``), else ``None``.
         traj_key: flat column of trajectory ids (TorchRL's ``traj_key``), if given.
-        end_key: flat column of end-of-trajectory flags (TorchRL's ``end_key``).
-        truncated_key: where samples mark slice ends (``None``: not marked).
-        strict_length: ``False``: shorter trajectories may be sampled whole.
-        pad_output: pad short slices to ``slice_len`` (with ``strict_length=False``).
-        span: TorchRL's ``span`` (slices reaching past a trajectory's ends).
+        end_keys: flat columns of end-of-trajectory flags (TorchRL's ``end_key``/``end_keys``).
+        truncated_key: where samples mark slice ends, as TorchRL's key (``None``: not marked).
     """
 
     slice_len: int | None
     num_slices: int | None
     traj_key: str | None
-    end_key: str
-    truncated_key: str | None
-    strict_length: bool = True
-    pad_output: bool = False
-    span: Any = False
+    end_keys: tuple[str, ...]
+    truncated_key: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +83,7 @@ class TableRequest:
         else:
             out["sampler"] = "prioritized_slice" if self.prioritized else "slice"
             out["slice_len"] = self.slices.slice_len or 1
-            out["done_key"] = self.slices.end_key
+            out["done_key"] = self.slices.end_keys[0]
         if self.prioritized:
             for name in ("alpha", "beta"):
                 value = getattr(self, name)
@@ -141,7 +135,7 @@ def request_of(*, storage: Any = None, sampler: Any = None, writer: Any = None,
         UnsupportedComponentError: a part has no server counterpart (the message names
             what to use instead).
     """
-    storage, sampler, writer = (_built(part) for part in (storage, sampler, writer))
+    storage, sampler, writer = (built(part) for part in (storage, sampler, writer))
     capacity = _capacity(storage, sampler)
     _check_writer(writer)
     prioritized = alpha is not None or beta is not None
@@ -168,7 +162,7 @@ def request_of(*, storage: Any = None, sampler: Any = None, writer: Any = None,
                         slices=slices)
 
 
-def _built(part: Any) -> Any:
+def built(part: Any) -> Any:
     """TorchRL takes parts or factories of parts (``partial(LazyTensorStorage, 100)``)."""
     if part is not None and not _names(part) and callable(part):
         return part()
@@ -205,6 +199,21 @@ def _slice_request(sampler: Any, batch_size: int | None) -> SliceRequest:
         raise UnsupportedComponentError(
             "SliceSamplerWithoutReplacement has no server counterpart: slice tables draw with "
             "replacement; use SliceSampler")
+    for name, default, why in (
+            ("strict_length", True, "a slice table never samples episodes shorter than its "
+                                    "slice_len; give the table a shorter slice_len"),
+            ("pad_output", False, "slices are always slice_len steps long"),
+            ("span", False, "slices never reach past an episode's ends"),
+            ("fragmented", False, "an episode's steps are linked by the table whatever their "
+                                  "storage positions; pass no fragmented"),
+            ("ends", None, "the table finds episodes in the rows' episode ids and end flags"),
+            ("trajectories", None, "the table finds episodes in the rows' episode ids")):
+        value = getattr(sampler, name, default)
+        if isinstance(value, (tuple, list)) and all(isinstance(v, bool) for v in value):
+            value = any(value)  # TorchRL keeps span as (left, right)
+        if value is not None and (not isinstance(value, bool) or value != default):
+            raise UnsupportedComponentError(
+                f"{type(sampler).__name__}({name}={value!r}) has no server counterpart: {why}")
     num_slices = getattr(sampler, "num_slices", None)
     slice_len = getattr(sampler, "slice_len", None)
     if slice_len is None and num_slices is not None and batch_size is not None:
@@ -212,16 +221,15 @@ def _slice_request(sampler: Any, batch_size: int | None) -> SliceRequest:
             raise InvalidArgumentError(
                 f"batch_size={batch_size} is not a multiple of num_slices={num_slices}")
         slice_len = batch_size // num_slices
-    end_key = getattr(sampler, "end_key", None) or ("next", "done")
+    end_keys = getattr(sampler, "end_keys", None) or [
+        getattr(sampler, "end_key", None) or ("next", "done")]
     traj_key = getattr(sampler, "traj_key", None)
     truncated_key = getattr(sampler, "truncated_key", ("next", "truncated"))
     return SliceRequest(
         slice_len=slice_len, num_slices=num_slices,
-        traj_key=None if traj_key is None else flat_key(traj_key), end_key=flat_key(end_key),
-        truncated_key=None if truncated_key is None else flat_key(truncated_key),
-        strict_length=bool(getattr(sampler, "strict_length", True)),
-        pad_output=bool(getattr(sampler, "pad_output", False)),
-        span=getattr(sampler, "span", False))
+        traj_key=None if traj_key is None else flat_key(traj_key),
+        end_keys=tuple(flat_key(k) for k in end_keys),
+        truncated_key=truncated_key)
 
 
 IGNORED_OPTIONS: dict[str, str] = {
@@ -229,12 +237,12 @@ IGNORED_OPTIONS: dict[str, str] = {
     "compilable": "sampling runs on the server, outside torch.compile",
     "delayed_init": "the table exists before the buffer",
     "dtype": "priorities travel as float64 and are summed as float32 on the server",
+    "sampler_device": "sampling runs on the server",
+    "sync": "every write is acknowledged by the server before extend returns",
 }
 """TorchRL buffer options that mean nothing for a table on a server: accepted, with why."""
 
 UNSUPPORTED_OPTIONS: dict[str, tuple[Any, str]] = {
-    "collate_fn": (None, "samples are the stored columns as the kind written; transform them "
-                         "with transform= instead"),
     "sample_unit": (None, "TorchRL's sample units have no server counterpart; a slice table "
                           "samples sequences (sampler = \"slice\")"),
     "checkpointer": (None, "save the buffer with rb.dumps(path) / rb.loads(path), or "
@@ -272,7 +280,7 @@ def priority_options(sampler: Any, options: dict[str, Any]) -> PriorityOptions:
         TypeError: an option TorchRL's buffers do not take either.
     """
     for name, value in options.items():
-        if name in IGNORED_OPTIONS or name in ("eps", "reduction"):
+        if name in IGNORED_OPTIONS or name in ("eps", "reduction", "collate_fn"):
             continue
         if name in UNSUPPORTED_OPTIONS:
             default, why = UNSUPPORTED_OPTIONS[name]
@@ -281,7 +289,7 @@ def priority_options(sampler: Any, options: dict[str, Any]) -> PriorityOptions:
                                                 f"{why}")
             continue
         raise TypeError(f"RemoteReplayBuffer() got an unexpected keyword argument {name!r}")
-    sampler = _built(sampler)
+    sampler = built(sampler)
     eps = options.get("eps", getattr(sampler, "_eps", 1e-8))
     reduction = options.get("reduction", getattr(sampler, "reduction", "max"))
     if reduction not in REDUCTIONS:

@@ -49,14 +49,21 @@ def read_rows(buffer: Any, index: Any) -> TensorDictBase:
     got = buffer.client.read(buffer.table, **{kind: values})
     td = TensorDict(unflatten(got.columns), batch_size=[values.size])
     episodes = buffer._episodes
-    return td if episodes is None else episodes.strip(td)
+    td = td if episodes is None else episodes.strip(td)
+    return buffer._rows.restore(td)
+
+
+def _is_key(index: Any) -> bool:
+    return isinstance(index, str) or (isinstance(index, tuple) and bool(index)
+                                      and all(isinstance(k, str) for k in index))
 
 
 def get_rows(buffer: Any, index: Any) -> Any:
-    """``rb[index]``: rows by storage position (int, slice, sequence, mask) or by id."""
-    td = read_rows(buffer, index)
-    for transform in buffer._transforms:
-        td = transform(td)
+    """``rb[index]``: rows by storage position (int, slice, sequence, mask) or by id;
+    ``rb["key"]``: that column of every stored row."""
+    if _is_key(index):
+        return buffer._transforms.forward(read_rows(buffer, slice(None))).get(index)
+    td = buffer._transforms.forward(read_rows(buffer, index))
     if _is_scalar(index):
         td = td[0]
     return buffer._kind.decode(td)
@@ -77,8 +84,21 @@ def set_rows(buffer: Any, index: Any, value: Any) -> None:
 
 
 def _write(buffer: Any, positions: np.ndarray, td: TensorDictBase) -> None:
-    columns = rows_of(td.exclude(*_METADATA))
-    buffer.client.write(buffer.table, positions, columns)
+    rows = td.exclude(*_METADATA).contiguous().copy()
+    rows.batch_size = rows.batch_size[:1]  # a row's own batch dims are part of it
+    buffer.client.write(buffer.table, positions, rows_of(rows))
+
+
+def read_all_in_order(buffer: Any, end: int | None = None) -> Any:
+    """``rb.read_all_in_order(end)``: the stored rows in position order (``rb[:end]``)."""
+    return get_rows(buffer, slice(None, end))
+
+
+def write_all(buffer: Any, data: Any, end: int | None = None) -> None:
+    """``rb.write_all(data, end)``: ``rb[:end] = data`` (``end``: ``data``'s length)."""
+    if end is None:
+        end = data.shape[0] if hasattr(data, "shape") else len(data)
+    set_rows(buffer, slice(None, end), data)
 
 
 def set_column(buffer: Any, key: Any, value: Any) -> None:
@@ -108,6 +128,22 @@ def update_columns(buffer: Any, data: Any, clone: bool = False, *,
         source = source.select(*keys_to_update)
     td.update(source.exclude(*_METADATA), clone=clone)
     _write(buffer, positions, td)
+
+
+def query(buffer: Any, predicate: Any = None, *, trajectory_key: Any = None) -> list[Any]:
+    """``rb.query(predicate)``: the stored trajectories that match, oldest first, as
+    TorchRL's ``filter_trajectories`` finds them in the rows (read oldest first, through the
+    buffer's transforms). Needs torchrl (its trajectory predicates)."""
+    from torchrl.data.replay_buffers.query import filter_trajectories
+
+    size = len(buffer)
+    if not size:
+        return []
+    positions = np.arange(size, dtype=np.int64)
+    ids = buffer.client.read(buffer.table, positions=positions, columns=False).ids
+    rows = read_rows(buffer, positions[np.argsort(ids.numpy(), kind="stable")])
+    return filter_trajectories(buffer._transforms.forward(rows), predicate,
+                               trajectory_key=trajectory_key)
 
 
 def reset(buffer: Any) -> None:

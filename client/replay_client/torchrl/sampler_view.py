@@ -3,9 +3,9 @@
 TorchRL scripts anneal importance sampling through the buffer's sampler:
 ``rb.sampler.beta = x`` by hand, or TorchRL's ``ParameterScheduler`` /
 ``LinearScheduler(rb.sampler, param_name="beta", ...)``, which read and set
-the attribute (a :class:`RemoteSampler` is registered as a virtual subclass
-of TorchRL's ``Sampler`` ABC so they accept it; they refuse the buffer
-itself, which is not TorchRL's ``ReplayBuffer``: pass ``rb.sampler``). :class:`RemoteSampler` reads ``alpha`` and ``beta`` from the table
+the attribute (a :class:`RemoteSampler` and the buffer itself are registered
+as virtual subclasses of TorchRL's ``Sampler`` ABC, so the schedulers accept
+either). :class:`RemoteSampler` reads ``alpha`` and ``beta`` from the table
 and sets them on it (``ReplayClient.set_sampling``: from the next draw on,
 kept in checkpoints). Its other attributes describe the table as TorchRL's
 samplers do (``slice_len``, ``num_slices``, ``max_capacity``).
@@ -29,7 +29,6 @@ class RemoteSampler:
 
     def __init__(self, buffer: Any) -> None:
         self._buffer = buffer
-        _register_with_torchrl()
 
     def _exponents(self) -> tuple[float, float]:
         info = self._buffer.table_info(fresh=True)
@@ -68,23 +67,32 @@ class RemoteSampler:
         layout = self._buffer.slice_layout
         return None if layout is None else layout.num_slices
 
+    def __getattr__(self, name: str) -> Any:
+        """Other settings of the TorchRL sampler the buffer was given (``span``, ``traj_key``,
+        ...), read only; private state has no counterpart."""
+        original = self.__dict__["_buffer"]._torchrl_sampler
+        if name.startswith("_") or original is None:
+            raise AttributeError(f"RemoteSampler has no attribute {name!r}")
+        return getattr(original, name)
+
     def __repr__(self) -> str:
         info = self._buffer.table_info()
         return f"RemoteSampler(table={info.name!r}, sampler={info.sampler!r})"
 
 
-_registered = False
+_registered: set[type] = set()
 
 
-def _register_with_torchrl() -> None:
-    """Make a RemoteSampler an instance of TorchRL's ``Sampler`` ABC (when torchrl is
-    installed), so TorchRL's ``ParameterScheduler(rb.sampler, ...)`` accepts it."""
-    global _registered
-    if _registered:
+def register_with_torchrl(buffer_class: type) -> None:
+    """Make :class:`RemoteSampler` and ``buffer_class`` instances of TorchRL's ``Sampler``
+    ABC (when torchrl is installed): TorchRL's ``ParameterScheduler`` takes a ``ReplayBuffer``
+    or a ``Sampler`` and reads and sets ``alpha``/``beta`` on it, which both have."""
+    if buffer_class in _registered:
         return
-    _registered = True
+    _registered.add(buffer_class)
     try:
         from torchrl.data.replay_buffers.samplers import Sampler
     except ImportError:  # torchrl is optional
         return
-    Sampler.register(RemoteSampler)
+    for cls in (RemoteSampler, buffer_class):
+        Sampler.register(cls)

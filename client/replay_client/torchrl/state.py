@@ -50,6 +50,7 @@ def _meta(buffer: Any, rows: int, chunks: int) -> dict[str, Any]:
     prioritized = info.capabilities.priorities
     episodes = buffer._episodes
     return {"format": FORMAT, "table": buffer.table, "rows": rows, "chunks": chunks,
+            "_batch_size": buffer.batch_size,  # where TorchRL's state dicts keep it
             "capacity": info.capacity, "prioritized": prioritized,
             "exponents": [info.alpha, info.beta] if prioritized else None,
             "episode_added": bool(episodes is not None and episodes.added),

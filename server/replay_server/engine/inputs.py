@@ -35,6 +35,7 @@ MAX_BATCH_SIZE = 1 << 24
 """Largest ``batch_size`` a single sample may ask for."""
 
 _LOG_FLOAT32_MAX = math.log(float(torch.finfo(torch.float32).max))
+_LOG_FLOAT64_MAX = math.log(float(torch.finfo(torch.float64).max))
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 _STORABLE = frozenset(DTYPES.values())
@@ -113,7 +114,10 @@ def batch_size_of(batch_size: Any, table: str) -> int:
 
 def max_priority(alpha: float) -> float:
     """The largest priority whose sampling mass ``p ** alpha`` fits a float32 sum tree."""
-    return math.exp(_LOG_FLOAT32_MAX / alpha) if alpha > 0 else math.inf
+    # Below alpha ~ 0.125 every float64 priority fits (exp would overflow computing the bound).
+    if alpha <= 0 or _LOG_FLOAT32_MAX / alpha >= _LOG_FLOAT64_MAX:
+        return math.inf
+    return math.exp(_LOG_FLOAT32_MAX / alpha)
 
 
 def priority_values(priorities: Any, table: str, alpha: float) -> np.ndarray:

@@ -15,7 +15,7 @@ KINDS = {
     "seq": 'sampler = "slice"\nslice_len = 4\ndone_key = "next.done"',
     "pseq": 'sampler = "prioritized_slice"\nslice_len = 4\ndone_key = "next.done"',
 }
-TABLES_PER_KIND = 12
+TABLES_PER_KIND = 16
 CAPACITY = {"rows": 10, "per": 100, "seq": 1000, "pseq": 1000}
 
 

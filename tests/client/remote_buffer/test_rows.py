@@ -103,3 +103,16 @@ def test_dumps_and_loads_stream_the_rows_through_files(client, fresh, tmp_path,
     assert other[:]["x"].tolist() == list(range(4, 14))  # oldest first from position 0
     other.extend(rows(1, start=99))
     assert 4 not in other[:]["x"].tolist()  # the oldest row is the next one overwritten
+
+
+def test_rows_keep_their_own_batch_dims_as_in_torchrl_storages(client, fresh) -> None:
+    """A [n, T] TensorDict is n rows of T steps (TorchRL's one-dimensional storages);
+    6e15745 stored n * T rows of a row table."""
+    rb = RemoteReplayBuffer(client, fresh("rows"), batch_size=2)
+    data = TensorDict({"x": torch.arange(12).reshape(4, 3)}, batch_size=[4, 3])
+    rb.extend(data)
+    assert len(rb) == 4 and data["index"].shape == (4, 3)
+    batch = rb.sample()
+    assert batch.batch_size == (2, 3) and batch["index"].shape == (2, 3)
+    assert ((batch["x"][:, 1:] - batch["x"][:, :-1]) == 1).all()  # each row one trajectory
+    assert rb["x"].shape == (4, 3)  # a column of every stored row

@@ -108,3 +108,35 @@ def test_transform_applies_to_samples_and_its_inverse_to_writes(client, fresh) -
     rb.extend(rows(5))
     batch = rb.sample()
     assert torch.equal(batch["obs"], (batch["x"].float()[:, None] + 100).expand(4, 2) * 2)
+
+
+def test_collate_and_inverted_transforms_and_schedulers_on_the_buffer(client, fresh) -> None:
+    from torchrl.data.replay_buffers.scheduler import LinearScheduler
+
+    class Shift:
+        def __call__(self, td: TensorDict) -> TensorDict:
+            return td.set("obs", td["obs"] + 1)
+
+        def inv(self, td: TensorDict) -> TensorDict:
+            return td.set("obs", td["obs"] - 1)
+
+    seen = []
+    rb = RemoteReplayBuffer(client, fresh("per"), batch_size=4,
+                            collate_fn=lambda td: seen.append(td.batch_size) or td)
+    rb.append_transform(Shift(), invert=True)  # writes get obs + 1, samples obs - 1
+    rb.extend(rows(5))
+    assert torch.equal(client.read(rb.table, positions=[2]).columns["obs"], torch.full((1, 2), 3.0))
+    batch = rb.sample()
+    assert seen == [torch.Size([4])]
+    assert torch.equal(batch["obs"], batch["x"].float()[:, None].expand(4, 2))
+    assert rb.share() is rb
+    scheduler = LinearScheduler(rb, param_name="beta", final_value=1.0, num_steps=2)
+    scheduler.step()
+    scheduler.step()
+    assert rb.sampler.beta == pytest.approx(1.0)
+
+
+def test_slice_options_without_a_server_counterpart_are_refused(client, fresh) -> None:
+    with pytest.raises(errors.UnsupportedComponentError, match="strict_length=False"):
+        RemoteReplayBuffer(client, fresh("seq"),
+                           sampler=SliceSampler(slice_len=4, strict_length=False))

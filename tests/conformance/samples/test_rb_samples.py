@@ -27,10 +27,17 @@ def test_extend_sample(size):  # PASS
     assert len(rb) == size
 
 
-def test_cursor_internals():  # FAIL: TorchRL's writer state is not there
+def test_cursor_internals():  # N/A: reads TorchRL's writer state
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=4)
     rb.extend(_data(3))
     assert rb._writer._cursor == 3
+
+
+def test_index_is_a_position():  # FAIL: a server's index holds ids, not storage positions
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=4)
+    rb.extend(_data(8))
+    _, info = rb.sample(return_info=True)
+    assert (info["index"] < 8).all()
 
 
 def test_plain_tensors():  # PASS, counted as other data
