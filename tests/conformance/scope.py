@@ -33,6 +33,8 @@ OUT_OF_SCOPE_PARTS: dict[str, str] = {
     "writer=ImmutableDatasetWriter": "a writer that refuses writes (offline datasets)",
     "writer=WriterEnsemble": "TorchRL's ensembles of writers",
     "storage=StorageEnsemble": "TorchRL's ensembles of storages",
+    "storage=LazyStackStorage": "ragged and non-tensor entries (a table's column has one "
+                                "shape and dtype)",
     "storage.ndim=2": "multi-dimensional storages (a table's rows are one-dimensional)",
     "storage.ndim=3": "multi-dimensional storages (a table's rows are one-dimensional)",
     "ensemble=ReplayBufferEnsemble": "TorchRL's ensembles of buffers (they compose each "
