@@ -301,10 +301,15 @@ class ReplayClient:
         raw = self._connection.unary("Checkpoint", request, retry=False, timeout=timeout)
         return pb.CheckpointResponse.FromString(raw).path
 
-    def reset(self, table: str) -> None:
-        """Remove every row of ``table`` (its schema stays; old ids become stale)."""
-        self._connection.unary("Reset", pb.ResetRequest(table=table).SerializeToString(),
-                               retry=True)
+    def reset(self, table: str, *, schema: bool = False) -> None:
+        """Remove every row of ``table``; old ids become stale.
+
+        ``schema=True`` also forgets the schema its first insert fixed, so the
+        next insert may bring other keys, dtypes or shapes (a schema the
+        server's config declares stays).
+        """
+        self._connection.unary(
+            "Reset", pb.ResetRequest(table=table, schema=schema).SerializeToString(), retry=True)
 
     def delete(self, table: str, ids: Any) -> int:
         """Remove rows by id from a queue table (sampler ``fifo`` or ``lifo``).

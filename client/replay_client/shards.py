@@ -530,9 +530,9 @@ class ShardedReplayClient:
         """
         return self._all(lambda c: c.checkpoint(timeout=timeout))
 
-    def reset(self, table: str) -> None:
-        """Remove every row of ``table`` on every shard."""
-        self._all(lambda c: c.reset(table))
+    def reset(self, table: str, *, schema: bool = False) -> None:
+        """Remove every row of ``table`` on every shard (``schema``: see ``ReplayClient.reset``)."""
+        self._all(lambda c: c.reset(table, schema=schema))
         self._masses.forget(table)
 
     @property

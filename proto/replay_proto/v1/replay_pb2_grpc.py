@@ -193,7 +193,9 @@ class ReplayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Reset(self, request, context):
-        """Removes every row of a table. Ids keep counting; the schema stays.
+        """Removes every row of a table. Ids keep counting. The schema stays unless
+        the request asks to forget it too: then the next insert fixes it afresh
+        (a table whose config declares a schema goes back to the declared one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -40,7 +40,6 @@ from replay_proto.batch import SampleBatch
 from replay_server.engine.change_clock import ChangeClock
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IncarnationSource
-from replay_server.engine import draw_settings, row_access
 from replay_server.engine.inputs import (
     MAX_BATCH_SIZE,
     batch_size_of,
@@ -56,12 +55,11 @@ from replay_server.engine.nstep import STEPS_KEY
 from replay_server.engine.storage.framestack import check_insert as check_stacks
 from replay_server.engine.storage.placement import table_device
 from replay_server.engine.rate_limiter import RateLimiter
-from replay_server.engine.row_access import RowRead
 from replay_server.engine.samplers import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
 from replay_server.engine.table_info import Capabilities, TableCounters, TableFigures, TableInfo
-from replay_server.engine.table_parts import TableParts, fresh_parts
+from replay_server.engine.table_parts import TableParts, fresh_parts, schema_way_out
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
     ConfigError,
@@ -70,6 +68,7 @@ from replay_server.errors import (
     InvalidArgumentError,
     InvalidPriorityError,
     NoPrioritiesError,
+    SchemaMismatchError,
 )
 
 __all__ = ["MAX_BATCH_SIZE", "STATE_VERSION", "Table"]
@@ -173,7 +172,10 @@ class Table:
             if schema is None:
                 schema = schema_of(columns, self.name)
                 check_sampler_columns(self.config, schema)
-            schema.check(columns, self.name)
+            try:
+                schema.check(columns, self.name)
+            except SchemaMismatchError as exc:
+                raise SchemaMismatchError(f"{exc}; {schema_way_out(self.config)}") from None
             if rows == 0:
                 return torch.empty(0, dtype=torch.int64)
             ring = parts.ring
@@ -420,27 +422,14 @@ class Table:
             self.changes.tick()
         return applied
 
-    # -------------------------------------------------------------- row access
-
-    def read(self, **request: Any) -> RowRead:
-        """Stored rows by position or id, changing nothing: :func:`row_access.read`."""
+    def under_lock(self, fn: Callable[..., Any], *args: Any, change: bool = True,
+                   **kwargs: Any) -> Any:
+        """``fn(parts, config, *args, **kwargs)`` under the lock, ticking :attr:`changes` if
+        ``change``: how engine modules act on the parts (:mod:`.row_access`, :mod:`.draw_settings`)."""
         with self._lock:
-            return row_access.read(self._parts, self.config, **request)
-
-    def write(self, positions: Any, data: Any) -> None:
-        """Overwrite stored rows in place, by position: :func:`row_access.write`."""
-        columns = columns_of(data, self.name, self.config.episode_key, self._device)
-        with self._lock:
-            row_access.write(self._parts, self.config, positions, columns)
-            self.changes.tick()
-
-    def set_sampling(self, alpha: float | None = None, beta: float | None = None,
-                     seed: int | None = None) -> tuple[float, float]:
-        """How the table draws from now on (alpha, beta, seed): :func:`draw_settings.set_sampling`."""
-        draw_settings.check(self.config, alpha, beta, seed)
-        with self._lock:
-            result = draw_settings.set_sampling(self._parts, self.config, alpha, beta, seed)
-            self.changes.tick()
+            result = fn(self._parts, self.config, *args, **kwargs)
+            if change:
+                self.changes.tick()
         return result
 
     # ------------------------------------------------------------------- admin
@@ -478,10 +467,21 @@ class Table:
             self.changes.tick()
         return deleted
 
-    def reset(self) -> None:
-        """Remove every row. Ids keep counting (old ids become stale); the schema stays."""
+    def reset(self, *, schema: bool = False) -> None:
+        """Remove every row. Ids keep counting (old ids become stale).
+
+        Args:
+            schema: also forget the schema the first insert fixed, and free its
+                storage: the next insert fixes a new one. A table whose config
+                declares its schema keeps the declared one (and its storage).
+        """
         with self._lock:
             parts = self._parts
+            if schema and self.config.schema is None and parts.schema is not None:
+                parts.forget_schema()
+                # smaller than the promise it replaces, so it is never refused
+                self._memory.require(self.name, table_bytes(self.config, None),
+                                     f"capacity {self.config.capacity:,} (sampler state)")
             parts.ring.clear()
             parts.sampler.clear()
             parts.limiter.reset()

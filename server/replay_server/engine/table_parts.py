@@ -73,6 +73,27 @@ class TableParts:
                                       config.frame_stack_fill)
         self.schema = schema
 
+    def forget_schema(self) -> None:
+        """Drop the schema and its storage (and frame stacks): the next insert fixes a new one.
+
+        Only for an empty table (after its rows were cleared); the storage's
+        memory is freed once nothing else holds it.
+        """
+        self.schema = None
+        self.storage = None
+        self.frames = None
+
+
+def schema_way_out(config: TableConfig) -> str:
+    """What the sender of an insert the schema refused can do, for its error message."""
+    if config.schema is not None:
+        return ("the schema is declared in the config (tables.schema): send rows that match "
+                "it, or change the config and restart")
+    return (f"send rows that match it, or reset the table with its schema so that the next "
+            f"insert fixes a new one (its rows are dropped): "
+            f"client.reset({config.name!r}, schema=True) or "
+            f"`replay-server reset {config.name} --schema`")
+
 
 def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = None) -> TableParts:
     """An empty table's parts; storage allocated now if the config declares a schema.
