@@ -116,3 +116,14 @@ def test_rows_keep_their_own_batch_dims_as_in_torchrl_storages(client, fresh) ->
     assert batch.batch_size == (2, 3) and batch["index"].shape == (2, 3)
     assert ((batch["x"][:, 1:] - batch["x"][:, :-1]) == 1).all()  # each row one trajectory
     assert rb["x"].shape == (4, 3)  # a column of every stored row
+
+
+def test_empty_starts_over_schema_included(client, fresh) -> None:
+    """6e15745's empty() kept the table's schema, so a buffer could not start over with other
+    data; positions start at 0 again too."""
+    rb = RemoteReplayBuffer(client, fresh("rows"), batch_size=2)
+    rb.extend(rows(7))
+    rb.empty()
+    assert len(rb) == 0
+    rb.extend(TensorDict({"other": torch.arange(3.0)}, batch_size=[3]))
+    assert rb[0]["other"].item() == 0.0 and set(rb.sample().keys()) == {"other", "index"}
