@@ -29,6 +29,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -79,3 +80,11 @@ class RoundRobin:
         with self._lock:
             turn, self._next = self._next, self._next + 1
         return shards[turn % len(shards)]
+
+
+def has_key(data: Any, key: str) -> bool:
+    """Whether ``data`` (a mapping or TensorDict) has top-level ``key``."""
+    try:
+        return key in data.keys()
+    except (AttributeError, TypeError):
+        return False

@@ -59,9 +59,10 @@ from replay_client.errors import (
     UnsupportedError,
 )
 from replay_client.merge import MassBook, merge, shares, split
-from replay_client.placement import RoundRobin, by_episode
+from replay_client.placement import RoundRobin, by_episode, has_key
 from replay_client.routing import by_owner
 from replay_client.shard_health import ShardHealth, ShardStats
+from replay_client.shard_rows import with_table_rows
 from replay_client.shard_stream import check_stream_options, open_stream
 from replay_client.shard_tables import TableShape, summed_tables
 from replay_client.writer import Writer
@@ -78,6 +79,7 @@ _DEGRADED_RETRY_S = 0.5  # a shard client's retry window in degraded mode, unles
 _RACES = 3  # splits a sample retries when a shard it drew from turned out empty
 
 
+@with_table_rows
 class ShardedReplayClient:
     """One logical replay over many servers. See the module docstring.
 
@@ -306,7 +308,7 @@ class ShardedReplayClient:
         """
         clients = self._connect()
         shape = self._shape(table)
-        flat = rows_of(data) if shape.by_episode or _has_key(data, shape.episode_key) else None
+        flat = rows_of(data) if shape.by_episode or has_key(data, shape.episode_key) else None
         column = None if flat is None else flat.get(shape.episode_key)
         episodes = None if column is None else np.asarray(column).reshape(-1).astype(np.int64)
         prios = None if priorities is None else torch.as_tensor(np.asarray(priorities))
@@ -590,10 +592,3 @@ class ShardedReplayClient:
                                                                shape.slice_len)
         return open_stream(lambda n: self.sample(table, n), len(clients), table, batch_size,
                            size, options)
-
-
-def _has_key(data: Any, key: str) -> bool:
-    try:
-        return key in data.keys()
-    except (AttributeError, TypeError):
-        return False
