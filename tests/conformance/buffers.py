@@ -124,7 +124,7 @@ def remote_classes(record: Any) -> dict[str, type]:
         RemoteReplayBuffer.__init__(self, client, table, **passed)
 
     def missing(self: Any, name: str) -> Any:
-        if not name.startswith("__") and "client" in self.__dict__:  # built, and asked for it
+        if not name.startswith("__") and "replay_client" in self.__dict__:  # built, and asked for it
             record.missing.append(name)
         raise AttributeError(f"{type(self).__name__} (RemoteReplayBuffer) has no attribute "
                              f"{name!r}")

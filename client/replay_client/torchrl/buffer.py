@@ -118,7 +118,7 @@ class RemoteReplayBuffer:
                  include_info: bool = True, generator: torch.Generator | None = None,
                  wait: bool = False, timeout: Any = CLIENT_TIMEOUT,
                  weight_key: str = "priority_weight", **options: Any) -> None:
-        self.client = ReplayClient(client) if isinstance(client, str) else client
+        self.replay_client = ReplayClient(client) if isinstance(client, str) else client
         self.table = table
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
                 batch_size, int) or batch_size < 1):
@@ -148,7 +148,7 @@ class RemoteReplayBuffer:
             if problems:
                 raise TableMismatchError("; ".join(problems))
         if caps.priorities and (request.alpha is not None or request.beta is not None):
-            self.client.set_sampling(table, alpha=request.alpha, beta=request.beta)
+            self.replay_client.set_sampling(table, alpha=request.alpha, beta=request.beta)
         slices = request.slices
         self.slice_layout = None if not caps.slices else SliceLayout(
             info.slice_len or 1, slices.num_slices if slices else None,
@@ -160,6 +160,10 @@ class RemoteReplayBuffer:
         self._kind = DataKind()
         self._rows = RowShape(steps=caps.episodes)
         self._transforms = Transforms(transform)
+        self.shared = bool(options.pop("shared", False))
+        if self.shared:
+            self._transforms.share()
+        self._shut_down = False
         if generator is not None:
             self.set_rng(generator)
         register_with_torchrl(type(self))
@@ -169,7 +173,7 @@ class RemoteReplayBuffer:
     def table_info(self, fresh: bool = False) -> TableInfo:
         """The table's info (settings cached; ``fresh``: sizes and counters as of now)."""
         if self._info is None or fresh:
-            self._info = self.client.info()[self.table]
+            self._info = self.replay_client.info()[self.table]
         return self._info
 
     @property
@@ -196,7 +200,7 @@ class RemoteReplayBuffer:
     def set_rng(self, generator: torch.Generator) -> None:
         """Seed the table's draws with ``generator.initial_seed()`` (draws happen on the server,
         so the generator itself is not advanced)."""
-        self.client.set_sampling(self.table, seed=int(generator.initial_seed()))
+        self.replay_client.set_sampling(self.table, seed=int(generator.initial_seed()))
 
     # ---------------------------------------------------------------- writing
 
@@ -248,11 +252,11 @@ class RemoteReplayBuffer:
         row_bytes = sum(c[:1].numel() * c.element_size() for c in columns.values()) or 1
         step = max(1, min(self.table_info().capacity, INSERT_BYTES // row_bytes))
         if rows <= step:
-            return self.client.insert(self.table, columns, priorities=priorities)
+            return self.replay_client.insert(self.table, columns, priorities=priorities)
         ids = []
         for start in range(0, rows, step):
             part = {k: v[start:start + step] for k, v in columns.items()}
-            ids.append(self.client.insert(self.table, part, priorities=None if priorities is None
+            ids.append(self.replay_client.insert(self.table, part, priorities=None if priorities is None
                                           else priorities[start:start + step]))
         return torch.cat(ids)
 
@@ -273,13 +277,15 @@ class RemoteReplayBuffer:
             InvalidArgumentError: no batch size, or not a whole number of slices.
             EmptyBufferError: nothing to sample (``wait=False``); DeadlineExceededError, ...
         """
+        if self._shut_down:
+            raise RuntimeError("A shut down replay buffer cannot be sampled.")
         size = batch_size if batch_size is not None else self._batch_size
         if size is None:
             raise InvalidArgumentError(
                 "sample() needs a batch size: pass one, or batch_size=... to RemoteReplayBuffer")
         draws = size if self.slice_layout is None else self.slice_layout.slices_for(size)
         try:
-            batch = self.client.sample(self.table, draws, wait=self.wait, timeout=self.timeout)
+            batch = self.replay_client.sample(self.table, draws, wait=self.wait, timeout=self.timeout)
         except EmptyTableError as exc:
             raise EmptyBufferError(f"Cannot sample from an empty storage: {exc} "
                                    f"(RemoteReplayBuffer(..., wait=True) waits for rows "
@@ -321,7 +327,7 @@ class RemoteReplayBuffer:
             raise InvalidArgumentError("iterating needs batch_size=... at construction")
         size = self._batch_size
         draws = size if self.slice_layout is None else self.slice_layout.slices_for(size)
-        stream = self.client.stream(self.table, draws, prefetch=self.prefetch or None,
+        stream = self.replay_client.stream(self.table, draws, prefetch=self.prefetch or None,
                                     wait=self.wait)
         try:
             for batch in stream:
@@ -350,8 +356,8 @@ class RemoteReplayBuffer:
                           f"priorities: nothing to update", stacklevel=2)
             return
         ids = (torch.from_numpy(values) if kind == "ids"
-               else self.client.read(self.table, positions=values, columns=False).ids)
-        self.client.update_priorities(self.table, ids, priorities)
+               else self.replay_client.read(self.table, positions=values, columns=False).ids)
+        self.replay_client.update_priorities(self.table, ids, priorities)
 
     def update_tensordict_priority(self, data: TensorDictBase) -> None:
         """Update priorities from ``data[priority_key]`` for the rows of ``data["index"]``.
@@ -408,20 +414,49 @@ class RemoteReplayBuffer:
                          ) -> RemoteReplayBuffer:
         """Apply ``transform`` to samples (after the others; its ``inv`` to written data)."""
         self._transforms.append(transform, invert)
+        if self.shared:
+            self._transforms.share()
         return self
 
     def insert_transform(self, index: int, transform: Callable, *, invert: bool = False
                          ) -> RemoteReplayBuffer:
         self._transforms.insert(index, transform, invert)
+        if self.shared:
+            self._transforms.share()
         return self
 
     def share(self, shared: bool = True) -> RemoteReplayBuffer:
-        """Nothing to do: the table is shared by every process that connects (TorchRL's
-        ``share``). The buffer pickles as its client's settings and table name."""
+        """TorchRL's ``share``: the table is shared already (every process that connects uses
+        it; the buffer pickles as its client's settings), so only the transforms are
+        shared: their ``share_memory_()`` is called (a transform that keeps write state
+        without one is refused, as TorchRL refuses it)."""
+        self.shared = shared
+        if shared:
+            self._transforms.share()
         return self
 
+    # TorchRL's service API: a RemoteReplayBuffer is its own client, started at construction.
+    service_backend = "direct"
+
+    def client(self) -> RemoteReplayBuffer:
+        return self
+
+    def start(self) -> RemoteReplayBuffer:
+        if not self.is_alive:
+            raise RuntimeError("A shut down replay buffer cannot be restarted.")
+        return self
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._shut_down
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Close the connection; later calls raise ``RuntimeError`` (the table stays)."""
+        self._shut_down = True
+        self.replay_client.close()
+
     def __repr__(self) -> str:
-        return (f"RemoteReplayBuffer({self.client.address!r}, table={self.table!r}, "
+        return (f"RemoteReplayBuffer({self.replay_client.address!r}, table={self.table!r}, "
                 f"batch_size={self._batch_size})")
 
 

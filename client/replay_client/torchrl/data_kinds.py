@@ -9,10 +9,10 @@ into that kind:
 * a TensorDict: as it is;
 * a tensorclass: its TensorDict; samples are that tensorclass again;
 * a tensor: one column, ``"_data"``; samples are tensors;
-* a mapping of tensors (nested allowed): a TensorDict of it; samples are dicts;
-* a list of TensorDicts: one row each (stacked);
-* a tuple or list of tensors (nested allowed): columns ``"_0"``, ``"_1"``, ...;
-  samples are the same structure.
+* a list of TensorDicts, of tensors or of numbers: one row each (stacked),
+  as TorchRL's ``ListStorage`` takes them;
+* a pytree of tensors (dicts, tuples and lists, nested: torch's pytree): its
+  leaves as columns ``"_0"``, ``"_1"``, ...; samples are the same structure.
 
 The first data a buffer writes fixes its kind (as the first insert fixes a
 table's schema); data of another kind later is refused with a message
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase, is_tensorclass
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from replay_client.errors import InvalidArgumentError
 
@@ -61,9 +62,8 @@ class DataKind:
             return self._cls.from_tensordict(sample)
         if self.name == "tensor":
             return sample.get(TENSOR_KEY)
-        if self.name == "mapping":
-            return sample.to_dict()
-        return _rebuild(self._structure, sample)
+        return tree_unflatten([sample.get(f"_{i}") for i in range(len(sample.keys()))],
+                              self._structure)
 
     def _encoded(self, data: Any, single: bool) -> tuple[str, TensorDictBase]:
         if is_tensorclass(data):
@@ -74,29 +74,23 @@ class DataKind:
         if (isinstance(data, (tuple, list)) and data and not single
                 and all(isinstance(v, TensorDictBase) for v in data)):
             return "tensordict", torch.stack(list(data))  # one row per TensorDict
+        if isinstance(data, list) and data and not single and all(
+                isinstance(v, (torch.Tensor, int, float, bool)) for v in data):
+            data = torch.stack([torch.as_tensor(v) for v in data])  # one row per element
         if isinstance(data, torch.Tensor):
             return "tensor", TensorDict({TENSOR_KEY: data},
                                         batch_size=[] if single else data.shape[:1])
-        if isinstance(data, Mapping):
-            return "mapping", TensorDict(dict(data), batch_size=_rows(_leaves(data), single))
-        if isinstance(data, (tuple, list)) and data and all(
-                isinstance(v, (torch.Tensor, tuple, list, Mapping)) for v in data):
-            columns: dict[str, Any] = {}
-            structure = _flatten(data, "", columns)
-            if self._structure is None:
-                self._structure = structure
-            return "sequence", TensorDict(columns, batch_size=_rows(list(columns.values()),
+        if isinstance(data, (Mapping, tuple, list)) and data:
+            leaves, spec = tree_flatten(data)
+            if leaves and all(isinstance(v, (torch.Tensor, int, float, bool)) for v in leaves):
+                if self._structure is None:
+                    self._structure = spec
+                columns = {f"_{i}": torch.as_tensor(v) for i, v in enumerate(leaves)}
+                return "tree", TensorDict(columns, batch_size=_rows(list(columns.values()),
                                                                     single))
         raise InvalidArgumentError(
             f"a replay buffer on a server stores tensors: a TensorDict, a tensorclass, a tensor, "
             f"or a dict, tuple or list of tensors; got {type(data).__name__}")
-
-
-def _leaves(data: Mapping) -> list[torch.Tensor]:
-    out = []
-    for value in data.values():
-        out.extend(_leaves(value) if isinstance(value, Mapping) else [torch.as_tensor(value)])
-    return out
 
 
 def _rows(leaves: list[Any], single: bool) -> list[int]:
@@ -106,20 +100,3 @@ def _rows(leaves: list[Any], single: bool) -> list[int]:
     return list(first.shape[:1])
 
 
-def _flatten(data: Any, prefix: str, columns: dict[str, Any]) -> Any:
-    """Columns ``_0``, ``_1``, ``_1_0`` ... of a nested tuple/list; returns its structure."""
-    if isinstance(data, (tuple, list)):
-        return (type(data), [_flatten(v, f"{prefix}_{i}", columns) for i, v in enumerate(data)])
-    if isinstance(data, Mapping):
-        return (dict, {k: _flatten(v, f"{prefix}_{k}", columns) for k, v in data.items()})
-    columns[prefix] = torch.as_tensor(data)
-    return prefix
-
-
-def _rebuild(structure: Any, sample: TensorDictBase) -> Any:
-    if isinstance(structure, str):
-        return sample.get(structure)
-    kind, parts = structure
-    if kind is dict:
-        return {k: _rebuild(v, sample) for k, v in parts.items()}
-    return kind(_rebuild(v, sample) for v in parts)

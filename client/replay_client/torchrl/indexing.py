@@ -46,7 +46,7 @@ def read_rows(buffer: Any, index: Any) -> TensorDictBase:
     size = len(buffer)
     values = as_index_array(index, size)
     kind = split_index(values)
-    got = buffer.client.read(buffer.table, **{kind: values})
+    got = buffer.replay_client.read(buffer.table, **{kind: values})
     td = TensorDict(unflatten(got.columns), batch_size=[values.size])
     episodes = buffer._episodes
     td = td if episodes is None else episodes.strip(td)
@@ -86,7 +86,7 @@ def set_rows(buffer: Any, index: Any, value: Any) -> None:
 def _write(buffer: Any, positions: np.ndarray, td: TensorDictBase) -> None:
     rows = td.exclude(*_METADATA).contiguous().copy()
     rows.batch_size = rows.batch_size[:1]  # a row's own batch dims are part of it
-    buffer.client.write(buffer.table, positions, rows_of(rows))
+    buffer.replay_client.write(buffer.table, positions, rows_of(rows))
 
 
 def read_all_in_order(buffer: Any, end: int | None = None) -> Any:
@@ -140,7 +140,7 @@ def query(buffer: Any, predicate: Any = None, *, trajectory_key: Any = None) -> 
     if not size:
         return []
     positions = np.arange(size, dtype=np.int64)
-    ids = buffer.client.read(buffer.table, positions=positions, columns=False).ids
+    ids = buffer.replay_client.read(buffer.table, positions=positions, columns=False).ids
     rows = read_rows(buffer, positions[np.argsort(ids.numpy(), kind="stable")])
     return filter_trajectories(buffer._transforms.forward(rows), predicate,
                                trajectory_key=trajectory_key)
@@ -149,9 +149,9 @@ def query(buffer: Any, predicate: Any = None, *, trajectory_key: Any = None) -> 
 def reset(buffer: Any) -> None:
     """Remove every row of the buffer's table and forget its schema."""
     try:
-        buffer.client.reset(buffer.table, schema=True)
+        buffer.replay_client.reset(buffer.table, schema=True)
     except TypeError:  # a client without schema resets (before replay-server 0.2)
-        buffer.client.reset(buffer.table)
+        buffer.replay_client.reset(buffer.table)
 
 
 class RemoteStorage:

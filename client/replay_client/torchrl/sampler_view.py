@@ -43,7 +43,7 @@ class RemoteSampler:
 
     @alpha.setter
     def alpha(self, value: float) -> None:
-        self._buffer.client.set_sampling(self._buffer.table, alpha=value)
+        self._buffer.replay_client.set_sampling(self._buffer.table, alpha=value)
 
     @property
     def beta(self) -> float:
@@ -51,7 +51,7 @@ class RemoteSampler:
 
     @beta.setter
     def beta(self, value: float) -> None:
-        self._buffer.client.set_sampling(self._buffer.table, beta=value)
+        self._buffer.replay_client.set_sampling(self._buffer.table, beta=value)
 
     @property
     def max_capacity(self) -> int:

@@ -63,12 +63,12 @@ def _order(buffer: Any) -> np.ndarray:
     positions = np.arange(size, dtype=np.int64)
     if size == 0:
         return positions
-    ids = buffer.client.read(buffer.table, positions=positions, columns=False).ids
+    ids = buffer.replay_client.read(buffer.table, positions=positions, columns=False).ids
     return positions[np.argsort(ids.numpy(), kind="stable")]
 
 
 def _export(buffer: Any, positions: np.ndarray) -> dict[str, Any]:
-    got = buffer.client.read(buffer.table, positions=positions,
+    got = buffer.replay_client.read(buffer.table, positions=positions,
                              priorities=buffer.table_info().capabilities.priorities)
     return {"columns": got.columns, "priorities": got.priorities}
 
@@ -76,7 +76,7 @@ def _export(buffer: Any, positions: np.ndarray) -> dict[str, Any]:
 def _import(buffer: Any, part: dict[str, Any]) -> None:
     columns = part["columns"]
     if columns:
-        buffer.client.insert(buffer.table, columns, priorities=part.get("priorities"))
+        buffer.replay_client.insert(buffer.table, columns, priorities=part.get("priorities"))
 
 
 def _begin_import(buffer: Any, meta: dict[str, Any]) -> None:
@@ -90,7 +90,7 @@ def _begin_import(buffer: Any, meta: dict[str, Any]) -> None:
     buffer.empty()
     exponents = meta.get("exponents")
     if exponents and info.capabilities.priorities:
-        buffer.client.set_sampling(buffer.table, alpha=exponents[0], beta=exponents[1])
+        buffer.replay_client.set_sampling(buffer.table, alpha=exponents[0], beta=exponents[1])
     if buffer._episodes is not None:
         buffer._episodes.added = bool(meta.get("episode_added"))
     buffer._kind.name = meta.get("kind")

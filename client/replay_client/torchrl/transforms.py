@@ -53,5 +53,21 @@ class Transforms:
                 data = inverse(data)
         return data
 
+    def share(self) -> None:
+        """Share each transform's state across processes (TorchRL's rule: ``share_memory_()``
+        where it has one; a transform that keeps write state without one is refused)."""
+        for transform in self.items:
+            inner = transform.transform if isinstance(transform, _Inverted) else transform
+            parts = list(inner) if hasattr(inner, "transforms") else [inner]  # a Compose
+            for part in parts:
+                share = getattr(part, "share_memory_", None)
+                if callable(share):
+                    share()
+                elif getattr(part, "requires_shared_write_state", False):
+                    raise RuntimeError(
+                        f"{type(part).__name__} keeps replay-buffer write state but does not "
+                        f"implement share_memory_(): use a centralized writer, or a transform "
+                        f"that supports shared replay-buffer write state")
+
     def __len__(self) -> int:
         return len(self.items)

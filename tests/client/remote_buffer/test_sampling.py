@@ -140,3 +140,31 @@ def test_slice_options_without_a_server_counterpart_are_refused(client, fresh) -
     with pytest.raises(errors.UnsupportedComponentError, match="strict_length=False"):
         RemoteReplayBuffer(client, fresh("seq"),
                            sampler=SliceSampler(slice_len=4, strict_length=False))
+
+
+def test_torchrl_service_calls_and_shared_transforms(client, fresh) -> None:
+    class Counting:
+        is_shared = False
+
+        def __call__(self, td: TensorDict) -> TensorDict:
+            return td
+
+        def share_memory_(self) -> None:
+            self.is_shared = True
+
+    class KeepsWriteState(Counting):
+        share_memory_ = None
+        requires_shared_write_state = True
+
+    rb = RemoteReplayBuffer(client, fresh("rows"), batch_size=2, shared=True)
+    transform = Counting()
+    rb.append_transform(transform)
+    assert transform.is_shared
+    with pytest.raises(RuntimeError, match="write state"):
+        rb.append_transform(KeepsWriteState())
+    assert rb.client() is rb and rb.start() is rb and rb.is_alive
+    rb.extend(rows(3))
+    rb.shutdown()
+    assert not rb.is_alive
+    with pytest.raises(RuntimeError, match="shut down"):
+        rb.sample()
