@@ -26,14 +26,16 @@ COPY feed /src/feed
 COPY server /src/server
 COPY client /src/client
 # torch first, from its own index (the CPU or CUDA build); then the package and the rest
-# of its dependencies from PyPI, torch already satisfied.
+# of its dependencies from PyPI, torch already satisfied, against constraints.txt: the
+# versions `make test` ran with (tensordict, ...).
 RUN --mount=type=bind,source=deploy/image/pip,target=/build/pip \
     set -eu; \
     if [ -f /build/pip/pip.conf ]; then export PIP_CONFIG_FILE=/build/pip/pip.conf; fi; \
     python3 -m venv /opt/replay; \
     /opt/replay/bin/pip install --no-cache-dir --disable-pip-version-check \
         ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"; \
-    /opt/replay/bin/pip install --no-cache-dir --disable-pip-version-check /src; \
+    /opt/replay/bin/pip install --no-cache-dir --disable-pip-version-check \
+        -c /src/constraints.txt /src; \
     /opt/replay/bin/replay-server --version
 
 FROM ${BASE_IMAGE}
@@ -60,8 +62,8 @@ EXPOSE 50051 9100
 # `docker stop -t 120`, compose's stop_grace_period, Kubernetes' terminationGracePeriodSeconds.
 STOPSIGNAL SIGTERM
 # With TLS on, point REPLAY_HEALTH_ADDRESS at server.health_address (plaintext, health only).
-# The check starts a Python process (about 2 s of CPU, importing torch; over 6 s seen on a
-# loaded 2-core host), hence the generous timeout.
+# The check starts a Python process that loads grpc only, never torch (a fraction of a
+# second); the timeout leaves room for a loaded host.
 HEALTHCHECK --interval=30s --timeout=30s --start-period=120s --retries=3 \
     CMD ["/bin/sh", "-c", "exec replay-server health --address \"$REPLAY_HEALTH_ADDRESS\" --timeout 5"]
 ENTRYPOINT ["replay-server"]

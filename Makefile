@@ -1,19 +1,34 @@
-# One-command set-up: every target creates .venv and installs what it needs.
+# One-command set-up: every target creates .venv and installs what it needs, once.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
+EXAMPLES_STAMP := $(VENV)/.examples-stamp
+SETUP_LOG := $(VENV)/setup.log
+PIP    := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar off -c constraints.txt
 PYTEST_ARGS ?=
 
 .PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner \
         bench-scaleout bench-starvation bench-gpu-table clean image image-test conformance
 
+# One line per set-up step; what the step prints goes to $(SETUP_LOG), whose end is shown
+# (with the whole log's path) only when the step fails.
+setup_step = @printf '  %s\n' $(1); { $(2); } >> $(SETUP_LOG) 2>&1 || { tail -n 40 $(SETUP_LOG); \
+	printf 'set-up step failed: %s (the whole log: %s)\n' $(1) $(SETUP_LOG); exit 1; }
+
 $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
-	$(BIN)/python proto/generate.py
-	touch $(STAMP)
+	@printf 'setting up %s (the first time takes a minute or two; log: %s)\n' $(VENV) $(SETUP_LOG)
+	@mkdir -p $(VENV) && : > $(SETUP_LOG)
+	$(call setup_step,"virtualenv $(VENV)",$(PYTHON) -m venv $(VENV))
+	$(call setup_step,"pip",$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip)
+	$(call setup_step,"replay-server and its test tools (torch: constraints.txt)",$(PIP) -e '.[test]')
+	$(call setup_step,"protobuf code (proto/generate.py)",$(BIN)/python proto/generate.py)
+	@touch $(STAMP)
+
+# What `make demo` needs beyond the package: installed once, again only if pyproject.toml changes.
+$(EXAMPLES_STAMP): $(STAMP) pyproject.toml constraints.txt
+	$(call setup_step,"the demo's packages: gymnasium and matplotlib",$(PIP) -e '.[examples]')
+	@touch $(EXAMPLES_STAMP)
 
 # Regenerate proto/replay_proto/v1 from proto/replay/v1/*.proto.
 proto: $(STAMP)
@@ -37,8 +52,7 @@ soak: $(STAMP)
 
 # DQN on CartPole through a replay server (examples/dqn_cartpole): server, actors, learner,
 # a progress bar, and dqn_cartpole.png (return against environment steps).
-demo: $(STAMP)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[examples]'
+demo: $(EXAMPLES_STAMP)
 	$(BIN)/python -m examples.dqn_cartpole $(DEMO_ARGS)
 
 # Side-by-side benchmarks. The anchors live in their own virtualenvs

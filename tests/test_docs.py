@@ -7,6 +7,7 @@ text is rewritten to its address); TOML blocks must load as server configs.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from pathlib import Path
 
@@ -57,3 +58,94 @@ def test_toml_example_is_a_valid_config(code):
     import tomllib
 
     settings_from_dict(tomllib.loads(code))
+
+
+# ------------------------------------------------------- what the docs name exists
+
+NAMED_DOCS = [*DOCS, *sorted(ROOT.glob("examples/*/README.md"))]
+
+MADE_AT_RUN_TIME = {
+    "./checkpoints", "checkpoints",  # make serve's checkpoint_dir
+    "manifest.json",                 # inside each checkpoint (docs/durability.md)
+    "dqn_cartpole.png",              # written by make demo
+}
+"""Files the docs name that a run makes, not the repository (and ``.venv*``: the set-up's)."""
+
+
+def _tracked() -> list[str]:
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                            check=False)
+    if listed.returncode == 0 and listed.stdout:
+        return listed.stdout.splitlines()
+    return [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if ".git" not in p.parts]
+
+
+def _prose(text: str) -> str:
+    """``text`` without its fenced blocks (their backticks are not code spans)."""
+    return re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+
+
+def _named_paths() -> list:
+    found = {}
+    for path in NAMED_DOCS:
+        for token in re.findall(r"`([^`\s]+)`", _prose(path.read_text())):
+            if (re.search(r"/|\.(py|md|toml|ya?ml|sh|json|txt|proto|png|log)$", token)
+                    and not re.search(r"://|=|^/|^[a-z0-9.-]+\.(io|com)/", token)):
+                found.setdefault((path.name, token.rstrip("/")), None)
+    return [pytest.param(token, id=f"{doc}: {token}") for doc, token in found]
+
+
+def _named_targets() -> list:
+    found = {}
+    for path in NAMED_DOCS:
+        text = path.read_text()
+        spans = re.findall(r"`make ([a-z][a-z0-9-]*)", _prose(text))
+        lines = re.findall(r"^make ([a-z][a-z0-9-]*)", "\n".join(
+            re.findall(r"```bash\n(.*?)```", text, re.DOTALL)), re.MULTILINE)
+        for target in [*spans, *lines]:
+            found.setdefault((path.name, target), None)
+    return [pytest.param(target, id=f"{doc}: make {target}") for doc, target in found]
+
+
+@pytest.mark.parametrize("named", _named_paths())
+def test_every_file_the_docs_name_exists(named):
+    """A path from the root, or the end of one (``engine/table.py``, ``statefulset.yaml``)."""
+    if named in MADE_AT_RUN_TIME or named.startswith(".venv"):
+        return
+    tracked = _tracked()
+    if "<" in named:  # a pattern: `engine/samplers/<name>.py` names any file of that shape
+        pattern = re.sub(r"<[^>]*>", "*", named)
+        assert any(fnmatch.fnmatch(f, pattern) or fnmatch.fnmatch(f, "*/" + pattern)
+                   for f in tracked), f"the docs name {named!r}, which no file matches"
+        return
+    assert any(f == named or f.endswith("/" + named) or f.startswith(named + "/")
+               or ("/" + named + "/") in ("/" + f) for f in tracked), (
+        f"the docs name {named!r}, which no file in the repository is")
+
+
+@pytest.mark.parametrize("target", _named_targets())
+def test_every_make_target_the_docs_name_exists(target):
+    targets = set(re.findall(r"^([a-z][a-z0-9-]*):", (ROOT / "Makefile").read_text(),
+                             re.MULTILINE))
+    assert target in targets, f"the docs name `make {target}`; the Makefile has {sorted(targets)}"
+
+
+def test_the_names_are_found():
+    assert len(_named_paths()) > 50 and len(_named_targets()) >= 8
+
+
+def test_the_transports_the_docs_print_are_the_ones_used(address, capsys):
+    """``print(stream.transport)  # grpc: ...``: the comment's first word is what prints."""
+    blocks = [p.values[0] for p in PYTHON if "print(stream.transport)" in p.values[0]]
+    checked = 0
+    for code in blocks:
+        said = re.findall(r"print\(stream\.transport\)\s*# (\w+)", code)
+        exec(compile(code.replace("localhost:50051", address), "<doc example>", "exec"),
+             {"__name__": "__doc_example__"})
+        printed = [line for line in capsys.readouterr().out.splitlines()
+                   if line in ("grpc", "shared_memory", "in_process")]
+        assert printed == said, code
+        checked += len(said)
+    assert checked >= 3

@@ -195,3 +195,59 @@ def test_the_cycle_check_would_see_a_cycle() -> None:
                                            if not _in(m, "replay_proto.v1")))  # protoc's output
 def test_no_module_is_over_600_lines(module: str) -> None:
     assert len(_modules()[module].read_text().splitlines()) <= 600, module
+
+
+@pytest.mark.parametrize("module", _modules_in("replay_server.engine.samplers"))
+def test_samplers_know_positions_only_never_storage_readers_or_the_table(module: str) -> None:
+    """A sampler sees the id ring and the insert events: never the rows, the readers that
+    shape them, the remover that counts draws, the config or the table that wires it."""
+    banned = ("replay_server.engine.storage", "replay_server.engine.readers",
+              "replay_server.engine.remover",
+              "replay_server.engine.config", "replay_server.engine.table",
+              "replay_server.engine.table_parts", "replay_server.engine.table_state")
+    reached = _reaches(module)
+    assert not any(_in(m, *banned) for m in reached), (
+        module, sorted(m for m in reached if _in(m, *banned)))
+
+
+_LAYERS = {
+    "samplers": "replay_server.engine.samplers",
+    "remover": "replay_server.engine.remover",
+    "storage": "replay_server.engine.storage",
+    "readers": "replay_server.engine.readers",
+}
+_WIRING = ("replay_server.engine.table", "replay_server.engine.table_parts",
+           "replay_server.engine.table_state")
+
+
+def _layers_imported(module: str) -> set[str]:
+    return {name for name, prefix in _LAYERS.items()
+            if any(_in(m, prefix) for m in _imports(module)) and not _in(module, prefix)}
+
+
+@pytest.mark.parametrize("module", _modules_in("replay_server.engine.storage"))
+def test_storage_knows_columns_only_never_samplers_readers_or_the_table(module: str) -> None:
+    banned = (_LAYERS["samplers"], _LAYERS["remover"], _LAYERS["readers"], *_WIRING)
+    assert not any(_in(m, *banned) for m in _imports(module)), (
+        module, sorted(m for m in _imports(module) if _in(m, *banned)))
+
+
+@pytest.mark.parametrize("module", _modules_in("replay_server.engine.readers"))
+def test_readers_read_through_one_another_never_samplers_storage_or_the_table(
+        module: str) -> None:
+    """A reader sees positions and the reader below it: never who drew them (samplers, the
+    remover), how rows are kept (storage backends) or the table that wires it."""
+    banned = (_LAYERS["samplers"], _LAYERS["remover"], _LAYERS["storage"], *_WIRING,
+              "replay_server.engine.config")
+    reached = _reaches(module)
+    assert not any(_in(m, *banned) for m in reached), (
+        module, sorted(m for m in reached if _in(m, *banned)))
+
+
+def test_the_table_is_the_only_place_that_wires_the_layers() -> None:
+    """Outside the table's three modules, no module imports from two of the layers."""
+    wiring = {m: _layers_imported(m) for m in _modules_in("replay_server")}
+    assert {m for m, layers in wiring.items() if len(layers) > 1} <= set(_WIRING), {
+        m: layers for m, layers in wiring.items() if len(layers) > 1 and m not in _WIRING}
+    assert wiring["replay_server.engine.table_parts"] >= {"samplers", "remover", "storage",
+                                                          "readers"}

@@ -136,6 +136,10 @@ def _replay_server(command: str, args: list[str], place: dict, capsys) -> None:
     if parsed.command == "serve":
         _serve(command, place)
         return
+    if parsed.command == "check-config":  # the doc's replay.toml, in the doc's directory
+        assert main(args) == 0, command
+        assert capsys.readouterr().out.startswith(f"{parsed.file}: valid")
+        return
     tls = any(a.startswith("--tls") for a in args)
     server: ServerProcess = place["tls"] if tls else place["plain"]
     if "127.0.0.1:50052" in args:

@@ -13,7 +13,7 @@ import torch
 from replay_client import grouping, shards, table_rows, variables
 from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, tensor_of, update_arrays
-from replay_client.connection import CLIENT_TIMEOUT, Connection
+from replay_client.connection import CLIENT_TIMEOUT, CONNECT_TIMEOUT_S, Connection
 from replay_client.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -75,6 +75,9 @@ class ReplayClient:
             mutual TLS, the client's certificate and key.
         allow_plaintext_token: send the token over plaintext to a non-loopback
             address (it can be read on the network); otherwise that is refused.
+        connect_timeout_s: seconds calls retry a server that has not answered yet
+            (nothing listening at ``address``) before raising
+            :class:`UnavailableError` "no replay server at HOST:PORT (is it running?)".
 
     Raises:
         InvalidArgumentError: the address is not a string, or a token would
@@ -91,6 +94,7 @@ class ReplayClient:
         max_retry_s: float = 10.0,
         tls: TlsConfig | bool | None = None,
         allow_plaintext_token: bool = False,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ) -> None:
         if not isinstance(address, str):
             raise InvalidArgumentError(
@@ -104,7 +108,7 @@ class ReplayClient:
             address, timeout=timeout, token=token if token is not None else os.environ.get(
                 "REPLAY_TOKEN"), max_message_mb=max_message_mb, max_retry_s=max_retry_s,
             tls=TlsConfig() if tls is True else (tls or None),
-            allow_plaintext_token=allow_plaintext_token)
+            allow_plaintext_token=allow_plaintext_token, connect_timeout_s=connect_timeout_s)
         self._lock = threading.Lock()
         self._updater: PriorityUpdater | None = None
         self._updater_pid = 0
@@ -190,16 +194,19 @@ class ReplayClient:
             )
         return messages.decode_insert_response(self._connection.unary("Insert", raw, retry=False))
 
-    def sample(self, table: str, batch_size: int, *, wait: bool = False,
+    def sample(self, table: str, batch_size: int, *, wait: bool | None = None,
                timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
         """Draw one batch; ``batch.data`` keeps the inserted (nested) structure.
 
         Args:
             table: table name.
             batch_size: rows (or slices).
-            wait: while the table is empty, wait on the server (holding no
-                thread there) for rows to arrive instead of raising
-                :class:`EmptyTableError`; a rate-limited sample always waits.
+            wait: ``True``: while the table cannot serve the batch (empty, or
+                held back by its rate limiter), wait on the server (holding no
+                thread there). ``False``: never wait: raise
+                :class:`EmptyTableError` at once. ``None`` (the default): an
+                empty table raises :class:`EmptyTableError` at once, a sample
+                the rate limiter holds back waits (Reverb's flow control).
             timeout: seconds the call may take, waiting included (default: the
                 client's; ``None``: no limit), then :class:`DeadlineExceededError`.
 
@@ -208,8 +215,8 @@ class ReplayClient:
             EmptyTableError, UnknownTableError, DeadlineExceededError, ...: from the server.
         """
         _check_int("batch_size", batch_size, 1)
-        request = pb.SampleRequest(table=table, batch_size=batch_size,
-                                   wait_for_data=bool(wait)).SerializeToString()
+        request = pb.SampleRequest(table=table, batch_size=batch_size, wait_for_data=bool(wait),
+                                   never_wait=wait is False).SerializeToString()
         return decode_sample(self._connection.unary("Sample", request, retry=True,
                                                     timeout=timeout))
 

@@ -9,6 +9,7 @@ each hold the connection, never the whole client.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -16,11 +17,22 @@ from typing import Any
 import grpc
 
 from replay_client.backoff import Backoff
-from replay_client.errors import OverloadedError, UnavailableError, from_rpc_error
+from replay_client.errors import (
+    InvalidArgumentError,
+    OverloadedError,
+    ReplayError,
+    UnavailableError,
+    from_rpc_error,
+)
 from replay_client.tls import TlsConfig, check_token_channel
+from replay_proto.addresses import AddressError, with_port
 from replay_proto.call_metadata import request_bytes_metadata
+from replay_proto.error_kinds import kind_of
 
 SERVICE_PATH = "/replay.v1.ReplayService/"
+CONNECT_TIMEOUT_S = 1.0
+"""How long calls retry a server that has never answered this connection (nothing listens
+at its address, say) before raising "no replay server at HOST:PORT (is it running?)"."""
 CLIENT_TIMEOUT: Any = object()
 """``timeout`` default of :meth:`Connection.unary`: the connection's own timeout."""
 
@@ -33,22 +45,31 @@ class Connection:
     its settings.
 
     Args:
-        address: ``host:port`` of the server.
+        address: ``host:port`` of the server (``host`` alone: port 50051).
         timeout: seconds each call may take, retries included (``None``: no limit).
         token: auth token, sent as ``authorization: Bearer <token>``.
         max_message_mb: the message-size limit (match the server's).
         max_retry_s: longest total time spent retrying an unavailable server.
         tls: TLS settings (``None``: a plaintext channel).
         allow_plaintext_token: send ``token`` over plaintext to a non-loopback address.
+        connect_timeout_s: until the server first answers, retrying it stops after
+            this long (at most ``max_retry_s``) with "no replay server at ..."; a
+            server that answered once and went away is retried for ``max_retry_s``.
 
     Raises:
-        InvalidArgumentError: a token would cross a network in clear text
+        InvalidArgumentError: a malformed address (a port that is no number), or a
+            token would cross a network in clear text
             (:func:`~replay_client.tls.check_token_channel`).
     """
 
     def __init__(self, address: str, *, timeout: float | None, token: str | None,
                  max_message_mb: int, max_retry_s: float, tls: TlsConfig | None = None,
-                 allow_plaintext_token: bool = False) -> None:
+                 allow_plaintext_token: bool = False,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        try:
+            address = with_port(address)  # "localhost": port 50051, never gRPC's 443
+        except AddressError as exc:
+            raise InvalidArgumentError(str(exc)) from None
         check_token_channel(address, token, tls, allow_plaintext_token)
         self.address = address
         self.timeout = timeout
@@ -57,6 +78,9 @@ class Connection:
         self.max_retry_s = max_retry_s
         self.tls = tls
         self.allow_plaintext_token = allow_plaintext_token
+        self.connect_timeout_s = connect_timeout_s
+        self.answered = False
+        """Whether the server has answered a call of this connection (set once, never reset)."""
         self.metadata: tuple[tuple[str, str], ...] = (
             (("authorization", f"Bearer {token}"),) if token else ())
         self._channel: grpc.Channel | None = None
@@ -71,7 +95,8 @@ class Connection:
     def __getstate__(self) -> dict[str, Any]:
         return {"address": self.address, "timeout": self.timeout, "token": self.token,
                 "max_message_mb": self.max_message_mb, "max_retry_s": self.max_retry_s,
-                "tls": self.tls, "allow_plaintext_token": self.allow_plaintext_token}
+                "tls": self.tls, "allow_plaintext_token": self.allow_plaintext_token,
+                "connect_timeout_s": self.connect_timeout_s}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state.pop("address"), **state)  # type: ignore[misc]
@@ -119,19 +144,44 @@ class Connection:
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                return self.method(name)(request, timeout=remaining, metadata=metadata)
+                answer = self.method(name)(request, timeout=remaining, metadata=metadata)
+                self.answered = True
+                return answer
             except grpc.RpcError as exc:
-                error = from_rpc_error(exc, self.address)
+                error = self.error(exc)
             # An overloaded server ran nothing of the call: even an insert may be repeated.
             if not isinstance(error, OverloadedError) and not (
                 retry and isinstance(error, UnavailableError)
             ):
                 raise error from None
-            backoff = backoff or Backoff(self.max_retry_s, deadline=deadline)
+            backoff = backoff or Backoff(self.retry_window(), deadline=deadline)
             delay = backoff.next_delay()
             if delay is None:
                 raise error from None
             time.sleep(delay)
+
+    def error(self, exc: grpc.RpcError) -> ReplayError:
+        """The typed error of a failed call. UNAVAILABLE from a server that never answered
+        this connection says there may be no server at the address."""
+        trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+        if kind_of(trailing) is not None:
+            self.answered = True  # the server itself refused the call
+        error = from_rpc_error(exc, self.address)
+        if isinstance(error, UnavailableError) and not self.answered:
+            details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+            return UnavailableError(f"no replay server at {self.address} (is it running?): "
+                                    f"{details}")
+        return error
+
+    def retry_window(self) -> float:
+        """Seconds to retry an unavailable server: ``max_retry_s``, but only
+        ``connect_timeout_s`` while no server has answered and nothing accepts a
+        TCP connection at the address (gRPC may report a refusal it saw earlier,
+        through a connection another client in this process shares, so the
+        address is asked directly)."""
+        if self.answered or _accepts_connections(self.address, self.connect_timeout_s):
+            return self.max_retry_s
+        return min(self.max_retry_s, self.connect_timeout_s)
 
     def close(self) -> None:
         """Close the channel (a later call opens a new one)."""
@@ -139,3 +189,16 @@ class Connection:
             if self._channel is not None:
                 self._channel.close()
                 self._channel, self._calls = None, {}
+
+
+def _accepts_connections(address: str, timeout: float) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` now (an address of
+    another form, ``unix:`` or ``dns:///`` say, is taken to: it gets the long window)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "/" in address:
+        return True
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=max(timeout, 0.1)):
+            return True
+    except OSError:
+        return False

@@ -368,7 +368,7 @@ class ShardedReplayClient:
 
     # ------------------------------------------------------------------ sample
 
-    def sample(self, table: str, batch_size: int, *, wait: bool = False,
+    def sample(self, table: str, batch_size: int, *, wait: bool | None = None,
                timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
         """One batch from the union of every shard, as one table would draw it.
 

@@ -37,7 +37,7 @@ import torch
 
 from replay_client.backoff import Backoff
 from replay_client.connection import Connection
-from replay_client.errors import UnavailableError, from_rpc_error
+from replay_client.errors import UnavailableError
 from replay_feed.core import FeedCore
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, request_bytes_metadata
@@ -123,7 +123,7 @@ class NetworkSource:
     def run(self, core: FeedCore) -> None:
         self.core = core
         core.stats.transport = "grpc"
-        address, window = self.connection.address, self.connection.max_retry_s
+        address = self.connection.address
         backoff: Backoff | None = None
         try:
             while not self._stopped.is_set():
@@ -136,14 +136,17 @@ class NetworkSource:
                 except grpc.RpcError as exc:
                     if self._stopped.is_set():
                         return
-                    error = from_rpc_error(exc, address)
+                    error = self.connection.error(exc)
                     if not (self.reconnect and isinstance(error, UnavailableError)):
                         raise error from None
                     if backoff is None:
+                        window = self.connection.retry_window()
                         backoff = Backoff(window)
                         log.warning("stream from %s lost (%s); reconnecting for up to %.0f s",
                                     address, error, window)
                     delay = backoff.next_delay()
+                    if delay is None and not self.connection.answered:
+                        raise error from None  # "no replay server at ..."
                     if delay is None:
                         raise UnavailableError(
                             f"stream from {address} lost and not back within "
@@ -197,6 +200,7 @@ class NetworkSource:
                 header, payload = split_sample(raw)
                 if first_message:
                     first_message = False
+                    connection.answered = True
                     self._on_first(core, header, outgoing, reconnected)
                 for batch in decoder.add(header, payload):
                     core.deliver(self._received, batch)

@@ -5,7 +5,8 @@
 1. The image runs as a non-root user, declares its HEALTHCHECK, ports and volume.
 2. A container starts with a checkpoint volume and published ports (loopback only);
    ``replay-server health`` from outside reports SERVING, and so does the image's own
-   HEALTHCHECK; the server is PID 1.
+   HEALTHCHECK; the server is PID 1; its packages are the versions constraints.txt pins
+   (those `make test` ran with); ``replay-server check-config`` accepts the config it ships.
 3. Rows are inserted, sampled and re-prioritized through the published port; /metrics
    answers through its published port.
 4. SIGTERM: the server drains, writes its checkpoint and exits 0.
@@ -13,7 +14,8 @@
    still name their rows (a priority update applies), new ids are fresh (never one
    issued before); it stops cleanly too.
 
-Each step prints what it saw; any failure exits 1. Not part of `make test` (minutes).
+Each step prints what it saw; any failure exits 1. Not part of `make test` (minutes); `.ci/run`
+runs it on every change.
 Environment: PODMAN, the podman command with its global flags.
 """
 
@@ -21,16 +23,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shlex
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import torch
 
 from replay_client import ReplayClient
+from replay_server.app.config_file import load_settings
 
 IMAGE = sys.argv[1] if len(sys.argv) > 1 else "localhost/replay-server:dev"
 PODMAN = shlex.split(os.environ.get(
@@ -38,6 +43,8 @@ PODMAN = shlex.split(os.environ.get(
 NAME = f"replay-image-test-{os.getpid()}"
 VOLUME = f"{NAME}-checkpoints"
 STOP_TIMEOUT_S = 120
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED_CONFIG = ROOT / "deploy" / "image" / "replay.toml"  # the Dockerfile copies it in
 
 
 def ulimits() -> list[str]:
@@ -154,6 +161,16 @@ def run_containers() -> int:
     pid1 = podman("exec", NAME, "cat", "/proc/1/cmdline").replace("\0", " ").strip()
     expect("replay-server serve" in pid1, f"PID 1 is the server: {pid1}")
     expect(podman("exec", NAME, "id", "-u") == "10001", "uid 10001")
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / "constraints.txt").read_text(),
+                           re.MULTILINE))
+    probe = ("import json; from importlib import metadata; print(json.dumps({n: "
+             "metadata.version(n).split('+')[0] for n in ('torch', 'tensordict')}))")
+    versions = json.loads(podman("exec", NAME, "/opt/replay/bin/python", "-c", probe))
+    expect(versions == {n: pins[n] for n in versions},
+           f"installed as constraints.txt pins: {versions}")
+    checked = podman("exec", NAME, "replay-server", "check-config", "/etc/replay/replay.toml")
+    expect(checked.startswith("/etc/replay/replay.toml: valid"),
+           "replay-server check-config accepts the shipped config")
 
     step("insert, sample and update through the published port")
     client = ReplayClient(address, timeout=60)
@@ -192,8 +209,12 @@ def run_containers() -> int:
     restored = f"{NAME}-restored"
     address, _ = start(restored)
     log = logs(restored)
-    expect("restored 4 table(s)" in log, "log: restored 4 table(s)")
+    tables = len(load_settings(SHIPPED_CONFIG).tables)  # its [[tables]], or the default ones
+    expect(f"restored {tables} table(s)" in log, f"log: restored {tables} table(s)")
     client = ReplayClient(address, timeout=60)
+    info = host_cli("info", "--address", address)
+    expect("restored at start from: /var/lib/replay/checkpoints/ckpt-" in info.stdout,
+           "info names the checkpoint restored at start")
     after = {name: table.size for name, table in client.info().items()}
     expect(after == before, f"every row is back: {after}")
     expect(client.info()["replay"].counters["priority_updates"] == 64,

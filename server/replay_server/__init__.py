@@ -8,21 +8,37 @@ Layers, each a subpackage, imports pointing one way only::
     app         the ``replay-server`` command, settings files, the embedded server
 
 ``replay_server.errors`` is the server's one error hierarchy, shared by all
-layers. Importing this package loads the engine only: the names below.
+layers. The names below come from the engine, loaded on first use: importing
+this package loads nothing (the ``replay-server`` command's light commands,
+``health`` and ``--version``, never load torch).
 """
 
-from replay_proto.batch import SampleBatch
-from replay_server.engine import (
-    FieldSpec,
-    SamplerKind,
-    Schema,
-    Table,
-    TableConfig,
-    TableInfo,
-    TableSet,
-    default_table_configs,
-)
-from replay_server.errors import ReplayServerError
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from replay_proto.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from replay_proto.batch import SampleBatch
+    from replay_server.engine import (
+        FieldSpec,
+        SamplerKind,
+        Schema,
+        Table,
+        TableConfig,
+        TableInfo,
+        TableSet,
+        default_table_configs,
+    )
+    from replay_server.errors import ReplayServerError
+
+_HOMES = {
+    "SampleBatch": "replay_proto.batch",
+    "ReplayServerError": "replay_server.errors",
+    **dict.fromkeys(("FieldSpec", "SamplerKind", "Schema", "Table", "TableConfig", "TableInfo",
+                     "TableSet", "default_table_configs"), "replay_server.engine"),
+}
 
 __all__ = [
     "FieldSpec",
@@ -36,3 +52,6 @@ __all__ = [
     "TableSet",
     "default_table_configs",
 ]
+
+
+__getattr__ = lazy_exports(__name__, _HOMES)

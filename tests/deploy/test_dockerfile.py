@@ -94,3 +94,23 @@ def test_the_default_torch_is_the_pinned_cpu_build() -> None:
     pinned = re.search(r"^torch==(\S+)$", (ROOT / "constraints.txt").read_text(), re.MULTILINE)
     assert pinned and f"ARG TORCH_VERSION={pinned.group(1)}" in text
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+
+
+def test_the_image_installs_against_the_constraints_the_tests_ran_with() -> None:
+    # Issue 24: the image had tensordict 0.15.3 where the tested venv had 0.13.0.
+    text = re.sub(r"\\\n\s*", " ", DOCKERFILE.read_text())
+    [install] = re.findall(r"/opt/replay/bin/pip install [^;]* /src;", text)
+    assert "-c /src/constraints.txt" in install
+    assert re.search(r"^COPY .*\bconstraints\.txt\b.* /src/$", DOCKERFILE.read_text(),
+                     re.MULTILINE)
+
+
+def test_the_constraints_are_what_the_test_venv_has() -> None:
+    from importlib import metadata
+
+    pins = re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)$", (ROOT / "constraints.txt").read_text(),
+                      re.MULTILINE)
+    assert ("tensordict", metadata.version("tensordict")) in pins
+    for name, version in pins:
+        installed = metadata.version(name).split("+")[0]  # torch's "+cpu"
+        assert installed == version, (name, installed, version)

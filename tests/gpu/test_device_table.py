@@ -28,7 +28,7 @@ from replay_server.checkpoint import (  # noqa: E402
     load_checkpoint,
     write_checkpoint,
 )
-from replay_server.engine.storage import DeviceStorage  # noqa: E402
+from replay_server.engine.storage.device import DeviceColumn  # noqa: E402
 from replay_server.engine.table import Table  # noqa: E402
 
 ROWS = 2000
@@ -65,8 +65,8 @@ def test_a_cuda_table_samples_exactly_as_a_host_table_with_priority_updates():
         assert device.update_priorities(got.ids, priorities.cuda()) == host.update_priorities(
             want.ids, priorities)
     storage = device._parts.storage
-    assert isinstance(storage, DeviceStorage)
-    assert all(c.is_cuda for c in storage.columns.values())
+    assert all(isinstance(c, DeviceColumn) for c in storage.columns.values())
+    assert all(c.tensor.is_cuda for c in storage.columns.values())
 
 
 def test_a_cuda_table_checkpoints_and_restores_on_the_device(tmp_path: Path):
@@ -83,7 +83,7 @@ def test_a_cuda_table_checkpoints_and_restores_on_the_device(tmp_path: Path):
         load_checkpoint(result.path, restored)
     finally:
         directory.close()
-    assert all(c.is_cuda for c in restored["g"]._parts.storage.columns.values())
+    assert all(c.tensor.is_cuda for c in restored["g"]._parts.storage.columns.values())
     for a, b in zip(restored["g"].sample(64).tensors(), tables["g"].sample(64).tensors()):
         assert torch.equal(a, b)
 

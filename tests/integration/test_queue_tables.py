@@ -149,7 +149,7 @@ def test_a_stack_hands_out_the_newest_rows_first_and_deletes_skip_rows(server) -
         client.sample("stack", 2)  # one row left: a batch is never short
     with pytest.raises(errors.InvalidIdsError):
         client.delete("stack", torch.tensor([int(ids[-1]) + 1000]))
-    with pytest.raises(errors.InvalidArgumentError, match="'fifo' and 'lifo'"):
+    with pytest.raises(errors.InvalidArgumentError, match="'fifo' or 'lifo', or max_times_sampled"):
         client.delete("plain", ids)
     assert client.info()["stack"].size == 1  # the refused calls removed nothing
 

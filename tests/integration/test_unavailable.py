@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from replay_client import ReplayClient, ReplayError, errors
+from replay_client import RemoteReplayBuffer, ReplayClient, ReplayError, errors
 from tests.conftest import ServerProcess, start_server
 
 CONFIG = """
@@ -133,6 +133,54 @@ def test_client_of_a_port_where_nothing_listens_raises_unavailable_naming_it(cal
     assert address in str(info.value)
 
 
+NO_SERVER_CALLS = {
+    "insert": lambda c: c.insert("uniform", rows(1)),
+    "sample": lambda c: c.sample("uniform", 1),
+    "info": lambda c: c.info(),
+    "stream": lambda c: next(iter(c.stream("uniform", batch_size=1))),
+    "RemoteReplayBuffer.sample": lambda c: RemoteReplayBuffer(c, "uniform", batch_size=1).sample(),
+}
+
+
+@pytest.mark.parametrize("call", list(NO_SERVER_CALLS))
+def test_no_server_fails_fast_saying_so_the_same_way_for_every_call(call) -> None:
+    # Issue 24, friction 6: sample, info, stream and RemoteReplayBuffer.sample waited
+    # ~10 s (max_retry_s) in silence. A server that never answered is retried for
+    # connect_timeout_s (1 s by default), not max_retry_s: with max_retry_s=600 and a
+    # 600 s timeout, a call that retried for max_retry_s would not end within the test's
+    # own timeout, so getting the error at all is the proof.
+    address = f"127.0.0.1:{free_port()}"
+    client = ReplayClient(address, timeout=600, max_retry_s=600)
+    with pytest.raises(errors.UnavailableError) as info:
+        NO_SERVER_CALLS[call](client)
+    assert str(info.value).startswith(f"no replay server at {address} (is it running?)")
+    client.close()
+
+
+def test_the_connect_timeout_is_configurable(served) -> None:
+    relay = Relay(served.port)
+    port = relay.port
+    relay.close()
+    revived: list[Relay] = []
+    back = threading.Event()
+
+    def come_back() -> None:
+        back.wait(1.5)  # down longer than the default connect timeout (a bounded sleep)
+        revived.append(Relay(served.port, port=port))
+
+    thread = threading.Thread(target=come_back, daemon=True)
+    thread.start()
+    client = ReplayClient(f"127.0.0.1:{port}", timeout=60, connect_timeout_s=30)
+    try:
+        assert "uniform" in client.info()  # retried past 1 s: the server came up meanwhile
+        assert revived
+    finally:
+        thread.join(THREAD_JOIN_S)
+        client.close()
+        for r in revived:
+            r.close()
+
+
 def test_unavailable_error_is_a_connection_error() -> None:
     client = ReplayClient(f"127.0.0.1:{free_port()}", timeout=5, max_retry_s=0)
     with pytest.raises(ConnectionError):
@@ -215,7 +263,7 @@ def test_client_pickles_as_its_settings() -> None:
     assert (copy.address, copy.timeout) == ("127.0.0.1:1", 7.5)
     assert copy.__getstate__() == {"address": "127.0.0.1:1", "timeout": 7.5, "token": "secret",
                                    "max_message_mb": 64, "max_retry_s": 3, "tls": None,
-                                   "allow_plaintext_token": False}
+                                   "allow_plaintext_token": False, "connect_timeout_s": 1.0}
 
 
 def insert_from_child(client: ReplayClient, results) -> None:  # runs in a spawned process
@@ -242,3 +290,32 @@ def test_unpickled_client_inserts_from_a_spawned_process(served) -> None:
     batch = client.sample("from_child", 8)
     assert set(batch.ids.tolist()) <= set(child_ids)
     assert (batch.data["obs"] == 5.0).all()
+
+
+def test_an_address_without_a_port_means_the_default_port_never_443() -> None:
+    assert ReplayClient("localhost", timeout=1).address == "localhost:50051"
+    with pytest.raises(errors.InvalidArgumentError, match="'localhost:http'"):
+        ReplayClient("localhost:http")
+
+
+def test_a_new_client_reaches_a_restarted_server_another_client_saw_down(server_factory) -> None:
+    # gRPC shares connections between the channels of a process: a new client may be
+    # answered with the refusal an older one met while the server was down (the shared
+    # connection's reconnect backoff, seconds after a while). The connect timeout applies
+    # only while nothing accepts connections at the address.
+    first = server_factory(CONFIG)
+    old = ReplayClient(first.address, timeout=120, max_retry_s=120)
+    old.info()
+    assert first.stop(signal.SIGTERM) == 0
+    retried: list = []
+    thread = threading.Thread(target=lambda: retried.append(old.info()), daemon=True)
+    thread.start()  # keeps retrying while the server is down, and through its restart
+    second = server_factory(CONFIG, port=first.port)
+    fresh = ReplayClient(second.address, timeout=30)
+    try:
+        assert "uniform" in fresh.info()
+    finally:
+        thread.join(THREAD_JOIN_S)
+        old.close()
+        fresh.close()
+    assert retried and "uniform" in retried[0]

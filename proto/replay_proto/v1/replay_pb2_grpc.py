@@ -267,10 +267,11 @@ class ReplayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Removes rows by id from a queue table (sampler "fifo" or "lifo"): they
-        are never handed out. Ids of rows already taken, deleted or overwritten
-        are ignored (counted as stale); ids the table never issued, or of another
-        shard, are INVALID_ARGUMENT (kind "invalid_ids"). Other tables answer
+        """Removes rows by id from a table whose rows leave when sampled (sampler
+        "fifo" or "lifo", or max_times_sampled): they are never handed out again.
+        Ids of rows already taken, deleted or overwritten are ignored (counted as
+        stale); ids the table never issued, or of another shard, are
+        INVALID_ARGUMENT (kind "invalid_ids"). Other tables answer
         INVALID_ARGUMENT. Inserts waiting for room at max_size are let through.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,15 +1,36 @@
 """The app layer: the ``replay-server`` command, config files, the embedded server.
 
-``cli`` parses the command line and runs a server or an operator's command;
+``cli`` parses the command line and runs a server or an operator's command
+(``commands``: those that only talk to a server, and never load torch);
 ``config_file`` reads TOML into
 :class:`~replay_server.service.settings.ServerSettings`; ``embedded`` runs a
 server inside a learner's process; ``logs`` sets up logging. Nothing below
-this layer imports it.
+this layer imports it. The names below are loaded on first use, so that
+importing ``replay_server.app.cli`` stays light.
 """
 
-from replay_server.app.config_file import load_settings, parse_field_spec, settings_from_dict
-from replay_server.app.embedded import EmbeddedServer, stream_table
-from replay_server.service.settings import ServerSettings
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from replay_proto.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from replay_server.app.config_file import (
+        load_settings,
+        parse_field_spec,
+        settings_from_dict,
+    )
+    from replay_server.app.embedded import EmbeddedServer, stream_table
+    from replay_server.service.settings import ServerSettings
+
+_HOMES = {
+    "EmbeddedServer": "replay_server.app.embedded",
+    "stream_table": "replay_server.app.embedded",
+    "ServerSettings": "replay_server.service.settings",
+    **dict.fromkeys(("load_settings", "parse_field_spec", "settings_from_dict"),
+                    "replay_server.app.config_file"),
+}
 
 __all__ = [
     "EmbeddedServer",
@@ -19,3 +40,6 @@ __all__ = [
     "settings_from_dict",
     "stream_table",
 ]
+
+
+__getattr__ = lazy_exports(__name__, _HOMES)

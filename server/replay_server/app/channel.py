@@ -1,9 +1,12 @@
-"""The operator's channel to a server: the address, TLS and token flags of ``health``, ``info``
-and ``checkpoint``, and the gRPC channel they make.
+"""The operator's channel to a server: the address, TLS and token flags of the operator's
+commands (:mod:`replay_server.app.commands`), and the gRPC channel they make.
 
 The token (from ``--token-env``, ``REPLAY_TOKEN`` by default) is sent over
 TLS, or over plaintext to a loopback address; to another host in clear text
 only with ``--allow-plaintext-token``. The same rule as the client library's.
+
+grpc is imported by :func:`open_channel` only, so that building the command
+line (``--help``, ``--version``) loads nothing but argparse.
 """
 
 from __future__ import annotations
@@ -11,19 +14,20 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
-
-from replay_proto.addresses import is_loopback
+from replay_proto.addresses import DEFAULT_ADDRESS, is_loopback
 from replay_proto.call_metadata import request_bytes_metadata
 from replay_server.errors import ConfigError
-from replay_server.service.settings import DEFAULT_ADDRESS
+
+if TYPE_CHECKING:
+    import grpc
 
 
 def add_channel_flags(parser: argparse.ArgumentParser) -> None:
     """``--address``, the TLS flags, ``--token-env`` and ``--allow-plaintext-token``."""
-    parser.add_argument("--address", default=DEFAULT_ADDRESS,
-                        help=f"server host:port (default {DEFAULT_ADDRESS})")
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, metavar="HOST:PORT",
+                        help=f"the server (default {DEFAULT_ADDRESS}; port 50051 when omitted)")
     parser.add_argument("--tls-ca", metavar="FILE",
                         help="connect with TLS, trusting this PEM CA bundle for the server")
     parser.add_argument("--tls", action="store_true",
@@ -51,6 +55,8 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
     Raises:
         ConfigError: a TLS file cannot be read, or only one of cert and key was given.
     """
+    import grpc
+
     if not uses_tls(args):
         return grpc.insecure_channel(args.address)
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -63,16 +69,17 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
     return grpc.secure_channel(args.address, credentials, options=options)
 
 
-def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+def call_metadata(args: argparse.Namespace, request_bytes: int = 0
+                  ) -> tuple[tuple[str, str], ...]:
     """The ``authorization`` header when a token is set, and the request's size.
 
-    The operator's Info and Checkpoint requests are empty: they say so
-    (``replay_proto.call_metadata``), so the server reserves nothing to read them.
+    The request's size (``replay_proto.call_metadata``) is what the server
+    reserves to read it: nothing for the empty Info and Checkpoint requests.
 
     Raises:
         ConfigError: the token would cross a network in clear text.
     """
-    empty = request_bytes_metadata(0)
+    empty = request_bytes_metadata(request_bytes)
     token = os.environ.get(args.token_env) if args.token_env else None
     if not token:
         return empty

@@ -1,59 +1,75 @@
 """The ``replay-server`` command.
 
     replay-server serve [--config FILE] [--address HOST:PORT] [--checkpoint-dir DIR]
-                        [--port-file PATH] [--start-empty-if-unrestorable]
+                        [--log-level LEVEL] [--port-file PATH] [--start-empty-if-unrestorable]
+    replay-server check-config FILE
     replay-server health     [--address HOST:PORT] [TLS flags]
     replay-server info       [--address HOST:PORT] [--json] [TLS flags]
     replay-server checkpoint [--address HOST:PORT] [TLS flags]
+    replay-server reset TABLE [--schema] [--address HOST:PORT] [TLS flags]
     replay-server --version
 
 ``serve`` with no config listens on 127.0.0.1:50051 with the default tables
 (one per sampler kind) and says so; without a checkpoint directory it warns
-that rows are lost at stop. The operator's commands talk to 127.0.0.1:50051
-unless ``--address`` says otherwise (TLS and token flags:
-:mod:`replay_server.app.channel`). ``health`` exits 0 when the server is
-SERVING, 1 otherwise. ``info`` prints every table's size, memory and
-counters (``--json``: every figure, exact). ``checkpoint`` has the server
-write a checkpoint and prints its path. Exit status 2: a configuration or
-usage error.
+that rows are lost at stop. ``check-config`` validates a config file the way
+``serve`` would, without starting. The operator's commands
+(:mod:`replay_server.app.commands`) talk to 127.0.0.1:50051 unless
+``--address`` says otherwise (a missing port is 50051; TLS and token flags:
+:mod:`replay_server.app.channel`).
+
+Only ``serve`` and ``check-config`` load the engine (and torch): this module
+imports nothing heavy at the top, so ``--version`` and the operator's
+commands start in a fraction of a second. Every error goes to stderr as one
+line, ``replay-server: error: ...`` (``configuration error`` for a bad
+config). Exit status: 0 done, 1 the server refused or could not be reached
+(``health``: not SERVING), 2 a usage or configuration error.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import logging
 import sys
+from importlib import metadata
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from replay_proto.v1 import replay_pb2 as pb
-from replay_proto.v1 import replay_pb2_grpc
-from replay_server.app import logs
-from replay_server.app.channel import add_channel_flags, call_metadata, open_channel
-from replay_server.app.config_file import load_settings
-from replay_server.app.heap import keep_request_buffers
-from replay_server.app.info_table import format_info, info_json
+from replay_proto.addresses import AddressError, with_port
+from replay_server.app.channel import add_channel_flags
 from replay_server.errors import ConfigError
-from replay_server.service.loop import run
-from replay_server.service.server import ReplayServer, server_version
-from replay_server.service.settings import ServerSettings
 
-log = logging.getLogger("replay_server")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+_DESCRIPTION = "A replay memory for reinforcement learning, served over gRPC."
+
+_EPILOG = """\
+`replay-server COMMAND --help` says more about each command. Examples:
+  replay-server serve --config replay.toml
+  replay-server check-config replay.toml
+  replay-server info --address 10.0.0.5:50051
+  replay-server reset replay --schema"""
 
 
 def _serve(args: argparse.Namespace) -> int:
-    logs.configure()
+    import dataclasses
+    import logging
+
+    from replay_server.app import logs
+    from replay_server.app.config_file import load_settings
+    from replay_server.app.heap import keep_request_buffers
+    from replay_server.service.loop import run
+    from replay_server.service.server import ReplayServer
+    from replay_server.service.settings import ServerSettings
+
+    level = getattr(logging, args.log_level.upper())
+    logs.configure(level=level)
+    log = logging.getLogger("replay_server")
     settings = load_settings(args.config) if args.config else ServerSettings()
     if args.address:
-        settings = dataclasses.replace(settings, address=args.address)
+        settings = dataclasses.replace(settings, address=_address(args.address, "--address"))
     if args.start_empty_if_unrestorable:
         settings = dataclasses.replace(settings, start_empty_if_unrestorable=True)
     if args.checkpoint_dir:
         settings = dataclasses.replace(settings, checkpoint_dir=args.checkpoint_dir)
-    logs.configure(settings.log_format)
+    logs.configure(settings.log_format, level)
     keep_request_buffers()  # after the logs: it says so when glibc refuses
     if not args.config:
         log.info("no config given: serving the default tables (one per sampler kind)")
@@ -70,90 +86,111 @@ def _serve(args: argparse.Namespace) -> int:
     return server.exit_code
 
 
-def _health(args: argparse.Namespace) -> int:
-    with open_channel(args) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
-        except grpc.RpcError as exc:
-            print(f"{args.address}: {exc.code().name}: {exc.details()}")
-            return 1
-    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status.status)
-    print(f"{args.address}: {name}")
-    return 0 if status.status == health_pb2.HealthCheckResponse.SERVING else 1
+def _check_config(args: argparse.Namespace) -> int:
+    from replay_server.app.config_file import load_settings
+    from replay_server.app.config_report import config_report
 
-
-def _info(args: argparse.Namespace) -> int:
-    metadata = call_metadata(args)
-    with open_channel(args) as channel:
-        stub = replay_pb2_grpc.ReplayServiceStub(channel)
-        try:
-            response = stub.Info(pb.InfoRequest(), timeout=args.timeout, metadata=metadata)
-        except grpc.RpcError as exc:
-            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    print(info_json(response) if args.json else format_info(response))
+    report = config_report(load_settings(args.file))
+    print(f"{args.file}: valid\n{report}")
     return 0
 
 
-def _checkpoint(args: argparse.Namespace) -> int:
-    metadata = call_metadata(args)
-    with open_channel(args) as channel:
-        stub = replay_pb2_grpc.ReplayServiceStub(channel)
-        try:
-            response = stub.Checkpoint(pb.CheckpointRequest(), timeout=args.timeout,
-                                       metadata=metadata)
-        except grpc.RpcError as exc:
-            print(f"{args.address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            return 1
-    print(response.path)
-    print(f"{response.bytes / 1e6:.1f} MB in {response.seconds:.2f} s; rows: "
-          + ", ".join(f"{name} {rows:,}" for name, rows in sorted(response.table_rows.items())),
-          file=sys.stderr)
-    return 0
+def _operator(name: str):
+    """The operator's command ``name`` (imported when it runs: grpc, never torch)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from replay_server.app import commands
+
+        args.address = _address(args.address, "--address")
+        return getattr(commands, name)(args)
+
+    return run
+
+
+def _address(address: str, flag: str) -> str:
+    """``address`` with the default port where it names none (never gRPC's 443)."""
+    try:
+        return with_port(address)
+    except AddressError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="replay-server", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--version", action="version",
-                        version=f"replay-server {server_version()}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="run a server")
-    serve.add_argument("--config", help="TOML config file (default: built-in tables)")
-    serve.add_argument("--address", help="override server.address (host:port; port 0 = any)")
+    """The command line; no parser takes abbreviations (``--port`` is never ``--port-file``)."""
+    parser = argparse.ArgumentParser(
+        prog="replay-server", description=_DESCRIPTION, epilog=_EPILOG, allow_abbrev=False,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"replay-server {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     title="commands")
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=text, description=text, allow_abbrev=False)
+
+    serve = command("serve", "run a server (default tables on 127.0.0.1:50051, or --config "
+                             "FILE)")
+    serve.add_argument("--config", metavar="FILE",
+                       help="TOML config file (default: the built-in tables)")
+    serve.add_argument("--address", metavar="HOST:PORT",
+                       help="override server.address (port 0: any free port)")
     serve.add_argument("--checkpoint-dir", metavar="DIR",
                        help="override server.checkpoint_dir (restored at start, written at stop)")
-    serve.add_argument("--port-file", help="write the bound port to this file once listening")
-    serve.add_argument("--grace", type=float, default=10.0,
+    serve.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                       help="the least severe log records shown (default info)")
+    serve.add_argument("--port-file", metavar="PATH",
+                       help="write the bound port to this file once serving")
+    serve.add_argument("--grace", type=float, default=10.0, metavar="SECONDS",
                        help="seconds in-flight calls get to finish at shutdown (default 10)")
     serve.add_argument("--start-empty-if-unrestorable", action="store_true",
                        help="start with empty tables when checkpoints exist but none can be "
                             "restored (default: refuse to start); the checkpoints are kept")
     serve.set_defaults(run=_serve)
-    for name, fn, text, timeout in (
-        ("health", _health, "check a server's health", 5.0),
-        ("info", _info, "print a server's tables", 5.0),
-        ("checkpoint", _checkpoint, "have a server write a checkpoint; prints its path", 600.0),
+
+    check = command("check-config", "validate a config file without starting a server")
+    check.add_argument("file", metavar="FILE", help="the TOML config file")
+    check.set_defaults(run=_check_config)
+
+    for name, text, timeout in (
+        ("health", "is a server SERVING? (exit 0 when it is)", 5.0),
+        ("info", "a server's tables: size, memory, counters", 5.0),
+        ("checkpoint", "have a server write a checkpoint now; prints its path", 600.0),
+        ("reset", "remove every row of a table (--schema: and forget its schema)", 30.0),
     ):
-        sub = commands.add_parser(name, help=text)
+        sub = command(name, text)
+        if name == "reset":
+            sub.add_argument("table", metavar="TABLE", help="the table's name")
+            sub.add_argument("--schema", action="store_true",
+                             help="also forget the table's schema: the next insert fixes a new "
+                                  "one (a schema the config declares stays)")
         add_channel_flags(sub)
-        sub.add_argument("--timeout", type=float, default=timeout,
-                         help=f"seconds (default {timeout:g})")
+        sub.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
+                         help=f"seconds to wait for the answer (default {timeout:g})")
         if name == "info":
             sub.add_argument("--json", action="store_true",
                              help="print every figure as JSON (exact numbers, for scripts)")
-        sub.set_defaults(run=fn)
+        sub.set_defaults(run=_operator(name))
     return parser
+
+
+def _version() -> str:
+    try:
+        return metadata.version("replay-server")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from replay_server.app.commands import CommandError, print_error
+
     try:
         return int(args.run(args))
     except ConfigError as exc:
-        logging.basicConfig()
         print(f"replay-server: configuration error: {exc}", file=sys.stderr)
         return 2
+    except CommandError as exc:
+        print_error(str(exc))
+        return 1
 
 
 if __name__ == "__main__":

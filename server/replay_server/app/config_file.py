@@ -44,6 +44,7 @@ import re
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import fields
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
@@ -86,13 +87,15 @@ def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
     """Validate an already-parsed config document."""
     unknown = set(document) - {"server", "tables"}
     if unknown:
-        raise ConfigError(f"unknown top-level sections {sorted(unknown)}; expected [server] "
-                          f"and [[tables]]")
+        hints = "".join(_did_you_mean(name, {"server", "tables"}) for name in sorted(unknown))
+        raise ConfigError(f"unknown top-level sections {sorted(unknown)}{hints}; expected "
+                          f"[server] and [[tables]] (a key above every section belongs in "
+                          f"[server])")
     if not isinstance(document.get("server", {}), Mapping):
         raise ConfigError(f"server must be a table ([server] with key = value lines), got "
                           f"{document['server']!r}")
     server = dict(document.get("server", {}))
-    _check_keys("server", server, _SERVER_KEYS)
+    _check_keys("server", server, _SERVER_KEYS, ("[[tables]]", _TABLE_KEYS))
     tables = document.get("tables")
     if tables is None:
         log.info("the config declares no [[tables]]: serving the default tables "
@@ -106,7 +109,7 @@ def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
             raise ConfigError(f"tables[{index}] must be a table ([[tables]] with key = value "
                               f"lines), got {table!r}")
         where = f"tables[{index}]" + (f" ({table.get('name')!r})" if "name" in table else "")
-        _check_keys(where, table, _TABLE_KEYS)
+        _check_keys(where, table, _TABLE_KEYS, ("[server]", _SERVER_KEYS))
         options = dict(table)
         if "schema" in options:
             options["schema"] = _schema(where, options["schema"])
@@ -145,7 +148,19 @@ def _flatten_schema(raw: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[
             yield f"{prefix}{key}", value
 
 
-def _check_keys(where: str, section: Mapping[str, Any], allowed: set[str]) -> None:
+def _check_keys(where: str, section: Mapping[str, Any], allowed: set[str],
+                elsewhere: tuple[str, set[str]]) -> None:
+    """Refuse a key ``allowed`` lacks, naming a close one, or the section it belongs in."""
     for key in section:
-        if key not in allowed:
-            raise ConfigError(f"{where}: unknown key {key!r}; allowed: {sorted(allowed)}")
+        if key in allowed:
+            continue
+        other, other_keys = elsewhere
+        hint = (f" (a key of {other}: TOML puts every key after a section's header in "
+                f"that section)" if key in other_keys else _did_you_mean(key, allowed))
+        raise ConfigError(f"{where}: unknown key {key!r}{hint}; allowed: {sorted(allowed)}")
+
+
+def _did_you_mean(key: str, allowed: set[str]) -> str:
+    """``"; did you mean 'x'?"`` when one allowed key is close to ``key``, else nothing."""
+    close = get_close_matches(key.lower().replace("-", "_"), sorted(allowed), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""

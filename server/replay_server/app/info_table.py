@@ -39,6 +39,8 @@ def format_info(response: pb.InfoResponse) -> str:
             lines.append(f"{t.name} columns: {columns}")
         if t.rate_limiter.enabled or t.max_times_sampled:
             lines.append(f"{t.name} flow control: {format_flow_control(t)}")
+    if response.server.restored_checkpoint:
+        lines.append(f"restored at start from: {response.server.restored_checkpoint}")
     if response.HasField("last_checkpoint"):
         last = response.last_checkpoint
         lines.append(f"last checkpoint: {last.path} ({last.created}, {nbytes(last.bytes)})")

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from replay_server.checkpoint.directory import CheckpointDirectory
+from replay_server.checkpoint.directory import CheckpointDirectory, CheckpointRef
 from replay_server.checkpoint.fileio import RestoreCancelled, VerifiedReader, read_file
 from replay_server.checkpoint.manifest import (
     COMPLETE,
@@ -61,6 +61,7 @@ from replay_server.errors import (
     RestoreError,
 )
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
+from replay_server.engine.table_state import check_saved_config
 from replay_server.engine.table_set import TableSet
 from replay_server.engine.variables import VariableStore
 
@@ -237,10 +238,7 @@ def restore_latest(
                 f"checkpoint {ref.path} has {exc}; upgrade the server, or move the checkpoint "
                 f"out of the checkpoint directory") from None
         except ConfigError as exc:
-            raise ConfigError(
-                f"checkpoint {ref.path} does not fit the config: {exc}. Start with the config "
-                f"it was written with, or move it out of the checkpoint directory to start "
-                f"without it") from None
+            raise ConfigError(_conflict(directory, ref, refs, tables, exc)) from None
         except (InsufficientMemoryError, MemoryError) as exc:
             raise RestoreError(
                 f"checkpoint {ref.path} could not be loaded: {type(exc).__name__}"
@@ -271,3 +269,40 @@ def restore_latest(
                   "empty tables as server.start_empty_if_unrestorable asks (they are kept)",
                   len(refs), directory.path, reasons)
     return None
+
+
+def _conflict(directory: CheckpointDirectory, ref: CheckpointRef, refs: list[CheckpointRef],
+              tables: TableSet, exc: ConfigError) -> str:
+    """Why the server refuses to start: every checkpoint in the way, and the two ways out.
+
+    A restore never passes over a checkpoint that contradicts the config (that
+    would throw its rows away), so each older one that contradicts it too (by
+    its manifest: tables and their saved settings) would stop the next start.
+    """
+    older = [r for r in reversed(refs) if r.sequence < ref.sequence]
+    also = [r.path.name for r in older if _contradicts(r.path, tables)]
+    listed = (f"; so do {len(also)} older checkpoint(s): {', '.join(also)}" if also else "")
+    move = f"all {len(also) + 1} of them" if also else "it"
+    return (f"checkpoint {ref.path} does not fit the config: {exc}{listed}. Two ways out: "
+            f"start with the config the checkpoints were written with; or keep this config "
+            f"and give it another checkpoint directory (server.checkpoint_dir, or "
+            f"--checkpoint-dir), or move {move} out of {directory.path}")
+
+
+def _contradicts(path: Path, tables: TableSet) -> bool:
+    """Whether the manifest at ``path`` names a table ``tables`` lacks, or saved settings that
+    contradict a table's config (a damaged manifest: no, a restore would skip it)."""
+    try:
+        manifest = read_manifest(path)
+    except (CorruptCheckpointError, NewerFormatError):
+        return False
+    for entry in manifest.tables:
+        if entry.name not in tables.names:
+            return True
+        try:
+            check_saved_config(tables[entry.name].config, entry.config)
+        except ConfigError:
+            return True
+        except (KeyError, TypeError):
+            return False
+    return False

@@ -14,6 +14,7 @@ from typing import Any
 
 from replay_proto.keys import check_prefixes
 from replay_server.errors import ConfigError
+from replay_server.engine.samplers import SAMPLERS, SamplerTraits
 from replay_server.engine.schema import FieldSpec
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}")
@@ -36,28 +37,31 @@ class StorageKind(str, Enum):
     MEMMAP = "memmap"
 
 
-class SamplerKind(str, Enum):
-    """How a table picks the rows of a sample (see ``replay_server.engine.samplers``)."""
+class _SamplerKinds(str, Enum):
+    """What a sampler's name tells, read from the declaration of the class it names."""
 
-    UNIFORM = "uniform"
-    PRIORITIZED = "prioritized"
-    SLICE = "slice"
-    PRIORITIZED_SLICE = "prioritized_slice"
-    FIFO = "fifo"
-    LIFO = "lifo"
+    @property
+    def traits(self) -> SamplerTraits:
+        return SAMPLERS[self.value].traits
 
     @property
     def is_queue(self) -> bool:
         """Consume-once kinds: a sample takes the oldest (fifo) or newest (lifo) rows away."""
-        return self in (SamplerKind.FIFO, SamplerKind.LIFO)
+        return self.traits.consumes
 
     @property
     def is_prioritized(self) -> bool:
-        return self in (SamplerKind.PRIORITIZED, SamplerKind.PRIORITIZED_SLICE)
+        return self.traits.priorities
 
     @property
     def is_slice(self) -> bool:
-        return self in (SamplerKind.SLICE, SamplerKind.PRIORITIZED_SLICE)
+        return self.traits.slices
+
+
+SamplerKind = _SamplerKinds(  # type: ignore[call-overload]
+    "SamplerKind", [(name.upper(), name) for name in SAMPLERS], module=__name__)
+"""How a table picks the rows of a sample: one member per registered sampler
+(:data:`~replay_server.engine.samplers.SAMPLERS`), named as the config names it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +71,8 @@ class TableConfig:
     Attributes:
         name: the table's name (letters, digits, ``_`` and ``-``).
         capacity: rows kept; when full, the oldest row is overwritten (FIFO).
-        sampler: ``uniform``, ``prioritized``, ``slice`` or ``prioritized_slice``.
+        sampler: a registered sampler's name (``uniform``, ``prioritized``,
+            ``slice``, ``prioritized_slice``, ``fifo``, ``lifo``).
         alpha: priority exponent, P(i) = p_i^alpha / sum_k p_k^alpha (prioritized kinds).
         beta: importance-weight exponent (prioritized kinds).
         slice_len: steps per sampled slice (slice kinds; required there, refused elsewhere).
@@ -87,32 +92,44 @@ class TableConfig:
             calls wait, in sampled rows (see :mod:`replay_server.engine.rate_limiter`);
             ``None``: ``max(1, samples_per_insert) * max(min_size_to_sample, 1000)``.
         max_times_sampled: a row drawn this many times is retired (no longer
-            sampled); 0: no limit. Row samplers only.
-        max_size: (``fifo``/``lifo`` only) inserts wait while the queue holds
-            more than ``max_size - rows`` rows; ``None``: they never wait, and
-            the ring overwrites the oldest rows when full. At most ``capacity``.
-        storage: ``memory`` (preallocated tensors in RAM) or ``memmap``
+            sampled; slice samplers: a slice drawn this many times is retired);
+            0: no limit (``fifo``/``lifo``: 1).
+        max_size: (tables whose rows leave when sampled: ``fifo``/``lifo``, or
+            ``max_times_sampled``) inserts wait while the table holds more
+            than ``max_size - rows`` rows; ``None``: they never wait, and the
+            ring overwrites the oldest rows when full. At most ``capacity``.
+        storage: every column's backend: ``memory`` (preallocated tensors in
+            RAM; on a device table, in device memory) or ``memmap``
             (memory-mapped files under ``storage_dir``: the page cache decides
             what stays in RAM, so a table may be larger than RAM).
-        storage_dir: the existing directory a ``memmap`` table keeps its files
-            in; ``memmap`` only.
-        n_step: (``uniform``/``prioritized`` only) samples return n-step
+        column_storage: per-column backends overriding ``storage`` (flat key ->
+            ``memory`` or ``memmap``); ``None``: none.
+        storage_dir: the existing directory ``memmap`` columns keep their
+            files in; only with a ``memmap`` column.
+        n_step: (any sampler but ``fifo``/``lifo``) samples return n-step
             transitions built from the stored steps of each row's episode
-            (see :mod:`replay_server.engine.nstep`); 1: plain rows.
+            (see :mod:`replay_server.engine.readers.nstep`); 1: plain rows.
         gamma: the discount of the n-step return (``n_step > 1`` only), in [0, 1].
         reward_key: the column summed into the n-step return (``n_step > 1`` only).
-        frame_stack_key: (``uniform``/``prioritized`` only) a stacked observation
-            ``[stack, ...]`` stored one frame per step with ``next.<key>``, its
-            stacks rebuilt at sample time (see
-            :mod:`replay_server.engine.storage.framestack`); ``None``: off.
+        frame_stack_key: a stacked observation ``[stack, ...]`` stored one frame
+            per step (with ``next.<key>`` when present), its stacks rebuilt at
+            sample time (see :mod:`replay_server.engine.readers.framestack`);
+            ``None``: off.
         frame_stack_fill: the frames before an episode's first step: ``repeat``
             its first frame, or ``zero``.
-        compress_keys: columns whose rows are stored lz4-compressed (see
-            :mod:`replay_server.engine.storage.compressed`); ``None``: none.
-        device: where the table's columns live: ``"cpu"`` (host memory, the
-            default) or ``"cuda"`` / ``"cuda:N"`` (device memory: sampling
-            gathers there; see :mod:`replay_server.engine.storage.device`).
-            Checked against the machine when the table is made.
+        compress_keys: columns whose rows are stored lz4-compressed, over their
+            backend (see :mod:`replay_server.engine.storage.compressed`);
+            ``None``: none.
+        priority_mixing: (samplers with priorities and slices) ``eta``: priority
+            updates are of whole slices (a batch's ids ``[B, slice_len]``, flat
+            over the wire) and give each slice's start ``eta * max + (1 - eta) *
+            mean`` of its steps' priorities, as R2D2 does; ``None``: updates
+            apply per row.
+        device: where the table's batches are handed out and its ``memory``
+            columns live: ``"cpu"`` (host memory, the default) or ``"cuda"`` /
+            ``"cuda:N"`` (device memory: sampling gathers there; see
+            :mod:`replay_server.engine.storage.device`). Checked against the
+            machine when the table is made.
     """
 
     name: str
@@ -141,6 +158,8 @@ class TableConfig:
     frame_stack_fill: str = "repeat"
     compress_keys: tuple[str, ...] | None = None
     device: str = "cpu"
+    column_storage: dict[str, StorageKind] | None = field(default=None, hash=False)
+    priority_mixing: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -205,12 +224,14 @@ class TableConfig:
             except ValueError as exc:
                 raise ConfigError(f"{where}: schema: {exc}") from None
         self._check_flow_control(where)
-        self._check_queue(where)
+        self._check_max_size(where)
         self._check_storage(where)
         self._check_n_step(where)
         self._check_frame_stack(where)
         self._check_compression(where)
         self._check_device(where)
+        self._check_priority_mixing(where)
+        self._check_combinations(where)
 
     def _check_device(self, where: str) -> None:
         """Syntax and supported combinations only; the machine is asked when the table is made
@@ -221,13 +242,6 @@ class TableConfig:
                               f"index), got {device!r}")
         if device == "cpu":
             return
-        for name, on in (("storage 'memmap'", self.storage is StorageKind.MEMMAP),
-                         ("compress_keys", self.compress_keys is not None),
-                         ("frame_stack_key", self.frame_stack_key is not None),
-                         ("n_step > 1", self.n_step > 1)):
-            if on:
-                raise ConfigError(f"{where}: device = {device!r} with {name} is not supported "
-                                  f"yet with device tables; remove {name} or use device 'cpu'")
 
     @property
     def on_device(self) -> bool:
@@ -243,12 +257,6 @@ class TableConfig:
             raise ConfigError(f"{where}: compress_keys must be a non-empty list of distinct "
                               f"column names, got {keys!r}")
         object.__setattr__(self, "compress_keys", tuple(keys))
-        for name, on in (("storage 'memmap'", self.storage is StorageKind.MEMMAP),
-                         ("frame_stack_key", self.frame_stack_key is not None),
-                         ("n_step > 1", self.n_step > 1), ("pin_memory", self.pin_memory)):
-            if on:
-                raise ConfigError(f"{where}: compress_keys with {name} is not supported yet; "
-                                  f"use one of them")
 
     def _check_frame_stack(self, where: str) -> None:
         if self.frame_stack_fill not in ("repeat", "zero"):
@@ -260,13 +268,6 @@ class TableConfig:
         if not isinstance(key, str) or not key or key.startswith("next."):
             raise ConfigError(f"{where}: frame_stack_key must name the stacked observation "
                               f"(e.g. 'obs'; 'next.<key>' is stacked with it), got {key!r}")
-        if self.sampler not in (SamplerKind.UNIFORM, SamplerKind.PRIORITIZED):
-            raise ConfigError(f"{where}: frame_stack_key needs sampler 'uniform' or "
-                              f"'prioritized'; sampler {self.sampler.value!r} does not support "
-                              f"it yet")
-        if self.n_step > 1:
-            raise ConfigError(f"{where}: frame_stack_key with n_step > 1 is not supported yet; "
-                              f"use one of them")
 
     def _check_n_step(self, where: str) -> None:
         if not _is_int(self.n_step) or not 1 <= self.n_step <= min(self.capacity, 1000):
@@ -278,34 +279,19 @@ class TableConfig:
         if not isinstance(self.reward_key, str) or not self.reward_key:
             raise ConfigError(f"{where}: reward_key must be a non-empty string, got "
                               f"{self.reward_key!r}")
-        if self.n_step > 1 and self.sampler not in (SamplerKind.UNIFORM, SamplerKind.PRIORITIZED):
-            raise ConfigError(
-                f"{where}: n_step={self.n_step} needs sampler 'uniform' or 'prioritized' (a row "
-                f"sampler); sampler {self.sampler.value!r} does not support it")
 
-    def _check_queue(self, where: str) -> None:
-        """fifo/lifo: consume-once already, so the other flow controls are refused."""
-        if not self.sampler.is_queue:
-            if self.max_size is not None:
-                raise ConfigError(
-                    f"{where}: max_size={self.max_size!r} only applies to the queue samplers "
-                    f"'fifo' and 'lifo', and sampler is {self.sampler.value!r}; remove max_size")
+    def _check_max_size(self, where: str) -> None:
+        """max_size bounds tables whose rows leave when sampled (a remover's)."""
+        if self.max_size is None:
             return
-        if self.max_size is not None and (not _is_int(self.max_size)
-                                          or not 1 <= self.max_size <= self.capacity):
+        if self.removal_limit == 0:
+            raise ConfigError(
+                f"{where}: max_size={self.max_size!r} only applies where rows leave the table "
+                f"when sampled (sampler 'fifo' or 'lifo', or max_times_sampled); without that "
+                f"a table at max_size would stop taking inserts for good; remove max_size")
+        if not _is_int(self.max_size) or not 1 <= self.max_size <= self.capacity:
             raise ConfigError(f"{where}: max_size must be an integer in [1, capacity="
                               f"{self.capacity}] or omitted, got {self.max_size!r}")
-        for name in ("samples_per_insert", "max_times_sampled"):
-            if getattr(self, name):
-                raise ConfigError(
-                    f"{where}: {name}={getattr(self, name)!r} does not apply to sampler "
-                    f"{self.sampler.value!r}: a queue hands each row out once, and inserts wait "
-                    f"at max_size; remove {name}")
-        if self.min_size_to_sample is not None:
-            raise ConfigError(
-                f"{where}: min_size_to_sample={self.min_size_to_sample!r} does not apply to "
-                f"sampler {self.sampler.value!r}: a queue's sample waits until it holds "
-                f"batch_size rows; remove min_size_to_sample")
 
     def _check_storage(self, where: str) -> None:
         try:
@@ -314,17 +300,32 @@ class TableConfig:
             kinds = ", ".join(k.value for k in StorageKind)
             raise ConfigError(
                 f"{where}: storage must be one of {kinds}, got {self.storage!r}") from None
-        if self.storage is StorageKind.MEMMAP:
+        overrides = self.column_storage
+        if overrides is not None:
+            if not isinstance(overrides, dict) or not overrides or not all(
+                    isinstance(k, str) and k for k in overrides):
+                raise ConfigError(f"{where}: column_storage must map column keys to storage "
+                                  f"kinds, got {overrides!r}")
+            try:
+                object.__setattr__(self, "column_storage", {
+                    key: StorageKind(kind) for key, kind in overrides.items()})
+            except ValueError:
+                kinds = ", ".join(k.value for k in StorageKind)
+                raise ConfigError(f"{where}: column_storage values must be one of {kinds}, "
+                                  f"got {overrides!r}") from None
+        kinds = {self.storage, *(self.column_storage or {}).values()}
+        if StorageKind.MEMMAP in kinds:
             if not isinstance(self.storage_dir, str) or not self.storage_dir:
                 raise ConfigError(f"{where}: storage 'memmap' needs storage_dir, the directory "
                                   f"its files go in; got {self.storage_dir!r}")
-            if self.pin_memory:
-                raise ConfigError(f"{where}: pin_memory cannot be true with storage 'memmap' "
-                                  f"(file-backed pages cannot be pinned); remove one")
         elif self.storage_dir is not None:
             raise ConfigError(f"{where}: storage_dir={self.storage_dir!r} is only used by "
                               f"storage 'memmap', and storage is {self.storage.value!r}; remove "
                               f"storage_dir or set storage = \"memmap\"")
+
+    def backend_of(self, key: str) -> StorageKind:
+        """The storage kind of column ``key`` (``column_storage``'s, else ``storage``)."""
+        return (self.column_storage or {}).get(key, self.storage)
 
     def _check_flow_control(self, where: str) -> None:
         """Rate limiter and max_times_sampled: refuse settings that can never make progress."""
@@ -368,19 +369,59 @@ class TableConfig:
                 f"{where}: max_times_sampled must be an integer in [0, {MAX_TIMES_SAMPLED}] "
                 f"(0: no limit), got {limit!r}"
             )
-        if limit and self.sampler.is_slice:
+
+    def _check_priority_mixing(self, where: str) -> None:
+        eta = self.priority_mixing
+        if eta is None:
+            return
+        if not _is_real(eta) or not 0.0 <= eta <= 1.0:
+            raise ConfigError(f"{where}: priority_mixing must be a number in [0, 1] or omitted, "
+                              f"got {eta!r}")
+        object.__setattr__(self, "priority_mixing", float(eta))
+        traits = self.sampler.traits
+        if not (traits.priorities and traits.slices):
             raise ConfigError(
-                f"{where}: max_times_sampled={limit} is not supported by sampler "
-                f"{self.sampler.value!r}: a step belongs to up to slice_len overlapping slices, "
-                f"so how often it was sampled has no single meaning; remove max_times_sampled "
-                f"or use a row sampler"
-            )
-        if limit and spi is not None and spi > limit:
+                f"{where}: priority_mixing={eta!r} only applies to samplers with priorities and "
+                f"slices (it mixes a slice's steps' priorities into its start's), and sampler "
+                f"is {self.sampler.value!r}; remove priority_mixing or choose "
+                f"'prioritized_slice'")
+
+    def _check_combinations(self, where: str) -> None:
+        """The only combinations of features refused, each because it has no meaning
+        (docs/engine.md, "What is refused"); every other combination composes."""
+        kind = self.sampler.value
+        if self.n_step > 1 and self.sampler.traits.consumes:
             raise ConfigError(
-                f"{where}: samples_per_insert={spi!r} asks for more samples per row than "
-                f"max_times_sampled={limit} allows (a row is retired after {limit} draws), so "
-                f"the ratio could never be held"
-            )
+                f"{where}: n_step={self.n_step} has no meaning with sampler {kind!r}, which "
+                f"hands a row out as soon as it arrives, before the later steps its n-step "
+                f"return sums exist; use n_step = 1 or a sampler that keeps its rows")
+        kinds = {self.storage, *(self.column_storage or {}).values()}
+        if self.pin_memory and kinds == {StorageKind.MEMMAP}:
+            raise ConfigError(
+                f"{where}: pin_memory has no meaning with storage 'memmap', whose rows are "
+                f"file pages that pinning would hold in RAM, which memmap exists to avoid; "
+                f"remove pin_memory")
+        spi, limit = self.samples_per_insert, self.removal_limit
+        most = limit * (self.slice_len or 1)  # a slice's draw samples slice_len rows
+        if limit and spi is not None and spi > most:
+            raise ConfigError(
+                f"{where}: samples_per_insert={spi!r} has no meaning with {self._limit_name}, "
+                f"which lets a row be sampled at most {most} time{'s' if most > 1 else ''}, so "
+                f"inserts would wait for samples that wait for inserts; lower samples_per_insert or raise the limit")
+
+    @property
+    def removal_limit(self) -> int:
+        """Draws after which a row leaves the table: ``max_times_sampled``, else 1 for a
+        sampler that consumes its rows (``fifo``/``lifo``), else 0 (rows only age out)."""
+        if self.max_times_sampled:
+            return self.max_times_sampled
+        return 1 if self.sampler.traits.consumes else 0
+
+    @property
+    def _limit_name(self) -> str:
+        if self.max_times_sampled:
+            return f"max_times_sampled={self.max_times_sampled}"
+        return f"sampler {self.sampler.value!r} (each row handed out once)"
 
     @property
     def rate_limited(self) -> bool:
@@ -435,6 +476,9 @@ class TableConfig:
             "frame_stack_fill": self.frame_stack_fill,
             "compress_keys": None if self.compress_keys is None else list(self.compress_keys),
             "device": self.device,
+            "column_storage": None if self.column_storage is None else {
+                key: kind.value for key, kind in self.column_storage.items()},
+            "priority_mixing": self.priority_mixing,
         }
 
 

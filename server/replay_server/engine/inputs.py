@@ -20,8 +20,7 @@ import torch
 from replay_proto.dtypes import DTYPES
 from replay_proto.rows import EPISODE_KEY, rows_of
 from replay_server.engine.config import TableConfig
-from replay_server.engine.nstep import NEXT_PREFIX, STEPS_KEY
-from replay_server.engine.storage.framestack import check_stack_columns
+from replay_server.engine.readers import NEXT_PREFIX, STEPS_KEY, check_stack_columns
 from replay_server.engine.schema import Schema
 from replay_server.errors import (
     InvalidArgumentError,
@@ -153,8 +152,10 @@ def priority_values(priorities: Any, table: str, alpha: float) -> np.ndarray:
     return values
 
 
-def insert_priorities(priorities: Any, rows: int, config: TableConfig) -> np.ndarray | None:
+def insert_priorities(priorities: Any, rows: int, config: TableConfig,
+                      alpha: float | None = None) -> np.ndarray | None:
     """An insert's ``[rows]`` priorities, checked (``None`` when none were given).
+    ``alpha``: the exponent in force (it may differ from the config's at run time).
 
     Raises:
         NoPrioritiesError: the table's sampler has no priorities.
@@ -162,18 +163,50 @@ def insert_priorities(priorities: Any, rows: int, config: TableConfig) -> np.nda
     """
     if priorities is None:
         return None
-    if not config.sampler.is_prioritized:
+    if not config.sampler.traits.priorities:
         raise NoPrioritiesError(
             f"table {config.name!r} uses sampler {config.sampler.value!r}, which has "
             f"no priorities; insert without priorities"
         )
-    values = priority_values(priorities, config.name, config.alpha)
+    values = priority_values(priorities, config.name, config.alpha if alpha is None else alpha)
     if tuple(values.shape) != (rows,):
         raise InvalidPriorityError(
             f"table {config.name!r}: priorities must have shape [{rows}] (one per row), "
             f"got {list(values.shape)}"
         )
     return values
+
+
+def mixed_priorities(ids: np.ndarray, values: np.ndarray, config: TableConfig, table: str
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """An update of whole slices (ids ``[B, slice_len]``, or flat with ``slice_len`` per
+    slice in order, as the wire carries them) to its starts' ids ``[B]`` and priorities
+    ``eta * max + (1 - eta) * mean`` of each slice's (R2D2's mixing, Kapturowski et al. 2019).
+
+    Raises:
+        InvalidPriorityError: the ids are not a whole number of slices.
+    """
+    length = config.slice_len
+    assert length is not None and config.priority_mixing is not None
+    if ids.size % length:
+        raise InvalidPriorityError(
+            f"table {table!r} mixes priorities per slice (priority_mixing): an update gives "
+            f"slice_len={length} priorities per slice (the batch's ids [B, {length}]), got "
+            f"{ids.size} ids")
+    eta = config.priority_mixing
+    slices, per_step = ids.reshape(-1, length), values.reshape(-1, length)
+    return slices[:, 0], eta * per_step.max(axis=1) + (1.0 - eta) * per_step.mean(axis=1)
+
+
+def episode_values(columns: Mapping[str, torch.Tensor], rows: int,
+                   config: TableConfig) -> dict[str, np.ndarray]:
+    """An insert's episode ids (int64) and end flags (``done`` or ``truncated``), per row."""
+    ends = np.zeros(rows, dtype=bool)
+    for key in config.episode_end_keys:
+        if key in columns:
+            ends |= columns[key].detach().cpu().numpy().reshape(rows)
+    episodes = columns[config.episode_key].detach().cpu().numpy().astype(np.int64)
+    return {"episodes": episodes, "ends": ends}
 
 
 def id_values(ids: Any, table: str) -> np.ndarray:
@@ -205,7 +238,7 @@ def check_sampler_columns(config: TableConfig, schema: Schema) -> None:
     if missing:
         raise SchemaMismatchError(f"table {config.name!r}: compress_keys names {missing}, which "
                                   f"the schema lacks; it has {sorted(schema)}")
-    if not (config.sampler.is_slice or config.n_step > 1 or config.frame_stack_key):
+    if not (config.sampler.traits.episodes or config.n_step > 1 or config.frame_stack_key):
         return
     key = config.episode_key
     spec = schema.get(key)

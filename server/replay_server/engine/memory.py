@@ -1,10 +1,11 @@
 """What a table costs in memory, and the ledger that keeps a server's tables within a limit.
 
-A table's memory is fixed by its config and schema: ``capacity`` rows of the
-schema's row bytes (allocated when the schema is fixed: by the config at
-start, else by the first insert), plus the sampler's per-slot state
-(allocated at start): priority sum tree leaves, episode links, slice-start
-sets, draw counts. :func:`table_bytes` computes it; a :class:`MemoryLedger`
+A table's memory is fixed by its config and schema: ``capacity`` rows as its
+storage keeps them (allocated when the schema is fixed: by the config at
+start, else by the first insert), plus the per-slot state its sampler,
+remover and readers declare (allocated at start): priority sum tree leaves,
+episode links, slice-start sets, draw counts.
+:func:`~replay_server.engine.table_parts.table_bytes` adds them up; a :class:`MemoryLedger`
 holds what the tables of one server have been promised and refuses a table
 whose memory would take the total past the limit, *before* anything is
 allocated, with an error naming the table, the bytes and the limit. (Storage
@@ -21,12 +22,7 @@ import os
 import threading
 from pathlib import Path
 
-from replay_server.engine.config import SamplerKind, StorageKind, TableConfig
-from replay_server.engine.schema import Schema
 from replay_server.errors import InsufficientMemoryError
-
-_PRIORITY_TREE = 7
-"""Bytes per slot of a SumTree (float32 leaves, float64 nodes per 16-leaf block, minima)."""
 
 _CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"),                     # cgroup v2
                   Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))   # cgroup v1
@@ -43,59 +39,6 @@ def machine_memory() -> int:
         if text.isdigit():
             total = min(total, int(text))
     return total
-
-
-def sampler_slot_bytes(config: TableConfig) -> int:
-    """Bytes of sampler (and draw-count) state per slot, allocated when the table is made."""
-    index = 4 if config.capacity < 2**31 else 8  # slots as int32 where they fit
-    kind = config.sampler
-    per_slot = {
-        SamplerKind.UNIFORM: 2 * index if config.max_times_sampled else 0,  # drawable set
-        SamplerKind.PRIORITIZED: _PRIORITY_TREE,
-        SamplerKind.SLICE: 3 * index,  # episode links + slice-start set
-        SamplerKind.PRIORITIZED_SLICE: index + _PRIORITY_TREE + 5,  # links, tree, masses
-        SamplerKind.FIFO: 0,  # runs of positions: nothing per slot
-        SamplerKind.LIFO: 0,
-    }[kind]
-    per_slot += 26 if config.n_step > 1 else 0  # next-step links and windows (nstep.py)
-    per_slot += 16 if config.frame_stack_key else 0  # previous and next step positions
-    return per_slot + (4 if config.max_times_sampled else 0)  # uint32 draw counts
-
-
-def table_bytes(config: TableConfig, schema: Schema | None) -> int:
-    """Bytes of RAM a table of ``config`` needs at its capacity (rows of ``schema``, if fixed).
-
-    A ``memmap`` table's rows live in files (the page cache holds what fits),
-    so only its sampler state counts; its disk is checked when its files are
-    reserved (:mod:`~replay_server.engine.storage.memmap`). A device table's
-    rows live in device memory, checked against the device when they are
-    allocated (:mod:`~replay_server.engine.storage.placement`).
-    """
-    row = 0 if (schema is None or config.storage is StorageKind.MEMMAP
-                or config.on_device) else stored_row_bytes(config, schema)
-    return config.capacity * (row + sampler_slot_bytes(config))
-
-
-COMPRESSED_ROW_OVERHEAD = 41
-"""Bytes a compressed row costs beyond its compressed bytes (a bytes object, a list slot)."""
-
-
-def stored_row_bytes(config: TableConfig, schema: Schema) -> int:
-    """Bytes a row of ``schema`` takes in storage at most: a frame-stacked key keeps one frame
-    of its stack; a compressed column is promised lz4's worst case (its raw size, lz4's bound
-    and :data:`COMPRESSED_ROW_OVERHEAD`)."""
-    row = schema.row_bytes
-    for key in config.compress_keys or ():
-        spec = schema.get(key)
-        if spec is not None:
-            row += spec.row_bytes // 255 + 16 + COMPRESSED_ROW_OVERHEAD
-    key = config.frame_stack_key
-    if key is not None:
-        for name in (key, f"next.{key}"):
-            spec = schema.get(name)
-            if spec is not None and spec.shape:
-                row -= spec.row_bytes - spec.row_bytes // spec.shape[0]
-    return row
 
 
 def format_bytes(nbytes: float) -> str:

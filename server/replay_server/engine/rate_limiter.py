@@ -42,6 +42,12 @@ rule does not: ``error_buffer >= max(1, spi)`` (checked by the config) leaves
 room for one row one way or the other, and below ``min_size_to_sample`` rows
 inserts are free.
 
+**Size.** A table whose rows leave when sampled (``fifo``/``lifo``, or
+``max_times_sampled``) may also have a ``max_size`` (Reverb's ``Queue``
+limiter): an insert of ``n`` rows waits while the table holds more than
+``max_size - n`` rows, whole (the rows that must leave first are the
+ones sampling takes), and an insert larger than ``max_size`` is refused.
+
 A call held back raises :class:`~replay_server.errors.RateLimitedError`
 (changing nothing); the table's caller decides whether to wait.
 
@@ -58,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replay_server.engine.config import TableConfig
-from replay_server.errors import ConfigError, RateLimitedError
+from replay_server.errors import ConfigError, InvalidArgumentError, RateLimitedError
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +98,7 @@ class RateLimiter:
         samples_per_insert: the ratio to hold; ``None``: no ratio limit.
         error_buffer: how far the count may move either way from
             ``spi * min_size_to_sample``; required with ``samples_per_insert``.
+        max_size: rows the table may hold before inserts wait (``None``: no limit).
 
     Cost: every method O(1).
     """
@@ -101,12 +108,14 @@ class RateLimiter:
         min_size_to_sample: int = 0,
         samples_per_insert: float | None = None,
         error_buffer: float | None = None,
+        max_size: int | None = None,
     ) -> None:
         if (samples_per_insert is None) != (error_buffer is None):
             raise ConfigError("samples_per_insert and error_buffer go together")
         self.min_size_to_sample = min_size_to_sample
         self.samples_per_insert = samples_per_insert
         self.error_buffer = error_buffer
+        self.max_size = max_size
         if samples_per_insert is None or error_buffer is None:
             self._spi, self.min_diff, self.max_diff = 1.0, -math.inf, math.inf
         else:
@@ -124,6 +133,7 @@ class RateLimiter:
             config.effective_min_size_to_sample,
             config.samples_per_insert,
             config.effective_error_buffer,
+            config.max_size,
         )
 
     @property
@@ -151,12 +161,30 @@ class RateLimiter:
             return False
         return self.inserts * self._spi - self.samples - n >= self.min_diff
 
+    def may_insert(self, n: int) -> bool:
+        """Would an insert of ``n`` rows be admitted now (``max_size`` and the ratio)?"""
+        fits = self.max_size is None or self.inserts - self.deletes + n <= self.max_size
+        return fits and self.can_insert(1)
+
     def check_insert(self, n: int, table: str) -> None:
-        """Raise unless an insert of ``n`` rows is admitted now (its first row can go in).
+        """Raise unless an insert of ``n`` rows is admitted now (all of them fit ``max_size``
+        and its first row is admitted by the ratio).
 
         Raises:
+            InvalidArgumentError: ``n`` exceeds ``max_size``: it could never go in.
             RateLimitedError: it has to wait for samples; nothing changed.
         """
+        size = self.inserts - self.deletes
+        if self.max_size is not None:
+            if n > self.max_size:
+                raise InvalidArgumentError(
+                    f"table {table!r}: an insert of {n} rows can never fit a table of "
+                    f"max_size={self.max_size}; split it")
+            if size + n > self.max_size:
+                raise RateLimitedError(
+                    f"table {table!r}: the table holds {size} of max_size={self.max_size} "
+                    f"rows, no room for {n} more; it waits for samples",
+                    table=table, operation="insert", count=n)
         if not self.can_insert(1):
             raise RateLimitedError(
                 f"table {table!r}: insert of {n} rows blocked by the rate limiter "

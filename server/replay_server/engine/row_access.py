@@ -123,16 +123,10 @@ def read(parts: TableParts, config: TableConfig, *, positions: Any = None, ids: 
     numbers = (numbers_at(parts, positions, config.name) if ids is None
                else numbers_of(parts, ids, config.name))
     ring = parts.ring
-    slots = ring.slots(numbers)
     found = None
     if columns:
-        if parts.storage is None:
-            found = {}
-        elif parts.frames is not None:
-            found = parts.frames.gather(parts.storage, numbers, None)
-        else:
-            found = parts.storage.gather(slots)
-    values = parts.sampler.priorities(slots) if priorities else None
+        found = {} if parts.storage is None else parts.row_reader(config).read(numbers)
+    values = parts.sampler.priorities(numbers) if priorities else None
     return RowRead(found, parts.ids.ids_of(numbers, ring.first_live), values, parts.size)
 
 
@@ -163,11 +157,18 @@ def write(parts: TableParts, config: TableConfig, positions: Any,
     order = np.fromiter(sorted(last), dtype=np.int64, count=len(last))
     chosen = np.fromiter((last[int(s)] for s in order), dtype=np.int64, count=order.size)
     breaks = np.flatnonzero(np.diff(order) != 1) + 1
+    storage = parts.storage
+    runs = []
     for run in np.split(np.arange(order.size), breaks):
         take = torch.from_numpy(chosen[run])
-        parts.storage.write(int(order[run[0]]), {k: v[take] for k, v in columns.items()})
+        encoded = storage.encode(parts.stored({k: v[take] for k, v in columns.items()}))
+        storage.reserve(int(order[run[0]]), encoded)  # may refuse: nothing written yet
+        runs.append((int(order[run[0]]), encoded))
+    for first_slot, encoded in runs:
+        storage.write(first_slot, encoded)
     if parts.sampler.traits.priorities:
-        parts.sampler.update(order, np.full(order.size, parts.sampler.max_priority))
+        written = parts.ring.ids_of_slots(order)
+        parts.sampler.update(written, np.full(order.size, parts.sampler.max_priority))
 
 
 def _check_writable(parts: TableParts, config: TableConfig) -> None:
@@ -176,8 +177,9 @@ def _check_writable(parts: TableParts, config: TableConfig) -> None:
     linked = [name for name, on in (
         ("its episodes (slice samplers link each step to the next)", traits.episodes),
         ("its queue (rows are handed out once)", traits.consumes),
-        ("n_step > 1 (samples read each row's successors)", parts.nstep is not None),
-        ("frame_stack_key (stacks are rebuilt from neighbouring rows)", parts.frames is not None),
+        ("n_step > 1 (samples read each row's successors)", config.n_step > 1),
+        ("frame_stack_key (stacks are rebuilt from neighbouring rows)",
+         config.frame_stack_key is not None),
     ) if on]
     if linked:
         raise InvalidArgumentError(

@@ -46,6 +46,9 @@ from replay_server.engine.snapshot import saved_copy
 BLOCK = 16
 """Leaves per block (the fan-in of the bottom level)."""
 
+SLOT_BYTES = 7
+"""Bytes per slot a sum tree is promised: float32 leaves, float64 nodes per block, minima."""
+
 _LARGE_BATCH = 8
 """``find`` switches to the prefix-sum path when ``batch * _LARGE_BATCH >= blocks``."""
 

@@ -18,7 +18,8 @@ Flow control: the table's :class:`~replay_server.engine.rate_limiter.RateLimiter
 is consulted under the lock by ``insert`` and ``sample``; a call it holds back
 raises :class:`~replay_server.errors.RateLimitedError` at once (the service
 turns that into waiting; an in-process caller can wait on :attr:`Table.changes`).
-``max_times_sampled`` retires rows (see :mod:`replay_server.engine.retirement`).
+Rows that leave when sampled (``max_times_sampled``, ``fifo``/``lifo``) are
+the table's remover's (:mod:`replay_server.engine.remover`).
 
 Thread-safety: all public methods may be called from any thread; one lock per
 table serializes them (tables do not block each other). Tensor conversion of
@@ -30,7 +31,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -45,21 +46,28 @@ from replay_server.engine.inputs import (
     batch_size_of,
     check_sampler_columns,
     columns_of,
+    episode_values,
     id_values,
     insert_priorities,
+    mixed_priorities,
     priority_values,
     row_count,
 )
-from replay_server.engine.memory import MemoryLedger, table_bytes
-from replay_server.engine.nstep import STEPS_KEY
-from replay_server.engine.storage.framestack import check_insert as check_stacks
+from replay_server.engine.memory import MemoryLedger
+from replay_server.engine.readers.framestack import check_insert as check_stacks
 from replay_server.engine.storage.placement import table_device
 from replay_server.engine.rate_limiter import RateLimiter
-from replay_server.engine.samplers import InsertEvent
+from replay_server.engine.insert_event import InsertEvent
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
-from replay_server.engine.table_info import Capabilities, TableCounters, TableFigures, TableInfo
-from replay_server.engine.table_parts import TableParts, fresh_parts, schema_way_out
+from replay_server.engine.table_info import TableCounters, TableFigures, TableInfo
+from replay_server.engine.table_parts import (
+    TableParts,
+    fresh_parts,
+    memory_promise,
+    schema_way_out,
+    table_bytes,
+)
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
     ConfigError,
@@ -71,7 +79,7 @@ from replay_server.errors import (
     SchemaMismatchError,
 )
 
-__all__ = ["MAX_BATCH_SIZE", "STATE_VERSION", "Table"]
+__all__ = ["MAX_BATCH_SIZE", "STATE_VERSION", "Table", "TableCounters"]
 
 
 class Table:
@@ -102,11 +110,14 @@ class Table:
             self._memory.require(config.name, table_bytes(config, declared),
                                  f"capacity {config.capacity:,} (sampler state"
                                  f"{'' if declared is None else ' and the declared schema'})")
-            self._parts = fresh_parts(config, incarnations)
+            self._parts = fresh_parts(config, incarnations, memory_promise(config, self._memory))
         except InsufficientMemoryError as exc:
             raise ConfigError(str(exc)) from None
         self._instant_bytes = 0  # what the last snapshot's instant copied: the next one's arena
         self._device = table_device(config)  # a device table's: rows already there stay there
+        self._episodes = (config.sampler.traits.episodes or config.n_step > 1
+                          or config.frame_stack_key is not None)
+        """Whether inserts tell the episode ids and ends (to the sampler or the readers)."""
         self.changes = ChangeClock()
         """Ticks once per insert, sample, priority update, reset and load."""
 
@@ -132,12 +143,8 @@ class Table:
     # ------------------------------------------------------------------ insert
 
     def may_insert(self, rows: int) -> bool:
-        """Lock-free hint: would an insert of ``rows`` fit a queue's ``max_size`` now?
-
-        Always True for other tables (their rate limiter answers for them).
-        """
-        queue = self._parts.queue
-        return queue is None or queue.may_insert(rows)
+        """Lock-free hint: would the rate limiter (and ``max_size``) admit an insert of ``rows`` now?"""
+        return self._parts.limiter.may_insert(rows)
 
     def insert(self, data: Any, priorities: Any = None) -> torch.Tensor:
         """Append rows; the oldest rows are overwritten once the table is full.
@@ -165,9 +172,14 @@ class Table:
         rows = row_count(columns, self.name)
         if self.config.frame_stack_key is not None:
             check_stacks(columns, self.config.frame_stack_key, self.name)
-        checked_priorities = insert_priorities(priorities, rows, self.config)
+        alpha = self._parts.sampler.alpha
+        checked_priorities = insert_priorities(priorities, rows, self.config, alpha)
+        early = self._parts.encode_early(columns, self.name)
         with self._lock:
             parts = self._parts
+            if checked_priorities is not None and parts.sampler.alpha != alpha:
+                # alpha changed meanwhile (draw_settings): the bound on priorities with it
+                insert_priorities(priorities, rows, self.config, parts.sampler.alpha)
             schema = parts.schema
             if schema is None:
                 schema = schema_of(columns, self.name)
@@ -185,79 +197,39 @@ class Table:
                     f"capacity of {ring.capacity} rows; split it"
                 )
             parts.limiter.check_insert(rows, self.name)
-            queue = parts.queue
-            if queue is not None:
-                queue.check_insert(rows, self.name)
             parts.ids.reserve(ring.next_id, rows)
             if parts.storage is None:
                 self._memory.require(self.name, table_bytes(self.config, schema),
                                      f"capacity {ring.capacity:,} x {schema.row_bytes:,} bytes "
                                      f"per row ({schema.describe()})")
-                parts.allocate(schema, self.config)
-            assert parts.storage is not None
-            parts.storage.prepare()  # a device table's columns are allocated here
-            event = self._insert_event(columns, rows, checked_priorities)
+                parts.allocate(schema, self.config, memory_promise(self.config, self._memory)(
+                    schema))
+            storage = parts.storage
+            assert storage is not None
+            encoded = early[1] if early is not None and early[0] is storage else \
+                storage.encode(parts.stored(columns))
+            storage.reserve(ring.next_id % ring.capacity, encoded)  # may refuse: nothing changed
+            episodes = episode_values(columns, rows, self.config) if self._episodes else {}
             evicted_first_id = ring.first_live
             first_id, evicted = ring.allocate(rows)
             first_row_id = parts.ids.id_of(first_id)
+            event = InsertEvent(first_id=first_id, count=rows, evicted_first_id=evicted_first_id,
+                                evicted=evicted, priorities=checked_priorities, **episodes)
             deleted = evicted
-            if parts.retirement is not None:
-                deleted -= parts.retirement.inserted(
-                    ring.slots(ring.range(first_id, rows)),
-                    ring.slots(ring.range(evicted_first_id, evicted)),
-                )
-            linked = None
-            if parts.nstep is not None or parts.frames is not None:
-                linked = InsertEvent(first_id=first_id, count=rows,
-                                     evicted_first_id=evicted_first_id, evicted=evicted,
-                                     **self._episode_event(columns, rows))
-            if parts.frames is None:
-                parts.storage.write(first_id % ring.capacity, columns)
-            else:
-                assert linked is not None
-                parts.frames.before_write(parts.storage, linked)
-                parts.storage.write(first_id % ring.capacity, parts.frames.frames_of(columns))
-                parts.frames.after_write(parts.storage, linked, columns)
-            depth = parts.size
-            parts.sampler.insert(InsertEvent(first_id=first_id, count=rows,
-                                             evicted_first_id=evicted_first_id,
-                                             evicted=evicted, **event))
-            if queue is not None:  # rows taken before were deleted then
-                deleted = queue.dropped_by(depth, rows)
-            if parts.nstep is not None:
-                assert linked is not None
-                parts.nstep.insert(parts.storage, linked)
+            if parts.remover is not None:  # rows retired before were deleted then
+                deleted -= parts.remover.inserted(event.ids, event.evicted_ids)
+            for reader in parts.readers:
+                reader.before_write(event)
+            storage.write(first_id % ring.capacity, encoded)
+            for reader in parts.readers:
+                reader.after_write(event, columns)
+            parts.sampler.insert(event)
             parts.counters.inserted += rows
             parts.counters.evicted += evicted
             parts.limiter.inserted(rows)
             parts.limiter.deleted(deleted)
             self.changes.tick()
         return torch.from_numpy(ring.range(first_row_id, rows))
-
-    def _insert_event(
-        self, columns: Mapping[str, torch.Tensor], rows: int, priorities: np.ndarray | None
-    ) -> dict[str, np.ndarray | None]:
-        """What the sampler needs of the new rows: priorities, episode ids and ends."""
-        kind = self.config.sampler
-        event: dict[str, np.ndarray | None] = {}
-        if kind.is_prioritized:
-            event["priorities"] = (
-                priorities if priorities is not None
-                else np.full(rows, self._parts.sampler.max_priority)
-            )
-        if kind.is_slice:
-            event.update(self._episode_event(columns, rows))
-        return event
-
-    def _episode_event(self, columns: Mapping[str, torch.Tensor], rows: int
-                       ) -> dict[str, np.ndarray]:
-        """The new rows' episode ids and end flags."""
-        ends = np.zeros(rows, dtype=bool)
-        for key in self.config.episode_end_keys:
-            if key in columns:
-                ends |= columns[key].detach().cpu().numpy().reshape(rows)
-        episodes = columns[self.config.episode_key].detach().cpu().numpy().astype(np.int64)
-        return {"episodes": episodes, "ends": ends}
 
     # ------------------------------------------------------------------ sample
 
@@ -296,34 +268,28 @@ class Table:
         with self._lock:
             parts = self._parts
             parts.limiter.check_sample(rows, self.name)
-            retired = None
+            retired = gone = 0
             mass = parts.sampler.mass()  # what this draw's probabilities are relative to
             try:
-                if parts.retirement is None:
+                if parts.remover is None:
                     index = parts.sampler.sample(batch_size, parts.generator)
                 else:
-                    index, retired = parts.retirement.sample(
+                    index, removals = parts.remover.sample(
                         parts.sampler, batch_size, parts.generator, self.name,
                         can_wait=parts.limiter.enabled)
+                    retired = sum(removal.positions.size for removal in removals)
+                    gone = retired if parts.remover.removes_rows else 0
             except EmptyTableError as exc:
                 raise EmptyTableError(f"table {self.name!r}: {exc}") from None
             assert parts.storage is not None
-            if parts.nstep is not None:
-                columns = parts.nstep.gather(parts.storage, index.slots, out)
-            elif parts.frames is not None:
-                columns = parts.frames.gather(parts.storage, index.ids, out)
-            else:
-                columns = parts.storage.gather(index.slots, out)
+            columns = parts.top.read(index.ids, None, out, index.slots)
             ids = parts.ids.ids_of(index.ids, parts.ring.first_live)
             storage = parts.storage
             parts.counters.sample_calls += 1
             parts.counters.sampled += batch_size
             parts.limiter.sampled(rows)
-            if parts.queue is not None:  # taken away: a delete, for the limiter
-                parts.limiter.deleted(batch_size)
-            if retired is not None:
-                parts.counters.retired += retired.size
-                parts.limiter.deleted(retired.size)
+            parts.counters.retired += retired
+            parts.limiter.deleted(gone)
             self.changes.tick()
         return storage.place(SampleBatch.from_columns(
             columns,
@@ -338,10 +304,8 @@ class Table:
         schema = self._parts.schema
         if schema is None:
             return {}
-        layout = schema.batch_layout(self._lead(batch_size))
-        if self._parts.nstep is not None:
-            layout[STEPS_KEY] = (torch.int64, (batch_size,))
-        return layout
+        lead = self._lead(batch_size)
+        return {**schema.batch_layout(lead), **self._parts.top.extra_layout(lead)}
 
     def batch_nbytes(self, batch_size: int) -> int:
         """Bytes of a batch of ``batch_size``, extras included (0 before a schema)."""
@@ -349,10 +313,10 @@ class Table:
         if schema is None:
             return 0
         steps = self.config.slice_len or 1
-        # per step: the row and its int64 id; per row or slice: a float32 weight, a float64
-        # probability (and an n-step transition's int64 step count)
+        # per step: the row, its int64 id (and an n-step transition's int64 step count); per
+        # row or slice: a float32 weight and a float64 probability
         extra = 8 if self.config.n_step > 1 else 0
-        return batch_size * (steps * (schema.row_bytes + 8) + 4 + 8 + extra)
+        return batch_size * (steps * (schema.row_bytes + 8 + extra) + 4 + 8)
 
     def _lead(self, batch_size: int) -> tuple[int, ...]:
         slice_len = self.config.slice_len
@@ -366,7 +330,10 @@ class Table:
         Ids whose rows have since been overwritten (or reset, or retired), and
         ids of a run that crashed after its last checkpoint, are *stale*:
         ignored and counted in ``stale_priority_updates``; they never touch
-        a newer row. For a repeated id, the last priority wins.
+        a newer row. For a repeated id, the last priority wins. With the
+        config's ``priority_mixing``, ids are a batch's slices (``[B, slice_len]``,
+        or flat, ``slice_len`` per slice in order) and each slice's start gets
+        the mix of its steps' priorities.
 
         Args:
             ids: int64 ids, any shape.
@@ -387,7 +354,7 @@ class Table:
 
         Cost: O(n * log capacity).
         """
-        if not self.config.sampler.is_prioritized:
+        if not self.config.sampler.traits.priorities:
             raise NoPrioritiesError(
                 f"table {self.name!r} uses sampler {self.config.sampler.value!r}, which has "
                 f"no priorities to update"
@@ -399,6 +366,8 @@ class Table:
                 f"table {self.name!r}: priorities must have the same shape as ids "
                 f"{list(id_array.shape)}, got {list(values.shape)}"
             )
+        if self.config.priority_mixing is not None:  # whole slices, mixed into their starts
+            id_array, values = mixed_priorities(id_array, values, self.config, self.name)
         id_array, values = id_array.reshape(-1), values.reshape(-1)
         with _holding(self._lock, blocking) as held:
             if not held:
@@ -409,14 +378,14 @@ class Table:
             # Positions are issued in order, so when the lowest is live they all are.
             lowest = int(positions.min()) if positions.size else ring.first_live
             live = None if lowest >= ring.first_live else ring.live(positions)
-            if parts.retirement is not None:  # a retired row's priority stays 0
-                drawable = parts.retirement.drawable(ring.slots(positions))
+            if parts.remover is not None and parts.remover.removes_rows:  # retired: stays 0
+                drawable = parts.remover.drawable(positions)
                 live = drawable if live is None else live & drawable
             applied = id_array.size if live is None else int(live.sum())
             if applied == id_array.size:
-                parts.sampler.update(ring.slots(positions), values)
+                parts.sampler.update(positions, values)
             elif applied:
-                parts.sampler.update(ring.slots(positions[live]), values[live])
+                parts.sampler.update(positions[live], values[live])
             parts.counters.priority_updates += applied
             parts.counters.stale_priority_updates += id_array.size - applied
             self.changes.tick()
@@ -435,35 +404,39 @@ class Table:
     # ------------------------------------------------------------------- admin
 
     def delete(self, ids: Any) -> int:
-        """Remove the rows named by ``ids`` from a queue table (``fifo``/``lifo``).
+        """Remove the rows named by ``ids`` from sampling: they leave the table as if
+        handed out their last time. For tables whose rows leave when sampled (the
+        remover's: ``fifo``/``lifo``, or ``max_times_sampled``).
 
-        Ids of rows already taken, deleted or overwritten are stale and
-        ignored (the ids not counted in the result). A repeated id counts
+        Ids of rows already taken, deleted, retired or overwritten are stale
+        and ignored (the ids not counted in the result). A repeated id counts
         once. Inserts waiting for room under ``max_size`` may pass afterwards.
 
         Returns:
             How many of ``ids`` named rows present (and were removed).
 
         Raises:
-            InvalidArgumentError: the table is not a queue table.
+            InvalidArgumentError: the table's rows do not leave when sampled.
             InvalidIdsError: ids are not int64, negative, of another shard, or
                 never issued by this table. Nothing is removed.
 
-        Cost: O(n log n) for n ids (see :mod:`~replay_server.engine.samplers.queue`).
+        Cost: O(n log n) for n ids, plus the sampler's delete.
         """
-        if not self.config.sampler.is_queue:
+        if self.config.removal_limit == 0:
             raise InvalidArgumentError(
-                f"table {self.name!r} uses sampler {self.config.sampler.value!r}; delete is "
-                f"supported by the queue samplers 'fifo' and 'lifo'")
+                f"table {self.name!r} uses sampler {self.config.sampler.value!r} without "
+                f"max_times_sampled, whose rows stay until the ring overwrites them; delete "
+                f"is supported where rows leave when sampled (sampler 'fifo' or 'lifo', or "
+                f"max_times_sampled)")
         id_array = id_values(ids, self.name).reshape(-1)
         with self._lock:
             parts = self._parts
-            assert parts.queue is not None
+            assert parts.remover is not None
             positions = parts.ids.positions_of(id_array, parts.ring.next_id, self.name)
-            positions = positions[parts.ring.live(positions)]
-            deleted = parts.queue.delete(positions)
+            positions = np.unique(positions[parts.ring.live(positions)])
+            deleted = parts.remover.delete(parts.sampler, positions)
             parts.counters.deleted += deleted
-            parts.limiter.deleted(deleted)
+            parts.limiter.deleted(deleted if parts.remover.removes_rows else 0)
             self.changes.tick()
         return deleted
 
@@ -485,40 +458,17 @@ class Table:
             parts.ring.clear()
             parts.sampler.clear()
             parts.limiter.reset()
-            if parts.retirement is not None:
-                parts.retirement.clear()
-            if parts.nstep is not None:
-                parts.nstep.clear()
-            if parts.frames is not None:
-                parts.frames.clear()
+            if parts.remover is not None:
+                parts.remover.clear()
+            for reader in parts.readers:
+                reader.clear()
             parts.counters.resets += 1
             self.changes.tick()
 
     def info(self) -> TableInfo:
         """A consistent snapshot of sizes, counters and sampler figures."""
         with self._lock:
-            parts = self._parts
-            return TableInfo(
-                name=self.name,
-                sampler=self.config.sampler.value,
-                capacity=parts.ring.capacity,
-                size=parts.size,
-                schema=None if parts.schema is None else parts.schema.describe(),
-                pinned=parts.storage is not None and parts.storage.pinned,
-                storage_bytes=0 if parts.storage is None else parts.storage.nbytes,
-                counters=TableCounters(**asdict(parts.counters)),
-                sampler_stats={**parts.sampler.stats(),
-                               **(parts.frames.stats() if parts.frames else {}),
-                               **(parts.storage.stats() if parts.storage else {})},
-                config=self.config.describe(),
-                rate_limiter=parts.limiter.info(),
-                mass=parts.sampler.mass(),
-                capabilities=Capabilities(
-                    **asdict(parts.sampler.traits),
-                    retires=self.config.max_times_sampled > 0,
-                    n_step=self.config.n_step,
-                    frame_stack_key=self.config.frame_stack_key or ""),
-            )
+            return self._parts.info(self.config)
 
     def figures(self) -> TableFigures:
         """Size, capacity, bytes stored and counters, read WITHOUT the lock (see

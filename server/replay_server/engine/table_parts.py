@@ -1,34 +1,55 @@
-"""Everything a table mutates, held together so that a load can replace it whole."""
+"""Everything a table mutates, held together so that a load can replace it whole; and the
+one place that wires the layers a config names (sampler, remover, storage, readers) and
+adds up their declared memory.
+
+The layers never import one another (``tests/test_layout.py``): a sampler
+sees positions, the remover counts draws and asks the sampler to stop
+drawing rows, the storage keeps columns, and the readers shape positions
+into batch columns through the storage. This module builds them from a
+:class:`~replay_server.engine.config.TableConfig` and a schema.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
+import torch
 
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IdSpace, IncarnationSource, LocalIncarnations
 from replay_server.engine.ids import IdRing
 from replay_server.engine.inputs import check_sampler_columns
-from replay_server.engine.nstep import NStepIndex
+from replay_server.engine.memory import MemoryLedger, format_bytes
 from replay_server.engine.rate_limiter import RateLimiter
-from replay_server.engine.retirement import Retirement
-from replay_server.engine.samplers import QueueSampler, Sampler, make_sampler
+from replay_server.engine.readers import FrameStacks, NStepReturns, Reader, StoredRows
+from replay_server.engine.readers.framestack import storage_schema
+from replay_server.engine.remover import Remover
+from replay_server.engine.samplers import SAMPLERS, Sampler
 from replay_server.engine.schema import Schema
-from replay_server.engine.storage import ColumnStorage, check_storage, make_storage
-from replay_server.engine.storage.framestack import FrameStacks, storage_schema
-from replay_server.engine.table_info import TableCounters
+from replay_server.engine.storage import (
+    ColumnStorage,
+    check_storage,
+    make_storage,
+    storage_ram_bytes,
+)
+from replay_server.engine.table_info import Capabilities, TableCounters, TableInfo
 from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMismatchError
 
 
 @dataclass(slots=True)
 class TableParts:
-    """The id ring and id space, sampler, storage, counters, generator, limiter, retirement,
-    n-step index and frame stacks of one table.
+    """The id ring and id space, sampler, remover, storage, readers, counters, generator and
+    rate limiter of one table.
 
     Owned by one :class:`~replay_server.engine.table.Table` and guarded by its
-    lock. A restore builds a new set (:func:`fresh`, then loads it) and the
+    lock. A restore builds a new set (:func:`fresh_parts`, then loads it) and the
     table swaps it in with one assignment, so a failed load changes nothing.
+
+    Attributes:
+        readers: bottom (the stored rows) to top (what a sample reads).
     """
 
     ring: IdRing
@@ -37,51 +58,111 @@ class TableParts:
     generator: np.random.Generator
     counters: TableCounters
     limiter: RateLimiter
-    retirement: Retirement | None
-    nstep: NStepIndex | None = None
-    frames: FrameStacks | None = None
+    remover: Remover | None
+    readers: list[Reader] = field(default_factory=list)
     schema: Schema | None = None
     storage: ColumnStorage | None = None
 
     @property
     def size(self) -> int:
-        """Rows present (retired rows excluded; a queue's rows not yet taken)."""
-        queue = self.queue
-        if queue is not None:
-            return queue.depth
-        return self.ring.size - (self.retirement.retired if self.retirement else 0)
-
-    @property
-    def queue(self) -> QueueSampler | None:
-        """The sampler, when it is a consume-once queue (``fifo``/``lifo``)."""
-        sampler = self.sampler
-        return sampler if isinstance(sampler, QueueSampler) else None
+        """Rows present (retired rows excluded: a queue's rows taken)."""
+        return self.ring.size - (self.remover.rows_gone if self.remover else 0)
 
     @property
     def used(self) -> int:
         """Slots ever written."""
         return min(self.ring.next_id, self.ring.capacity)
 
-    def allocate(self, schema: Schema, config: TableConfig) -> None:
-        """Fix the schema and allocate the storage ``config`` names for the table's capacity."""
-        key = config.frame_stack_key
-        if key is None:
-            self.storage = make_storage(config, schema)
-        else:
-            self.storage = make_storage(config, storage_schema(schema, key))
-            self.frames = FrameStacks(self.ring, key, schema[key].shape[0],
-                                      config.frame_stack_fill)
+    @property
+    def top(self) -> Reader:
+        """The reader a sample reads through."""
+        return self.readers[-1]
+
+    def row_reader(self, config: TableConfig) -> Reader:
+        """The reader that gives rows as they were inserted (TorchRL's ``rb[i]``): the stored
+        rows, their frame stacks rebuilt where ``config`` stacks frames; never the n-step
+        reader above, which reads transitions (the order :meth:`allocate` stacks them in)."""
+        return self.readers[1 if config.frame_stack_key is not None else 0]
+
+    def info(self, config: TableConfig) -> TableInfo:
+        """Sizes, counters and figures of each layer, and the capabilities they declare
+        (call under the table's lock)."""
+        storage = self.storage
+        return TableInfo(
+            name=config.name,
+            sampler=config.sampler.value,
+            capacity=self.ring.capacity,
+            size=self.size,
+            schema=None if self.schema is None else self.schema.describe(),
+            pinned=storage is not None and storage.pinned,
+            storage_bytes=0 if storage is None else storage.nbytes,
+            counters=TableCounters(**asdict(self.counters)),
+            sampler_stats={**self.sampler.stats(),
+                           **{k: v for reader in self.readers for k, v in reader.stats().items()},
+                           **(storage.stats() if storage else {})},
+            config=config.describe(),
+            rate_limiter=self.limiter.info(),
+            mass=self.sampler.mass(),
+            capabilities=Capabilities(
+                **asdict(self.sampler.traits),
+                retires=config.max_times_sampled > 0,
+                n_step=config.n_step,
+                frame_stack_key=config.frame_stack_key or ""),
+        )
+
+    def stored(self, columns: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+        """An insert's columns as the readers have them stored (a frame stack keeps its
+        newest frame)."""
+        for reader in self.readers:
+            columns = reader.stored(columns)
+        return columns
+
+    def encode_early(self, columns: Mapping[str, torch.Tensor], table: str
+                     ) -> tuple[ColumnStorage, dict[str, Any]] | None:
+        """The insert's rows as the storage keeps them (compressed, frames reduced), made
+        before the table's lock when the schema is fixed and they match it; with the
+        storage they were made for (a load may swap the parts before the lock is taken).
+        Reads only what a load replaces whole, so it needs no lock."""
+        storage, schema = self.storage, self.schema
+        if storage is None or schema is None:
+            return None
+        try:
+            schema.check(columns, table)
+        except SchemaMismatchError:
+            return None  # refused under the lock, with the same message
+        return storage, storage.encode(self.stored(columns))
+
+    def allocate(self, schema: Schema, config: TableConfig,
+                 grow: Callable[[int], None] | None = None) -> None:
+        """Fix the schema, stack the readers ``config`` names and allocate the storage for
+        the rows as they store them. ``grow``: see :func:`make_storage`."""
+        bottom = StoredRows(self.ring)
+        readers: list[Reader] = [bottom]
+        if config.frame_stack_key is not None:
+            readers.append(FrameStacks(self.ring, readers[-1], config.frame_stack_key, schema,
+                                       config.frame_stack_fill))
+        if config.n_step > 1:
+            readers.append(NStepReturns(self.ring, readers[-1], schema, config.n_step,
+                                        config.gamma, config.reward_key, config.done_key,
+                                        config.truncated_key))
+        stored = schema
+        for reader in readers:
+            stored = reader.stored_schema(stored)
+        self.storage = make_storage(config, stored, grow)
+        bottom.attach(self.storage)
+        self.readers = readers
         self.schema = schema
 
     def forget_schema(self) -> None:
-        """Drop the schema and its storage (and frame stacks): the next insert fixes a new one.
+        """Drop the schema, its storage and the readers built for it: the next insert fixes
+        a new one.
 
         Only for an empty table (after its rows were cleared); the storage's
         memory is freed once nothing else holds it.
         """
         self.schema = None
         self.storage = None
-        self.frames = None
+        self.readers = [StoredRows(self.ring)]
 
 
 def schema_way_out(config: TableConfig) -> str:
@@ -95,14 +176,17 @@ def schema_way_out(config: TableConfig) -> str:
             f"`replay-server reset {config.name} --schema`")
 
 
-def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = None) -> TableParts:
+def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = None,
+                grow: Callable[[Schema], Callable[[int], None] | None] | None = None
+                ) -> TableParts:
     """An empty table's parts; storage allocated now if the config declares a schema.
 
     ``incarnations``: where its id segments get their incarnation (``None``:
-    an in-process table's, shard 0 and incarnation 0).
+    an in-process table's, shard 0 and incarnation 0). ``grow``: the promise
+    of compressed rows' memory for a schema (see :func:`make_storage`).
 
     Raises:
-        ConfigError: the declared schema cannot serve the sampler, pinned
+        ConfigError: the declared schema cannot serve the sampler or readers, pinned
             memory was requested without an accelerator, or a ``memmap``
             table's ``storage_dir`` is missing or not writable.
         InsufficientMemoryError: an allocation failed (or the disk cannot hold the table).
@@ -111,10 +195,11 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
     ring = IdRing(config.capacity)
     ids = IdSpace(incarnations or LocalIncarnations())
     ids.begin(0)
+    limit = config.removal_limit
     try:
-        sampler = make_sampler(config, ring)
-        retirement = (Retirement(config.capacity, config.max_times_sampled)
-                      if config.max_times_sampled else None)
+        sampler = SAMPLERS[config.sampler.value].build(ring, config, deletes=limit > 0)
+        remover = (Remover(ring, limit, removes_rows=not config.sampler.traits.slices)
+                   if limit else None)
     except MemoryError:
         raise InsufficientMemoryError(
             f"table {config.name!r}: cannot allocate the {config.sampler.value} sampler's "
@@ -127,10 +212,8 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
         generator=np.random.Generator(np.random.PCG64(config.seed)),
         counters=TableCounters(),
         limiter=RateLimiter.from_config(config),
-        retirement=retirement,
-        nstep=None if config.n_step == 1 else NStepIndex(
-            ring, config.n_step, config.gamma, config.reward_key, config.done_key,
-            config.truncated_key),
+        remover=remover,
+        readers=[StoredRows(ring)],
     )
     if config.schema is not None:
         schema = Schema(config.schema)
@@ -138,5 +221,49 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
             check_sampler_columns(config, schema)
         except SchemaMismatchError as exc:
             raise ConfigError(str(exc)) from None
-        parts.allocate(schema, config)
+        parts.allocate(schema, config, None if grow is None else grow(schema))
     return parts
+
+
+def sampler_slot_bytes(config: TableConfig) -> int:
+    """Bytes of per-slot state a table of ``config`` allocates: its sampler's, its remover's
+    and its readers' (each as the layer declares it)."""
+    limit = config.removal_limit
+    per_slot = SAMPLERS[config.sampler.value].slot_bytes(config, deletes=limit > 0)
+    per_slot += NStepReturns.SLOT_BYTES if config.n_step > 1 else 0
+    per_slot += FrameStacks.SLOT_BYTES if config.frame_stack_key else 0
+    return per_slot + (Remover.slot_bytes(limit) if limit else 0)
+
+
+def stored_schema(config: TableConfig, schema: Schema) -> Schema:
+    """What the storage of a table of ``config`` keeps for rows of ``schema``."""
+    if config.frame_stack_key is None:
+        return schema
+    return storage_schema(schema, config.frame_stack_key)
+
+
+def table_bytes(config: TableConfig, schema: Schema | None) -> int:
+    """Bytes of RAM a table of ``config`` is promised at its capacity (rows of ``schema``,
+    if fixed): each layer's declaration. ``memmap`` and device columns count none (their
+    disk and device memory are checked when allocated), compressed columns their
+    per-slot offsets (their blocks are promised as they are stored)."""
+    rows = 0 if schema is None else storage_ram_bytes(config, stored_schema(config, schema))
+    return rows + config.capacity * sampler_slot_bytes(config)
+
+
+def memory_promise(config: TableConfig, memory: MemoryLedger | None
+                   ) -> Callable[[Schema], Callable[[int], None] | None]:
+    """For a schema, what promises a table's compressed rows as their storage takes memory:
+    the table's :func:`table_bytes` plus the bytes taken, promised to ``memory`` (which
+    raises to refuse the insert that needs them)."""
+    def for_schema(schema: Schema) -> Callable[[int], None] | None:
+        if memory is None:
+            return None
+        base = table_bytes(config, schema)
+
+        def grow(nbytes: int) -> None:
+            memory.require(config.name, base + nbytes,
+                           f"capacity {config.capacity:,} of {schema.describe()} with "
+                           f"{format_bytes(nbytes)} of compressed rows")
+        return grow
+    return for_schema

@@ -13,7 +13,9 @@ Layout (``STATE_VERSION``): ``version``, ``config`` (plain values),
 :mod:`~replay_server.engine.id_space`; absent in states saved before ids
 had segments, whose ids were positions), ``columns`` (the slots ever written, in
 slot order; empty in a snapshot, whose rows are read from ``rows``),
-``sampler``, ``counters``, ``generator``, ``rate_limiter``, ``times_sampled``, ``nstep``
+``sampler``, ``counters``, ``generator``, ``rate_limiter``, ``times_sampled`` (the remover's
+draw counts; a queue table saved before queues had a remover has none, and its counts are
+made from the queue's runs: the live rows outside them were taken), ``nstep``
 (next-step links of an n-step table; absent or ``None`` otherwise), ``frames`` (links and
 kept histories of a frame-stacked table; likewise).
 """
@@ -25,15 +27,22 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
+import torch
+
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IncarnationSource
-from replay_server.engine.memory import MemoryLedger, table_bytes
-from replay_server.engine.retirement import load_retirement
+from replay_server.engine.memory import MemoryLedger
+from replay_server.engine.remover import load_remover
 from replay_server.engine.rng import generator_from_state, generator_state
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import Arena, TableSnapshot
 from replay_server.engine.table_info import TableCounters
-from replay_server.engine.table_parts import TableParts, fresh_parts
+from replay_server.engine.table_parts import (
+    TableParts,
+    fresh_parts,
+    memory_promise,
+    table_bytes,
+)
 from replay_server.errors import ConfigError, InsufficientMemoryError, MalformedStateError
 
 STATE_VERSION = 1
@@ -67,9 +76,11 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
             "counters": asdict(parts.counters),
             "generator": generator_state(parts.generator),
             "rate_limiter": parts.limiter.state_dict(),
-            "times_sampled": parts.retirement.state_dict(used) if parts.retirement else None,
-            "nstep": parts.nstep.state_dict(used) if parts.nstep else None,
-            "frames": parts.frames.state_dict(used) if parts.frames else None,
+            "times_sampled": parts.remover.state_dict(used) if parts.remover else None,
+            "nstep": None,  # the readers' parts, where the table has them:
+            "frames": None,
+            **{reader.STATE_KEY: reader.state_dict(used) for reader in parts.readers
+               if reader.STATE_KEY is not None},
         }
         rows = None if parts.storage is None else parts.storage.snapshot(
             lock, parts.ring.next_id % parts.ring.capacity, used, chunk_bytes)
@@ -102,6 +113,24 @@ def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema
         ) from exc
 
 
+def check_saved_config(config: TableConfig, saved: Mapping[str, Any]) -> None:
+    """Refuse a saved state's ``config`` (plain values) that contradicts ``config``.
+
+    Raises:
+        ConfigError: naming the table, the field and both values.
+    """
+    name, mine = config.name, config.describe()
+    for key in _MUST_MATCH:
+        if saved[key] != mine[key]:
+            raise ConfigError(f"table {name!r}: config says {key}={mine[key]!r} but the saved "
+                              f"state has {key}={saved[key]!r}")
+    saved_key = saved.get("frame_stack_key")
+    if saved_key != config.frame_stack_key:
+        raise ConfigError(f"table {name!r}: config says frame_stack_key="
+                          f"{config.frame_stack_key!r} but the saved state has "
+                          f"frame_stack_key={saved_key!r} (its rows are stored differently)")
+
+
 def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
           with_columns: bool, incarnations: IncarnationSource | None,
           memory: MemoryLedger | None) -> TableParts:
@@ -110,17 +139,9 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
     if version != STATE_VERSION:
         raise ConfigError(f"table {name!r}: saved state has layout version {version!r}, this "
                           f"server reads version {STATE_VERSION}")
-    mine = config.describe()
-    for key in _MUST_MATCH:
-        if state["config"][key] != mine[key]:
-            raise ConfigError(f"table {name!r}: config says {key}={mine[key]!r} but the saved "
-                              f"state has {key}={state['config'][key]!r}")
-    saved_key = state["config"].get("frame_stack_key")
-    if saved_key != config.frame_stack_key:
-        raise ConfigError(f"table {name!r}: config says frame_stack_key="
-                          f"{config.frame_stack_key!r} but the saved state has "
-                          f"frame_stack_key={saved_key!r} (its rows are stored differently)")
-    parts = fresh_parts(config, incarnations)
+    check_saved_config(config, state["config"])
+    promise = memory_promise(config, memory)
+    parts = fresh_parts(config, incarnations, promise)
     schema = None if state["schema"] is None else Schema.from_state_dict(state["schema"])
     if schema_now is not None and schema is not None and dict(schema) != dict(schema_now):
         raise ConfigError(f"table {name!r}: the table's schema is {schema_now.describe()} but "
@@ -130,7 +151,7 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
             memory.require(name, table_bytes(config, schema),
                            f"capacity {config.capacity:,} x {schema.row_bytes:,} bytes per row "
                            f"(the saved schema {schema.describe()})")
-        parts.allocate(schema, config)
+        parts.allocate(schema, config, promise(schema))
     parts.ring.load_state_dict(state["ring"])
     parts.ids.load(state.get("ids"), parts.ring.next_id, name)
     if parts.storage is not None and with_columns:
@@ -140,19 +161,34 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
             if key not in stored or column.shape[0] != used:
                 raise MalformedStateError(f"table {name!r}: saved column {key!r} does not fit "
                                           f"the schema and {used} stored slots")
-        parts.storage.load_state_dict(state["columns"])
+        parts.storage.load_state_dict(state["columns"], parts.ring.next_id % parts.ring.capacity)
     parts.sampler.load_state_dict(state["sampler"])
-    load_retirement(parts.retirement, state.get("times_sampled"), parts.ring, name)
-    saved_nstep = state.get("nstep")
-    if parts.nstep is not None:
-        if saved_nstep is None and parts.ring.next_id > parts.ring.first_live:
+    load_remover(parts.remover, _times_sampled(config, state, parts), name)
+    for reader in parts.readers:
+        key = reader.STATE_KEY
+        saved = None if key is None else state.get(key)
+        if saved is not None:
+            reader.load_state_dict(saved)
+        elif key == "nstep" and parts.ring.next_id > parts.ring.first_live:
             raise ConfigError(f"table {name!r}: config says n_step={config.n_step} but the "
                               f"saved state has no n-step index (saved with n_step=1)")
-        if saved_nstep is not None:
-            parts.nstep.load_state_dict(saved_nstep)
-    if parts.frames is not None and state.get("frames") is not None:
-        parts.frames.load_state_dict(state["frames"])
     parts.limiter.load_state_dict(state.get("rate_limiter"), size=parts.size)
     parts.counters = TableCounters(**state["counters"])
     parts.generator.bit_generator.state = generator_from_state(state["generator"])
     return parts
+
+
+def _times_sampled(config: TableConfig, state: Mapping[str, Any],
+                   parts: TableParts) -> dict[str, Any] | None:
+    """The saved remover state; for a queue table saved before queues had a remover,
+    made from its runs (the rows present): a live row outside them was taken."""
+    saved = state.get("times_sampled")
+    if saved is not None or parts.remover is None or config.max_times_sampled:
+        return saved
+    runs = state["sampler"]["runs"].numpy()
+    ring = parts.ring
+    used = parts.used
+    counts = torch.ones(used, dtype=torch.int64)
+    for start, end in zip(runs[0].tolist(), runs[1].tolist()):
+        counts[torch.from_numpy(ring.slots(ring.range(start, end - start)))] = 0
+    return {"limit": 1, "counts": counts}

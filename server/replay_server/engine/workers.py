@@ -20,7 +20,9 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
@@ -60,3 +62,34 @@ def run_split(work: Callable[[T], object], tasks: Sequence[T], parts: int) -> No
     finally:
         for future in futures:
             future.result()
+
+
+PARALLEL_BYTES = 2 << 20
+"""Gathers at least this large are split across the pool."""
+
+
+def _pieces(nbytes: int, rows: int) -> int:
+    """How many threads a gather of ``nbytes`` in ``rows`` rows is worth (1: this one)."""
+    if nbytes < PARALLEL_BYTES:
+        return 1
+    return max(1, min(THREADS, rows, nbytes // (PARALLEL_BYTES // 2)))
+
+
+def take_rows(src: Any, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = src[rows]``; large gathers run on several threads (numpy releases the GIL).
+
+    A 7 MB gather of Atari rows is memory-latency bound on one core: two
+    threads make it about 1.5x faster on a 2-core machine. ``mode="clip"``:
+    with an ``out`` and the default ``mode="raise"`` numpy gathers into a
+    temporary and copies it over (to leave ``out`` untouched on a bad index);
+    slots come from the table's own ring, never out of range.
+    """
+    parts = _pieces(out.nbytes, len(rows))
+    if parts < 2:
+        src.take(rows, axis=0, out=out, mode="clip")
+        return
+    bounds = np.linspace(0, len(rows), parts + 1).astype(int)
+    tasks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    run_split(
+        lambda t: np.take(src, rows[t[0]:t[1]], axis=0, out=out[t[0]:t[1]], mode="clip"),
+        tasks, parts)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import gc
 import hmac
 import logging
 import os
 import signal
+import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
@@ -135,6 +137,7 @@ class ReplayServer:
         # Checkpoints block their thread for seconds: never on the engine's workers.
         self._checkpoint_executor = ThreadPoolExecutor(2, thread_name_prefix="replay-checkpoint")
         self.admission = Admission(self.limits, MemoryBudget(self.limits.memory_budget_bytes))
+        self._info = _server_info(settings, self._token)  # Info's ServerInfo, kept current
         self._servicer = ReplayServicer(
             self.tables, self._executor, settings.max_message_bytes,
             shared_memory=settings.shared_memory, checkpointer=self.checkpointer,
@@ -143,7 +146,7 @@ class ReplayServer:
             shared_memory_budget=MemoryBudget(self.limits.shared_memory_bytes,
                                               "server.shared_memory_mb", bulk_share=1.0),
             variables=self._make_variables(),
-            server_info=_server_info(settings, self._token))
+            server_info=self._info)
         self._health = health.aio.HealthServicer()
         self._credentials = server_credentials(settings)
         self.metrics: ServerMetrics | None = None
@@ -256,6 +259,7 @@ class ReplayServer:
             self._servicer.use_tables(self.tables)
             if result.variables is not None:
                 self._servicer.variables.use_store(result.variables)
+            self._info.restored_checkpoint = str(result.path)
             rows = sum(t.rows for t in result.manifest.tables)
             log.info("restored %d table(s) from %s (%d rows, %.1f MB in %.2f s)",
                      len(result.manifest.tables), result.path, rows,
@@ -357,7 +361,27 @@ def _listen(server: grpc.aio.Server, address: str,
             return server.add_insecure_port(address)
         return server.add_secure_port(address, credentials)
     except RuntimeError as exc:
+        if _in_use(address):
+            raise ConfigError(
+                f"{prefix}cannot listen on {address}: the port is in use (another "
+                f"replay-server?); stop what holds it, or choose another port (port 0: any "
+                f"free one)") from None
         raise ConfigError(f"{prefix}cannot listen on {address}: {exc}") from None
+
+
+def _in_use(address: str) -> bool:
+    """Whether binding ``host:port`` fails because something else holds the port."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, int(port)))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    except ValueError:
+        return False
+    return False
 
 
 def _server_info(settings: ServerSettings, token: str | None) -> pb.ServerInfo:

@@ -158,7 +158,8 @@ class ReplayServicer:
         reservation.resize(len(raw) + 2 * estimate,
                            f"Sample: a batch of {request.batch_size} from table {table.name!r}")
         try:
-            batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data)
+            batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data,
+                         never_wait=request.never_wait)
         except BaseException:
             reservation.resize(len(raw), "")
             raise

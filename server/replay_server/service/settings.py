@@ -14,14 +14,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from replay_feed.accelerator import cuda_present
-from replay_proto.addresses import is_loopback
+from replay_proto.addresses import DEFAULT_ADDRESS, is_loopback
 from replay_server.engine.config import TableConfig, default_table_configs
 from replay_server.errors import ConfigError
 from replay_server.service.limits import DEFAULTS as LIMIT_DEFAULTS
 from replay_server.service.limits import check_limits
 from replay_server.service.shard_index import resolve_shard
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
 
 
@@ -172,9 +171,10 @@ class ServerSettings:
     def table_configs(self) -> tuple[TableConfig, ...]:
         """The tables, each with ``pin_memory`` resolved from the server's setting.
 
-        ``"auto"`` pins only the tables whose storage can be pinned (not memmap
-        or compressed tables: their own rules refuse it); ``"true"`` asks it of
-        every table, so such a table is refused at start, naming why.
+        ``"auto"`` pins only the tables whose storage can be pinned (not a table
+        with every column on memmap: its own rule refuses it; a compressed
+        table's plain columns are pinned); ``"true"`` asks it of every table, so
+        such a table is refused at start, naming why.
         """
         if not self.pinned:
             return tuple(replace(t, pin_memory=False) for t in self.tables)

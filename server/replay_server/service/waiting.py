@@ -191,7 +191,7 @@ class BlockedCalls:
 
 
 def draw(table: Table, batch_size: int, *, wait_for_data: bool,
-         out: Mapping[str, torch.Tensor] | None = None) -> SampleBatch:
+         out: Mapping[str, torch.Tensor] | None = None, never_wait: bool = False) -> SampleBatch:
     """``table.sample(batch_size, out=out)``; with ``wait_for_data``, an empty table blocks.
 
     The batch is on the host: a device table's is copied over once (the
@@ -200,11 +200,18 @@ def draw(table: Table, batch_size: int, *, wait_for_data: bool,
     Raises:
         RateLimitedError: held back by the rate limiter, or (``wait_for_data``)
             the table has nothing to sample yet; :meth:`BlockedCalls.run` waits.
-        EmptyTableError: the table is empty and the caller did not ask to wait.
+        EmptyTableError: the table is empty and the caller did not ask to wait,
+            or (``never_wait``) it cannot serve the batch now for any reason.
     """
     try:
         return host_batch(table.sample(batch_size, out=out))
+    except RateLimitedError as exc:
+        if not never_wait:
+            raise
+        raise EmptyTableError(f"{exc}; the call asked not to wait (wait=False)") from None
     except EmptyTableError as exc:
+        if never_wait:
+            raise
         if not wait_for_data:
             raise
         raise RateLimitedError(

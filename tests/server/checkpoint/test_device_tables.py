@@ -18,7 +18,6 @@ import torch
 from replay_server import TableConfig, TableSet
 from replay_server.checkpoint import load_checkpoint, write_checkpoint
 from replay_server.engine.schema import FieldSpec
-from replay_server.engine.storage import DeviceStorage
 from replay_server.engine.storage import device as device_storage
 from replay_server.engine.storage.placement import cpu_stand_in
 from tests.server.checkpoint.test_writer_reader import _rows, assert_restored_state
@@ -57,7 +56,8 @@ def test_a_device_table_checkpoint_restores_exactly(directory, saved, restored) 
         for table in tables:
             got = fresh[table.name]
             if restored == "cuda" and got.size:
-                assert isinstance(got._parts.storage, DeviceStorage)
+                assert all(isinstance(c, device_storage.DeviceColumn)
+                           for c in got._parts.storage.columns.values())
             got_state, saved_state = got.state_dict(), table.state_dict()
             assert (got_state["config"].pop("device"), saved_state["config"].pop("device")) == (
                 restored, saved)  # the one difference: where the rows live

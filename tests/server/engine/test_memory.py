@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from replay_server import FieldSpec, Schema, Table, TableConfig, TableSet
-from replay_server.engine.memory import (
-    MemoryLedger,
-    format_bytes,
-    machine_memory,
-    sampler_slot_bytes,
-    table_bytes,
-)
+from replay_server.engine.memory import MemoryLedger, format_bytes, machine_memory
+from replay_server.engine.table_parts import sampler_slot_bytes, table_bytes
 from replay_server.errors import ConfigError, InsufficientMemoryError
 
 
@@ -26,7 +21,9 @@ def test_a_table_costs_its_rows_at_capacity_plus_its_sampler_state() -> None:
     assert table_bytes(config(), None) == 0  # uniform, no schema yet: nothing per slot
     assert sampler_slot_bytes(config(sampler="prioritized")) > 0
     assert sampler_slot_bytes(config(sampler="slice", slice_len=2)) == 12
-    assert sampler_slot_bytes(config(max_times_sampled=1)) == 8 + 4
+    assert sampler_slot_bytes(config(max_times_sampled=1)) == 8 + 1  # drawable set, uint8 count
+    assert sampler_slot_bytes(config(max_times_sampled=300)) == 8 + 2
+    assert sampler_slot_bytes(config(sampler="fifo")) == 1  # runs: nothing per row; the count
 
 
 def test_the_machine_has_some_memory_and_bytes_read_well() -> None:

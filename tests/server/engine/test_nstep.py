@@ -140,7 +140,7 @@ def test_checkpoints_keep_the_links() -> None:
 
 
 @pytest.mark.parametrize("fields, named", [
-    ({"n_step": 3, "sampler": "slice", "slice_len": 2}, "needs sampler 'uniform' or"),
+    ({"n_step": 3, "sampler": "fifo"}, "has no meaning with sampler 'fifo', which hands a row out"),
     ({"n_step": 0}, "n_step must be an integer"),
     ({"n_step": 2, "gamma": 1.5}, "gamma must be"),
 ])

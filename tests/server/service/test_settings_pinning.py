@@ -26,7 +26,7 @@ def cuda_host(monkeypatch) -> None:
 def test_auto_pins_only_tables_whose_storage_can_be_pinned(tmp_path, cuda_host) -> None:
     resolved = ServerSettings(tables=_tables(tmp_path), pin_memory="auto").table_configs
     assert {t.name: t.pin_memory for t in resolved} == {
-        "plain": True, "mapped": False, "packed": False}
+        "plain": True, "mapped": False, "packed": True}  # packed: its plain columns
 
 
 def test_true_asks_every_table_and_names_the_one_that_cannot(tmp_path, cuda_host) -> None:

@@ -1,10 +1,24 @@
-"""The one small interface every sampler implements.
+"""The one small interface every sampler implements (Reverb's ``ItemSelector`` is the model).
 
-A table is the only orchestrator: under its lock it writes storage, then tells
-its sampler about the change exactly once (``insert``, ``update``, ``clear``),
-and asks it which rows to read (``sample``). Samplers never call back into the
-table or the storage; they see the table's :class:`~replay_server.engine.ids.IdRing`
-read-only, to translate between ids and slots.
+A sampler decides which stored rows a sample draws, and how likely each is.
+It works on row *positions* (a row's insertion number inside its table; see
+:mod:`replay_server.engine.ids`), never on storage, and hears of every change
+exactly once, from its table, under the table's lock:
+
+* ``insert(event)``: rows arrived (and the ring overwrote the oldest ones);
+* ``update(positions, priorities)``: new priorities (samplers without
+  priorities ignore them; their table refuses such calls before they get here);
+* ``delete(positions)``: stop drawing these rows; returns a :class:`Removal`
+  that ``restore`` takes back (how a remover retires rows, undoes a failed
+  draw, and how a later lease could return rows it took);
+* ``sample(batch_size, generator)``: which rows (or slices) to read;
+* ``clear()``: every row was removed.
+
+Each sampler class declares what it is, so nothing else matches its name:
+``kind`` (the config's name for it), ``traits``
+(:class:`SamplerTraits`, reported by ``info``), its memory per slot
+(:meth:`Sampler.slot_bytes`) and its cost (in its docstring). The table builds
+it with :meth:`Sampler.build` from the table's options.
 
 Samplers work on numpy arrays: single-threaded vectorized loops whose speed
 does not depend on how busy the machine's other cores are (torch's intra-op
@@ -16,15 +30,17 @@ Thread-safety: none of their own. Every method is called under the table's lock.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from replay_proto.mass import SamplingMass
-from replay_server.errors import NoPrioritiesError
 from replay_server.engine.ids import IdRing
+from replay_server.engine.insert_event import InsertEvent
+from replay_server.errors import NoPrioritiesError
+
+__all__ = ["InsertEvent", "Removal", "SampleIndex", "Sampler", "SamplerOptions", "SamplerTraits"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +52,8 @@ class SamplerTraits:
         priorities: rows carry priorities (``update`` applies; weights vary).
         slices: a draw is ``slice_len`` consecutive steps of one episode.
         episodes: the sampler reads the episode ids and end flags of inserts.
-        consumes: a draw takes its rows (each handed out once; delete applies).
+        consumes: a draw takes its rows (each handed out once: the table gives
+            it a remover of limit 1, see :mod:`replay_server.engine.remover`).
         ordered: rows come out in a fixed order (fifo/lifo), kept per server.
         mergeable: samples of many shards merge exactly by their sampling mass.
     """
@@ -49,36 +66,18 @@ class SamplerTraits:
     mergeable: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class InsertEvent:
-    """What one insert changed, as the sampler needs to know it.
-
-    Attributes:
-        first_id: id of the first new row; the new ids are consecutive.
-        count: number of new rows.
-        evicted_first_id: id of the first row overwritten by this insert.
-        evicted: number of rows overwritten (their slots now hold new rows).
-        priorities: float64 ``[count]`` priorities of the new rows, already
-            validated and defaulted (prioritized samplers only, else ``None``).
-        episodes: int64 ``[count]`` episode ids (slice samplers only).
-        ends: bool ``[count]``: True where a row ends its episode (slice samplers only).
-    """
-
-    first_id: int
-    count: int
-    evicted_first_id: int
-    evicted: int
-    priorities: np.ndarray | None = None
-    episodes: np.ndarray | None = None
-    ends: np.ndarray | None = None
+class SamplerOptions(Protocol):
+    """What a sampler may read of its table's configuration (a
+    :class:`~replay_server.engine.config.TableConfig` satisfies it)."""
 
     @property
-    def ids(self) -> np.ndarray:
-        return np.arange(self.first_id, self.first_id + self.count, dtype=np.int64)
-
+    def capacity(self) -> int: ...
     @property
-    def evicted_ids(self) -> np.ndarray:
-        return np.arange(self.evicted_first_id, self.evicted_first_id + self.evicted, dtype=np.int64)
+    def alpha(self) -> float: ...
+    @property
+    def beta(self) -> float: ...
+    @property
+    def slice_len(self) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +85,7 @@ class SampleIndex:
     """Which rows a sample reads, and with what probability they were drawn.
 
     Attributes:
-        ids: int64 ``[B]`` (row samplers) or ``[B, slice_len]`` (slice samplers).
+        ids: int64 positions, ``[B]`` (row samplers) or ``[B, slice_len]`` (slice samplers).
         slots: int64, same shape: where those rows are stored.
         probabilities: float64 ``[B]``: the probability of each drawn row or slice start.
         weights: float32 ``[B]``: importance weights (ones where not prioritized).
@@ -98,55 +97,95 @@ class SampleIndex:
     weights: np.ndarray
 
 
+@dataclass(frozen=True, slots=True)
+class Removal:
+    """Rows a sampler stopped drawing, and what it needs to draw them again.
+
+    Plain arrays only (a remover may keep one, e.g. for rows taken under a
+    lease, and save it with its state).
+
+    Attributes:
+        positions: int64 positions of the rows removed.
+        values: the sampler's own per-row record of them (their sampling
+            mass, or whether each was a slice start), or ``None``.
+    """
+
+    positions: np.ndarray
+    values: np.ndarray | None = None
+
+
 class Sampler(ABC):
-    """Chooses rows to sample; maintained incrementally by its table."""
+    """Chooses rows to sample; maintained incrementally by its table (see the module)."""
+
+    kind: ClassVar[str]
+    """The name the config uses for it (``sampler = "..."``)."""
 
     traits: ClassVar[SamplerTraits] = SamplerTraits()
 
     def __init__(self, ring: IdRing) -> None:
         self._ring = ring
 
+    @classmethod
+    def build(cls, ring: IdRing, options: SamplerOptions, *, deletes: bool) -> Sampler:
+        """The sampler for a table of ``options`` over ``ring``. ``deletes``: whether the
+        table will delete single rows (it has a remover)."""
+        return cls(ring)
+
+    @classmethod
+    @abstractmethod
+    def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
+        """Bytes of state per slot at ``options.capacity`` (allocated when the table is made)."""
+
     @abstractmethod
     def insert(self, event: InsertEvent) -> None:
         """Rows were inserted (and perhaps others evicted)."""
 
     @abstractmethod
+    def update(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        """Set the priorities (float64, validated) of the drawable rows at ``positions``."""
+
+    @abstractmethod
+    def delete(self, positions: np.ndarray) -> Removal:
+        """Stop drawing the rows at ``positions`` (distinct, live, drawable).
+
+        The rows stay stored until overwritten. Slice samplers stop drawing
+        the slices that *start* at those positions.
+        """
+
+    @abstractmethod
+    def restore(self, removal: Removal) -> None:
+        """Draw the rows of ``removal`` again, as before :meth:`delete` (those still live)."""
+
+    @abstractmethod
     def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
-        """Draw ``batch_size`` rows (or slices), with replacement.
+        """Draw ``batch_size`` rows (or slices): with replacement, or, for an
+        ordered sampler, the first ``batch_size`` in its order.
 
         Raises:
             EmptyTableError: nothing can be sampled.
         """
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
-        """Set the priorities (float64, validated) of the live rows at ``slots``."""
-        raise NoPrioritiesError("this table's sampler does not use priorities")
+    # Priorities read and re-weighted outside sampling (prioritized samplers override these;
+    # their table checks ``traits.priorities`` first): TorchRL's ``rb[i]`` info and its
+    # ``rb.sampler.alpha``/``beta`` setters (see :mod:`replay_server.engine.draw_settings`).
 
-    def remove(self, slots: np.ndarray) -> Callable[[], None]:
-        """Stop drawing the rows at ``slots`` (distinct, live, not removed yet).
-
-        The rows stay stored until overwritten; this is how ``max_times_sampled``
-        retires a row. Returns a function that undoes the removal, for a table
-        call that fails after removing. Row samplers only.
-        """
-        raise NotImplementedError(f"{type(self).__name__} cannot remove single rows")
+    @property
+    def alpha(self) -> float | None:
+        """The priority exponent in force (``None``: no priorities)."""
+        return None
 
     @property
     def max_priority(self) -> float | None:
         """The priority a new row gets when none is given (``None``: no priorities)."""
         return None
 
-    @property
-    def alpha(self) -> float | None:
-        """The priority exponent now (``None``: no priorities); :meth:`set_exponents` changes it."""
-        return None
-
-    def priorities(self, slots: np.ndarray) -> np.ndarray:
-        """The priorities (float64) of the live rows at ``slots`` (prioritized samplers)."""
+    def priorities(self, positions: np.ndarray) -> np.ndarray:
+        """The priorities (float64) of the live rows at ``positions``."""
         raise NoPrioritiesError("this table's sampler does not use priorities")
 
     def set_exponents(self, alpha: float | None, beta: float | None) -> tuple[float, float]:
-        """Change ``alpha`` and/or ``beta`` from now on; returns both (prioritized samplers)."""
+        """Change ``alpha`` and/or ``beta`` (``None``: unchanged) from the next draw on;
+        returns both."""
         raise NoPrioritiesError("this table's sampler has no alpha or beta")
 
     @abstractmethod

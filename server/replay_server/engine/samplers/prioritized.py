@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,13 +11,15 @@ from replay_server.errors import EmptyTableError
 from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import (
     InsertEvent,
+    Removal,
     Sampler,
     SampleIndex,
+    SamplerOptions,
     SamplerTraits,
     importance_weights,
     sorted_unit_draws,
 )
-from replay_server.engine.sumtree import SumTree
+from replay_server.engine.sumtree import SLOT_BYTES, SumTree
 
 
 class PriorityState:
@@ -33,6 +34,10 @@ class PriorityState:
         self.beta = beta
         self.max_priority = 1.0
         self._seen = False
+
+    def given(self, priorities: np.ndarray | None, count: int) -> np.ndarray:
+        """An insert's priorities: those given, else the largest seen so far for each row."""
+        return np.full(count, self.max_priority) if priorities is None else priorities
 
     def observe(self, priorities: np.ndarray) -> None:
         if priorities.size:
@@ -108,13 +113,16 @@ class PrioritizedSampler(Sampler):
 
     Each row's mass lives in a :class:`~replay_server.engine.sumtree.SumTree` leaf at
     its slot. A new row's leaf is written exactly once, by the insert that
-    stores it (overwriting the evicted row's leaf in the same write).
+    stores it (overwriting the evicted row's leaf in the same write). A
+    deleted row's leaf is 0; its :class:`~replay_server.engine.samplers.base.Removal`
+    keeps the mass it had.
 
-    Cost: ``sample`` O(B * log capacity); ``update`` and ``insert``
-    O(n * log capacity) for n rows. Memory: 4 bytes per slot plus under 1 byte
-    of inner nodes.
+    Cost: ``sample`` O(B * log capacity); ``update``, ``insert``, ``delete``
+    and ``restore`` O(n * log capacity) for n rows. Memory: 4 bytes per slot
+    plus under 3 bytes of inner nodes and minima.
     """
 
+    kind = "prioritized"
     traits = SamplerTraits(priorities=True)
 
     def __init__(self, ring: IdRing, alpha: float, beta: float) -> None:
@@ -122,41 +130,58 @@ class PrioritizedSampler(Sampler):
         self._prio = PriorityState(alpha, beta)
         self._tree = SumTree(ring.capacity)
 
-    @property
-    def max_priority(self) -> float:
-        return self._prio.max_priority
+    @classmethod
+    def build(cls, ring: IdRing, options: SamplerOptions, *, deletes: bool) -> PrioritizedSampler:
+        return cls(ring, options.alpha, options.beta)
+
+    @classmethod
+    def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
+        return SLOT_BYTES
 
     @property
     def alpha(self) -> float:
         return self._prio.alpha
 
+    @property
+    def max_priority(self) -> float:
+        return self._prio.max_priority
+
     def insert(self, event: InsertEvent) -> None:
-        assert event.priorities is not None
-        self._prio.observe(event.priorities)
-        self._tree.set(self._ring.slots(event.ids), self._prio.mass(event.priorities))
-
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+        priorities = self._prio.given(event.priorities, event.count)
         self._prio.observe(priorities)
-        self._tree.set(slots, self._prio.mass(priorities))
+        self._tree.set(self._ring.slots(event.ids), self._prio.mass(priorities))
 
-    def priorities(self, slots: np.ndarray) -> np.ndarray:
-        return self._prio.priorities(self._tree.get(slots))
+    def update(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        self._prio.observe(priorities)
+        self._tree.set(self._ring.slots(positions), self._prio.mass(priorities))
+
+    def priorities(self, positions: np.ndarray) -> np.ndarray:
+        return self._prio.priorities(self._tree.get(self._ring.slots(positions)))
 
     def set_exponents(self, alpha: float | None, beta: float | None) -> tuple[float, float]:
+        """New exponents; every leaf's mass re-expressed with the new ``alpha`` (O(capacity)).
+        Rows a remover holds keep the mass they had (drawn again with it once restored)."""
         used = self._used
         if alpha is not None and alpha != self._prio.alpha and used:
-            leaves = self._tree.get(np.arange(used, dtype=np.int64)).astype(np.float32)
+            slots = np.arange(used, dtype=np.int64)
+            leaves = self._tree.get(slots).astype(np.float32)
             self._prio.set_exponents(alpha, beta, [leaves])
-            self._tree.set(np.arange(used, dtype=np.int64), leaves)
+            self._tree.set(slots, leaves)
         else:
             self._prio.set_exponents(alpha, beta, [])
         return self._prio.alpha, self._prio.beta
 
-    def remove(self, slots: np.ndarray) -> Callable[[], None]:
-        """Zero the rows' sampling mass; the undo writes it back."""
+    def delete(self, positions: np.ndarray) -> Removal:
+        """Zero the rows' sampling mass; the removal keeps it."""
+        slots = self._ring.slots(positions)
         mass = self._tree.get(slots)
         self._tree.set(slots, np.zeros(slots.size, dtype=np.float32))
-        return lambda: self._tree.set(slots, mass)
+        return Removal(positions, mass)
+
+    def restore(self, removal: Removal) -> None:
+        assert removal.values is not None
+        live = self._ring.live(removal.positions)
+        self._tree.set(self._ring.slots(removal.positions[live]), removal.values[live])
 
     def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         total = self._tree.total()

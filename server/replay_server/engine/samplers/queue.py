@@ -1,88 +1,67 @@
-"""Queue and stack tables: each row is handed out once, oldest first (fifo) or newest first (lifo).
+"""Ordered samplers: the rows present, oldest first (``fifo``) or newest first (``lifo``).
 
-A queue table is Reverb's ``Queue``/``Stack`` table: the sampler is also the
-remover. A sample of ``B`` takes the ``B`` oldest (``fifo``) or newest
-(``lifo``) rows present, in that order, and they leave the table at once
-(a learner's stream therefore sees every row exactly once, in order). A
-sample waits (or, without ``wait_for_data``, fails as empty) until the queue
-holds ``B`` rows: a batch is never short. With ``max_size`` an insert of
-``n`` rows waits while the queue holds more than ``max_size - n`` rows (see
-:meth:`QueueSampler.check_insert`); the service turns that into waiting
-with a deadline (:mod:`replay_server.service.waiting`).
+A queue table is Reverb's ``Queue``/``Stack`` table: an ordered sampler plus
+a remover of limit 1 (:mod:`replay_server.engine.remover`), so a sample of
+``B`` hands out the ``B`` oldest (``fifo``) or newest (``lifo``) rows
+present, in that order, and they leave the table at once (a learner's stream
+therefore sees every row exactly once, in order). The sampler itself only
+orders: :meth:`OrderedSampler.sample` names the first ``B`` drawable rows
+without removing them; the remover deletes them. With ``max_times_sampled =
+k`` a row is handed out ``k`` times before it leaves. A sample waits (or,
+without ``wait_for_data``, fails as empty) until ``B`` rows are drawable: a
+batch is never short. A queue's ``max_size`` is its rate limiter's
+(:mod:`replay_server.engine.rate_limiter`).
 
-Rows present are a set of *runs*: half-open position ranges ``[start, end)``
-in ascending order. Inserts extend the last run, a fifo sample takes from
-the front of the first, a lifo sample from the back of the last, a delete
-splits a run, and the ring overwriting its oldest positions trims the front.
-Without deletes there is one run. A ``lifo`` table's rows still live in the
+Drawable rows are a set of *runs*: half-open position ranges ``[start, end)``
+in ascending order. Inserts extend the last run, a delete of the front
+(fifo) or back (lifo) shortens a run, a delete elsewhere splits one, and the
+ring overwriting its oldest positions trims the front. Without deletes
+outside the ends there is one run. A ``lifo`` table's rows still live in the
 table's ring, so a row left at the bottom of the stack while ``capacity``
 newer rows went in is overwritten (counted in ``evicted``), as in every table.
 
-Cost: insert O(1); sample O(B + runs touched); delete of d ids O(d log r + r)
-for r runs. Memory: 16 bytes per run, nothing per row. Not thread-safe:
-called under the table's lock.
+Cost: insert O(1); sample O(B + runs touched); delete and restore of d
+positions O(d log d + r) for r runs, O(d) for the front (back) of a fifo
+(lifo). Memory: 16 bytes per run, nothing per row. Not thread-safe: called
+under the table's lock.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from replay_proto.mass import SamplingMass, uniform_mass
-from replay_server.engine.ids import IdRing
-from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex, SamplerTraits
-from replay_server.errors import EmptyTableError, InvalidArgumentError, RateLimitedError
+from replay_server.engine.samplers.base import (
+    InsertEvent,
+    Removal,
+    Sampler,
+    SampleIndex,
+    SamplerOptions,
+    SamplerTraits,
+)
+from replay_server.errors import EmptyTableError
 
 
-class QueueSampler(Sampler):
-    """Consume-once sampling in insertion order (``lifo``: reverse order). See the module docstring.
-
-    Args:
-        ring: the table's id ring (positions).
-        lifo: take the newest rows first (a stack) instead of the oldest.
-        max_size: rows the queue holds at most before inserts wait (``None``: no limit).
-    """
+class OrderedSampler(Sampler):
+    """The drawable rows in insertion order (``lifo``: reverse order). See the module docstring."""
 
     traits = SamplerTraits(consumes=True, ordered=True, mergeable=False)
+    lifo: ClassVar[bool] = False
 
-    def __init__(self, ring: IdRing, *, lifo: bool, max_size: int | None) -> None:
+    def __init__(self, ring: Any) -> None:
         super().__init__(ring)
-        self.lifo = lifo
-        self.max_size = max_size
         self._starts: list[int] = []
         self._ends: list[int] = []
         self.depth = 0
-        """Rows present (inserted, not yet taken, deleted or overwritten)."""
+        """Rows drawable (inserted, not yet taken, deleted or overwritten)."""
 
-    # ------------------------------------------------------------ flow control
-
-    def check_insert(self, rows: int, table: str) -> None:
-        """Raise unless ``rows`` more fit under ``max_size`` now; change nothing.
-
-        Raises:
-            InvalidArgumentError: ``rows`` exceeds ``max_size``: it could never go in.
-            RateLimitedError: the queue is too full now; samples will make room.
-        """
-        if self.max_size is None:
-            return
-        if rows > self.max_size:
-            raise InvalidArgumentError(
-                f"table {table!r}: an insert of {rows} rows can never fit a queue of "
-                f"max_size={self.max_size}; split it")
-        if self.depth + rows > self.max_size:
-            raise RateLimitedError(
-                f"table {table!r}: the queue holds {self.depth} of max_size={self.max_size} "
-                f"rows, no room for {rows} more; it waits for samples",
-                table=table, operation="insert", count=rows)
-
-    def may_insert(self, rows: int) -> bool:
-        """Lock-free hint: would an insert of ``rows`` fit now?"""
-        return self.max_size is None or self.depth + rows <= self.max_size
-
-    # ------------------------------------------------------------ the interface
+    @classmethod
+    def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
+        return 0
 
     def insert(self, event: InsertEvent) -> None:
         if event.evicted:
@@ -95,22 +74,19 @@ class QueueSampler(Sampler):
             self._ends.append(end)
         self.depth += event.count
 
-    def dropped_by(self, depth_before: int, inserted: int) -> int:
-        """Rows an insert of ``inserted`` overwrote while still present (after :meth:`insert`)."""
-        return depth_before + inserted - self.depth
+    def update(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        """Priorities do not change the order (the table refuses them first)."""
 
     def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
-        """Take ``batch_size`` rows (oldest or newest first) away from the queue.
+        """The first ``batch_size`` drawable rows in order (oldest or newest first).
 
         Raises:
-            EmptyTableError: fewer than ``batch_size`` rows are present (nothing taken).
+            EmptyTableError: fewer than ``batch_size`` rows are drawable.
         """
         if self.depth < batch_size:
             raise EmptyTableError(f"the queue holds {self.depth} rows and a sample takes "
                                   f"{batch_size}")
-        pieces = self._take_back(batch_size) if self.lifo else self._take_front(batch_size)
-        ids = np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-        self.depth -= batch_size
+        ids = self._back(batch_size) if self.lifo else self._front(batch_size)
         return SampleIndex(
             ids=ids,
             slots=self._ring.slots(ids),
@@ -118,56 +94,72 @@ class QueueSampler(Sampler):
             weights=np.ones(batch_size, dtype=np.float32),
         )
 
-    def _take_front(self, n: int) -> list[np.ndarray]:
+    def _front(self, n: int) -> np.ndarray:
         pieces = []
+        run = 0
         while n:
-            start, end = self._starts[0], self._ends[0]
+            start, end = self._starts[run], self._ends[run]
             take = min(n, end - start)
             pieces.append(np.arange(start, start + take, dtype=np.int64))
             n -= take
-            if start + take == end:
-                del self._starts[0], self._ends[0]
-            else:
-                self._starts[0] = start + take
-        return pieces
+            run += 1
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
-    def _take_back(self, n: int) -> list[np.ndarray]:
+    def _back(self, n: int) -> np.ndarray:
         pieces = []
+        run = len(self._starts) - 1
         while n:
-            start, end = self._starts[-1], self._ends[-1]
+            start, end = self._starts[run], self._ends[run]
             take = min(n, end - start)
             pieces.append(np.arange(end - 1, end - take - 1, -1, dtype=np.int64))
             n -= take
-            if end - take == start:
-                del self._starts[-1], self._ends[-1]
-            else:
-                self._ends[-1] = end - take
-        return pieces
+            run -= 1
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
-    def delete(self, positions: np.ndarray) -> int:
-        """Remove the rows at ``positions`` that are present; returns how many were.
+    def delete(self, positions: np.ndarray) -> Removal:
+        """Remove the rows at ``positions`` from the order (all drawable)."""
+        if positions.size:
+            ordered = np.sort(positions)
+            cuts = np.flatnonzero(np.diff(ordered) != 1) + 1
+            firsts = ordered[np.concatenate(([0], cuts))].tolist()
+            lasts = ordered[np.concatenate((cuts - 1, [ordered.size - 1]))].tolist()
+            for first, last in zip(firsts, lasts):
+                self._cut(first, last + 1)
+            self.depth -= int(positions.size)
+        return Removal(positions)
 
-        Positions of rows already taken, deleted or overwritten are ignored.
-        """
-        removed = 0
-        for position in np.unique(positions).tolist():
-            run = bisect.bisect_right(self._starts, position) - 1
-            if run < 0 or position >= self._ends[run]:
-                continue
-            start, end = self._starts[run], self._ends[run]
-            removed += 1
-            if start == position and end == position + 1:
-                del self._starts[run], self._ends[run]
-            elif start == position:
-                self._starts[run] = position + 1
-            elif end == position + 1:
-                self._ends[run] = position
-            else:
-                self._ends[run] = position
-                self._starts.insert(run + 1, position + 1)
-                self._ends.insert(run + 1, end)
-        self.depth -= removed
-        return removed
+    def _cut(self, first: int, end: int) -> None:
+        """Remove the drawable range ``[first, end)`` (runs are maximal, so it lies in one)."""
+        run = bisect.bisect_right(self._starts, first) - 1
+        start, stop = self._starts[run], self._ends[run]
+        if start == first and stop == end:
+            del self._starts[run], self._ends[run]
+        elif start == first:
+            self._starts[run] = end
+        elif stop == end:
+            self._ends[run] = first
+        else:
+            self._ends[run] = first
+            self._starts.insert(run + 1, end)
+            self._ends.insert(run + 1, stop)
+
+    def restore(self, removal: Removal) -> None:
+        """Put the rows of ``removal`` that are still live back in their place in the order."""
+        back = removal.positions[self._ring.live(removal.positions)]
+        if back.size == 0:
+            return
+        present = [np.arange(s, e, dtype=np.int64) for s, e in zip(self._starts, self._ends)]
+        self._set_runs(np.union1d(np.concatenate(present) if present else back, back))
+
+    def _set_runs(self, positions: np.ndarray) -> None:
+        """Make the runs those of the ascending, distinct ``positions``."""
+        if positions.size == 0:
+            self._starts, self._ends, self.depth = [], [], 0
+            return
+        cuts = np.flatnonzero(np.diff(positions) != 1) + 1
+        self._starts = positions[np.concatenate(([0], cuts))].tolist()
+        self._ends = (positions[np.concatenate((cuts - 1, [positions.size - 1]))] + 1).tolist()
+        self.depth = int(positions.size)
 
     def _trim_below(self, first_live: int) -> None:
         """Forget positions below ``first_live`` (the ring overwrote them)."""
@@ -189,10 +181,7 @@ class QueueSampler(Sampler):
         return uniform_mass(self.depth)
 
     def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = {"queue_depth": self.depth}
-        if self.max_size is not None:
-            stats["max_size"] = self.max_size
-        return stats
+        return {"queue_depth": self.depth}
 
     def state_dict(self) -> dict[str, Any]:
         runs = np.array([self._starts, self._ends], dtype=np.int64).reshape(2, -1)
@@ -207,3 +196,16 @@ class QueueSampler(Sampler):
             raise ValueError("queue runs are not ascending, disjoint ranges of live positions")
         self._starts, self._ends = starts, ends
         self.depth = sum(e - s for s, e in zip(starts, ends))
+
+
+class FifoSampler(OrderedSampler):
+    """The oldest rows first (a queue)."""
+
+    kind = "fifo"
+
+
+class LifoSampler(OrderedSampler):
+    """The newest rows first (a stack)."""
+
+    kind = "lifo"
+    lifo = True

@@ -17,12 +17,19 @@ import torch
 from replay_proto.mass import SamplingMass, uniform_mass
 from replay_server.errors import EmptyTableError
 from replay_server.engine.ids import IdRing
-from replay_server.engine.samplers.base import InsertEvent, Sampler, SampleIndex, SamplerTraits
-from replay_server.engine.samplers.episodes import EpisodeIndex
+from replay_server.engine.samplers.base import (
+    InsertEvent,
+    Removal,
+    Sampler,
+    SampleIndex,
+    SamplerOptions,
+    SamplerTraits,
+)
+from replay_server.engine.samplers.episodes import EpisodeIndex, index_dtype
 from replay_server.engine.samplers.prioritized import PriorityState, draw_by_priority
-from replay_server.engine.samplers.slotset import SlotSet
+from replay_server.engine.samplers.slotset import SlotSet, slotset_bytes
 from replay_server.engine.snapshot import saved_copy
-from replay_server.engine.sumtree import SumTree
+from replay_server.engine.sumtree import SLOT_BYTES, SumTree
 
 
 def _no_slices(ring: IdRing, slice_len: int) -> EmptyTableError:
@@ -38,10 +45,11 @@ class SliceSampler(Sampler):
     """Slices whose starts are drawn uniformly among all valid starts.
 
     Cost: ``sample`` O(B * slice_len); ``insert`` O(n) for n rows (see
-    :class:`~replay_server.engine.samplers.episodes.EpisodeIndex`). Memory: 12 bytes
-    per slot (20 when capacity >= 2**31).
+    :class:`~replay_server.engine.samplers.episodes.EpisodeIndex`); ``delete``
+    and ``restore`` O(n). Memory: 12 bytes per slot (24 when capacity >= 2**31).
     """
 
+    kind = "slice"
     traits = SamplerTraits(slices=True, episodes=True)
 
     def __init__(self, ring: IdRing, slice_len: int) -> None:
@@ -49,11 +57,36 @@ class SliceSampler(Sampler):
         self._episodes = EpisodeIndex(ring, slice_len)
         self._starts = SlotSet(ring.capacity)
 
+    @classmethod
+    def build(cls, ring: IdRing, options: SamplerOptions, *, deletes: bool) -> SliceSampler:
+        assert options.slice_len is not None
+        return cls(ring, options.slice_len)
+
+    @classmethod
+    def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
+        return np.dtype(index_dtype(options.capacity)).itemsize + slotset_bytes(options.capacity)
+
     def insert(self, event: InsertEvent) -> None:
         cap = self._ring.capacity
         if event.evicted:
             self._starts.remove(event.evicted_ids % cap)
         self._starts.add(self._episodes.insert(event) % cap)
+
+    def update(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        """Priorities do not change uniform draws (the table refuses them first)."""
+
+    def delete(self, positions: np.ndarray) -> Removal:
+        """Stop drawing the slices that start at ``positions``."""
+        slots = self._ring.slots(positions)
+        starts = self._starts.contains(slots)
+        self._starts.remove(slots[starts])
+        return Removal(positions, starts)
+
+    def restore(self, removal: Removal) -> None:
+        assert removal.values is not None
+        positions = removal.positions[removal.values & self._ring.live(removal.positions)]
+        slots = self._ring.slots(positions)
+        self._starts.add(slots[~self._starts.contains(slots)])
 
     def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         n = self._starts.count
@@ -99,11 +132,24 @@ class PrioritizedSliceSampler(Sampler):
     and takes effect when those rows start a slice). Importance weights use
     N = number of valid starts.
 
-    Cost: ``sample`` O(B * (log capacity + slice_len)); ``insert`` and
-    ``update`` O(n * log capacity). Memory: about 14 bytes per slot.
+    Cost: ``sample`` O(B * (log capacity + slice_len)); ``insert``,
+    ``update``, ``delete`` and ``restore`` O(n * log capacity). Memory: 16
+    bytes per slot (20 when capacity >= 2**31).
     """
 
+    kind = "prioritized_slice"
     traits = SamplerTraits(priorities=True, slices=True, episodes=True)
+
+    @classmethod
+    def build(cls, ring: IdRing, options: SamplerOptions, *,
+              deletes: bool) -> PrioritizedSliceSampler:
+        assert options.slice_len is not None
+        return cls(ring, options.slice_len, options.alpha, options.beta)
+
+    @classmethod
+    def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
+        # links, the tree, each row's mass (float32) and whether it starts a slice (bool)
+        return np.dtype(index_dtype(options.capacity)).itemsize + SLOT_BYTES + 4 + 1
 
     def __init__(self, ring: IdRing, slice_len: int, alpha: float, beta: float) -> None:
         super().__init__(ring)
@@ -115,16 +161,7 @@ class PrioritizedSliceSampler(Sampler):
         self._is_start = np.zeros(cap, dtype=bool)
         self._num_starts = 0
 
-    @property
-    def max_priority(self) -> float:
-        return self._prio.max_priority
-
-    @property
-    def alpha(self) -> float:
-        return self._prio.alpha
-
     def insert(self, event: InsertEvent) -> None:
-        assert event.priorities is not None
         cap = self._ring.capacity
         if event.evicted:
             evicted = self._ring.slots(event.evicted_ids)
@@ -132,29 +169,59 @@ class PrioritizedSliceSampler(Sampler):
             self._tree.set(gone, np.zeros(gone.size, dtype=np.float32))
             self._is_start[gone] = False
             self._num_starts -= int(gone.size)
-        self._prio.observe(event.priorities)
-        self._row_mass[self._ring.slots(event.ids)] = self._prio.mass(event.priorities)
+        priorities = self._prio.given(event.priorities, event.count)
+        self._prio.observe(priorities)
+        self._row_mass[self._ring.slots(event.ids)] = self._prio.mass(priorities)
         new = self._episodes.insert(event) % cap
         self._is_start[new] = True
         self._tree.set(new, self._row_mass[new])
         self._num_starts += int(new.size)
 
-    def priorities(self, slots: np.ndarray) -> np.ndarray:
-        return self._prio.priorities(self._row_mass[slots])
+    @property
+    def alpha(self) -> float:
+        return self._prio.alpha
+
+    @property
+    def max_priority(self) -> float:
+        return self._prio.max_priority
+
+    def priorities(self, positions: np.ndarray) -> np.ndarray:
+        return self._prio.priorities(self._row_mass[self._ring.slots(positions)])
 
     def set_exponents(self, alpha: float | None, beta: float | None) -> tuple[float, float]:
+        """New exponents; every row's mass re-expressed with the new ``alpha`` (O(capacity))."""
         used = self._used
         self._prio.set_exponents(alpha, beta, [self._row_mass[:used]])
         starts = np.flatnonzero(self._is_start[:used])
         self._tree.set(starts, self._row_mass[starts])
         return self._prio.alpha, self._prio.beta
 
-    def update(self, slots: np.ndarray, priorities: np.ndarray) -> None:
+    def update(self, positions: np.ndarray, priorities: np.ndarray) -> None:
         self._prio.observe(priorities)
         mass = self._prio.mass(priorities)
+        slots = self._ring.slots(positions)
         self._row_mass[slots] = mass  # a repeated id keeps its last priority (see SumTree.set)
         starts = slots[self._is_start[slots]]
         self._tree.set(starts, self._row_mass[starts])
+
+    def delete(self, positions: np.ndarray) -> Removal:
+        """Stop drawing the slices that start at ``positions`` (their rows keep their mass)."""
+        slots = self._ring.slots(positions)
+        starts = self._is_start[slots]
+        gone = slots[starts]
+        self._tree.set(gone, np.zeros(gone.size, dtype=np.float32))
+        self._is_start[gone] = False
+        self._num_starts -= int(gone.size)
+        return Removal(positions, starts)
+
+    def restore(self, removal: Removal) -> None:
+        assert removal.values is not None
+        slots = self._ring.slots(removal.positions[removal.values
+                                                   & self._ring.live(removal.positions)])
+        back = slots[~self._is_start[slots]]
+        self._is_start[back] = True
+        self._tree.set(back, self._row_mass[back])
+        self._num_starts += int(back.size)
 
     def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         total = self._tree.total()

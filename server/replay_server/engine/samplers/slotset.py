@@ -1,7 +1,7 @@
 """Slot sets: which slots may be drawn, when that is not a contiguous range of ids.
 
 Used for the valid slice starts of :class:`~replay_server.engine.samplers.slice.SliceSampler`
-and for the rows not yet retired of a uniform table with ``max_times_sampled``.
+and for the drawable rows of a uniform table that deletes rows (one with a remover).
 
 Not thread-safe: called under the table's lock.
 """
@@ -12,6 +12,11 @@ import numpy as np
 
 from replay_server.engine.samplers.base import uniform_draws
 from replay_server.engine.samplers.episodes import index_dtype
+
+
+def slotset_bytes(capacity: int) -> int:
+    """Bytes per slot of a :class:`SlotSet` of ``capacity`` slots."""
+    return 2 * np.dtype(index_dtype(capacity)).itemsize
 
 
 class SlotSet:
@@ -34,6 +39,10 @@ class SlotSet:
         self._pos[slots] = np.arange(self.count, self.count + k)
         self._dense[self.count : self.count + k] = slots
         self.count += k
+
+    def contains(self, slots: np.ndarray) -> np.ndarray:
+        """Bool mask: which of ``slots`` are members."""
+        return self._pos[slots] >= 0
 
     def remove(self, slots: np.ndarray) -> None:
         """Remove those of ``slots`` that are members."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -13,34 +12,57 @@ from replay_server.errors import EmptyTableError
 from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import (
     InsertEvent,
+    Removal,
     Sampler,
     SampleIndex,
+    SamplerOptions,
     SamplerTraits,
     uniform_draws,
 )
-from replay_server.engine.samplers.slotset import SlotSet
+from replay_server.engine.samplers.slotset import SlotSet, slotset_bytes
 
 
 class UniformSampler(Sampler):
-    """Every present row is drawn with probability ``1 / size``.
+    """Every drawable row is drawn with probability ``1 / drawable``.
 
-    The rows present are exactly the ids ``[first_live, next_id)`` (see
+    The rows present are exactly the positions ``[first_live, next_id)`` (see
     :mod:`replay_server.engine.ids`), so sampling draws integers in that range and
     needs no per-row state at all.
 
-    With ``retiring`` (a table with ``max_times_sampled``), rows can also be
-    removed one by one, so the drawable rows are kept in a
+    In a table that deletes rows (one with a remover: ``max_times_sampled``),
+    the drawable rows are kept in a
     :class:`~replay_server.engine.samplers.slotset.SlotSet` instead.
 
-    Cost: ``sample`` O(B); ``insert``/``clear`` O(1), or O(n) for n rows when
-    retiring. Memory: none per row, or 8 bytes per slot when retiring.
+    Cost: ``sample`` O(B); ``insert``/``clear`` O(1), or O(n) for n rows once
+    rows are deleted; ``delete``/``restore`` O(n). Memory: none per slot, or
+    8 bytes per slot in a table that deletes (16 past 2**31 slots).
     """
 
+    kind = "uniform"
     traits = SamplerTraits()
 
-    def __init__(self, ring: IdRing, retiring: bool = False) -> None:
+    def __init__(self, ring: IdRing) -> None:
         super().__init__(ring)
-        self._members = SlotSet(ring.capacity) if retiring else None
+        self._members: SlotSet | None = None
+
+    @classmethod
+    def build(cls, ring: IdRing, options: SamplerOptions, *, deletes: bool) -> UniformSampler:
+        sampler = cls(ring)
+        if deletes:
+            sampler._member_set()
+        return sampler
+
+    @classmethod
+    def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
+        return slotset_bytes(options.capacity) if deletes else 0
+
+    def _member_set(self) -> SlotSet:
+        """The drawable rows as a set, made from the live range when first needed."""
+        if self._members is None:
+            ring = self._ring
+            self._members = SlotSet(ring.capacity)
+            self._members.add(ring.slots(ring.range(ring.first_live, ring.size)))
+        return self._members
 
     def insert(self, event: InsertEvent) -> None:
         if self._members is not None:
@@ -48,11 +70,17 @@ class UniformSampler(Sampler):
                 self._members.remove(self._ring.slots(event.evicted_ids))
             self._members.add(self._ring.slots(event.ids))
 
-    def remove(self, slots: np.ndarray) -> Callable[[], None]:
-        if self._members is None:
-            return super().remove(slots)
-        self._members.remove(slots)
-        return lambda: self._members.add(slots)  # type: ignore[union-attr]
+    def update(self, positions: np.ndarray, priorities: np.ndarray) -> None:
+        """Priorities do not change uniform draws (the table refuses them first)."""
+
+    def delete(self, positions: np.ndarray) -> Removal:
+        self._member_set().remove(self._ring.slots(positions))
+        return Removal(positions)
+
+    def restore(self, removal: Removal) -> None:
+        members = self._member_set()
+        slots = self._ring.slots(removal.positions[self._ring.live(removal.positions)])
+        members.add(slots[~members.contains(slots)])
 
     def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         if self._members is not None:
@@ -97,10 +125,12 @@ class UniformSampler(Sampler):
         return {"members": torch.from_numpy(self._members.members().astype(np.int64))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the drawable rows (saved by a table that never deleted: every live row)."""
+        if self._members is None and "members" not in state:
+            return
         if self._members is not None:
-            self._members.clear()
-            if "members" in state:
-                self._members.add(state["members"].numpy())
-            else:  # saved without max_times_sampled: every live row is drawable
-                ring = self._ring
-                self._members.add(ring.slots(ring.range(ring.first_live, ring.size)))
+            self._members = None  # rebuilt below from the live range, or filled from the state
+        members = self._member_set()
+        if "members" in state:
+            members.clear()
+            members.add(state["members"].numpy())

@@ -1,45 +1,76 @@
-"""Where a table's rows live: the storage kinds, one module each.
+"""Where a table's rows live: one backend per column, and a codec over any of them.
 
-* :mod:`~replay_server.engine.storage.memory`: ``storage = "memory"`` (the
-  default): preallocated tensors in RAM (pinned with ``pin_memory``).
-* :mod:`~replay_server.engine.storage.memmap`: ``storage = "memmap"``:
-  memory-mapped files under ``storage_dir``, for tables larger than RAM.
-* :mod:`~replay_server.engine.storage.compressed`: ``compress_keys``: those
-  columns' rows lz4-compressed in RAM.
-* :mod:`~replay_server.engine.storage.framestack`: ``frame_stack_key``: a
-  stacked observation kept one frame per step (beside any of the above).
-* :mod:`~replay_server.engine.storage.device`: ``device = "cuda"``: the
-  columns in device memory, gathered there
+* :mod:`~replay_server.engine.storage.memory`: ``memory`` (the default):
+  preallocated tensors in RAM (pinned with ``pin_memory``);
+* :mod:`~replay_server.engine.storage.device`: on a device table
+  (``device = "cuda"``), ``memory`` columns in device memory, gathered there
   (:mod:`~replay_server.engine.storage.placement`: which device, and whether
-  it can hold them).
+  it can hold them);
+* :mod:`~replay_server.engine.storage.memmap`: ``memmap``: memory-mapped
+  files under ``storage_dir``, for tables larger than RAM;
+* :mod:`~replay_server.engine.storage.compressed`: ``compress_keys``: those
+  columns' rows lz4-compressed, over RAM or a file
+  (:mod:`~replay_server.engine.storage.arena`).
 
-Every kind is a :class:`~replay_server.engine.storage.memory.ColumnStorage`
-(the same writes, gathers and snapshots); the table builds the one its
-config names with :func:`make_storage` and never asks which it got.
+``storage`` names every column's backend, ``column_storage`` overrides it per
+column. Every backend is a :class:`~replay_server.engine.storage.base.Column`
+and declares its own cost; :func:`make_storage` builds a table's
+:class:`~replay_server.engine.storage.columns.ColumnStorage` and
+:func:`storage_ram_bytes` adds up what its columns are promised. Nothing
+else asks which backend a column has.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 from replay_server.engine.config import StorageKind, TableConfig
-from replay_server.engine.schema import Schema
-from replay_server.engine.storage.compressed import CompressedStorage
-from replay_server.engine.storage.device import DeviceStorage
-from replay_server.engine.storage.memmap import MemmapStorage, check_directory
-from replay_server.engine.storage.memory import ColumnStorage
+from replay_server.engine.memory import machine_memory
+from replay_server.engine.schema import FieldSpec, Schema
+from replay_server.engine.storage.base import Column
+from replay_server.engine.storage.columns import ColumnStorage
+from replay_server.engine.storage.compressed import Lz4Column
+from replay_server.engine.storage.device import DeviceColumn, DeviceIndex
+from replay_server.engine.storage.memmap import (
+    MappedFile,
+    MemmapColumn,
+    check_directory,
+    check_disk,
+)
+from replay_server.engine.storage.memory import HostColumn
 from replay_server.engine.storage.placement import (
     check_device_memory,
     check_placement,
     table_device,
 )
 
-__all__ = ["ColumnStorage", "CompressedStorage", "DeviceStorage", "MemmapStorage",
-           "check_storage", "make_storage"]
+__all__ = ["Column", "ColumnStorage", "check_storage", "make_storage", "storage_ram_bytes"]
 
 
-def make_storage(config: TableConfig, schema: Schema) -> ColumnStorage:
-    """The storage ``config.storage`` names, for ``config.capacity`` rows of ``schema``.
+def _backend(config: TableConfig, key: str) -> type[Column]:
+    """The class that keeps column ``key`` of a table of ``config``."""
+    if config.compress_keys and key in config.compress_keys:
+        return Lz4Column
+    if config.backend_of(key) is StorageKind.MEMMAP:
+        return MemmapColumn
+    return DeviceColumn if config.on_device else HostColumn
+
+
+def storage_ram_bytes(config: TableConfig, schema: Schema) -> int:
+    """Bytes of RAM the columns of ``schema`` (as stored) are promised at the table's capacity,
+    each as its backend declares it (compressed rows are promised as they are stored)."""
+    return sum(_backend(config, key).ram_bytes(spec, config.capacity)
+               for key, spec in schema.items())
+
+
+def make_storage(config: TableConfig, schema: Schema,
+                 grow: Callable[[int], None] | None = None) -> ColumnStorage:
+    """The columns of ``schema`` (as stored) for ``config.capacity`` rows, each in its backend.
+
+    ``grow``: called with the bytes compressed RAM columns have taken in all,
+    before they take more (it raises to refuse the insert).
 
     Raises:
         ConfigError: pinned memory without an accelerator; a missing or
@@ -47,19 +78,64 @@ def make_storage(config: TableConfig, schema: Schema) -> ColumnStorage:
         InsufficientMemoryError: the allocation (or the disk, or the device's
             free memory) cannot hold the table.
     """
+    capacity, name = config.capacity, config.name
+    backends = {key: _backend(config, key) for key in schema}
+    directory = None
+    on_disk = [key for key in schema if config.backend_of(key) is StorageKind.MEMMAP]
+    if on_disk:
+        assert config.storage_dir is not None
+        directory = check_directory(config.storage_dir, name)
+        plain = sum(capacity * schema[k].row_bytes for k in on_disk
+                    if backends[k] is MemmapColumn)
+        check_disk(directory, plain, name, f"capacity {capacity:,} x "
+                   f"{plain // capacity if capacity else 0:,} bytes per row")
     device = table_device(config)
-    if device is not None:
-        check = partial(check_device_memory, config, config.capacity * schema.row_bytes,
-                        f"capacity {config.capacity:,} x {schema.row_bytes:,} bytes per row "
+    check = None
+    on_device = sum(capacity * schema[k].row_bytes for k in schema if backends[k] is DeviceColumn)
+    if on_device:
+        check = partial(check_device_memory, config, on_device,
+                        f"capacity {capacity:,} x {on_device // capacity:,} bytes per row "
                         f"({schema.describe()})")
         check()  # now (at start for a declared schema), and again when it is allocated
-        return DeviceStorage(schema, config.capacity, device, check)
-    if config.storage is StorageKind.MEMMAP:
-        assert config.storage_dir is not None
-        return MemmapStorage(schema, config.capacity, config.storage_dir, config.name)
-    if config.compress_keys:
-        return CompressedStorage(schema, config.capacity, config.compress_keys)
-    return ColumnStorage(schema, config.capacity, pin_memory=config.pin_memory)
+    index = DeviceIndex(device) if device is not None else None
+    taken: dict[str, int] = {}
+
+    def grown(key: str, nbytes: int) -> None:
+        if grow is not None:
+            grow(sum({**taken, key: nbytes}.values()))
+        taken[key] = nbytes
+
+    columns: dict[str, Column] = {}
+    for key, spec in schema.items():
+        backend = backends[key]
+        if backend is Lz4Column:
+            columns[key] = _compressed(config, key, spec, directory, partial(grown, key))
+        elif backend is MemmapColumn:
+            assert directory is not None
+            columns[key] = MemmapColumn(spec, capacity, directory, name, key)
+        elif backend is DeviceColumn:
+            assert index is not None
+            columns[key] = DeviceColumn(spec, capacity, index)
+        else:
+            columns[key] = HostColumn(spec, capacity, pin_memory=config.pin_memory)
+    mapped = [c for c in columns.values() if isinstance(c, MemmapColumn)]
+    if sum(c.nbytes for c in mapped) > machine_memory():
+        for column in mapped:
+            column.sorted_gathers = True
+    prefault = [key for key, c in columns.items() if isinstance(c, HostColumn) and not c.pinned]
+    return ColumnStorage(schema, capacity, columns, device=device, check=check,
+                         prefault=prefault)
+
+
+def _compressed(config: TableConfig, key: str, spec: FieldSpec, directory: Path | None,
+                grow: Callable[[int], None]) -> Lz4Column:
+    """An lz4 column of ``key`` over its backend (a sparse file for ``memmap``, else RAM)."""
+    if config.backend_of(key) is not StorageKind.MEMMAP:
+        return Lz4Column(spec, config.capacity, grow=grow)
+    assert directory is not None
+    file = MappedFile(directory, f"{config.name}.{key}",
+                      Lz4Column.file_bytes(spec, config.capacity), config.name, reserve=False)
+    return Lz4Column(spec, config.capacity, file)
 
 
 def check_storage(config: TableConfig) -> None:
@@ -70,7 +146,5 @@ def check_storage(config: TableConfig) -> None:
             device table's device is missing (asked without initialising CUDA).
     """
     check_placement(config)
-    if config.storage is StorageKind.MEMMAP:
-        assert config.storage_dir is not None
+    if config.storage_dir is not None:
         check_directory(config.storage_dir, config.name)
-

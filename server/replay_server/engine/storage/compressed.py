@@ -1,28 +1,27 @@
-"""Per-column compression of stored rows (lz4), decompressed in parallel on gather.
+"""The lz4 codec: a column's rows compressed, over RAM or a memory-mapped file.
 
-A table with ``compress_keys = ["obs"]`` keeps each row of those columns as
-one lz4 block (``lz4.block``, compressed when the row is written); its other
-columns are plain preallocated tensors as in
-:class:`~replay_server.engine.storage.memory.ColumnStorage`, which this
-extends (writes, gathers, snapshots and loads go through the same paths; a
-compressed column presents itself to them as a :class:`CompressedColumn`,
-whose slices read and write decompressed rows). Gathers decompress the
-sampled rows straight into the batch, split across the worker pool (lz4
-releases the GIL). ``info`` shows the compression ratio (raw bytes over
-stored bytes of the rows present) in ``sampler_stats["compression_ratio"]``.
+A column named in ``compress_keys`` keeps each row as one lz4 block
+(``lz4.block``), compressed before the table takes its lock and
+decompressed on gather straight into the batch, split across the worker
+pool (lz4 releases the GIL). The blocks live in a
+:class:`~replay_server.engine.storage.arena.ByteArena`: in RAM, or, for a
+column whose backend is ``memmap``, in a sparse file reserved a segment at a
+time. The codec sits over either backend, and beside any other column's:
+a table can compress ``obs`` on disk and keep ``action`` plain in RAM.
+``info`` shows the compression ratio (raw bytes over stored bytes of the
+rows present) in ``sampler_stats["compression_ratio"]``.
 
-Memory: the compressed bytes, plus about 41 bytes per row (a Python bytes
-object and its list slot). The memory ledger promises the worst case (a
-row lz4 cannot shrink: its raw size, lz4's bound, and that overhead), so
-the check made when the schema is fixed stays true whatever the data; what
-compression saves is memory the server then does not touch.
+Memory: the segments holding the blocks (promised to the memory ledger as
+they are first taken, in RAM; reserved on disk, in a file) and 12 bytes per
+slot. Snapshots and restores see decompressed rows (``column[a:b]``), so a
+checkpoint's format does not depend on compression.
 
 Not thread-safe: the owning table serializes access under its lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import lz4.block
@@ -30,164 +29,113 @@ import numpy as np
 import torch
 
 from replay_server.engine import workers
-from replay_server.engine.schema import Schema
-from replay_server.engine.memory import COMPRESSED_ROW_OVERHEAD as ROW_OVERHEAD
-from replay_server.engine.storage.memory import ColumnStorage, _numpy_view
-from replay_server.errors import InsufficientMemoryError
+from replay_server.engine.schema import FieldSpec
+from replay_server.engine.storage.arena import ByteArena
+from replay_server.engine.storage.base import Column, numpy_view
+from replay_server.engine.storage.memmap import MappedFile
 
 _PARALLEL_BYTES = 1 << 20
 """Gathers of at least this many raw bytes decompress on several threads."""
 
 
-class CompressedColumn:
-    """``capacity`` rows of one column, each an lz4 block; sliced like a numpy array.
+def bound(row_bytes: int) -> int:
+    """The most bytes lz4 can make of ``row_bytes`` (its ``LZ4_compressBound``)."""
+    return row_bytes + row_bytes // 255 + 16
 
-    ``column[a:b]`` is a new array of the decompressed rows (zeros where none
-    was written); ``column[a:b] = rows`` compresses and stores them.
+
+class Lz4Column(Column):
+    """``capacity`` rows of ``spec``, each an lz4 block in an arena (see the module).
+
+    Args:
+        spec: the column's dtype and per-row shape.
+        capacity: rows.
+        file: the sparse file its arena lives in (a ``memmap`` column), or ``None``: RAM.
+        grow: (RAM) called with the bytes of segments taken before a new one is;
+            raises to refuse the write.
     """
 
-    def __init__(self, capacity: int, row_shape: tuple[int, ...], dtype: np.dtype) -> None:
-        self.shape = (capacity, *row_shape)
-        self.dtype = np.dtype(dtype)
-        self.itemsize = self.dtype.itemsize
-        self.ndim = len(self.shape)
-        self.row_bytes = self.itemsize * int(np.prod(row_shape, dtype=np.int64))
-        self._blobs: list[bytes | None] = [None] * capacity
-        self.stored_bytes = 0
-        self.rows = 0
+    kind = "lz4"
 
-    def __getitem__(self, index: slice) -> np.ndarray:
-        slots = np.arange(*index.indices(self.shape[0]))
-        out = np.empty((slots.size, *self.shape[1:]), dtype=self.dtype)
-        self.read(slots, out)
-        return out
+    def __init__(self, spec: FieldSpec, capacity: int, file: MappedFile | None = None,
+                 grow: Callable[[int], None] | None = None) -> None:
+        super().__init__(spec, capacity)
+        self.backend = "memory" if file is None else "memmap"
+        self.arena = ByteArena(capacity, bound(spec.row_bytes), file, grow)
 
-    def __setitem__(self, index: slice, rows: np.ndarray) -> None:
-        self.write(np.arange(*index.indices(self.shape[0])), rows)
+    @staticmethod
+    def ram_bytes(spec: FieldSpec, capacity: int) -> int:
+        """The per-slot offsets; the segments are promised as they are taken."""
+        return 12 * capacity
 
-    def write(self, slots: Iterable[int], rows: np.ndarray) -> None:
-        """Compress ``rows`` (``[n, *row_shape]``) into ``slots``."""
-        blobs = self._blobs
-        for slot, row in zip(slots, np.ascontiguousarray(rows).reshape(len(rows), -1)):
-            old = blobs[slot]
-            if old is None:
-                self.rows += 1
-            else:
-                self.stored_bytes -= len(old)
-            blob = lz4.block.compress(row, store_size=False)
-            blobs[slot] = blob
-            self.stored_bytes += len(blob)
-
-    def read(self, slots: np.ndarray, out: np.ndarray) -> None:
-        """Decompress the rows at ``slots`` into ``out`` (``[n, *row_shape]``, contiguous)."""
-        flat = out.reshape(len(slots), -1).view(np.uint8)
-        blobs, size = self._blobs, self.row_bytes
-        for i, slot in enumerate(slots.tolist()):
-            blob = blobs[slot]
-            if blob is None:
-                flat[i] = 0
-            else:
-                flat[i] = np.frombuffer(lz4.block.decompress(blob, uncompressed_size=size),
-                                        dtype=np.uint8)
-
-    def clear(self) -> None:
-        self._blobs = [None] * self.shape[0]
-        self.stored_bytes = self.rows = 0
-
-
-class CompressedStorage(ColumnStorage):
-    """Columns for ``capacity`` rows of ``schema``, those named by ``keys`` compressed.
-
-    Raises:
-        InsufficientMemoryError: the plain columns could not be allocated.
-    """
-
-    kind = "compressed"
-
-    def __init__(self, schema: Schema, capacity: int, keys: Iterable[str]) -> None:
-        self.schema = schema
-        self.capacity = capacity
-        self.pinned = False
-        self.compressed = tuple(keys)
-        try:
-            plain = {key: torch.empty((capacity, *spec.shape), dtype=spec.dtype)
-                     for key, spec in schema.items() if key not in self.compressed}
-        except (MemoryError, RuntimeError) as exc:
-            raise InsufficientMemoryError(f"cannot allocate the uncompressed columns of "
-                                          f"{capacity:,} rows of {schema.describe()}: {exc}") from None
-        self._adopt(plain, None)
-        self._packed = {key: CompressedColumn(capacity, schema[key].shape,
-                                              _numpy_view(torch.empty(0, dtype=schema[key].dtype)).dtype)
-                        for key in self.compressed}
-        self._views = {key: self._packed.get(key, self._views.get(key)) for key in schema}
-        self._dtypes = {key: spec.dtype for key, spec in schema.items()}
+    @staticmethod
+    def file_bytes(spec: FieldSpec, capacity: int) -> int:
+        """The address range of a column's file (sparse: reserved a segment at a time)."""
+        return ByteArena.file_bytes(capacity, bound(spec.row_bytes))
 
     @property
     def nbytes(self) -> int:
-        """Bytes held now: the plain columns, and the compressed rows with their overhead."""
-        plain = sum(t.numel() * t.element_size() for t in self.columns.values())
-        return plain + sum(c.stored_bytes + ROW_OVERHEAD * c.rows for c in self._packed.values())
+        return self.arena.nbytes
 
-    def write(self, first_slot: int, columns: Mapping[str, torch.Tensor]) -> None:
-        n = next(iter(columns.values())).shape[0]
-        for snapshot in self._snapshots:
-            snapshot.before_write(first_slot, n)
-        slots = (first_slot + np.arange(n)) % self.capacity
-        for key, view in self._views.items():
-            src = _numpy_view(columns[key].detach())
-            if isinstance(view, CompressedColumn):
-                view.write(slots.tolist(), src)
-            else:
-                head = min(n, self.capacity - first_slot)
-                np.copyto(view[first_slot : first_slot + head], src[:head])
-                if head < n:
-                    np.copyto(view[: n - head], src[head:])
+    def encode(self, rows: torch.Tensor) -> list[bytes]:
+        flat = np.ascontiguousarray(numpy_view(rows.detach().cpu())).reshape(len(rows), -1)
+        return [lz4.block.compress(row, store_size=False) for row in flat]
 
-    def gather(
-        self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None = None,
-        keys: Iterable[str] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        flat = slots.reshape(-1)
-        wanted = list(self.schema) if keys is None else list(keys)
-        result = super().gather(slots, out, keys=[k for k in wanted if k in self.columns])
-        for key in wanted:
-            column = self._packed.get(key)
-            if column is None:
-                continue
-            dtype = self._dtypes[key]
-            dest = None if out is None else out.get(key)
-            if dest is None:
-                dest = torch.empty((*slots.shape, *column.shape[1:]), dtype=dtype)
-            target = _numpy_view(dest).reshape(flat.size, *column.shape[1:])
-            parts = min(workers.THREADS, max(1, flat.size * column.row_bytes // _PARALLEL_BYTES))
-            if parts < 2:
-                column.read(flat, target)
+    def reserve(self, first_slot: int, encoded: list[bytes]) -> None:
+        slots = (first_slot + np.arange(len(encoded))) % self.capacity
+        self.arena.reserve([len(b) for b in encoded], slots)
+
+    def write(self, first_slot: int, encoded: list[bytes]) -> None:
+        slots = ((first_slot + np.arange(len(encoded))) % self.capacity).tolist()
+        self.arena.write(slots, encoded)
+
+    def take(self, slots: np.ndarray, into: torch.Tensor) -> None:
+        target = numpy_view(into).reshape(slots.size, -1)
+        parts = min(workers.THREADS, max(1, slots.size * self.row_bytes // _PARALLEL_BYTES))
+        if parts < 2:
+            self._read(slots, target)
+            return
+        bounds = np.linspace(0, slots.size, parts + 1).astype(int)
+        tasks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        workers.run_split(lambda t: self._read(slots[t[0]:t[1]], target[t[0]:t[1]]),
+                          tasks, len(tasks))
+
+    def _read(self, slots: np.ndarray, out: np.ndarray) -> None:
+        """Decompress the rows at ``slots`` into ``out`` (``[n, row values]``, contiguous;
+        zeros where none was written). Memoryviews all the way: per row one decompress
+        and one copy, and little else holding the GIL (the other threads decompress)."""
+        size = self.row_bytes
+        buffer, decompress = self.arena.view, lz4.block.decompress
+        offsets = self.arena.offsets[slots].tolist()
+        lengths = self.arena.lengths[slots].tolist()
+        if not out.flags.c_contiguous:  # e.g. the last frame of each stack: row by row
+            for i, (offset, length) in enumerate(zip(offsets, lengths)):
+                out[i] = 0 if offset < 0 else np.frombuffer(
+                    decompress(buffer[offset:offset + length], uncompressed_size=size),
+                    dtype=out.dtype)
+            return
+        flat = memoryview(out).cast("B")
+        at = 0
+        for offset, length in zip(offsets, lengths):
+            if offset < 0:
+                flat[at:at + size] = bytes(size)
             else:
-                bounds = np.linspace(0, flat.size, parts + 1).astype(int)
-                tasks = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-                workers.run_split(lambda t, c=column: c.read(flat[t[0]:t[1]], target[t[0]:t[1]]),
-                                  tasks, len(tasks))
-            result[key] = dest
-        return result
+                flat[at:at + size] = decompress(buffer[offset:offset + length],
+                                                uncompressed_size=size)
+            at += size
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        slots = np.arange(*index.indices(self.capacity))
+        out = np.empty((slots.size, *self.spec.shape), dtype=self.dtype)
+        self._read(slots, out.reshape(slots.size, -1))
+        return out
+
+    def __setitem__(self, index: slice, rows: np.ndarray) -> None:
+        slots = np.arange(*index.indices(self.capacity))
+        flat = np.ascontiguousarray(rows).reshape(slots.size, -1)
+        blocks = [lz4.block.compress(row, store_size=False) for row in flat]
+        self.arena.reserve([len(b) for b in blocks], slots)
+        self.arena.write(slots.tolist(), blocks)
 
     def stats(self) -> dict[str, Any]:
-        raw = sum(c.rows * c.row_bytes for c in self._packed.values())
-        stored = sum(c.stored_bytes for c in self._packed.values())
-        return {"compression_ratio": raw / stored if stored else 1.0}
-
-    def load_views(self) -> dict[str, np.ndarray]:
-        """Arrays a checkpoint's rows are read into: the plain columns themselves, and a
-        staging array per compressed column (the raw size, until :meth:`loaded`)."""
-        return {key: np.empty(view.shape, dtype=view.dtype)
-                if isinstance(view, CompressedColumn) else view
-                for key, view in self._views.items()}
-
-    def loaded(self, views: Mapping[str, np.ndarray]) -> None:
-        """Compress the staged rows of :meth:`load_views` (all ``capacity`` slots)."""
-        for key, column in self._packed.items():
-            column[:] = views[key]
-
-    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        for key, view in self._views.items():
-            saved = _numpy_view(state[key].detach())
-            view[: saved.shape[0]] = saved
+        arena = self.arena
+        return {"raw_bytes": arena.blocks * self.row_bytes, "stored_bytes": arena.stored}

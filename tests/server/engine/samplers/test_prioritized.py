@@ -150,3 +150,38 @@ def test_sampled_rows_are_always_present_after_many_wraps(capacity):
         assert bool(((batch.ids >= inserted - table.size) & (batch.ids < inserted)).all())
         # Row data is the id itself: the gather read the right slot.
         assert torch.equal(batch.data["x"][:, 0].to(torch.int64), batch.ids)
+
+
+def test_priority_mixing_gives_each_slice_start_the_mix_of_its_steps_as_r2d2_does() -> None:
+    from replay_server.errors import ConfigError
+
+    eta = 0.9
+    mixed, plain = (Table(TableConfig(name="r", capacity=32, sampler="prioritized_slice",
+                                      slice_len=3, seed=5, priority_mixing=m))
+                    for m in (eta, None))
+    rows = {"x": torch.arange(12), "episode": torch.zeros(12, dtype=torch.int64)}
+    for table in (mixed, plain):
+        table.insert(rows)
+    batch = mixed.sample(4)
+    td = torch.rand(4, 3, dtype=torch.float64)
+    assert mixed.update_priorities(batch.ids, td) == 4  # one per slice: its start
+    starts = batch.ids[:, 0]
+    expected = eta * td.max(dim=1).values + (1 - eta) * td.mean(dim=1)
+    plain.update_priorities(starts, expected)  # the same, applied by hand
+    assert mixed.info().mass == plain.info().mass
+    with pytest.raises(ConfigError, match="priority_mixing=0.9 only applies to samplers with"):
+        TableConfig(name="r", capacity=8, sampler="prioritized", priority_mixing=0.9)
+
+
+def test_priority_mixing_takes_flat_slices_as_the_wire_carries_them_and_refuses_partial_ones(
+        ) -> None:
+    from replay_server.errors import InvalidPriorityError
+
+    table = Table(TableConfig(name="r", capacity=32, sampler="prioritized_slice", slice_len=3,
+                              seed=5, priority_mixing=0.5))
+    table.insert({"x": torch.arange(12), "episode": torch.zeros(12, dtype=torch.int64)})
+    batch = table.sample(2)
+    flat = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 4.0], dtype=torch.float64)
+    assert table.update_priorities(batch.ids.reshape(-1), flat) == 2
+    with pytest.raises(InvalidPriorityError, match=r"slice_len=3 priorities per slice"):
+        table.update_priorities(batch.ids[:, :2], flat[:4].view(2, 2))

@@ -92,7 +92,7 @@ def test_batches_and_sizes_match_a_reference_list(kind: str, ops: list, max_size
         assert table.info().sampler_stats["queue_depth"] == len(present)
 
 
-def test_delete_refuses_ids_never_issued_and_tables_that_are_not_queues() -> None:
+def test_delete_refuses_ids_never_issued_and_tables_whose_rows_stay() -> None:
     table = Table(TableConfig(name="q", capacity=4, sampler="fifo"))
     ids = table.insert({"x": torch.arange(3)})
     with pytest.raises(InvalidIdsError):
@@ -100,17 +100,74 @@ def test_delete_refuses_ids_never_issued_and_tables_that_are_not_queues() -> Non
     assert table.size == 3  # nothing removed by the refused call
     plain = Table(TableConfig(name="u", capacity=4))
     plain.insert({"x": torch.arange(3)})
-    with pytest.raises(InvalidArgumentError, match="'fifo' and 'lifo'"):
+    with pytest.raises(InvalidArgumentError, match="'fifo' or 'lifo', or max_times_sampled"):
         plain.delete(torch.tensor([0]))
 
 
 @pytest.mark.parametrize("fields, named", [
-    ({"max_size": 4}, "max_size"),                                     # not a queue
+    ({"max_size": 4}, "max_size"),                                     # rows never leave
     ({"sampler": "fifo", "max_size": 9}, "max_size"),                   # over capacity
-    ({"sampler": "lifo", "samples_per_insert": 1.0}, "samples_per_insert"),
-    ({"sampler": "fifo", "max_times_sampled": 1}, "max_times_sampled"),
-    ({"sampler": "fifo", "min_size_to_sample": 2}, "min_size_to_sample"),
+    ({"sampler": "lifo", "samples_per_insert": 2.0}, "samples_per_insert"),  # > 1 draw a row
 ])
 def test_bad_queue_options_are_refused_naming_the_field(fields: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         TableConfig(name="q", capacity=8, **fields)
+
+
+def test_a_queue_is_an_ordered_sampler_plus_a_remover_so_flow_controls_compose() -> None:
+    """min_size_to_sample, a ratio of at most one sample per row and max_times_sampled all
+    mean what they mean on any table."""
+    waits = Table(TableConfig(name="q", capacity=8, sampler="fifo", min_size_to_sample=3))
+    waits.insert({"x": torch.arange(2)})
+    with pytest.raises(RateLimitedError):
+        waits.sample(1)
+    waits.insert({"x": torch.arange(2, 3)})
+    assert waits.sample(2).data["x"].tolist() == [0, 1]
+    again = Table(TableConfig(name="t", capacity=8, sampler="fifo", max_times_sampled=2))
+    again.insert({"x": torch.arange(3)})
+    assert again.sample(2).data["x"].tolist() == [0, 1]
+    assert again.sample(2).data["x"].tolist() == [0, 1]
+    assert again.size == 1
+    with pytest.raises(EmptyTableError):
+        again.sample(2)
+    assert again.sample(1).data["x"].tolist() == [2]
+    assert again.sample(1).data["x"].tolist() == [2] and again.size == 0
+
+
+def test_max_size_and_delete_work_on_any_table_whose_rows_leave_when_sampled() -> None:
+    table = Table(TableConfig(name="u", capacity=8, max_times_sampled=1, max_size=3, seed=0))
+    ids = table.insert({"x": torch.arange(3)})
+    with pytest.raises(RateLimitedError, match="max_size=3"):
+        table.insert({"x": torch.arange(1)})
+    assert table.delete(ids[:1]) == 1 and table.size == 2
+    table.insert({"x": torch.arange(3, 4)})
+    drawn = table.sample(3).data["x"].tolist()
+    assert sorted(drawn) == [1, 2, 3] and table.size == 0  # each row once, then gone
+
+
+def test_a_queue_state_saved_before_queues_had_a_remover_loads() -> None:
+    """The old layout kept only the runs of rows present; the rows outside them were taken."""
+    config = TableConfig(name="q", capacity=4, sampler="fifo")
+    table = Table(config)
+    table.insert({"x": torch.arange(3)})
+    table.insert({"x": torch.arange(3, 6)})  # positions 2..5 live
+    table.sample(1)  # takes position 2
+    state = table.state_dict()
+    del state["times_sampled"]  # as saved before
+    restored = Table(config)
+    restored.load_state_dict(state)
+    assert restored.size == 3
+    assert restored.sample(3).data["x"].tolist() == [3, 4, 5]
+
+
+def test_rows_taken_can_be_given_back_in_their_place_as_a_lease_expiry_would() -> None:
+    """The remover keeps what a later lease needs: the removal of the rows a sample took,
+    which give_back returns to the sampler (in their place in the order) with their draws."""
+    table = Table(TableConfig(name="q", capacity=8, sampler="fifo"))
+    table.insert({"x": torch.arange(5)})
+    parts = table._parts
+    index, removals = parts.remover.sample(parts.sampler, 2, parts.generator, "q",
+                                           can_wait=False)
+    assert index.ids.tolist() == [0, 1] and parts.size == 3
+    assert parts.remover.give_back(parts.sampler, removals[0]) == 2
+    assert parts.size == 5 and table.sample(5).data["x"].tolist() == [0, 1, 2, 3, 4]

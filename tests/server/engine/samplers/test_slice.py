@@ -247,3 +247,28 @@ def test_prioritized_slice_start_gets_priority_given_before_it_became_a_start():
     table.insert(_rows(2, [0, 0], [False, False]), priorities=torch.tensor([1.0, 1.0]))
     batch = table.sample(4000)  # starts: row 0 (priority 5), row 1 (priority 1)
     assert math.isclose(float((batch.ids[:, 0] == 0).double().mean()), 5 / 6, abs_tol=0.03)
+
+
+@pytest.mark.parametrize("sampler", ["slice", "prioritized_slice"])
+def test_max_times_sampled_retires_slices_by_their_start_as_reverb_counts_items(sampler) -> None:
+    """A slice drawn max_times_sampled times is no longer drawn; its rows stay (other slices
+    hold them), so the table's size does not change; a reload keeps the counts."""
+    table = Table(TableConfig(name="s", capacity=64, sampler=sampler, slice_len=3,
+                              max_times_sampled=2, seed=3))
+    ids = table.insert({"x": torch.arange(10), "episode": torch.zeros(10, dtype=torch.int64)})
+    starts = 8  # rows 0..7 start a slice of 3 steps of the one episode
+    drawn: dict[int, int] = {}
+    for step in range(2 * starts):
+        if step == starts:
+            reloaded = Table(table.config)
+            reloaded.load_state_dict(table.state_dict())
+            table = reloaded
+        first = int(table.sample(1).ids[0, 0])
+        drawn[first] = drawn.get(first, 0) + 1
+    assert drawn == {int(i): 2 for i in ids[:starts]}  # every slice exactly twice
+    with pytest.raises(EmptyTableError):
+        table.sample(1)
+    assert table.size == 10 and table.info().counters.retired == starts
+    new = table.insert({"x": torch.arange(10, 11), "episode": torch.zeros(1, dtype=torch.int64)})
+    assert table.sample(1).ids[0].tolist() == [int(ids[8]), int(ids[9]), int(new[0])]
+    assert table.delete(ids[:1]) == 0  # retired already

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from replay_server.engine.config import TableConfig
-from replay_server.engine.memory import MemoryLedger, table_bytes
+from replay_server.engine.memory import MemoryLedger
+from replay_server.engine.table_parts import table_bytes
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.table import Table
-from replay_server.errors import ConfigError, SchemaMismatchError
+from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMismatchError
 
 
 def rows(first: int, n: int) -> dict:
@@ -45,21 +46,31 @@ def test_batches_equal_the_uncompressed_table_across_wrap_around_and_reloads(sam
     assert packed.info().storage_bytes < plain.info().storage_bytes / 5
 
 
-def test_the_memory_ledger_promises_the_worst_case() -> None:
-    schema = Schema({"obs": FieldSpec(torch.uint8, (84, 84))})
-    packed = TableConfig(name="t", capacity=100, compress_keys=["obs"])
-    assert table_bytes(packed, schema) > table_bytes(TableConfig(name="t", capacity=100), schema)
-    with pytest.raises(ConfigError, match="more than"):
-        Table(TableConfig(name="t", capacity=100, compress_keys=["obs"],
-                          schema={"obs": FieldSpec(torch.uint8, (84, 84))}),
-              memory=MemoryLedger(100 * 84 * 84))
+def test_compressed_rows_are_promised_as_they_are_stored_and_a_refused_insert_stores_nothing(
+        ) -> None:
+    """The ledger is promised the compressed blocks' segments as an insert takes them; one it
+    cannot give refuses the insert whole."""
+    schema = {"obs": FieldSpec(torch.uint8, (84, 84))}
+    packed = TableConfig(name="t", capacity=100, compress_keys=["obs"], schema=schema)
+    assert table_bytes(packed, Schema(schema)) == 100 * 12  # the blocks' offsets and lengths
+    ledger = MemoryLedger(200_000)
+    table = Table(packed, memory=ledger)
+    regular = rows(0, 50)["obs"]  # compresses about 20x
+    table.insert({"obs": regular})
+    promised = ledger.committed
+    assert 100 * 12 < promised < 100 * 84 * 84 / 4
+    noise = torch.randint(0, 255, (60, 84, 84), dtype=torch.uint8,
+                          generator=torch.Generator().manual_seed(1))  # incompressible
+    with pytest.raises(InsufficientMemoryError, match="compressed rows"):
+        table.insert({"obs": noise})
+    assert table.size == 50 and ledger.committed == promised  # nothing of it stored
+    batch = table.sample(20)
+    assert torch.equal(batch.data["obs"], regular[batch.ids])
 
 
 @pytest.mark.parametrize("fields, named", [
     ({"compress_keys": []}, "non-empty list"),
     ({"compress_keys": ["obs", "obs"]}, "distinct"),
-    ({"compress_keys": ["obs"], "frame_stack_key": "obs"}, "not supported yet"),
-    ({"compress_keys": ["obs"], "storage": "memmap", "storage_dir": "/tmp"}, "not supported yet"),
 ])
 def test_bad_compression_options_are_refused(fields: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):

@@ -19,9 +19,10 @@ import torch
 
 from replay_server.engine.config import TableConfig
 from replay_server.engine.inputs import columns_of
-from replay_server.engine.memory import MemoryLedger, table_bytes
+from replay_server.engine.memory import MemoryLedger
+from replay_server.engine.table_parts import table_bytes
 from replay_server.engine.schema import FieldSpec, Schema
-from replay_server.engine.storage import DeviceStorage
+from replay_server.engine.storage.device import DeviceColumn
 from replay_server.engine.storage.placement import cpu_stand_in
 from replay_server.engine.table import Table
 from replay_server.errors import ConfigError, InsufficientMemoryError
@@ -79,7 +80,7 @@ def test_a_device_table_samples_exactly_as_a_host_table(stand_in, sampler):
             assert device.update_priorities(batch.ids, new) == host.update_priorities(
                 expected.ids, new)
     assert written > 10 * 97  # the ring wrapped many times
-    assert isinstance(device._parts.storage, DeviceStorage)
+    assert all(isinstance(c, DeviceColumn) for c in device._parts.storage.columns.values())
     assert device.info().counters == host.info().counters
 
 
@@ -196,18 +197,6 @@ def test_without_the_stand_in_a_cuda_table_is_refused_on_a_machine_without_cuda(
 def test_a_malformed_device_is_refused(device):
     with pytest.raises(ConfigError, match=r"table 't': device must be 'cpu', 'cuda' or 'cuda:N'"):
         TableConfig(name="t", capacity=10, device=device)
-
-
-@pytest.mark.parametrize("options, named", [
-    ({"storage": "memmap", "storage_dir": "/tmp"}, "storage 'memmap'"),
-    ({"compress_keys": ["obs"]}, "compress_keys"),
-    ({"frame_stack_key": "obs"}, "frame_stack_key"),
-    ({"n_step": 3}, "n_step > 1"),
-])
-def test_combinations_not_built_are_refused_as_not_supported_yet(options, named):
-    with pytest.raises(ConfigError, match=rf"table 't': device = 'cuda' with {named} is not "
-                                          rf"supported yet with device tables"):
-        TableConfig(name="t", capacity=10, device="cuda", **options)
 
 
 def test_rows_already_on_the_tables_device_stay_there_and_others_come_to_the_host():

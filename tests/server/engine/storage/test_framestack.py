@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replay_server.engine.config import TableConfig
-from replay_server.engine.memory import stored_row_bytes
+from replay_server.engine.table_parts import table_bytes
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.table import Table
 from replay_server.errors import ConfigError, InvalidArgumentError, SchemaMismatchError
@@ -93,8 +93,9 @@ def test_a_frame_stacked_row_takes_a_quarter_of_the_memory() -> None:
                      "action": FieldSpec(torch.int64, ()), "reward": FieldSpec(torch.float32, ()),
                      "done": FieldSpec(torch.bool, ()), "episode": FieldSpec(torch.int64, ())})
     config = TableConfig(name="t", capacity=10, frame_stack_key="obs")
-    assert stored_row_bytes(config, schema) == 2 * 84 * 84 + 8 + 4 + 1 + 8
-    assert schema.row_bytes / stored_row_bytes(config, schema) > 3.9
+    links = 10 * 16  # the previous and next step of each slot
+    assert table_bytes(config, schema) == 10 * (2 * 84 * 84 + 8 + 4 + 1 + 8) + links
+    assert 10 * schema.row_bytes / table_bytes(config, schema) > 3.9
 
 
 def test_an_insert_whose_next_obs_is_not_obs_shifted_is_refused_and_stores_nothing() -> None:
@@ -106,17 +107,29 @@ def test_an_insert_whose_next_obs_is_not_obs_shifted_is_refused_and_stores_nothi
     assert table.size == 0
 
 
-def test_a_schema_without_next_obs_is_refused_naming_it() -> None:
-    table = Table(TableConfig(name="t", capacity=8, frame_stack_key="obs"))
+def test_a_schema_without_the_stacked_key_is_refused_naming_it() -> None:
+    table = Table(TableConfig(name="t", capacity=8, frame_stack_key="pixels"))
     row = stacked([Actor(0, 4, "repeat").step(False)])
-    del row["next"]
-    with pytest.raises(SchemaMismatchError, match="needs keys 'obs' and 'next.obs'"):
+    with pytest.raises(SchemaMismatchError, match="needs key 'pixels'"):
         table.insert(row)
 
 
+def test_rows_without_next_obs_stack_obs_alone() -> None:
+    """Sequences (R2D2) need no next observation: each step's obs is stacked from the frames."""
+    common = {"name": "t", "capacity": 16, "seed": 1}
+    plain, dedup = Table(TableConfig(**common)), Table(TableConfig(**common, frame_stack_key="obs"))
+    actor = Actor(0, 4, "repeat")
+    rows = stacked([actor.step(i == 9) for i in range(10)])
+    del rows["next"]
+    for table in (plain, dedup):
+        table.insert(rows)
+    a, b = plain.sample(16), dedup.sample(16)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.data["obs"], b.data["obs"])
+    assert "next" not in b.data
+    assert dedup.info().storage_bytes < 0.6 * plain.info().storage_bytes
+
+
 @pytest.mark.parametrize("fields, named", [
-    ({"frame_stack_key": "obs", "sampler": "fifo"}, "needs sampler 'uniform' or"),
-    ({"frame_stack_key": "obs", "n_step": 3}, "not supported yet"),
     ({"frame_stack_key": "next.obs"}, "must name the stacked observation"),
     ({"frame_stack_fill": "edge"}, "frame_stack_fill must be"),
 ])

@@ -11,7 +11,7 @@ import torch
 from replay_server.engine.config import TableConfig
 from replay_server.engine.memory import MemoryLedger
 from replay_server.engine.schema import FieldSpec
-from replay_server.engine.storage import MemmapStorage
+from replay_server.engine.storage.memmap import MemmapColumn
 from replay_server.engine.table import Table
 from replay_server.errors import ConfigError
 
@@ -49,11 +49,13 @@ def test_batches_equal_the_in_ram_tables_across_wrap_around_and_a_reload(
     for first in range(0, 120, 30):  # 120 rows into 50 slots: the ring wraps twice
         for table in (ram, mapped):
             table.insert(rows(first, 30))
-        mapped._parts.storage.sorted_gathers = sorted_gathers  # force the path under test
+        for column in mapped._parts.storage.columns.values():  # force the path under test
+            column.sorted_gathers = sorted_gathers
         same(ram.sample(12), mapped.sample(12))
     reloaded = Table(mapped.config)
     reloaded.load_state_dict(mapped.state_dict())
-    reloaded._parts.storage.sorted_gathers = sorted_gathers
+    for column in reloaded._parts.storage.columns.values():
+        column.sorted_gathers = sorted_gathers
     same(ram.sample(12), reloaded.sample(12))
     assert os.listdir(tmp_path) == []  # files are unlinked once mapped: nothing left behind
 
@@ -85,14 +87,15 @@ def test_ram_budget_counts_the_sampler_not_the_rows_on_disk(tmp_path: Path) -> N
                               storage_dir=str(tmp_path)), memory=ledger)
     assert ledger.committed == 0 and table.info().storage_bytes == 1 << 20
     storage = table._parts.storage
-    assert isinstance(storage, MemmapStorage) and storage._prefaulter is None  # never pulled in
+    assert all(isinstance(c, MemmapColumn) for c in storage.columns.values())
+    assert storage._prefaulter is None  # never pulled in
 
 
 @pytest.mark.parametrize("fields, named", [
     ({"storage": "memmap"}, "needs storage_dir"),
     ({"storage": "disk", "storage_dir": "/tmp"}, "storage must be one of memory, memmap"),
     ({"storage_dir": "/tmp"}, "only used by storage 'memmap'"),
-    ({"storage": "memmap", "storage_dir": "/tmp", "pin_memory": True}, "pin_memory"),
+    ({"storage": "memmap", "storage_dir": "/tmp", "pin_memory": True}, "pin_memory has no meaning"),
 ])
 def test_bad_storage_options_are_refused_naming_the_field(fields: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):

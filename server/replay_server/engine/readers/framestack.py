@@ -4,8 +4,9 @@ An Atari-style row holds ``obs`` ``[stack, H, W]`` and ``next.obs``
 ``[stack, H, W]``: 2 * stack frames, of which ``stack - 1`` repeat the
 previous step's and ``stack - 1`` repeat ``obs``. A table with
 ``frame_stack_key = "obs"`` stores, per row, only the newest frame of each
-(``obs[-1]`` and ``next.obs[-1]``: 2 frames instead of 2 * stack) and links
-each row to the previous step of its episode; a sample rebuilds::
+(``obs[-1]`` and ``next.obs[-1]``: 2 frames instead of 2 * stack; a table
+without ``next.obs``, e.g. of sequences, 1) and links each row to the
+previous step of its episode; a sample rebuilds::
 
     obs      = [frame(t - stack + 1), ..., frame(t - 1), frame(t)]
     next.obs = [obs[1:], next_frame(t)]
@@ -29,6 +30,13 @@ row's kept history goes when the row goes. Kept histories are few (about
 they count in ``info`` (``sampler_stats["frame_history_rows"]``), not in the
 memory ledger.
 
+It is a reader (:mod:`replay_server.engine.readers.base`): the frames are
+read through the reader below it, so they may be stored compressed, in a
+file or on a device, and the positions it is asked for may be rows or slices
+(``[B, L]``: each step of each slice gets its stack; a frame several stacks
+share is read once). The n-step reader above it reads ``next.<key>`` of a
+transition's last step through it.
+
 Cost: insert O(rows * stack) link and frame compares; sample, per row:
 ``stack - 1`` link lookups, ``stack + 1`` frames read (the stack and the next
 frame) and ``stack - 1`` copied (``next.<key>``'s shared frames), instead of
@@ -45,11 +53,11 @@ import numpy as np
 import torch
 
 from replay_server.engine.ids import IdRing
-from replay_server.engine.samplers.base import InsertEvent
+from replay_server.engine.insert_event import InsertEvent
+from replay_server.engine.readers.base import Reader
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.snapshot import saved_copy
-from replay_server.engine import workers
-from replay_server.engine.storage.memory import ColumnStorage
+from replay_server.engine.workers import take_rows
 from replay_server.errors import InvalidArgumentError, SchemaMismatchError
 
 FILLS = ("repeat", "zero")
@@ -57,8 +65,8 @@ FILLS = ("repeat", "zero")
 _MIN_SWEEP = 1024
 """Open episodes kept before those whose newest step left the ring are forgotten."""
 
-_PARALLEL_BYTES = 2 << 20
-"""Rebuilds of at least this many bytes of stacks are split across the worker pool."""
+_SHARED_READ = 0.75
+"""Read each distinct frame once when at most this fraction of the frames asked for are distinct."""
 
 
 def next_key(key: str) -> str:
@@ -66,29 +74,32 @@ def next_key(key: str) -> str:
 
 
 def check_stack_columns(table: str, key: str, schema: Mapping[str, FieldSpec]) -> None:
-    """The stacked key and ``next.<key>`` must exist with one shape ``[stack >= 2, ...]``.
+    """The stacked key must exist with a shape ``[stack >= 2, ...]``, and ``next.<key>``, if
+    present, with the same spec.
 
     Raises:
         SchemaMismatchError: naming what is missing or wrong.
     """
     spec, following = schema.get(key), schema.get(next_key(key))
-    if spec is None or following is None:
+    if spec is None:
         raise SchemaMismatchError(
-            f"table {table!r}: frame_stack_key={key!r} needs keys {key!r} and "
-            f"{next_key(key)!r} (the stacked observation and the next one); the schema has "
-            f"{sorted(schema)}")
-    if len(spec.shape) < 2 or spec.shape[0] < 2 or spec != following:
+            f"table {table!r}: frame_stack_key={key!r} needs key {key!r} (the stacked "
+            f"observation, with {next_key(key)!r} the next one if the rows have it); the "
+            f"schema has {sorted(schema)}")
+    if len(spec.shape) < 2 or spec.shape[0] < 2 or (following is not None and spec != following):
         raise SchemaMismatchError(
-            f"table {table!r}: frame_stack_key={key!r} needs {key!r} and {next_key(key)!r} of "
-            f"one shape [stack >= 2, ...] and dtype; got {spec.describe()} and "
-            f"{following.describe()}")
+            f"table {table!r}: frame_stack_key={key!r} needs {key!r}"
+            f"{'' if following is None else f' and {next_key(key)!r}'} of one shape "
+            f"[stack >= 2, ...] and dtype; got {spec.describe()}"
+            f"{'' if following is None else f' and {following.describe()}'}")
 
 
 def storage_schema(schema: Schema, key: str) -> Schema:
-    """What is stored: the two stacked keys hold one frame per row."""
+    """What is stored of rows of ``schema``: the stacked keys hold one frame per row."""
     fields = dict(schema.items())
     for name in (key, next_key(key)):
-        fields[name] = FieldSpec(fields[name].dtype, fields[name].shape[1:])
+        if name in fields:
+            fields[name] = FieldSpec(fields[name].dtype, fields[name].shape[1:])
     return Schema(fields)
 
 
@@ -110,31 +121,55 @@ def check_insert(columns: Mapping[str, torch.Tensor], key: str, table: str) -> N
             f"observation shifted by one frame")
 
 
-class FrameStacks:
+class FrameStacks(Reader):
     """Links, kept histories and the stack rebuild of one table (see the module docstring).
 
     Args:
         ring: the table's id ring (positions).
-        key: the stacked key (``next.<key>`` is stacked too).
-        stack: frames per stack.
+        source: the reader below (the stored frames).
+        key: the stacked key (``next.<key>`` is stacked too when the schema has it).
+        schema: the table's schema (as inserted).
         fill: ``"repeat"`` or ``"zero"``: the frames before an episode's first step.
     """
 
-    def __init__(self, ring: IdRing, key: str, stack: int, fill: str) -> None:
-        self._ring = ring
-        self.key, self.next_key = key, next_key(key)
-        self.stack = stack
+    STATE_KEY = "frames"
+    SLOT_BYTES = 16
+    """Per slot: the previous and the next step's positions (int64 each)."""
+
+    def __init__(self, ring: IdRing, source: Reader, key: str, schema: Schema,
+                 fill: str) -> None:
+        super().__init__(ring, source)
+        self.key = key
+        self.next_key = next_key(key) if next_key(key) in schema else None
+        self.stack = schema[key].shape[0]
         self.fill = fill
+        self._spec = schema[key]
         self._prev = np.full(ring.capacity, -1, dtype=np.int64)
         self._next = np.full(ring.capacity, -1, dtype=np.int64)
         self._open: dict[int, int] = {}
         self._kept: dict[int, np.ndarray] = {}  # position -> its stack - 1 older frames
         self._sweep_at = _MIN_SWEEP
-        self._others: list[str] | None = None  # the columns gathered as stored
+
+    @property
+    def _stacked(self) -> tuple[str, ...]:
+        return (self.key,) if self.next_key is None else (self.key, self.next_key)
+
+    def stored_schema(self, schema: Schema) -> Schema:
+        return storage_schema(schema, self.key)
+
+    def stored(self, columns: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The columns as stored: the stacked keys reduced to their newest frame."""
+        stored = dict(columns)
+        for name in self._stacked:
+            stored[name] = columns[name][:, -1]
+        return stored
+
+    def check(self, columns: Mapping[str, torch.Tensor], table: str) -> None:
+        check_insert(columns, self.key, table)
 
     # ------------------------------------------------------------------ insert
 
-    def before_write(self, storage: ColumnStorage, event: InsertEvent) -> None:
+    def before_write(self, event: InsertEvent) -> None:
         """Keep the stacks of live rows whose older steps the insert will overwrite.
 
         Call after the ring advanced, before the storage is written.
@@ -156,22 +191,14 @@ class FrameStacks:
             rows = np.unique(np.concatenate(needy))
             rows = np.array([p for p in rows.tolist() if p not in self._kept], dtype=np.int64)
             if rows.size:
-                stacks = self._rebuild(storage.views[self.key], rows, gone_below=gone[0])
+                stacks = _numpy(self._rebuild(rows, gone_below=int(gone[0])))
                 for position, frames in zip(rows.tolist(), stacks):
                     self._kept[position] = frames[:-1].copy()
         if self._kept:  # after the rebuild, which may read them
             for position in gone.tolist():
                 self._kept.pop(position, None)
 
-    def frames_of(self, columns: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The columns as stored: the stacked keys reduced to their newest frame."""
-        stored = dict(columns)
-        for name in (self.key, self.next_key):
-            stored[name] = columns[name][:, -1]
-        return stored
-
-    def after_write(self, storage: ColumnStorage, event: InsertEvent,
-                    columns: Mapping[str, torch.Tensor]) -> None:
+    def after_write(self, event: InsertEvent, columns: Mapping[str, torch.Tensor]) -> None:
         """Link the new rows to their episodes; keep the history of rows the links cannot rebuild."""
         assert event.episodes is not None and event.ends is not None
         cap = self._ring.capacity
@@ -197,80 +224,75 @@ class FrameStacks:
         if len(self._open) > self._sweep_at:  # episodes whose newest step left the ring
             self._open = {e: p for e, p in self._open.items() if p >= first_live}
             self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
-        rebuilt = self._rebuild(storage.views[self.key], positions)
-        given = _numpy(columns[self.key])
+        rebuilt = _numpy(self._rebuild(positions))
+        given = _numpy(columns[self.key].detach().cpu())
         differs = (rebuilt != given).reshape(positions.size, -1).any(axis=1)
         for index in np.flatnonzero(differs).tolist():
             self._kept[int(positions[index])] = given[index, :-1].copy()
 
     # ------------------------------------------------------------------ sample
 
-    def gather(self, storage: ColumnStorage, positions: np.ndarray,
-               out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The rows at ``positions`` (int64 ``[B]``, live) with their stacks rebuilt.
+    def read(self, positions: np.ndarray, keys: list[str] | None = None,
+             out: Mapping[str, torch.Tensor] | None = None,
+             slots: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+        """The rows at ``positions`` (any shape ``S``, live) with their stacks rebuilt.
 
         The stacks are built in place in the destination tensors (``out``'s
-        where given): one ``np.take`` reads each row's ``stack`` frames into
-        ``<key>``; ``next.<key>`` is those rows' frames ``1..stack - 1`` (one
-        strided copy) and the next frame, taken straight into place. Rows of
-        ``_PARALLEL_BYTES`` or more of stacks are split across the worker pool
-        as plain gathers are.
+        where given): the frames of every row's stack are read in one read
+        through the source into ``<key>``; ``next.<key>`` is those rows'
+        frames ``1..stack - 1`` (one strided copy) and the next frame, read
+        straight into place.
         """
-        cap = self._ring.capacity
-        views = storage.views
-        if self._others is None:
-            self._others = [key for key in views if key not in (self.key, self.next_key)]
-        slots = positions % cap
-        columns = storage.gather(slots, out, keys=self._others)
-        frames, next_frames = views[self.key], views[self.next_key]
-        shape = (positions.size, self.stack, *frames.shape[1:])
-        dtype = storage.schema[self.key].dtype
-        stacks, following = (_numpy(self._destination(name, out, shape, dtype, columns))
-                             for name in (self.key, self.next_key))
-
-        def part(a: int, b: int) -> None:
-            self._rebuild(frames, positions[a:b], into=stacks[a:b])
-            np.copyto(following[a:b, :-1], stacks[a:b, 1:])
-            np.take(next_frames, slots[a:b], axis=0, out=following[a:b, -1], mode="clip")
-
-        parts = min(workers.THREADS, positions.size, max(1, stacks.nbytes // _PARALLEL_BYTES))
-        if parts < 2:
-            part(0, positions.size)
-        else:
-            bounds = [positions.size * i // parts for i in range(parts + 1)]
-            workers.run_split(lambda task: part(*task), list(zip(bounds[:-1], bounds[1:])),
-                              parts)
+        wanted = self.keys if keys is None else keys
+        others = [k for k in wanted if k not in self._stacked]
+        assert self.source is not None
+        columns = self.source.read(positions, others, out, slots) if others else {}
+        if not any(k in self._stacked for k in wanted):
+            return columns
+        shape = (*positions.shape, *self._spec.shape)
+        stacks = self._destination(self.key, out, shape, self.key in wanted, columns)
+        self._rebuild(positions.reshape(-1), into=stacks.view(-1, *self._spec.shape),
+                      shared=positions.ndim > 1)
+        if self.next_key is not None and self.next_key in wanted:
+            following = self._destination(self.next_key, out, shape, True, columns)
+            _shift(stacks.view(-1, *self._spec.shape), following.view(-1, *self._spec.shape))
+            last = {self.next_key: following.view(-1, *self._spec.shape)[:, -1]}
+            self.source.read(positions.reshape(-1), [self.next_key], last,
+                             None if slots is None else slots.reshape(-1))
         return columns
 
-    @staticmethod
-    def _destination(name: str, out: Mapping[str, torch.Tensor] | None,
-                     shape: tuple[int, ...], dtype: torch.dtype,
+    def _destination(self, name: str, out: Mapping[str, torch.Tensor] | None,
+                     shape: tuple[int, ...], wanted: bool,
                      columns: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``out[name]`` if given, else a new tensor; entered in ``columns``."""
+        """``out[name]`` if given, else a new tensor on the batch's device; entered in
+        ``columns`` when ``wanted``."""
         dest = None if out is None else out.get(name)
         if dest is None:
-            dest = torch.empty(shape, dtype=dtype)
-        columns[name] = dest
+            dest = torch.empty(shape, dtype=self._spec.dtype, device=self.device)
+        if wanted:
+            columns[name] = dest
         return dest
 
-    def _rebuild(self, frames: np.ndarray, positions: np.ndarray,
-                 gone_below: int | None = None, into: np.ndarray | None = None) -> np.ndarray:
+    def _rebuild(self, positions: np.ndarray, gone_below: int | None = None,
+                 into: torch.Tensor | None = None, shared: bool = False) -> torch.Tensor:
         """Stacks ``[n, stack, ...]`` of ``positions`` from the stored frames and kept histories.
 
-        Walks each row's links back to find the slots of its frames; a row on
-        the way with a kept history supplies the older frames from it; an
-        episode's start (or a link below the ring's oldest row) ends the walk
-        and the rest is filled (``repeat``: the earliest frame's slot again).
-        Then one ``np.take`` reads every frame into place.
+        Walks each row's links back to find the positions of its frames; a
+        row on the way with a kept history supplies the older frames from it;
+        an episode's start (or a link below the ring's oldest row) ends the
+        walk and the rest is filled (``repeat``: the earliest frame again).
+        Then one read through the source takes every frame into place (each
+        distinct frame once, when many are shared, as in slices).
         ``gone_below``: rows from this position on are still readable although
         the ring's ``first_live`` has passed them (they are about to be overwritten).
-        ``into``: a contiguous array to build them in (else a new one).
+        ``into``: a contiguous tensor to build them in (else a new one). ``shared``:
+        the stacks share frames (consecutive steps of slices): read each frame once.
         """
         cap = self._ring.capacity
         floor = self._ring.first_live if gone_below is None else gone_below
         n = positions.size
-        slots = np.empty((n, self.stack), dtype=np.int64)
-        slots[:, -1] = positions % cap
+        frames = np.empty((n, self.stack), dtype=np.int64)
+        frames[:, -1] = positions
         filled = np.zeros((n, self.stack), dtype=bool) if self.fill == "zero" else None
         current = positions.copy()
         walking = np.ones(n, dtype=bool)
@@ -286,17 +308,37 @@ class FrameStacks:
             ok = walking & (previous >= floor)
             walking = ok
             current = np.where(ok, previous, current)
-            slots[:, -k] = np.where(ok, current % cap, slots[:, -k + 1])
+            frames[:, -k] = np.where(ok, current, frames[:, -k + 1])
             if filled is not None:
                 filled[:, -k] = ~ok
-        out = np.empty((n, self.stack, *frames.shape[1:]), dtype=frames.dtype) if into is None \
-            else into
-        np.take(frames, slots, axis=0, out=out, mode="clip")
+        if into is None:
+            into = torch.empty((n, *self._spec.shape), dtype=self._spec.dtype,
+                               device=self.device)
+        self._read_frames(frames, into, shared)
         if filled is not None and filled.any():
-            out[filled] = 0
+            into[torch.from_numpy(filled).to(into.device)] = 0
         for index, count, history in overrides:  # a kept history is exact: it wins over fills
-            out[index, :count] = history[-count:]
-        return out
+            into[index, :count] = torch.from_numpy(history[-count:]).view(
+                self._spec.dtype).to(into.device)
+        return into
+
+    def _read_frames(self, frames: np.ndarray, into: torch.Tensor, shared: bool) -> None:
+        """``into[i, j] = frame at frames[i, j]``, each distinct frame read once when many repeat."""
+        assert self.source is not None
+        if not shared:
+            self.source.read(frames, [self.key], {self.key: into})
+            return
+        distinct, inverse = np.unique(frames, return_inverse=True)
+        if distinct.size > _SHARED_READ * frames.size:
+            self.source.read(frames, [self.key], {self.key: into})
+            return
+        once = self.source.read(distinct, [self.key])[self.key]
+        spread = into.view(-1, *self._spec.shape[1:])
+        if once.device.type == "cpu":  # numpy's take, split across the worker pool
+            take_rows(_numpy(once), inverse.reshape(-1), _numpy(spread))
+        else:
+            torch.index_select(once, 0, torch.from_numpy(inverse.reshape(-1)).to(once.device),
+                               out=spread)
 
     # ------------------------------------------------------------- the rest
 
@@ -330,7 +372,17 @@ class FrameStacks:
         self._kept = {int(p): frames[i].copy() for i, p in enumerate(state["kept_positions"])}
 
 
+def _shift(stacks: torch.Tensor, following: torch.Tensor) -> None:
+    """``following[:, :-1] = stacks[:, 1:]``: through numpy on the host (a strided torch copy
+    is several times slower there), torch's copy on a device."""
+    if stacks.device.type == "cpu":
+        np.copyto(_numpy(following)[:, :-1], _numpy(stacks)[:, 1:])
+    else:
+        following[:, :-1].copy_(stacks[:, 1:])
+
+
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
-    return tensor.detach().numpy()
+    return tensor.numpy()

@@ -1,6 +1,6 @@
 """n-step transitions built at sample time from the stored steps of one episode.
 
-A table with ``n_step = n > 1`` (uniform or prioritized sampler) stores plain
+A table with ``n_step = n > 1`` (any sampler but a queue's) stores plain
 one-step transitions and returns, for each sampled row ``t``, the n-step
 transition that starts there (the first step's data, ids, priorities,
 probabilities and weights, as TorchRL's ``MultiStep`` does)::
@@ -30,6 +30,12 @@ plain gather with the ``next.*``, ``done`` and ``truncated`` columns read at
 the window's last slot and the reward taken from the kept sums: a few lookups
 of 256 elements, whatever ``n``.
 
+It is a reader (:mod:`replay_server.engine.readers.base`): it reads the
+first step's columns and the last step's bootstrap columns through the
+reader below it, so the frames under it may be stacked, compressed, in a
+file or on a device, and the positions it is asked for may be rows or
+slices (``[B, L]``: each step of each slice is its n-step transition).
+
 Checkpoints keep the links only (the windows depend on ``n_step``, ``gamma``
 and ``reward_key``, which may change between runs); the windows are rebuilt
 from the links and the stored rewards at the first insert or sample after a
@@ -52,9 +58,10 @@ import numpy as np
 import torch
 
 from replay_server.engine.ids import IdRing
-from replay_server.engine.samplers.base import InsertEvent
+from replay_server.engine.insert_event import InsertEvent
+from replay_server.engine.readers.base import Reader
+from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import saved_copy
-from replay_server.engine.storage import ColumnStorage
 
 STEPS_KEY = "steps_to_next_obs"
 """The batch column holding each transition's number of steps ``m`` (TorchRL's name)."""
@@ -68,19 +75,27 @@ _NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: n
 """The reward dtypes numpy has (bfloat16 goes through torch)."""
 
 
-class NStepIndex:
+class NStepReturns(Reader):
     """Next-step links and n-step windows per slot (see the module).
 
     Args:
         ring: the table's id ring (positions).
+        source: the reader below.
+        schema: the table's schema (as inserted).
         n_step: steps per transition (>= 2, <= 1000).
         gamma: discount.
         reward_key, done_key, truncated_key: the columns it reads and replaces.
     """
 
-    def __init__(self, ring: IdRing, n_step: int, gamma: float, reward_key: str,
-                 done_key: str, truncated_key: str) -> None:
-        self._ring = ring
+    STATE_KEY = "nstep"
+    SLOT_BYTES = 26
+    """Per slot: the next step's slot, the window's sum and last slot (int64, float64,
+    int64) and its length (uint16)."""
+
+    def __init__(self, ring: IdRing, source: Reader | None, schema: Schema | None, n_step: int,
+                 gamma: float, reward_key: str, done_key: str, truncated_key: str) -> None:
+        super().__init__(ring, source)
+        self._schema = schema
         self.n_step = n_step
         self.gamma = gamma
         self.reward_key = reward_key
@@ -90,16 +105,20 @@ class NStepIndex:
         self._sum = np.zeros(cap, dtype=np.float64)  # the window's discounted reward
         self._last = np.zeros(cap, dtype=np.int64)  # the slot of the window's last step
         self._steps = np.zeros(cap, dtype=np.uint16)  # m
-        self._keys: tuple[list[str], list[str], list[str]] | None = None
         # episode -> positions of its newest steps whose windows are not full (oldest first)
         self._open: dict[int, np.ndarray] = {}
         self._sweep_at = _MIN_SWEEP
         self._stale = False  # the windows need a rebuild from the links (after a load)
         self._discounts = gamma ** np.arange(n_step, dtype=np.float64)
+        self._split: tuple[list[str], list[str], list[str]] | None = None
 
     # ------------------------------------------------------------------ insert
 
-    def insert(self, storage: ColumnStorage, event: InsertEvent) -> None:
+    def attach(self, source: Reader, schema: Schema) -> None:
+        """Read through ``source``, rows of ``schema`` (when the table's schema is fixed)."""
+        self.source, self._schema = source, schema
+
+    def after_write(self, event: InsertEvent, columns: Mapping[str, torch.Tensor]) -> None:
         """Link the rows of ``event`` and extend the windows they lengthen.
 
         Call after the ring advanced past them and they were written. The
@@ -108,13 +127,13 @@ class NStepIndex:
         """
         assert event.episodes is not None and event.ends is not None
         if self._stale:
-            self._rebuild(storage)
+            self._rebuild()
         cap, keep = self._ring.capacity, self.n_step - 1
         positions = event.ids
         self._next[positions % cap] = -1
         order = np.argsort(event.episodes, kind="stable")
         rows, episodes, ends = positions[order], event.episodes[order], event.ends[order]
-        rewards = self._rewards(storage, rows % cap)
+        rewards = self._rewards(rows)
         heads = np.flatnonzero(episodes[1:] != episodes[:-1]) + 1
         starts = np.concatenate(([0], heads))
         lasts = np.concatenate((heads - 1, [rows.size - 1]))
@@ -191,15 +210,13 @@ class NStepIndex:
         self._last[at[grown]] = new_slots[begin[grown] + todo[grown] - 1]
         self._last[at[~grown]] = at[~grown]  # a new row alone in its window
 
-    def _rewards(self, storage: ColumnStorage, slots: np.ndarray) -> np.ndarray:
-        """The stored rewards at ``slots`` as float64 (any float dtype, any storage kind)."""
-        view = storage.views[self.reward_key]
-        if isinstance(view, np.ndarray) and storage.schema[self.reward_key].dtype != torch.bfloat16:
-            return view.reshape(-1)[slots].astype(np.float64)
-        rewards = storage.gather(slots, keys=[self.reward_key])[self.reward_key]
-        return rewards.to(torch.float64).numpy().reshape(slots.size)
+    def _rewards(self, positions: np.ndarray) -> np.ndarray:
+        """The stored rewards at ``positions`` as float64 (any float dtype, any storage)."""
+        assert self.source is not None
+        rewards = self.source.read(positions, [self.reward_key])[self.reward_key]
+        return rewards.detach().to("cpu", torch.float64).numpy().reshape(positions.size)
 
-    def _rebuild(self, storage: ColumnStorage) -> None:
+    def _rebuild(self) -> None:
         """The windows of every live row, and the open episodes' waiting steps, from the links.
 
         Walks the links from every live row, one step per round: O(live rows * n).
@@ -209,7 +226,7 @@ class NStepIndex:
         positions = np.arange(ring.first_live, ring.next_id, dtype=np.int64)
         slots = positions % cap
         by_slot = np.zeros(cap, dtype=np.float64)
-        by_slot[slots] = self._rewards(storage, slots)
+        by_slot[slots] = self._rewards(positions)
         self._sum[slots] = by_slot[slots]
         self._last[slots] = slots
         steps = np.ones(slots.size, dtype=np.int64)
@@ -236,42 +253,64 @@ class NStepIndex:
 
     # ------------------------------------------------------------------ sample
 
-    def gather(self, storage: ColumnStorage, slots: np.ndarray,
-               out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """The n-step transitions starting at ``slots`` (int64 ``[B]``, live rows)."""
+    def read(self, positions: np.ndarray, keys: list[str] | None = None,
+             out: Mapping[str, torch.Tensor] | None = None,
+             slots: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+        """The n-step transitions starting at ``positions`` (int64, any shape ``S``, live rows)."""
         if self._stale:
-            self._rebuild(storage)
-        if self._keys is None:
-            views = storage.views
-            tail = [key for key in views if key.startswith(NEXT_PREFIX) or key in self.end_keys]
-            head = [key for key in views if key not in tail]
-            self._keys = ([key for key in head if key != self.reward_key],
-                          [key for key in tail if key != self.reward_key], head + tail)
-        head_keys, tail_keys, order = self._keys
-        columns = storage.gather(slots, out, keys=head_keys)
-        columns.update(storage.gather(self._last[slots], out, keys=tail_keys))
-        total = self._sum[slots]
+            self._rebuild()
+        assert self.source is not None and self._schema is not None
+        if keys is None:
+            if self._split is None:  # the batch's keys never change once the schema is fixed
+                self._split = self._split_keys([*self.keys, STEPS_KEY])
+            wanted, head, tail = self._split
+        else:
+            wanted, head, tail = self._split_keys(keys)
+        slots = self._ring.slots(positions) if slots is None else slots
+        columns = self.source.read(positions, head, out, slots) if head else {}
+        if tail:
+            last_slots = self._last[slots]
+            columns.update(self.source.read(self._ring.ids_of_slots(last_slots), tail, out,
+                                            last_slots))
+        device = self.device
+        if self.reward_key in wanted:
+            columns[self.reward_key] = self._reward(slots, out, device)
+        if STEPS_KEY in wanted:
+            steps = None if out is None else out.get(STEPS_KEY)
+            counts = torch.from_numpy(self._steps[slots].astype(np.int64))
+            if steps is None:
+                steps = counts if device.type == "cpu" else counts.to(device)
+            else:
+                steps.copy_(counts)
+            columns[STEPS_KEY] = steps
+        return {key: columns[key] for key in wanted}
+
+    def _split_keys(self, wanted: list[str]) -> tuple[list[str], list[str], list[str]]:
+        """``wanted``, the keys read at a transition's first step and at its last."""
+        tail = [k for k in wanted if k != self.reward_key and k != STEPS_KEY
+                and (k.startswith(NEXT_PREFIX) or k in self.end_keys)]
+        head = [k for k in wanted if k not in tail and k not in (self.reward_key, STEPS_KEY)]
+        return wanted, head, tail
+
+    def _reward(self, slots: np.ndarray, out: Mapping[str, torch.Tensor] | None,
+                device: torch.device) -> torch.Tensor:
+        """The windows' discounted sums in the reward column's dtype and shape."""
+        assert self._schema is not None
+        spec = self._schema[self.reward_key]
+        sums = self._sum[slots]
+        if spec.dtype == torch.bfloat16:  # numpy has no bfloat16
+            total = torch.from_numpy(sums).to(spec.dtype)
+        else:
+            total = torch.from_numpy(sums.astype(_NUMPY[spec.dtype]))
+        total = total.view(*slots.shape, *spec.shape)
         reward = None if out is None else out.get(self.reward_key)
         if reward is None:
-            spec = storage.schema[self.reward_key]
-            if spec.dtype == torch.bfloat16:  # numpy has no bfloat16
-                reward = torch.from_numpy(total).to(spec.dtype)
-            else:
-                reward = torch.from_numpy(total.astype(_NUMPY[spec.dtype]))
-            reward = reward.view(slots.size, *spec.shape)
-        elif reward.dtype == torch.bfloat16:
-            reward.copy_(torch.from_numpy(total).to(reward.dtype).view(reward.shape))
-        else:
-            np.copyto(reward.numpy().reshape(-1), total, casting="unsafe")
-        columns[self.reward_key] = reward
-        steps = None if out is None else out.get(STEPS_KEY)
-        if steps is None:
-            steps = torch.from_numpy(self._steps[slots].astype(np.int64))
-        else:
-            np.copyto(steps.numpy(), self._steps[slots])
-        result = {key: columns[key] for key in order}
-        result[STEPS_KEY] = steps
-        return result
+            return total if device.type == "cpu" else total.to(device)
+        reward.copy_(total.view(reward.shape))
+        return reward
+
+    def extra_layout(self, lead: tuple[int, ...]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {**super().extra_layout(lead), STEPS_KEY: (torch.int64, lead)}
 
     # ------------------------------------------------------------- persistence
 

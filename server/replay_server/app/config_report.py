@@ -1,0 +1,70 @@
+"""``replay-server check-config``: what a valid config file will serve, checked without serving.
+
+Beyond what reading the file checks (every key and value,
+:mod:`replay_server.app.config_file`), it promises each table's memory at
+its capacity as the server would at start (sampler state, plus the rows of a
+declared schema) against ``server.table_memory_mb`` or this machine's
+memory, and says what ``checkpoint_dir`` holds: the newest checkpoint there
+is what the server restores, and it must fit this config. Nothing is
+allocated, bound or written.
+"""
+
+from __future__ import annotations
+
+from replay_server.checkpoint.directory import CheckpointDirectory
+from replay_server.engine.config import TableConfig
+from replay_server.engine.memory import MemoryLedger, format_bytes
+from replay_server.engine.table_parts import table_bytes
+from replay_server.engine.schema import Schema
+from replay_server.errors import ConfigError, InsufficientMemoryError
+from replay_server.service.limits import MIB
+from replay_server.service.settings import ServerSettings
+
+
+def config_report(settings: ServerSettings) -> str:
+    """Lines an operator reads: address, persistence, memory and every table.
+
+    Raises:
+        ConfigError: the tables at their capacity need more memory than the
+            server may give them (the server would refuse to start).
+    """
+    mb = settings.table_memory_mb
+    ledger = MemoryLedger(mb * MIB, "server.table_memory_mb") if mb else MemoryLedger()
+    for table in settings.table_configs:
+        declared = None if table.schema is None else Schema(table.schema)
+        try:
+            ledger.require(table.name, table_bytes(table, declared),
+                           f"capacity {table.capacity:,}")
+        except InsufficientMemoryError as exc:
+            raise ConfigError(str(exc)) from None
+    lines = [f"listens on {settings.address}"
+             + (f", metrics on {settings.metrics_address}" if settings.metrics_address else ""),
+             _persistence(settings),
+             f"tables promise {format_bytes(ledger.committed)} at start (of "
+             f"{format_bytes(ledger.limit)} allowed; rows of an undeclared schema come with "
+             f"the first insert)",
+             f"{len(settings.tables)} table(s):"]
+    lines += [f"  {_table(table)}" for table in settings.tables]
+    return "\n".join(lines)
+
+
+def _persistence(settings: ServerSettings) -> str:
+    if settings.checkpoint_dir is None:
+        return "no checkpoint_dir: every row is lost when the server stops"
+    directory = CheckpointDirectory(settings.checkpoint_dir)  # only read: not opened, not locked
+    found = directory.complete()
+    text = f"checkpoints in {directory.path}"
+    if not found:
+        return f"{text}: none yet (the server starts with empty tables)"
+    return (f"{text}: {len(found)}; the newest, {found[-1].path.name}, is restored at start "
+            f"and must fit these tables (a different config: another checkpoint_dir)")
+
+
+def _table(table: TableConfig) -> str:
+    extras = [f"slice_len={table.slice_len}"] if table.slice_len else []
+    if table.schema is not None:
+        extras.append(f"schema {Schema(table.schema).describe()}")
+    limiter = [f"{key}={getattr(table, key)}" for key in
+               ("min_size_to_sample", "samples_per_insert") if getattr(table, key)]
+    return (f"{table.name}: {table.sampler.value}, capacity {table.capacity:,}"
+            + "".join(f", {extra}" for extra in extras + limiter))

@@ -1,0 +1,72 @@
+"""The light commands load no torch: ``--version``, ``--help`` and the operator's commands.
+
+Issue 24, friction 7: every command imported torch (``--version`` took 1.8 s,
+``health`` 3.2 s on a loaded host; the image's HEALTHCHECK pays that every
+30 s). Checked by what a fresh interpreter has imported once the command
+ran, never by timing it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import module_server
+
+server = module_server(None)  # one server with the default tables for the module
+
+HEAVY = ("torch", "numpy", "tensordict", "replay_server.engine", "replay_server.service")
+
+PROBE = f"""
+import json, sys
+from replay_server.app.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as exit_:
+    code = exit_.code
+print(json.dumps({{"code": code, "heavy": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
+
+
+def _probe(*args: str) -> dict:
+    result = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True,
+                            text=True, timeout=60, check=False)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["health", "--help"]])
+def test_version_and_help_load_nothing_heavy(args):
+    assert _probe(*args) == {"code": 0, "heavy": []}
+
+
+def test_health_info_and_reset_load_nothing_heavy(server):
+    for args in (["health"], ["info"], ["info", "--json"], ["reset", "uniform"]):
+        assert _probe(*args, "--address", server.address) == {"code": 0, "heavy": []}, args
+
+
+def test_a_failed_health_check_loads_nothing_heavy():
+    assert _probe("health", "--address", "127.0.0.1:1") == {"code": 1, "heavy": []}
+
+
+def test_the_packages_load_nothing_until_a_name_is_used():
+    probe = ("import json, sys, replay_server, replay_server.app, replay_proto; "
+             "before = 'torch' in sys.modules; from replay_server import Table; "
+             "from replay_proto import SampleBatch; "
+             "print(json.dumps([before, 'torch' in sys.modules, Table.__name__, "
+             "SampleBatch.__name__]))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert json.loads(result.stdout) == [False, True, "Table", "SampleBatch"]
+
+
+@pytest.mark.parametrize("package", ["replay_proto", "replay_server", "replay_server.app"])
+def test_every_exported_name_resolves(package):
+    import importlib
+
+    module = importlib.import_module(package)
+    assert module.__all__ and all(getattr(module, name) is not None for name in module.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        module.no_such_name  # noqa: B018

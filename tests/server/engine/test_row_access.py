@@ -1,0 +1,68 @@
+"""Rows read and overwritten by storage position (engine/row_access) on every storage and
+reader: plain, frame-stacked (stacks rebuilt on read) and compressed (rows encoded on write)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from replay_server import Table, TableConfig
+from replay_server.engine.row_access import read_rows, write_rows
+from replay_server.errors import InvalidArgumentError
+
+
+def _episode(steps: int, stack: int) -> dict:
+    """One episode of stacked observations: frame t is filled with t."""
+    frames = [torch.full((2,), float(t)) for t in range(steps + 1)]
+
+    def stack_at(t: int) -> torch.Tensor:
+        return torch.stack([frames[max(0, i)] for i in range(t - stack + 1, t + 1)])
+
+    return {"obs": torch.stack([stack_at(t) for t in range(steps)]),
+            "next": {"obs": torch.stack([stack_at(t + 1) for t in range(steps)])},
+            "episode": torch.zeros(steps, dtype=torch.int64),
+            "done": torch.arange(steps) == steps - 1}
+
+
+def test_a_frame_stacked_table_reads_rows_with_their_stacks_rebuilt():
+    table = Table(TableConfig(name="f", capacity=8, frame_stack_key="obs"))
+    episode = _episode(5, 3)
+    table.insert(episode)
+    found = read_rows(table, positions=[0, 3, 4])
+    assert torch.equal(found.columns["obs"], episode["obs"][[0, 3, 4]])
+    assert torch.equal(found.columns["next.obs"], episode["next"]["obs"][[0, 3, 4]])
+
+
+def test_an_n_step_table_reads_rows_not_transitions():
+    table = Table(TableConfig(name="n", capacity=8, n_step=2, gamma=0.5))
+    x = torch.arange(4.0)
+    rows = {"x": x, "next": {"x": x + 1}, "reward": torch.ones(4),
+            "episode": torch.zeros(4, dtype=torch.int64),
+            "done": torch.zeros(4, dtype=torch.bool)}
+    table.insert(rows)
+    found = read_rows(table, positions=[1, 2])
+    assert torch.equal(found.columns["reward"], torch.ones(2))  # not the 2-step return 1.5
+    assert torch.equal(found.columns["next.x"], x[[1, 2]] + 1)
+    with pytest.raises(InvalidArgumentError, match="n_step"):
+        write_rows(table, [1], {k: v[:1] if torch.is_tensor(v) else {"x": v["x"][:1]}
+                                for k, v in rows.items()})
+
+
+def test_a_compressed_table_overwrites_rows_in_place():
+    table = Table(TableConfig(name="c", capacity=8, compress_keys=("obs",)))
+    obs = torch.arange(6 * 16, dtype=torch.uint8).reshape(6, 16)
+    table.insert({"obs": obs})
+    new = torch.full((2, 16), 7, dtype=torch.uint8)
+    write_rows(table, [4, 1], {"obs": new})
+    found = read_rows(table, positions=list(range(6)))
+    expected = obs.clone()
+    expected[[4, 1]] = new
+    assert torch.equal(found.columns["obs"], expected)
+
+
+def test_a_refused_write_changes_nothing():
+    table = Table(TableConfig(name="r", capacity=4))
+    table.insert({"x": torch.arange(3.0)})
+    with pytest.raises(InvalidArgumentError, match="holds no row"):
+        write_rows(table, [0, 3], {"x": torch.tensor([9.0, 9.0])})
+    assert torch.equal(read_rows(table, positions=[0, 1, 2]).columns["x"], torch.arange(3.0))
