@@ -306,7 +306,7 @@ class RemoteReplayBuffer:
             td = self._episodes.strip(td)
         info = {key: td.get(key) for key in info_keys}
         info.update(markers)
-        data = self._rows.restore(td.exclude(*info_keys, *markers))
+        data = self._rows.restore(td.exclude(*info_keys))  # stored flags as stored
         if self._collate is not None:
             data = self._collate(data)
         data = self._transforms.forward(data)

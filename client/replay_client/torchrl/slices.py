@@ -77,8 +77,9 @@ class SliceLayout:
         """A ``[num_slices, slice_len]`` sample as TorchRL's flat one, and its markers.
 
         Returns:
-            ``(flat, markers)``: the ``[num_slices * slice_len]`` batch (markers set in it)
-            and the markers by key (what TorchRL's sampler puts in ``info``).
+            ``(flat, markers)``: the ``[num_slices * slice_len]`` batch as stored (its flags
+            untouched, as TorchRL's storage returns them) and the markers by key (what
+            TorchRL's sampler puts in ``info``, and its TensorDict buffers in the batch).
         """
         flat = drawn.reshape(-1)
         count, length = drawn.batch_size[0], drawn.batch_size[1]
@@ -102,8 +103,6 @@ class SliceLayout:
                 starts = torch.zeros(count, length, dtype=torch.bool)
                 starts[:, 0] = True
                 markers[self.init_key] = stored | _shaped(starts.reshape(-1), stored)
-        for key, value in markers.items():
-            flat.set(key, value)
         return flat, markers
 
 

@@ -96,6 +96,20 @@ def test_plain_buffers_return_the_data_alone_and_info_apart(client, fresh) -> No
     assert set(info) == {"index", "priority_weight"} and info["index"].shape == (4,)
 
 
+def test_plain_slice_buffers_keep_the_stored_flags_and_mark_slices_in_info(client, fresh) -> None:
+    """de75cc4 dropped the stored ("next", "done") from a plain buffer's slice samples (its
+    markers went to info only): TorchRL's ReplayBuffer returns the flags as stored, so its
+    transforms (NextStateReconstructor) read them."""
+    rb = RemoteReplayBuffer(client, fresh("seq"), batch_size=8, include_info=False)
+    rb.extend(trajectories(2, 8))
+    batch, info = rb.sample(return_info=True)
+    stored = batch["next", "done"].reshape(2, 4)
+    steps = batch["step"].reshape(2, 4)
+    assert torch.equal(stored, steps % 8 == 7)  # True at episode ends only, as stored
+    assert info["next", "done"].reshape(2, 4)[:, -1].all()  # the markers, apart
+    assert ("next", "truncated") not in batch.keys(include_nested=True)
+
+
 def test_transform_applies_to_samples_and_its_inverse_to_writes(client, fresh) -> None:
     class Double:
         def __call__(self, td: TensorDict) -> TensorDict:
