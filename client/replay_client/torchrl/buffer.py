@@ -61,7 +61,11 @@ from replay_client.torchrl.data_kinds import DataKind
 from replay_client.torchrl.episodes import DEFAULT_END_KEYS, EpisodeColumn
 from replay_client.torchrl.positions import as_index_array, split_index
 from replay_client.torchrl.row_shape import RowShape, expand_right
-from replay_client.torchrl.sampler_view import RemoteSampler, register_with_torchrl
+from replay_client.torchrl.sampler_view import (
+    RemoteSampler,
+    bind_to_table,
+    register_with_torchrl,
+)
 from replay_client.torchrl.slices import INIT_KEY, TRUNCATED_KEY, SliceLayout
 from replay_client.torchrl.transforms import Transforms
 from replay_proto.batch import SampleBatch
@@ -167,6 +171,8 @@ class RemoteReplayBuffer:
         if generator is not None:
             self.set_rng(generator)
         register_with_torchrl(type(self))
+        if sampler is not None and not isinstance(sampler, type):
+            bind_to_table(sampler, self)  # sampler.update_priority(...) reaches the table
 
     # ------------------------------------------------------------------ table
 

@@ -80,6 +80,42 @@ class RemoteSampler:
         return f"RemoteSampler(table={info.name!r}, sampler={info.sampler!r})"
 
 
+def bind_to_table(sampler: Any, buffer: Any) -> None:
+    """Make the TorchRL sampler object a buffer was built with speak for the buffer's table.
+
+    TorchRL code keeps the sampler it passed and calls it: ``sampler.update_priority(index,
+    p)``, ``sampler.beta = x``, ``ParameterScheduler(sampler, ...)``. Left alone, that object
+    holds priorities of its own that no draw reads, and each such call would be a silent
+    no-op. So its class is swapped for a subclass whose ``update_priority`` goes to
+    ``buffer.update_priority`` and whose ``alpha``/``beta`` (when it has them) read and set
+    the table's. Nothing else of the object changes. Cost: one class per TorchRL sampler
+    class, made once.
+    """
+    cls = type(sampler)
+    if not getattr(cls, "_speaks_for_a_table", False):
+        sampler.__class__ = _table_class(cls)
+    sampler.__dict__["_table_buffer"] = buffer
+
+
+_table_classes: dict[type, type] = {}
+
+
+def _table_class(cls: type) -> type:
+    if cls not in _table_classes:
+        def update_priority(self: Any, index: Any, priority: Any, **_: Any) -> None:
+            self._table_buffer.update_priority(index, priority)
+
+        namespace: dict[str, Any] = {"_speaks_for_a_table": True,
+                                     "update_priority": update_priority, "__module__": __name__}
+        for name in ("alpha", "beta"):
+            if isinstance(getattr(cls, name, None), property):
+                namespace[name] = property(
+                    lambda self, n=name: getattr(self._table_buffer.sampler, n),
+                    lambda self, value, n=name: setattr(self._table_buffer.sampler, n, value))
+        _table_classes[cls] = type(cls.__name__, (cls,), namespace)
+    return _table_classes[cls]
+
+
 _registered: set[type] = set()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torchrl.data import PrioritizedSampler
 from torchrl.data.replay_buffers.scheduler import LinearScheduler
 
 from replay_client import RemoteReplayBuffer, errors
@@ -38,6 +39,32 @@ def test_update_priority_by_the_index_a_sample_returned(client, fresh) -> None:
     batch["td_error"] = ((batch["x"] == HOT).float() * 1000 + 0.01)[:, None]
     rb.update_tensordict_priority(batch)  # [B, 1] priorities, reduced by max
     assert hot_share(rb) > 0.8
+
+
+def prioritized_sampler(max_capacity: int, alpha: float, beta: float) -> PrioritizedSampler:
+    """TorchRL's PrioritizedSampler; where its compiled sum trees do not load (torchrl 0.13
+    on torch 2.13), the object without them: what the buffer reads of it is there."""
+    try:
+        return PrioritizedSampler(max_capacity=max_capacity, alpha=alpha, beta=beta)
+    except RuntimeError:
+        sampler = PrioritizedSampler.__new__(PrioritizedSampler)
+        sampler.__dict__.update(_max_capacity=max_capacity, _alpha=alpha, _beta=beta, _eps=1e-8,
+                                reduction="max")
+        return sampler
+
+
+def test_the_sampler_object_passed_in_speaks_for_the_table(client, fresh) -> None:
+    """a471cd3 left the PrioritizedSampler a script passed in as it was: its update_priority
+    and beta changed priorities no draw reads, silently (TorchRL's test_samplers does this)."""
+    table = fresh("per")
+    sampler = prioritized_sampler(max_capacity=100, alpha=0.6, beta=0.4)
+    rb = RemoteReplayBuffer(client, table, sampler=sampler, batch_size=64)
+    rb.extend(rows(20))
+    sampler.update_priority(torch.arange(20), hot_priorities(20))
+    assert hot_share(rb) > 0.8
+    sampler.beta = 0.9
+    assert client.info()[table].beta == pytest.approx(0.9) and sampler.beta == pytest.approx(0.9)
+    assert isinstance(sampler, PrioritizedSampler)  # still TorchRL's, for isinstance checks
 
 
 def test_indices_never_issued_are_refused(client, fresh) -> None:
