@@ -159,7 +159,8 @@ class RemoteReplayBuffer:
             slices.truncated_key if slices else TRUNCATED_KEY, INIT_KEY)
         self._episodes = None if not caps.episodes else EpisodeColumn(
             info.episode_key, slices.traj_key if slices else None,
-            slices.end_keys if slices else DEFAULT_END_KEYS)
+            slices.end_keys if slices else DEFAULT_END_KEYS,
+            find_traj_key=slices.find_traj_key if slices else True)
         self._tracker = EpisodeTracker()
         self._kind = DataKind()
         self._rows = RowShape(steps=caps.episodes)

@@ -48,6 +48,8 @@ class SliceRequest:
         traj_key: flat column of trajectory ids (TorchRL's ``traj_key``), if given.
         end_keys: flat columns of end-of-trajectory flags (TorchRL's ``end_key``/``end_keys``).
         truncated_key: where samples mark slice ends, as TorchRL's key (``None``: not marked).
+        find_traj_key: the sampler was given neither ``traj_key`` nor ``end_key``: as
+            TorchRL's, it takes ``("collector", "traj_ids")`` when the data has it.
     """
 
     slice_len: int | None
@@ -55,6 +57,7 @@ class SliceRequest:
     traj_key: str | None
     end_keys: tuple[str, ...]
     truncated_key: Any
+    find_traj_key: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +232,8 @@ def _slice_request(sampler: Any, batch_size: int | None) -> SliceRequest:
         slice_len=slice_len, num_slices=num_slices,
         traj_key=None if traj_key is None else flat_key(traj_key),
         end_keys=tuple(flat_key(k) for k in end_keys),
-        truncated_key=truncated_key)
+        truncated_key=truncated_key,
+        find_traj_key=bool(getattr(sampler, "_traj_key_auto", traj_key is None)))
 
 
 IGNORED_OPTIONS: dict[str, str] = {

@@ -37,6 +37,10 @@ from replay_proto.rows import EpisodeTracker, episode_ids
 DEFAULT_END_KEYS: tuple[Any, ...] = (("next", "done"), ("next", "truncated"))
 """What ends a trajectory when the sampler names no ``end_key``: TorchRL's transition flags."""
 
+COLLECTOR_TRAJ_KEY = ("collector", "traj_ids")
+"""Trajectory ids as TorchRL's collectors write them: what its ``SliceSampler`` uses when
+given neither ``traj_key`` nor ``end_key``."""
+
 
 def _key(flat: str) -> Any:
     """A flat column name as a TensorDict key (``"next.done"`` -> ``("next", "done")``)."""
@@ -51,12 +55,16 @@ class EpisodeColumn:
         episode_key: the table's episode column (flat name).
         traj_key: the column of trajectory ids the sampler names (flat), if any.
         end_keys: flag columns whose True ends a trajectory.
+        find_traj_key: take :data:`COLLECTOR_TRAJ_KEY` as ``traj_key`` if the first data
+            written has it (TorchRL's ``SliceSampler`` given neither key does so).
     """
 
     def __init__(self, episode_key: str, traj_key: str | None = None,
-                 end_keys: Sequence[Any] = DEFAULT_END_KEYS) -> None:
+                 end_keys: Sequence[Any] = DEFAULT_END_KEYS, find_traj_key: bool = False
+                 ) -> None:
         self.key = _key(episode_key)
         self.traj_key = None if traj_key is None else _key(traj_key)
+        self._find_traj_key = find_traj_key and traj_key is None
         self.end_keys = tuple(_key(k) if isinstance(k, str) else k for k in end_keys)
         self.added = False
         """Whether the column was added by the buffer (then samples leave it out)."""
@@ -65,6 +73,10 @@ class EpisodeColumn:
     def fill(self, data: TensorDictBase) -> TensorDictBase:
         """``data`` with the episode column (a shallow copy when one is added)."""
         keys = data.keys(include_nested=True, leaves_only=True)
+        if self._find_traj_key:
+            self._find_traj_key = False  # decided once, on the first data, as TorchRL does
+            if COLLECTOR_TRAJ_KEY in keys:
+                self.traj_key = COLLECTOR_TRAJ_KEY
         if self.key in keys:
             return data
         lead = tuple(data.batch_size)

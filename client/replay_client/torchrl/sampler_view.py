@@ -67,6 +67,12 @@ class RemoteSampler:
         layout = self._buffer.slice_layout
         return None if layout is None else layout.num_slices
 
+    @property
+    def traj_key(self) -> Any:
+        """The key of trajectory ids the buffer splits by (``None``: by end flags)."""
+        episodes = self._buffer._episodes
+        return None if episodes is None else episodes.traj_key
+
     def __getattr__(self, name: str) -> Any:
         """Other settings of the TorchRL sampler the buffer was given (``span``, ``traj_key``,
         ...), read only; private state has no counterpart."""

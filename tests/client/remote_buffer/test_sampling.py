@@ -56,6 +56,20 @@ def test_trajectories_are_found_by_traj_key(client, fresh) -> None:
     assert (traj == traj[:, :1]).all()
 
 
+@pytest.mark.parametrize("sampler", [None, SliceSampler(slice_len=4)])
+def test_collector_traj_ids_split_trajectories_when_no_key_is_named(client, fresh,
+                                                                     sampler) -> None:
+    """53d2f84 ignored ("collector", "traj_ids") unless named: without end flags, slices ran
+    across trajectories, silently (TorchRL's SliceSampler given no key finds that one)."""
+    rb = RemoteReplayBuffer(client, fresh("seq"), batch_size=400, sampler=sampler)
+    data = trajectories(5, 6, done=False)
+    data["collector", "traj_ids"] = data["traj"]
+    rb.extend(data)
+    traj = rb.sample()["traj"].reshape(100, 4)
+    assert (traj == traj[:, :1]).all()
+    assert rb.sampler.traj_key == ("collector", "traj_ids")
+
+
 def test_a_trajectory_left_open_goes_on_in_the_next_extend(client, fresh) -> None:
     rb = RemoteReplayBuffer(client, fresh("seq"), batch_size=400)
     rb.extend(trajectories(1, 6, done=False))
