@@ -33,6 +33,7 @@ Thread-safety: as a ``ReplayClient`` (safe to share), except ``extend`` and
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -228,7 +229,14 @@ class RemoteReplayBuffer:
 
     def add(self, data: Any) -> int:
         """Insert one element, as TorchRL's ``add``: a transition (a TensorDict with batch
-        size ``[]``), or one row of a buffer whose rows have their own batch dims; returns its id."""
+        size ``[]``), or one row of a buffer whose rows have their own batch dims; returns its id.
+        A TensorDict with batch dims is one element too, with TorchRL's warning (``extend``
+        writes many)."""
+        if (isinstance(data, TensorDictBase) and data.batch_dims
+                and os.environ.get("RL_WARNINGS", "1") != "0"):
+            warnings.warn(f"Using `add()` with a TensorDict that has batch_size="
+                          f"{data.batch_size}: it is stored as one element. Use `extend()` to "
+                          f"add multiple elements (TorchRL's warning; RL_WARNINGS=0 silences it).", UserWarning, stacklevel=2)
         return int(self._write(data, single=True, update_priority=None)[0])
 
     def _write(self, data: Any, *, single: bool, update_priority: bool | None) -> torch.Tensor:

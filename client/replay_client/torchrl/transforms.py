@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from replay_client.errors import InvalidArgumentError
+
 
 class _Inverted:
     """``transform`` with its directions swapped (``invert=True``)."""
@@ -37,6 +39,16 @@ class Transforms:
         self.items.append(_Inverted(transform) if invert else transform)
 
     def insert(self, index: int, transform: Callable, invert: bool = False) -> None:
+        """Insert at ``index`` (``-len..len``, as TorchRL's ``Compose.insert``).
+
+        Raises:
+            InvalidArgumentError: ``index`` is out of that range (a ``ValueError``).
+        """
+        if not -len(self.items) <= index <= len(self.items):
+            raise InvalidArgumentError(
+                f"insert_transform index {index} is out of range: the buffer has "
+                f"{len(self.items)} transforms, so the index is in [-{len(self.items)}, "
+                f"{len(self.items)}]")
         self.items.insert(index, _Inverted(transform) if invert else transform)
 
     def forward(self, data: Any) -> Any:

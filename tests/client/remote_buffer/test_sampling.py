@@ -4,6 +4,7 @@ markers, trajectories found in 1-D data, and an empty buffer that raises at once
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -136,6 +137,25 @@ def test_transform_applies_to_samples_and_its_inverse_to_writes(client, fresh) -
     rb.extend(rows(5))
     batch = rb.sample()
     assert torch.equal(batch["obs"], (batch["x"].float()[:, None] + 100).expand(4, 2) * 2)
+
+
+def test_insert_transform_out_of_range_is_refused(client, fresh) -> None:
+    """Inserted anywhere before (list.insert): TorchRL's Compose refuses an index past its end."""
+    rb = RemoteReplayBuffer(client, fresh("rows"), batch_size=4)
+    rb.insert_transform(0, lambda td: td)
+    with pytest.raises(ValueError, match="index 10 is out of range"):
+        rb.insert_transform(10, lambda td: td)
+
+
+def test_add_of_a_batched_tensordict_warns_as_torchrl(client, fresh, monkeypatch) -> None:
+    rb = RemoteReplayBuffer(client, fresh("rows"), batch_size=4)
+    with pytest.warns(UserWarning, match=r"Using `add\(\)` with a TensorDict that has batch_size"):
+        rb.add(rows(1))
+    monkeypatch.setenv("RL_WARNINGS", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rb.add(rows(1))
+    assert len(rb) == 2
 
 
 def test_collate_and_inverted_transforms_and_schedulers_on_the_buffer(client, fresh) -> None:
