@@ -173,8 +173,16 @@ class RemoteReplayBuffer:
         if generator is not None:
             self.set_rng(generator)
         register_with_torchrl(type(self))
-        if sampler is not None and not isinstance(sampler, type):
-            bind_to_table(sampler, self)  # sampler.update_priority(...) reaches the table
+        self._sampler_bound = sampler is not None and self._torchrl_sampler is sampler
+        if self._sampler_bound:  # the caller's object: its update_priority reaches the table
+            bind_to_table(sampler, self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled (TorchRL pickles buffers to other processes): the copy of the sampler
+        speaks for the table too."""
+        self.__dict__.update(state)
+        if state.get("_sampler_bound"):
+            bind_to_table(self._torchrl_sampler, self)
 
     # ------------------------------------------------------------------ table
 

@@ -15,6 +15,7 @@ Thread-safety: as the client (each read or write is one call).
 
 from __future__ import annotations
 
+import copyreg
 from typing import Any
 
 from replay_client.errors import NoPrioritiesError
@@ -106,19 +107,42 @@ def bind_to_table(sampler: Any, buffer: Any) -> None:
 _table_classes: dict[type, type] = {}
 
 
+def _new_object(cls: type, *args: Any) -> Any:
+    return cls.__new__(cls, *args)
+
+
 def _table_class(cls: type) -> type:
     if cls not in _table_classes:
         def update_priority(self: Any, index: Any, priority: Any, **_: Any) -> None:
             self._table_buffer.update_priority(index, priority)
 
-        namespace: dict[str, Any] = {"_speaks_for_a_table": True,
-                                     "update_priority": update_priority, "__module__": __name__}
+        def __reduce_ex__(self: Any, protocol: Any) -> Any:
+            """Pickles as TorchRL's own sampler, without the buffer (whose unpickling binds
+            its copy again)."""
+            bound = self.__dict__.pop("_table_buffer", None)
+            self.__class__ = cls
+            try:
+                reduced = list(cls.__reduce_ex__(self, protocol))
+                if reduced[0] is copyreg.__newobj__:  # pickle checks that class: ours, now
+                    reduced[0] = _new_object
+                if len(reduced) > 2 and reduced[2] is self.__dict__:
+                    reduced[2] = dict(self.__dict__)
+                return tuple(reduced)
+            finally:
+                self.__class__ = bound_class
+                if bound is not None:
+                    self.__dict__["_table_buffer"] = bound
+
+        namespace: dict[str, Any] = {"_speaks_for_a_table": True, "__module__": __name__,
+                                     "update_priority": update_priority,
+                                     "__reduce_ex__": __reduce_ex__}
         for name in ("alpha", "beta"):
             if isinstance(getattr(cls, name, None), property):
                 namespace[name] = property(
                     lambda self, n=name: getattr(self._table_buffer.sampler, n),
                     lambda self, value, n=name: setattr(self._table_buffer.sampler, n, value))
-        _table_classes[cls] = type(cls.__name__, (cls,), namespace)
+        bound_class = type(cls.__name__, (cls,), namespace)
+        _table_classes[cls] = bound_class
     return _table_classes[cls]
 
 

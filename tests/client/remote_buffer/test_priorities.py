@@ -101,3 +101,18 @@ def test_torchrl_schedulers_anneal_beta(client, fresh) -> None:
     for _ in range(4):
         scheduler.step()
     assert client.info()[table].beta == pytest.approx(1.0)
+
+
+def test_a_buffer_built_with_a_sampler_object_pickles(client, fresh) -> None:
+    """53d2f84's sampler class could not be pickled: TorchRL sends buffers to processes."""
+    import pickle
+
+    from torchrl.data import SliceSampler
+
+    sampler = SliceSampler(slice_len=4)
+    rb = RemoteReplayBuffer(client, fresh("seq"), sampler=sampler, batch_size=8)
+    copy = pickle.loads(pickle.dumps(rb))
+    assert type(pickle.loads(pickle.dumps(sampler))) is SliceSampler
+    assert copy.sampler.slice_len == 4
+    with pytest.warns(UserWarning, match="whose sampler has no priorities"):  # the buffer's
+        copy._torchrl_sampler.update_priority(torch.arange(1), torch.ones(1))
