@@ -17,36 +17,47 @@
 
 ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
 
-FROM ${BASE_IMAGE} AS build
+FROM ${BASE_IMAGE}
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-COPY pyproject.toml README.md constraints.txt /src/
-COPY proto /src/proto
-COPY feed /src/feed
-COPY server /src/server
-COPY client /src/client
+# One stage, and the sources never in a layer: they are bind-mounted for the install step
+# and copied to a scratch folder there (the build writes into its source tree). Under
+# podman's vfs storage driver every layer and every stage is a full copy of the file
+# system, so a build stage whose venv is copied into a second one costs three copies of
+# torch on disk at the peak; this costs two.
+#
+# A fixed non-root uid: learners in other containers that share /dev/shm with the
+# server must run as the same user to map its shared-memory rings.
+#
 # torch first, from its own index (the CPU or CUDA build); then the package and the rest
 # of its dependencies from PyPI, torch already satisfied, against constraints.txt: the
-# versions `make test` ran with (tensordict, ...).
-RUN --mount=type=bind,source=deploy/image/pip,target=/build/pip \
+# versions `make test` ran with (tensordict, ...). Then what a server never loads leaves
+# the venv: the packages' own test suites and torch's C++ headers and test binaries
+# (about 250 MB).
+RUN --mount=type=bind,source=.,target=/context \
     set -eu; \
-    if [ -f /build/pip/pip.conf ]; then export PIP_CONFIG_FILE=/build/pip/pip.conf; fi; \
+    groupadd --gid 10001 replay; \
+    useradd --uid 10001 --gid replay --home-dir /var/lib/replay --create-home \
+        --shell /usr/sbin/nologin replay; \
+    mkdir -p /var/lib/replay/checkpoints /etc/replay; \
+    chown replay:replay /var/lib/replay/checkpoints; \
+    if [ -f /context/deploy/image/pip/pip.conf ]; then \
+        export PIP_CONFIG_FILE=/context/deploy/image/pip/pip.conf; \
+    fi; \
+    mkdir /tmp/src; \
+    cp -r /context/pyproject.toml /context/README.md /context/constraints.txt \
+        /context/proto /context/feed /context/server /context/client /tmp/src/; \
     python3 -m venv /opt/replay; \
     /opt/replay/bin/pip install --no-cache-dir --disable-pip-version-check \
         ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"; \
     /opt/replay/bin/pip install --no-cache-dir --disable-pip-version-check \
-        -c /src/constraints.txt /src; \
-    /opt/replay/bin/replay-server --version
-
-FROM ${BASE_IMAGE}
-# A fixed non-root uid: learners in other containers that share /dev/shm with the
-# server must run as the same user to map its shared-memory rings.
-RUN groupadd --gid 10001 replay \
-    && useradd --uid 10001 --gid replay --home-dir /var/lib/replay --create-home \
-        --shell /usr/sbin/nologin replay \
-    && mkdir -p /var/lib/replay/checkpoints /etc/replay \
-    && chown replay:replay /var/lib/replay/checkpoints
-COPY --from=build /opt/replay /opt/replay
+        -c /tmp/src/constraints.txt /tmp/src; \
+    rm -rf /tmp/src; \
+    site=$(/opt/replay/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+    rm -rf "$site/torch/include" "$site/torch/test"; \
+    find "$site" -depth -type d -name tests -path "$site/*/*" -exec rm -rf {} +; \
+    /opt/replay/bin/replay-server --version; \
+    /opt/replay/bin/python -c 'import torch, replay_server.engine, replay_client'
 COPY deploy/image/replay.toml /etc/replay/replay.toml
 ENV PATH=/opt/replay/bin:$PATH \
     PYTHONUNBUFFERED=1 \

@@ -122,10 +122,56 @@ def _ours(kind: str, case: str, seconds: float, per_call: int = w.UPDATE_BATCH,
                         mode = "" if wait else ", wait=False"
                         out.append({"api": f"update_priorities ({per_call} ids per call{mode})",
                                     "ids_per_s": done / (time.perf_counter() - start)})
+                    out += _stream_updates(client, kind, ids, priorities, seconds)
             for record in out:
                 if "rows_per_s" in record:
                     record["mb_per_s"] = record["rows_per_s"] * mb
             return out
+
+
+def _stream_updates(client, kind: str, ids, priorities, seconds: float) -> list[dict]:  # type: ignore[no-untyped-def]
+    """Updates on a learner's stream (``stream.update_priorities``, riding on its credits).
+
+    * back to back: as many as fit ``seconds``, counted once the server has applied them
+      all (its ``priority_updates`` counter), like the unary cases;
+    * one per batch taken: the learner's loop ``next(stream)`` then an update of that
+      many of its ids; ids/s over the time the learner spent in the update calls (each
+      reaches the server before the draw its next credit allows), and the loop's rate
+      (only for updates no larger than a batch).
+    """
+    per_call = len(ids)
+    def applied() -> int:
+        return client.info()[kind].counters["priority_updates"]
+
+    out = []
+    with client.stream(kind, w.SAMPLE_BATCH, prefetch=2, batches_per_message=1) as stream:
+        next(stream)
+        before, done, i = applied(), 0, 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            stream.update_priorities(ids, priorities[i % 64])
+            done += per_call
+            i += 1
+        next(stream)  # its credit carries what is still held
+        while applied() < before + done:
+            time.sleep(0.001)
+        out.append({"api": f"stream.update_priorities ({per_call} ids per call, back to back)",
+                    "ids_per_s": done / (time.perf_counter() - start)})
+        if per_call > w.SAMPLE_BATCH:
+            return out
+        in_calls, steps = 0.0, 0
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            batch = next(stream)
+            mark = time.perf_counter()
+            stream.update_priorities(batch.ids[:per_call], priorities[steps % 64])
+            in_calls += time.perf_counter() - mark
+            steps += 1
+        loop = time.perf_counter() - start
+        out.append({"api": f"stream.update_priorities ({per_call} ids after each batch taken; "
+                           f"loop {steps / loop:,.0f} batches/s)",
+                    "ids_per_s": steps * per_call / in_calls})
+    return out
 
 
 def _reverb(python: str, kind: str, case: str, seconds: float,

@@ -42,20 +42,23 @@ class Authority:
         self.cert = folder / f"{_slug(name)}.crt"
         self.cert.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
-    def server(self, name: str = "server") -> Pem:
-        """A server certificate for ``localhost`` and 127.0.0.1."""
+    def server(self, name: str = "server", valid_days: tuple[float, float] = (-1 / 288, 1)
+               ) -> Pem:
+        """A server certificate for ``localhost`` and 127.0.0.1, valid from ``valid_days[0]``
+        to ``valid_days[1]`` days from now (default: 5 minutes ago to tomorrow)."""
         names = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-        return self._leaf(name, names, ExtendedKeyUsageOID.SERVER_AUTH)
+        return self._leaf(name, names, ExtendedKeyUsageOID.SERVER_AUTH, valid_days)
 
     def client(self, name: str = "client") -> Pem:
         """A client certificate (mutual TLS)."""
         return self._leaf(name, [x509.DNSName(name)], ExtendedKeyUsageOID.CLIENT_AUTH)
 
-    def _leaf(self, name: str, names: list, usage: x509.ObjectIdentifier) -> Pem:
+    def _leaf(self, name: str, names: list, usage: x509.ObjectIdentifier,
+              valid_days: tuple[float, float] = (-1 / 288, 1)) -> Pem:
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         cert = (
-            _builder(subject, self._subject, key.public_key())
+            _builder(subject, self._subject, key.public_key(), valid_days)
             .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -70,12 +73,13 @@ class Authority:
         return pem
 
 
-def _builder(subject: x509.Name, issuer: x509.Name, public_key) -> x509.CertificateBuilder:
+def _builder(subject: x509.Name, issuer: x509.Name, public_key,
+             valid_days: tuple[float, float] = (-1 / 288, 1)) -> x509.CertificateBuilder:
     now = datetime.datetime.now(datetime.timezone.utc)
     return (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
             .public_key(public_key).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1)))
+            .not_valid_before(now + datetime.timedelta(days=valid_days[0]))
+            .not_valid_after(now + datetime.timedelta(days=valid_days[1])))
 
 
 def _slug(name: str) -> str:

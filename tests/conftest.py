@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,21 +51,31 @@ def start_server(
     port: int = 0,
     env: dict[str, str] | None = None,
     name: str = "server",
-    preexec_fn: Callable[[], None] | None = None,
+    rlimits: dict[str, tuple[int, int]] | None = None,
+    ignore_sigxfsz: bool = False,
     extra_args: tuple[str, ...] = (),
     module: str = "replay_server.app.cli",
 ) -> ServerProcess:
     """Start ``replay-server serve`` (with ``config`` TOML text, if given) and wait for its port.
 
     The port file is written once the server is SERVING (tables restored).
-    ``preexec_fn`` runs in the child before it starts (e.g. to set resource limits);
-    ``extra_args`` are added to its command line; ``module`` is the module run
-    with ``python -m`` (a test's launcher that prepares the process first).
+    ``rlimits`` (``{"NOFILE": (1024, 1024)}``; -1: unlimited) and
+    ``ignore_sigxfsz`` are applied in the server process after ``exec``, by
+    :mod:`tests.launch` (never a ``preexec_fn``: forking a process that holds
+    gRPC channels aborts the child, see there); ``extra_args`` are added to its
+    command line; ``module`` is the module run with ``python -m`` (a test's
+    launcher that prepares the process first).
     """
     port_file = tmp_path / f"{name}.port"
     port_file.unlink(missing_ok=True)
     log_path = tmp_path / f"{name}.log"
-    args = [sys.executable, "-m", module, "serve",
+    launch: list[str] = []
+    for limit, (soft, hard) in (rlimits or {}).items():
+        launch += ["--rlimit", f"{limit}={soft}:{hard}"]
+    if ignore_sigxfsz:
+        launch.append("--ignore-sigxfsz")
+    prefix = ["-m", "tests.launch", *launch, module] if launch else ["-m", module]
+    args = [sys.executable, *prefix, "serve",
             "--address", f"127.0.0.1:{port}", "--port-file", str(port_file), "--grace", "5"]
     config_path = None
     if config is not None:
@@ -75,8 +85,7 @@ def start_server(
     args += list(extra_args)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     log_file = log_path.open("a")
-    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env,
-                               preexec_fn=preexec_fn)
+    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():

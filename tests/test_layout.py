@@ -121,6 +121,25 @@ def test_server_and_client_never_import_each_other() -> None:
         assert not any(_in(m, "replay_server") for m in _imports(module)), module
 
 
+FRONT_DOOR = ("replay_client", "replay_client.client")
+"""The only modules of the client that may import the sharded one: the package and the factory."""
+
+
+@pytest.mark.parametrize("module", [m for m in _modules_in("replay_client")
+                                    if m not in FRONT_DOOR and not _in(m, "replay_client.sharded")])
+def test_only_the_front_door_imports_the_sharded_client(module: str) -> None:
+    """The sharded client is a layer over one-server clients, never the other way up: no
+    module imports it but the factory (and whoever uses the factory, like any user)."""
+    assert not any(_in(m, "replay_client.sharded") for m in _imports(module)), (
+        module, sorted(m for m in _imports(module) if _in(m, "replay_client.sharded")))
+
+
+def test_the_one_server_client_reaches_nothing_of_the_sharded_one() -> None:
+    reached = _reaches("replay_client.server_client")
+    assert not any(_in(m, "replay_client.sharded") for m in reached)
+    assert any(_in(m, "replay_client.sharded") for m in _reaches("replay_client.client"))
+
+
 @pytest.mark.parametrize("module", _modules_in("replay_server.engine"))
 def test_the_engine_reaches_no_network_and_no_layer_above_it(module: str) -> None:
     above = ("replay_server.checkpoint", "replay_server.service", "replay_server.app",
@@ -187,7 +206,7 @@ def test_there_is_no_import_cycle() -> None:
 
 def test_the_cycle_check_would_see_a_cycle() -> None:
     """The resolver maps a ``from package import module`` to the module (what cycles go through)."""
-    assert "replay_client.connection" in _imports("replay_client.client")
+    assert "replay_client.connection" in _imports("replay_client.server_client")
     assert "replay_server.engine.table" in _imports("replay_server.engine.table_set")
 
 

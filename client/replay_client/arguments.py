@@ -6,12 +6,16 @@ with a typed error naming it and nothing reaches the server.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from replay_client.errors import InvalidArgumentError, InvalidIdsError, InvalidPriorityError
+from replay_client.errors import InvalidArgumentError, error_of
+from replay_feed.credits import PriorityUpdate
+from replay_proto import inputs
 
 
 def check_int(name: str, value: Any, low: int) -> None:
@@ -30,44 +34,41 @@ def id_array(ids: Any) -> np.ndarray:
     Raises:
         InvalidIdsError: they are not int64.
     """
-    array = np.asarray(ids.detach().cpu() if isinstance(ids, torch.Tensor) else ids)
-    if array.dtype != np.int64:
-        raise InvalidIdsError(
-            f"ids must be int64 (as returned by insert and sample), got dtype {array.dtype}"
-        )
-    return array
+    with _typed():
+        return inputs.id_values(ids)
 
 
 def update_arrays(ids: Any, priorities: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Validated, contiguous copies: int64 ids and float64 priorities of one shape."""
-    ids = id_array(ids)
-    values = tensor_of(priorities, "priorities")
-    if tuple(values.shape) != ids.shape:
-        raise InvalidPriorityError(
-            f"priorities must have the same shape as ids {list(ids.shape)}, "
-            f"got {list(values.shape)}"
-        )
-    if values.dtype == torch.bool or values.is_complex():
-        raise InvalidPriorityError(f"priorities must be real numbers, got {values.dtype}")
-    array = values.to(torch.float64).numpy().reshape(-1)
-    bad = ~(np.isfinite(array) & (array >= 0))
-    if bad.any():
-        first = int(np.flatnonzero(bad)[0])
-        raise InvalidPriorityError(
-            f"priorities must be finite and >= 0; {int(bad.sum())} are not "
-            f"(first at index {first}: {array[first]})"
-        )
-    return np.array(ids, dtype=np.int64).reshape(-1), np.array(array)
+    """Validated, contiguous copies: int64 ids and float64 priorities of one shape
+    (:func:`replay_proto.inputs.update_values`, the rules the server applies).
+
+    Raises:
+        InvalidIdsError, InvalidPriorityError, InvalidArgumentError: naming what was wrong.
+    """
+    with _typed():
+        return inputs.update_values(ids, priorities)
+
+
+def priority_update(ids: Any, priorities: Any) -> PriorityUpdate:
+    """A stream's priority update, checked as :func:`update_arrays` checks it."""
+    id_values, values = update_arrays(ids, priorities)
+    return PriorityUpdate(id_values, values)
 
 
 def tensor_of(value: Any, what: str) -> torch.Tensor:
-    """``value`` (a tensor, array or nested list) as a CPU tensor; ``what`` names it in errors."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+    """``value`` (a tensor, array or nested list) as a CPU tensor; ``what`` names it in errors.
+
+    Raises:
+        InvalidArgumentError: not convertible to a tensor.
+    """
+    with _typed():
+        return inputs.cpu_tensor(value, what)
+
+
+@contextmanager
+def _typed() -> Iterator[None]:
+    """The client's typed error for a refused input (its kind's class)."""
     try:
-        array = np.asarray(value)
-        if any(stride < 0 for stride in array.strides):
-            array = array.copy()
-        return torch.as_tensor(array)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidArgumentError(f"{what} is not a tensor or array: {exc}") from None
+        yield
+    except inputs.InputError as exc:
+        raise error_of(exc.kind, str(exc)) from None

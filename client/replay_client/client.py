@@ -1,539 +1,60 @@
-"""``ReplayClient``: the actor's and learner's handle on a replay server."""
+"""``ReplayClient``: the front door, building the client an address names.
+
+``ReplayClient("host:port")`` is a :class:`~replay_client.server_client.ServerClient`
+(one server); ``ReplayClient(["host-0:50051", "host-1:50051"])`` and
+``ReplayClient("shards://name:port")`` are a
+:class:`~replay_client.sharded.client.ShardedClient` (one logical replay over
+many servers, a layer over one-server clients). Both implement
+:class:`~replay_client.api.ReplayApi`, and ``isinstance(c, ReplayClient)``
+holds for both. This module is the only one of the plain client's that knows
+the sharded one exists (``tests/test_layout.py``).
+"""
 
 from __future__ import annotations
 
-import os
-import threading
-from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-import torch
+from replay_client.api import ReplayApi
+from replay_client.errors import InvalidArgumentError
+from replay_client.server_client import ServerClient
+from replay_client.sharded.client import ShardedClient
+from replay_client.sharded.discovery import is_sharded
 
-from replay_client import grouping, shards, table_rows, variables
-from replay_client.arguments import check_int as _check_int
-from replay_client.arguments import id_array, tensor_of, update_arrays
-from replay_client.connection import CLIENT_TIMEOUT, CONNECT_TIMEOUT_S, Connection
-from replay_client.errors import (
-    DeadlineExceededError,
-    InvalidArgumentError,
-    InvalidPriorityError,
-    MessageTooLargeError,
-    UnavailableError,
-    UnknownTableError,
-)
-from replay_client.stream import NetworkSource
-from replay_client.table_info import ServerInfo, TableInfo, server_info_of
-from replay_client.tls import TlsConfig
-from replay_client.update_stream import StreamFallback, UpdateStream
-from replay_client.updates import PriorityUpdater
-from replay_client.variables import Variable
-from replay_client.writer import Writer
-from replay_feed.core import FeedCore
-from replay_feed.delivery import resolve_delivery
-from replay_feed.stream import BatchStream
-from replay_proto import messages
-from replay_proto.batch import SampleBatch
-from replay_proto.dtypes import dtype_name
-from replay_proto.rows import rows_of
-from replay_proto.sample_codec import decode_sample
-from replay_proto.v1 import replay_pb2 as pb
 
-class ReplayClient:
-    """A connection to one replay server (or, given many, to shards: see below).
-
-    ``ReplayClient(["host-0:50051", "host-1:50051"])`` or
-    ``ReplayClient("shards://replay-headless:50051")`` (every address the name
-    resolves to) returns a :class:`~replay_client.shards.ShardedReplayClient`:
-    one logical replay over many servers, with the same calls (see
-    ``docs/scale-out.md``).
-
-    Cheap to create and safe to share between threads. It connects lazily, on
-    the first call, and pickles as its settings alone, so it can be handed to
-    actor processes (each reconnects on its own).
-
-    Retries: calls that are safe to repeat (sample, update_priorities, info,
-    reset) are retried with exponential backoff while the server is
-    UNAVAILABLE, within the call's timeout; insert is not (a retry could store
-    rows twice), so an insert that fails with :class:`UnavailableError` may or
-    may not have been stored.
-
-    Rate limiting: an insert or sample that a table's rate limiter holds back
-    waits on the server (which holds no thread for it) up to the call's
-    timeout, then raises :class:`~replay_client.errors.DeadlineExceededError` naming the limiter's
-    state; it is never retried. ``timeout=None`` waits as long as it takes.
+class ReplayClient(ReplayApi):
+    """A replay client for ``address`` (see the module docstring); returns the one it builds.
 
     Args:
-        address: ``host:port`` of the server.
-        timeout: seconds each call may take, retries included (``None``: no limit).
-        token: auth token, sent as ``authorization: Bearer <token>``; defaults
-            to the ``REPLAY_TOKEN`` environment variable when set.
-        max_message_mb: the message-size limit (match the server's).
-        max_retry_s: longest total time spent retrying an unavailable server.
-        tls: ``None``: plaintext; ``True``: TLS trusting the system's CAs; a
-            :class:`~replay_client.tls.TlsConfig`: TLS with its CA and, for
-            mutual TLS, the client's certificate and key.
-        allow_plaintext_token: send the token over plaintext to a non-loopback
-            address (it can be read on the network); otherwise that is refused.
-        connect_timeout_s: seconds calls retry a server that has not answered yet
-            (nothing listening at ``address``) before raising
-            :class:`UnavailableError` "no replay server at HOST:PORT (is it running?)".
+        address: ``host:port`` of one server; a list of ``host:port`` (one per
+            shard) or ``"shards://NAME:PORT"`` for a sharded replay.
+        **options: the chosen client's keywords: ``timeout``, ``token``,
+            ``max_message_mb``, ``max_retry_s``, ``tls``,
+            ``allow_plaintext_token``, ``connect_timeout_s`` for every client (see
+            :class:`~replay_client.server_client.ServerClient`); ``resolver``,
+            ``seed``, ``allow_degraded``, ``resolve_interval_s`` for a sharded
+            one (see :class:`~replay_client.sharded.client.ShardedClient`).
 
     Raises:
-        InvalidArgumentError: the address is not a string, or a token would
-            travel in clear text to another host.
+        InvalidArgumentError: an address of the wrong type, or a sharded
+            keyword given for one server.
     """
 
-    def __init__(
-        self,
-        address: str = "localhost:50051",
-        *,
-        timeout: float | None = 30.0,
-        token: str | None = None,
-        max_message_mb: int = 64,
-        max_retry_s: float = 10.0,
-        tls: TlsConfig | bool | None = None,
-        allow_plaintext_token: bool = False,
-        connect_timeout_s: float = CONNECT_TIMEOUT_S,
-    ) -> None:
+    def __new__(cls, address: Any = "localhost:50051", **options: Any) -> Any:  # type: ignore[misc]
+        if is_sharded(address):
+            return ShardedClient(address, **options)
         if not isinstance(address, str):
             raise InvalidArgumentError(
                 f"address must be 'host:port', a list of shard addresses or "
-                f"'shards://name:port', got {type(address).__name__}"
-            )
-        if not (tls is None or isinstance(tls, (bool, TlsConfig))):
+                f"'shards://name:port', got {type(address).__name__}")
+        sharded_only = sorted(set(options) & _SHARDED_ONLY)
+        if sharded_only:
             raise InvalidArgumentError(
-                f"tls must be None, True or a TlsConfig, got {type(tls).__name__}")
-        self._connection = Connection(
-            address, timeout=timeout, token=token if token is not None else os.environ.get(
-                "REPLAY_TOKEN"), max_message_mb=max_message_mb, max_retry_s=max_retry_s,
-            tls=TlsConfig() if tls is True else (tls or None),
-            allow_plaintext_token=allow_plaintext_token, connect_timeout_s=connect_timeout_s)
-        self._lock = threading.Lock()
-        self._updater: PriorityUpdater | None = None
-        self._updater_pid = 0
-        self._update_stream: UpdateStream | None = None
-        self._update_stream_pid = 0
-
-    def __new__(cls, address: Any = "localhost:50051", *args: Any, **kwargs: Any) -> Any:
-        if cls is ReplayClient and shards.is_sharded(address):
-            return shards.ShardedReplayClient(address, *args, client=cls, **kwargs)
-        return super().__new__(cls)
-
-    @property
-    def address(self) -> str:
-        return self._connection.address
-
-    @property
-    def timeout(self) -> float | None:
-        return self._connection.timeout
-
-    # ------------------------------------------------------------ connection
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self._connection.__getstate__()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state.pop("address"), **state)  # type: ignore[misc]
-
-    def close(self) -> None:
-        """Send pending ``wait=False`` updates, then close the connection (a later call reconnects)."""
-        updater, self._updater = self._updater, None
-        try:
-            if updater is not None:
-                try:
-                    updater.flush()
-                finally:
-                    updater.close()
-        finally:
-            stream, self._update_stream = self._update_stream, None
-            if stream is not None and self._update_stream_pid == os.getpid():
-                stream.close()
-            self._connection.close()
-
-    def __enter__(self) -> ReplayClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------- API
-
-    def insert(self, table: str, data: Any, priorities: Any = None) -> torch.Tensor:
-        """Append rows to ``table``; returns their int64 ids.
-
-        Args:
-            table: table name.
-            data: mapping (nested allowed) of tensors or numpy arrays, rows along
-                the leading dim; or a TensorDict, whose batch dims say what a row
-                is (``[n_envs, T]``: ``n_envs * T`` rows, see :mod:`replay_proto.rows`).
-            priorities: ``[rows]`` priorities (prioritized tables only).
-
-        Raises:
-            SchemaMismatchError, InvalidArgumentError, InvalidPriorityError,
-            NoPrioritiesError, UnknownTableError, UnavailableError, ...
-        """
-        columns = _columns(data)
-        prios = None
-        if priorities is not None:
-            prios = tensor_of(priorities, "priorities")
-            rows = next(iter(columns.values())).shape[0] if columns else 0
-            if tuple(prios.shape) != (rows,):
-                raise InvalidPriorityError(
-                    f"priorities must have shape [{rows}] (one per row), got {list(prios.shape)}"
-                )
-        raw = messages.encode_insert(table, columns, prios)
-        limit = self._connection.max_message_bytes
-        if len(raw) > limit:
-            rows = next(iter(columns.values())).shape[0] if columns else 0
-            fit = max(1, rows * limit // (2 * len(raw)))
-            raise MessageTooLargeError(
-                f"an insert of {rows} rows is {len(raw) / 2**20:.1f} MiB, over the "
-                f"{limit >> 20} MiB message limit; insert at most about {fit} rows "
-                f"per call (or use a Writer, which batches for you)"
-            )
-        return messages.decode_insert_response(self._connection.unary("Insert", raw, retry=False))
-
-    def sample(self, table: str, batch_size: int, *, wait: bool | None = None,
-               timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
-        """Draw one batch; ``batch.data`` keeps the inserted (nested) structure.
-
-        Args:
-            table: table name.
-            batch_size: rows (or slices).
-            wait: ``True``: while the table cannot serve the batch (empty, or
-                held back by its rate limiter), wait on the server (holding no
-                thread there). ``False``: never wait: raise
-                :class:`EmptyTableError` at once. ``None`` (the default): an
-                empty table raises :class:`EmptyTableError` at once, a sample
-                the rate limiter holds back waits (Reverb's flow control).
-            timeout: seconds the call may take, waiting included (default: the
-                client's; ``None``: no limit), then :class:`DeadlineExceededError`.
-
-        Raises:
-            InvalidArgumentError: ``batch_size`` is not a positive integer (checked here).
-            EmptyTableError, UnknownTableError, DeadlineExceededError, ...: from the server.
-        """
-        _check_int("batch_size", batch_size, 1)
-        request = pb.SampleRequest(table=table, batch_size=batch_size, wait_for_data=bool(wait),
-                                   never_wait=wait is False).SerializeToString()
-        return decode_sample(self._connection.unary("Sample", request, retry=True,
-                                                    timeout=timeout))
-
-    def update_priorities(
-        self, table: str, ids: Any, priorities: Any, *, wait: bool = True
-    ) -> int | None:
-        """Set priorities by id.
-
-        Args:
-            table: table name.
-            ids: int64 ids (from insert or sample), any shape.
-            priorities: finite values >= 0, same shape.
-            wait: ``True``: send now and return how many ids still named
-                stored rows (on the client's persistent update stream: one
-                round trip, see :mod:`replay_client.update_stream`).
-                ``False``: queue it for a background thread and
-                return ``None`` at once; updates stay in order, are merged
-                while one is in flight (see :mod:`replay_client.updates`), and
-                a failure is raised by the next update or :meth:`flush_updates`.
-
-        Raises:
-            InvalidIdsError, InvalidPriorityError: checked here, before sending.
-            NoPrioritiesError, UnknownTableError, ...: from the server.
-            PriorityUpdateError: an earlier ``wait=False`` update failed.
-        """
-        id_array, values = update_arrays(ids, priorities)
-        if not wait:
-            self._updates().submit(table, id_array, values)
-            return None
-        if self._updater is not None:
-            self._updater.flush()  # keep order with earlier wait=False updates
-        return self._send_update(table, id_array, values)
-
-    def flush_updates(self, timeout: float | None = None) -> None:
-        """Wait until every ``update_priorities(..., wait=False)`` was applied (or raise its error)."""
-        if self._updater is not None:
-            self._updater.flush(timeout)
-
-    def _send_update(self, table: str, ids: np.ndarray, priorities: np.ndarray) -> int:
-        """One update, on the client's update stream when the server has one, else unary."""
-        raw = messages.encode_update(table, ids, priorities)
-        try:
-            return int(self._stream().send(raw).applied)
-        except StreamFallback:
-            pass
-        response = pb.UpdatePrioritiesResponse.FromString(
-            self._connection.unary("UpdatePriorities", raw, retry=True)
-        )
-        return int(response.applied)
-
-    def _stream(self) -> UpdateStream:
-        with self._lock:
-            if self._update_stream is None or self._update_stream_pid != os.getpid():
-                self._update_stream = UpdateStream(self._connection)
-                self._update_stream_pid = os.getpid()
-            return self._update_stream
-
-    def _updates(self) -> PriorityUpdater:
-        with self._lock:
-            if self._updater is None or self._updater_pid != os.getpid():
-                self._updater, self._updater_pid = PriorityUpdater(self._send_update), os.getpid()
-            return self._updater
-
-    def info(self) -> dict[str, TableInfo]:
-        """Every table's sizes, counters and settings, by name."""
-        return self.server_info().tables
-
-    def server_info(self) -> ServerInfo:
-        """The server's shard, id incarnation and limits (with what is in use), and its tables."""
-        response = pb.InfoResponse.FromString(
-            self._connection.unary("Info", pb.InfoRequest().SerializeToString(), retry=True)
-        )
-        return server_info_of(response)
-
-    def checkpoint(self, *, timeout: float | None = 600.0) -> str:
-        """Have the server write a checkpoint of every table; returns its path (on the server).
-
-        The checkpoint starts after this call arrives, so it holds every row
-        acknowledged before it. Not retried (a retry could start a second
-        checkpoint). ``timeout``: seconds to wait (writing takes about a
-        second per GB here); ``None``: no limit.
-
-        Raises:
-            NoCheckpointDirError: the server has no ``checkpoint_dir``.
-            CheckpointError: the write failed (e.g. disk full); the server keeps serving.
-            UnavailableError, DeadlineExceededError, ...
-        """
-        request = pb.CheckpointRequest().SerializeToString()
-        raw = self._connection.unary("Checkpoint", request, retry=False, timeout=timeout)
-        return pb.CheckpointResponse.FromString(raw).path
-
-    def reset(self, table: str, *, schema: bool = False) -> None:
-        """Remove every row of ``table``; old ids become stale.
-
-        ``schema=True`` also forgets the schema its first insert fixed, so the
-        next insert may bring other keys, dtypes or shapes (a schema the
-        server's config declares stays).
-        """
-        self._connection.unary(
-            "Reset", pb.ResetRequest(table=table, schema=schema).SerializeToString(), retry=True)
-
-    def delete(self, table: str, ids: Any) -> int:
-        """Remove rows by id from a queue table (sampler ``fifo`` or ``lifo``).
-
-        Ids of rows already taken, deleted or overwritten are ignored. The
-        call is retried while the server is unavailable, so after a retry the
-        count may leave out rows the first attempt removed.
-
-        Returns:
-            How many of ``ids`` named rows present (and were removed).
-
-        Raises:
-            InvalidIdsError: ``ids`` are not int64 (checked here), or were never
-                issued by the table (from the server).
-            InvalidArgumentError: the table is not a queue table.
-        """
-        request = pb.DeleteRequest(table=table, ids=id_array(ids).tolist())
-        raw = self._connection.unary("Delete", request.SerializeToString(), retry=True)
-        return pb.DeleteResponse.FromString(raw).deleted
-
-    def read(self, table: str, **request: Any) -> table_rows.RowsRead:
-        """Stored rows by ``positions=`` or ``ids=`` (:func:`replay_client.table_rows.read`)."""
-        return table_rows.read(self._connection, table, **request)
-
-    def write(self, table: str, positions: Any, data: Any) -> int:
-        """Overwrite stored rows by position (:func:`replay_client.table_rows.write`)."""
-        return table_rows.write(self._connection, table, positions, data)
-
-    def set_sampling(self, table: str, **settings: Any) -> tuple[float, float]:
-        """``alpha=``, ``beta=``, ``seed=`` from now on (:func:`replay_client.table_rows.set_sampling`)."""
-        return table_rows.set_sampling(self._connection, table, **settings)
-
-    def publish(self, name: str, state_dict: Any) -> int:
-        """Store ``state_dict`` (tensors only) as the next version of variable ``name``.
-
-        The server keeps the newest version of each name, within its budget
-        (``server.variables_max_mb``), in its checkpoints too; fetches waiting
-        for a newer version are answered at once. Not retried (a retry could
-        publish twice). See :mod:`replay_client.variables`.
-
-        Returns:
-            The version it got: 1 for a new name, then 2, 3, ...
-
-        Raises:
-            InvalidVariableError: not a mapping of non-empty string keys to dense
-                tensors of a supported dtype, empty, or a bad name (nothing sent
-                when the client can tell).
-            VariableBudgetError: the server's variables would exceed its budget.
-            MessageTooLargeError: larger than the message-size limit.
-        """
-        return variables.publish(self._connection, name, state_dict)
-
-    def fetch(self, name: str, newer_than: int | None = None,
-              timeout: float | None = None) -> Variable | None:
-        """The newest version of variable ``name``, as a :class:`~replay_client.variables.Variable`.
-
-        A ``Variable`` is a dict of fresh tensors (``model.load_state_dict(v)``)
-        with ``.version`` attached. With ``newer_than``, only a version newer
-        than that one is returned: the call waits on the server (holding no
-        thread there) until one is published, for at most ``timeout`` seconds
-        (``None``: as long as it takes), and returns ``None`` if none came.
-        ``newer_than=0`` waits for the first publish of a name.
-
-        Raises:
-            UnknownVariableError: nothing was published under ``name`` (without ``newer_than``).
-            InvalidArgumentError: a bad ``newer_than`` or ``timeout``.
-        """
-        return variables.fetch(self._connection, name, newer_than, timeout)
-
-    def writer(self, table: str, **options: Any) -> Writer:
-        """A :class:`~replay_client.writer.Writer` appending steps to ``table``."""
-        return Writer(self, table, **options)
-
-    def stream(
-        self,
-        table: str,
-        batch_size: int,
-        *,
-        prefetch: int | None = None,
-        device: Any = None,
-        pin_memory: bool | str = "auto",
-        transform: Callable[[SampleBatch], Any] | None = None,
-        num_batches: int = 0,
-        batches_per_message: int | None = None,
-        shared_memory: bool = True,
-        reconnect: bool = True,
-        wait: bool = True,
-        wait_timeout: float | None = None,
-    ) -> BatchStream:
-        """A learner's stream of batches, produced in the background (see ``docs/learner.md``).
-
-        ``for batch in client.stream("replay", 256, device="cuda"): ...`` -
-        batches arrive in order, complete, with ids and weights, already on
-        the device. A background thread receives them into a reused ring of
-        ``prefetch + 1`` staging buffers (pinned when an accelerator is
-        present), applies ``transform``, pins what it returns, and starts the
-        device copy on a side stream; ``next()`` only makes the current stream
-        wait for that copy. At most ``prefetch`` batches are in flight or
-        buffered besides the one the learner holds: the server draws a batch
-        only once the learner has room for it.
-
-        On the server's host, batches come through a shared-memory ring
-        instead of gRPC (``stream.transport`` says which; it falls back to
-        gRPC by itself). Host batches (``device=None``) are views of the ring:
-        valid until the next batch is requested. Breaking out of the loop
-        stops everything and frees the buffers. A lost connection is resumed
-        (``reconnect``; see :mod:`replay_client.stream`).
-
-        Args:
-            table: table name.
-            batch_size: rows (or slices) per batch.
-            prefetch: batches in flight or buffered ahead of the learner (>= 1);
-                ``None``: 2, or two groups when batches are grouped (below).
-            device: where batches go (``"cuda"``, ``"cuda:1"``, a torch.device);
-                None or "cpu": they stay on the host.
-            pin_memory: ``"auto"`` pins when an accelerator is present (what it
-                decided is in ``stream.stats.notes``); True without one raises.
-            transform: applied to each :class:`SampleBatch` on the background
-                thread, before pinning and the device copy; may return any
-                structure of tensors (dict, TensorDict, tuple, SampleBatch).
-            num_batches: batches in all (0: until the loop stops).
-            batches_per_message: let the server draw that many batches at once
-                and send them together over gRPC (far higher rates for small
-                rows, at the cost of those batches not seeing updates made in
-                between); > 1 selects the gRPC path and raises ``prefetch`` to
-                at least twice this many (one group drawn while one is consumed).
-                ``None``: chosen from the table's row size and ``batch_size``
-                (read with one ``info`` call): batches of up to 1 MiB are
-                grouped up to 8 per message, larger ones not at all (see
-                :mod:`replay_client.grouping`; ``stream.stats.notes`` says what
-                was chosen).
-            shared_memory: use a same-host ring when the server offers one.
-            reconnect: resume after a lost connection instead of raising.
-            wait: while the table cannot serve a batch (empty, or below its
-                ``min_size_to_sample``), wait on the server for data, also after
-                a reconnect to a restarted server; ``False``: an empty table
-                ends the stream with :class:`EmptyTableError`.
-            wait_timeout: seconds a batch may wait for data (or for the rate
-                limiter) before the stream ends with :class:`DeadlineExceededError`;
-                ``None``: no limit.
-
-        Raises:
-            InvalidArgumentError: a bad option (``pin_memory=True`` or a CUDA
-                device without CUDA, ``prefetch < 1``, ...), before any network call.
-        """
-        if wait_timeout is not None and not (isinstance(wait_timeout, (int, float)) and not
-                                             isinstance(wait_timeout, bool) and wait_timeout > 0):
-            raise InvalidArgumentError(
-                f"wait_timeout must be a number of seconds > 0 or None, got {wait_timeout!r}")
-        for name, value, low in (("prefetch", prefetch, 1), ("batch_size", batch_size, 1),
-                                 ("num_batches", num_batches, 0),
-                                 ("batches_per_message", batches_per_message, 0)):
-            if value is not None or name in ("batch_size", "num_batches"):
-                _check_int(name, value, low)
-        chosen = None
-        if batches_per_message is None:
-            chosen = grouping.choose(self._batch_bytes(table, batch_size), prefetch)
-            prefetch, batches_per_message = chosen.prefetch, chosen.batches_per_message
-        elif prefetch is None:
-            prefetch = grouping.DEFAULT_PREFETCH
-        window = prefetch
-        if batches_per_message > 1:
-            # Groups travel in gRPC messages (one shared-memory descriptor per batch would
-            # cost more for the small rows grouping is for), and the window holds two groups
-            # so the server draws one while the learner consumes the other.
-            shared_memory = False
-            window = max(prefetch, 2 * batches_per_message)
-        try:
-            core = FeedCore(window, resolve_delivery(device, pin_memory), transform)
-        except ValueError as exc:
-            raise InvalidArgumentError(str(exc)) from None
-        source = NetworkSource(
-            self._connection, table, batch_size, num_batches=num_batches,
-            batches_per_message=batches_per_message,
-            shared_memory=shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0",
-            reconnect=reconnect, wait=wait, wait_timeout=wait_timeout)
-        stream = BatchStream(core, source, table)
-        if chosen is not None and chosen.note:
-            stream.stats.notes.append(chosen.note)
-        if window > prefetch:
-            stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
-                                      f"batches_per_message={batches_per_message} fit the window")
-        return stream
+                f"{', '.join(sharded_only)} apply to a sharded client (a list of addresses or "
+                f"a 'shards://' name), not to one server at {address!r}")
+        return ServerClient(address, **options)
 
 
-    def _batch_bytes(self, table: str, batch_size: int) -> int | None:
-        """Bytes of one batch of ``table`` from its schema (``None``: no schema yet, or no answer)."""
-        try:
-            timeout = min(self.timeout or _PROBE_TIMEOUT_S, _PROBE_TIMEOUT_S)
-            raw = self._connection.unary("Info", pb.InfoRequest().SerializeToString(),
-                                         retry=False, timeout=timeout)
-        except (UnavailableError, DeadlineExceededError):
-            return None  # the stream itself will wait for the server; nothing is grouped
-        tables = pb.InfoResponse.FromString(raw).tables
-        for t in tables:
-            if t.name == table:
-                return grouping.batch_bytes(dict(t.schema), batch_size, t.slice_len or None)
-        raise UnknownTableError(
-            f"no table named {table!r}; tables: {', '.join(sorted(t.name for t in tables))}")
+_SHARDED_ONLY = frozenset({"resolver", "seed", "allow_degraded", "resolve_interval_s", "client"})
 
-
-_PROBE_TIMEOUT_S = 5.0
-"""How long ``stream`` waits for the table's schema when it chooses the grouping."""
-
-
-def _columns(data: Any) -> dict[str, torch.Tensor]:
-    try:
-        flat = rows_of(data)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(str(exc)) from None
-    columns = {}
-    for key, value in flat.items():
-        tensor = tensor_of(value, f"key {key!r}")
-        try:
-            dtype_name(tensor.dtype)
-        except ValueError as exc:
-            raise InvalidArgumentError(f"key {key!r}: {exc}") from None
-        columns[key] = tensor
-    return columns
-
+ReplayClient.register(ServerClient)
+ReplayClient.register(ShardedClient)

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from replay_client.backoff import Backoff
+from replay_feed.backoff import Backoff
 from replay_client.errors import (
     InvalidArgumentError,
     OverloadedError,
@@ -25,7 +25,7 @@ from replay_client.errors import (
     from_rpc_error,
 )
 from replay_client.tls import TlsConfig, check_token_channel
-from replay_proto.addresses import AddressError, with_port
+from replay_proto.addresses import AddressError, check_address
 from replay_proto.call_metadata import request_bytes_metadata
 from replay_proto.error_kinds import kind_of
 
@@ -57,7 +57,8 @@ class Connection:
             server that answered once and went away is retried for ``max_retry_s``.
 
     Raises:
-        InvalidArgumentError: a malformed address (a port that is no number), or a
+        InvalidArgumentError: a malformed address (empty, a port that is no number
+            from 1 to 65535: :func:`replay_proto.addresses.check_address`), or a
             token would cross a network in clear text
             (:func:`~replay_client.tls.check_token_channel`).
     """
@@ -67,7 +68,7 @@ class Connection:
                  allow_plaintext_token: bool = False,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S) -> None:
         try:
-            address = with_port(address)  # "localhost": port 50051, never gRPC's 443
+            address = check_address(address)  # "localhost": port 50051, never gRPC's 443
         except AddressError as exc:
             raise InvalidArgumentError(str(exc)) from None
         check_token_channel(address, token, tls, allow_plaintext_token)

@@ -188,6 +188,11 @@ _BY_CODE: dict[grpc.StatusCode, type[ReplayError]] = {
 }
 
 
+def error_of(kind: ErrorKind, message: str) -> ReplayError:
+    """The client's error of ``kind`` (a refusal checked on this side, before any call)."""
+    return _BY_KIND[kind](message)
+
+
 def from_rpc_error(exc: grpc.RpcError, address: str) -> ReplayError:
     """The typed error for a failed call to the server at ``address``."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN

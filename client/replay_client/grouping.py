@@ -7,8 +7,11 @@ message reached 9.7x (``docs/benchmarks.md``). Large batches (Atari: 7 MB) are
 bound by bytes and gain nothing from grouping; they keep one batch per
 message and may use the same-host shared-memory ring.
 
-:func:`choose` is the rule ``ReplayClient.stream`` applies when
-``batches_per_message`` is left to it (``None``):
+:func:`choose` is the rule a stream applies when ``batches_per_message`` is
+left to it (``None``), once its first batch has arrived and its size is
+known (so a learner that starts before the first insert is grouped too; the
+first batch travels alone, and may bring a shared-memory ring's offer, which
+grouped small batches decline):
 
 * a batch of at most :data:`GROUP_BELOW_BYTES` is grouped: as many batches per
   message as fill :data:`GROUP_TARGET_BYTES`, at most :data:`MAX_GROUP`;
@@ -24,8 +27,6 @@ between them: the same staleness any prefetch of that many batches has.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from replay_proto.dtypes import DTYPES
 
 GROUP_BELOW_BYTES = 1 << 20
 """Batches up to this size (1 MiB) are grouped."""
@@ -69,21 +70,3 @@ def choose(batch_bytes: int | None, prefetch: int | None) -> Grouping:
         return Grouping(window, 1)
     return Grouping(window, k, f"batches_per_message={k} chosen for {batch_bytes / 1024:.0f} KiB "
                                f"batches (prefetch {window}; see replay_client.grouping)")
-
-
-def batch_bytes(schema: dict[str, str], batch_size: int, slice_len: int | None) -> int | None:
-    """Bytes of one batch of a table whose ``info().schema`` is ``schema`` (``None``: no schema yet)."""
-    if not schema:
-        return None
-    row = 0
-    for spec in schema.values():  # e.g. "float32[17]", "uint8[84, 84, 4]", "bool[]"
-        dtype, _, dims = spec.partition("[")
-        if dtype not in DTYPES:
-            return None
-        size = DTYPES[dtype].itemsize
-        for dim in dims.rstrip("]").split(","):
-            if dim.strip():
-                size *= int(dim)
-        row += size
-    steps = slice_len or 1
-    return batch_size * (steps * (row + 8) + 4 + 8)  # + int64 id per step, weight, probability

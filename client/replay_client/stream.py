@@ -1,22 +1,28 @@
-"""The learner's network stream: SampleStream over gRPC, or a same-host shared-memory ring.
+"""The learner's network link: SampleStream over gRPC, or a same-host shared-memory ring.
 
-:class:`NetworkSource` is the :class:`~replay_feed.core.Source` behind
-``ReplayClient.stream``: on the feed's background thread it runs the
-bidirectional ``SampleStream`` call, grants one credit per batch the learner
-takes, and turns each message into a batch in the feed's staging ring
+:class:`SampleLink` is the :class:`~replay_feed.link.Link` behind
+``ReplayClient.stream`` (and behind each shard of a sharded stream). One
+call is one bidirectional ``SampleStream``: its first message names the
+table and grants the credits the learner has room for; the call's request
+iterator (run by gRPC on its own thread) then forwards every grant of the
+learner's :class:`~replay_feed.credits.CreditFlow` (credits, window growth,
+priority updates, which the server applies before those credits count).
+Each message received becomes batches in the feed's staging buffers
 (payload chunks decoded in place by the wire package's one
-:class:`~replay_proto.sample_codec.SampleDecoder`) or into views of the
-shared-memory ring the server offered (nothing to copy).
+:class:`~replay_proto.sample_codec.SampleDecoder`), views of the
+shared-memory ring the server offered (nothing to copy), or, for a sharded
+stream's merge, views of the message itself.
 
 Restart policy: when the connection is lost (UNAVAILABLE: server restarted,
-draining or unreachable) the stream reconnects with backoff for up to the
-connection's ``max_retry_s`` (the client's one
-:class:`~replay_client.backoff.Backoff` schedule) and goes on with new batches (sampling has no
-position to resume from; the batch in flight is dropped); the learner's loop
-does not notice beyond ``stream.stats.reconnects``. With ``reconnect=False``,
-or when the server stays away longer, the learner gets
-:class:`~replay_client.errors.UnavailableError` after the batches already
-received. Every other server error ends the stream with its typed exception.
+draining or unreachable) the call raises :class:`~replay_feed.link.LinkLost`
+and the stream's :class:`~replay_feed.link.LinkRunner` reconnects with
+backoff for up to the connection's ``max_retry_s`` and goes on with new
+batches (sampling has no position to resume from; the batch in flight is
+dropped); the learner's loop does not notice beyond
+``stream.stats.reconnects``. With ``reconnect=False``, or when the server
+stays away longer, the learner gets :class:`~replay_client.errors.UnavailableError`
+after the batches already received. Every other server error ends the
+stream with its typed exception.
 
 Waiting for data (``wait``, the default): each request asks the server to
 hold a batch while the table cannot serve it, so a learner that starts
@@ -27,234 +33,307 @@ empty, waits instead of failing with ``EmptyTableError``.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
-from replay_client.backoff import Backoff
+from replay_client import grouping
 from replay_client.connection import Connection
 from replay_client.errors import UnavailableError
-from replay_feed.core import FeedCore
+from replay_feed.core import FeedStats
+from replay_feed.credits import CreditFlow, Grant, PriorityUpdate
+from replay_feed.delivery import Delivery
+from replay_feed.link import LinkLost
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
+from replay_proto import messages
+from replay_proto.batch import SampleBatch
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, request_bytes_metadata
-from replay_proto.sample_codec import Layout, SampleDecoder, split_sample
+from replay_proto.codec import spec_nbytes
+from replay_proto.sample_codec import Allocate, SampleDecoder, split_sample
 from replay_proto.v1 import replay_pb2 as pb
 
 log = logging.getLogger("replay_client.stream")
 
+FLUSH_S = 0.5
+"""How long closing a stream waits for its last updates to be sent before cancelling."""
 
-class _Call:
-    """One SampleStream call's outgoing side: the first message, then credits and answers."""
+MAX_UPDATE_IDS = (STREAM_MESSAGE_BYTES - 1024) // 16
+"""Ids one credit message carries at most (int64 id + float64 priority each); a larger
+update travels as several messages, the credits on the last."""
 
-    def __init__(self, source: NetworkSource, first: bytes) -> None:
-        self.source = source
+
+class StagingTarget:
+    """Where a link puts what it receives: the feed's staging and the stream's stats.
+
+    Args:
+        allocate: the buffers batch ``k`` is decoded into (``None``: views, no copy).
+        copy: writes decoded rows into those buffers.
+        stats: the stream's stats (transport notes).
+        delivery: the stream's device and pinning (a ring is pinned in place for it).
+    """
+
+    def __init__(self, allocate: Allocate | None, copy: Callable[..., None] | None,
+                 stats: FeedStats, delivery: Delivery | None) -> None:
+        self.allocate = allocate
+        self.copy = copy
+        self.stats = stats
+        self.delivery = delivery
+
+
+class _Outgoing:
+    """One call's request iterator: the first message, then grants and shared-memory answers."""
+
+    def __init__(self, link: SampleLink, flow: CreditFlow, first: list[bytes]) -> None:
+        self.link = link
+        self.flow = flow
         self.first = first
         self.done = False
+        self.finished = threading.Event()
         self.answers: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
     def requests(self) -> Iterator[bytes]:
-        yield self.first
-        core = self.source.core
-        while True:
-            credits = core.wait_credits()
-            if self.done or core.stopping.is_set():
-                core.return_credits(credits)
-                return
+        try:
+            yield from self.first
             while True:
-                try:
-                    yield self.answers.get_nowait()
-                except queue.Empty:
-                    break
-            if credits:
-                with self.source.lock:
-                    self.source.granted += credits
-                yield pb.SampleStreamRequest(credits=credits).SerializeToString()
+                grant = self.flow.next_grant()
+                if grant is None:
+                    return  # the stream is stopping: half-close
+                if self.done:
+                    self.flow.unsent(grant)
+                    return
+                while True:
+                    try:
+                        yield self.answers.get_nowait()
+                    except queue.Empty:
+                        break
+                if grant:
+                    yield from self.link.encode_grant(grant)
+        finally:
+            self.finished.set()
 
     def answer(self, accepted: bool, reason: str = "") -> None:
-        self.answers.put(pb.SampleStreamRequest(shared_memory_answer=pb.SharedMemoryAnswer(
-            accepted=accepted, reason=reason)).SerializeToString())
-        self.source.core.wake()
+        self.send(pb.SampleStreamRequest(shared_memory_answer=pb.SharedMemoryAnswer(
+            accepted=accepted, reason=reason)))
+
+    def send(self, message: pb.SampleStreamRequest) -> None:
+        """A message of the client's own (an answer, a new grouping), before the next grant."""
+        self.answers.put(message.SerializeToString())
+        self.flow.wake()
 
 
-class NetworkSource:
-    """Produces a feed's batches from a server's SampleStream (see the module docstring).
+class SampleLink:
+    """A server's SampleStream as a :class:`~replay_feed.link.Link` (see the module docstring).
 
     Args:
         connection: the server (address, token, retry window).
         table: table name.
         batch_size: rows (or slices) per batch.
-        num_batches: batches to deliver in all (0: until the learner stops).
+        target: where batches go (the feed's staging, or views).
         batches_per_message: let the server draw and send that many batches at
-            once (gRPC path only; a throughput trade-off for small rows).
+            once (gRPC only; a throughput trade-off for small rows); ``None``:
+            chosen when the first batch's size is known (:mod:`replay_client.grouping`),
+            within ``prefetch`` if the learner gave one, else widening the window
+            to hold two groups.
+        prefetch: the window the learner asked for (``None``: the stream's own).
         shared_memory: offer to read a same-host ring (falls back to gRPC when
-            the server cannot or the ring cannot be mapped).
-        reconnect: reconnect after a lost connection (see the restart policy).
+            the server cannot or the ring cannot be mapped; ``REPLAY_SHARED_MEMORY=0``
+            in the environment turns it off).
         wait: the server waits while the table cannot serve a batch (also after a reconnect).
         wait_timeout: seconds a batch may wait (``None``: no limit).
     """
 
-    def __init__(self, connection: Connection, table: str, batch_size: int, *, num_batches: int,
-                 batches_per_message: int, shared_memory: bool, reconnect: bool,
-                 wait: bool = True, wait_timeout: float | None = None) -> None:
+    def __init__(self, connection: Connection, table: str, batch_size: int,
+                 target: StagingTarget, *, batches_per_message: int | None = 1,
+                 prefetch: int | None = None, shared_memory: bool = True, wait: bool = True,
+                 wait_timeout: float | None = None) -> None:
         self.connection = connection
         self.table = table
         self.batch_size = batch_size
-        self.num_batches = num_batches
-        self.batches_per_message = batches_per_message
-        self.shared_memory = shared_memory
-        self.reconnect = reconnect
+        self.target = target
+        self.batches_per_message = batches_per_message or 1
+        self._grouping_chosen = batches_per_message is not None
+        self._prefetch = prefetch
+        self.shared_memory = shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0"
         self.wait = wait
         self.wait_timeout = wait_timeout
-        self.lock = threading.Lock()
-        self.granted = 0  # credits sent to servers beyond the window (one per batch taken)
-        self.core: FeedCore = None  # type: ignore[assignment]  # set by run()
-        self._received = 0
         self._call: Any = None
+        self._outgoing: _Outgoing | None = None
         self._ring: SharedRing | None = None
         self._registered = False
         self._stopped = threading.Event()
+        self._lock = threading.Lock()
 
-    # ------------------------------------------------------------ the loop
+    @property
+    def transport(self) -> str:
+        return "shared_memory" if self._ring is not None else "grpc"
 
-    def run(self, core: FeedCore) -> None:
-        self.core = core
-        core.stats.transport = "grpc"
-        address = self.connection.address
-        backoff: Backoff | None = None
-        try:
-            while not self._stopped.is_set():
-                remaining = self.num_batches - self._received if self.num_batches else 0
-                if self.num_batches and remaining <= 0:
-                    return
-                try:
-                    if self._run_call(core, remaining, reconnected=backoff is not None):
-                        return
-                except grpc.RpcError as exc:
-                    if self._stopped.is_set():
-                        return
-                    error = self.connection.error(exc)
-                    if not (self.reconnect and isinstance(error, UnavailableError)):
-                        raise error from None
-                    if backoff is None:
-                        window = self.connection.retry_window()
-                        backoff = Backoff(window)
-                        log.warning("stream from %s lost (%s); reconnecting for up to %.0f s",
-                                    address, error, window)
-                    delay = backoff.next_delay()
-                    if delay is None and not self.connection.answered:
-                        raise error from None  # "no replay server at ..."
-                    if delay is None:
-                        raise UnavailableError(
-                            f"stream from {address} lost and not back within "
-                            f"{window:.0f} s: {error}") from None
-                    self._stopped.wait(delay)
-                    continue
-                backoff = None
-        finally:
-            self._release_ring()
+    # ------------------------------------------------------------ one call
 
-    def _run_call(self, core: FeedCore, remaining: int, reconnected: bool) -> bool:
-        """One call until it ends; True when the stream is complete."""
-        while True:
-            with self.lock:
-                # A new server may run `prefetch + taken` ahead of the learner, minus what arrived.
-                credits = core.prefetch + self.granted - self._received
-            if credits >= 1:
-                break
-            # Reconnecting while the learner's window is full: wait until it takes a batch.
-            taken = core.wait_credits()
-            if core.stopping.is_set():
-                return True
-            with self.lock:
-                self.granted += taken
+    def call(self, flow: CreditFlow, credits: int, updates: list[PriorityUpdate],
+             remaining: int, first: int) -> Iterator[SampleBatch]:
         request = pb.SampleRequest(table=self.table, batch_size=self.batch_size,
                                    num_batches=remaining,
                                    batches_per_message=self.batches_per_message,
                                    wait_for_data=self.wait,
                                    wait_timeout_s=self.wait_timeout or 0.0)
-        first = pb.SampleStreamRequest(request=request, credits=credits,
-                                       shared_memory=self.shared_memory, host_id=host_id())
-        outgoing = _Call(self, first.SerializeToString())
+        opening = pb.SampleStreamRequest(request=request, credits=credits, window=flow.window,
+                                         shared_memory=self.shared_memory, host_id=host_id())
+        head = (self._first_with_updates(opening, updates) if updates
+                else [opening.SerializeToString()])
+        outgoing = _Outgoing(self, flow, head)
         self._release_ring()
         connection = self.connection
-        call = connection.method("SampleStream", kind="stream_stream")(
-            outgoing.requests(),
-            metadata=connection.metadata + request_bytes_metadata(STREAM_MESSAGE_BYTES))
-        self._call = call
-        if self._stopped.is_set():
-            call.cancel()
-        base = self._received
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            call = connection.method("SampleStream", kind="stream_stream")(
+                outgoing.requests(),
+                metadata=connection.metadata + request_bytes_metadata(STREAM_MESSAGE_BYTES))
+            self._call, self._outgoing = call, outgoing
+        target = self.target
+        views = target.allocate is None
 
-        def staging(index: int, layout: Layout) -> list[torch.Tensor]:
-            return core.staging(base + index, layout)
+        def staging(index: int, layout: Any) -> list[torch.Tensor]:
+            assert target.allocate is not None
+            return target.allocate(first + index, layout)
 
-        decoder = SampleDecoder(self.batch_size, allocate=staging, ring_view=self._ring_view,
-                                copy=core.copy_rows)
-        first_message = True
+        decoder = SampleDecoder(self.batch_size, allocate=None if views else staging,
+                                ring_view=self._ring_view, copy=target.copy or _no_copy,
+                                views=views)
+        opened = True
         try:
             for raw in call:
                 header, payload = split_sample(raw)
-                if first_message:
-                    first_message = False
+                if opened:
+                    opened = False
                     connection.answered = True
-                    self._on_first(core, header, outgoing, reconnected)
-                for batch in decoder.add(header, payload):
-                    core.deliver(self._received, batch)
-                    self._received += 1
+                    self._on_first(header, outgoing, flow)
+                yield from decoder.add(header, payload)
+        except grpc.RpcError as exc:
+            if self._stopped.is_set():
+                return
+            error = connection.error(exc)
+            if isinstance(error, UnavailableError):
+                raise LinkLost(error, self._give_up(error)) from None
+            raise error from None
         finally:
             outgoing.done = True
-            core.wake()
-        return bool(self.num_batches) and self._received >= self.num_batches
+            flow.wake()
+
+    def _first_with_updates(self, opening: pb.SampleStreamRequest,
+                            updates: list[PriorityUpdate]) -> list[bytes]:
+        """The call's first messages when updates wait (a call reopened after a lost one):
+        the request with its credits and the first part of the updates, which the server
+        applies before drawing; an update too large for one message sends its rest right
+        after (credits 0), so batches of the first credits may be drawn before that rest."""
+        parts = self.encode_grant(Grant(0, updates))
+        first = pb.SampleStreamRequest.FromString(parts[0])
+        first.MergeFrom(opening)
+        return [first.SerializeToString(), *parts[1:]]
+
+    def encode_grant(self, grant: Grant) -> list[bytes]:
+        """``grant`` as credit messages: its updates (split to fit a message), the credits
+        on the last."""
+        if not grant.updates:
+            return [messages.encode_credit(grant.credits)] if grant.credits else []
+        ids = np.concatenate([u.ids for u in grant.updates])
+        priorities = np.concatenate([u.priorities for u in grant.updates])
+        parts = []
+        for start in range(0, max(1, ids.size), MAX_UPDATE_IDS):
+            stop = start + MAX_UPDATE_IDS
+            last = stop >= ids.size
+            parts.append(messages.encode_credit(
+                grant.credits if last else 0,
+                messages.encode_update(self.table, ids[start:stop], priorities[start:stop])))
+        return parts
+
+    def _give_up(self, error: BaseException) -> Callable[[float], BaseException]:
+        connection = self.connection
+
+        def give_up(window: float) -> BaseException:
+            if not connection.answered:
+                return error  # "no replay server at HOST:PORT (is it running?)"
+            return UnavailableError(f"stream from {connection.address} lost and not back "
+                                    f"within {window:.0f} s: {error}")
+
+        return give_up
 
     def stop(self) -> None:
-        self._stopped.set()
-        call = self._call
+        """End the call: once the request iterator has sent what it holds (the updates the
+        learner made last, when its credits stopped; at most :data:`FLUSH_S`), cancel it."""
+        with self._lock:
+            self._stopped.set()
+            call, outgoing = self._call, self._outgoing
         if call is not None:
+            if outgoing is not None and outgoing.flow.stopping.is_set():
+                outgoing.finished.wait(FLUSH_S)
             call.cancel()
+
+    def close(self) -> None:
+        """Release the ring (after the runner ended)."""
+        self._release_ring()
 
     # ------------------------------------------------------------ shared memory
 
-    def _on_first(self, core: FeedCore, header: pb.SampleResponse, outgoing: _Call,
-                  reconnected: bool) -> None:
-        if reconnected:
-            core.stats.reconnects += 1
-            log.info("stream from %s resumed", self.connection.address)
-        if header.HasField("shared_memory_offer"):
+    def _choose_grouping(self, header: pb.SampleResponse, outgoing: _Outgoing,
+                         flow: CreditFlow) -> bool:
+        """Group small batches, now that the first one's size is known; whether grouped."""
+        self._grouping_chosen = True
+        specs = [*header.columns, header.ids, header.weights, header.probabilities]
+        per_row = sum(spec_nbytes(spec) // max(1, spec.shape[0]) for spec in specs if spec.shape)
+        chosen = grouping.choose(per_row * self.batch_size, self._prefetch)
+        if chosen.batches_per_message <= 1:
+            return False
+        self.batches_per_message = chosen.batches_per_message
+        outgoing.send(pb.SampleStreamRequest(batches_per_message=chosen.batches_per_message))
+        if chosen.prefetch > flow.window:
+            flow.grow(chosen.prefetch - flow.window)
+        self.target.stats.notes.append(chosen.note)
+        return True
+
+    def _on_first(self, header: pb.SampleResponse, outgoing: _Outgoing, flow: CreditFlow) -> None:
+        notes = self.target.stats.notes
+        grouped = not self._grouping_chosen and self._choose_grouping(header, outgoing, flow)
+        if grouped and header.HasField("shared_memory_offer"):
+            reason = (f"small batches are grouped over gRPC (batches_per_message="
+                      f"{self.batches_per_message})")
+            outgoing.answer(False, reason)  # the server unlinks the ring it offered
+            notes.append(f"gRPC: {reason}")
+        elif header.HasField("shared_memory_offer"):
             offer = header.shared_memory_offer
             try:
                 ring = SharedRing.open(offer.name, offer.token, offer.slots, offer.slot_bytes,
                                        offer.header_bytes)
             except SharedMemoryError as exc:
                 outgoing.answer(False, str(exc))
-                core.stats.notes.append(f"gRPC: could not map the server's ring ({exc})")
-                core.stats.transport = "grpc"
+                notes.append(f"gRPC: could not map the server's ring ({exc})")
                 return
-            if ring.slots != core.slots:
+            if ring.slots != flow.window + 1:
                 ring.unlink()
                 ring.close()
-                reason = f"the ring has {offer.slots} slots, this stream needs {core.slots}"
+                reason = f"the ring has {offer.slots} slots, this stream needs {flow.window + 1}"
                 outgoing.answer(False, reason)
-                core.stats.notes.append(f"gRPC: {reason}")
+                notes.append(f"gRPC: {reason}")
                 return
             ring.unlink()  # mapped on both sides: the name can go (the server unlinks too)
             self._ring = ring
-            self._register(core, ring)
+            self._register(ring)
             outgoing.answer(True)
-            core.stats.transport = "shared_memory"
-            core.stats.notes.append(
+            pin = self.target.delivery is not None and self.target.delivery.pin
+            notes.append(
                 f"shared memory: {ring.slots} slots of {ring.slot_bytes / 2**20:.1f} MiB"
-                + ("" if not core.delivery.pin else
+                + ("" if not pin else
                    ", pinned in place" if self._registered else ", copied to pinned staging"))
-        else:
-            core.stats.transport = "grpc"
-            if header.transport_note:
-                core.stats.notes.append(f"gRPC: {header.transport_note}")
-            elif self.shared_memory:
-                core.stats.notes.append("gRPC: the server offered no shared-memory ring")
+        elif header.transport_note:
+            notes.append(f"gRPC: {header.transport_note}")
+        elif self.shared_memory:
+            notes.append("gRPC: the server offered no shared-memory ring")
 
     def _ring_view(self, slot: int, offset: int, dtype: torch.dtype,
                    shape: tuple[int, ...]) -> torch.Tensor:
@@ -263,9 +342,10 @@ class NetworkSource:
             raise SharedMemoryError("no shared-memory ring is mapped")
         return ring.view(slot, offset, dtype, shape)
 
-    def _register(self, core: FeedCore, ring: SharedRing) -> None:
-        accel = core.delivery.accelerator
-        if core.delivery.pin and accel is not None:
+    def _register(self, ring: SharedRing) -> None:
+        delivery = self.target.delivery
+        accel = None if delivery is None else delivery.accelerator
+        if delivery is not None and delivery.pin and accel is not None:
             try:
                 self._registered = accel.register(ring.whole())
             except Exception as exc:  # a driver refusing is not fatal: staging copies instead
@@ -276,10 +356,15 @@ class NetworkSource:
         ring, self._ring = self._ring, None
         if ring is None:
             return
-        if self._registered and self.core.delivery.accelerator is not None:
+        delivery = self.target.delivery
+        if self._registered and delivery is not None and delivery.accelerator is not None:
             try:
-                self.core.delivery.accelerator.unregister(ring.whole())
+                delivery.accelerator.unregister(ring.whole())
             except Exception:  # pragma: no cover - driver teardown
                 pass
         self._registered = False
         ring.close()
+
+
+def _no_copy(dest: torch.Tensor, start: int, src: torch.Tensor) -> None:  # pragma: no cover
+    raise AssertionError("a views decoder copies nothing")

@@ -26,8 +26,9 @@ import torch
 from replay_client.arguments import id_array
 from replay_client.connection import Connection
 from replay_client.errors import InvalidArgumentError
-from replay_client.grouping import batch_bytes
 from replay_proto import row_codec
+from replay_proto.batch import batch_nbytes
+from replay_proto.dtypes import DTYPES
 from replay_proto.row_codec import RowsRead
 from replay_proto.rows import rows_of
 from replay_proto.sample_codec import HEADROOM
@@ -110,6 +111,19 @@ def _positions(positions: Any) -> np.ndarray:
     return tensor.to(torch.int64).numpy().reshape(-1)
 
 
+def _row_bytes(schema: dict[str, str]) -> int:
+    """Bytes of one stored row of ``schema`` (specs such as ``"float32[17]"``, ``"bool[]"``)."""
+    total = 0
+    for spec in schema.values():
+        dtype, _, dims = spec.partition("[")
+        size = DTYPES[dtype].itemsize if dtype in DTYPES else 8
+        for dim in dims.rstrip("]").split(","):
+            if dim.strip():
+                size *= int(dim)
+        total += size
+    return total
+
+
 def _rows_per_call(connection: Connection, table: str, columns: bool) -> int:
     """How many rows one Read answer can carry within the message limit."""
     room = connection.max_message_bytes - HEADROOM
@@ -119,5 +133,5 @@ def _rows_per_call(connection: Connection, table: str, columns: bool) -> int:
             connection.unary("Info", pb.InfoRequest().SerializeToString(), retry=True))
         for info in answer.tables:
             if info.name == table:
-                row = batch_bytes(dict(info.schema), 1, None) or 0
+                row = batch_nbytes(_row_bytes(dict(info.schema)), 1)
     return max(1, min(_MAX_ROWS_PER_CALL, room // (row + _EXTRA_BYTES_PER_ROW)))

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 
 from replay_client.errors import InvalidArgumentError
-from replay_proto.addresses import is_loopback
+from replay_proto.addresses import token_may_travel
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,8 @@ def check_token_channel(address: str, token: str | None, tls: TlsConfig | None,
     Raises:
         InvalidArgumentError: a token would cross a network in clear text.
     """
-    if token and tls is None and not allow_plaintext_token and not is_loopback(address):
+    if token and not token_may_travel(address, tls=tls is not None,
+                                      plaintext_allowed=allow_plaintext_token):
         raise InvalidArgumentError(
             f"refusing to send the auth token to {address} over a plaintext channel, where it "
             f"can be read on the network: pass tls=TlsConfig.from_files(ca=...) (or tls=True), "

@@ -41,7 +41,7 @@ from replay_client.errors import (
     ReplayError,
     WriterError,
 )
-from replay_proto.dtypes import dtype_name
+from replay_proto.dtypes import dtype_name, numpy_view
 from replay_proto.keys import flatten
 
 _STOP = object()
@@ -257,7 +257,7 @@ class Writer:
                 f"writer for table {self.table!r}: step differs from the first step: "
                 f"{_describe_difference(self._layout, layout)}"
             )
-        return {key: _numpy(t) for key, t in row.items()}
+        return {key: numpy_view(t) for key, t in row.items()}
 
     def _allocate(self) -> None:
         """Fresh columns for the next batch_rows steps (caller holds the lock)."""
@@ -269,7 +269,7 @@ class Writer:
             key: torch.empty((self._batch_rows, *shape), dtype=dtype)
             for key, (dtype, shape) in layout.items()
         }
-        self._rows = {key: _numpy(column) for key, column in self._columns.items()}
+        self._rows = {key: numpy_view(column) for key, column in self._columns.items()}
 
     def _hand_over(self) -> None:
         """Give the filled rows to the sender (caller holds the lock)."""
@@ -328,11 +328,6 @@ class Writer:
 
 
 _SCALAR_DTYPES = {float: torch.get_default_dtype(), int: torch.int64, bool: torch.bool}
-
-
-def _numpy(tensor: torch.Tensor) -> Any:
-    """A numpy view of ``tensor`` (bfloat16 as the same bits in int16)."""
-    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def _describe_difference(

@@ -83,7 +83,7 @@ copy_pip_settings() {
     cert=$(pip_setting cert)
     if [ -n "$cert" ] && [ -f "$cert" ]; then
         cp "$cert" "$dir/ca-bundle.crt"
-        echo "cert = /build/pip/ca-bundle.crt" >> "$dir/pip.conf.new"
+        echo "cert = /context/deploy/image/pip/ca-bundle.crt" >> "$dir/pip.conf.new"
         echo "CA bundle: $cert"
     fi
     links=$(pip_setting find-links)
@@ -91,7 +91,7 @@ copy_pip_settings() {
     if [ -n "$wheel" ]; then
         mkdir -p "$dir/wheels"
         cp "$wheel" "$dir/wheels/"
-        echo "find-links = /build/pip/wheels" >> "$dir/pip.conf.new"
+        echo "find-links = /context/deploy/image/pip/wheels" >> "$dir/pip.conf.new"
         echo "torch wheel: $wheel"
         TORCH_INDEX_URL=""  # the local CPU wheel; everything else from PyPI
     else
@@ -104,6 +104,11 @@ ensure_tools
 make_base
 copy_pip_settings
 step "building $IMAGE (base $BASE, torch $TORCH_VERSION)"
+# The build needs about twice the image's size free (about 2.2 GB) where podman stores
+# images: say how much there is, so that a full disk reads as one.
+STORE=$("${PODMAN[@]}" info --format '{{.Store.GraphRoot}}' 2>/dev/null || echo /var/lib/containers)
+mkdir -p "$STORE"
+echo "free where podman stores images ($STORE): $(df -h --output=avail "$STORE" | tail -1 | tr -d ' ')"
 cd "$ROOT"
 # --layers=false: one commit per stage. With the vfs storage driver every layer is a full
 # copy of the filesystem, so per-instruction layers would cost gigabytes and minutes.

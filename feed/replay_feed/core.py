@@ -8,9 +8,9 @@ into what the learner receives and hands it over in order.
 
 Per batch:
 
-1. on the producer thread, the source fills slot ``k % slots`` of a reused
-   ring of staging buffers (``slots = prefetch + 1``; pinned when pinning is
-   on; no per-batch allocation) or hands over views of a shared-memory slot;
+1. on the producer thread, the source fills a reused set of staging buffers
+   (one set per batch in flight or held; pinned when pinning is on; no
+   per-batch allocation) or hands over views of a shared-memory slot;
 2. on the delivery stage's thread (:mod:`replay_feed.pipeline`; inline on
    the producer thread when batches stay on the host), ``transform`` runs
    on it, if given;
@@ -33,13 +33,17 @@ On the learner's thread, ``next()`` makes the current stream wait for that
 event (no host wait) and returns the batch, so it never sees a partial copy
 while the copy of the next batch overlaps its compute.
 
-Flow control: the feed grants one *credit* per batch the learner takes and
-the source never produces batch ``k`` unless ``k < prefetch + taken``: at most
-``prefetch`` batches are in flight or buffered beside the one the learner
-holds, and memory does not grow. A slot is reused only once the learner has
-taken the batch after it and that batch's device copy has finished (the
-credit is granted only after its event completed), so buffers are never
-overwritten under a pending copy.
+Flow control: the feed grants one *credit* per batch the learner takes
+(:mod:`replay_feed.credits`) and the source never produces batch ``k``
+unless ``k < window + taken``: at most ``window`` batches (``prefetch``, or
+what the stream grew it to) are in flight or buffered beside the one the
+learner holds, and memory does not grow. A batch's staging buffers are
+reused only once the learner has taken the batch after it and that batch's
+device copy has finished (the credit counts only after its event
+completed), so buffers are never overwritten under a pending copy; there
+are as many buffer sets as batches in flight or held, never more. Priority
+updates the learner hands the stream go in the same queue as its credits,
+so they reach the source before the credit that follows them.
 
 Lifetime: batches delivered on the host (``device=None``) are views of the
 ring and stay valid until the learner asks for the next one (clone to keep
@@ -58,53 +62,81 @@ from typing import Any, Protocol
 
 import torch
 
+from replay_feed.credits import CreditFlow, CreditQueue, PriorityUpdate
 from replay_feed.delivery import Delivery
 from replay_feed.pipeline import DeliveryStage, HostCopier
 from replay_feed.tree import tree_leaves
+from replay_feed.window import WindowGrowth
 from replay_proto.batch import SampleBatch
 
 Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 """One batch's tensors as ``(dtype, shape)``, in a fixed order."""
 
 _END: Any = object()
-_STOP: Any = object()
-_WAKE: Any = object()
 
 
-class _Ring:
-    """``slots`` sets of reused buffers, reallocated only when a slot's layout changes."""
+class _Slots:
+    """Reused buffer sets, one per batch in use; a batch's set goes back to the pool when the
+    batch is released, and is reallocated only when a new batch's layout differs.
 
-    def __init__(self, slots: int, allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
-        self._buffers: list[list[torch.Tensor] | None] = [None] * slots
-        self._layouts: list[Any] = [None] * slots
+    Sets in use never exceed the batches in flight or held (the window plus one), so the
+    pool grows with the window and no further. Thread-safe.
+    """
+
+    def __init__(self, allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> None:
         self._allocate = allocate
+        self._lock = threading.Lock()
+        self._used: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+        self._free: list[tuple[Any, list[torch.Tensor]]] = []
 
     def get(self, index: int, layout: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
-        i = index % len(self._buffers)
         layout = tuple(layout)
-        if self._layouts[i] != layout:
-            self._buffers[i] = [self._allocate(shape, dtype) for dtype, shape in layout]
-            self._layouts[i] = layout
-        buffers = self._buffers[i]
-        assert buffers is not None
-        return buffers
+        with self._lock:
+            entry = self._used.get(index)
+            if entry is None or entry[0] != layout:
+                if entry is not None:
+                    self._free.append(entry)
+                match = next((i for i, e in enumerate(self._free) if e[0] == layout), None)
+                entry = self._free.pop(match if match is not None else -1) if self._free else None
+                if entry is None or entry[0] != layout:
+                    entry = (layout, [self._allocate(shape, dtype) for dtype, shape in layout])
+                self._used[index] = entry
+            return entry[1]
+
+    def release(self, index: int) -> None:
+        with self._lock:
+            entry = self._used.pop(index, None)
+            if entry is not None:
+                self._free.append(entry)
+
+    @property
+    def sets(self) -> int:
+        """Buffer sets allocated (in use or pooled)."""
+        with self._lock:
+            return len(self._used) + len(self._free)
 
     def clear(self) -> None:
-        self._buffers = [None] * len(self._buffers)
-        self._layouts = [None] * len(self._layouts)
+        with self._lock:
+            self._used.clear()
+            self._free.clear()
 
 
 # ------------------------------------------------------------------ the feed
 
 
 class Source(Protocol):
-    """What produces a feed's batches on its background thread."""
+    """What produces a feed's batches on its background thread (most are a
+    :class:`~replay_feed.source.LinkSource`: the credit-driven skeleton)."""
 
     def run(self, feed: FeedCore) -> None:
         """Produce batches with :meth:`FeedCore.deliver` until done; raise on failure."""
 
     def stop(self) -> None:
         """Unblock :meth:`run` from another thread (it then returns or raises)."""
+
+    def check_update(self, ids: Any, priorities: Any) -> PriorityUpdate:
+        """A learner's priority update as flat arrays, checked (raises the entry's typed
+        error; ``NotImplementedError`` when the source takes none)."""
 
 
 @dataclass(slots=True)
@@ -162,19 +194,22 @@ class FeedCore:
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {type(transform).__name__}")
         self.prefetch = prefetch
-        self.slots = prefetch + 1
         self.delivery = delivery
         self.transform = transform
-        self.stopping = threading.Event()
         self.stats = FeedStats()
         self._ready: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._credits: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.credits = CreditQueue(self._release)
+        """Credits (one per batch the learner gave back) and priority updates, in order."""
+        self.stopping = self.credits.stopping
         accel = delivery.accelerator
         pinned = delivery.pin and accel is not None
-        self._staging = _Ring(self.slots, accel.pinned_empty if pinned else _host_empty)  # type: ignore[union-attr]
-        self._pinned_out = _Ring(self.slots, accel.pinned_empty if pinned else _host_empty)  # type: ignore[union-attr]
+        self._staging = _Slots(accel.pinned_empty if pinned else _host_empty)  # type: ignore[union-attr]
+        self._pinned_out = _Slots(accel.pinned_empty if pinned else _host_empty)  # type: ignore[union-attr]
         self._held: _Ready | None = None
         self._taken = 0
+        self._flow: CreditFlow | None = None
+        self._on_release: dict[int, Callable[[], None]] = {}
+        self._growth: WindowGrowth | None = None
         self._copier = HostCopier(threads)
         if pipelined is None:
             pipelined = delivery.device is not None
@@ -188,8 +223,33 @@ class FeedCore:
     # ------------------------------------------------------------ producer side
 
     def staging(self, index: int, layout: Layout) -> list[torch.Tensor]:
-        """The reused staging buffers of batch ``index``, in ``layout`` order (pinned when pinning is on)."""
+        """The reused staging buffers of batch ``index``, in ``layout`` order (pinned when
+        pinning is on); they are the batch's until the learner gives it back."""
         return self._staging.get(index, layout)
+
+    @property
+    def staging_sets(self) -> int:
+        """Staging buffer sets allocated so far (at most the window plus one)."""
+        return self._staging.sets
+
+    def flow(self) -> CreditFlow:
+        """The learner's credits as a link forwards them, over a window of ``prefetch``
+        (grown later by :meth:`grow_window`'s rule, if set)."""
+        if self._flow is None:
+            self._flow = CreditFlow(self.credits, self.prefetch)
+        return self._flow
+
+    @property
+    def window(self) -> int:
+        """The learner's window now (``prefetch`` until a link widened it)."""
+        return self.prefetch if self._flow is None else self._flow.window
+
+    def grow_window(self, budget_bytes: float, may_grow: Callable[[], bool]) -> None:
+        """Let the window grow while the learner starves (:mod:`replay_feed.window`)."""
+        self._growth = WindowGrowth(
+            self.flow(), budget_bytes,
+            lambda: self.stats.bytes / self.stats.batches if self.stats.batches else None,
+            may_grow, self.stats.notes.append)
 
     def copy_rows(self, dest: torch.Tensor, start: int, src: torch.Tensor) -> None:
         """``dest[start : start + len(src)] = src`` on host memory, split across cores when large.
@@ -253,36 +313,40 @@ class FeedCore:
     def wait_credits(self) -> int:
         """Block until the learner has taken more batches; return how many (0: woken for nothing).
 
-        Each credit is granted only after the device copy of the batch the
-        learner gave back has finished, so its slot may be overwritten. Check
-        :attr:`stopping` after a return of 0.
+        For sources that count credits themselves (priority updates queued
+        meanwhile are dropped: such a source has nowhere to apply them).
+        Check :attr:`stopping` after a return of 0.
         """
-        items = [self._credits.get()]
-        while True:
-            try:
-                items.append(self._credits.get_nowait())
-            except queue.Empty:
-                break
-        count = 0
-        for item in items:
-            if item is _STOP:
-                self._credits.put(_STOP)  # every waiter must see it
-                continue
-            if item is _WAKE:
-                continue
-            if item is not None and self.delivery.accelerator is not None:
-                self.delivery.accelerator.synchronize(item)
-            count += 1
-        return count
+        grant = self.credits.take()
+        return 0 if grant is None else grant.credits
 
-    def return_credits(self, count: int) -> None:
-        """Give back credits taken by :meth:`wait_credits` but not used."""
-        for _ in range(count):
-            self._credits.put(None)
+    def _release(self, token: Any) -> None:
+        """A batch the learner gave back (``token``: its index and copy event): once its
+        device copy has finished, its buffers may be reused. On the credits' reader thread."""
+        if token is None:
+            return
+        index, event = token
+        if event is not None and self.delivery.accelerator is not None:
+            self.delivery.accelerator.synchronize(event)
+        self._staging.release(index)
+        self._pinned_out.release(index)
+        hook = self._on_release.pop(index, None)
+        if hook is not None:
+            hook()
+
+    def when_released(self, index: int, hook: Callable[[], None]) -> None:
+        """Call ``hook`` once the learner gave batch ``index`` back and its device copy is done
+        (for a source that lent the learner memory of its own: a shared-memory chunk).
+        Producer thread; the hook runs on the credits' reader thread."""
+        self._on_release[index] = hook
+
+    def update_priorities(self, update: PriorityUpdate) -> None:
+        """Queue ``update`` to go before the next credit (learner's thread)."""
+        self.credits.update(update)
 
     def wake(self) -> None:
-        """Make a :meth:`wait_credits` call return (with 0 if no credit came)."""
-        self._credits.put(_WAKE)
+        """Make a waiting :meth:`wait_credits` return (with 0 if no credit came)."""
+        self.credits.wake()
 
     # ------------------------------------------------------------ learner side
 
@@ -291,21 +355,24 @@ class FeedCore:
         held, self._held = self._held, None
         start = time.perf_counter()
         item = self._ready.get()
-        self.stats.wait_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.stats.wait_s += waited
         if item is _END:
             self._ready.put(_END)
             raise StopIteration
         if isinstance(item, BaseException):
             self._ready.put(item)
             raise item
-        # Give back the previous batch: its slot is reusable once its copy is done.
-        self._credits.put(None if held is None else held.event)
+        # Give back the previous batch: its buffers are reusable once its copy is done.
+        self.credits.credit(None if held is None else (held.index, held.event))
         self._held = item
         self._taken += 1
         if item.event is not None and self.delivery.accelerator is not None:
             self.delivery.accelerator.consume(item.leaves, item.event)
         self.stats.batches += 1
         self.stats.bytes += item.nbytes
+        if self._growth is not None:
+            self._growth.took(waited)
         return item.value
 
     @property
@@ -314,8 +381,7 @@ class FeedCore:
 
     def stop(self) -> None:
         """Wake the producer and the learner so both can end."""
-        self.stopping.set()
-        self._credits.put(_STOP)
+        self.credits.stop()
         if self._stage is not None:
             self._stage.stop()
         self._ready.put(_END)

@@ -55,6 +55,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_proto.dtypes import numpy_view
+
 ENV_THREADS = "REPLAY_FEED_THREADS"
 PARALLEL_BYTES = 2 << 20
 """Host copies at least this large are split across threads."""
@@ -130,7 +132,7 @@ class HostCopier:
 
     def copy(self, dest: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into ``dest`` (same shape and dtype; host memory)."""
-        out, inp = _numpy(dest), _numpy(src)
+        out, inp = numpy_view(dest), numpy_view(src)
         rows = out.shape[0] if out.ndim else 0
         parts = self.parts(out.nbytes, rows)
         if parts < 2:
@@ -145,12 +147,6 @@ class HostCopier:
         finally:
             for future in futures:
                 future.result()
-
-
-def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy()
 
 
 _STOP: Any = object()

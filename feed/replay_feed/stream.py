@@ -1,18 +1,53 @@
 """``BatchStream``: the learner's iterator over a feed, and the thread that fills it.
 
 See :mod:`replay_feed.core` for what happens to each batch on the way.
+
+Exit: a learner script may end (normally, by an exception or by Ctrl-C)
+with a stream still open. Every open stream is closed by an ``atexit``
+hook, before the interpreter freezes its daemon threads: a stream closed
+later (by the garbage collector during shutdown) could wait forever on a
+lock that a frozen thread holds (a gRPC call's), which is how learners used
+to hang at exit. The hook gives each stream :data:`EXIT_CLOSE_S` seconds.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from typing import Any
 
 from replay_feed.core import FeedCore, Source
 from replay_feed.delivery import Delivery
 
 log = logging.getLogger("replay.feed")
+
+EXIT_CLOSE_S = 2.0
+"""How long the exit hook waits for each open stream's thread to end."""
+
+_open: weakref.WeakSet[BatchStream] = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hooked = False
+
+
+def _close_open_streams() -> None:
+    """The exit hook: close every stream still open (see the module docstring)."""
+    for stream in list(_open):
+        try:
+            stream.close(timeout=EXIT_CLOSE_S)
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
+
+
+def _track(stream: BatchStream) -> None:
+    global _hooked
+    with _hook_lock:
+        if not _hooked:
+            # Registered at the first stream, so after grpc's own hooks: atexit runs it first.
+            atexit.register(_close_open_streams)
+            _hooked = True
+        _open.add(stream)
 
 
 class BatchStream:
@@ -37,6 +72,7 @@ class BatchStream:
         self._thread = threading.Thread(
             target=_produce, args=(core, source), name=f"replay-stream-{name}", daemon=True)
         self._closed = False
+        _track(self)
         self._thread.start()
 
     @property
@@ -48,6 +84,12 @@ class BatchStream:
     def pinned(self) -> bool:
         """Whether batches (or the host side of their device copies) are page-locked."""
         return self._core.delivery.pin
+
+    @property
+    def window(self) -> int:
+        """Batches that may be in flight or buffered ahead of the learner now (``prefetch``,
+        or what the stream widened it to over a slow link)."""
+        return self._core.window
 
     @property
     def transport(self) -> str:
@@ -79,11 +121,31 @@ class BatchStream:
             self.close()
             raise
 
+    def update_priorities(self, ids: Any, priorities: Any) -> None:
+        """Set priorities of rows this stream delivered; they ride on the next credit.
+
+        Returns at once (no round trip): the update is checked here, queued
+        with the learner's credits, and sent before the credit that the next
+        ``next()`` grants, so the server applies it before it draws any batch
+        that credit allows. Batches already drawn (up to the window ahead)
+        were drawn before it. Ids may be any shape (as the batch's ``ids``);
+        updates of ids the server refuses (never issued, another table's)
+        end the stream with that typed error.
+
+        Raises:
+            InvalidIdsError, InvalidPriorityError: (the entry's typed errors)
+                checked here, nothing queued.
+            NotImplementedError: this stream takes no priority updates.
+        """
+        update = self._source.check_update(ids, priorities)  # type: ignore[attr-defined]
+        self._core.update_priorities(update)
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop the background work and release buffers; idempotent."""
         if self._closed:
             return
         self._closed = True
+        _open.discard(self)
         self._core.stop()
         self._source.stop()
         if self._thread is not threading.current_thread():

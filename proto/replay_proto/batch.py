@@ -22,6 +22,18 @@ EXTRAS = ("ids", "weights", "probabilities")
 """The tensors every sample carries besides its columns, in wire order."""
 
 
+def batch_nbytes(row_bytes: int, batch_size: int, slice_len: int | None = None,
+                 n_step: int = 1) -> int:
+    """Bytes of a sampled batch of ``batch_size`` rows (or slices of ``slice_len`` steps)
+    whose stored row takes ``row_bytes``: per step the row, its int64 id (and an n-step
+    transition's int64 step count); per row or slice a float32 weight and a float64
+    probability. The one formula both sides size batches with (0 rows: ``row_bytes=0``
+    gives the extras alone)."""
+    steps = slice_len or 1
+    extra = 8 if n_step > 1 else 0
+    return batch_size * (steps * (row_bytes + 8 + extra) + 4 + 8)
+
+
 @dataclass(frozen=True, init=False, eq=False)
 class SampleBatch:
     """One sampled batch and what the learner needs to use it.

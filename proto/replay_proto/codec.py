@@ -10,8 +10,8 @@ message's top-level fields to find where ``payload`` lies and hands out
 header with protobuf. The result is an ordinary protobuf message on the wire,
 readable by any generated client.
 
-Every malformed input (unknown dtype, negative dims, byte counts that do not
-match the shapes) raises :class:`CodecError` naming what is wrong.
+Every malformed input (unknown dtype, negative dims, more than
+:data:`MAX_DIMS` dimensions, byte counts that do not match the shapes) raises :class:`CodecError` naming what is wrong.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_proto.dtypes import DTYPES, dtype_name
+from replay_proto.dtypes import DTYPES, dtype_name, numpy_view
 from replay_proto.v1 import replay_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - every platform we run on is little-endian
@@ -33,6 +33,12 @@ if sys.byteorder != "little":  # pragma: no cover - every platform we run on is 
 PAYLOAD_FIELD = 15
 _PAYLOAD_TAG = bytes([(PAYLOAD_FIELD << 3) | 2])
 _MAX_ELEMENTS = 2**48  # far beyond any message; keeps every size a safe int64
+MAX_ENTRIES = 1 << 16
+"""Most length-delimited fields (tensor specs, strings) a message's header may hold: each
+becomes an object when parsed, so a few bytes on the wire must not become a million of them."""
+MAX_DIMS = 64
+"""Most dimensions a tensor on the wire may have (numpy's limit: every tensor is read
+through numpy views); more is a :class:`CodecError`, refused before anything is built."""
 _ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 
 
@@ -51,18 +57,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(_as_numpy(t)).cast("B")
+    return memoryview(numpy_view(t)).cast("B")
 
 
 def copy_rows(dest: torch.Tensor, start: int, src: torch.Tensor) -> None:
     """``dest[start : start + len(src)] = src`` as one memcpy (no intra-op threads)."""
-    np.copyto(_as_numpy(dest)[start : start + src.shape[0]], _as_numpy(src))
-
-
-def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy()
+    np.copyto(numpy_view(dest)[start : start + src.shape[0]], numpy_view(src))
 
 
 def spec_of(key: str, tensor: torch.Tensor) -> pb.TensorSpec:
@@ -94,10 +94,12 @@ def varint(value: int) -> bytes:
 
 
 def frame(header: Any, buffers: Iterable[memoryview | bytes]) -> bytes:
-    """Serialize ``header`` (a message whose payload is unset) with ``buffers`` as its payload."""
+    """Serialize ``header`` (a message whose payload is unset, or its serialized bytes) with
+    ``buffers`` as its payload."""
     parts = list(buffers)
     size = sum(memoryview(p).nbytes for p in parts)
-    return b"".join([header.SerializeToString(), _PAYLOAD_TAG, varint(size), *parts])
+    head = header if isinstance(header, bytes) else header.SerializeToString()
+    return b"".join([head, _PAYLOAD_TAG, varint(size), *parts])
 
 
 # ----------------------------------------------------------------- decoding
@@ -127,6 +129,7 @@ def split_payload(raw: bytes, message_type: type) -> tuple[Any, memoryview]:
     data = memoryview(raw)
     pos = 0
     start = end = -1
+    entries = 0
     while pos < len(data):
         tag_start = pos
         key, pos = _read_varint(data, pos)
@@ -139,6 +142,10 @@ def split_payload(raw: bytes, message_type: type) -> tuple[Any, memoryview]:
             pos += 4
         elif wire_type == 2:
             length, pos = _read_varint(data, pos)
+            entries += 1
+            if entries > MAX_ENTRIES:
+                raise CodecError(f"{message_type.__name__} has more than {MAX_ENTRIES} "
+                                 f"entries (tensors, names)")
             if field == PAYLOAD_FIELD:
                 if start >= 0:
                     raise CodecError("message has two payload fields")
@@ -163,6 +170,9 @@ def spec_nbytes(spec: pb.TensorSpec) -> int:
         raise CodecError(
             f"key {spec.key!r}: unknown dtype {spec.dtype!r}; supported: {', '.join(DTYPES)}"
         )
+    if len(spec.shape) > MAX_DIMS:
+        raise CodecError(f"key {spec.key[:200]!r}: {len(spec.shape)} dimensions, at most "
+                         f"{MAX_DIMS} are allowed")
     elements = 1
     for dim in spec.shape:
         if dim < 0:

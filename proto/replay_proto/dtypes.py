@@ -6,6 +6,7 @@ and the wire carry, so they must never change meaning.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
@@ -50,3 +51,12 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(
             f"unknown dtype name {name!r}; supported dtypes: {', '.join(DTYPES)}"
         ) from None
+
+
+def numpy_view(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy array sharing ``tensor``'s memory (a CPU tensor); numpy has no bfloat16, so a
+    bfloat16 tensor is viewed as the same bits in int16 (copies and the wire need only the
+    bytes)."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy()

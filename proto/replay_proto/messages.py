@@ -108,6 +108,20 @@ def encode_update_stream_request(sequence: int, update: bytes) -> bytes:
     return b"".join([header, _UPDATE_FIELD_TAG, varint(len(update)), update])
 
 
+_CREDIT_UPDATE_TAG = varint((pb.SampleStreamRequest.DESCRIPTOR.fields_by_name["update"].number << 3) | 2)
+
+
+def encode_credit(credits: int, update: bytes = b"", batches_per_message: int = 0) -> bytes:
+    """A SampleStream credit message: ``credits`` more batches, after ``update`` (an encoded
+    UpdatePrioritiesRequest, or nothing), drawing ``batches_per_message`` at once from now on
+    (0: unchanged)."""
+    header = pb.SampleStreamRequest(credits=credits, batches_per_message=batches_per_message)
+    raw = header.SerializeToString()
+    if not update:
+        return raw
+    return b"".join([raw, _CREDIT_UPDATE_TAG, varint(len(update)), update])
+
+
 def decode_update_stream_request(raw: bytes) -> tuple[int, pb.UpdatePrioritiesRequest]:
     """``(sequence, the update request)``; raises CodecError if there is none."""
     try:

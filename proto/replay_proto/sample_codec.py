@@ -96,12 +96,13 @@ def encode_sample(
 
 def encode_ring_batch(
     columns: Mapping[str, torch.Tensor], extras: Sequence[torch.Tensor], batch_index: int,
-    slot: int, offsets: Sequence[int],
+    slot: int, offsets: Sequence[int], mass: SamplingMass | None = None,
 ) -> bytes:
     """A SampleResponse saying batch ``batch_index`` lies in ring slot ``slot`` at ``offsets``.
 
     ``columns`` and ``extras`` are the tensors as they lie in the slot
-    (only their specs travel); ``offsets`` follow the same order.
+    (only their specs travel); ``offsets`` follow the same order; ``mass``:
+    the table's sampling mass when the batch was drawn.
     """
     header = pb.SampleResponse(
         columns=[spec_of(key, tensor) for key, tensor in columns.items()],
@@ -110,6 +111,7 @@ def encode_ring_batch(
         last_chunk=True,
         batch_count=1,
         shared_memory=pb.SharedMemoryBatch(slot=slot, offsets=list(offsets)),
+        mass=None if mass is None else mass.to_proto(),
         **{name: spec_of(name, tensor) for name, tensor in zip(EXTRAS, extras)},
     )
     return header.SerializeToString()
@@ -159,13 +161,19 @@ class SampleDecoder:
         copy: ``copy(dest, start, src)`` writes ``src`` into rows ``start ...``
             of ``dest`` (default :func:`~replay_proto.codec.copy_rows`; a
             learner's feed passes one that splits large copies across cores).
+        views: return each chunk's rows as they arrived, as views of the
+            message (or of the ring), instead of whole batches: no copy at
+            all, for a reader that takes rows in any grouping (a sharded
+            stream's merge). ``allocate`` and ``copy`` are not used then.
 
     Not thread-safe: one decoder per stream.
     """
 
     def __init__(self, batch_size: int | None = None, *, allocate: Allocate | None = None,
                  ring_view: RingView | None = None,
-                 copy: Callable[[torch.Tensor, int, torch.Tensor], None] = copy_rows) -> None:
+                 copy: Callable[[torch.Tensor, int, torch.Tensor], None] = copy_rows,
+                 views: bool = False) -> None:
+        self._views = views
         self._batch_size = batch_size
         self._allocate = allocate or _new_buffers
         self._ring_view = ring_view
@@ -197,18 +205,29 @@ class SampleDecoder:
             raise CodecError(f"chunk of batch {header.batch_index} at row {header.row_start} "
                              f"has inconsistent or too many rows")
         count = rows.pop()
+        if self._views:
+            self._next_row += count
+            if header.last_chunk:
+                self._check_end(header)
+            n = len(self._keys)
+            mass = SamplingMass.from_proto(header.mass) if header.HasField("mass") else None
+            return [SampleBatch.from_columns(dict(zip(self._keys, tensors[:n])), *tensors[n:],
+                                             mass=mass)]
         self._scatter(header.row_start, count, tensors)
         self._next_row += count
         if not header.last_chunk:
             return []
-        if self._next_row != self._rows:
-            raise CodecError(f"batch {header.batch_index} ended after {self._next_row} of "
-                             f"{self._rows} rows")
-        self._group = None
+        self._check_end(header)
         n = len(self._keys)
         mass = SamplingMass.from_proto(header.mass) if header.HasField("mass") else None
         return [SampleBatch.from_columns(dict(zip(self._keys, slot[:n])), *slot[n:], mass=mass)
                 for slot in self._slots]
+
+    def _check_end(self, header: pb.SampleResponse) -> None:
+        if self._next_row != self._rows:
+            raise CodecError(f"batch {header.batch_index} ended after {self._next_row} of "
+                             f"{self._rows} rows")
+        self._group = None
 
     def _begin(self, header: pb.SampleResponse, tensors: list[torch.Tensor]) -> None:
         count = max(1, header.batch_count)
@@ -224,7 +243,8 @@ class SampleDecoder:
         layout: Layout = tuple((t.dtype, (size, *t.shape[1:])) for t in tensors)
         self._group, self._size, self._next_row, self._rows = header.batch_index, size, 0, header.batch_rows
         self._keys = keys
-        self._slots = [self._allocate(header.batch_index + i, layout) for i in range(count)]
+        if not self._views:
+            self._slots = [self._allocate(header.batch_index + i, layout) for i in range(count)]
 
     def _scatter(self, row_start: int, rows: int, tensors: list[torch.Tensor]) -> None:
         """Copy a chunk's rows into the group's batches (a chunk may span several)."""
@@ -258,4 +278,5 @@ class SampleDecoder:
         columns = {spec.key: tensor for spec, tensor in zip(header.columns, tensors[:n])}
         if len(columns) != n:
             raise CodecError("a column key appears twice in a shared-memory batch")
-        return SampleBatch.from_columns(columns, *tensors[n:])
+        mass = SamplingMass.from_proto(header.mass) if header.HasField("mass") else None
+        return SampleBatch.from_columns(columns, *tensors[n:], mass=mass)

@@ -78,6 +78,12 @@ class InsufficientMemoryError(ReplayServerError):
     allocated or stored."""
 
 
+class TableSpaceError(InsufficientMemoryError, ConfigError):
+    """At start, a table cannot have the memory (or, ``memmap``, the disk space) its config
+    asks for: the machine's shortage, named as such rather than as a mistake in the config
+    (still a ConfigError, for callers that catch those)."""
+
+
 class RestoreError(ConfigError):
     """Checkpoints exist but none could be restored, or loading one failed for a reason
     other than damage (out of memory, a bug): the server does not start, so that no
@@ -97,6 +103,12 @@ class CheckpointWriteError(ReplayServerError):
 
     Nothing of the failed checkpoint remains; the tables are unaffected.
     """
+
+
+class CheckpointPartError(CheckpointWriteError):
+    """A checkpoint was written without some of its parts (a table or the named variables,
+    whose state could not be saved); every other part was written. The message names the
+    checkpoint and each missing part."""
 
 
 class CheckpointSpaceError(CheckpointWriteError):

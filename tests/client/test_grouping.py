@@ -52,13 +52,6 @@ def test_a_given_prefetch_stays_the_bound_and_groups_shrink_to_fit_two():
     assert grouping.choose(1024, 3).batches_per_message == 1
 
 
-def test_batch_bytes_follow_the_schema_ids_and_weights():
-    schema = {"obs": "float32[17]", "pixels": "uint8[2, 3]", "done": "bool[]"}
-    assert grouping.batch_bytes(schema, 10, None) == 10 * ((68 + 6 + 1) + 8 + 4 + 8)
-    assert grouping.batch_bytes(schema, 10, 4) == 10 * (4 * (75 + 8) + 4 + 8)
-    assert grouping.batch_bytes({}, 10, None) is None
-
-
 def _sampled(client: ReplayClient, table: str) -> int:
     return client.info()[table].counters["sampled"]
 
@@ -68,9 +61,10 @@ def test_a_plain_stream_of_small_rows_is_grouped_and_bounded(server):
     client.insert("rows", {"obs": torch.randn(1000, 17)})
     before = _sampled(client, "rows")
     with client.stream("rows", 32) as stream:
-        assert any("batches_per_message=8" in note for note in stream.stats.notes)
         for _ in range(3):
             next(stream)
+        # chosen at the first batch: 8 per message, and the window widened to two groups
+        assert any("batches_per_message=8" in note for note in stream.stats.notes)
         # Three taken, and a window of 16 (two groups of 8): never more than 19 drawn.
         assert wait_for(lambda: _sampled(client, "rows") - before >= 16 * 32)
         assert stays(lambda: _sampled(client, "rows") - before <= 19 * 32)
@@ -82,9 +76,9 @@ def test_a_given_prefetch_bounds_a_grouped_stream(server):
     client.insert("rows", {"obs": torch.randn(1000, 17)})
     before = _sampled(client, "rows")
     with client.stream("rows", 32, prefetch=4) as stream:
-        assert any("batches_per_message=2" in note for note in stream.stats.notes)
         for _ in range(3):
             next(stream)
+        assert any("batches_per_message=2" in note for note in stream.stats.notes)
         assert wait_for(lambda: _sampled(client, "rows") - before >= 7 * 32)
         assert stays(lambda: _sampled(client, "rows") - before == 7 * 32)
 
@@ -97,8 +91,17 @@ def test_large_batches_are_not_grouped(server):
         assert not any("batches_per_message" in note for note in stream.stats.notes)
 
 
-def test_a_table_without_rows_yet_is_not_grouped(server):
+def test_a_learner_that_starts_before_the_first_insert_is_grouped_too(server):
     client = ReplayClient(server.address)
-    stream = client.stream("empty", 4)
-    assert not any("batches_per_message" in note for note in stream.stats.notes)
-    stream.close()
+    client.reset("empty")
+    before = _sampled(client, "empty")
+    with client.stream("empty", 4) as stream:  # waits for data
+        client.insert("empty", {"obs": torch.randn(10, 17)})
+        for _ in range(3):
+            next(stream)
+        notes = "; ".join(stream.stats.notes)
+        assert "batches_per_message=8" in notes and "grouped over gRPC" in notes, notes
+        assert stream.transport == "grpc"  # the same-host ring was declined for them
+        # The window became two groups of 8 (the first batch travelled alone): bounded.
+        assert wait_for(lambda: _sampled(client, "empty") - before >= 16 * 4)
+        assert stays(lambda: _sampled(client, "empty") - before <= (3 + 16 + 1) * 4)

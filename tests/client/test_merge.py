@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from replay_client.merge import MassBook, merge, min_probability, shares, split
+from replay_client.sharded.merge import MassBook, merge, min_probability, shares, split
 from replay_proto.batch import SampleBatch
 from replay_proto.mass import SamplingMass
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import numpy as np
 
-from replay_client.placement import RoundRobin, by_episode, mix
+from replay_client.sharded.placement import RoundRobin, by_episode, mix
 
 
 def test_every_row_of_an_episode_goes_to_one_shard_however_rows_are_batched() -> None:

@@ -7,33 +7,56 @@ import pickle
 
 import pytest
 
-from replay_client import ReplayClient
-from replay_client.discovery import addresses_of, system_resolver
+from replay_client import ReplayApi, ReplayClient, ServerClient
+from replay_client.sharded.discovery import addresses_of, system_resolver
 from replay_client.errors import (
     InvalidArgumentError,
     ShardingError,
     UnavailableError,
     UnsupportedError,
 )
-from replay_client.shards import ShardedReplayClient
+from replay_client.sharded.client import ShardedClient
 
 
 def test_one_address_is_the_plain_client_and_many_are_the_sharded_one() -> None:
-    assert type(ReplayClient("127.0.0.1:1")) is ReplayClient
+    plain = ReplayClient("127.0.0.1:1")
+    assert type(plain) is ServerClient
     client = ReplayClient(["127.0.0.1:1", "127.0.0.1:2"], timeout=3.0)
-    assert isinstance(client, ShardedReplayClient) and client.timeout == 3.0
-    assert isinstance(ReplayClient("shards://replay:50051"), ShardedReplayClient)
+    assert isinstance(client, ShardedClient) and client.timeout == 3.0
+    assert isinstance(ReplayClient("shards://replay:50051"), ShardedClient)
+    for made in (plain, client):  # the front door's name holds for both, as does the protocol
+        assert isinstance(made, ReplayClient) and isinstance(made, ReplayApi)
+    with pytest.raises(InvalidArgumentError, match="apply to a sharded client"):
+        ReplayClient("127.0.0.1:1", allow_degraded=True)
+    with pytest.raises(InvalidArgumentError, match="address must be"):
+        ReplayClient(5)
 
 
-def test_the_sharded_client_has_every_call_of_the_plain_one() -> None:
-    """Nothing silently falls through to one shard: each public name is the sharded one's own."""
-    public = {n for n in dir(ReplayClient) if not n.startswith("_")}
-    missing = {n for n in public if n not in ShardedReplayClient.__dict__}
+def _protocol_calls() -> list[str]:
+    return sorted(n for n, v in vars(ReplayApi).items()
+                  if callable(v) and (not n.startswith("_") or n in ("__enter__", "__exit__")))
+
+
+@pytest.mark.parametrize("implementation", [ServerClient, ShardedClient])
+def test_both_clients_implement_every_call_of_the_protocol_with_its_signature(
+        implementation) -> None:
+    """Nothing silently falls through to one shard: each call is the implementation's own."""
+    for name in _protocol_calls():
+        assert name in implementation.__dict__, (implementation.__name__, name)
+        declared = inspect.signature(getattr(ReplayApi, name)).parameters
+        actual = inspect.signature(getattr(implementation, name)).parameters
+        assert list(declared) == list(actual), (implementation.__name__, name)
+        for parameter in declared:  # keyword-only stays keyword-only, defaults agree
+            assert declared[parameter].kind == actual[parameter].kind, (name, parameter)
+    for name in ("address", "timeout"):
+        assert isinstance(getattr(implementation, name), property), name
+
+
+def test_the_sharded_client_has_every_public_call_of_the_plain_one() -> None:
+    # What the sharded layer builds on (one server's connection and stream link) is not a call.
+    public = {n for n in dir(ServerClient) if not n.startswith("_")} - {"connection", "link"}
+    missing = {n for n in public if n not in ShardedClient.__dict__}
     assert not missing, missing
-    for name in ("insert", "sample", "update_priorities", "reset", "fetch", "publish"):
-        plain = inspect.signature(getattr(ReplayClient, name)).parameters
-        sharded = inspect.signature(getattr(ShardedReplayClient, name)).parameters
-        assert list(plain) == list(sharded), name
 
 
 def test_bad_shard_lists_are_refused_before_connecting() -> None:
@@ -65,5 +88,5 @@ def test_calls_a_sharded_client_does_not_offer_say_what_to_use() -> None:
 def test_it_pickles_as_its_settings() -> None:
     client = ReplayClient(["127.0.0.1:1", "127.0.0.1:2"], seed=3, timeout=2.0)
     copy = pickle.loads(pickle.dumps(client))
-    assert isinstance(copy, ShardedReplayClient)
+    assert isinstance(copy, ShardedClient)
     assert copy.address == ["127.0.0.1:1", "127.0.0.1:2"] and copy.timeout == 2.0

@@ -17,7 +17,8 @@ from replay_client import ReplayClient  # noqa: E402
 from replay_feed.accelerator import CudaAccelerator  # noqa: E402
 from replay_feed import BatchStream, FeedCore, resolve_delivery  # noqa: E402
 from replay_server import Table, TableConfig  # noqa: E402
-from replay_server.app.embedded import TableSource  # noqa: E402
+from replay_feed.source import LinkSource  # noqa: E402
+from replay_server.app.embedded import TableLink  # noqa: E402
 
 CONFIG = """
 [[tables]]
@@ -105,7 +106,8 @@ def test_an_in_process_stream_fills_pinned_staging_in_order():
     ids = table.insert({"row": rows, "frame": (rows % 251).to(torch.uint8).view(-1, 1, 1, 1)
                         .expand(2000, 4, 84, 84).clone()}).cuda()
     core = FeedCore(2, resolve_delivery("cuda", True, accelerator=CudaAccelerator()))
-    stream = BatchStream(core, TableSource(table, 256, 30), "frames")
+    stream = BatchStream(core, LinkSource(TableLink(table, 256, core.staging), num_batches=30),
+                         "frames")
     for batch in stream:  # the producer overwrites staging slots while earlier copies may run
         assert torch.equal(ids[batch.data["row"]], batch.ids)
         assert torch.equal(batch.data["frame"][:, :, 0, 0].long(), (batch.data["row"] % 251)

@@ -25,7 +25,7 @@ from replay_client import ReplayClient, ReplayError, errors
 from replay_server import TableSet
 from replay_server.checkpoint import load_checkpoint
 from replay_server.app.config_file import settings_from_dict
-from tests.conftest import ServerProcess, start_server, wait_for
+from tests.conftest import ServerProcess, serve_until_exit, start_server
 from tests.integration.test_unavailable import free_port
 
 WAIT_S = 60
@@ -250,19 +250,17 @@ def test_a_truncated_newest_checkpoint_is_skipped_with_the_reason_logged(tmp_pat
         again.stop()
 
 
-def _limit_file_size() -> None:
-    """In the server process: writes past 1 MiB fail with EFBIG (SIGXFSZ ignored), like a
-    full disk does with ENOSPC. Real, reliable, needs no privileges, and root (which
-    ignores permission bits) cannot bypass it; the test lifts it with prlimit."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+FULL_DISK = {"rlimits": {"FSIZE": (1 << 20, -1)}, "ignore_sigxfsz": True}
+"""In the server process: writes past 1 MiB fail with EFBIG (SIGXFSZ ignored), like a full
+disk does with ENOSPC. Real, reliable, needs no privileges, and root (which ignores
+permission bits) cannot bypass it; the test lifts it with prlimit."""
 
 
 def test_a_full_disk_fails_the_checkpoint_clearly_and_the_server_keeps_serving(
     tmp_path: Path
 ) -> None:
     text = config(tmp_path / "ckpt")
-    server = start_server(tmp_path, text, preexec_fn=_limit_file_size)
+    server = start_server(tmp_path, text, **FULL_DISK)
     try:
         client = ReplayClient(server.address)
         client.insert("prioritized", rows(torch.arange(40_000)))  # 1.6 MB of obs
@@ -352,43 +350,50 @@ def _wait_health(address: str, wanted: str) -> None:
     raise AssertionError(f"health stayed {status}, expected {wanted}")
 
 
-def _start_blocking(tmp_path: Path, text: str, port: int, name: str) -> ServerProcess:
-    """A server whose restore will block (the port file only appears once SERVING)."""
+def _start_blocking(tmp_path: Path, text: str, port: int, name: str,
+                    release: Path) -> ServerProcess:
+    """A server whose restore blocks reading column files until ``release`` exists (the
+    port file only appears once SERVING)."""
     (tmp_path / f"{name}.toml").write_text(text)
     log_path = tmp_path / f"{name}.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "replay_server.app.cli", "serve", "--config",
+        [sys.executable, "-m", "tests.integration.stuck_disk_server", "serve", "--config",
          str(tmp_path / f"{name}.toml"), "--address", f"127.0.0.1:{port}", "--grace", "5"],
         stdout=log_path.open("w"), stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "REPLAY_TEST_RELEASE_FILE": str(release)})
     return ServerProcess(process, port, log_path)
 
 
-def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
-    tmp_path: Path
-) -> None:
-    text = config(tmp_path / "ckpt")
+def _two_checkpoints_then_kill(tmp_path: Path, text: str) -> tuple[str, Path]:
+    """Start a server, write a checkpoint of 10 rows and a newer one of 20, kill -9 it;
+    return both checkpoints (the older as the server named it)."""
     server = start_server(tmp_path, text)
     client = ReplayClient(server.address)
     client.insert("prioritized", rows(torch.arange(10)))
     older = client.checkpoint()
     client.insert("prioritized", rows(torch.arange(10, 20)))
     newest = Path(client.checkpoint())
-    server.process.kill()
-    server.process.wait(WAIT_S)
-    # Reading the newest checkpoint's first column blocks until the test writes to it.
-    fifo = newest / "prioritized" / "column-0.bin"
-    fifo.unlink()
-    os.mkfifo(fifo)
+    server.stop(signal.SIGKILL)
+    return older, newest
 
+
+def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
+    tmp_path: Path
+) -> None:
+    text = config(tmp_path / "ckpt")
+    older, newest = _two_checkpoints_then_kill(tmp_path, text)
+    column = newest / "prioritized" / "column-0.bin"
+    column.write_bytes(b"")  # damaged: the restore falls back to the older checkpoint
+
+    release = tmp_path / "release"
     port = free_port()
-    blocked = _start_blocking(tmp_path, text, port, "blocked")
+    blocked = _start_blocking(tmp_path, text, port, "blocked", release)
     try:
         _wait_health(blocked.address, "NOT_SERVING")
         with pytest.raises(errors.UnavailableError, match="restoring"):
             ReplayClient(blocked.address, max_retry_s=0).insert(
                 "prioritized", rows(torch.arange(3)))
-        os.close(os.open(fifo, os.O_WRONLY))  # unblocks the reader: an empty file
+        release.touch()  # the disk answers again
         _wait_health(blocked.address, "SERVING")
         assert ReplayClient(blocked.address).info()["prioritized"].size == 10
         log = blocked.log()
@@ -398,19 +403,105 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
         blocked.process.kill()
         blocked.process.wait(WAIT_S)
 
-    # A stop requested during the restore exits 0 and writes no checkpoint.
+    # A stop requested during a restore stuck in a read (never released) exits 0 and
+    # writes no checkpoint.
     before = sorted((tmp_path / "ckpt").iterdir())
-    stopped = _start_blocking(tmp_path, text, free_port(), "stopped")
+    stopped = _start_blocking(tmp_path, text, free_port(), "stopped", tmp_path / "never")
     try:
         _wait_health(stopped.address, "NOT_SERVING")
         stopped.process.send_signal(signal.SIGTERM)
-        # Unblock the reader only once the server has taken the signal (else the restore may
-        # finish first, and the server then drains normally).
-        assert wait_for(lambda: "SIGTERM received" in stopped.log())
-        os.close(os.open(fifo, os.O_WRONLY))
         assert stopped.process.wait(WAIT_S) == 0
     finally:
         if stopped.process.poll() is None:
             stopped.process.kill()
     assert "stopped while restoring: no checkpoint written" in stopped.log()
+    assert "the restore did not stop within" in stopped.log()
     assert sorted((tmp_path / "ckpt").iterdir()) == before
+
+
+def test_a_fifo_in_place_of_a_column_file_is_refused_unread(tmp_path: Path) -> None:
+    """Issue 23, finding 10: a FIFO in place of a column file hung the restore (opening it
+    waits for a writer), deaf to SIGTERM. It is damage now, refused without reading."""
+    text = config(tmp_path / "ckpt")
+    older, newest = _two_checkpoints_then_kill(tmp_path, text)
+    fifo = newest / "prioritized" / "column-0.bin"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    again = start_server(tmp_path, text, name="again")
+    try:
+        assert ReplayClient(again.address).info()["prioritized"].size == 10
+        assert f"skipping checkpoint {newest}: prioritized/column-0.bin is not a regular " \
+               f"file (a FIFO)" in again.log()
+        assert f"restored 2 table(s) from {older}" in again.log()
+    finally:
+        assert again.stop() == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """Mount a tmpfs of a given size (MiB) under ``tmp_path``: a disk that really fills up.
+    Skipped where this process may not mount (it needs CAP_SYS_ADMIN)."""
+    mounted: list[Path] = []
+
+    def mount(mib: int) -> Path:
+        path = tmp_path / f"disk{len(mounted)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def memmap_config(checkpoints: Path, storage: Path, capacity: int = 30) -> str:
+    return f"""
+[server]
+checkpoint_dir = "{checkpoints}"
+checkpoint_interval_s = 0
+
+[[tables]]
+name = "disk"
+capacity = {capacity}
+storage = "memmap"
+storage_dir = "{storage}"
+[tables.schema]
+obs = "uint8[1024, 1024]"
+"""
+
+
+def test_a_memmap_table_restores_in_place_on_a_disk_that_holds_one_copy(
+        tmp_path: Path, small_disk) -> None:
+    """Issue 23, finding 8: with a declared schema, a memmap table's restore needed a second
+    copy on disk (a 150 MiB table on a 200 MiB disk could not restart). 30 MiB of rows on
+    a 50 MiB disk restart now, the rows read straight into the table's own files."""
+    disk = small_disk(50)
+    text = memmap_config(tmp_path / "ckpt", disk)
+    server = start_server(tmp_path, text)
+    client = ReplayClient(server.address)
+    client.insert("disk", {"obs": torch.arange(30, dtype=torch.uint8).view(30, 1, 1).expand(
+        30, 1024, 1024).contiguous()})
+    assert server.stop() == 0
+    again = start_server(tmp_path, text, name="again")
+    try:
+        client = ReplayClient(again.address)
+        assert client.info()["disk"].size == 30
+        obs = client.sample("disk", 8).data["obs"]
+        assert obs.shape == (8, 1024, 1024)
+        assert all(bool((row == row[0, 0]).all()) and int(row[0, 0]) < 30 for row in obs)
+    finally:
+        assert again.stop() == 0
+
+
+def test_a_disk_too_small_for_a_memmap_table_stops_the_start_naming_the_disk(
+        tmp_path: Path, small_disk) -> None:
+    disk = small_disk(20)
+    code, output = serve_until_exit(tmp_path, memmap_config(tmp_path / "ckpt", disk))
+    assert code == 2, output
+    assert "replay-server: not enough memory or disk space: table 'disk': storage 'memmap' " \
+           "needs 30.0 MiB on disk" in output and str(disk) in output
+    assert "Traceback" not in output

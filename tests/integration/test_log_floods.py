@@ -19,10 +19,11 @@ import grpc
 import pytest
 import torch
 
-from replay_client import ReplayClient
+from replay_client import ReplayClient, errors
 from replay_feed.shared_ring import host_id
 from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import ServerProcess, module_server, wait_for
+from tests.integration.raw_http2 import RawConnection
 
 CONFIG = """
 [[tables]]
@@ -33,6 +34,10 @@ capacity = 1000
 name = "gate"
 capacity = 1000
 min_size_to_sample = 100
+
+[[tables]]
+name = "wide"
+capacity = 10
 """
 
 BURST = 5
@@ -106,3 +111,46 @@ def test_cancelling_two_hundred_blocked_streams_logs_no_error(server, channel):
     assert wait_for(lambda: client.info()["gate"].rate_limiter["blocked_samples"] == 0)
     log = server.log()
     assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
+
+
+# ---------------------------------------------------------------- issue 23, finding 10
+
+GLOBAL_LINES = 100  # replay_server.service.peer_log.TOTAL
+
+
+@pytest.mark.parametrize("addresses", [300, pytest.param(2000, marks=pytest.mark.slow)])
+def test_a_client_rotating_its_address_gets_the_global_limit(server, channel, addresses) -> None:
+    """2,000 source addresses once wrote 9,976 lines in 18 s (5 per address per minute)."""
+    before = len(lines(server, "refused a call from"))
+    request = pb.SampleRequest(table="rotating_no_such_table", batch_size=1).SerializeToString()
+    for i in range(addresses):  # one line each before, 5 per address a minute
+        connection = RawConnection(server.port, source=f"127.1.{i // 200}.{i % 200 + 1}")
+        # (a previous run in this module's window counts too: both stay under the limit)
+        try:
+            if connection.handshake():
+                connection.call("/replay.v1.ReplayService/Sample", request)
+                connection.answered()
+        finally:
+            connection.close()
+    logged = len(lines(server, "refused a call from")) - before
+    assert logged <= GLOBAL_LINES, logged  # per minute, for every client together
+    assert lines(server, "more about any client in the next 60 s are counted")
+
+
+def test_huge_values_make_short_lines_and_short_typed_errors(server, channel) -> None:
+    """An 8 MiB table name made an 8 MiB log line; an error listing a large schema became a
+    status no client could receive (MessageTooLargeError instead of the typed error)."""
+    name = "n" * (8 << 20)
+    sample = channel.unary_unary("/replay.v1.ReplayService/Sample")
+    with pytest.raises(grpc.RpcError) as info:
+        sample(pb.SampleRequest(table=name, batch_size=4).SerializeToString(), timeout=30)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    assert len(info.value.details()) <= 2048 and "characters in all" in info.value.details()
+    client = ReplayClient(server.address)
+    wide = {f"column_{i:05d}_with_a_long_descriptive_name": torch.zeros(1, 1)
+            for i in range(5000)}
+    client.insert("wide", wide)
+    with pytest.raises(errors.SchemaMismatchError) as mismatch:
+        client.insert("wide", {**wide, "extra": torch.zeros(1, 1)})
+    assert "characters in all" in str(mismatch.value)
+    assert max(len(line) for line in server.log().splitlines()) < 20_000

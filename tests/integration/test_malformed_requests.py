@@ -167,6 +167,11 @@ RAW_CASES: dict[str, tuple[str, bytes, grpc.StatusCode, str, str]] = {
     "negative-shape": ("Insert", insert_bytes("u", [spec("obs", "float32", [-2, 3])], b""),
                        grpc.StatusCode.INVALID_ARGUMENT, "malformed_request",
                        "negative dimension"),
+    # Issue 23, finding 10: a row of 10,000 dimensions was INTERNAL (numpy's limit is 64).
+    "ten-thousand-dims": ("Insert", insert_bytes("open", [spec("obs", "float32", [1] * 10_000)],
+                                                 b"\0" * 4),
+                          grpc.StatusCode.INVALID_ARGUMENT, "malformed_request",
+                          "10000 dimensions, at most 64"),
     "unknown-table": ("Insert", insert_bytes("nope", OBS, b"\0" * 24),
                       grpc.StatusCode.NOT_FOUND, "unknown_table", "'nope'"),
     "schema-mismatch": ("Insert", insert_bytes("u", [spec("obs", "float64", [2, 3])], b"\0" * 48),

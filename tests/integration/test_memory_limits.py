@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replay_client import ReplayClient, errors
 from replay_proto.v1 import replay_pb2 as pb
-from tests.conftest import ServerProcess, module_server, wait_for
+from tests.conftest import ServerProcess, module_server, start_server, wait_for
 
 TOKEN = "budget-test-token"
 BUDGET_MIB = 256
@@ -116,10 +116,23 @@ class Watch:
     def check(self) -> None:
         assert self.checks >= 3, "the probe did not run"
         mib = 2**20
+        print(f"server RSS {self.start_rss / mib:.0f} MiB before, peak {self.peak_rss / mib:.0f}"
+              f" MiB (budget {BUDGET_MIB} MiB); slowest probe {self.slowest_s:.2f} s")
         assert self.peak_rss <= self.bound, (
             f"server RSS peaked at {self.peak_rss / mib:.0f} MiB, over the bound of "
             f"{self.bound / mib:.0f} MiB ({self.start_rss / mib:.0f} MiB before + budget + slack)")
         assert self.slowest_s < FAST_S, f"a health check + small sample took {self.slowest_s:.2f} s"
+
+
+def run_threads(target, count: int, timeout: float) -> None:
+    """Run ``target`` on ``count`` threads at once and wait for all of them (bounded)."""
+    threads = [threading.Thread(target=target) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
 
 
 def in_use(client: ReplayClient) -> int:
@@ -145,12 +158,7 @@ def test_a_stream_of_huge_batches_is_refused_naming_the_limit(server, client) ->
             except BaseException as exc:  # reported below
                 got.append(exc)
 
-        threads = [threading.Thread(target=learner) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
-    assert not any(t.is_alive() for t in threads)
+        run_threads(learner, 8, timeout=120)
     assert got == [(33_000, 32)] * 16, [g for g in got if isinstance(g, BaseException)]
     watch.check()
     limits = client.server_info().limits
@@ -282,11 +290,73 @@ def test_the_reported_floods_at_their_full_size_stay_within_the_budget(server, c
                     server.address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
                 insert = channel.unary_unary("/replay.v1.ReplayService/Insert")
                 futures = [insert.future(b"\0" * (60 << 20), timeout=300) for _ in range(100)]
+                codes = []
                 for future in futures:
                     with pytest.raises(grpc.RpcError) as info:
                         future.result()
-                    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                    codes.append(info.value.code())
+                # Refused unread; a connection without the token is also closed after the
+                # handshake deadline (server.handshake_timeout_s), ending what it still sends.
+                assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED,
+                                      grpc.StatusCode.UNAVAILABLE}, codes
+                assert grpc.StatusCode.UNAUTHENTICATED in codes
         finally:
             reader.close()
     watch.check()
     assert wait_for(lambda: in_use(client) == 0)
+
+
+# ---------------------------------------------------------------- issue 23, finding 10
+
+ATARI = (84, 84, 4)
+
+
+def test_an_address_space_too_small_to_serve_stops_the_start_saying_so(tmp_path) -> None:
+    """Under a 2.3 GB RLIMIT_AS the server started, then died of std::bad_alloc under load."""
+    limit = 2300 << 20
+    with pytest.raises(RuntimeError) as info:
+        start_server(tmp_path, "[[tables]]\nname = \"t\"\ncapacity = 1000\n",
+                     rlimits={"AS": (limit, limit)})
+    message = str(info.value)
+    assert "server exited with 2" in message
+    assert "replay-server: not enough memory or disk space: this process may map at most " \
+           "2.2 GiB (ulimit -v, RLIMIT_AS)" in message and "memory_budget_mb" in message
+    assert "bad_alloc" not in message and "Traceback" not in message
+
+
+def test_under_an_address_space_limit_tables_get_only_what_it_leaves(tmp_path) -> None:
+    limit = 3500 << 20
+    config = """
+[server]
+max_message_mb = 128
+
+[[tables]]
+name = "fits"
+capacity = 20_000
+
+[[tables]]
+name = "too_big"
+capacity = 50_000
+"""
+    server = start_server(tmp_path, config, rlimits={"AS": (limit, limit)})
+    try:
+        client = ReplayClient(server.address, timeout=60, max_message_mb=128)
+        with pytest.raises(errors.LimitExceededError, match=r"ulimit -v \(RLIMIT_AS\)"):
+            client.insert("too_big", {"obs": torch.zeros(1, *ATARI, dtype=torch.uint8)})
+        refused: list[BaseException] = []
+
+        def load() -> None:
+            mine = ReplayClient(server.address, timeout=60, max_message_mb=128, max_retry_s=0)
+            for _ in range(8):
+                try:
+                    mine.insert("fits", {"obs": torch.zeros(1024, *ATARI, dtype=torch.uint8)})
+                    mine.sample("fits", 2048)
+                except errors.OverloadedError as exc:  # the budget, or memory: a clear refusal
+                    refused.append(exc)
+
+        run_threads(load, 4, timeout=300)
+        assert client.info()["fits"].size == 20_000
+    finally:
+        code = server.stop()
+    assert code == 0, server.log()[-3000:]
+    assert "bad_alloc" not in server.log() and "Unexpected [MemoryError]" not in server.log()

@@ -56,9 +56,9 @@ def checkpoints(directory: Path) -> list[Path]:
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
-    """Every file of every checkpoint, by path."""
+    """Every file of every checkpoint, by path (not the DAMAGED marks a restore adds)."""
     return {str(p.relative_to(directory)): p.read_bytes()
-            for p in directory.glob("ckpt-*/**/*") if p.is_file()}
+            for p in directory.glob("ckpt-*/**/*") if p.is_file() and p.name != "DAMAGED"}
 
 
 def test_checkpoint_files_and_directories_are_owner_only(written: Path) -> None:
@@ -87,6 +87,7 @@ def test_no_restorable_checkpoint_refuses_to_start_and_prunes_nothing(
     assert f"{older.name}: replay/column-0.bin is" in output and "(truncated)" in output
     assert "start_empty_if_unrestorable" in output
     assert snapshot(directory) == damaged
+    assert (newest / "DAMAGED").exists() and (older / "DAMAGED").exists()  # kept for good
 
     # The operator opts in: the server starts empty and keeps the damaged checkpoints,
     # even after its own shutdown checkpoint (keep_latest = 1).
@@ -115,3 +116,22 @@ def test_a_checkpoint_too_large_for_memory_stops_the_start_and_older_ones_are_no
     assert "server.table_memory_mb" in output and "does not start" in output
     assert "skipping checkpoint" not in output  # not damage: nothing older is tried
     assert snapshot(directory) == before
+
+
+def test_a_damaged_checkpoint_is_kept_through_later_restarts(written: Path, tmp_path: Path) -> None:
+    """Issue 23, finding 10: the damaged checkpoint (it held the newest rows) was deleted on
+    the second restart, once a newer one restored and nobody looked at it again."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(written, directory)
+    newest = checkpoints(directory)[-1]
+    column = newest / "replay" / "column-0.bin"
+    column.write_bytes(column.read_bytes()[:-8])
+    for run in range(3):  # keep_latest = 1: each run writes one and prunes the rest
+        server = start_server(tmp_path, config(directory), name=f"run{run}")
+        client = ReplayClient(server.address)
+        client.insert("replay", {"obs": torch.full((10, 256), float(run))})
+        client.checkpoint()
+        assert server.stop() == 0
+        assert newest in checkpoints(directory), f"pruned in run {run}"
+    assert "truncated" in (newest / "DAMAGED").read_text()
+    assert len(checkpoints(directory)) == 2  # the damaged one and the newest good one

@@ -6,6 +6,9 @@ checked two ways: the merged sample's frequencies against the one-table
 distribution (a chi-square test; seeds are fixed, so it is deterministic; the
 tolerance is a p-value of 1e-4 on the statistic), and every reported
 probability and weight against one in-process table holding all the rows.
+Each exactness test runs twice: through ``sample`` (a round of unary calls)
+and through ``stream`` (a SampleStream per shard, merged): shards 0 and 1
+stream through shared memory, shard 2 (``shared_memory = false``) over gRPC.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from replay_client.errors import (
     UnknownTableError,
     UnsupportedError,
 )
-from replay_client.shards import ShardedReplayClient
+from replay_client.sharded.client import ShardedClient
+from replay_proto.batch import SampleBatch
 from replay_server.engine.config import SamplerKind, TableConfig
 from replay_server.engine.table import Table
 from tests.conftest import ServerProcess, start_server, stays, wait_for
@@ -37,12 +41,12 @@ DRAWS = 150  # batches per exactness test
 BATCH = 256
 
 
-def shard_config(shard: int, auto: bool = False) -> str:
+def shard_config(shard: int, auto: bool = False, shared_memory: bool = True) -> str:
     tables = [("p", "prioritized", ""), ("u", "uniform", ""),
               ("s", "slice", f"slice_len = {SLICE}"),
               ("ps", "prioritized_slice", f"slice_len = {SLICE}"), ("q", "fifo", "")]
     index = '"auto"' if auto else str(shard)
-    text = f"[server]\nshard = {index}\n"
+    text = f"[server]\nshard = {index}\nshared_memory = {str(shared_memory).lower()}\n"
     for name, sampler, extra in tables:
         text += (f"\n[[tables]]\nname = \"{name}\"\ncapacity = 2000\nsampler = \"{sampler}\"\n"
                  f"alpha = {ALPHA}\nbeta = {BETA}\nseed = {100 + shard}\n{extra}\n")
@@ -56,8 +60,8 @@ def trio(tmp_path_factory) -> Iterator[list[ServerProcess]]:
     tmp = tmp_path_factory.mktemp("shards")
     procs: list[ServerProcess] = []
     try:
-        procs.append(start_server(tmp, shard_config(2, auto=True), name="shard2",
-                                  env={"REPLAY_SHARD_INDEX": "2"}))
+        procs.append(start_server(tmp, shard_config(2, auto=True, shared_memory=False),
+                                  name="shard2", env={"REPLAY_SHARD_INDEX": "2"}))
         for shard in (0, 1):  # not in index order: shards are known by index, not position
             procs.append(start_server(tmp, shard_config(shard), name=f"shard{shard}"))
         yield procs
@@ -80,10 +84,27 @@ def shards(trio) -> Iterator[dict[int, ReplayClient]]:
         client.close()
 
 
-def sharded(trio, seed: int = 7) -> ShardedReplayClient:
+def sharded(trio, seed: int = 7) -> ShardedClient:
     client = ReplayClient([p.address for p in trio], seed=seed)
-    assert isinstance(client, ShardedReplayClient)
+    assert isinstance(client, ShardedClient)
     return client
+
+
+def drawn(client: ShardedClient, table: str, batch_size: int, via: str) -> list:
+    """``DRAWS`` merged batches (clones), by unary samples or from one stream."""
+    if via == "sample":
+        return [client.sample(table, batch_size) for _ in range(DRAWS)]
+    stream = client.stream(table, batch_size, num_batches=DRAWS, batches_per_message=1)
+    out = [SampleBatch.from_columns({k: v.clone() for k, v in b.columns.items()},
+                                    b.ids.clone(), b.weights.clone(), b.probabilities.clone())
+           for b in stream]
+    transports = "; ".join(stream.stats.notes)
+    assert transports.count("shared memory:") == 2, transports  # shards 0 and 1
+    assert "shared_memory = false" in transports  # shard 2's note: gRPC
+    return out
+
+
+VIA = pytest.mark.parametrize("via", ["sample", "stream"])
 
 
 def chi_square_ok(observed: Counter, expected: dict, draws: int) -> tuple[bool, float, float]:
@@ -109,7 +130,8 @@ def one_table(sampler: SamplerKind, rows: dict[str, torch.Tensor],
 # ------------------------------------------------------------------ exactness
 
 
-def test_prioritized_merge_is_one_tables_distribution_and_weights(trio, shards) -> None:
+@VIA
+def test_prioritized_merge_is_one_tables_distribution_and_weights(trio, shards, via) -> None:
     # Shard masses about 0.6 : 20 : 430 (p^alpha summed): hundreds of times apart.
     layout = {0: (5, 0.05), 1: (20, 1.0), 2: (40, 30.0)}
     keys, prios = [], []
@@ -128,8 +150,7 @@ def test_prioritized_merge_is_one_tables_distribution_and_weights(trio, shards) 
     with sharded(trio) as client:
         counts: Counter = Counter()
         per_shard: Counter = Counter()
-        for _ in range(DRAWS):
-            batch = client.sample("p", BATCH)
+        for batch in drawn(client, "p", BATCH, via):
             got = batch.columns["key"].tolist()
             counts.update(got)
             per_shard.update((batch.ids >> 56).tolist())
@@ -142,15 +163,15 @@ def test_prioritized_merge_is_one_tables_distribution_and_weights(trio, shards) 
     assert set(per_shard) == {0, 1, 2}
 
 
-def test_uniform_merge_draws_every_row_of_the_union_alike(trio, shards) -> None:
+@VIA
+def test_uniform_merge_draws_every_row_of_the_union_alike(trio, shards, via) -> None:
     sizes = {0: 3, 1: 30, 2: 300}
     for shard, rows in sizes.items():
         shards[shard].insert("u", {"key": torch.arange(rows, dtype=torch.int64) + 1000 * shard})
     total = sum(sizes.values())
     with sharded(trio) as client:
         counts: Counter = Counter()
-        for _ in range(DRAWS):
-            batch = client.sample("u", BATCH)
+        for batch in drawn(client, "u", BATCH, via):
             counts.update(batch.columns["key"].tolist())
             np.testing.assert_allclose(batch.probabilities.numpy(), 1 / total, rtol=1e-12)
             assert (batch.weights == 1).all()
@@ -159,8 +180,9 @@ def test_uniform_merge_draws_every_row_of_the_union_alike(trio, shards) -> None:
     assert ok, (stat, critical)
 
 
+@VIA
 @pytest.mark.parametrize("table", ["s", "ps"])
-def test_slice_merge_draws_slice_starts_as_one_table(trio, shards, table: str) -> None:
+def test_slice_merge_draws_slice_starts_as_one_table(trio, shards, table: str, via) -> None:
     # Episodes per shard: (count, length, priority): 3, 21 and 170 slice starts.
     layout = {0: (1, 6, 0.2), 1: (3, 10, 1.0), 2: (10, 20, 5.0)}
     columns: dict[str, list[torch.Tensor]] = {"episode": [], "step": []}
@@ -184,8 +206,7 @@ def test_slice_merge_draws_slice_starts_as_one_table(trio, shards, table: str) -
 
     with sharded(trio) as client:
         counts: Counter = Counter()
-        for _ in range(DRAWS):
-            batch = client.sample(table, 64)
+        for batch in drawn(client, table, 64, via):
             episode, step = batch.columns["episode"], batch.columns["step"]
             assert (episode == episode[:, :1]).all()  # one episode per slice...
             assert (step == step[:, :1] + torch.arange(SLICE)).all()  # ...its steps in order
@@ -326,34 +347,45 @@ def test_an_insert_of_many_episodes_splits_by_episode_and_returns_ids_in_row_ord
 # -------------------------------------------------------------------- streams
 
 
-def test_a_stream_over_shards_merges_batches_within_its_prefetch_bound(trio, shards) -> None:
+def test_a_stream_over_shards_stays_within_its_windows_and_groups_small_rows(trio, shards) -> None:
     for shard, (rows, priority) in {0: (10, 0.5), 1: (10, 2.0), 2: (10, 8.0)}.items():
         shards[shard].insert("p", {"key": torch.arange(rows, dtype=torch.int64) + 1000 * shard},
                              priorities=torch.full((rows,), priority))
 
-    def drawn() -> int:
-        return sum(c.info()["p"].counters["sampled"] for c in shards.values())
+    def sampled() -> dict[int, int]:
+        return {s: c.info()["p"].counters["sampled"] for s, c in shards.items()}
 
-    before = drawn()
+    before = sampled()
     with sharded(trio) as client:
-        stream = client.stream("p", 32, prefetch=3)
+        stream = client.stream("p", 32, prefetch=3, batches_per_message=1)
         batches = [next(stream).ids.clone() for _ in range(2)]
-        # taken 2 (holding the second), so at most 2 + 3 batches were drawn, and soon exactly that
-        assert wait_for(lambda: drawn() - before == 5 * 32)
-        assert stays(lambda: drawn() - before == 5 * 32, seconds=0.5)
+        notes = "; ".join(stream.stats.notes)
+        chunk, window = 11, 15  # 32 rows over 3 shards; (3 + 2) * 32 / 11 chunks in flight
+        assert f"chunks of {chunk} rows (window {window} chunks" in notes, notes
+        # Each shard runs at most its window of chunks ahead of what the merge took: the learner
+        # holds 2 merged batches (+ 3 ahead), so the shards drew at most that plus their windows.
+        last: list[dict[int, int]] = [{}]
+
+        def unchanged() -> bool:  # two polls 0.2 s apart agree: every window is full
+            now, previous = sampled(), last[0]
+            last[0] = now
+            return now == previous and all(now[s] > before[s] for s in shards)
+
+        assert wait_for(unchanged, interval=0.2)
+        settled = last[0]
+        assert stays(lambda: sampled() == settled, seconds=0.5)  # the windows hold: no more
+        taken_rows = (2 + 3) * 32
+        assert sum(settled[s] - before[s] for s in shards) <= taken_rows + 3 * window * chunk
         batches += [b.ids.clone() for _, b in zip(range(6), stream)]
         stream.close()
     ids = torch.cat(batches)
     assert set((ids >> 56).tolist()) == {0, 1, 2}
-    assert "over 3 shards" in "; ".join(stream.stats.notes)
 
-    # Grouped: 8 batches in 2 rounds of 4, so each shard answered at most 2 sample calls.
-    calls = {s: c.info()["p"].counters["sample_calls"] for s, c in shards.items()}
+    # Small rows are grouped on each shard's stream (as on one server): few messages per chunk.
     with sharded(trio) as client:
-        grouped = [b.ids.clone() for b in client.stream("p", 32, batches_per_message=4,
-                                                        num_batches=8)]
-    assert [len(b) for b in grouped] == [32] * 8
-    assert all(c.info()["p"].counters["sample_calls"] - calls[s] <= 2 for s, c in shards.items())
+        grouped = client.stream("p", 32, num_batches=8)
+        assert [len(b.ids) for b in grouped] == [32] * 8
+    assert "batches_per_message=" in "; ".join(grouped.stats.notes)
 
 
 # --------------------------------------------------------------------- faults
@@ -447,3 +479,83 @@ def test_deletes_go_to_each_ids_shard_and_queues_are_not_sampled_over_shards(tri
         client.sample("q", 4)
     assert client.info()["q"].size == 15  # nothing was taken
     client.close()
+
+
+# --------------------------------------------------------- following the cluster
+
+
+def test_a_fourth_server_under_the_name_joins_without_a_client_restart(trio, shards,
+                                                                       tmp_path) -> None:
+    """A StatefulSet scaled from 3 to 4: the name resolves to one more address; the client,
+    resolving again on its interval, inserts into and samples from the new shard, and a
+    stream opened before the scale-up takes it in too."""
+    names = [p.address for p in trio]
+
+    def resolver(host: str, port: int) -> list[str]:
+        assert (host, port) == ("replay-server.replay.svc", 50051)
+        return list(names)
+
+    fourth = start_server(tmp_path, shard_config(3), name="shard3")
+    try:
+        with ReplayClient("shards://replay-server.replay.svc:50051", resolver=resolver,
+                          resolve_interval_s=0.2, seed=5) as client:
+            for _ in range(6):
+                client.insert("u", {"key": torch.arange(10, dtype=torch.int64)})
+            assert sorted(client.shards) == [0, 1, 2]
+            stream = client.stream("u", 16, batches_per_message=1)
+            next(stream)
+            names.append(fourth.address)  # the fourth pod is ready: the name gives it
+            assert wait_for(lambda: sorted(client.shards) == [0, 1, 2, 3], timeout=10)
+            ids = torch.cat([client.insert("u", {"key": torch.arange(10, dtype=torch.int64)})
+                             for _ in range(8)])
+            assert 3 in set((ids >> 56).tolist())  # inserts reach it...
+            assert wait_for(lambda: 3 in set((client.sample("u", 64).ids >> 56).tolist()))
+            assert wait_for(lambda: 3 in set((next(stream).ids >> 56).tolist()))  # ...the stream too
+            stream.close()
+    finally:
+        fourth.stop()
+
+
+def test_a_degraded_client_starts_with_a_server_down_and_takes_it_when_it_comes(
+        trio, shards, tmp_path) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port no one listens on yet
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    addresses = [p.address for p in trio] + [f"127.0.0.1:{port}"]
+    with pytest.raises(UnavailableError, match=f"127.0.0.1:{port}"):
+        ReplayClient(addresses, max_retry_s=0.3).info()  # strict: every server must answer
+    client = ReplayClient(addresses, allow_degraded=True, resolve_interval_s=0.2)
+    try:
+        client.insert("u", {"key": torch.arange(4, dtype=torch.int64)})
+        assert sorted(client.shards) == [0, 1, 2]
+        late = start_server(tmp_path, shard_config(3), name="late", port=port)
+        try:
+            assert wait_for(lambda: sorted(client.shards) == [0, 1, 2, 3], timeout=20)
+            ids = torch.cat([client.insert("u", {"key": torch.arange(4, dtype=torch.int64)})
+                             for _ in range(8)])
+            assert 3 in set((ids >> 56).tolist())
+        finally:
+            late.stop()
+    finally:
+        client.close()
+
+
+def test_a_shard_the_name_no_longer_gives_is_down(trio, shards) -> None:
+    names = [p.address for p in trio]
+    client = ReplayClient("shards://replay:50051", resolver=lambda h, p: list(names),
+                          allow_degraded=True, resolve_interval_s=0.2)
+    try:
+        client.insert("u", {"key": torch.arange(4, dtype=torch.int64)})
+        gone = next(s for s, a in client.shards.items() if a == names[-1])
+        names.pop()  # scaled down: that pod is gone from the name
+        assert wait_for(lambda: client.info() and gone in client.shard_stats().down, timeout=10)
+        ids = torch.cat([client.insert("u", {"key": torch.arange(4, dtype=torch.int64)})
+                         for _ in range(6)])
+        assert gone not in set((ids >> 56).tolist())  # down: left out, though it would answer
+        names.append(trio[-1].address)  # scaled up again
+        assert wait_for(lambda: client.info() and gone not in client.shard_stats().down,
+                        timeout=10)
+    finally:
+        client.close()

@@ -268,3 +268,22 @@ def test_a_bad_tls_file_stops_the_server_at_start(pki, tmp_path) -> None:
     result = _cli("serve", "--config", str(config))
     assert result.returncode == 2, result.stderr
     assert "are not a PEM certificate chain and its private key" in result.stderr
+
+
+@pytest.mark.parametrize("days, why", [((-30, -1), "has expired"),
+                                       ((1, 30), "is not valid yet")])
+def test_an_expired_server_certificate_stops_the_server_at_start(pki, tmp_path, days,
+                                                                   why) -> None:
+    """Issue 23, finding 10: an expired certificate was accepted at start; every client's
+    handshake then failed with gRPC's generic errors."""
+    from tests.certs import Authority
+
+    pem = Authority(tmp_path, "dated CA").server("dated", valid_days=days)
+    config = tmp_path / "dated.toml"
+    config.write_text(f'[server]\naddress = "127.0.0.1:0"\ntls_cert_file = "{pem.cert}"\n'
+                      f'tls_key_file = "{pem.key}"\n' + TABLES)
+    result = _cli("serve", "--config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert f"server.tls_cert_file '{pem.cert}': the certificate {why} (valid from " in (
+        result.stderr)
+    assert "Traceback" not in result.stderr

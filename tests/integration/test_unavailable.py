@@ -292,6 +292,19 @@ def test_unpickled_client_inserts_from_a_spawned_process(served) -> None:
     assert (batch.data["obs"] == 5.0).all()
 
 
+@pytest.mark.parametrize("address, why", [
+    ("", "the address is empty"),
+    ("localhost:99999", "not a number from 0 to 65535"),
+    ("localhost:0", "port 0 names no server"),
+])
+def test_an_address_no_server_can_have_is_refused_at_construction(address: str, why: str) -> None:
+    # Before: "" raised InternalError at the first call, and port 99999 silently dialed
+    # port 99999 % 65536 (another server, possibly).
+    with pytest.raises(errors.InvalidArgumentError) as info:
+        ReplayClient(address)
+    assert why in str(info.value)
+
+
 def test_an_address_without_a_port_means_the_default_port_never_443() -> None:
     assert ReplayClient("localhost", timeout=1).address == "localhost:50051"
     with pytest.raises(errors.InvalidArgumentError, match="'localhost:http'"):

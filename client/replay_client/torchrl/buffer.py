@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from replay_client.api import ReplayApi
 from replay_client.client import ReplayClient
 from replay_client.connection import CLIENT_TIMEOUT
 from replay_client.errors import (
@@ -83,7 +84,8 @@ class RemoteReplayBuffer:
     """TorchRL's ``TensorDict(Prioritized)ReplayBuffer`` interface over one server table.
 
     Args:
-        client: a :class:`~replay_client.ReplayClient`, or the server's ``host:port``.
+        client: a replay client (:class:`~replay_client.api.ReplayApi`: one server's; a
+            sharded one refuses reads and writes by position), or the server's ``host:port``.
         table: the table's name (its config decides capacity and sampler).
         storage, sampler, writer: TorchRL's objects, checked against the table
             (:mod:`~replay_client.torchrl.components`); ``None``: the table's.
@@ -115,7 +117,7 @@ class RemoteReplayBuffer:
         UnknownTableError: no such table.
     """
 
-    def __init__(self, client: ReplayClient | str, table: str, *, storage: Any = None,
+    def __init__(self, client: ReplayApi | str, table: str, *, storage: Any = None,
                  sampler: Any = None, writer: Any = None, batch_size: int | None = None,
                  priority_key: str = "td_error", alpha: float | None = None,
                  beta: float | None = None, transform: Callable | None = None,

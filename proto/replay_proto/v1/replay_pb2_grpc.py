@@ -141,12 +141,16 @@ class ReplayServiceServicer:
         Client messages: the first carries `request` and `credits` (the prefetch
         window: how many batches may be in flight or buffered at the client);
         every later one grants more `credits` (one per batch the learner has
-        taken) or answers a shared-memory offer; any other message (malformed,
-        negative credits, a second `request`) ends the stream with
-        INVALID_ARGUMENT. The server sends a batch only
+        taken, or more to widen the window over a slow link), carries the
+        priority updates made since (`update`, applied before its credits
+        count), changes `batches_per_message`, or answers a shared-memory offer;
+        any other message (malformed, negative credits, a second `request`)
+        ends the stream with INVALID_ARGUMENT. The server sends a batch only
         while batches sent < credits granted, so it never runs more than the
         window ahead of the learner and each batch is drawn as late as possible
-        (it sees every priority update made before it was drawn).
+        (it sees every priority update sent before the credit that allowed it).
+        On a shared-memory ring the window cannot widen: a client grants one
+        credit per batch taken there.
 
         Server messages, per group of batch_count >= 1 consecutive batches (drawn
         at once: at most batches_per_message, only as many as fit a 4 MiB message

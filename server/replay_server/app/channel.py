@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from replay_proto.addresses import DEFAULT_ADDRESS, is_loopback
+from replay_proto.addresses import DEFAULT_ADDRESS, token_may_travel
 from replay_proto.call_metadata import request_bytes_metadata
 from replay_server.errors import ConfigError
 
@@ -83,7 +83,8 @@ def call_metadata(args: argparse.Namespace, request_bytes: int = 0
     token = os.environ.get(args.token_env) if args.token_env else None
     if not token:
         return empty
-    if not uses_tls(args) and not args.allow_plaintext_token and not is_loopback(args.address):
+    if not token_may_travel(args.address, tls=uses_tls(args),
+                            plaintext_allowed=args.allow_plaintext_token):
         raise ConfigError(
             f"refusing to send the token in ${args.token_env} to {args.address} without TLS, "
             f"where it can be read on the network: pass --tls-ca FILE (or --tls), or "

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from replay_proto.addresses import AddressError, with_port
 from replay_server.app.channel import add_channel_flags
-from replay_server.errors import ConfigError
+from replay_server.errors import ConfigError, InsufficientMemoryError, RestoreError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -185,12 +185,20 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(args.run(args))
-    except ConfigError as exc:
-        print(f"replay-server: configuration error: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # exit 2: the server does not start; say what kind of problem
+        print(f"replay-server: {_heading(exc)}: {exc}", file=sys.stderr)
         return 2
     except CommandError as exc:
         print_error(str(exc))
         return 1
+
+
+def _heading(exc: ConfigError) -> str:
+    if isinstance(exc, InsufficientMemoryError):
+        return "not enough memory or disk space"
+    if isinstance(exc, RestoreError):
+        return "cannot restore the checkpoints"
+    return "configuration error"
 
 
 if __name__ == "__main__":

@@ -27,13 +27,19 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+
 from replay_feed.core import FeedCore
-from replay_feed.delivery import resolve_delivery
+from replay_feed.credits import CreditFlow, PriorityUpdate
+from replay_feed.link import drawn_here
+from replay_feed.source import LinkSource
+from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
+from replay_server.engine.inputs import update_values
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
 from replay_server.errors import (
@@ -48,52 +54,58 @@ from replay_server.service.settings import ServerSettings
 log = logging.getLogger("replay_server")
 
 
-class TableSource:
-    """Produces a feed's batches by sampling a table in this process (no sockets, no codec).
+class TableLink:
+    """A table in this process as a :class:`~replay_feed.link.Link`: no sockets, no codec.
 
-    A sample the table's rate limiter holds back, or (``wait``) one from an
-    empty table, waits for the table to change
-    (:attr:`Table.changes <replay_server.engine.table.Table.changes>`), then
-    tries again, until it passes or the stream stops.
+    One endless call: it draws a batch whenever the learner's credits allow
+    (its grants applied as they come: priority updates before the next draw),
+    gathering rows straight into the feed's staging buffers (a device
+    table's batch stays on its device). A sample the table's rate limiter
+    holds back, or (``wait``) one from an empty table, waits for the table to
+    change (:attr:`Table.changes <replay_server.engine.table.Table.changes>`),
+    at most ``wait_timeout`` seconds, then tries again, until it passes or the
+    stream stops.
 
     Args:
         table: the table.
         batch_size: rows (or slices) per batch.
-        num_batches: batches in all (0: until the learner stops).
+        staging: the feed's staging buffers of batch ``k`` (``staging(k, layout)``).
         wait: wait while the table is empty (``False``: raise EmptyTableError).
+        wait_timeout: seconds one batch may wait (``None``: no limit); then the
+            stream ends with :class:`RateLimitedError` (DEADLINE_EXCEEDED over gRPC).
     """
 
-    def __init__(self, table: Table, batch_size: int, num_batches: int = 0,
-                 wait: bool = True) -> None:
+    transport = "in_process"
+
+    def __init__(self, table: Table, batch_size: int,
+                 staging: Callable[[int, Any], list[torch.Tensor]], *, wait: bool = True,
+                 wait_timeout: float | None = None) -> None:
         self.table = table
         self.batch_size = batch_size
-        self.num_batches = num_batches
+        self._staging = staging
         self.wait = wait
+        self.wait_timeout = wait_timeout
         self._stopped = threading.Event()
 
-    def run(self, core: FeedCore) -> None:
-        core.stats.transport = "in_process"
-        credits = core.prefetch
-        index = 0
-        while not self._stopped.is_set() and (not self.num_batches or index < self.num_batches):
-            while credits == 0:
-                credits += core.wait_credits()
-                if core.stopping.is_set():
-                    return
-            # A device table gathers on its device into new tensors: no host staging.
-            layout = {} if self.table.config.on_device else self.table.batch_layout(
-                self.batch_size)
-            buffers = core.staging(index, tuple(layout.values())) if layout else []
-            batch = self._sample(dict(zip(layout, buffers)) if layout else None)
-            if batch is None:
-                return
-            core.deliver(index, batch)
-            index += 1
-            credits -= 1
+    def call(self, flow: CreditFlow, credits: int, updates: list[PriorityUpdate],
+             remaining: int, first: int) -> Iterator[SampleBatch]:
+        return drawn_here(flow, credits, updates, remaining, first, apply=self._apply,
+                          draw=self._draw, stopped=self._stopped.is_set)
+
+    def _draw(self, index: int) -> SampleBatch | None:
+        # A device table gathers on its device into new tensors: no host staging.
+        layout = {} if self.table.config.on_device else self.table.batch_layout(self.batch_size)
+        buffers = self._staging(index, tuple(layout.values())) if layout else []
+        return self._sample(dict(zip(layout, buffers)) if layout else None)
+
+    def _apply(self, updates: list[PriorityUpdate]) -> None:
+        for update in updates:
+            self.table.update_priorities(update.ids, update.priorities)
 
     def _sample(self, out: dict | None) -> SampleBatch | None:
         """One batch; while the rate limiter holds it back, wait for a change (None: stopped)."""
         changes = self.table.changes
+        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
         while True:
             mark = changes.mark()  # before the stop check: a stop after it wakes the wait below
             if self._stopped.is_set():
@@ -101,34 +113,57 @@ class TableSource:
             try:
                 return self.table.sample(self.batch_size, out=out)
             except RateLimitedError:
-                changes.wait(mark)
-            except EmptyTableError:
+                if not self._wait_for_change(mark, deadline):
+                    raise
+            except EmptyTableError as exc:
                 if not self.wait:
                     raise
-                changes.wait(mark)
+                if not self._wait_for_change(mark, deadline):
+                    raise RateLimitedError(
+                        f"{exc}; waited for data {self.wait_timeout} s", table=self.table.name,
+                        operation="sample", count=self.batch_size) from None
+
+    def _wait_for_change(self, mark: tuple[int, int], deadline: float | None) -> bool:
+        """Wait for the table to change; False once ``deadline`` has passed."""
+        if deadline is None:
+            self.table.changes.wait(mark)
+            return True
+        left = deadline - time.monotonic()
+        return left > 0 and (self.table.changes.wait(mark, left) or time.monotonic() < deadline)
 
     def stop(self) -> None:
         self._stopped.set()
         self.table.changes.wake()
 
+    def close(self) -> None:
+        pass
 
-def stream_table(
-    table: Table, batch_size: int, *, prefetch: int = 2, device: Any = None,
-    pin_memory: bool | str = "auto", transform: Callable[[SampleBatch], Any] | None = None,
-    num_batches: int = 0, wait: bool = True,
-) -> BatchStream:
-    """A learner's stream over an in-process table (arguments as ``ReplayClient.stream``).
+
+def stream_table(table: Table, batch_size: int, options: StreamOptions | None = None,
+                 **keywords: Any) -> BatchStream:
+    """A learner's stream over an in-process table (options as ``ReplayClient.stream``: one
+    :class:`~replay_feed.options.StreamOptions`). ``prefetch`` defaults to 2; a connection's
+    options (``reconnect``, ``shared_memory``, ``batches_per_message``) have nothing to act
+    on in process.
 
     Raises:
         InvalidArgumentError: a bad option (e.g. ``pin_memory=True`` without an accelerator).
     """
-    try:
-        core = FeedCore(prefetch, resolve_delivery(device, pin_memory), transform)
-    except ValueError as exc:
-        raise InvalidArgumentError(str(exc)) from None
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    return BatchStream(core, TableSource(table, batch_size, num_batches, wait), table.name)
+    try:
+        opts = StreamOptions.build(options, **keywords)
+        core = FeedCore(opts.prefetch or 2, opts.delivery(), opts.transform)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+    link = TableLink(table, batch_size, core.staging, wait=opts.wait,
+                     wait_timeout=opts.wait_timeout)
+    def check_update(ids: Any, priorities: Any) -> PriorityUpdate:
+        return PriorityUpdate(*update_values(ids, priorities, table.name))
+
+    source = LinkSource(link, check_update=check_update, num_batches=opts.num_batches,
+                        reconnect=False, name=table.name)
+    return BatchStream(core, source, table.name)
 
 
 class EmbeddedServer:
@@ -192,13 +227,14 @@ class EmbeddedServer:
         host = self.settings.address.rsplit(":", 1)[0]
         return f"{host}:{self._server.port}"
 
-    def stream(self, table: str, batch_size: int, **options: Any) -> BatchStream:
+    def stream(self, table: str, batch_size: int, options: StreamOptions | None = None,
+               **keywords: Any) -> BatchStream:
         """Batches sampled in this process; options as ``ReplayClient.stream`` (see :func:`stream_table`).
 
         Raises:
             UnknownTableError: no such table.
         """
-        return stream_table(self.tables[table], batch_size, **options)
+        return stream_table(self.tables[table], batch_size, options, **keywords)
 
     def close(self, grace: float = 5.0) -> None:
         """Stop serving (in-flight calls get ``grace`` seconds); tables stay readable. Idempotent."""

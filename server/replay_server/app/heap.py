@@ -15,9 +15,11 @@ server's system time.
 process: blocks under :data:`MMAP_THRESHOLD_BYTES` come from the heap, and
 up to :data:`TRIM_THRESHOLD_BYTES` of freed heap stays mapped for the next
 request. Cost: at most that much memory the process has used and freed stays
-resident (it is reused by the next large request, never grown past). Only
-``replay-server serve`` calls it: an embedded server shares the user's
-process, whose allocator is the user's business.
+resident (it is reused by the next large request, never grown past). Under
+an address-space limit (``ulimit -v``) it also caps glibc's heap arenas
+(:data:`ARENAS_UNDER_ADDRESS_LIMIT`). Only ``replay-server serve`` calls
+it: an embedded server shares the user's process, whose allocator is the
+user's business.
 
 Thread-safety: call once at start, before the server's threads exist.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import resource
 import sys
 
 MMAP_THRESHOLD_BYTES = 32 << 20
@@ -36,6 +39,11 @@ TRIM_THRESHOLD_BYTES = 128 << 20
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+ARENAS_UNDER_ADDRESS_LIMIT = 2
+"""glibc heaps (arenas) kept when the address space is limited: each new thread's arena
+otherwise maps 64 MiB, which under ``ulimit -v`` runs out long before memory does."""
 
 log = logging.getLogger("replay_server")
 
@@ -55,6 +63,10 @@ def keep_request_buffers() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
+    if resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY:
+        if mallopt(_M_ARENA_MAX, ARENAS_UNDER_ADDRESS_LIMIT) == 1:
+            log.info("address space limited (ulimit -v): at most %d heap arenas",
+                     ARENAS_UNDER_ADDRESS_LIMIT)
     applied = (mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
                and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1)
     if not applied:

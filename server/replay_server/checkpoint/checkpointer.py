@@ -96,6 +96,9 @@ class Checkpointer:
         ``variables``: the named variables, saved with the tables. A caller
         sharing a write that another caller started gets that write.
 
+        A checkpoint written without some part (:attr:`CheckpointResult.failed`)
+        is returned like any other, and logged at ERROR naming the parts.
+
         Raises:
             CheckpointWriteError: the write failed (every caller sharing it gets the error).
         """
@@ -126,6 +129,8 @@ class Checkpointer:
                      reason, outcome.path, len(outcome.tables), outcome.nbytes / 1e6,
                      outcome.seconds, outcome.gb_per_s,
                      f"; removed {len(outcome.removed)} older" if outcome.removed else "")
+            if outcome.failed:
+                log.error("checkpoint (%s) %s", reason, partial_message(outcome))
         with self._cond:
             self._running = False
             self._outcomes[wanted] = outcome
@@ -144,3 +149,10 @@ class Checkpointer:
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
+
+
+def partial_message(result: CheckpointResult) -> str:
+    """What a checkpoint written without some parts lacks, for logs and errors."""
+    missing = "; ".join(f"{part.describe()} ({part.error})" for part in result.failed)
+    return (f"{result.path} was written without {missing}; every other part is saved, and a "
+            f"restore takes the missing ones from an older checkpoint")

@@ -14,11 +14,19 @@ leftovers of interrupted writes: removed at start and after each checkpoint.
 
 Pruning keeps every checkpoint from the ``keep_latest``-th newest *verified*
 one on: verified are the checkpoint the server restored from and those it
-wrote and read back. So a damaged or unreadable checkpoint never costs an
-older good one its place, and a server that started empty (by the
+wrote complete and read back. So a damaged or unreadable checkpoint never
+costs an older good one its place, and a server that started empty (by the
 operator's choice) removes nothing until it has written ``keep_latest``
-checkpoints of its own. Checkpoints found damaged at start are never
-removed: they are left for the operator (the start-up log names them).
+checkpoints of its own. A checkpoint written without some part (a *partial*
+one, see :mod:`~replay_server.checkpoint.writer`) never counts as verified;
+it is removed once a newer one holds everything it holds (a newer verified
+one, or a newer partial one missing no part it has).
+
+Checkpoints found damaged at start are never removed: they are left for the
+operator (the start-up log names them), and a ``DAMAGED`` file written into
+each (its reason inside) keeps them so across restarts, when a newer
+checkpoint restores and the damaged one is not looked at again. Delete that
+file after repairing one.
 
 Files and directories are created owner-only (0600 and 0700): a checkpoint
 holds the replay data, which other local users must not read.
@@ -49,6 +57,8 @@ log = logging.getLogger("replay_server.checkpoint")
 _COMPLETE_NAME = re.compile(r"^ckpt-(\d{8}T\d{6}\.\d{3}Z)-(\d{6,})$")
 _TEMP_NAME = re.compile(r"^ckpt-(\d{8}T\d{6}\.\d{3}Z)-(\d{6,})\.tmp$")
 LOCK_NAME = "LOCK"
+DAMAGED_NAME = "DAMAGED"
+"""Written into a checkpoint found damaged at start: pruning never removes it."""
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -79,6 +89,7 @@ class CheckpointDirectory:
         self.path = Path(path).absolute()
         self._lock_fd: int | None = None
         self._verified: set[Path] = set()
+        self._partial: dict[Path, frozenset[str]] = {}  # path -> the parts it lacks
         self._damaged: set[Path] = set()
 
     def open(self) -> None:
@@ -165,9 +176,28 @@ class CheckpointDirectory:
         """``path`` is known good: restored from, or written and read back."""
         self._verified.add(path)
 
-    def mark_damaged(self, path: Path) -> None:
-        """``path`` was found damaged at start: pruning leaves it for the operator."""
+    def mark_partial(self, path: Path, missing: set[str] | frozenset[str]) -> None:
+        """``path`` is good but lacks the parts ``missing`` (written without them)."""
+        self._partial[path] = frozenset(missing)
+
+    def mark_damaged(self, path: Path, reason: str = "") -> None:
+        """``path`` was found damaged at start: pruning leaves it for the operator, in this
+        run and the next ones (a ``DAMAGED`` file says why; failing to write it is logged)."""
         self._damaged.add(path)
+        try:
+            fd = os.open(path / DAMAGED_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, f"found damaged at start: {reason}\n".encode()[:65536])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.warning("could not mark %s as damaged (%s): it is kept while this server "
+                        "runs, but a later one may prune it", path, exc.strerror or exc)
+
+    def is_damaged(self, path: Path) -> bool:
+        """Whether ``path`` was found damaged, by this server or an earlier one."""
+        return path in self._damaged or (path / DAMAGED_NAME).exists()
 
     def prune(self, keep_latest: int) -> list[Path]:
         """Remove checkpoints older than the ``keep_latest``-th newest verified one, and
@@ -180,9 +210,14 @@ class CheckpointDirectory:
         old: list[Path] = []
         if len(verified) >= keep_latest:
             oldest_kept = verified[-keep_latest].sequence
-            old = [ref.path for ref in complete
-                   if ref.sequence < oldest_kept and ref.path not in self._damaged]
+            old = [ref.path for ref in complete if ref.sequence < oldest_kept]
+        old += [ref.path for ref in complete
+                if ref.path in self._partial and ref.path not in old
+                and self._superseded(ref, complete)]
+        old = [path for path in old if not self.is_damaged(path)]
         self._verified.difference_update(old)
+        for path in old:
+            self._partial.pop(path, None)
         removed = old + self.temporaries()
         for path in removed:
             self.discard(path)
@@ -192,6 +227,14 @@ class CheckpointDirectory:
             except OSError as exc:
                 log.warning("could not fsync %s: %s", self.path, exc)
         return removed
+
+    def _superseded(self, partial: CheckpointRef, complete: list[CheckpointRef]) -> bool:
+        """Whether a newer checkpoint holds every part ``partial`` holds."""
+        missing = self._partial[partial.path]
+        return any(ref.sequence > partial.sequence and (
+            ref.path in self._verified
+            or (ref.path in self._partial and self._partial[ref.path] <= missing))
+            for ref in complete)
 
     def _entries(self) -> list[Path]:
         try:

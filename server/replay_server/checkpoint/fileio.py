@@ -7,8 +7,10 @@ checkpoint being written costs request threads little beyond CPU time.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -26,6 +28,67 @@ up gigabytes of dirty pages that stall the whole machine when they are flushed."
 
 class RestoreCancelled(Exception):
     """A restore was cancelled (the server was told to stop while loading)."""
+
+
+MISSING = {errno.ENOENT, errno.ENOTDIR, errno.ELOOP}
+"""Errors opening a checkpoint file that mean it is not there: damage."""
+
+
+def open_regular(path: Path, name: str) -> int:
+    """A read-only descriptor of the regular file at ``path`` (``name``: how messages call it).
+
+    Opened without blocking, so a FIFO or a device in a file's place cannot
+    hang the restore (opening a FIFO waits for a writer), then refused.
+
+    Raises:
+        CorruptCheckpointError: the file is missing, or is not a regular file.
+        OSError: it could not be opened for another reason (no descriptors left,
+            permissions): not damage, the caller decides.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in MISSING:
+            raise CorruptCheckpointError(f"cannot open {name}: {exc.strerror}") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise CorruptCheckpointError(
+                f"{name} is not a regular file (a {_file_kind(mode)}): refused unread")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_small(path: Path, name: str, limit: int) -> bytes:
+    """The whole regular file at ``path``, at most ``limit`` bytes (see :func:`open_regular`).
+
+    Raises:
+        CorruptCheckpointError: missing, not a regular file, or larger than ``limit``.
+        OSError: see :func:`open_regular`.
+    """
+    fd = open_regular(path, name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise CorruptCheckpointError(f"{name} is {size} bytes, more than the {limit} a "
+                                         f"checkpoint writes")
+        with open(fd, "rb", closefd=False) as file:
+            return file.read(limit + 1)
+    finally:
+        os.close(fd)
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISDIR, "directory"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return kind
+    return "special file"
 
 
 def as_bytes(array: np.ndarray) -> np.ndarray:
@@ -102,12 +165,9 @@ class VerifiedReader:
     def __init__(self, root: Path, entry: FileEntry, cancel: threading.Event | None = None) -> None:
         self.entry = entry
         self._cancel = cancel
-        path = root / entry.name
-        try:
-            self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by finish/close
-        except OSError as exc:
-            raise CorruptCheckpointError(f"cannot open {entry.name}: {exc.strerror}") from None
-        size = os.fstat(self._file.fileno()).st_size
+        fd = open_regular(root / entry.name, entry.name)
+        self._file = open(fd, "rb", buffering=0)  # noqa: SIM115 - closed by finish/close
+        size = os.fstat(fd).st_size
         if size != entry.nbytes:
             self._file.close()
             raise CorruptCheckpointError(

@@ -12,7 +12,8 @@ One checkpoint is one directory::
                               checkpoint.variables_part; older checkpoints lack it)
 
 ``manifest.json`` records the format version, the server version and the
-time, and per table: its config, schema, the rows saved and where they go,
+time, the parts that could not be written (``failed_parts``: a table or the
+variables, with the error; absent when every part was), and per table: its config, schema, the rows saved and where they go,
 the state tree (statecodec), and every file's name, size and sha256.
 
 Parsing is strict: anything missing or of the wrong type is a
@@ -114,6 +115,22 @@ class VariablesEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class FailedPart:
+    """A part a checkpoint was written without: ``kind`` ``"table"`` (``name`` the table's)
+    or ``"variables"``, and the error that kept it out."""
+
+    kind: str
+    name: str
+    error: str
+
+    def describe(self) -> str:
+        return f"table {self.name!r}" if self.kind == "table" else "the named variables"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "name": self.name, "error": self.error}
+
+
+@dataclass(frozen=True, slots=True)
 class Manifest:
     """Everything a checkpoint holds. See the module docstring."""
 
@@ -124,6 +141,14 @@ class Manifest:
     tables: tuple[TableEntry, ...]
     format_version: int = FORMAT_VERSION
     variables: VariablesEntry | None = None
+    failed: tuple[FailedPart, ...] = ()
+    """Parts that could not be written (the rest was): restore takes them from an older
+    checkpoint (see :mod:`~replay_server.checkpoint.reader`)."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether every part was written."""
+        return not self.failed
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +162,7 @@ class Manifest:
             "created_unix": self.created_unix, "sequence": self.sequence,
             "byteorder": "little", "tables": [t.to_json() for t in self.tables],
             **({} if self.variables is None else {"variables": self.variables.to_json()}),
+            **({"failed_parts": [f.to_json() for f in self.failed]} if self.failed else {}),
         }, indent=1, allow_nan=False).encode()
 
     @classmethod
@@ -172,6 +198,7 @@ class Manifest:
             tables=entries,
             format_version=version,
             variables=_variables(doc["variables"]) if "variables" in doc else None,
+            failed=_failed(doc.get("failed_parts", [])),
         )
 
 
@@ -235,6 +262,22 @@ def _variables(doc: Any) -> VariablesEntry:
         raise CorruptCheckpointError(
             f"{MANIFEST}: variables: file name {entry.file.name!r} is not allowed")
     return entry
+
+
+def _failed(doc: Any) -> tuple[FailedPart, ...]:
+    if not isinstance(doc, list):
+        raise CorruptCheckpointError(f"{MANIFEST}: failed_parts is not a list")
+    parts = []
+    for i, item in enumerate(doc):
+        where = f"failed_parts[{i}]"
+        if not isinstance(item, dict):
+            raise CorruptCheckpointError(f"{MANIFEST}: {where} is not an object")
+        part = FailedPart(_get(item, "kind", str, where), _get(item, "name", str, where),
+                          _get(item, "error", str, where))
+        if part.kind not in ("table", "variables"):
+            raise CorruptCheckpointError(f"{MANIFEST}: {where}: unknown kind {part.kind!r}")
+        parts.append(part)
+    return tuple(parts)
 
 
 def _file(doc: Any, where: str) -> FileEntry:

@@ -17,9 +17,21 @@ Rules, newest checkpoint (by sequence number) first:
   and why (:class:`~replay_server.errors.RestoreError`), unless the operator
   opted in to start empty (``start_empty``), which keeps them on disk.
 * Tables the config declares but the checkpoint lacks start empty.
+* A checkpoint written without some part (its ``failed_parts``: a table or
+  the named variables, see :mod:`~replay_server.checkpoint.writer`) is
+  restored, and each missing part is taken from the newest older checkpoint
+  that holds it (tables share no invariant); with none, it starts empty. A
+  WARNING names the part and where it came from.
+* Every file is opened without blocking and must be a regular file: a FIFO
+  or a device in a file's place is damage, refused unread (opening a FIFO
+  would wait for a writer for ever). A file that cannot be opened for
+  another reason (no descriptors left, permissions) is not damage: the
+  server does not start (:class:`~replay_server.errors.RestoreError`), as
+  for any failure that is not damage.
 
-The checkpoint restored from is marked verified in its directory, the
-damaged ones damaged: pruning never removes a checkpoint unless newer
+The checkpoint restored from is marked verified in its directory (partial,
+if parts were missing), the damaged ones damaged (a ``DAMAGED`` file in
+each, so later starts keep them too): pruning never removes a checkpoint unless newer
 verified ones take its place, and never removes a damaged one
 (:meth:`~replay_server.checkpoint.directory.CheckpointDirectory.prune`).
 
@@ -30,6 +42,7 @@ storage (no second copy in memory), checked against their sha256 as they go.
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -42,11 +55,17 @@ from typing import Any
 import numpy as np
 
 from replay_server.checkpoint.directory import CheckpointDirectory, CheckpointRef
-from replay_server.checkpoint.fileio import RestoreCancelled, VerifiedReader, read_file
+from replay_server.checkpoint.fileio import (
+    RestoreCancelled,
+    VerifiedReader,
+    read_file,
+    read_small,
+)
 from replay_server.checkpoint.manifest import (
     COMPLETE,
     MANIFEST,
     CorruptCheckpointError,
+    FailedPart,
     Manifest,
     NewerFormatError,
     TableEntry,
@@ -61,11 +80,15 @@ from replay_server.errors import (
     RestoreError,
 )
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
+from replay_server.engine.table import Table
 from replay_server.engine.table_state import check_saved_config
 from replay_server.engine.table_set import TableSet
 from replay_server.engine.variables import VariableStore
 
 log = logging.getLogger("replay_server.checkpoint")
+
+MAX_MANIFEST_BYTES = 256 << 20
+"""A manifest larger than this is damage (one holds a few bytes per table, state and file)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +109,11 @@ def read_manifest(path: Path) -> Manifest:
         CorruptCheckpointError: incomplete, or the manifest is damaged.
         NewerFormatError: written in a format this server cannot read.
     """
-    try:
-        marker = (path / COMPLETE).read_bytes()
-    except FileNotFoundError:
+    if not (path / COMPLETE).exists():
         raise CorruptCheckpointError(
             f"no {COMPLETE} marker: the checkpoint was never finished") from None
-    try:
-        data = (path / MANIFEST).read_bytes()
-    except OSError as exc:
-        raise CorruptCheckpointError(f"cannot read {MANIFEST}: {exc.strerror}") from None
+    marker = read_small(path / COMPLETE, COMPLETE, 1024)
+    data = read_small(path / MANIFEST, MANIFEST, MAX_MANIFEST_BYTES)
     check_complete_marker(marker, data)
     return Manifest.from_json(data)
 
@@ -119,23 +138,33 @@ def load_checkpoint(
             f"it holds table(s) {unknown} which the config does not declare (tables: "
             f"{tables.names})")
     for entry in manifest.tables:
-        table = tables[entry.name]
-        blob = read_file(path, entry.state_file, cancel)
-        try:
-            state = decode_state(entry.state, blob)
-        except StateFormatError as exc:
-            raise CorruptCheckpointError(f"table {entry.name!r}: {exc}") from None
-        if not isinstance(state, dict) or state.get("columns") != {}:
-            raise CorruptCheckpointError(f"table {entry.name!r}: the saved state is malformed")
-        try:
-            next_id = int(state["ring"]["next_id"])
-        except (KeyError, TypeError, ValueError):
-            raise CorruptCheckpointError(
-                f"table {entry.name!r}: the saved state has no id counters") from None
-        table.load_state_dict(state, read_rows=partial(_read_rows, path, entry, next_id, cancel))
+        load_table(path, entry, tables[entry.name], cancel)
     if variables is not None and manifest.variables is not None:
         read_variables(path, manifest.variables, variables, cancel)
     return manifest
+
+
+def load_table(path: Path, entry: TableEntry, table: Table,
+               cancel: threading.Event | None = None) -> None:
+    """Load one table of the checkpoint at ``path`` into ``table`` (unchanged if it fails).
+
+    Raises:
+        CorruptCheckpointError, MalformedStateError, ConfigError, RestoreCancelled: see
+            :func:`load_checkpoint`.
+    """
+    blob = read_file(path, entry.state_file, cancel)
+    try:
+        state = decode_state(entry.state, blob)
+    except StateFormatError as exc:
+        raise CorruptCheckpointError(f"table {entry.name!r}: {exc}") from None
+    if not isinstance(state, dict) or state.get("columns") != {}:
+        raise CorruptCheckpointError(f"table {entry.name!r}: the saved state is malformed")
+    try:
+        next_id = int(state["ring"]["next_id"])
+    except (KeyError, TypeError, ValueError):
+        raise CorruptCheckpointError(
+            f"table {entry.name!r}: the saved state has no id counters") from None
+    table.load_state_dict(state, read_rows=partial(_read_rows, path, entry, next_id, cancel))
 
 
 def _read_rows(
@@ -231,7 +260,8 @@ def restore_latest(
         except (CorruptCheckpointError, MalformedStateError) as exc:
             log.warning("skipping checkpoint %s: %s", ref.path, exc)
             skipped.append((ref.path, str(exc)))
-            directory.mark_damaged(ref.path)
+            directory.mark_damaged(ref.path, str(exc))
+            tables = variables = None  # dropped before the next attempt makes new ones
             continue
         except NewerFormatError as exc:
             raise ConfigError(
@@ -247,13 +277,23 @@ def restore_latest(
                 f"raise server.table_memory_mb") from None
         except RestoreCancelled:
             raise
+        except OSError as exc:  # not damage: the machine (descriptors, permissions, I/O)
+            raise RestoreError(
+                f"checkpoint {ref.path} could not be read: {exc.strerror or exc} "
+                f"({errno.errorcode.get(exc.errno or 0, 'error')}). The server does not "
+                f"start (nothing is thrown away); fix the cause and start it again") from None
         except Exception as exc:
             log.error("loading checkpoint %s failed unexpectedly", ref.path, exc_info=exc)
             raise RestoreError(
                 f"checkpoint {ref.path} could not be loaded: {type(exc).__name__}: {exc} (the "
                 f"log has the traceback). The server does not start (nothing is thrown "
                 f"away)") from None
-        directory.mark_verified(ref.path)
+        if manifest.failed:
+            older = [r for r in refs if r.sequence < ref.sequence]
+            _fill_failed_parts(directory, older, ref.path, manifest, tables, variables, cancel)
+            directory.mark_partial(ref.path, {part.describe() for part in manifest.failed})
+        else:
+            directory.mark_verified(ref.path)
         return tables, RestoreResult(ref.path, manifest, time.perf_counter() - start,
                                      tuple(skipped), variables)
     if refs:
@@ -269,6 +309,57 @@ def restore_latest(
                   "empty tables as server.start_empty_if_unrestorable asks (they are kept)",
                   len(refs), directory.path, reasons)
     return None
+
+
+def _fill_failed_parts(
+    directory: CheckpointDirectory, older: list[CheckpointRef], path: Path, manifest: Manifest,
+    tables: TableSet, variables: VariableStore | None, cancel: threading.Event | None,
+) -> None:
+    """Load each part ``manifest`` was written without from the newest older checkpoint that
+    holds it (tables of one checkpoint share no invariant, so they may come from several)."""
+    for part in manifest.failed:
+        if part.kind == "variables" and variables is None:
+            continue
+        if part.kind == "table" and part.name not in tables.names:
+            continue
+        source = None
+        for ref in reversed(older):
+            if directory.is_damaged(ref.path):
+                continue
+            try:
+                if _load_part(ref.path, part, tables, variables, cancel):
+                    source = ref.path
+                    break
+            except (CorruptCheckpointError, MalformedStateError, NewerFormatError,
+                    ConfigError) as exc:
+                log.warning("cannot take %s from older checkpoint %s: %s", part.describe(),
+                            ref.path, exc)
+        if source is None:
+            log.warning("%s was not written into checkpoint %s (%s) and no older checkpoint "
+                        "holds it: it starts empty", part.describe(), path, part.error)
+        else:
+            log.warning("%s was not written into the newest checkpoint (%s): restored from "
+                        "the older checkpoint %s", part.describe(), part.error, source)
+
+
+def _load_part(path: Path, part: FailedPart, tables: TableSet,
+               variables: VariableStore | None, cancel: threading.Event | None) -> bool:
+    """Load ``part`` from the checkpoint at ``path`` if it holds it; whether it did."""
+    manifest = read_manifest(path)
+    if any(f.kind == part.kind and f.name == part.name for f in manifest.failed):
+        return False
+    if part.kind == "variables":
+        if manifest.variables is None or variables is None:
+            return False
+        fresh = VariableStore(variables.max_bytes)
+        read_variables(path, manifest.variables, fresh, cancel)
+        variables.load(fresh.variables())
+        return True
+    for entry in manifest.tables:
+        if entry.name == part.name:
+            load_table(path, entry, tables[part.name], cancel)
+            return True
+    return False
 
 
 def _conflict(directory: CheckpointDirectory, ref: CheckpointRef, refs: list[CheckpointRef],

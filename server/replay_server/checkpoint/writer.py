@@ -5,7 +5,17 @@ Each table is snapshotted at its own instant (:meth:`Table.snapshot
 streamed to the column files piece by piece while the table keeps serving.
 Tables are written one after another; no invariant spans tables.
 
-Any failure removes the temporary directory and raises
+**Parts.** Each table, and the named variables, is one *part*. A part that
+fails for a reason of its own (its state cannot be encoded: a bug, or a value
+no checkpoint can hold) is left out, and the others are written: the
+manifest lists it under ``failed_parts`` with the error, the result's
+:attr:`CheckpointResult.failed` names it, and a restore takes that part from
+an older checkpoint (:mod:`~replay_server.checkpoint.reader`). One bad part
+never costs the tables their checkpoint.
+
+A failure of the disk (any ``OSError``: a full disk, a quota, a file-size
+limit, an I/O error, the directory gone) concerns every part: it removes the
+temporary directory and raises
 :class:`~replay_server.errors.CheckpointWriteError` (or its
 :class:`~replay_server.errors.CheckpointSpaceError` for a full disk, a quota
 or a file-size limit) naming the file and the cause. The tables are never
@@ -20,6 +30,7 @@ may older checkpoints be pruned for it (see
 from __future__ import annotations
 
 import errno
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,6 +45,7 @@ from replay_server.checkpoint.manifest import (
     MANIFEST,
     VARIABLES_FILE,
     ColumnEntry,
+    FailedPart,
     Manifest,
     TableEntry,
     complete_marker,
@@ -47,6 +59,8 @@ from replay_server.engine.variables import VariableStore
 
 _SPACE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
+log = logging.getLogger("replay_server.checkpoint")
+
 
 @dataclass(frozen=True, slots=True)
 class CheckpointResult:
@@ -59,6 +73,17 @@ class CheckpointResult:
     seconds: float
     tables: dict[str, int]  # table name -> rows saved (slots ever written)
     removed: tuple[Path, ...] = ()  # older checkpoints pruned after it
+    failed: tuple[FailedPart, ...] = ()  # parts written without (see the module docstring)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every part was written."""
+        return not self.failed
+
+    @property
+    def lost_tables(self) -> bool:
+        """Whether a table's part failed (not only the variables)."""
+        return any(part.kind == "table" for part in self.failed)
 
     @property
     def gb_per_s(self) -> float:
@@ -84,19 +109,37 @@ def write_checkpoint(
     created_unix = time.time()
     temp: Path | None = None
     current = [str(directory.path)]  # what was being written, for the error message
+    failed: list[FailedPart] = []
     try:
         sequence, temp, final = directory.begin()
-        entries = tuple(_write_table(temp, table, chunk_bytes, current) for table in tables)
+        entries = []
+        for table in tables:
+            try:
+                entries.append(_write_table(temp, table, chunk_bytes, current))
+            except OSError:
+                raise
+            except Exception as exc:  # this table's own state: the others are written
+                failed.append(_left_out("table", table.name, exc))
+                directory.discard(temp / table.name)
         current[0] = str(temp / VARIABLES_FILE)
-        saved_variables = None if variables is None else write_variables(temp, variables)
+        saved_variables = None
+        if variables is not None:
+            try:
+                saved_variables = write_variables(temp, variables)
+            except OSError:
+                raise
+            except Exception as exc:
+                failed.append(_left_out("variables", "", exc))
+                (temp / VARIABLES_FILE).unlink(missing_ok=True)
         manifest = Manifest(
             server_version=server_version,
             created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created_unix))
             + f".{int(created_unix * 1000) % 1000:03d}Z",
             created_unix=created_unix,
             sequence=sequence,
-            tables=entries,
+            tables=tuple(entries),
             variables=saved_variables,
+            failed=tuple(failed),
         )
         data = manifest.to_json()
         current[0] = str(temp / MANIFEST)
@@ -108,7 +151,10 @@ def write_checkpoint(
         temp = final  # removed again if it does not read back as written
         _verify(final, data, manifest)
         temp = None
-        directory.mark_verified(final)
+        if manifest.complete:
+            directory.mark_verified(final)
+        else:
+            directory.mark_partial(final, {part.describe() for part in failed})
     except OSError as exc:
         kind = CheckpointSpaceError if exc.errno in _SPACE_ERRORS else CheckpointWriteError
         name = errno.errorcode.get(exc.errno or 0, "error")
@@ -123,8 +169,16 @@ def write_checkpoint(
     return CheckpointResult(
         path=final, sequence=sequence, created=manifest.created, nbytes=manifest.nbytes,
         seconds=time.perf_counter() - start, tables={t.name: t.rows for t in entries},
-        removed=removed,
+        removed=removed, failed=tuple(failed),
     )
+
+
+def _left_out(kind: str, name: str, exc: Exception) -> FailedPart:
+    """The record of a part left out of a checkpoint (logged with its traceback: a bug, mostly)."""
+    part = FailedPart(kind, name, f"{type(exc).__name__}: {exc}"[:2000])
+    log.error("checkpoint: %s could not be written, the other parts are", part.describe(),
+              exc_info=exc)
+    return part
 
 
 def _verify(path: Path, data: bytes, manifest: Manifest) -> None:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
+from replay_proto import inputs
 from replay_proto.dtypes import DTYPES
+from replay_proto.error_kinds import ErrorKind
 from replay_proto.rows import EPISODE_KEY, rows_of
 from replay_server.engine.config import TableConfig
 from replay_server.engine.readers import NEXT_PREFIX, STEPS_KEY, check_stack_columns
@@ -74,18 +77,8 @@ def columns_of(data: Any, table: str, episode_key: str = EPISODE_KEY,
 
 def as_tensor(value: Any, what: str, table: str) -> torch.Tensor:
     """``value`` as a CPU tensor (numpy arrays and sequences converted), or an error naming ``what``."""
-    if isinstance(value, torch.Tensor):
-        return value if value.device.type == "cpu" else value.cpu()
-    try:
-        array = np.asarray(value)
-        if any(stride < 0 for stride in array.strides):  # torch refuses reversed views
-            array = array.copy()
-        return torch.as_tensor(array)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidArgumentError(
-            f"table {table!r}: {what} is not a tensor or array "
-            f"({type(value).__name__}): {exc}"
-        ) from None
+    with _typed(table):
+        return inputs.cpu_tensor(value, what)
 
 
 def row_count(columns: Mapping[str, torch.Tensor], table: str) -> int:
@@ -123,27 +116,13 @@ def priority_values(priorities: Any, table: str, alpha: float) -> np.ndarray:
     """Priorities as float64 numpy (any shape), or an error naming the first bad value.
 
     Raises:
-        InvalidPriorityError: not real numbers, not finite and >= 0, or so
+        InvalidPriorityError: not real numbers, not finite and >= 0
+            (:func:`replay_proto.inputs.priority_values`, the client's rules too), or so
             large that ``p ** alpha`` overflows float32.
     """
-    if isinstance(priorities, np.ndarray) and priorities.dtype == np.float64:
-        values = priorities  # what the service decodes: no conversion
-    else:
-        tensor = as_tensor(priorities, "priorities", table)
-        if tensor.dtype == torch.bool or tensor.is_complex():
-            raise InvalidPriorityError(
-                f"table {table!r}: priorities must be real numbers, got dtype {tensor.dtype}"
-            )
-        values = tensor.detach().numpy().astype(np.float64)
+    with _typed(table):
+        values = inputs.priority_values(priorities)
     top = float(values.max()) if values.size else 0.0
-    # NaN fails `>= 0`; +inf fails the bound below: two passes over the values, not four.
-    if not (values >= 0).all() or top == math.inf:
-        where = np.flatnonzero(~(np.isfinite(values) & (values >= 0)))
-        first = int(where[0])
-        raise InvalidPriorityError(
-            f"table {table!r}: priorities must be finite and >= 0; {where.size} "
-            f"are not (first at index {first}: {float(values.reshape(-1)[first])})"
-        )
     if top > max_priority(alpha):
         raise InvalidPriorityError(
             f"table {table!r}: priority {top} is too large: its sampling mass p**alpha "
@@ -210,16 +189,34 @@ def episode_values(columns: Mapping[str, torch.Tensor], rows: int,
 
 
 def id_values(ids: Any, table: str) -> np.ndarray:
-    """Ids as int64 numpy (any shape), or InvalidIdsError."""
-    if isinstance(ids, np.ndarray) and ids.dtype == np.int64:
-        return ids  # what the service decodes: no conversion
-    tensor = as_tensor(ids, "ids", table)
-    if tensor.dtype != torch.int64:
-        raise InvalidIdsError(
-            f"table {table!r}: ids must be int64 (as returned by insert and sample), "
-            f"got dtype {tensor.dtype}"
-        )
-    return tensor.detach().numpy()
+    """Ids as int64 numpy (any shape), or InvalidIdsError
+    (:func:`replay_proto.inputs.id_values`)."""
+    with _typed(table):
+        return inputs.id_values(ids)
+
+
+def update_values(ids: Any, priorities: Any, table: str) -> tuple[np.ndarray, np.ndarray]:
+    """A priority update as flat int64 ids and float64 priorities of one shape, or the typed
+    error naming ``table`` (:func:`replay_proto.inputs.update_values`; the priorities'
+    bound for ``alpha`` is the table's to check when it applies them)."""
+    with _typed(table):
+        return inputs.update_values(ids, priorities)
+
+
+@contextmanager
+def _typed(table: str) -> Iterator[None]:
+    """The server's typed error, naming ``table``, for an input the shared rules refuse."""
+    try:
+        yield
+    except inputs.InputError as exc:
+        raise _BY_KIND[exc.kind](f"table {table!r}: {exc}") from None
+
+
+_BY_KIND: dict[ErrorKind, type[InvalidArgumentError]] = {
+    ErrorKind.INVALID_ARGUMENT: InvalidArgumentError,
+    ErrorKind.INVALID_IDS: InvalidIdsError,
+    ErrorKind.INVALID_PRIORITY: InvalidPriorityError,
+}
 
 
 def check_sampler_columns(config: TableConfig, schema: Schema) -> None:

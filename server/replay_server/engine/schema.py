@@ -19,6 +19,9 @@ from replay_server.errors import InvalidArgumentError, SchemaMismatchError
 MAX_ROW_BYTES = 2**31 - 1
 """Largest row of one column, in bytes (a row must fit a gRPC message, which is below 2 GiB)."""
 
+MAX_ROW_DIMS = 32
+"""Most dimensions of one row (a batch adds up to two: batch and slice, within the wire's 64)."""
+
 
 @dataclass(frozen=True, slots=True)
 class FieldSpec:
@@ -26,7 +29,7 @@ class FieldSpec:
 
     Every dimension is at least 1 (a column of zero-size rows stores nothing
     and would fix a table's schema to nonsense) and one row is at most
-    :data:`MAX_ROW_BYTES`.
+    :data:`MAX_ROW_BYTES`, of at most :data:`MAX_ROW_DIMS` dimensions.
 
     Raises:
         ValueError: an unsupported dtype, a dimension below 1, or a row too large.
@@ -41,6 +44,9 @@ class FieldSpec:
             raise ValueError(f"every dimension of a row must be an integer >= 1, got shape "
                              f"{list(self.shape)}")
         object.__setattr__(self, "shape", tuple(self.shape))
+        if len(self.shape) > MAX_ROW_DIMS:
+            raise ValueError(f"a row has {len(self.shape)} dimensions, at most {MAX_ROW_DIMS} "
+                             f"are allowed")
         if self.row_bytes > MAX_ROW_BYTES:
             raise ValueError(f"a row of shape {list(self.shape)} would take "
                              f"{self.row_bytes:,} bytes, over the limit of {MAX_ROW_BYTES:,}")

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_proto.batch import SampleBatch
+from replay_proto.batch import SampleBatch, batch_nbytes
 from replay_server.engine.change_clock import ChangeClock
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IncarnationSource
@@ -70,13 +70,13 @@ from replay_server.engine.table_parts import (
 )
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
-    ConfigError,
     EmptyTableError,
     InsufficientMemoryError,
     InvalidArgumentError,
     InvalidPriorityError,
     NoPrioritiesError,
     SchemaMismatchError,
+    TableSpaceError,
 )
 
 __all__ = ["MAX_BATCH_SIZE", "STATE_VERSION", "Table", "TableCounters"]
@@ -112,7 +112,7 @@ class Table:
                                  f"{'' if declared is None else ' and the declared schema'})")
             self._parts = fresh_parts(config, incarnations, memory_promise(config, self._memory))
         except InsufficientMemoryError as exc:
-            raise ConfigError(str(exc)) from None
+            raise TableSpaceError(str(exc)) from None
         self._instant_bytes = 0  # what the last snapshot's instant copied: the next one's arena
         self._device = table_device(config)  # a device table's: rows already there stay there
         self._episodes = (config.sampler.traits.episodes or config.n_step > 1
@@ -312,11 +312,8 @@ class Table:
         schema = self._parts.schema
         if schema is None:
             return 0
-        steps = self.config.slice_len or 1
-        # per step: the row, its int64 id (and an n-step transition's int64 step count); per
-        # row or slice: a float32 weight and a float64 probability
-        extra = 8 if self.config.n_step > 1 else 0
-        return batch_size * (steps * (schema.row_bytes + 8 + extra) + 4 + 8)
+        return batch_nbytes(schema.row_bytes, batch_size, self.config.slice_len,
+                            self.config.n_step)
 
     def _lead(self, batch_size: int) -> tuple[int, ...]:
         slice_len = self.config.slice_len
@@ -512,7 +509,8 @@ class Table:
 
         The state is loaded into fresh parts first and swapped in only once
         it has loaded completely, so a malformed state changes nothing (the
-        cost: twice the table's memory while loading). ``read_rows``, if
+        cost: twice the table's memory while loading, except for a table that
+        never held a row, whose storage is loaded into). ``read_rows``, if
         given, fills the rows instead of ``state["columns"]``: it is called
         with numpy views of the fresh table's whole columns (bfloat16 as
         int16), e.g. to read them from files; what it raises propagates as is.
@@ -525,8 +523,11 @@ class Table:
             InsufficientMemoryError: the saved schema at the table's capacity
                 needs more memory than the server may give it.
         """
+        # A table that never held a row (one made to be restored) lends its storage: its
+        # contents do not matter, and a restore then needs no second copy (memmap: on disk).
+        reuse = self._parts.storage if self._parts.ring.next_id == 0 else None
         parts: TableParts = load_parts(self.config, state, self._parts.schema, read_rows is None,
-                                       self._incarnations, self._memory)
+                                       self._incarnations, self._memory, reuse)
         if read_rows is not None and parts.storage is not None:
             views = parts.storage.load_views()
             read_rows(views)

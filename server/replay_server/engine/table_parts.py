@@ -133,9 +133,12 @@ class TableParts:
         return storage, storage.encode(self.stored(columns))
 
     def allocate(self, schema: Schema, config: TableConfig,
-                 grow: Callable[[int], None] | None = None) -> None:
+                 grow: Callable[[int], None] | None = None,
+                 reuse: ColumnStorage | None = None) -> None:
         """Fix the schema, stack the readers ``config`` names and allocate the storage for
-        the rows as they store them. ``grow``: see :func:`make_storage`."""
+        the rows as they store them. ``grow``: see :func:`make_storage`. ``reuse``: an
+        empty table's storage, taken instead of a new one where it has that very layout
+        (a restore then needs no second copy: for a ``memmap`` table, no second file)."""
         bottom = StoredRows(self.ring)
         readers: list[Reader] = [bottom]
         if config.frame_stack_key is not None:
@@ -148,7 +151,11 @@ class TableParts:
         stored = schema
         for reader in readers:
             stored = reader.stored_schema(stored)
-        self.storage = make_storage(config, stored, grow)
+        if (reuse is not None and reuse.capacity == config.capacity
+                and dict(reuse.schema) == dict(stored)):
+            self.storage = reuse
+        else:
+            self.storage = make_storage(config, stored, grow)
         bottom.attach(self.storage)
         self.readers = readers
         self.schema = schema
@@ -177,13 +184,14 @@ def schema_way_out(config: TableConfig) -> str:
 
 
 def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = None,
-                grow: Callable[[Schema], Callable[[int], None] | None] | None = None
-                ) -> TableParts:
+                grow: Callable[[Schema], Callable[[int], None] | None] | None = None,
+                reuse: ColumnStorage | None = None) -> TableParts:
     """An empty table's parts; storage allocated now if the config declares a schema.
 
     ``incarnations``: where its id segments get their incarnation (``None``:
     an in-process table's, shard 0 and incarnation 0). ``grow``: the promise
     of compressed rows' memory for a schema (see :func:`make_storage`).
+    ``reuse``: see :meth:`TableParts.allocate`.
 
     Raises:
         ConfigError: the declared schema cannot serve the sampler or readers, pinned
@@ -221,7 +229,7 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
             check_sampler_columns(config, schema)
         except SchemaMismatchError as exc:
             raise ConfigError(str(exc)) from None
-        parts.allocate(schema, config, None if grow is None else grow(schema))
+        parts.allocate(schema, config, None if grow is None else grow(schema), reuse)
     return parts
 
 

@@ -36,6 +36,7 @@ from replay_server.engine.remover import load_remover
 from replay_server.engine.rng import generator_from_state, generator_state
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import Arena, TableSnapshot
+from replay_server.engine.storage import ColumnStorage
 from replay_server.engine.table_info import TableCounters
 from replay_server.engine.table_parts import (
     TableParts,
@@ -89,8 +90,10 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
 
 def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
                with_columns: bool, incarnations: IncarnationSource | None = None,
-               memory: MemoryLedger | None = None) -> TableParts:
-    """Fresh parts holding ``state`` (its rows too, if ``with_columns``).
+               memory: MemoryLedger | None = None,
+               reuse: ColumnStorage | None = None) -> TableParts:
+    """Fresh parts holding ``state`` (its rows too, if ``with_columns``); ``reuse``: an
+    empty table's storage to load into instead of a new one (see ``TableParts.allocate``).
 
     The restored ids keep their segments, and a new segment (of
     ``incarnations``) begins where the saved ring stopped, so no id the saved
@@ -104,7 +107,7 @@ def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema
         MemoryError, OSError: the machine failed (never taken for a malformed state).
     """
     try:
-        return _load(config, state, schema_now, with_columns, incarnations, memory)
+        return _load(config, state, schema_now, with_columns, incarnations, memory, reuse)
     except (ConfigError, InsufficientMemoryError, MemoryError, OSError):
         raise  # a contradiction, or the machine failing: not a malformed state
     except Exception as exc:
@@ -133,7 +136,7 @@ def check_saved_config(config: TableConfig, saved: Mapping[str, Any]) -> None:
 
 def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
           with_columns: bool, incarnations: IncarnationSource | None,
-          memory: MemoryLedger | None) -> TableParts:
+          memory: MemoryLedger | None, reuse: ColumnStorage | None) -> TableParts:
     name = config.name
     version = state.get("version")
     if version != STATE_VERSION:
@@ -141,7 +144,7 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
                           f"server reads version {STATE_VERSION}")
     check_saved_config(config, state["config"])
     promise = memory_promise(config, memory)
-    parts = fresh_parts(config, incarnations, promise)
+    parts = fresh_parts(config, incarnations, promise, reuse)
     schema = None if state["schema"] is None else Schema.from_state_dict(state["schema"])
     if schema_now is not None and schema is not None and dict(schema) != dict(schema_now):
         raise ConfigError(f"table {name!r}: the table's schema is {schema_now.describe()} but "
@@ -151,7 +154,7 @@ def _load(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | No
             memory.require(name, table_bytes(config, schema),
                            f"capacity {config.capacity:,} x {schema.row_bytes:,} bytes per row "
                            f"(the saved schema {schema.describe()})")
-        parts.allocate(schema, config, promise(schema))
+        parts.allocate(schema, config, promise(schema), reuse)
     parts.ring.load_state_dict(state["ring"])
     parts.ids.load(state.get("ids"), parts.ring.next_id, name)
     if parts.storage is not None and with_columns:

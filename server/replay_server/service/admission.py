@@ -1,4 +1,4 @@
-"""Admitting calls: a cap on calls in flight, and memory reserved before a request is read.
+"""Admitting calls: caps on calls working and waiting, and memory reserved before a request is read.
 
 Every replay call goes through :class:`Admission` before anything of it is
 read or run:
@@ -6,6 +6,15 @@ read or run:
 1. It is counted against ``max_concurrent_calls`` until it ends (a call whose
    response a slow reader has not taken yet is still in flight); over the
    cap it is refused with RESOURCE_EXHAUSTED (kind ``overloaded``).
+   **Waiting calls have a pool of their own**, ``max_waiting_calls``: a
+   stream (``SampleStream``, ``UpdateStream``: long-lived, idle between
+   messages) is counted there from the start, and a unary call moves there
+   when it starts to wait (:meth:`Admission.start_waiting`: a fetch for a
+   newer version, a sample or insert its rate limiter holds, a sample
+   waiting for data), leaving its working slot. So 256 waiters once took
+   every slot the inserts, publishes and info calls that would release them
+   needed; now they fill their own pool, past which a call that would wait
+   is refused (RESOURCE_EXHAUSTED, ``overloaded``: it ran nothing).
 2. The memory its request will take is reserved from the
    :class:`~replay_server.service.budget.MemoryBudget`: the size the client
    declared (``replay_proto.call_metadata``), else the message-size limit.
@@ -16,6 +25,14 @@ read or run:
 3. The reservation travels with the call: a handler grows it before it
    draws a batch, and it is released when the call ends, i.e. when gRPC has
    handed the last response byte to the socket.
+4. **An answer nobody reads is given up.** A client that stops reading
+   leaves its answer in gRPC's buffers (HTTP/2 flow control): a unary call
+   is therefore served as a stream that writes its one answer, which must
+   be taken within ``response_timeout_s``; else the call is cancelled
+   (the stream reset: no status can follow a message gRPC still holds), and
+   its memory and slot are free again. (720 MiB of
+   unread answers once stayed reserved for good, refusing every sample.)
+   The client sees an ordinary unary call.
 
 A ``SampleStream`` reserves, for its whole life, room for one learner
 message at a time: the size it declared, else
@@ -26,9 +43,10 @@ client holding the token can make the server hold one message of up to
 ``max_message_mb`` per stream for that moment: the one bound not kept by the
 budget, and the reason a client should declare its sizes.
 
-That is why the unary RPCs are served by *stream*-unary handlers: gRPC reads
-a unary handler's request before the handler runs, while a stream handler
-reads it when asked (the bytes on the wire are the same). A refused call's
+That is why the unary RPCs are served by *stream* handlers: gRPC reads a
+unary handler's request before the handler runs, while a stream handler
+reads it when asked, and writes its answer when told, so the handler can
+time the write (the bytes on the wire are the same). A refused call's
 request is never read: it costs a few kilobytes of HTTP/2 window at most.
 
 Thread-safety: event-loop only (reservations themselves are thread-safe).
@@ -37,6 +55,7 @@ Thread-safety: event-loop only (reservations themselves are thread-safe).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -45,12 +64,18 @@ from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, declared_request_by
 from replay_proto.codec import CodecError
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.limits import ServiceLimits
-from replay_server.service.status import LimitExceededError, OverloadedError, abort
+from replay_server.service.status import (
+    CLIENT_LOG,
+    LimitExceededError,
+    OverloadedError,
+    abort,
+)
 
 ADMISSION_WAIT_S = 1.0
 """How long a unary call may wait for room in the budget to read its request."""
 
 UnaryBehaviour = Callable[[bytes, grpc.aio.ServicerContext, Reservation], Awaitable[bytes]]
+"""``behaviour(raw request, context, reservation) -> raw answer``."""
 StreamBehaviour = Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext, Reservation],
                            AsyncIterator[bytes]]
 
@@ -63,34 +88,72 @@ class Admission:
         budget: the memory budget calls reserve from.
 
     Attributes:
-        in_flight: replay calls admitted and not yet ended.
-        refused: calls refused for the cap on calls in flight.
+        in_flight: replay calls admitted, working (not waiting) and not yet ended.
+        waiting: calls in the waiting pool (streams, and calls that waited).
+        refused: calls refused for the caps on calls working or waiting.
+        unread: unary calls ended because their client did not take the answer.
     """
 
     def __init__(self, limits: ServiceLimits, budget: MemoryBudget) -> None:
         self.limits = limits
         self.budget = budget
         self.in_flight = 0
+        self.waiting = 0
         self.refused = 0
+        self.unread = 0
+        self._tickets: dict[int, _Ended] = {}  # id(context) -> its call, while it lasts
+        self.on_call: Callable[[str], None] | None = None
+        """Told the peer of every call admitted (the connection guard keeps its connection)."""
 
     def unary(self, name: str, behaviour: UnaryBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving unary RPC ``name`` with ``behaviour(raw, context, reservation)``."""
 
-        async def handle(_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
+        async def handle(_requests: AsyncIterator[bytes],
+                         context: grpc.aio.ServicerContext) -> None:
             reservation = await self._admit(name, context, self.limits.max_message_bytes,
                                             wait=True)
             # context.read(), not the request iterator: the iterator's suspended frame
             # would keep the message alive after the call (7 MB for an Atari insert), so
             # each call's bytes landed in fresh pages (measured: 2.4x the page faults).
-            raw = await context.read()
+            try:
+                raw = await context.read()
+            except MemoryError as exc:  # gRPC could not hold the request (RLIMIT_AS, say)
+                await abort(context, exc)
             if raw is grpc.aio.EOF:
                 await abort(context, CodecError(f"{name}: the call carried no request"))
             await self._check_size(name, raw, reservation, context)
             if len(raw) != reservation.nbytes:
                 reservation.resize(len(raw), "")  # read: it holds exactly its request now
-            return await behaviour(raw, context, reservation)
+            answer = await behaviour(raw, context, reservation)
+            await self._answer(name, answer, context)
 
-        return grpc.stream_unary_rpc_method_handler(handle)
+        return grpc.stream_stream_rpc_method_handler(handle)
+
+    async def _answer(self, name: str, answer: bytes, context: grpc.aio.ServicerContext) -> None:
+        """Write a unary call's one answer; one not taken in ``response_timeout_s`` ends the call."""
+        timeout = self.limits.response_timeout_s
+        task = asyncio.current_task()
+        assert task is not None
+        expired: list[bool] = []
+
+        def expire() -> None:
+            expired.append(True)
+            task.cancel()
+
+        # A timer, not asyncio.wait_for: no extra task per call (microseconds on every call).
+        timer = asyncio.get_running_loop().call_later(timeout, expire)
+        try:
+            await context.write(answer)
+        except asyncio.CancelledError:
+            if expired:  # no status can follow a message gRPC still holds: the call is
+                self.unread += 1  # cancelled (RST_STREAM), which frees it
+                CLIENT_LOG.log(_peer(context), "unread", logging.INFO,
+                               "%s: dropped an answer of %d bytes its client at %s did not "
+                               "take within server.response_timeout_s = %g s", name,
+                               len(answer), _peer(context), timeout)
+            raise
+        finally:
+            timer.cancel()
 
     def stream(self, name: str, behaviour: StreamBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving bidirectional RPC ``name`` with ``behaviour(requests, context, reservation)``.
@@ -102,24 +165,29 @@ class Admission:
 
         async def handle(requests: AsyncIterator[bytes],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-            reservation = await self._admit(name, context, STREAM_MESSAGE_BYTES, wait=False)
+            reservation = await self._admit(name, context, STREAM_MESSAGE_BYTES, wait=False,
+                                            waiting=True)
             async for message in behaviour(requests, context, reservation):
                 yield message
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
     async def _admit(self, name: str, context: grpc.aio.ServicerContext, default: int,
-                     wait: bool) -> Reservation:
-        """Count the call and reserve its request's memory (what it declared, else
-        ``default``; waiting for room if ``wait``), or end it with RESOURCE_EXHAUSTED."""
-        if self.in_flight >= self.limits.max_concurrent_calls:
-            self.refused += 1
-            await abort(context, OverloadedError(
-                f"{name}: the server is serving server.max_concurrent_calls = "
-                f"{self.limits.max_concurrent_calls} calls already; the call was not run: try "
-                f"again later"))
-        self.in_flight += 1
-        ended = _Ended(self)
+                     wait: bool, waiting: bool = False) -> Reservation:
+        """Count the call (in the waiting pool if ``waiting``) and reserve its request's
+        memory (what it declared, else ``default``; waiting for room if ``wait``), or end it
+        with RESOURCE_EXHAUSTED."""
+        if self.on_call is not None:
+            self.on_call(context.peer())
+        refusal = self._full(name, waiting)
+        if refusal is not None:
+            await abort(context, refusal)
+        ended = _Ended(self, waiting, id(context))
+        if waiting:
+            self.waiting += 1
+        else:
+            self.in_flight += 1
+        self._tickets[id(context)] = ended
         context.add_done_callback(ended)
         declared = declared_request_bytes(context.invocation_metadata(), default,
                                           self.limits.max_message_bytes)
@@ -134,6 +202,40 @@ class Admission:
             await abort(context, exc)
         ended.reservation = reservation
         return reservation
+
+    def start_waiting(self, context: grpc.aio.ServicerContext) -> None:
+        """The call of ``context`` is about to wait: it moves to the waiting pool (no-op if
+        it is there already, or was not admitted here).
+
+        Raises:
+            OverloadedError: the waiting pool is full (the caller ends the call with it;
+                nothing of it ran).
+        """
+        ticket = self._tickets.get(id(context))
+        if ticket is None or ticket.waiting:
+            return
+        refusal = self._full("the call", waiting=True)
+        if refusal is not None:
+            raise refusal
+        ticket.waiting = True
+        self.in_flight -= 1
+        self.waiting += 1
+
+    def _full(self, name: str, waiting: bool) -> OverloadedError | None:
+        """Why a call (``waiting``: one that will wait) cannot be admitted now, if it cannot."""
+        if waiting and self.waiting >= self.limits.max_waiting_calls:
+            self.refused += 1
+            return OverloadedError(
+                f"{name}: server.max_waiting_calls = {self.limits.max_waiting_calls} calls "
+                f"(streams, and calls waiting for data, a newer version or a rate limiter) "
+                f"are waiting already; the call was not run: try again later")
+        if not waiting and self.in_flight >= self.limits.max_concurrent_calls:
+            self.refused += 1
+            return OverloadedError(
+                f"{name}: the server is serving server.max_concurrent_calls = "
+                f"{self.limits.max_concurrent_calls} calls already; the call was not run: try "
+                f"again later")
+        return None
 
     async def _wait(self, nbytes: int, purpose: str, context: grpc.aio.ServicerContext,
                     refusal: OverloadedError) -> Reservation:
@@ -154,19 +256,35 @@ class Admission:
                 f"{reservation.nbytes} (metadata replay-request-bytes)"))
 
     def describe(self) -> dict[str, int]:
-        return {"calls_in_flight": self.in_flight, "calls_refused": self.refused}
+        return {"calls_in_flight": self.in_flight, "calls_waiting": self.waiting,
+                "calls_refused": self.refused}
 
 
 class _Ended:
-    """A call's done-callback: it is no longer in flight, and its memory is free."""
+    """A call's done-callback: it is no longer in flight (or waiting), and its memory is free."""
 
-    __slots__ = ("_admission", "reservation")
+    __slots__ = ("_admission", "reservation", "waiting", "_key")
 
-    def __init__(self, admission: Admission) -> None:
+    def __init__(self, admission: Admission, waiting: bool, key: int) -> None:
         self._admission = admission
         self.reservation: Reservation | None = None
+        self.waiting = waiting
+        self._key = key
 
     def __call__(self, _context: object) -> None:
-        self._admission.in_flight -= 1
+        admission = self._admission
+        if self.waiting:
+            admission.waiting -= 1
+        else:
+            admission.in_flight -= 1
+        if admission._tickets.get(self._key) is self:
+            del admission._tickets[self._key]
         if self.reservation is not None:
             self.reservation.release()
+
+
+def _peer(context: grpc.aio.ServicerContext) -> str:
+    try:
+        return context.peer() or "unknown"
+    except Exception:  # a context that has no peer (a test double)
+        return "unknown"

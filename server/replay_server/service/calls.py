@@ -36,12 +36,18 @@ class CallRunner:
     Attributes:
         restoring: set while tables are restored at start (calls are refused).
         blocked: where rate-limited calls wait (its counts feed ``info``).
+        start_waiting: told a call is about to wait, before it does (the admission
+            moves it to the waiting pool, or raises OverloadedError to refuse it).
+        default_wait_s: how long a unary call whose client set no deadline may wait
+            (``None``: as long as it takes).
     """
 
     def __init__(self, executor: Executor, hint: Hint) -> None:
         self.executor = executor
         self.blocked = BlockedCalls(hint)
         self.restoring = False
+        self.start_waiting: Callable[[grpc.aio.ServicerContext], None] = lambda _context: None
+        self.default_wait_s: float | None = None
         self.on_drain: list[Callable[[], None]] = []
         """Called (on the loop) when draining starts, so waiters of other kinds give up too."""
         self._draining = False
@@ -84,22 +90,37 @@ class CallRunner:
         rate-limited; then report the table changed and return ``result``.
 
         Errors end the call with their status, or propagate (``aborting=False``).
-        ``time_remaining``: how long it may wait (default: until the call's deadline).
+        ``time_remaining``: how long it may wait (default: until the call's deadline; a
+        unary call, ``aborting``, without one: :attr:`default_wait_s`). A call about to
+        wait is first reported to :attr:`start_waiting`.
         """
         refused = self.refusal()
         if refused is not None:
             if aborting:
                 await abort(context, refused)
             raise refused
+        if time_remaining is None:
+            time_remaining = (self.deadline_or_default(context) if aborting
+                              else context.time_remaining)
         loop = asyncio.get_running_loop()
         work = self.blocked.run(
             lambda: loop.run_in_executor(self.executor, fn, *args),
-            time_remaining=time_remaining or context.time_remaining,
+            time_remaining=time_remaining,
             stopping=lambda: self._draining,
+            on_block=lambda: self.start_waiting(context),
         )
         table, result = await (self.settle(context, work) if aborting else work)
         self.blocked.changed(table)
         return result
+
+    def deadline_or_default(self, context: grpc.aio.ServicerContext) -> Callable[[], float | None]:
+        """Seconds a unary call may still wait: to its deadline, else :attr:`default_wait_s`."""
+
+        def remaining() -> float | None:
+            left = context.time_remaining()
+            return self.default_wait_s if left is None else left
+
+        return remaining
 
     async def settle(self, context: grpc.aio.ServicerContext, work: Awaitable[T]) -> T:
         """The result of engine work, with its errors turned into the call's status."""

@@ -8,11 +8,20 @@ options, and describes them for ``info`` and the start-up log.
 * ``memory_budget_mb``: bytes all calls together may hold at once; a call
   reserves what it will hold before it holds it (see
   :mod:`replay_server.service.budget`).
-* ``max_concurrent_calls``: replay calls served at once; more are refused
+* ``max_concurrent_calls``: replay calls working at once; more are refused
   before their request is read.
+* ``max_waiting_calls``, ``default_wait_s``: calls waiting at once (streams,
+  fetches for a newer version, samples and inserts a rate limiter holds or
+  that wait for data), a pool of their own, so waiters never take the slots
+  of the calls that would release them; and how long a unary call whose
+  client set no deadline may wait.
+* ``response_timeout_s``: how long a unary call's answer may wait for its
+  client to take it (one nobody reads is dropped, its memory freed).
 * ``max_connections``, ``idle_timeout_s``: open connections (more are closed
-  at once, by gRPC), and how long one may stay without a call (or without
-  finishing its HTTP/2 handshake: at most :data:`HANDSHAKE_TIMEOUT_S`).
+  at once, by gRPC), and how long one that made calls may stay without one.
+* ``handshake_timeout_s``, ``max_idle_connections_per_host``: how long a
+  connection may go without its first call, and how many such connections
+  one source address may hold (:mod:`~replay_server.service.connections`).
 * ``max_batch_mb``: the largest batch (or group) one draw may take.
 * ``shared_memory_mb``: /dev/shm all same-host rings together may take.
 """
@@ -25,21 +34,33 @@ from dataclasses import dataclass
 from typing import Any
 
 from replay_server.engine.id_space import check_shard
+from replay_server.engine.memory import format_bytes
 from replay_server.service.budget import BULK_SHARE
-from replay_server.errors import ConfigError
+from replay_server.errors import ConfigError, TableSpaceError
 
 MIB = 1 << 20
 
-HANDSHAKE_TIMEOUT_S = 10.0
-"""A connection that has not finished its HTTP/2 handshake by then is closed
-(sooner with a shorter ``idle_timeout_s``)."""
-
 DEFAULTS = {"memory_budget_mb": 1024, "max_concurrent_calls": 256, "max_connections": 512,
-            "idle_timeout_s": 300.0, "max_batch_mb": 256, "shared_memory_mb": 1024}
+            "idle_timeout_s": 300.0, "max_batch_mb": 256, "shared_memory_mb": 1024,
+            "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
+            "max_waiting_calls": 1024, "default_wait_s": 300.0, "response_timeout_s": 60.0}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
 
 RESERVED_FILES = 64
 """Open files a server needs besides its connections (listeners, checkpoint files, rings, logs)."""
+
+RUNTIME_ADDRESS_SPACE = 3 << 29
+"""Address space the server's runtime takes besides tables and calls (interpreter, torch,
+gRPC, thread stacks): an idle server maps about 1.2 GiB; 1.5 GiB leaves room for load."""
+
+HEALTH_MAX_CONNECTIONS = 16
+"""Connections the plaintext health listener (``health_address``) takes at once."""
+
+METRICS_MAX_CONNECTIONS = 16
+"""Connections the ``/metrics`` listener takes at once (scrapes, served by a few threads)."""
+
+SIDE_LISTENER_IDLE_S = 10.0
+"""A health or metrics connection is closed after this long without a request."""
 
 
 def check_limits(settings: Any) -> None:
@@ -60,6 +81,23 @@ def check_limits(settings: Any) -> None:
         0 < idle < math.inf
     ):
         raise ConfigError(f"server.idle_timeout_s must be a number of seconds > 0, got {idle!r}")
+    handshake = settings.handshake_timeout_s
+    if isinstance(handshake, bool) or not isinstance(handshake, (int, float)) or not (
+        0.1 <= handshake <= 60
+    ):
+        raise ConfigError(f"server.handshake_timeout_s must be a number of seconds in [0.1, "
+                          f"60], got {handshake!r}")
+    _int("server.max_idle_connections_per_host", settings.max_idle_connections_per_host, 1,
+         settings.max_connections)
+    _int("server.max_waiting_calls", settings.max_waiting_calls, 1, 1_000_000)
+    wait = settings.default_wait_s
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < math.inf:
+        raise ConfigError(f"server.default_wait_s must be a number of seconds > 0, got {wait!r}")
+    answer = settings.response_timeout_s
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not (
+            0 < answer < math.inf):
+        raise ConfigError(
+            f"server.response_timeout_s must be a number of seconds > 0, got {answer!r}")
     most = max_batch_mb_for(settings.memory_budget_mb)
     if not isinstance(settings.max_batch_mb, int) or isinstance(settings.max_batch_mb, bool) \
             or not 1 <= settings.max_batch_mb <= most:
@@ -93,6 +131,11 @@ class ServiceLimits:
     max_batch_bytes: int
     shared_memory_bytes: int
     max_message_bytes: int
+    handshake_timeout_s: float = DEFAULTS["handshake_timeout_s"]
+    max_idle_connections_per_host: int = DEFAULTS["max_idle_connections_per_host"]
+    max_waiting_calls: int = DEFAULTS["max_waiting_calls"]
+    default_wait_s: float = DEFAULTS["default_wait_s"]
+    response_timeout_s: float = DEFAULTS["response_timeout_s"]
 
     @classmethod
     def of(cls, settings: Any) -> ServiceLimits:
@@ -105,6 +148,12 @@ class ServiceLimits:
             max_batch_bytes=settings.max_batch_mb * MIB,
             shared_memory_bytes=settings.shared_memory_mb * MIB,
             max_message_bytes=settings.max_message_bytes,
+            handshake_timeout_s=min(float(settings.handshake_timeout_s),
+                                    float(settings.idle_timeout_s)),
+            max_idle_connections_per_host=settings.max_idle_connections_per_host,
+            max_waiting_calls=settings.max_waiting_calls,
+            default_wait_s=float(settings.default_wait_s),
+            response_timeout_s=float(settings.response_timeout_s),
         )
 
     @classmethod
@@ -119,8 +168,9 @@ class ServiceLimits:
                    max_message_bytes=max_message_bytes)
 
     @property
-    def handshake_timeout_s(self) -> float:
-        return min(self.idle_timeout_s, HANDSHAKE_TIMEOUT_S)
+    def max_idle_connections(self) -> int:
+        """Connections without a call kept from all addresses together: half the port."""
+        return max(1, self.max_connections // 2)
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """gRPC server options enforcing the connection limits and message sizes."""
@@ -130,10 +180,28 @@ class ServiceLimits:
             ("grpc.max_allowed_incoming_connections", self.max_connections),
             ("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)),
             ("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_s * 1000)),
-            # Per connection: a call over max_concurrent_calls is refused by the service (with
-            # its reason); this only keeps one connection from queueing without bound.
-            ("grpc.max_concurrent_streams", self.max_concurrent_calls + 16),
+            # Per connection: a call over the pools is refused by the service (with its
+            # reason); this only keeps one connection from queueing without bound.
+            ("grpc.max_concurrent_streams",
+             self.max_concurrent_calls + self.max_waiting_calls + 16),
         ]
+
+    @property
+    def open_files(self) -> int:
+        """Descriptors the server may need at most: every connection of every listener, plus
+        :data:`RESERVED_FILES`."""
+        return (self.max_connections + HEALTH_MAX_CONNECTIONS + METRICS_MAX_CONNECTIONS
+                + RESERVED_FILES)
+
+    def side_listener_options(self) -> list[tuple[str, int]]:
+        """gRPC options of the plaintext health listener: few connections, none kept idle."""
+        idle_ms = int(SIDE_LISTENER_IDLE_S * 1000)
+        return [("grpc.max_allowed_incoming_connections", HEALTH_MAX_CONNECTIONS),
+                ("grpc.max_connection_idle_ms", idle_ms),
+                ("grpc.server_handshake_timeout_ms", int(self.handshake_timeout_s * 1000)),
+                ("grpc.max_concurrent_streams", 4),
+                ("grpc.max_receive_message_length", 1 << 16),
+                ("grpc.so_reuseport", 0)]
 
     def ensure_open_files(self) -> None:
         """Raise the process' open-file limit to what ``max_connections`` needs, if allowed.
@@ -141,15 +209,42 @@ class ServiceLimits:
         Raises:
             ConfigError: the hard limit is too low (``ulimit -n``).
         """
-        needed = self.max_connections + RESERVED_FILES
+        needed = self.open_files
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY and soft < needed:
             if hard != resource.RLIM_INFINITY and hard < needed:
                 raise ConfigError(
                     f"server.max_connections={self.max_connections} needs {needed} open files "
-                    f"(connections plus {RESERVED_FILES}), but this process may open at most "
+                    f"(connections plus {needed - self.max_connections} for listeners, files "
+                    f"and the health and metrics connections), but this process may open at most "
                     f"{hard} (ulimit -n); lower max_connections or raise the limit")
             resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+
+    def table_memory_within_address_space(self, table_limit: int | None) -> int | None:
+        """The tables' memory limit once this process' address-space limit (``ulimit -v``)
+        is counted: what remains after the runtime and the calls' budget, if that is lower
+        than ``table_limit`` (``None``: no limit set, the machine's memory).
+
+        A server under a low ``RLIMIT_AS`` used to die of ``std::bad_alloc`` deep in a
+        library; now its tables are promised no more than the limit leaves, and a limit
+        too low to serve at all stops the start, saying so.
+
+        Raises:
+            TableSpaceError: the limit leaves nothing for tables (names the limit, the
+                runtime's share and ``memory_budget_mb``).
+        """
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return table_limit
+        left = soft - RUNTIME_ADDRESS_SPACE - self.memory_budget_bytes
+        if left <= 0:
+            raise TableSpaceError(
+                f"this process may map at most {format_bytes(soft)} (ulimit -v, RLIMIT_AS), "
+                f"which leaves nothing for tables after the runtime (about "
+                f"{format_bytes(RUNTIME_ADDRESS_SPACE)}) and server.memory_budget_mb = "
+                f"{self.memory_budget_bytes >> 20}; raise the limit or lower "
+                f"server.memory_budget_mb")
+        return left if table_limit is None else min(left, table_limit)
 
     def describe(self) -> dict[str, int | float]:
         """The limits by name, for ``info`` and the log."""
@@ -161,4 +256,9 @@ class ServiceLimits:
             "max_batch_bytes": self.max_batch_bytes,
             "shared_memory_bytes": self.shared_memory_bytes,
             "max_message_bytes": self.max_message_bytes,
+            "handshake_timeout_s": self.handshake_timeout_s,
+            "max_idle_connections_per_host": self.max_idle_connections_per_host,
+            "max_waiting_calls": self.max_waiting_calls,
+            "default_wait_s": self.default_wait_s,
+            "response_timeout_s": self.response_timeout_s,
         }

@@ -36,13 +36,11 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -50,6 +48,7 @@ from prometheus_client.registry import Collector
 from replay_server.checkpoint import Checkpointer
 from replay_server.engine.table import Table
 from replay_server.errors import ConfigError
+from replay_server.service.metrics_listener import MetricsListener
 from replay_server.service.rpc_metrics import RpcMetrics
 from replay_server.service.waiting import BlockedTotals
 
@@ -96,12 +95,12 @@ class ServerMetrics:
         self.registry.register(self.rpc)
         self.registry.register(EngineCollector(source))
         ProcessCollector(registry=self.registry)
-        self._http: Any = None
-        self._thread: Any = None
+        self._http: MetricsListener | None = None
         self.port: int | None = None
 
     def start(self) -> int:
-        """Listen for scrapes (on a daemon thread); returns the bound port.
+        """Listen for scrapes (:class:`~replay_server.service.metrics_listener.MetricsListener`:
+        a few threads, a few connections, each timed out); returns the bound port.
 
         Raises:
             ConfigError: the address cannot be bound (in use, not a local address).
@@ -109,12 +108,13 @@ class ServerMetrics:
         host, port = self.address.rsplit(":", 1)
         host = host.strip("[]")
         try:
-            self._http, self._thread = start_http_server(int(port), host, self.registry)
+            self._http = MetricsListener(host, int(port), self.registry)
         except OSError as exc:
             raise ConfigError(
                 f"server.metrics_address {self.address!r}: cannot listen there "
                 f"({exc.strerror or exc})") from None
-        self.port = int(self._http.server_port)
+        self._http.start()
+        self.port = self._http.port
         log.info("metrics on http://%s:%d/metrics", host if ":" not in host else f"[{host}]",
                  self.port)
         return self.port
@@ -123,9 +123,7 @@ class ServerMetrics:
         """Stop answering scrapes (idempotent)."""
         http, self._http = self._http, None
         if http is not None:
-            http.shutdown()
-            http.server_close()
-            self._thread.join(timeout=5)
+            http.stop()
 
 
 class EngineCollector(Collector):

@@ -14,9 +14,12 @@ follow the go-grpc-prometheus convention, which existing dashboards know:
     replay_rpc_received_bytes_total / _sent_bytes_total{grpc_service, grpc_method}
     replay_rpc_open_streams{grpc_service, grpc_method}  streaming calls open now
 
-A stream's duration is its whole life. Messages a handler writes through
-``context.write`` (the health service's ``Watch``) are not seen, only the
-call. Bytes are the serialized messages (what handlers receive and return:
+A stream's duration is its whole life. Messages a handler reads with
+``context.read()`` or writes with ``context.write()`` are counted like those
+it takes from its iterator or yields (the replay service serves its unary
+methods as streams that write their one answer, so that an answer nobody
+reads can be given up: :mod:`~replay_server.service.admission`); they keep
+their declared type in the labels. Bytes are the serialized messages (what handlers receive and return:
 raw bytes for ``replay.v1.ReplayService``), not HTTP/2 framing or TLS.
 
 Cost: about a microsecond or two per call and per stream message, on the
@@ -68,13 +71,14 @@ class _Outcome:
 class _Method:
     """One served method's figures, and the wrappers that keep them."""
 
-    __slots__ = ("labels", "streaming", "started", "received", "sent", "bytes_in", "bytes_out",
-                 "open", "outcomes", "_wrapped")
+    __slots__ = ("labels", "streaming", "declared_streaming", "started", "received", "sent",
+                 "bytes_in", "bytes_out", "open", "outcomes", "_wrapped")
 
     def __init__(self, path: str, kind: str) -> None:
         service, _, name = path.lstrip("/").rpartition("/")
         self.labels = (service, name, _declared_kind(service, name) or kind)
         self.streaming = kind != "unary"  # how the handler is served (may differ: see below)
+        self.declared_streaming = self.labels[2] != "unary"
         self.started = self.received = self.sent = self.bytes_in = self.bytes_out = 0
         self.open = 0
         self.outcomes: dict[str, _Outcome] = {}
@@ -134,7 +138,7 @@ class _Method:
             request = self._received(request, request_streaming)
             code = "UNKNOWN"
             try:
-                result = behaviour(request, context)
+                result = behaviour(request, _CountedReads(context, self))
                 if hasattr(result, "__aiter__"):
                     try:
                         async for message in result:
@@ -170,7 +174,7 @@ class _Method:
 
     def _begin(self) -> float:
         self.started += 1
-        if self.streaming:
+        if self.declared_streaming:
             self.open += 1
         return time.perf_counter()
 
@@ -185,17 +189,18 @@ class _Method:
         outcome.handled += 1
         outcome.buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         outcome.seconds += seconds
-        if self.streaming:
+        if self.declared_streaming:
             self.open -= 1
 
 
 class _CountedReads:
-    """A call's context whose ``read()`` counts each message it returns.
+    """A call's context whose ``read()`` and ``write()`` count each message.
 
     The messages a handler takes from its request iterator are counted by
     :meth:`_Method._count_requests`; those it reads with ``context.read()``
     (gRPC's iterator reads from the real context, so nothing is counted twice)
-    are counted here. Everything else is the call's own context.
+    are counted here, and so are those it writes with ``context.write()``.
+    Everything else is the call's own context.
     """
 
     __slots__ = ("_context", "_method")
@@ -210,6 +215,11 @@ class _CountedReads:
             self._method.received += 1
             self._method.bytes_in += _size(message)
         return message
+
+    async def write(self, message: Any) -> None:
+        await self._context.write(message)
+        self._method.sent += 1
+        self._method.bytes_out += _size(message)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
@@ -268,7 +278,7 @@ class RpcMetrics(grpc.aio.ServerInterceptor, Collector):
             sent.add_metric(values, method.sent)
             bytes_in.add_metric(values[:2], method.bytes_in)
             bytes_out.add_metric(values[:2], method.bytes_out)
-            if method.streaming:
+            if method.declared_streaming:
                 open_streams.add_metric(values[:2], method.open)
             for code, outcome in dict(method.outcomes).items():
                 handled.add_metric([*values, code], outcome.handled)

@@ -2,10 +2,17 @@
 
 One :class:`SampleStreamCall` per call. The learner's first message names the
 table and batch size and grants ``credits`` (its prefetch window); each later
-message grants one credit per batch it took. The server draws batch ``k``
-only once ``k < credits``, so it never runs more than the window ahead and
-each batch sees every priority update made before it was drawn. While a
-group is being sent the next is drawn, when credits allow.
+message grants one credit per batch it took (or more, widening the window).
+The server draws batch ``k`` only once ``k < credits``, so it never runs more
+than the window ahead. While a group is being sent the next is drawn, when
+credits allow.
+
+Priority updates ride on the credits: a message may carry the updates the
+learner made since its previous one (``update``). The server applies them,
+in the engine pool, before that message's credits count, so no batch those
+credits allow is drawn before the update: a learner's next batch sees its
+last update with no round trip of its own. A refused update ends the stream
+with the status ``UpdatePriorities`` would have answered.
 
 Same host: if the learner asked for shared memory and runs on this host
 (same boot id), the server creates a ring of ``credits + 1`` slots in
@@ -39,7 +46,8 @@ import grpc
 import torch
 
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, align, host_id
-from replay_proto.batch import SampleBatch
+from replay_proto import messages
+from replay_proto.batch import SampleBatch, batch_nbytes
 from replay_proto.sample_codec import (
     HEADROOM,
     STREAM_CHUNK_BYTES,
@@ -127,6 +135,8 @@ class SampleStreamCall:
         self._context = context
         self._credits = 0
         self._window = 1
+        self._group = 1  # batches drawn at once at most (the learner may change it)
+        self._table: Table = None  # type: ignore[assignment]  # set by run()
         self._credit_event = asyncio.Event()
         self._client_done = False
         self._refused: InvalidArgumentError | None = None  # a malformed learner message
@@ -159,10 +169,18 @@ class SampleStreamCall:
         first = await calls.run(context, _parse_first, first_raw)
         request = first.request
         table = await calls.run(context, self._tables.__getitem__, request.table)
+        self._table = table
         batch_bytes = self._batch_bytes(table, request.batch_size)
         if batch_bytes > self._limits.max_batch_bytes:
             await calls.fail(context, self._too_large(table, request.batch_size, batch_bytes))
-        self._credits = self._window = first.credits
+        self._group = max(1, request.batches_per_message)
+        if first.HasField("update"):
+            try:
+                await self._apply(first.update)
+            except Exception as exc:
+                await calls.fail(context, exc)
+        self._credits = first.credits
+        self._window = max(first.credits, first.window)  # a ring gets window + 1 slots
         reader = asyncio.create_task(self._read())
         want_ring = first.shared_memory and self._limits.shared_memory
         note = ""
@@ -246,7 +264,7 @@ class SampleStreamCall:
                                    self._too_large(table, request.batch_size, batch_bytes))
         # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT) when it draws.
         rows = request.batch_size if 1 <= request.batch_size <= MAX_BATCH_SIZE else 0
-        extras = rows * 12 + rows * (table.config.slice_len or 1) * 8
+        extras = batch_nbytes(0, rows, table.config.slice_len, table.config.n_step)
         nbytes = extras if self._ring_accepted else 2 * count * batch_bytes + extras
         purpose = f"SampleStream: {count} batch(es) of {request.batch_size} from {table.name!r}"
         budget = self._limits.budget
@@ -276,11 +294,23 @@ class SampleStreamCall:
                     self._refused = InvalidArgumentError(
                         f"malformed SampleStream credit message: {exc}")
                     return
-                if message.credits < 0 or message.HasField("request"):
+                if (message.credits < 0 or message.HasField("request")
+                        or message.batches_per_message < 0):
                     self._refused = InvalidArgumentError(
-                        "a later SampleStream message may only grant credits >= 0 or answer "
-                        "a shared-memory offer")
+                        "a later SampleStream message may only grant credits >= 0, carry a "
+                        "priority update, set batches_per_message >= 0 or answer a "
+                        "shared-memory offer")
                     return
+                if message.HasField("update"):
+                    try:
+                        await self._apply(message.update)  # before its credits count
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:
+                        self._refused = exc
+                        return
+                if message.batches_per_message:
+                    self._group = message.batches_per_message
                 self._credits += message.credits
                 if message.HasField("shared_memory_answer"):
                     self._on_answer(message.shared_memory_answer)
@@ -290,6 +320,15 @@ class SampleStreamCall:
         finally:
             self._client_done = True
             self._credit_event.set()
+
+    async def _apply(self, update: pb.UpdatePrioritiesRequest) -> None:
+        """Apply a priority update of the stream's table in the engine pool (raises its error)."""
+        table = self._table
+        if update.table and update.table != table.name:
+            raise InvalidArgumentError(
+                f"a SampleStream of table {table.name!r} carried a priority update of table "
+                f"{update.table!r}; update other tables with UpdatePriorities")
+        await self._calls.change(self._context, _update_table, table, update, aborting=False)
 
     def _on_answer(self, answer: pb.SharedMemoryAnswer) -> None:
         ring = self._ring
@@ -321,7 +360,7 @@ class SampleStreamCall:
             return 0
         if self._ring_accepted:
             return 1
-        count = min(max(1, request.batches_per_message), remaining, self._credits - index)
+        count = min(self._group, remaining, self._credits - index)
         batch_bytes = table.batch_nbytes(request.batch_size) if (
             1 <= request.batch_size <= MAX_BATCH_SIZE) else 0
         if batch_bytes:
@@ -399,7 +438,7 @@ class SampleStreamCall:
         batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data, out=columns)
         for dest, src in zip(views[n:], batch.extras):
             dest.copy_(src)
-        return encode_ring_batch(columns, views[n:], index, slot, layout.offsets)
+        return encode_ring_batch(columns, views[n:], index, slot, layout.offsets, batch.mass)
 
     def _log(self, topic: str, level: int, what: str) -> None:
         """A line about this stream's client (rate-limited per client: see ``peer_log``)."""
@@ -417,6 +456,13 @@ class SampleStreamCall:
             reservation.release()
 
 
+def _update_table(table: Table, update: pb.UpdatePrioritiesRequest) -> tuple[str, int]:
+    """Engine pool: ``update`` applied to ``table``; how many ids named stored rows."""
+    ids, priorities = messages.update_arrays(update)
+    applied = table.update_priorities(ids, priorities)
+    return table.name, int(applied or 0)
+
+
 def _parse_first(raw: bytes) -> pb.SampleStreamRequest:
     try:
         first = pb.SampleStreamRequest.FromString(raw)
@@ -432,4 +478,8 @@ def _parse_first(raw: bytes) -> pb.SampleStreamRequest:
         raise InvalidArgumentError(
             f"the first SampleStream message must grant credits in [1, {MAX_CREDITS}] (the "
             f"prefetch window), got {first.credits}")
+    if not 0 <= first.window <= MAX_CREDITS:
+        raise InvalidArgumentError(
+            f"the first SampleStream message's window must be in [0, {MAX_CREDITS}], got "
+            f"{first.window}")
     return first

@@ -12,16 +12,18 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from replay_feed.shared_ring import sweep_stale_rings
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.checkpoint import Checkpointer, RestoreCancelled
+from replay_server.checkpoint import Checkpointer, CheckpointResult, RestoreCancelled
 from replay_server.checkpoint.incarnation import IncarnationFile
 from replay_server.engine.id_space import IncarnationSource, RandomIncarnations
 from replay_server.engine.memory import MemoryLedger, format_bytes
@@ -30,6 +32,7 @@ from replay_server.engine.variables import VariableStore
 from replay_server.errors import CheckpointWriteError, ConfigError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget
+from replay_server.service.connections import ConnectionGuard
 from replay_server.service.limits import MIB, ServiceLimits
 from replay_server.service.credentials import server_credentials
 from replay_server.service.loop import loop_name
@@ -41,6 +44,8 @@ from replay_server.service.status import UnauthenticatedError, abort
 log = logging.getLogger("replay_server")
 
 HEALTH_SERVICE = "grpc.health.v1.Health"
+
+T = TypeVar("T")
 
 
 class _TokenAuth(grpc.aio.ServerInterceptor):
@@ -157,13 +162,21 @@ class ReplayServer:
                 version=server_version()))
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
+        self.connections: ConnectionGuard | None = None
         self._timer: asyncio.Task | None = None
         self._restored = False
         self.port: int | None = None
 
     def _make_tables(self) -> TableSet:
         mb = self.settings.table_memory_mb
-        memory = MemoryLedger(mb * MIB, "server.table_memory_mb") if mb else MemoryLedger()
+        configured = mb * MIB if mb else None
+        limit = self.limits.table_memory_within_address_space(configured)
+        if limit is None:
+            memory = MemoryLedger()
+        elif limit == configured:
+            memory = MemoryLedger(limit, "server.table_memory_mb")
+        else:  # the address-space limit is the tighter one
+            memory = MemoryLedger(limit, "the address space left by ulimit -v (RLIMIT_AS)")
         return TableSet(self.settings.table_configs, self.incarnations, memory)
 
     def _make_variables(self) -> VariableStore:
@@ -202,9 +215,10 @@ class ReplayServer:
         self._server.add_generic_rpc_handlers((self._servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.port = _listen(self._server, self.settings.address, self._credentials)
+        self._start_guard(asyncio.get_running_loop())
         health_port = None
         if self.settings.health_address is not None:
-            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self._health_server = grpc.aio.server(options=self.limits.side_listener_options())
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
             health_port = _listen(self._health_server, self.settings.health_address, None,
                                   "server.health_address: ")
@@ -220,10 +234,12 @@ class ReplayServer:
                  self.settings.workers, "token" if self._token else "off",
                  _tls_mode(self.settings), self.settings.shard, self.incarnations.current)
         limits = self.limits
-        log.info("limits: calls may hold %s at once, %d calls, %d connections (idle %.0f s), "
-                 "batches up to %s, shared-memory rings %s, tables %s",
+        log.info("limits: calls may hold %s at once, %d calls, %d connections (idle %.0f s, "
+                 "%g s to a first call, %d without one per host), batches up to %s, "
+                 "shared-memory rings %s, tables %s",
                  format_bytes(limits.memory_budget_bytes), limits.max_concurrent_calls,
-                 limits.max_connections, limits.idle_timeout_s,
+                 limits.max_connections, limits.idle_timeout_s, limits.handshake_timeout_s,
+                 limits.max_idle_connections_per_host,
                  format_bytes(limits.max_batch_bytes), format_bytes(limits.shared_memory_bytes),
                  format_bytes(self.tables.memory.limit))
         if self._health_server is not None:
@@ -235,23 +251,59 @@ class ReplayServer:
         # collector's sight, a full collection takes well under a millisecond instead of
         # ~70 ms, a pause every request (and checkpoint) thread would wait out.
         gc.freeze()
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_health()
         interval = self.settings.checkpoint_interval_s
         if self.checkpointer is not None and interval > 0:
             self._timer = asyncio.create_task(self._checkpoint_every(interval))
         return self.port
 
+    def _start_guard(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close connections that make no call (:mod:`~replay_server.service.connections`);
+        health says NOT_SERVING while the port is full."""
+        limits = self.limits
+
+        def on_full(full: bool) -> None:  # on the guard's thread
+            asyncio.run_coroutine_threadsafe(self._set_health(), loop)
+
+        self.connections = ConnectionGuard(
+            self.port, handshake_timeout_s=limits.handshake_timeout_s,
+            max_idle_per_host=limits.max_idle_connections_per_host,
+            max_idle=limits.max_idle_connections, max_connections=limits.max_connections,
+            on_full=on_full)
+        self.admission.on_call = self.connections.called
+        guard = self.connections
+        self._servicer.connection_figures = lambda: (guard.open, guard.closed)
+        self.connections.start()
+
+    async def _set_health(self) -> None:
+        """SERVING once restored, unless draining or the port is full (new clients refused)."""
+        serving = (self._restored and not self._servicer.calls.draining
+                   and (self.connections is None or not self.connections.full))
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
     async def _restore(self, cancel: threading.Event | None) -> None:
         if self.checkpointer is None:
             self._restored = True
             return
-        loop = asyncio.get_running_loop()
-        restored = await loop.run_in_executor(
-            self._checkpoint_executor, functools.partial(
-                self.checkpointer.restore, self._make_tables, cancel, self._make_variables,
-                start_empty=self.settings.start_empty_if_unrestorable))
+        # The first attempt loads into the tables made at start, which hold no row yet, so
+        # their storage is loaded into (no second copy: memmap tables fit a disk sized for
+        # one); only a retry after a damaged checkpoint makes new ones.
+        initial = [self.tables]
+
+        def make_tables() -> TableSet:
+            return initial.pop() if initial else self._make_tables()
+
+        restored = await _cancellable(functools.partial(
+            self.checkpointer.restore, make_tables, cancel, self._make_variables,
+            start_empty=self.settings.start_empty_if_unrestorable), cancel)
         if restored is None:
+            if not initial:  # loaded into by a failed attempt: start from new, empty ones
+                self.tables = None  # type: ignore[assignment]  # dropped before remade
+                self.tables = self._make_tables()
+                self._servicer.use_tables(self.tables)
             log.info("nothing restored from %s: starting with empty tables",
                      self.checkpointer.path)
         else:
@@ -267,9 +319,9 @@ class ReplayServer:
         self._restored = True
         self._servicer.calls.restoring = False
 
-    def _checkpoint(self, reason: str) -> None:
+    def _checkpoint(self, reason: str) -> CheckpointResult:
         assert self.checkpointer is not None
-        self.checkpointer.checkpoint(self.tables, reason, variables=self.variables)
+        return self.checkpointer.checkpoint(self.tables, reason, variables=self.variables)
 
     async def _checkpoint_every(self, interval: float) -> None:
         """Timed checkpoints, ``interval`` seconds after the end of the previous one."""
@@ -300,10 +352,14 @@ class ReplayServer:
         if checkpoint and self.checkpointer is not None and self._restored:
             loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(self._checkpoint_executor, self._checkpoint,
-                                           "shutdown")
+                result = await loop.run_in_executor(self._checkpoint_executor,
+                                                    self._checkpoint, "shutdown")
             except CheckpointWriteError:
                 self.exit_code = 1  # logged by the checkpointer
+            else:
+                # Written without the named variables only: the tables are saved, a clean
+                # stop (logged at ERROR). Without a table: rows would be lost, exit 1.
+                self.exit_code = 1 if result.lost_tables else 0
         self._checkpoint_executor.shutdown(wait=True)
         if self.checkpointer is not None:
             self.checkpointer.close()
@@ -312,6 +368,8 @@ class ReplayServer:
             self._health_server = None
         if self.metrics is not None:
             self.metrics.stop()
+        if self.connections is not None:
+            self.connections.stop()
         self._server = None
         log.info("stopped")
 
@@ -347,6 +405,42 @@ class ReplayServer:
             port_file.write_text(f"{port}\n")
         await stop.wait()
         await self.stop(grace)
+
+
+RESTORE_STOP_S = 5.0
+"""How long a restore told to stop may take to notice; one blocked in a system call (a hung
+network file system) is left behind after that, and the server stops without it."""
+
+
+async def _cancellable(restore: Callable[[], T], cancel: threading.Event | None) -> T:
+    """``restore()`` on a daemon thread of its own; once ``cancel`` is set, it has
+    :data:`RESTORE_STOP_S` to return (or raise), else :class:`RestoreCancelled` is raised
+    here and the thread is abandoned (a daemon: it never holds up the process' exit)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], None]) -> None:
+        if not future.done():
+            outcome()
+
+    def run() -> None:
+        try:
+            result = restore()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, functools.partial(future.set_exception, exc))
+        else:
+            loop.call_soon_threadsafe(settle, functools.partial(future.set_result, result))
+
+    threading.Thread(target=run, name="replay-restore", daemon=True).start()
+    while not future.done():
+        await asyncio.wait({future}, timeout=0.1)
+        if cancel is not None and cancel.is_set() and not future.done():
+            done, _ = await asyncio.wait({future}, timeout=RESTORE_STOP_S)
+            if not done:
+                log.warning("the restore did not stop within %.0f s of the signal (blocked "
+                            "reading the checkpoint?): leaving it behind", RESTORE_STOP_S)
+                raise RestoreCancelled("restore cancelled (it did not stop in time)")
+    return future.result()
 
 
 def _listen(server: grpc.aio.Server, address: str,

@@ -17,7 +17,7 @@ updates on the event loop when their table is free), sharing the runner.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import asdict
 from typing import Any
@@ -30,12 +30,13 @@ from replay_proto.codec import CodecError
 from replay_proto.sample_codec import HEADROOM, encode_sample
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.checkpoint import Checkpointer, CheckpointResult
+from replay_server.checkpoint.checkpointer import partial_message
 from replay_server.engine.id_space import IncarnationSource, LocalIncarnations
 from replay_server.engine.inputs import MAX_BATCH_SIZE
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
 from replay_server.engine.variables import VariableStore
-from replay_server.errors import CheckpointsDisabledError
+from replay_server.errors import CheckpointPartError, CheckpointsDisabledError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner
@@ -100,6 +101,10 @@ class ReplayServicer:
         self._streams: set[SampleStreamCall] = set()
         self.calls = CallRunner(executor, self._may_pass)
         """Runs every call's engine work; the server sets its ``draining``/``restoring``."""
+        self.connection_figures: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        """Connections open on the main port and closed for making no call (for ``info``)."""
+        self.calls.start_waiting = admission.start_waiting
+        self.calls.default_wait_s = admission.limits.default_wait_s
         self.variables = VariableService(
             VariableStore(0) if variables is None else variables, self.calls)
         """Publish and Fetch (named variables)."""
@@ -302,6 +307,8 @@ class ReplayServicer:
                 "config to enable checkpoints")
         result = self._checkpointer.checkpoint(self._tables, "Checkpoint RPC",
                                                variables=self.variables.store)
+        if result.failed:
+            raise CheckpointPartError(f"checkpoint {partial_message(result)}")
         return _checkpoint_response(result).SerializeToString()
 
     # ---------------------------------------------------------------- helpers
@@ -325,6 +332,7 @@ class ReplayServicer:
 
     def _limits_info(self) -> pb.ServerLimits:
         limits, budget = self._admission.limits, self._admission.budget
+        connections_open, connections_closed = self.connection_figures()
         rings = self._stream_limits.shared_memory_budget
         memory = self._tables.memory
         return pb.ServerLimits(
@@ -337,6 +345,10 @@ class ReplayServicer:
             shared_memory_in_use_bytes=rings.in_use, table_memory_bytes=memory.limit,
             table_memory_committed_bytes=memory.committed,
             refused_calls=budget.refused + self._admission.refused,
+            max_waiting_calls=limits.max_waiting_calls, calls_waiting=self._admission.waiting,
+            default_wait_s=limits.default_wait_s, handshake_timeout_s=limits.handshake_timeout_s,
+            max_idle_connections_per_host=limits.max_idle_connections_per_host,
+            connections_open=connections_open, connections_closed=connections_closed,
         )
 
     def _may_pass(self, table: str, operation: str, count: int) -> bool:

@@ -58,11 +58,24 @@ class ServerSettings:
         memory_budget_mb: bytes all calls together may hold at once (requests
             read, batches drawn, responses not yet taken by slow readers), in
             MiB; a call that does not fit is refused (RESOURCE_EXHAUSTED).
-        max_concurrent_calls: replay calls served at once (health checks aside).
+        max_concurrent_calls: replay calls working at once (health checks and
+            waiting calls aside).
+        max_waiting_calls: calls waiting at once (streams; fetches, samples and
+            inserts waiting for a newer version, for data or for their rate
+            limiter), a pool of their own; more are refused (RESOURCE_EXHAUSTED).
+        default_wait_s: how long a unary call whose client set no deadline may
+            wait (a fetch for a newer version, a sample for data or its rate
+            limiter, an insert for its rate limiter).
+        response_timeout_s: how long a unary call's answer may wait for its client
+            to take it; one not taken is dropped (the call ends, its memory is freed).
         max_connections: open client connections; more are closed at once.
-        idle_timeout_s: a connection with no call for this long is closed (and
-            one that has not finished its HTTP/2 handshake after
-            ``min(idle_timeout_s, 10)`` seconds).
+        idle_timeout_s: a connection that made calls is closed after this long
+            without one.
+        handshake_timeout_s: a connection that has made no call this long after
+            it was accepted is closed (health checks do not count; with a token,
+            only calls carrying it do); ``idle_timeout_s`` if that is shorter.
+        max_idle_connections_per_host: connections that have made no call yet
+            one source address may hold; more are closed, the oldest first.
         max_batch_mb: largest batch (or group of batches) one Sample call or
             SampleStream draws, in MiB; at most 3/8 of ``memory_budget_mb``.
         shared_memory_mb: bytes all shared-memory rings together may take in
@@ -102,6 +115,11 @@ class ServerSettings:
     max_concurrent_calls: int = LIMIT_DEFAULTS["max_concurrent_calls"]
     max_connections: int = LIMIT_DEFAULTS["max_connections"]
     idle_timeout_s: float = LIMIT_DEFAULTS["idle_timeout_s"]
+    handshake_timeout_s: float = LIMIT_DEFAULTS["handshake_timeout_s"]
+    max_idle_connections_per_host: int = LIMIT_DEFAULTS["max_idle_connections_per_host"]
+    max_waiting_calls: int = LIMIT_DEFAULTS["max_waiting_calls"]
+    default_wait_s: float = LIMIT_DEFAULTS["default_wait_s"]
+    response_timeout_s: float = LIMIT_DEFAULTS["response_timeout_s"]
     max_batch_mb: int = LIMIT_DEFAULTS["max_batch_mb"]
     shared_memory_mb: int = LIMIT_DEFAULTS["shared_memory_mb"]
     table_memory_mb: int = 0

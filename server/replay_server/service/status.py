@@ -18,6 +18,7 @@ import grpc
 from replay_proto.codec import CodecError
 from replay_proto.error_kinds import ERROR_KIND_KEY, ErrorKind
 from replay_server import errors
+from replay_server.service.excerpt import STATUS_CHARS, excerpt
 from replay_server.service.peer_log import PeerLog
 
 log = logging.getLogger("replay_server.service")
@@ -96,6 +97,11 @@ _ROUTINE = {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE}
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
     """End the call with ``exc``'s status and kind (a bug: logged, answered INTERNAL).
 
+    A MemoryError (the process out of memory or address space) is answered
+    RESOURCE_EXHAUSTED, kind ``overloaded``, never INTERNAL. The message is cut
+    to :data:`~replay_server.service.excerpt.STATUS_CHARS`
+    (an error listing a huge schema must still reach the client as its type).
+
     Refusals are logged per client, rate-limited (:mod:`~replay_server.service.peer_log`):
     a wrong token at WARNING, other client mistakes and limits at INFO, routine
     ones (a rate limiter's deadline, draining) at DEBUG; a bug with its traceback
@@ -103,6 +109,10 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoRetu
     at DEBUG (its end is expected, whatever it raised).
     """
     peer = _peer(context)
+    if isinstance(exc, MemoryError):  # the machine, not a bug: the call may be tried again
+        exc = OverloadedError(
+            "the server ran out of memory serving this call (its address-space limit or the "
+            "machine's memory); try again later, or send less at once")
     mapped = status_of(exc)
     if mapped is None:
         if _cancelled(context):
@@ -113,7 +123,7 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoRetu
         code, kind, message = (grpc.StatusCode.INTERNAL, ErrorKind.INTERNAL,
                                "internal server error (the server logged the details)")
     else:
-        (code, kind), message = mapped, str(exc)
+        (code, kind), message = mapped, excerpt(exc, STATUS_CHARS)
         level = (logging.WARNING if code == grpc.StatusCode.UNAUTHENTICATED
                  else logging.DEBUG if code in _ROUTINE else logging.INFO)
         CLIENT_LOG.log(peer, kind.value, level, "refused a call from %s: %s (%s): %s", peer,

@@ -6,8 +6,10 @@ then wakes the fetches waiting on that name. A fetch with ``newer_than``
 that finds nothing newer waits on an event of its name, on the event loop,
 holding no thread and polling nothing, until a publish wakes it, its
 ``timeout_s`` passes (answered ``found = false``), shortly before its gRPC
-deadline (the same: so the answer reaches the client in time), or the server
-drains (UNAVAILABLE).
+deadline (the same: so the answer reaches the client in time; without a
+deadline, ``server.default_wait_s``), or the server drains (UNAVAILABLE).
+While it waits it counts in the waiting calls' pool, not the working one
+(:mod:`~replay_server.service.admission`).
 
 Thread-safety: event-loop only (the engine work runs in the pool).
 """
@@ -23,9 +25,10 @@ from replay_proto import variable_codec
 from replay_proto.codec import CodecError
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.engine.variables import Variable, VariableStore, check_name
+from replay_server.errors import InvalidVariableError
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
-from replay_server.service.status import ShuttingDownError
+from replay_server.service.status import OverloadedError, ShuttingDownError
 from replay_server.service.waiting import GIVE_UP_EARLY_FRACTION, GIVE_UP_EARLY_MAX_S
 
 
@@ -58,8 +61,11 @@ class VariableService:
                                   bytes=self.store.nbytes).SerializeToString()
 
     def _publish(self, raw: bytes) -> Variable:
-        name, tensors = variable_codec.decode_publish(raw)
-        return self.store.publish(name, tensors)
+        try:
+            name, specs, payload = variable_codec.decode_publish_packed(raw)
+        except variable_codec.VariableFormatError as exc:
+            raise InvalidVariableError(f"variable: {exc}") from None
+        return self.store.publish_packed(name, specs, payload)
 
     async def fetch(self, raw: bytes, context: grpc.aio.ServicerContext,
                     reservation: Reservation) -> bytes:
@@ -78,10 +84,11 @@ class VariableService:
         check = await self._calls.run(context, check_name, request.name)  # refuse bad names now
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + request.timeout_s
-        remaining = context.time_remaining()
+        remaining = self._calls.deadline_or_default(context)()
         if remaining is not None:  # answer before the client's own deadline fires
             early = min(GIVE_UP_EARLY_MAX_S, GIVE_UP_EARLY_FRACTION * remaining)
             give_up_at = min(give_up_at, loop.time() + remaining - early)
+        waiting = False
         while True:
             if self._calls.draining:
                 await self._calls.fail(context, ShuttingDownError("the server is shutting down"))
@@ -90,6 +97,12 @@ class VariableService:
             left = give_up_at - loop.time()
             if left <= 0:
                 return variable_codec.encode_not_newer(check)
+            if not waiting:
+                waiting = True
+                try:
+                    self._calls.start_waiting(context)  # out of the working calls' pool
+                except OverloadedError as exc:
+                    await self._calls.fail(context, exc)
             event = self._published.setdefault(check, asyncio.Event())
             try:
                 await asyncio.wait_for(event.wait(), None if math.isinf(left) else left)
@@ -98,7 +111,8 @@ class VariableService:
 
     def _encode(self, name: str) -> bytes:
         variable = self.store.get(name)
-        return variable_codec.encode_fetch(variable.name, variable.version, variable.tensors)
+        return variable_codec.encode_fetch_packed(variable.name, variable.version,
+                                                  variable.layout, variable.data)
 
     def _wake_all(self) -> None:
         events, self._published = list(self._published.values()), {}

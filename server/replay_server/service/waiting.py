@@ -121,6 +121,7 @@ class BlockedCalls:
         *,
         time_remaining: Callable[[], float | None],
         stopping: Callable[[], bool],
+        on_block: Callable[[], None] | None = None,
     ) -> T:
         """``await attempt()`` until it does not raise RateLimitedError, waiting in between.
 
@@ -128,11 +129,13 @@ class BlockedCalls:
             attempt: starts the engine call (in the thread pool) and returns its future.
             time_remaining: seconds to the call's deadline (``None``: no deadline).
             stopping: whether the server is draining.
+            on_block: called once, when the call is first held back, before it waits
+                (what it raises ends the call: the admission refusing a waiter).
 
         Raises:
             RateLimitedError: still held back shortly before the deadline.
             ShuttingDownError: the server started draining while the call waited.
-            Exception: whatever else the attempt raises.
+            Exception: whatever else the attempt (or ``on_block``) raises.
         """
         loop = asyncio.get_running_loop()
         give_up_at: float | None = None
@@ -145,6 +148,8 @@ class BlockedCalls:
                 blocked = exc
             if first:
                 first = False
+                if on_block is not None:
+                    on_block()
                 self._blocked_calls[(blocked.table, blocked.operation)] += 1
                 remaining = time_remaining()
                 if remaining is not None:

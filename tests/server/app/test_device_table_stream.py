@@ -19,7 +19,8 @@ import torch
 
 from replay_feed import BatchStream, FeedCore
 from replay_feed.delivery import Delivery
-from replay_server.app.embedded import TableSource
+from replay_feed.source import LinkSource
+from replay_server.app.embedded import TableLink
 from replay_server.engine.config import TableConfig
 from replay_server.engine.storage.placement import cpu_stand_in
 from replay_server.engine.table import Table
@@ -66,7 +67,9 @@ class RecordingAccelerator:
 
 def _stream(table: Table, accel: RecordingAccelerator, batches: int) -> BatchStream:
     delivery = Delivery(torch.device("cpu"), True, accel, "the CPU stand-in's device")
-    return BatchStream(FeedCore(2, delivery), TableSource(table, 32, batches), table.name)
+    core = FeedCore(2, delivery)
+    return BatchStream(core, LinkSource(TableLink(table, 32, core.staging), num_batches=batches),
+                       table.name)
 
 
 def _filled(device: str) -> Table:

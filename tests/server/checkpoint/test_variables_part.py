@@ -43,7 +43,7 @@ def test_variables_round_trip_with_their_versions(directory) -> None:
     assert got.tensors["n"].dtype == torch.int32
     assert tables["t"].size == 4
     manifest = json.loads((result.path / MANIFEST).read_text())
-    assert manifest["variables"]["version"] == 1
+    assert manifest["variables"]["version"] == 2
     assert manifest["variables"]["file"]["name"] == VARIABLES_FILE
 
 
@@ -77,3 +77,34 @@ def test_a_variables_part_of_a_newer_layout_is_not_half_used(directory) -> None:
     (newer.path / "COMPLETE").write_bytes(complete_marker(data))
     _, result = restore(directory)
     assert result.path == older.path and "layout version 99" in result.skipped[0][1]
+
+
+def test_a_checkpoint_of_layout_1_still_restores(directory) -> None:
+    """Checkpoints written before variables were held packed (layout 1) keep restoring."""
+    from replay_server.checkpoint.manifest import complete_marker
+    from replay_server.checkpoint.fileio import write_file
+    from replay_server.checkpoint.statecodec import encode_state
+    result = write(directory, store_with_policy(1.0))
+    tree, blob = encode_state(store_with_policy(1.0).state_dict())
+    (result.path / VARIABLES_FILE).unlink()
+    file = write_file(result.path, VARIABLES_FILE, *blob)
+    doc = json.loads((result.path / MANIFEST).read_text())
+    doc["variables"] = {"version": 1, "state": tree, "file": file.to_json()}
+    data = json.dumps(doc).encode()
+    (result.path / MANIFEST).write_bytes(data)
+    (result.path / "COMPLETE").write_bytes(complete_marker(data))
+    _, restored = restore(directory)
+    got = restored.variables.get("policy")
+    assert restored.path == result.path and got.version == 2
+    assert torch.equal(got.tensors["w"], torch.full((3,), 2.0))
+
+
+def test_a_variable_of_many_keys_round_trips_packed(directory) -> None:
+    store = VariableStore(1 << 30)
+    many = {f"k{i}": torch.full((1,), float(i)) for i in range(20_000)}
+    store.publish("many", many)
+    write(directory, store)
+    _, result = restore(directory)
+    got = result.variables.get("many")
+    assert got.keys == 20_000 and got.nbytes == store.get("many").nbytes
+    assert got.tensors["k19999"].item() == 19999.0

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replay_server.engine.variables import KEY_OVERHEAD_BYTES, VariableStore
+from replay_proto.variable_codec import encode_publish, decode_publish_packed
+from replay_server.engine.variables import VariableStore
 from replay_server.errors import (
     InvalidVariableError,
     MalformedStateError,
@@ -52,6 +53,9 @@ def test_unknown_name_is_refused_naming_it() -> None:
     ("policy", {"z": torch.zeros(2, dtype=torch.complex64)}, "key 'z' has dtype torch.complex64"),
     ("policy", {"s": torch.zeros(3).to_sparse()}, "key 's'.*sparse"),
     ("policy", [torch.zeros(1)], "got list"),
+    ("policy", {"deep": torch.zeros([1] * 33)}, "33 dimensions, at most 32"),
+    ("policy", {"k" * 1025: torch.zeros(1)}, "1025 characters, at most 1024"),
+    ("x" * 129, policy(), "is invalid"),
 ])
 def test_bad_input_is_refused_and_changes_nothing(name, state, match) -> None:
     store = VariableStore(1 << 20)
@@ -63,7 +67,8 @@ def test_bad_input_is_refused_and_changes_nothing(name, state, match) -> None:
 
 def test_budget_is_refused_clearly_and_keeps_what_was_stored() -> None:
     one = {"w": torch.zeros(100, dtype=torch.uint8)}
-    charged = 100 + KEY_OVERHEAD_BYTES + 1
+    charged = VariableStore(1 << 20).publish("a", one).nbytes
+    assert charged > 100
     store = VariableStore(2 * charged)
     store.publish("a", one)
     store.publish("b", one)
@@ -100,3 +105,32 @@ def test_malformed_state_is_refused_and_changes_nothing() -> None:
         with pytest.raises(MalformedStateError):
             store.load_state_dict(bad)
     assert store.version("policy") == 1
+
+
+def test_a_publish_from_the_wire_is_stored_in_one_copy_and_checked_like_tensors() -> None:
+    store = VariableStore(1 << 20)
+    name, specs, payload = decode_publish_packed(encode_publish("policy", policy(3.0)))
+    variable = store.publish_packed(name, specs, payload)
+    assert variable.keys == 3 and variable.data.nbytes == 12 * 4 + 4 * 4 + 8
+    assert (store.get("policy").tensors["net.0.weight"] == 3.0).all()
+    assert store.get("policy").tensors["steps"].item() == 7
+    with pytest.raises(InvalidVariableError, match="payload has"):
+        store.publish_packed("policy", specs, payload[:-1])
+    assert store.version("policy") == 1
+
+
+def test_a_variable_is_charged_its_bytes_and_specs_not_a_guess_per_key() -> None:
+    many = {f"layer{i}.weight": torch.zeros(1) for i in range(1000)}
+    variable = VariableStore(1 << 30).publish("many", many)
+    assert variable.nbytes >= 1000 * 4 + sum(len(k) for k in many)
+    assert variable.nbytes == variable.data.nbytes + len(variable.layout) + 1024
+
+
+def test_an_unknown_name_lists_only_a_few_of_the_names_stored() -> None:
+    store = VariableStore(1 << 30)
+    for i in range(100):
+        store.publish(f"v{i:03d}", {"w": torch.zeros(1)})
+    with pytest.raises(UnknownVariableError) as info:
+        store.get("nope")
+    assert "v019" in str(info.value) and "v020" not in str(info.value)
+    assert "(100 in all)" in str(info.value)

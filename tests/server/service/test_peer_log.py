@@ -40,3 +40,30 @@ def test_the_peers_tracked_are_bounded() -> None:
     for i in range(1000):
         log.log(f"ipv4:10.0.{i // 256}.{i % 256}:1", "bad", logging.ERROR, "x")
     assert log.tracked == 10
+
+
+def test_clients_rotating_their_address_get_the_global_limit_then_one_count(caplog) -> None:
+    logger = logging.getLogger("test.peer_log.global")
+    log = PeerLog(logger, burst=5, window_s=0.3, total=20)
+    with caplog.at_level(logging.INFO, logger="test.peer_log.global"):
+        logged = sum(log.log(f"ipv4:127.0.{i // 250}.{i % 250 + 1}:1", "bad", logging.INFO,
+                             "mistake from %s", str(i)) for i in range(2000))
+        time.sleep(0.35)
+        log.log("ipv4:10.9.9.9:1", "bad", logging.INFO, "after the window")
+    assert logged == 20
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 22
+    assert "more about any client in the next 0 s are counted" in messages[19]
+    assert messages[20] == ("1980 more messages about clients were not logged in the last 0 s "
+                            "(at most 20 a window)")
+    assert messages[21] == "after the window"
+
+
+def test_every_value_of_a_line_is_cut(caplog) -> None:
+    logger = logging.getLogger("test.peer_log.cut")
+    log = PeerLog(logger)
+    with caplog.at_level(logging.INFO, logger="test.peer_log.cut"):
+        log.log("ipv4:1.2.3.4:5", "bad", logging.INFO, "no table %s: %s", "t" * (8 << 20),
+                ValueError("v" * 100_000))
+    [line] = [r.getMessage() for r in caplog.records]
+    assert len(line) < 3000 and "(8,388,608 characters in all)" in line

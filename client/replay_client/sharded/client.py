@@ -1,13 +1,15 @@
-"""``ShardedReplayClient``: one logical replay over many replay servers (shards).
+"""``ShardedClient``: one logical replay over many replay servers (shards).
 
 ``ReplayClient([...])`` and ``ReplayClient("shards://name:port")`` return one
-(see :mod:`replay_client.discovery` for the addresses). It offers the calls of
+(see :mod:`replay_client.sharded.discovery` for the addresses). It is a layer
+over one-server clients (:class:`~replay_client.server_client.ServerClient`),
+which never import it. It offers the calls of
 a one-server client; what each does over shards:
 
 * ``insert``: rows go to one shard per episode, or whole to the next shard in
-  turn (:mod:`replay_client.placement`); ids come back in row order.
+  turn (:mod:`replay_client.sharded.placement`); ids come back in row order.
 * ``sample``: one batch from the union of all shards, drawn exactly as one
-  table holding every row would draw it (:mod:`replay_client.merge`).
+  table holding every row would draw it (:mod:`replay_client.sharded.merge`).
 * ``update_priorities``: each id goes to its shard (``id >> 56``), one call per
   shard, concurrently; stale ids are ignored per shard, as on one server.
 * ``delete``: each id to its shard, as ``update_priorities``. Queue tables
@@ -19,7 +21,7 @@ a one-server client; what each does over shards:
 * ``writer``: a :class:`~replay_client.writer.Writer` whose episodes each stay
   on one shard (placed by the episode id it adds).
 * ``stream``: a learner's stream whose batches are merged samples, with the
-  one-server stream's prefetch bound and delivery (:mod:`replay_client.shard_stream`).
+  one-server stream's prefetch bound and delivery (:mod:`replay_client.sharded.stream`).
 
 Shards are identified by the ``shard`` index each server reports (its
 ``[server] shard``, ``"auto"`` on a StatefulSet), never by address order; two
@@ -38,16 +40,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
-from replay_client import grouping
 from replay_client.arguments import check_int, id_array, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT
-from replay_client.discovery import Resolver, addresses_of, connect_shards, is_sharded, named
 from replay_client.errors import (
     DeadlineExceededError,
     EmptyTableError,
@@ -58,39 +57,52 @@ from replay_client.errors import (
     UnknownTableError,
     UnsupportedError,
 )
-from replay_client.merge import MassBook, merge, shares, split
-from replay_client.placement import RoundRobin, by_episode, has_key
-from replay_client.routing import by_owner
-from replay_client.shard_health import ShardHealth, ShardStats
-from replay_client.shard_rows import with_table_rows
-from replay_client.shard_stream import check_stream_options, open_stream
-from replay_client.shard_tables import TableShape, summed_tables
+from replay_client.server_client import ServerClient
+from replay_client.sharded.discovery import Resolver, addresses_of, is_sharded
+from replay_client.sharded.health import ShardStats
+from replay_client.sharded.merge import MassBook, merge, shares, split
+from replay_client.sharded.placement import RoundRobin, by_episode
+from replay_client.sharded.routing import SHARD_SHIFT, by_owner
+from replay_client.sharded.shard_set import ShardSet
+from replay_client.sharded.stream import open_stream
+from replay_client.sharded.table_rows import with_table_rows
+from replay_client.sharded.tables import TableShape, summed_tables
+from replay_client.stream_options import stream_options
+from replay_client.table_info import tables_of
 from replay_client.writer import Writer
+from replay_feed.credits import PriorityUpdate
+from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
 from replay_proto.keys import unflatten
 from replay_proto.mass import SamplingMass
 from replay_proto.rows import rows_of
+from replay_proto.v1 import replay_pb2 as pb
 
-__all__ = ["ShardedReplayClient", "is_sharded"]
+__all__ = ["ShardedClient", "is_sharded"]
 
+DEFAULT_RESOLVE_INTERVAL_S = 30.0
+"""How often a ``shards://`` name is resolved again (``resolve_interval_s``)."""
+
+_MASS_CHECK_S = 1.0  # how long a stream's check of a shard's mass may take
 _EMPTY_WAIT_S = (0.01, 0.5)  # polling interval of a sample waiting for data on any shard
 _DEGRADED_RETRY_S = 0.5  # a shard client's retry window in degraded mode, unless given
 _RACES = 3  # splits a sample retries when a shard it drew from turned out empty
 
 
 @with_table_rows
-class ShardedReplayClient:
+class ShardedClient:
     """One logical replay over many servers. See the module docstring.
 
     Args:
         address: a list of ``host:port`` (one per shard) or ``"shards://NAME:PORT"``.
-        client: the one-server client class (``ReplayClient``) each shard gets.
+        client: makes each shard's one-server client from its address and
+            options (default: :class:`~replay_client.server_client.ServerClient`).
         resolver: resolves a ``shards://`` name (default: the system's resolver).
         seed: seeds the client's own randomness (the split of a batch across
             shards and the shuffle of its parts); ``None``: fresh entropy.
         allow_degraded: go on without shards that are unavailable (see
-            :mod:`replay_client.shard_health`): samples from the live shards,
+            :mod:`replay_client.sharded.health`): samples from the live shards,
             inserts to them, updates of a down shard's ids skipped; a down
             shard is tried again after a backoff and rejoins when it answers.
             ``False``: such a call fails with :class:`UnavailableError` naming
@@ -98,31 +110,41 @@ class ShardedReplayClient:
             server for at most ``max_retry_s`` = 0.5 s unless given.
         **options: given to every shard's client (``timeout``, ``token``,
             ``tls``, ``max_message_mb``, ``max_retry_s``, ``allow_plaintext_token``).
+        resolve_interval_s: how often a ``shards://`` name is resolved again
+            (``None``: only after a shard was found unavailable); servers that
+            appear join, addresses that disappear are down shards
+            (:mod:`replay_client.sharded.shard_set`).
     """
 
-    def __init__(self, address: Any, *, client: Callable[..., Any],
+    def __init__(self, address: Any, *, client: Callable[..., Any] = ServerClient,
                  resolver: Resolver | None = None, seed: int | None = None,
-                 allow_degraded: bool = False, **options: Any) -> None:
+                 allow_degraded: bool = False,
+                 resolve_interval_s: float | None = DEFAULT_RESOLVE_INTERVAL_S,
+                 **options: Any) -> None:
         if isinstance(address, (list, tuple)):
             address = list(address)
             addresses_of(address)  # bad lists fail here, before any connection
-        self._spec = address
+        if not isinstance(allow_degraded, bool):
+            raise InvalidArgumentError(f"allow_degraded must be True or False, got {allow_degraded!r}")
+        if resolve_interval_s is not None and not (
+                isinstance(resolve_interval_s, (int, float)) and not isinstance(
+                    resolve_interval_s, bool) and resolve_interval_s > 0):
+            raise InvalidArgumentError(f"resolve_interval_s must be a number of seconds > 0 "
+                                       f"or None, got {resolve_interval_s!r}")
         self._factory = client
         self._resolver = resolver
         self._seed = seed
         self._options = options
-        if not isinstance(allow_degraded, bool):
-            raise InvalidArgumentError(f"allow_degraded must be True or False, got {allow_degraded!r}")
         self._degraded = allow_degraded
-        self._shard_options = ({"max_retry_s": _DEGRADED_RETRY_S, **options} if allow_degraded
-                               else options)
-        self._health = ShardHealth()
-        self._lock = threading.Lock()
-        self._clients: dict[int, Any] | None = None
-        self._addresses: dict[int, str] = {}
-        self._pool: ThreadPoolExecutor | None = None
-        self._tables: dict[str, TableShape] = {}
+        self._interval = resolve_interval_s
+        shard_options = ({"max_retry_s": _DEGRADED_RETRY_S, **options} if allow_degraded
+                         else options)
         self._masses = MassBook()
+        self._set = ShardSet(address, client, shard_options, resolver=resolver,
+                             degraded=allow_degraded, resolve_interval_s=resolve_interval_s,
+                             forget=lambda shard: self._masses.forget(shard=shard))
+        self._health = self._set.health
+        self._tables: dict[str, TableShape] = {}
         self._rng = np.random.default_rng(seed)
         self._rng_lock = threading.Lock()
         self._turns = RoundRobin()
@@ -132,7 +154,7 @@ class ShardedReplayClient:
     @property
     def address(self) -> Any:
         """The addresses as given (a list, or the ``shards://`` name)."""
-        return self._spec
+        return self._set.spec
 
     @property
     def timeout(self) -> float | None:
@@ -141,125 +163,46 @@ class ShardedReplayClient:
     @property
     def shards(self) -> dict[int, str]:
         """Shard index -> address, in index order (connects on first use)."""
-        self._connect()
-        return dict(self._addresses)
+        return self._set.addresses
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"address": self._spec, "resolver": self._resolver, "seed": self._seed,
+        return {"address": self._set.spec, "resolver": self._resolver, "seed": self._seed,
                 "options": self._options, "client": self._factory,
-                "allow_degraded": self._degraded}
+                "allow_degraded": self._degraded, "resolve_interval_s": self._interval}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["address"], client=state["client"],  # type: ignore[misc]
                       resolver=state["resolver"], seed=state["seed"],
-                      allow_degraded=state["allow_degraded"], **state["options"])
+                      allow_degraded=state["allow_degraded"],
+                      resolve_interval_s=state["resolve_interval_s"], **state["options"])
 
     def close(self) -> None:
         """Send pending ``wait=False`` updates and close every shard's connection."""
-        with self._lock:
-            clients, self._clients = self._clients, None
-            pool, self._pool = self._pool, None
-        errors = []
-        for client in (clients or {}).values():
-            try:
-                client.close()
-            except ReplayError as exc:
-                errors.append(exc)
-        if pool is not None:
-            pool.shutdown(wait=False)
-        if errors:
-            raise errors[0]
+        self._set.close()
 
-    def __enter__(self) -> ShardedReplayClient:
+    def __enter__(self) -> ShardedClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _connect(self) -> dict[int, Any]:
-        """Shard index -> one-server client, discovering the shards on first use."""
-        clients = self._clients
-        if clients is not None:
-            return clients
-        with self._lock:
-            if self._clients is None:
-                self._clients, self._addresses = self._discover()
-                self._pool = ThreadPoolExecutor(max_workers=len(self._clients),
-                                                thread_name_prefix="replay-shards")
-            return self._clients
-
-    def _discover(self) -> tuple[dict[int, Any], dict[int, str]]:
-        addresses = addresses_of(self._spec, self._resolver)
-        return connect_shards([self._factory(a, **self._shard_options) for a in addresses],
-                              addresses)
+        """Shard index -> one-server client (found on first use, followed after)."""
+        return self._set.clients()
 
     def _each(self, calls: Mapping[int, Callable[[Any], Any]],
               tolerate: bool = False) -> dict[int, Any]:
-        """Run ``calls[shard](client)`` on those shards concurrently; their results by shard.
-
-        ``tolerate`` (in degraded mode): a shard that fails as unavailable is
-        marked down and left out of the results instead of failing the call.
-
-        Raises:
-            ReplayError: the first failure in shard order, its message naming the shard.
-        """
-        clients = self._connect()
-        if len(calls) == 1:
-            ((shard, call),) = calls.items()
-            outcomes: dict[int, Any] = {}
-            try:
-                outcomes[shard] = self._on(shard, call, clients[shard])
-            except ReplayError as exc:
-                outcomes[shard] = exc
-        else:
-            assert self._pool is not None
-            futures: dict[int, Future] = {
-                s: self._pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
-            outcomes = {}
-            for shard, future in futures.items():
-                try:
-                    outcomes[shard] = future.result()
-                except ReplayError as exc:
-                    outcomes[shard] = exc
-        results, failure = {}, None
-        for shard, outcome in outcomes.items():
-            if not isinstance(outcome, ReplayError):
-                results[shard] = outcome
-            elif tolerate and self._degraded and isinstance(outcome, UnavailableError):
-                self._health.failed(shard, str(outcome))
-                self._masses.forget(shard=shard)  # it may come back with other rows
-            else:
-                failure = failure or outcome
-        if failure is not None:
-            raise failure
-        if self._degraded:
-            self._health.answered(results)
-        return results
+        return self._set.each(calls, tolerate)
 
     def _live(self, clients: Mapping[int, Any]) -> list[int]:
-        """The shards to call now: all, or in degraded mode those not down (raises if none)."""
-        if not self._degraded:
-            return list(clients)
-        live = self._health.live(clients)
-        if not live:
-            raise UnavailableError(f"no shard is available (down: {self._health.stats().down})")
-        return live
+        return self._set.live(clients)
+
+    def _all(self, call: Callable[[Any], Any], tolerate: bool = False) -> dict[int, Any]:
+        return self._set.all(call, tolerate)
 
     def shard_stats(self) -> ShardStats:
         """What degraded mode did: shards down now, failures, rejoins, degraded calls."""
         return self._health.stats()
-
-    def _on(self, shard: int, call: Callable[[Any], Any], client: Any) -> Any:
-        try:
-            return call(client)
-        except ReplayError as exc:
-            raise named(exc, f"shard {shard} ({self._addresses.get(shard, '?')})") from exc
-
-    def _all(self, call: Callable[[Any], Any], tolerate: bool = False) -> dict[int, Any]:
-        """``call`` on every shard (``tolerate``: on the live ones, see :meth:`_each`)."""
-        clients = self._connect()
-        return self._each({s: call for s in (self._live(clients) if tolerate else clients)},
-                          tolerate)
 
     # ---------------------------------------------------------------- tables
 
@@ -281,14 +224,13 @@ class ShardedReplayClient:
         for shard, tables in infos.items():
             info = tables.get(table)
             if info is None:
-                raise UnknownTableError(f"shard {shard} ({self._addresses[shard]}) has no table "
+                raise UnknownTableError(f"shard {shard} ({self._set.address_of(shard)}) has no table "
                                         f"named {table!r}; tables there: {', '.join(sorted(tables))}")
-            shape = TableShape(info.sampler, info.alpha, info.beta, info.slice_len,
-                               info.episode_key)
+            shape = TableShape.of(info)
             known = self._tables.setdefault(table, shape)
             if known != shape:
                 raise ShardingError(f"table {table!r} differs between shards: {known} on one, "
-                                    f"{shape} on shard {shard} ({self._addresses[shard]})")
+                                    f"{shape} on shard {shard} ({self._set.address_of(shard)})")
             if info.mass is not None:
                 masses[shard] = info.mass
                 self._masses.put(table, shard, info.mass)
@@ -297,7 +239,7 @@ class ShardedReplayClient:
     # ------------------------------------------------------------------ insert
 
     def insert(self, table: str, data: Any, priorities: Any = None) -> torch.Tensor:
-        """Append rows; each episode's rows go to one shard (see :mod:`replay_client.placement`).
+        """Append rows; each episode's rows go to one shard (see :mod:`replay_client.sharded.placement`).
 
         Returns the rows' ids in the order of the rows. An insert spanning
         shards is one insert per shard, sent concurrently: if one fails, the
@@ -308,7 +250,7 @@ class ShardedReplayClient:
         """
         clients = self._connect()
         shape = self._shape(table)
-        flat = rows_of(data) if shape.by_episode or has_key(data, shape.episode_key) else None
+        flat = rows_of(data) if shape.by_episode or _has_key(data, shape.episode_key) else None
         column = None if flat is None else flat.get(shape.episode_key)
         episodes = None if column is None else np.asarray(column).reshape(-1).astype(np.int64)
         prios = None if priorities is None else torch.as_tensor(np.asarray(priorities))
@@ -373,7 +315,7 @@ class ShardedReplayClient:
         """One batch from the union of every shard, as one table would draw it.
 
         The batch is split across shards by the masses they last reported,
-        drawn concurrently, and merged (:mod:`replay_client.merge` states what
+        drawn concurrently, and merged (:mod:`replay_client.sharded.merge` states what
         is exact and the staleness bound). ``wait``: while no shard has
         anything to sample, wait (polling the shards' masses) up to the
         timeout. Shards that get no draw report their mass in the same round.
@@ -385,10 +327,10 @@ class ShardedReplayClient:
         check_int("batch_size", batch_size, 1)
         clients = self._connect()
         shape = self._shape(table)
-        if shape.sampler in ("fifo", "lifo"):
+        if not shape.mergeable:
             raise UnsupportedError(
-                f"table {table!r} is a {shape.sampler} queue: its order is kept per server, so "
-                f"a sharded client does not sample it; use one client per shard")
+                f"table {table!r} ({shape.sampler}) is a queue: its order is kept per server, "
+                f"so a sharded client does not sample it; use one client per shard")
         limit = self.timeout if timeout is CLIENT_TIMEOUT else timeout
         deadline = None if limit is None else time.monotonic() + limit
         pause = _EMPTY_WAIT_S[0]
@@ -475,8 +417,10 @@ class ShardedReplayClient:
         """Set priorities by id: each id goes to its shard (``id >> 56``), concurrently.
 
         Checked whole before anything is sent (a bad priority or an id of no
-        known shard refuses the whole update). Returns how many ids named
-        stored rows, summed over shards (``None`` with ``wait=False``).
+        known shard refuses the whole update; in degraded mode, while a server
+        has not answered yet, ids of no known shard are skipped and counted
+        instead). Returns how many ids named stored rows, summed over shards
+        (``None`` with ``wait=False``).
 
         Raises:
             InvalidIdsError: an id is negative or belongs to no shard of this client.
@@ -484,6 +428,12 @@ class ShardedReplayClient:
         """
         id_array, values = update_arrays(ids, priorities)
         clients = self._connect()
+        if self._degraded and self._set.unidentified:
+            # Some server has not answered yet: an id of no known shard may be one of its.
+            known = np.isin(id_array >> SHARD_SHIFT, list(clients)) & (id_array >= 0)
+            if not known.all():
+                self._health.count("skipped_updates", int((~known).sum()))
+                id_array, values = id_array[known], values[known]
         groups = by_owner(id_array, clients, "nothing was updated")
         live = set(self._live(clients))
         for shard in [s for s in groups if s not in live]:  # degraded: that shard is down
@@ -553,42 +503,52 @@ class ShardedReplayClient:
         shard = self.variables_shard
         return self._each({shard: lambda c: c.fetch(name, newer_than, timeout)})[shard]
 
-    def stream(
-        self,
-        table: str,
-        batch_size: int,
-        *,
-        prefetch: int | None = None,
-        device: Any = None,
-        pin_memory: bool | str = "auto",
-        transform: Callable[[SampleBatch], Any] | None = None,
-        num_batches: int = 0,
-        batches_per_message: int | None = None,
-        shared_memory: bool = True,
-        reconnect: bool = True,
-        wait: bool = True,
-        wait_timeout: float | None = None,
-    ) -> BatchStream:
-        """A learner's stream of merged batches (see :mod:`replay_client.shard_stream`).
-
-        Each round is one exact :meth:`sample` over every shard, of
-        ``batches_per_message`` batches (chosen as for one server when
-        ``None``); the feed (prefetch bound, transform, pinning, device
-        copies) is the one-server stream's. ``shared_memory`` has no effect
-        here yet.
+    def stream(self, table: str, batch_size: int, options: StreamOptions | None = None,
+               **keywords: Any) -> BatchStream:
+        """A learner's stream of merged batches: a ``SampleStream`` per shard, merged exactly
+        (see :mod:`replay_client.sharded.stream`); options as ``ServerClient.stream`` (one
+        :class:`~replay_feed.options.StreamOptions`).
 
         Raises:
             InvalidArgumentError: a bad option, before any network call.
+            UnsupportedError: a queue table (its order is kept per server).
         """
-        options = dict(prefetch=prefetch, device=device, pin_memory=pin_memory,
-                       transform=transform, num_batches=num_batches,
-                       batches_per_message=batches_per_message, shared_memory=shared_memory,
-                       reconnect=reconnect, wait=wait, wait_timeout=wait_timeout)
-        check_stream_options(batch_size, options)
+        check_int("batch_size", batch_size, 1)
+        opts = stream_options(options, keywords)
         clients = self._connect()
         shape = self._shape(table)  # an unknown or inconsistent table fails here
-        info = self.info().get(table) if options["batches_per_message"] is None else None
-        size = None if info is None else grouping.batch_bytes(info.schema, batch_size,
-                                                               shape.slice_len)
-        return open_stream(lambda n: self.sample(table, n), len(clients), table, batch_size,
-                           size, options)
+        if not shape.mergeable:
+            raise UnsupportedError(
+                f"table {table!r} ({shape.sampler}) is a queue: its order is kept per server, "
+                f"so a sharded client does not stream it; use one client per shard")
+        live = self._live(clients)
+        masses = self._refresh(table, live)
+        shard_ids = sorted(clients)
+
+        def check(ids: Any, priorities: Any) -> PriorityUpdate:
+            id_values, values = update_arrays(ids, priorities)
+            by_owner(id_values, shard_ids, "nothing was queued")
+            return PriorityUpdate(id_values, values)
+
+        def refresh(shard: int) -> SamplingMass | None:  # once, briefly: the stream waits on it
+            connection = self._set.clients()[shard].connection
+            try:
+                raw = connection.unary("Info", pb.InfoRequest().SerializeToString(),
+                                       retry=False, timeout=_MASS_CHECK_S)
+            except ReplayError:
+                return None
+            info = tables_of(pb.InfoResponse.FromString(raw)).get(table)
+            return None if info is None else info.mass
+
+        return open_stream(self._set.clients, lambda: self._set.addresses, table, batch_size, opts,
+                           beta=shape.beta if shape.prioritized else None, masses=masses,
+                           refresh=refresh, generator=self._rng,
+                           rng_lock=self._rng_lock, health=self._health,
+                           degraded=self._degraded, check_update=check)
+
+
+def _has_key(data: Any, key: str) -> bool:
+    try:
+        return key in data.keys()
+    except (AttributeError, TypeError):
+        return False

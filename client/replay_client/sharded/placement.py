@@ -17,7 +17,7 @@ Two rules, chosen per insert by what the rows carry:
 
 Placement depends on the set of shards: adding a shard moves where new
 episodes go (rows already stored stay where they are). Exactness of sampling
-does not depend on placement (see :mod:`replay_client.merge`); balance does:
+does not depend on placement (see :mod:`replay_client.sharded.merge`); balance does:
 mass is best spread evenly, since a draw's cost on a shard grows with its share.
 
 Cost: by episode O(rows) (one hash per row and a stable partition); round-robin O(1).
@@ -29,7 +29,6 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -80,11 +79,3 @@ class RoundRobin:
         with self._lock:
             turn, self._next = self._next, self._next + 1
         return shards[turn % len(shards)]
-
-
-def has_key(data: Any, key: str) -> bool:
-    """Whether ``data`` (a mapping or TensorDict) has top-level ``key``."""
-    try:
-        return key in data.keys()
-    except (AttributeError, TypeError):
-        return False

@@ -4,8 +4,8 @@
 * ``"shards://NAME:PORT"``: every address ``NAME`` resolves to, at ``PORT``
   (a Kubernetes headless Service resolves to one address per ready pod of its
   StatefulSet: ``docs/scale-out.md``). Resolved when the client first
-  connects, and again when it looks for shards that went away
-  (:meth:`~replay_client.shards.ShardedReplayClient.rediscover`).
+  connects, then again on an interval and after a shard was found
+  unavailable (:mod:`replay_client.sharded.shard_set`).
 
 Which shard a server is comes from the server itself (its ``shard`` in
 ``info``), never from the order of addresses.
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from replay_client.errors import (
@@ -87,41 +86,6 @@ def addresses_of(spec: Any, resolver: Resolver | None = None) -> list[str]:
         raise ShardingError(f"{len(addresses)} shard addresses; at most {MAX_SHARDS} shards exist "
                             f"(ids carry the shard in 7 bits)")
     return addresses
-
-
-def connect_shards(clients: Sequence[Any], addresses: Sequence[str]
-                   ) -> tuple[dict[int, Any], dict[int, str]]:
-    """Each one-server client by the shard index its server reports (asked concurrently).
-
-    Returns:
-        shard -> client and shard -> address, in index order.
-
-    Raises:
-        ShardingError: two servers report the same shard index (both named).
-        ReplayError: a server did not answer (named); every client is closed then.
-    """
-    with ThreadPoolExecutor(max_workers=len(clients)) as pool:
-        futures = [pool.submit(c.server_info) for c in clients]
-    by_shard: dict[int, Any] = {}
-    where: dict[int, str] = {}
-    try:
-        for client, address, future in zip(clients, addresses, futures):
-            try:
-                shard = future.result().shard
-            except ReplayError as exc:
-                raise named(exc, f"server {address}") from exc
-            if shard in by_shard:
-                raise ShardingError(
-                    f"servers {where[shard]} and {address} both report shard {shard}: "
-                    f"each server of a sharded replay needs its own [server] shard index "
-                    f"(shard = \"auto\" takes it from a StatefulSet pod's ordinal)")
-            by_shard[shard], where[shard] = client, address
-    except BaseException:
-        for client in clients:
-            client.close()
-        raise
-    order = sorted(by_shard)
-    return {s: by_shard[s] for s in order}, {s: where[s] for s in order}
 
 
 def named(exc: ReplayError, where: str) -> ReplayError:

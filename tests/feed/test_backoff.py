@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from replay_client.backoff import Backoff
+from replay_feed.backoff import Backoff
 
 
 def test_delays_double_up_to_the_maximum_with_jitter_of_half_either_way() -> None:

@@ -30,9 +30,10 @@ mass-weighted mean change): off by a factor within ``[(1 - E)/(1 + E),
 and the probabilities and weights reported are those of the draw actually
 made, so importance weighting stays unbiased for it.
 
-Cost: O(B) for the split and the merge's arithmetic, plus one scatter copy
-of each shard's rows into the merged batch (the same bytes a concatenation
-would copy).
+Cost: O(B) for the split and the merge's arithmetic, plus one copy of each
+row, from the shard's answer (or its shared-memory slot) straight into the
+merged batch (a learner's staging buffer): the same bytes a concatenation
+would copy, and no more.
 
 Thread-safety: :class:`MassBook` takes its own lock; the functions are pure.
 """
@@ -41,7 +42,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -106,50 +107,81 @@ def min_probability(q: Mapping[int, float], fresh: Mapping[int, SamplingMass]) -
     return min(candidates) if candidates else math.inf
 
 
+Pieces = Mapping[int, Sequence[SampleBatch]]
+"""Each drawn shard's rows, as one or more pieces in the order drawn (views, or whole batches)."""
+
+
 def merge(parts: Mapping[int, SampleBatch], q: Mapping[int, float],
           fresh: Mapping[int, SamplingMass], beta: float | None,
           generator: np.random.Generator, missing: tuple[int, ...] = ()) -> SampleBatch:
-    """The parts as one batch of ``sum k_s`` iid draws from the union (see the module docstring).
+    """The parts as one new batch of ``sum k_s`` iid draws from the union (see :func:`merge_into`)."""
+    pieces = {s: [b] for s, b in parts.items()}
+    first = next(iter(parts.values()))
+    total = sum(b.batch_size for b in parts.values())
+    out = [torch.empty((total, *t.shape[1:]), dtype=t.dtype) for t in first.tensors()]
+    return merge_into(out, list(first.columns), pieces, q, fresh, beta, generator, missing)
+
+
+def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
+               q: Mapping[int, float], fresh: Mapping[int, SamplingMass], beta: float | None,
+               generator: np.random.Generator, missing: tuple[int, ...] = (),
+               copy: Callable[[torch.Tensor, int, torch.Tensor], None] | None = None
+               ) -> SampleBatch:
+    """Write the drawn pieces into ``out`` as one batch of iid draws from the union.
+
+    Each row is copied once, from its piece straight into ``out`` (a
+    learner's pinned staging buffers, say): to random positions when several
+    shards contributed (the parts shuffled together), in order when one did.
+    Its probability is ``q_s * p_local`` and, for a prioritized table
+    (``beta``), its weight ``(min_P / P(i)) ** beta`` over every shard's units.
 
     Args:
-        parts: each sampled shard's batch (its ``mass``: what its local
-            probabilities are relative to).
+        out: the batch's tensors (columns in ``keys`` order, then ids, weights,
+            probabilities), ``sum k_s`` rows each.
+        keys: the columns' flat keys.
+        pieces: the drawn rows per shard (each piece's ``probabilities`` local).
         q: the shares the batch was split with, for every shard (:func:`shares`).
-        fresh: every shard's mass as of this call (a sampled shard's is its
-            batch's; the others' from a refresh).
-        beta: the table's importance exponent; ``None``: not prioritized (weights stay ones).
+        fresh: every shard's mass as of this batch (for ``min_P`` and the batch's mass).
+        beta: the table's importance exponent; ``None``: not prioritized (weights as drawn).
         generator: shuffles the parts together.
         missing: shards left out (degraded mode), noted on the batch.
+        copy: ``copy(dest, start, src)`` for contiguous row copies (a feed's
+            parallel copier); default: one ``copy_``.
     """
-    shards = sorted(parts)
-    batches = [parts[s] for s in shards]
-    probabilities = [b.probabilities.to(torch.float64) * q[s] for s, b in zip(shards, batches)]
-    if beta is None:
-        weights = [b.weights for b in batches]
-    else:
-        low = min_probability(q, fresh)
-        weights = [torch.pow(low / prob, beta).to(torch.float32) for prob in probabilities]
-    sizes = [b.batch_size for b in batches]
-    total = sum(sizes)
-    positions = torch.split(torch.from_numpy(generator.permutation(total)), sizes)
-    columns = {key: _scatter([b.columns[key] for b in batches], positions, total)
-               for key in batches[0].columns}
+    n = len(keys)
+    sizes = {s: sum(p.batch_size for p in ps) for s, ps in pieces.items() if ps}
+    total = sum(sizes.values())
+    low = min_probability(q, fresh) if beta is not None else math.inf
+    shuffled = len(sizes) > 1
+    order = torch.from_numpy(generator.permutation(total)) if shuffled else None
+    # One shard holding all the mass drew exactly as one table: its numbers stand as drawn.
+    as_drawn = not shuffled and q.get(next(iter(sizes), -1), 0.0) == 1.0
+    start = 0
+    for shard in sorted(sizes):
+        for piece in pieces[shard]:
+            rows = piece.batch_size
+            if as_drawn:
+                sources = piece.tensors()
+            else:
+                prob = piece.probabilities.numpy().astype(np.float64) * q[shard]
+                weight = (torch.from_numpy(np.power(low / prob, beta).astype(np.float32))
+                          if beta is not None else piece.weights)
+                sources = [*piece.columns.values(), piece.ids, weight, torch.from_numpy(prob)]
+            if order is None:
+                for dest, src in zip(out, sources):
+                    if copy is not None and dest.device.type == "cpu":
+                        copy(dest, start, src)
+                    else:
+                        dest[start:start + rows].copy_(src)
+            else:
+                positions = order[start:start + rows]
+                for dest, src in zip(out, sources):
+                    dest.index_copy_(0, positions, src)
+            start += rows
     return SampleBatch.from_columns(
-        columns,
-        _scatter([b.ids for b in batches], positions, total),
-        _scatter(weights, positions, total),
-        _scatter(probabilities, positions, total),
+        dict(zip(keys, out[:n])), *out[n:],
         SamplingMass(math.fsum(m.total for m in fresh.values()),
                      min((m.min_positive for m in fresh.values()), default=math.inf),
                      sum(m.count for m in fresh.values())),
         missing_shards=missing,
     )
-
-
-def _scatter(pieces: list[torch.Tensor], positions: tuple[torch.Tensor, ...],
-             total: int) -> torch.Tensor:
-    """One tensor of ``total`` rows holding ``pieces[j]`` at rows ``positions[j]``."""
-    out = torch.empty((total, *pieces[0].shape[1:]), dtype=pieces[0].dtype)
-    for piece, rows in zip(pieces, positions):
-        out.index_copy_(0, rows, piece)
-    return out

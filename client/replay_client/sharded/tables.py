@@ -15,26 +15,45 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from replay_client.table_info import TableCapabilities, TableInfo
 from replay_proto.mass import SamplingMass
 
 
 @dataclass(frozen=True, slots=True)
 class TableShape:
-    """What must agree between the shards of one table, and what sampling needs of it."""
+    """What must agree between the shards of one table, and what sampling needs of it.
+
+    Behaviour is decided on :attr:`capabilities`, never on the sampler's
+    name; the name is compared only so that shards configured differently
+    are refused.
+    """
 
     sampler: str
     alpha: float
     beta: float
     slice_len: int | None
     episode_key: str
+    capabilities: TableCapabilities
+
+    @classmethod
+    def of(cls, info: TableInfo) -> TableShape:
+        return cls(info.sampler, info.alpha, info.beta, info.slice_len, info.episode_key,
+                   info.capabilities)
 
     @property
     def prioritized(self) -> bool:
-        return self.sampler in ("prioritized", "prioritized_slice")
+        """Weights vary: merged batches get one table's importance weights."""
+        return self.capabilities.priorities
 
     @property
     def by_episode(self) -> bool:
-        return self.sampler in ("slice", "prioritized_slice")
+        """Rows are placed by episode (a sample reads slices of one episode)."""
+        return self.capabilities.slices or self.capabilities.episodes
+
+    @property
+    def mergeable(self) -> bool:
+        """Shards' samples merge exactly into one table's (not so for queues)."""
+        return self.capabilities.mergeable and not self.capabilities.ordered
 
 
 def summed_tables(per_shard: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The client's one retry schedule: exponential backoff with jitter inside a time window.
+"""The one retry schedule of clients and streams: exponential backoff with jitter inside a time window.
 
 Every loop that retries an unavailable server (a unary call, a learner's
 stream reconnecting) asks a :class:`Backoff` how long to wait next. Delays

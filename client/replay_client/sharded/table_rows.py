@@ -5,7 +5,7 @@ draws with the same settings on each. Storage positions are per shard (each
 server has its own ring), so ``read`` and ``write`` by position have no
 meaning for the logical table and are refused, naming the way: one shard's
 own ``ReplayClient``. :func:`with_table_rows` gives
-:class:`~replay_client.shards.ShardedReplayClient` these calls as its own.
+:class:`~replay_client.sharded.client.ShardedClient` these calls as its own.
 
 Thread-safety: as the sharded client.
 """
@@ -23,20 +23,26 @@ def _set_sampling(self: Any, table: str, **settings: Any) -> tuple[float, float]
     return next(iter(answers.values()))
 
 
-def _per_shard(what: str) -> Any:
-    def refuse(self: Any, table: str, *args: Any, **kwargs: Any) -> Any:
-        raise UnsupportedError(
-            f"{what} rows of table {table!r} by storage position is per shard (each server "
-            f"has its own positions): use that shard's ReplayClient(address) "
-            f"(client.shards maps shard index -> address)")
+def _refusal(what: str, table: str) -> UnsupportedError:
+    return UnsupportedError(
+        f"{what} rows of table {table!r} by storage position is per shard (each server "
+        f"has its own positions): use that shard's ReplayClient(address) "
+        f"(client.shards maps shard index -> address)")
 
-    refuse.__doc__ = f"Refused: {what} rows by position is per shard (see the module docstring)."
-    return refuse
+
+def _read(self: Any, table: str, **request: Any) -> Any:
+    """Refused: reading rows by position is per shard (see the module docstring)."""
+    raise _refusal("reading", table)
+
+
+def _write(self: Any, table: str, positions: Any, data: Any) -> int:
+    """Refused: writing rows by position is per shard (see the module docstring)."""
+    raise _refusal("writing", table)
 
 
 def with_table_rows(cls: type) -> type:
     """Class decorator: ``cls`` (the sharded client) gets ``set_sampling``, ``read`` and ``write``."""
     cls.set_sampling = _set_sampling
-    cls.read = _per_shard("reading")
-    cls.write = _per_shard("writing")
+    cls.read = _read
+    cls.write = _write
     return cls

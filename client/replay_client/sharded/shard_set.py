@@ -1,0 +1,299 @@
+"""``ShardSet``: the servers of a sharded client, found, connected, called together, and followed.
+
+A sharded client's shards are the servers its address names
+(:mod:`replay_client.sharded.discovery`), each known by the shard index it
+reports. The set follows the cluster: a ``shards://`` name is resolved again
+every ``resolve_interval_s`` seconds and after a call finds a shard
+unavailable (at most once a second), so
+
+* a server that appears under the name (a StatefulSet scaled up) is asked
+  its index and joins: inserts and samples reach it without a restart;
+* a shard whose address the name no longer gives is *down*: in degraded
+  mode calls leave it out (as any unavailable shard); by default calls that
+  need it fail naming it;
+* a shard that comes back on another address (a pod rescheduled) is
+  reached there.
+
+With ``allow_degraded=True`` a client can be created, and used, while some
+of its servers do not answer yet: they are tried again at each resolution
+(their index, and so which ids they own, is unknown until they answer).
+
+Thread-safety: every method may be called from any thread; the set is
+replaced whole (readers see the old or the new one, never half of it), and
+one caller at a time resolves.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from replay_client.errors import ReplayError, ShardingError, UnavailableError
+from replay_client.sharded.discovery import Resolver, addresses_of, named
+from replay_client.sharded.health import ShardHealth
+
+RETRY_RESOLVE_S = 1.0
+"""After a call found a shard unavailable, the name is resolved again at most this often."""
+
+
+class ShardSet:
+    """See the module docstring.
+
+    Args:
+        spec: a list of ``host:port`` or a ``shards://NAME:PORT`` name.
+        factory: builds a one-server client from an address (and ``options``).
+        options: given to every shard's client.
+        resolver: resolves a name (``None``: the system's resolver).
+        degraded: go on without unavailable shards (see ``allow_degraded``).
+        resolve_interval_s: how often a name is resolved again, and servers that
+            had not answered are asked again (``None``: only after a failure).
+        forget: told when a shard may have come back with other rows (its
+            masses must be asked again).
+    """
+
+    def __init__(self, spec: Any, factory: Callable[..., Any], options: Mapping[str, Any], *,
+                 resolver: Resolver | None, degraded: bool, resolve_interval_s: float | None,
+                 forget: Callable[[int], None]) -> None:
+        self.spec = spec
+        self.health = ShardHealth()
+        self._factory = factory
+        self._options = dict(options)
+        self._resolver = resolver
+        self._degraded = degraded
+        self._interval = resolve_interval_s
+        self._forget = forget
+        self._lock = threading.Lock()
+        self._resolving = threading.Lock()
+        self._clients: dict[int, Any] | None = None
+        self._addresses: dict[int, str] = {}
+        self._pending: dict[str, Any] = {}  # addresses whose server has not answered yet
+        self._gone: set[int] = set()  # shards whose address the name no longer gives
+        self._next_resolve = 0.0
+        self._last_resolve = 0.0
+        self._failures: dict[str, ReplayError] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------ the set
+
+    def clients(self) -> dict[int, Any]:
+        """Shard index -> one-server client, in index order (found on first use, resolved
+        again when due)."""
+        clients = self._clients
+        if clients is None:
+            with self._resolving:
+                if self._clients is None:
+                    self._resolve(first=True)
+            clients = self._clients
+        elif (self._interval is not None and time.monotonic() >= self._next_resolve
+              and (isinstance(self.spec, str) or self._pending)):
+            self.resolve()  # a name again, or (a list) the servers that had not answered
+            clients = self._clients
+        assert clients is not None
+        return clients
+
+    @property
+    def addresses(self) -> dict[int, str]:
+        """Shard index -> address now."""
+        self.clients()
+        return dict(self._addresses)
+
+    def address_of(self, shard: int) -> str:
+        return self._addresses.get(shard, "?")
+
+    @property
+    def unidentified(self) -> int:
+        """Addresses whose server has not answered yet (degraded mode)."""
+        return len(self._pending)
+
+    def resolve(self, *, soon: bool = False) -> None:
+        """Resolve the name again (and ask servers that had not answered); skipped while
+        another thread does, or (``soon``: after a failure) if it was done within a second."""
+        if soon and (time.monotonic() < self._last_resolve + RETRY_RESOLVE_S or (
+                not isinstance(self.spec, str) and not self._pending)):
+            return
+        if not self._resolving.acquire(blocking=False):
+            return
+        try:
+            self._resolve(first=False)
+        finally:
+            self._resolving.release()
+
+    def _resolve(self, first: bool) -> None:
+        """Find the servers the spec names now and make them the set (under ``_resolving``)."""
+        now = self._last_resolve = time.monotonic()
+        self._next_resolve = now + (self._interval or 0.0)
+        try:
+            wanted = addresses_of(self.spec, self._resolver)
+        except UnavailableError:
+            if first or not self._clients:
+                raise
+            wanted = list(self._addresses.values()) + list(self._pending)  # keep what we have
+        known = {address: shard for shard, address in self._addresses.items()}
+        clients = dict(self._clients or {})
+        addresses = dict(self._addresses)
+        for client in self._pending.values():  # asked afresh: a new channel, no old backoff
+            client.close()
+        ask = {a: self._factory(a, **self._options) for a in wanted if a not in known}
+        found = self._identify(ask)
+        pending = {a: c for a, c in ask.items() if a not in found}
+        for address, (client, shard) in found.items():
+            if shard in clients and addresses[shard] in wanted:  # two live servers, one index
+                for c in ask.values():
+                    c.close()
+                raise _same_index(addresses[shard], address, shard)
+            old = clients.get(shard)
+            if old is not None:  # the shard came back on another address
+                old.close()
+            clients[shard], addresses[shard] = client, address
+            self._forget(shard)
+            if not first:
+                self.health.answered([shard])
+        gone = {shard for shard, address in addresses.items() if address not in wanted}
+        for shard in gone - self._gone:
+            self.health.failed(shard, f"{addresses[shard]} is no longer among the addresses "
+                                      f"{self.spec!r} resolves to")
+        if not first:
+            self.health.answered(self._gone - gone)  # named again
+        self._gone = gone
+        if first and not clients:
+            reasons = "; ".join(f"{a}: {e}" for a, e in self._failures.items())
+            raise UnavailableError(f"no server of {self.spec!r} answered ({reasons})")
+        order = sorted(clients)
+        with self._lock:
+            self._clients = {s: clients[s] for s in order}
+            self._addresses = {s: addresses[s] for s in order}
+            self._pending = pending
+            if self._pool is None or self._pool._max_workers < len(order):  # noqa: SLF001
+                old_pool, self._pool = self._pool, ThreadPoolExecutor(
+                    max_workers=max(1, len(order)), thread_name_prefix="replay-shards")
+                if old_pool is not None:
+                    old_pool.shutdown(wait=False)
+
+    def _identify(self, ask: Mapping[str, Any]) -> dict[str, tuple[Any, int]]:
+        """Ask each new server its shard index, concurrently: ``address -> (client, shard)``.
+
+        A server that does not answer fails the whole set by default (named);
+        in degraded mode it stays pending. Two new servers with one index are refused.
+        """
+        self._failures = {}
+        if not ask:
+            return {}
+        with ThreadPoolExecutor(max_workers=len(ask)) as pool:
+            futures = {a: pool.submit(c.server_info) for a, c in ask.items()}
+        found: dict[str, tuple[Any, int]] = {}
+        where: dict[int, str] = {}
+        for address, future in futures.items():
+            try:
+                shard = future.result().shard
+            except ReplayError as exc:
+                if self._degraded and isinstance(exc, UnavailableError):
+                    self._failures[address] = exc
+                    continue
+                for client in ask.values():
+                    client.close()
+                raise named(exc, f"server {address}") from exc
+            if shard in where:
+                for client in ask.values():
+                    client.close()
+                raise _same_index(where[shard], address, shard)
+            where[shard] = address
+            found[address] = (ask[address], shard)
+        return found
+
+    # ------------------------------------------------------------ calls
+
+    def live(self, clients: Mapping[int, Any]) -> list[int]:
+        """The shards to call now: all, or in degraded mode those not down (raises if none)."""
+        if not self._degraded:
+            return list(clients)
+        live = [s for s in self.health.live(clients) if s not in self._gone]
+        if not live:
+            raise UnavailableError(f"no shard is available (down: {self.health.stats().down})")
+        return live
+
+    def each(self, calls: Mapping[int, Callable[[Any], Any]],
+             tolerate: bool = False) -> dict[int, Any]:
+        """Run ``calls[shard](client)`` on those shards concurrently; their results by shard.
+
+        ``tolerate`` (in degraded mode): a shard that fails as unavailable is
+        marked down and left out of the results instead of failing the call.
+        A shard found unavailable has the name resolved again soon.
+
+        Raises:
+            ReplayError: the first failure in shard order, its message naming the shard.
+        """
+        clients = self.clients()
+        outcomes: dict[int, Any] = {}
+        if len(calls) == 1:
+            ((shard, call),) = calls.items()
+            try:
+                outcomes[shard] = self._on(shard, call, clients[shard])
+            except ReplayError as exc:
+                outcomes[shard] = exc
+        else:
+            pool = self._pool
+            assert pool is not None
+            futures: dict[int, Future] = {
+                s: pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
+            for shard, future in futures.items():
+                try:
+                    outcomes[shard] = future.result()
+                except ReplayError as exc:
+                    outcomes[shard] = exc
+        results, failure, lost = {}, None, False
+        for shard, outcome in outcomes.items():
+            if not isinstance(outcome, ReplayError):
+                results[shard] = outcome
+                continue
+            lost = lost or isinstance(outcome, UnavailableError)
+            if tolerate and self._degraded and isinstance(outcome, UnavailableError):
+                self.health.failed(shard, str(outcome))
+                self._forget(shard)  # it may come back with other rows
+            else:
+                failure = failure or outcome
+        if lost:
+            self.resolve(soon=True)
+        if failure is not None:
+            raise failure
+        if self._degraded:
+            self.health.answered(results)
+        return results
+
+    def all(self, call: Callable[[Any], Any], tolerate: bool = False) -> dict[int, Any]:
+        """``call`` on every shard (``tolerate``: on the live ones, see :meth:`each`)."""
+        clients = self.clients()
+        return self.each({s: call for s in (self.live(clients) if tolerate else clients)},
+                         tolerate)
+
+    def _on(self, shard: int, call: Callable[[Any], Any], client: Any) -> Any:
+        try:
+            return call(client)
+        except ReplayError as exc:
+            raise named(exc, f"shard {shard} ({self.address_of(shard)})") from exc
+
+    def close(self) -> None:
+        """Close every shard's client (a later call connects again)."""
+        with self._resolving, self._lock:
+            clients, self._clients = self._clients, None
+            pending, self._pending = self._pending, {}
+            pool, self._pool = self._pool, None
+        errors = []
+        for client in [*(clients or {}).values(), *pending.values()]:
+            try:
+                client.close()
+            except ReplayError as exc:
+                errors.append(exc)
+        if pool is not None:
+            pool.shutdown(wait=False)
+        if errors:
+            raise errors[0]
+
+
+def _same_index(first: str, second: str, shard: int) -> ShardingError:
+    return ShardingError(
+        f"servers {first} and {second} both report shard {shard}: each server of a sharded "
+        f"replay needs its own [server] shard index (shard = \"auto\" takes it from a "
+        f"StatefulSet pod's ordinal)")

@@ -1,0 +1,324 @@
+"""Connections that make no call: closed after a short deadline, and capped per source address.
+
+gRPC caps a port's connections (``max_connections``) and closes those idle
+for ``idle_timeout_s``, but it cannot tell a client from an attacker: 600
+connections that finished their HTTP/2 handshake and made no call filled the
+port for everyone, renewably, without a token. :class:`ConnectionGuard`
+watches the main port's connections from outside gRPC and closes:
+
+* any connection that has made no call within ``handshake_timeout_s`` of
+  being accepted (seconds; a real client calls within milliseconds of
+  connecting: connecting is what its first call does);
+* connections that have made no call yet, beyond
+  ``max_idle_connections_per_host`` from one source address, and beyond
+  half of ``max_connections`` from all addresses together, the oldest
+  first (so a new client's connection lives long enough to make its call).
+  These caps spare connections younger than :data:`GRACE_S` while the port
+  is below :data:`PRESSURE` of ``max_connections``, so that many actors
+  connecting at once are not cut off between accept and their first call;
+  under pressure (an attack filling the port) they apply at once.
+
+A *call* is a replay call the server admitted, which with ``auth_token_env``
+means one carrying the token; health checks do not count (they need no
+token), so no one without the token holds a connection past the deadline.
+Connections that made a call are left to gRPC (``idle_timeout_s``).
+
+How: every :data:`SWEEP_S` a thread lists the process' socket descriptors
+(``/proc/self/fd``), learns each new socket's addresses once (through a
+duplicate in a descriptor slot of its own, checked to be the same socket),
+and shuts the chosen ones down through such a duplicate: gRPC sees the peer
+go away and closes its own descriptor. The guard never closes a descriptor
+it did not open, and needs no new one to act (it works with none left). Cost: one ``readlink`` per open descriptor per sweep, plus a few
+system calls per new connection. Linux only; elsewhere it does nothing
+(said once in the log).
+
+It also reports whether the port is *full* (as many connections as gRPC
+admits): new clients are refused then, and health says NOT_SERVING, on
+every listener, so that health reflects what clients see.
+
+Thread-safety: :meth:`called` from any thread (the event loop); the sweep
+runs on the guard's own thread.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+log = logging.getLogger("replay_server")
+
+SWEEP_S = 0.1
+"""Seconds between sweeps while nothing is to be closed."""
+
+BUSY_SWEEP_S = 0.01
+"""Seconds between sweeps while connections are being closed (an attack in progress): a
+burst is trimmed before it fills the port."""
+
+GRACE_S = 0.05
+"""A connection this young is spared by the caps on idle connections, unless under pressure:
+a client's first call follows its connection within milliseconds."""
+
+PRESSURE = 0.75
+"""Share of ``max_connections`` open from which the caps spare no young connection."""
+
+_FD_DIR = "/proc/self/fd"
+
+
+@dataclass(slots=True)
+class _Connection:
+    peer: tuple[str, int]
+    accepted: float  # monotonic time the guard first saw it
+    fd: int
+    shut: bool = False  # shut down by the guard; gRPC has yet to close its descriptor
+
+
+def peer_address(peer: str) -> tuple[str, int] | None:
+    """``(ip, port)`` of a gRPC peer string (``ipv4:10.0.0.7:53412``, ``ipv6:[::1]:5``)."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return None
+    host, _, port = rest.rpartition(":")
+    if not port.isdigit():
+        return None
+    return _normal(host.strip("[]")), int(port)
+
+
+def _normal(host: str) -> str:
+    """An IPv4 address mapped into IPv6 (``::ffff:1.2.3.4``) as plain IPv4."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(address)
+
+
+class ConnectionGuard:
+    """Closes a port's connections that make no call (see the module docstring).
+
+    Args:
+        port: the main port's number.
+        handshake_timeout_s: seconds a connection may go without a call.
+        max_idle_per_host: connections without a call kept per source address.
+        max_idle: connections without a call kept in all.
+        max_connections: what gRPC admits on the port (full at this many).
+        on_full: called with True when the port becomes full, False when it is not
+            any more (on the guard's thread).
+
+    Attributes:
+        closed: connections closed so far.
+        open: connections to the port at the last sweep.
+    """
+
+    def __init__(self, port: int, *, handshake_timeout_s: float, max_idle_per_host: int,
+                 max_idle: int, max_connections: int,
+                 on_full: Callable[[bool], None] | None = None) -> None:
+        self.port = port
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_idle_per_host = max_idle_per_host
+        self.max_idle = max_idle
+        self.max_connections = max_connections
+        self._on_full = on_full
+        self._lock = threading.Lock()
+        self._called: set[tuple[str, int]] = set()
+        self._connections: dict[int, _Connection] = {}  # socket inode -> connection
+        self._other: set[int] = set()  # inodes of sockets that are not the port's connections
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._slot: _Slot | None = _Slot()
+        self.full = False
+        self.closed = 0
+        self.open = 0
+        self._spared = 0
+
+    @staticmethod
+    def supported() -> bool:
+        return os.path.isdir(_FD_DIR)
+
+    def called(self, peer: str) -> None:
+        """The connection of gRPC peer ``peer`` made a call (admitted): it is kept."""
+        address = peer_address(peer)
+        if address is not None:
+            with self._lock:
+                self._called.add(address)
+
+    def start(self) -> None:
+        """Sweep on a daemon thread until :meth:`stop`."""
+        if not self.supported():
+            log.info("connections without a call are not closed early on this platform (no "
+                     "/proc/self/fd): gRPC's idle timeout applies")
+            return
+        self._thread = threading.Thread(target=self._run, name="replay-connections",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop sweeping and close the guard's own descriptors (idempotent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            if self._thread.is_alive():
+                return  # a sweep is stuck: leave the slot to it
+        if self._slot is not None:
+            self._slot.close()
+            self._slot = None
+
+    def _run(self) -> None:
+        pause = SWEEP_S
+        while not self._stop.wait(pause):
+            try:
+                busy = self.sweep() or self._spared
+            except Exception:  # never let the guard die: it is a bound
+                log.exception("connection sweep failed")
+                busy = False
+            pause = BUSY_SWEEP_S if busy else SWEEP_S
+
+    def sweep(self, now: float | None = None) -> int:
+        """Look at the port's connections once, close those to close; returns how many."""
+        now = time.monotonic() if now is None else now
+        sockets = self._sockets()
+        for inode in [i for i in self._connections if i not in sockets]:
+            gone = self._connections.pop(inode)
+            with self._lock:
+                self._called.discard(gone.peer)
+        self._other.intersection_update(sockets)
+        for inode, fd in sockets.items():
+            known = self._connections.get(inode)
+            if known is not None:
+                known.fd = fd
+            elif inode not in self._other:
+                peer = self._peer_of(fd, inode)
+                if peer is None:
+                    self._other.add(inode)
+                else:
+                    self._connections[inode] = _Connection(peer, now, fd)
+        doomed = self._doomed(now)
+        closed = sum(self._shut(inode) for inode in doomed)
+        self.closed += closed
+        self.open = sum(not c.shut for c in self._connections.values())
+        full = len(self._connections) >= self.max_connections
+        if full != self.full:
+            self.full = full
+            log.warning("port %d %s", self.port,
+                        f"is full ({len(self._connections)} connections): new clients are "
+                        f"refused" if full else "accepts new clients again")
+            if self._on_full is not None:
+                self._on_full(full)
+        return closed
+
+    def _doomed(self, now: float) -> list[int]:
+        """Inodes to close: no call past the deadline, or over a cap on idle connections."""
+        with self._lock:
+            called = set(self._called)
+        self._spared = 0  # over a cap, but young: looked at again soon
+        idle = sorted(((c.accepted, inode, c.peer[0]) for inode, c in self._connections.items()
+                       if c.peer not in called and not c.shut), reverse=True)  # newest first
+        pressed = len(self._connections) >= PRESSURE * self.max_connections
+        doomed: list[int] = []
+        per_host: dict[str, int] = {}
+        kept = 0
+        for accepted, inode, host in idle:
+            per_host[host] = per_host.get(host, 0) + 1
+            age = now - accepted
+            over = per_host[host] > self.max_idle_per_host or kept >= self.max_idle
+            if age >= self.handshake_timeout_s or (over and (pressed or age >= GRACE_S)):
+                doomed.append(inode)
+            else:
+                kept += 1
+                self._spared += over
+        return doomed
+
+    def _sockets(self) -> dict[int, int]:
+        """Socket inode -> descriptor, for every socket this process has open now."""
+        found: dict[int, int] = {}
+        try:
+            names = os.listdir(_FD_DIR)
+        except OSError:
+            return found
+        for name in names:
+            try:
+                link = os.readlink(f"{_FD_DIR}/{name}")
+            except OSError:
+                continue  # closed meanwhile
+            if link.startswith("socket:["):
+                found[int(link[8:-1])] = int(name)
+        return found
+
+    def _peer_of(self, fd: int, inode: int) -> tuple[str, int] | None:
+        """The peer of the port's connection at ``fd`` (``None``: not one of them)."""
+        if self._slot is None:
+            return None
+        with self._slot.holding(fd, inode) as sock:
+            if sock is None or sock.type != socket.SOCK_STREAM or sock.family not in (
+                    socket.AF_INET, socket.AF_INET6):
+                return None
+            try:
+                if sock.getsockname()[1] != self.port:
+                    return None
+                host, port = sock.getpeername()[:2]
+            except OSError:  # not connected (a listener), or gone
+                return None
+            return _normal(host), int(port)
+
+    def _shut(self, inode: int) -> bool:
+        """Shut the connection down (gRPC then closes its own descriptor); whether it was."""
+        connection = self._connections.get(inode)
+        if connection is None or self._slot is None:
+            return False
+        with self._slot.holding(connection.fd, inode) as sock:
+            if sock is None:
+                return False
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                return False
+            connection.shut = True
+            return True
+
+
+class _Slot:
+    """A descriptor of the guard's own, into which another socket is duplicated for a look.
+
+    Opened once (two descriptors on ``/dev/null``), so looking at a connection
+    needs no new descriptor, even when the process has none left: ``dup2``
+    onto the slot, check it is the socket meant (the descriptor may have been
+    closed and reused meanwhile), use it, then point the slot back at
+    ``/dev/null``. The other process' descriptors are never closed.
+    """
+
+    def __init__(self) -> None:
+        self._null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._slot = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    @contextmanager
+    def holding(self, fd: int, inode: int) -> Iterator[socket.socket | None]:
+        """A socket object on the slot, duplicated from ``fd``, if ``fd`` is socket ``inode``."""
+        try:
+            os.dup2(fd, self._slot)
+        except OSError:
+            yield None
+            return
+        sock = None
+        try:
+            if os.fstat(self._slot).st_ino == inode:
+                sock = socket.socket(fileno=self._slot)
+        except OSError:
+            sock = None
+        try:
+            yield sock
+        finally:
+            if sock is not None:
+                sock.detach()  # the slot stays open: pointed back at /dev/null below
+            os.dup2(self._null, self._slot)
+
+    def close(self) -> None:
+        os.close(self._slot)
+        os.close(self._null)

@@ -1,0 +1,157 @@
+"""Priority updates ride on a stream's credits: the batch the next credit allows sees them.
+
+With ``prefetch=1`` the learner holds batch ``j`` while batch ``j + 1`` is drawn
+already; an update made then travels in the message of the credit that the
+next ``next()`` grants, which allows batch ``j + 2``. Each step below gives all
+the table's priority to one row (a different row each step), so every row
+of batch ``j + 2`` must be that step's row, or the next step's (the credit
+leaves on the stream's own thread, which may send it only once the learner
+made its next update, with it), never an older one. Were the update sent
+after the credit (or on another call), the server would draw batch ``j + 2``
+before applying it, with the previous step's row. The deterministic version
+holds the update inside the server's table and checks that the credit after
+it draws nothing meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from replay_client import ReplayClient, errors
+from replay_server.app.embedded import EmbeddedServer
+from replay_server.engine.config import TableConfig
+from replay_server.service.settings import ServerSettings
+from tests.conftest import module_server, stays, wait_for
+
+ROWS = 64
+STEPS = 30
+CONFIG = """
+[[tables]]
+name = "prio"
+capacity = 1000
+sampler = "prioritized"
+alpha = 1.0
+"""
+
+served = module_server(CONFIG)
+
+
+def one_row_at_a_time(stream, ids: torch.Tensor, keys_of) -> list[tuple[int, int, list[int]]]:
+    """Take ``STEPS`` batches, moving all priority to one row after each; the rows of the batch
+    two steps later, with the rows it may be (that step's, or the next's)."""
+    batches = [keys_of(next(stream))]
+    targets = []
+    for step in range(STEPS):
+        target = (7 * step) % ROWS
+        priorities = torch.zeros(ROWS, dtype=torch.float64)
+        priorities[target] = 1.0
+        stream.update_priorities(ids, priorities)
+        targets.append(target)
+        batches.append(keys_of(next(stream)))
+    # batch j + 2 (the second after the update of step j) holds only step j's row (or j + 1's)
+    return [(targets[j], targets[j + 1], batches[j + 2]) for j in range(STEPS - 1)]
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_the_batch_after_an_update_never_sees_the_old_priority(served, shared_memory) -> None:
+    client = ReplayClient(served.address)
+    client.reset("prio")
+    ids = client.insert("prio", {"key": torch.arange(ROWS)})
+    before = client.info()["prio"].counters["priority_updates"]
+    stream = client.stream("prio", 16, prefetch=1, batches_per_message=1,
+                           shared_memory=shared_memory)
+    with stream:
+        seen = one_row_at_a_time(stream, ids, lambda b: b.data["key"].tolist())
+        assert stream.transport == ("shared_memory" if shared_memory else "grpc")
+    for target, newer, keys in seen:
+        assert keys in ([target] * 16, [newer] * 16), (target, newer, keys)
+    applied = client.info()["prio"].counters["priority_updates"] - before
+    assert applied == STEPS * ROWS  # every update applied, once
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_no_batch_is_drawn_until_the_update_sent_before_its_credit_is_applied(
+        shared_memory) -> None:
+    """Deterministic: the server's update is held in the engine; the credit that followed it
+    must not let a batch be drawn meanwhile (it would, were the credit counted first, or the
+    update sent after it or on another call)."""
+    settings = ServerSettings(address="127.0.0.1:0", tables=(
+        TableConfig(name="prio", capacity=100, sampler="prioritized"),))
+    with EmbeddedServer(settings) as server:
+        table = server.tables["prio"]
+        ids = table.insert({"key": torch.arange(10)})
+        entered, release = threading.Event(), threading.Event()
+        apply = table.update_priorities
+
+        def held(*args, **kwargs):
+            entered.set()
+            release.wait(30)
+            return apply(*args, **kwargs)
+
+        def sampled() -> int:
+            return table.info().counters.sampled
+
+        table.update_priorities = held  # type: ignore[method-assign]
+        client = ReplayClient(server.address)
+        with client.stream("prio", 4, prefetch=1, batches_per_message=1,
+                           shared_memory=shared_memory) as stream:
+            next(stream)  # the learner holds batch 0; batch 1 is drawn
+            assert wait_for(lambda: sampled() == 2 * 4)
+            stream.update_priorities(ids, torch.full((10,), 2.0))
+            next(stream)  # takes batch 1: its credit, which allows batch 2, follows the update
+            assert entered.wait(10), "the update never reached the table"
+            import time; time.sleep(1); print("SAMPLED", sampled(), stream.transport)
+            assert stays(lambda: sampled() == 2 * 4, seconds=0.5), "drawn before the update"
+            release.set()
+            assert wait_for(lambda: sampled() == 3 * 4)
+        client.close()
+
+
+def test_the_embedded_stream_applies_updates_before_its_next_draw() -> None:
+    settings = ServerSettings(tables=(TableConfig(name="prio", capacity=1000,
+                                                  sampler="prioritized", alpha=1.0),))
+    server = EmbeddedServer(settings, listen=False)
+    ids = server.tables["prio"].insert({"key": torch.arange(ROWS)})
+    with server.stream("prio", 16, prefetch=1) as stream:
+        seen = one_row_at_a_time(stream, ids, lambda b: b.data["key"].tolist())
+    for target, newer, keys in seen:
+        assert keys in ([target] * 16, [newer] * 16), (target, newer, keys)
+
+
+def test_large_updates_travel_in_parts_before_their_credit(served) -> None:
+    """An update of more ids than one credit message holds is split; all parts go first."""
+    client = ReplayClient(served.address)
+    client.reset("prio")
+    ids = client.insert("prio", {"key": torch.arange(ROWS)})
+    many = ids.repeat(300)  # 19,200 ids: several messages
+    with client.stream("prio", 8, prefetch=1, batches_per_message=1) as stream:
+        next(stream)
+        priorities = torch.zeros(len(many), dtype=torch.float64)
+        priorities[-ROWS:][5] = 1.0  # the last part decides: row 5 alone keeps priority
+        stream.update_priorities(many, priorities)
+        next(stream)
+        assert next(stream).data["key"].tolist() == [5] * 8
+
+
+def test_bad_updates_are_refused_before_anything_is_queued_or_end_the_stream_typed(
+        served) -> None:
+    client = ReplayClient(served.address)
+    client.reset("prio")
+    ids = client.insert("prio", {"key": torch.arange(ROWS)})
+    before = client.info()["prio"].counters["priority_updates"]
+    stream = client.stream("prio", 8, prefetch=1, batches_per_message=1)
+    with stream:
+        next(stream)
+        with pytest.raises(errors.InvalidPriorityError, match="finite and >= 0"):
+            stream.update_priorities(ids, torch.full((ROWS,), -1.0))
+        with pytest.raises(errors.InvalidIdsError, match="int64"):
+            stream.update_priorities(ids.int(), torch.ones(ROWS))
+        # not an id (negative): checked by the server, which ends the stream with its error
+        stream.update_priorities(torch.tensor([-5]), torch.ones(1))
+        with pytest.raises(errors.InvalidIdsError):
+            for _ in range(10):
+                next(stream)
+    assert client.info()["prio"].counters["priority_updates"] == before  # nothing applied

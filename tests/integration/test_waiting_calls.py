@@ -1,0 +1,154 @@
+"""Waiting calls have a pool of their own and a finite default wait; a real server process.
+
+Issue 23, finding 5: 256+ clients waiting (``fetch(newer_than=...)`` with its
+default ``timeout=None``, ``sample(wait=True)``, idle streams) filled
+``max_concurrent_calls``: the ``insert``, ``info`` and ``publish`` that would
+have released them all got ``OverloadedError``, and with no timeout it never
+cleared. Now a stream counts in ``max_waiting_calls`` from its start, and a
+unary call moves there when it starts to wait, leaving the working slots to
+the calls that release the waiters; a waiting call whose client set no
+deadline waits ``default_wait_s`` at most.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from replay_client import ReplayClient, errors
+from tests.conftest import module_server, wait_for
+
+WORKING = 8
+WAITING = 60
+DEFAULT_WAIT_S = 2.0
+JOIN_S = 60
+
+CONFIG = f"""
+[server]
+max_concurrent_calls = {WORKING}
+max_waiting_calls = {WAITING}
+default_wait_s = {DEFAULT_WAIT_S}
+
+[[tables]]
+name = "replay"
+capacity = 1000
+
+[[tables]]
+name = "empty"
+capacity = 1000
+
+[[tables]]
+name = "gate"
+capacity = 1000
+min_size_to_sample = 500
+
+[[tables]]
+name = "never"
+capacity = 1000
+"""
+
+served = module_server(CONFIG)
+
+
+class Waiters:
+    """Threads each making one call that waits, collecting how each ended."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+        self.outcomes: list[object] = []
+
+    def start(self, fn, count: int) -> None:
+        for _ in range(count):
+            def run() -> None:
+                try:
+                    self.outcomes.append(fn())
+                except BaseException as exc:  # every outcome is checked by the test
+                    self.outcomes.append(exc)
+            thread = threading.Thread(target=run, daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(JOIN_S)
+        assert not any(t.is_alive() for t in self.threads)
+
+
+def waiting(client: ReplayClient) -> int:
+    return client.server_info().limits["calls_waiting"]
+
+
+def test_waiters_never_take_the_slots_of_the_calls_that_release_them(served) -> None:
+    client = ReplayClient(served.address, timeout=30, max_retry_s=0)
+    version = client.publish("policy", {"w": torch.zeros(3)})
+    waiters = Waiters()
+    waiters.start(lambda: ReplayClient(served.address, timeout=40).fetch(
+        "policy", newer_than=version, timeout=30), 20)
+    waiters.start(lambda: ReplayClient(served.address, timeout=30).sample("gate", 4), 15)
+    waiters.start(lambda: ReplayClient(served.address, timeout=30).sample(
+        "empty", 4, wait=True), 15)
+    assert wait_for(lambda: waiting(client) >= 50, timeout=JOIN_S)  # 6 times WORKING
+    # With every waiter waiting, the calls that release them are served: no OverloadedError.
+    assert client.info()["gate"].rate_limiter["blocked_samples"] == 15
+    client.insert("gate", {"x": torch.zeros(500, 2)})
+    client.insert("empty", {"x": torch.zeros(10, 2)})
+    client.publish("policy", {"w": torch.ones(3)})
+    waiters.join()
+    fetched = [o for o in waiters.outcomes if isinstance(o, dict)]
+    assert len(fetched) == 20 and all(v.version == version + 1 for v in fetched)
+    assert len(waiters.outcomes) == 50
+    assert not [o for o in waiters.outcomes if isinstance(o, BaseException)]
+    assert wait_for(lambda: waiting(client) == 0)
+
+
+def test_a_full_waiting_pool_refuses_the_next_waiter_naming_the_limit(served) -> None:
+    client = ReplayClient(served.address, timeout=30, max_retry_s=0)
+    version = client.publish("full", {"w": torch.zeros(1)})
+    waiters = Waiters()
+    waiters.start(lambda: ReplayClient(served.address, timeout=40).fetch(
+        "full", newer_than=version, timeout=30), WAITING)
+    assert wait_for(lambda: waiting(client) == WAITING, timeout=JOIN_S)
+    with pytest.raises(errors.OverloadedError, match="server.max_waiting_calls = 60"):
+        client.fetch("full", newer_than=version, timeout=30)
+    assert client.info()["replay"].size >= 0  # working calls still served
+    client.publish("full", {"w": torch.ones(1)})
+    waiters.join()
+    assert sum(isinstance(o, dict) for o in waiters.outcomes) == WAITING
+
+
+def test_a_waiting_call_without_a_deadline_waits_the_default_at_most(served) -> None:
+    client = ReplayClient(served.address, timeout=None, max_retry_s=0)
+    version = client.publish("quiet", {"w": torch.zeros(1)})
+    started = time.monotonic()
+    assert client.fetch("quiet", newer_than=version, timeout=None) is None
+    with pytest.raises(errors.DeadlineExceededError):
+        client.sample("never", 4, wait=True)
+    assert time.monotonic() - started < JOIN_S
+
+
+@pytest.mark.slow
+def test_the_reported_waiters_at_full_size(tmp_path) -> None:
+    """The report's size against the default limits: 300 waiters (more than the 256 working
+    slots), then the insert, info and publish that release them."""
+    from tests.conftest import start_server
+
+    server = start_server(tmp_path, "[[tables]]\nname = \"gate\"\ncapacity = 1000\n"
+                                    "min_size_to_sample = 500\n")
+    try:
+        client = ReplayClient(server.address, timeout=60, max_retry_s=0)
+        version = client.publish("policy", {"w": torch.zeros(3)})
+        waiters = Waiters()
+        waiters.start(lambda: ReplayClient(server.address, timeout=120).fetch(
+            "policy", newer_than=version, timeout=90), 200)
+        waiters.start(lambda: ReplayClient(server.address, timeout=90).sample("gate", 4), 100)
+        assert wait_for(lambda: waiting(client) >= 300, timeout=120)
+        assert client.info()["gate"].rate_limiter["blocked_samples"] == 100
+        client.insert("gate", {"x": torch.zeros(500, 2)})
+        client.publish("policy", {"w": torch.ones(3)})
+        waiters.join()
+        assert not [o for o in waiters.outcomes if isinstance(o, BaseException)]
+    finally:
+        assert server.stop() == 0

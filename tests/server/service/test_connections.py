@@ -1,0 +1,104 @@
+"""ConnectionGuard: which connections it closes, on real sockets of this process."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+
+from replay_server.service.connections import ConnectionGuard, peer_address
+
+pytestmark = pytest.mark.skipif(not ConnectionGuard.supported(), reason="needs /proc/self/fd")
+
+
+def test_peer_strings_are_parsed_and_mapped_addresses_normalised() -> None:
+    assert peer_address("ipv4:10.0.0.7:53412") == ("10.0.0.7", 53412)
+    assert peer_address("ipv6:[::1]:5") == ("::1", 5)
+    assert peer_address("ipv6:[::ffff:127.0.0.1]:9") == ("127.0.0.1", 9)
+    assert peer_address("unix:/tmp/sock") is None
+
+
+@pytest.fixture
+def listener():
+    server = socket.create_server(("127.0.0.1", 0))
+    yield server
+    server.close()
+
+
+def accepted(listener: socket.socket, source: str) -> tuple[socket.socket, socket.socket]:
+    client = socket.socket()
+    client.bind((source, 0))
+    client.connect(listener.getsockname())
+    conn, _ = listener.accept()
+    return client, conn
+
+
+def closed(client: socket.socket) -> bool:
+    client.setblocking(False)
+    try:
+        return client.recv(1) == b""
+    except BlockingIOError:
+        return False
+
+
+def test_it_closes_by_deadline_and_per_host_cap_keeping_callers(listener) -> None:
+    port = listener.getsockname()[1]
+    guard = ConnectionGuard(port, handshake_timeout_s=5, max_idle_per_host=2, max_idle=100,
+                            max_connections=100)
+    try:
+        pairs = [accepted(listener, "127.0.0.2") for _ in range(4)]
+        caller = accepted(listener, "127.0.0.3")
+        guard.called(f"ipv4:127.0.0.3:{caller[0].getsockname()[1]}")
+        now = time.monotonic()
+        assert guard.sweep(now) == 0  # young: spared by the caps (no pressure)
+        assert guard.sweep(now + 0.1) == 2  # two over the per-host cap: the oldest
+        assert [closed(client) for client, _ in pairs] == [True, True, False, False]
+        assert guard.sweep(now + 6) == 2  # the deadline: the rest without a call
+        assert all(closed(client) for client, _ in pairs)
+        assert not closed(caller[0])  # it made a call: left to gRPC's idle timeout
+        assert guard.closed == 4 and guard.open == 1
+    finally:
+        guard.stop()
+        for client, conn in [*pairs, caller]:
+            client.close()
+            conn.close()
+
+
+def test_the_global_cap_and_fullness(listener) -> None:
+    port = listener.getsockname()[1]
+    seen: list[bool] = []
+    guard = ConnectionGuard(port, handshake_timeout_s=5, max_idle_per_host=10, max_idle=3,
+                            max_connections=5, on_full=seen.append)
+    try:
+        pairs = [accepted(listener, f"127.0.0.{10 + i}") for i in range(5)]
+        assert guard.sweep() == 2 and seen == [True]  # full (pressed): 3 kept at once
+        assert guard.sweep() == 0 and guard.open == 3
+        for _, conn in pairs[:2]:  # what gRPC does with a connection shut down under it
+            conn.close()
+        assert guard.sweep() == 0 and seen == [True, False]
+    finally:
+        guard.stop()
+        for client, conn in pairs:
+            client.close()
+            conn.close()
+
+
+def test_it_never_closes_a_descriptor_it_does_not_own(listener) -> None:
+    port = listener.getsockname()[1]
+    guard = ConnectionGuard(port, handshake_timeout_s=0.1, max_idle_per_host=1, max_idle=1,
+                            max_connections=100)
+    try:
+        pairs = [accepted(listener, "127.0.0.2") for _ in range(3)]
+        now = time.monotonic()
+        guard.sweep(now)
+        guard.sweep(now + 1)  # the two oldest: over the cap of one per host; the newest: past
+        guard.sweep(now + 1)  # the deadline
+        for _, conn in pairs:
+            conn.settimeout(10)  # the server's descriptors stay open: only shut down
+            assert conn.fileno() >= 0 and conn.recv(1) == b""
+    finally:
+        guard.stop()
+        for client, conn in pairs:
+            client.close()
+            conn.close()
