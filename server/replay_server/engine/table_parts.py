@@ -70,8 +70,8 @@ class TableParts:
 
     @property
     def used(self) -> int:
-        """Slots ever written."""
-        return min(self.ring.next_id, self.ring.capacity)
+        """Slots written since the last reset (:attr:`IdRing.used`)."""
+        return self.ring.used
 
     @property
     def top(self) -> Reader:

@@ -66,3 +66,25 @@ def test_a_refused_write_changes_nothing():
     with pytest.raises(InvalidArgumentError, match="holds no row"):
         write_rows(table, [0, 3], {"x": torch.tensor([9.0, 9.0])})
     assert torch.equal(read_rows(table, positions=[0, 1, 2]).columns["x"], torch.arange(3.0))
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized", "slice"])
+def test_a_reset_table_saves_only_the_rows_written_since(sampler):
+    """3f9a6b4 started positions over after a reset by moving the ids to a multiple of the
+    capacity, and 'slots written' became the whole capacity: a checkpoint of a reset table
+    saved every slot, dead rows and never-written memory included."""
+    extra = {"slice": {"slice_len": 2, "done_key": "done"}}.get(sampler, {})
+    config = TableConfig(name="r", capacity=100, sampler=sampler, **extra)
+    table = Table(config)
+    rows = {"x": torch.arange(5.0), "done": torch.zeros(5, dtype=torch.bool),
+            "episode": torch.zeros(5, dtype=torch.int64)}
+    table.insert(rows)
+    table.reset()
+    table.insert({k: v[:3] for k, v in rows.items()})
+    state = table.state_dict()
+    assert state["columns"]["x"].shape[0] == 3
+    assert read_rows(table, positions=[0, 1, 2]).columns["x"].tolist() == [0.0, 1.0, 2.0]
+    restored = Table(config)
+    restored.load_state_dict(state)
+    assert restored.info().size == 3
+    assert read_rows(restored, positions=[2]).columns["x"].tolist() == [2.0]

@@ -210,8 +210,8 @@ class Sampler(ABC):
 
     @property
     def _used(self) -> int:
-        """Slots ever written: the prefix of per-slot state worth saving."""
-        return min(self._ring.next_id, self._ring.capacity)
+        """Slots written since the last reset: the prefix of per-slot state worth saving."""
+        return self._ring.used
 
 
 def importance_weights(probabilities: np.ndarray, min_probability: float, beta: float) -> np.ndarray:
