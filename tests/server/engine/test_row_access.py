@@ -10,23 +10,12 @@ from replay_server import Table, TableConfig
 from replay_server.engine.row_access import read_rows, write_rows
 from replay_server.errors import InvalidArgumentError
 
-
-def _episode(steps: int, stack: int) -> dict:
-    """One episode of stacked observations: frame t is filled with t."""
-    frames = [torch.full((2,), float(t)) for t in range(steps + 1)]
-
-    def stack_at(t: int) -> torch.Tensor:
-        return torch.stack([frames[max(0, i)] for i in range(t - stack + 1, t + 1)])
-
-    return {"obs": torch.stack([stack_at(t) for t in range(steps)]),
-            "next": {"obs": torch.stack([stack_at(t + 1) for t in range(steps)])},
-            "episode": torch.zeros(steps, dtype=torch.int64),
-            "done": torch.arange(steps) == steps - 1}
+from tests.server.engine.test_table_reset import _stacked_episode
 
 
 def test_a_frame_stacked_table_reads_rows_with_their_stacks_rebuilt():
     table = Table(TableConfig(name="f", capacity=8, frame_stack_key="obs"))
-    episode = _episode(5, 3)
+    episode = _stacked_episode(5, 3, (2,))
     table.insert(episode)
     found = read_rows(table, positions=[0, 3, 4])
     assert torch.equal(found.columns["obs"], episode["obs"][[0, 3, 4]])
