@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from replay_server import Table, TableConfig
+from replay_server.engine.ids import IdRing
 from replay_server.engine.row_access import read_rows, write_rows
 from replay_server.errors import InvalidArgumentError
 
@@ -77,3 +78,15 @@ def test_a_reset_table_saves_only_the_rows_written_since(sampler):
     restored.load_state_dict(state)
     assert restored.info().size == 3
     assert read_rows(restored, positions=[2]).columns["x"].tolist() == [2.0]
+
+
+def test_id_counters_saved_before_the_reset_base_load_as_written_from_zero():
+    """Checkpoints written before IdRing.base existed have no 'base': their resets never
+    moved the ids, so every slot below next_id (up to the capacity) was written."""
+    ring = IdRing(10)
+    ring.load_state_dict({"next_id": 7, "first_live": 7})  # an old checkpoint, after a reset
+    assert (ring.base, ring.used) == (0, 7)
+    ring.clear()
+    assert (ring.next_id, ring.base, ring.used) == (10, 10, 0)
+    with pytest.raises(ValueError, match="inconsistent id counters"):
+        ring.load_state_dict({"next_id": 12, "first_live": 12, "base": 5})
