@@ -9,7 +9,7 @@ PIP    := $(BIN)/python -m pip install --disable-pip-version-check --progress-ba
 PYTEST_ARGS ?=
 
 .PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner \
-        bench-scaleout bench-starvation bench-gpu-table clean image image-test
+        bench-scaleout bench-starvation bench-gpu-table clean image image-test conformance
 
 # One line per set-up step; what the step prints goes to $(SETUP_LOG), whose end is shown
 # (with the whole log's path) only when the step fails.
@@ -88,6 +88,22 @@ bench-gpu-table: $(STAMP) .venv-torchrl/.installed-stamp
 	$(BIN)/python benchmarks/gpu_table.py --torchrl-python .venv-torchrl/bin/python $(if $(DEVICE),--device $(DEVICE),)
 
 bench: bench-engine bench-service bench-learner
+
+# TorchRL's own replay-buffer tests with its buffer classes swapped for RemoteReplayBuffer on
+# real servers (docs/torchrl.md): TORCHRL_TESTS=<a copy of pytorch/rl's test/rb, 0.14 line>.
+# TORCHRL_VENV: torch 2.14 + torchrl 0.14.1, made (or found ready) by benchmarks/envs/torchrl.sh;
+# pytest, grpcio and protobuf go beside it in CONFORMANCE_SITE (pip --target), never into it.
+TORCHRL_VENV     ?= .venv-torchrl
+CONFORMANCE_SITE ?= .venv-conformance-site
+conformance: $(STAMP)
+	@test -n "$(TORCHRL_TESTS)" || { echo "make conformance TORCHRL_TESTS=<dir of pytorch/rl's test/rb>"; exit 2; }
+	bash benchmarks/envs/torchrl.sh $(TORCHRL_VENV)
+	test -f $(CONFORMANCE_SITE)/.installed-stamp || { \
+	  $(TORCHRL_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+	    --target $(CONFORMANCE_SITE) pytest iniconfig pluggy pygments 'grpcio>=1.70' \
+	    'grpcio-health-checking>=1.70' 'protobuf>=7.35.1' && touch $(CONFORMANCE_SITE)/.installed-stamp; }
+	$(BIN)/python -m tests.conformance --tests $(TORCHRL_TESTS) --python $(TORCHRL_VENV)/bin/python \
+	  --site $(CONFORMANCE_SITE) $(CONFORMANCE_ARGS)
 
 # Aggregate insert/sample rows/s over 1, 2 and 4 shards (docs/scale-out.md); no anchor.
 bench-scaleout: $(STAMP)

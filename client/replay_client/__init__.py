@@ -29,7 +29,7 @@ __all__ = ["RemoteReplayBuffer", "ReplayApi", "ReplayClient", "ReplayError", "Sa
 def __getattr__(name: str) -> object:
     # RemoteReplayBuffer imports tensordict: only when asked for.
     if name == "RemoteReplayBuffer":
-        from replay_client.torchrl_buffer import RemoteReplayBuffer
+        from replay_client.torchrl import RemoteReplayBuffer
 
         return RemoteReplayBuffer
     raise AttributeError(f"module 'replay_client' has no attribute {name!r}")

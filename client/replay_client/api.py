@@ -59,6 +59,15 @@ class ReplayApi(Protocol):
     def delete(self, table: str, ids: Any) -> int:
         """Remove rows by id from a queue table; how many were present."""
 
+    def read(self, table: str, **request: Any) -> Any:
+        """Stored rows by ``positions=`` or ``ids=`` (one server; a sharded client refuses)."""
+
+    def write(self, table: str, positions: Any, data: Any) -> int:
+        """Overwrite stored rows by position (one server; a sharded client refuses)."""
+
+    def set_sampling(self, table: str, **settings: Any) -> tuple[float, float]:
+        """Set ``alpha=``, ``beta=``, ``seed=`` of ``table`` from the next draw on."""
+
     def info(self) -> dict[str, TableInfo]:
         """Every table's sizes, counters, settings and capabilities, by name."""
 

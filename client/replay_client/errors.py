@@ -132,6 +132,23 @@ class UnsupportedError(ReplayError):
     what to use instead."""
 
 
+class EmptyBufferError(EmptyTableError, RuntimeError):
+    """``RemoteReplayBuffer.sample`` found nothing to sample and was not asked to wait.
+
+    TorchRL's buffers raise ``RuntimeError`` there, so this is one (and an
+    :class:`EmptyTableError`): ``except RuntimeError`` in TorchRL code keeps working."""
+
+
+class TableMismatchError(InvalidArgumentError):
+    """A table cannot stand for the TorchRL storage or sampler a buffer was given; the
+    message names the config line to change."""
+
+
+class UnsupportedComponentError(InvalidArgumentError):
+    """A TorchRL storage, sampler, writer or buffer option with no server counterpart; the
+    message names what to use instead."""
+
+
 _BY_KIND: dict[ErrorKind, type[ReplayError]] = {
     ErrorKind.SCHEMA_MISMATCH: SchemaMismatchError,
     ErrorKind.INVALID_PRIORITY: InvalidPriorityError,

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_client import chunked, grouping, variables
+from replay_client import chunked, grouping, table_rows, variables
 from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, CONNECT_TIMEOUT_S, Connection
@@ -339,6 +339,18 @@ class ServerClient:
         raw = self._connection.unary("Delete", request.SerializeToString(), retry=True)
         return pb.DeleteResponse.FromString(raw).deleted
 
+
+    def read(self, table: str, **request: Any) -> table_rows.RowsRead:
+        """Stored rows by ``positions=`` or ``ids=`` (:func:`replay_client.table_rows.read`)."""
+        return table_rows.read(self._connection, table, **request)
+
+    def write(self, table: str, positions: Any, data: Any) -> int:
+        """Overwrite stored rows by position (:func:`replay_client.table_rows.write`)."""
+        return table_rows.write(self._connection, table, positions, data)
+
+    def set_sampling(self, table: str, **settings: Any) -> tuple[float, float]:
+        """``alpha=``, ``beta=``, ``seed=`` from now on (:func:`replay_client.table_rows.set_sampling`)."""
+        return table_rows.set_sampling(self._connection, table, **settings)
     def publish(self, name: str, state_dict: Any) -> int:
         """Store ``state_dict`` (tensors only) as the next version of variable ``name``.
 

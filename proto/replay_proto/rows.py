@@ -105,7 +105,14 @@ def rows_of(data: Any, *, episode_key: str = EPISODE_KEY,
 def _episode_ids(columns: dict[str, Any], envs: int, steps: int,
                  tracker: EpisodeTracker | None) -> np.ndarray:
     """int64 ``[envs, steps]``: each env row's ids, a new one after every step that ends."""
-    ends = _ends(columns, envs, steps)
+    return episode_ids(_ends(columns, envs, steps), tracker)
+
+
+def episode_ids(ends: np.ndarray, tracker: EpisodeTracker | None = None) -> np.ndarray:
+    """int64 ``[envs, steps]`` episode ids of env rows whose steps end where ``ends`` (bool
+    ``[envs, steps]``) is True: a new id after every step that ends, fresh 62-bit ids, each
+    env row going on with its id in ``tracker`` (if given) and leaving its next one there."""
+    envs, steps = ends.shape
     start = tracker.start(envs) if tracker is not None else _fresh_ids(envs)
     # Step t of an env belongs to the episode after the ends before it.
     before = np.zeros((envs, steps), dtype=np.int64)

@@ -116,6 +116,21 @@ class ReplayServiceStub:
                 request_serializer=replay_dot_v1_dot_replay__pb2.AcknowledgeRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.AcknowledgeResponse.FromString,
                 _registered_method=True)
+        self.Read = channel.unary_unary(
+                '/replay.v1.ReplayService/Read',
+                request_serializer=replay_dot_v1_dot_replay__pb2.ReadRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.ReadResponse.FromString,
+                _registered_method=True)
+        self.Write = channel.unary_unary(
+                '/replay.v1.ReplayService/Write',
+                request_serializer=replay_dot_v1_dot_replay__pb2.WriteRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.WriteResponse.FromString,
+                _registered_method=True)
+        self.SetSampling = channel.unary_unary(
+                '/replay.v1.ReplayService/SetSampling',
+                request_serializer=replay_dot_v1_dot_replay__pb2.SetSamplingRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.SetSamplingResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayServiceServicer:
@@ -348,6 +363,48 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Read(self, request, context):
+        """Reads stored rows by position or by id, as they are stored, changing
+        nothing (no counters, rate limiter or sampler state). A position is a
+        row's place in the table's storage, 0 .. capacity - 1: rows are written at
+        positions 0, 1, 2, ... in insertion order from the table's creation or
+        last reset, wrapping at capacity (TorchRL's storage index). Refused whole,
+        INVALID_ARGUMENT: a position that holds no row (kind "invalid_argument"),
+        an id that names no stored row (kind "invalid_ids"); priorities of a
+        table without them: FAILED_PRECONDITION, kind "no_priorities". The answer
+        is one message: a read larger than the message limit is refused with
+        RESOURCE_EXHAUSTED (kind "message_too_large"); read fewer rows per call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Write(self, request, context):
+        """Overwrites stored rows in place, by position (TorchRL's rb[index] = data):
+        whole rows of the table's schema. Each row keeps its id; a prioritized
+        table gives it the priority a new row gets. Refused whole, INVALID_ARGUMENT:
+        a position that holds no row, rows that do not match the positions or the
+        schema, and tables whose rows are linked (slice samplers' episodes,
+        n_step, frame_stack_key, queues: insert new rows there).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetSampling(self, request, context):
+        """Sets how a table draws from the next draw on: a prioritized table's alpha
+        and/or beta (annealing, as TorchRL's rb.sampler.beta = x), and/or the seed
+        of its random generator (reproducible draws, as a TorchRL buffer's
+        generator). Stored priorities keep their meaning: their sampling mass is
+        re-expressed with the new alpha. The exponents in force are kept in
+        checkpoints and reported by Info. Refused whole: FAILED_PRECONDITION (kind
+        "no_priorities") for alpha or beta on a table without priorities;
+        INVALID_ARGUMENT for an alpha or beta that is not finite and >= 0.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -430,6 +487,21 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     servicer.Acknowledge,
                     request_deserializer=replay_dot_v1_dot_replay__pb2.AcknowledgeRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.AcknowledgeResponse.SerializeToString,
+            ),
+            'Read': grpc.unary_unary_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.ReadRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.ReadResponse.SerializeToString,
+            ),
+            'Write': grpc.unary_unary_rpc_method_handler(
+                    servicer.Write,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.WriteRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.WriteResponse.SerializeToString,
+            ),
+            'SetSampling': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSampling,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.SetSamplingRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.SetSamplingResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -865,6 +937,87 @@ class ReplayService:
             '/replay.v1.ReplayService/Acknowledge',
             replay_dot_v1_dot_replay__pb2.AcknowledgeRequest.SerializeToString,
             replay_dot_v1_dot_replay__pb2.AcknowledgeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replay.v1.ReplayService/Read',
+            replay_dot_v1_dot_replay__pb2.ReadRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.ReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Write(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replay.v1.ReplayService/Write',
+            replay_dot_v1_dot_replay__pb2.WriteRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.WriteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetSampling(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/replay.v1.ReplayService/SetSampling',
+            replay_dot_v1_dot_replay__pb2.SetSamplingRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.SetSamplingResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -160,19 +160,20 @@ def load_table(path: Path, entry: TableEntry, table: Table,
     if not isinstance(state, dict) or state.get("columns") != {}:
         raise CorruptCheckpointError(f"table {entry.name!r}: the saved state is malformed")
     try:
-        next_id = int(state["ring"]["next_id"])
-    except (KeyError, TypeError, ValueError):
+        written = int(state["ring"]["next_id"]) - int(state["ring"].get("base", 0))
+    except (KeyError, TypeError, ValueError, AttributeError):
         raise CorruptCheckpointError(
             f"table {entry.name!r}: the saved state has no id counters") from None
-    table.load_state_dict(state, read_rows=partial(_read_rows, path, entry, next_id, cancel))
+    table.load_state_dict(state, read_rows=partial(_read_rows, path, entry, written, cancel))
 
 
 def _read_rows(
-    path: Path, entry: TableEntry, next_id: int, cancel: threading.Event | None,
+    path: Path, entry: TableEntry, written: int, cancel: threading.Event | None,
     views: dict[str, np.ndarray],
 ) -> None:
-    """Fill a fresh table's columns (``views``; the config already checked) from the files."""
-    used = min(next_id, next(iter(views.values())).shape[0])
+    """Fill a fresh table's columns (``views``; the config already checked) from the files
+    (``written``: rows written since the table's last reset)."""
+    used = min(written, next(iter(views.values())).shape[0])
     if entry.rows != used:
         raise CorruptCheckpointError(
             f"table {entry.name!r}: the manifest lists {entry.rows} rows but the id counters "

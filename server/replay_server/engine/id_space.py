@@ -34,6 +34,9 @@ server uses :class:`LocalIncarnations` (shard 0, incarnation 0: ids 0, 1, 2,
 **Classifying an id** handed to ``update_priorities``:
 
 * negative, or another shard's: invalid (``InvalidIdsError``);
+* of incarnation 0 (below ``2**40`` on shard 0) when the table never had a
+  segment of incarnation 0 (servers' incarnations start at 1; in-process
+  tables and states saved before segments use 0): invalid, never issued;
 * the current segment's, with a sequence not issued yet: invalid (never issued);
 * anything else that names no live row (an older segment's row since
   overwritten, an id issued after the last checkpoint of a run that
@@ -269,6 +272,17 @@ class IdSpace:
             raise InvalidIdsError(
                 f"table {table!r}: id {first} belongs to shard {first >> _SHARD_SHIFT}, and "
                 f"this server is shard {self.shard}; {int(foreign.sum())} such ids")
+        if 0 not in self._index:
+            # Servers' incarnations start at 1, so an id below 2**40 was never issued here:
+            # typically a storage position (0..capacity-1) taken for an id.
+            small = (ids >> _INCARNATION_SHIFT) == 0
+            if small.any():
+                first = int(ids[small][0])
+                raise InvalidIdsError(
+                    f"table {table!r}: {first} was never issued as an id (ids carry the "
+                    f"server's incarnation {self.incarnation} in bits 40..55, so they are "
+                    f">= 2**40); it looks like a storage position: read rows by position "
+                    f"with client.read(table, positions=...); {int(small.sum())} such ids")
         sequences = ids - self._base
         never = (sequences >= issued) & (sequences < self._segment_rows)
         if never.any():

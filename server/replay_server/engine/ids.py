@@ -23,12 +23,20 @@ class IdRing:
     Owned and mutated only by its table, under the table's lock; samplers read it.
     """
 
-    __slots__ = ("capacity", "next_id", "first_live")
+    __slots__ = ("capacity", "next_id", "first_live", "base")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.next_id = 0
         self.first_live = 0
+        self.base = 0
+        """The first id since the last :meth:`clear` (a multiple of the capacity; 0 if none)."""
+
+    @property
+    def used(self) -> int:
+        """Slots written since the last clear: the prefix ``0 .. used - 1`` of per-slot
+        state worth keeping (what a reset left in the other slots is dead)."""
+        return min(self.next_id - self.base, self.capacity)
 
     @property
     def size(self) -> int:
@@ -54,8 +62,11 @@ class IdRing:
         return first_id, evicted
 
     def clear(self) -> None:
-        """Forget all rows; ids keep counting."""
-        self.first_live = self.next_id
+        """Forget all rows; ids keep counting, from the next multiple of the capacity, so
+        the first row after a reset goes to slot 0 again (storage positions start over,
+        as TorchRL's do after ``empty()``; the skipped ids are never issued)."""
+        self.next_id = -(-self.next_id // self.capacity) * self.capacity
+        self.first_live = self.base = self.next_id
 
     def slots(self, ids: np.ndarray) -> np.ndarray:
         """Slots of ``ids`` (int64, any shape)."""
@@ -70,10 +81,15 @@ class IdRing:
         return self.first_live + (slots.astype(np.int64) - self.first_live) % self.capacity
 
     def state_dict(self) -> dict[str, int]:
-        return {"next_id": self.next_id, "first_live": self.first_live}
+        return {"next_id": self.next_id, "first_live": self.first_live, "base": self.base}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Restore :meth:`state_dict` (one saved before ``base`` existed has 0: its resets never
+        moved the ids to a multiple of the capacity)."""
         next_id, first_live = int(state["next_id"]), int(state["first_live"])
-        if not 0 <= first_live <= next_id or next_id - first_live > self.capacity:
-            raise ValueError(f"inconsistent id counters: first_live={first_live}, next_id={next_id}")
-        self.next_id, self.first_live = next_id, first_live
+        base = int(state.get("base", 0))
+        if (not 0 <= base <= first_live <= next_id or next_id - first_live > self.capacity
+                or base % self.capacity):
+            raise ValueError(f"inconsistent id counters: base={base}, first_live={first_live}, "
+                             f"next_id={next_id}")
+        self.next_id, self.first_live, self.base = next_id, first_live, base

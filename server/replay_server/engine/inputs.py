@@ -37,6 +37,7 @@ MAX_BATCH_SIZE = 1 << 24
 """Largest ``batch_size`` a single sample may ask for."""
 
 _LOG_FLOAT32_MAX = math.log(float(torch.finfo(torch.float32).max))
+_LOG_FLOAT64_MAX = math.log(float(torch.finfo(torch.float64).max))
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 _STORABLE = frozenset(DTYPES.values())
@@ -105,7 +106,10 @@ def batch_size_of(batch_size: Any, table: str) -> int:
 
 def max_priority(alpha: float) -> float:
     """The largest priority whose sampling mass ``p ** alpha`` fits a float32 sum tree."""
-    return math.exp(_LOG_FLOAT32_MAX / alpha) if alpha > 0 else math.inf
+    # Below alpha ~ 0.125 every float64 priority fits (exp would overflow computing the bound).
+    if alpha <= 0 or _LOG_FLOAT32_MAX / alpha >= _LOG_FLOAT64_MAX:
+        return math.inf
+    return math.exp(_LOG_FLOAT32_MAX / alpha)
 
 
 def priority_values(priorities: Any, table: str, alpha: float) -> np.ndarray:
@@ -127,8 +131,10 @@ def priority_values(priorities: Any, table: str, alpha: float) -> np.ndarray:
     return values
 
 
-def insert_priorities(priorities: Any, rows: int, config: TableConfig) -> np.ndarray | None:
+def insert_priorities(priorities: Any, rows: int, config: TableConfig,
+                      alpha: float | None = None) -> np.ndarray | None:
     """An insert's ``[rows]`` priorities, checked (``None`` when none were given).
+    ``alpha``: the exponent in force (it may differ from the config's at run time).
 
     Raises:
         NoPrioritiesError: the table's sampler has no priorities.
@@ -141,7 +147,7 @@ def insert_priorities(priorities: Any, rows: int, config: TableConfig) -> np.nda
             f"table {config.name!r} uses sampler {config.sampler.value!r}, which has "
             f"no priorities; insert without priorities"
         )
-    values = priority_values(priorities, config.name, config.alpha)
+    values = priority_values(priorities, config.name, config.alpha if alpha is None else alpha)
     if tuple(values.shape) != (rows,):
         raise InvalidPriorityError(
             f"table {config.name!r}: priorities must have shape [{rows}] (one per row), "

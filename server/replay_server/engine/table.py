@@ -173,10 +173,14 @@ class Table:
         rows = row_count(columns, self.name)
         if self.config.frame_stack_key is not None:
             check_stacks(columns, self.config.frame_stack_key, self.name)
-        checked_priorities = insert_priorities(priorities, rows, self.config)
+        alpha = self._parts.sampler.alpha
+        checked_priorities = insert_priorities(priorities, rows, self.config, alpha)
         early = self._parts.encode_early(columns, self.name)
         with self._lock:
             parts = self._parts
+            if checked_priorities is not None and parts.sampler.alpha != alpha:
+                # alpha changed meanwhile (draw_settings): the bound on priorities with it
+                insert_priorities(priorities, rows, self.config, parts.sampler.alpha)
             schema = parts.schema
             if schema is None:
                 schema = schema_of(columns, self.name)
@@ -382,7 +386,7 @@ class Table:
                 f"no priorities to update"
             )
         id_array = id_values(ids, self.name)
-        values = priority_values(priorities, self.name, self.config.alpha)
+        values = priority_values(priorities, self.name, self._parts.sampler.alpha or 0.0)
         if values.shape != id_array.shape:
             raise InvalidPriorityError(
                 f"table {self.name!r}: priorities must have the same shape as ids "
@@ -420,6 +424,16 @@ class Table:
             parts.counters.stale_priority_updates += id_array.size - applied
             self.changes.tick()
         return applied
+
+    def under_lock(self, fn: Callable[..., Any], *args: Any, change: bool = True,
+                   **kwargs: Any) -> Any:
+        """``fn(parts, config, *args, **kwargs)`` under the lock, ticking :attr:`changes` if
+        ``change``: how engine modules act on the parts (:mod:`.row_access`, :mod:`.draw_settings`)."""
+        with self._lock:
+            result = fn(self._parts, self.config, *args, **kwargs)
+            if change:
+                self.changes.tick()
+        return result
 
     # ------------------------------------------------------------------- admin
 

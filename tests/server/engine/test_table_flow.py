@@ -265,8 +265,8 @@ def test_retirement_matches_a_reference_of_per_id_counts(kind: str, limit: int,
             next_id += n
             first_live = max(first_live, next_id - 10)
         elif operation == "reset":
-            table.reset()
-            first_live = next_id
+            table.reset()  # ids go on from the next multiple of the capacity
+            next_id = first_live = -(-next_id // 10) * 10
         elif operation == "update" and kind == "prioritized" and next_id:
             ids = torch.arange(max(0, next_id - n), next_id)
             table.update_priorities(ids, torch.rand(ids.numel()) + 0.5)

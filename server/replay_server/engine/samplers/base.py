@@ -38,6 +38,7 @@ import numpy as np
 from replay_proto.mass import SamplingMass
 from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
+from replay_server.errors import NoPrioritiesError
 
 __all__ = ["InsertEvent", "Removal", "SampleIndex", "Sampler", "SamplerOptions", "SamplerTraits"]
 
@@ -166,6 +167,29 @@ class Sampler(ABC):
             EmptyTableError: nothing can be sampled.
         """
 
+    # Priorities read and re-weighted outside sampling (prioritized samplers override these;
+    # their table checks ``traits.priorities`` first): TorchRL's ``rb[i]`` info and its
+    # ``rb.sampler.alpha``/``beta`` setters (see :mod:`replay_server.engine.draw_settings`).
+
+    @property
+    def alpha(self) -> float | None:
+        """The priority exponent in force (``None``: no priorities)."""
+        return None
+
+    @property
+    def max_priority(self) -> float | None:
+        """The priority a new row gets when none is given (``None``: no priorities)."""
+        return None
+
+    def priorities(self, positions: np.ndarray) -> np.ndarray:
+        """The priorities (float64) of the live rows at ``positions``."""
+        raise NoPrioritiesError("this table's sampler does not use priorities")
+
+    def set_exponents(self, alpha: float | None, beta: float | None) -> tuple[float, float]:
+        """Change ``alpha`` and/or ``beta`` (``None``: unchanged) from the next draw on;
+        returns both."""
+        raise NoPrioritiesError("this table's sampler has no alpha or beta")
+
     @abstractmethod
     def clear(self) -> None:
         """All rows were removed."""
@@ -188,8 +212,8 @@ class Sampler(ABC):
 
     @property
     def _used(self) -> int:
-        """Slots ever written: the prefix of per-slot state worth saving."""
-        return min(self._ring.next_id, self._ring.capacity)
+        """Slots written since the last reset: the prefix of per-slot state worth saving."""
+        return self._ring.used
 
 
 def importance_weights(probabilities: np.ndarray, min_probability: float, beta: float) -> np.ndarray:

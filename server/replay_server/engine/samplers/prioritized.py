@@ -49,12 +49,41 @@ class PriorityState:
         """Sampling mass ``p ** alpha`` (float32, as the tree stores it)."""
         return np.power(priorities, self.alpha).astype(np.float32)
 
+    def priorities(self, mass: np.ndarray) -> np.ndarray:
+        """The priorities (float64) whose sampling mass is ``mass``.
+
+        With ``alpha == 0`` every mass is 1 and the priorities are not kept: 1.0 is returned.
+        """
+        mass = np.asarray(mass, dtype=np.float64)
+        return np.power(mass, 1.0 / self.alpha) if self.alpha > 0 else np.ones_like(mass)
+
+    def set_exponents(self, alpha: float | None, beta: float | None,
+                      masses: list[np.ndarray]) -> None:
+        """Take new exponents; re-express each array of ``masses`` (``p ** alpha``, float32,
+        changed in place) with the new ``alpha``.
+
+        From ``alpha == 0`` the priorities are not known, so the masses stay 1
+        until each row's priority is next set (as TorchRL's ``PrioritizedSampler``).
+        Cost: O(size of ``masses``).
+        """
+        if alpha is not None and alpha != self.alpha:
+            if self.alpha > 0:
+                for mass in masses:
+                    np.power(mass, alpha / self.alpha, out=mass)
+            self.alpha = float(alpha)
+        if beta is not None:
+            self.beta = float(beta)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"max_priority": self.max_priority, "seen": self._seen}
+        return {"max_priority": self.max_priority, "seen": self._seen,
+                "alpha": self.alpha, "beta": self.beta}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.max_priority = float(state["max_priority"])
         self._seen = bool(state["seen"])
+        # Exponents changed at run time (saved since they could be); else the config's.
+        self.alpha = float(state.get("alpha", self.alpha))
+        self.beta = float(state.get("beta", self.beta))
 
 
 _SORTED_DRAWS_MIN = 4096
@@ -109,6 +138,14 @@ class PrioritizedSampler(Sampler):
     def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
         return SLOT_BYTES
 
+    @property
+    def alpha(self) -> float:
+        return self._prio.alpha
+
+    @property
+    def max_priority(self) -> float:
+        return self._prio.max_priority
+
     def insert(self, event: InsertEvent) -> None:
         priorities = self._prio.given(event.priorities, event.count)
         self._prio.observe(priorities)
@@ -117,6 +154,22 @@ class PrioritizedSampler(Sampler):
     def update(self, positions: np.ndarray, priorities: np.ndarray) -> None:
         self._prio.observe(priorities)
         self._tree.set(self._ring.slots(positions), self._prio.mass(priorities))
+
+    def priorities(self, positions: np.ndarray) -> np.ndarray:
+        return self._prio.priorities(self._tree.get(self._ring.slots(positions)))
+
+    def set_exponents(self, alpha: float | None, beta: float | None) -> tuple[float, float]:
+        """New exponents; every leaf's mass re-expressed with the new ``alpha`` (O(capacity)).
+        Rows a remover holds keep the mass they had (drawn again with it once restored)."""
+        used = self._used
+        if alpha is not None and alpha != self._prio.alpha and used:
+            slots = np.arange(used, dtype=np.int64)
+            leaves = self._tree.get(slots).astype(np.float32)
+            self._prio.set_exponents(alpha, beta, [leaves])
+            self._tree.set(slots, leaves)
+        else:
+            self._prio.set_exponents(alpha, beta, [])
+        return self._prio.alpha, self._prio.beta
 
     def delete(self, positions: np.ndarray) -> Removal:
         """Zero the rows' sampling mass; the removal keeps it."""
@@ -148,7 +201,8 @@ class PrioritizedSampler(Sampler):
         return SamplingMass(self._tree.total(), self._tree.min_positive(), self._ring.size)
 
     def stats(self) -> dict[str, Any]:
-        return {"max_priority": self._prio.max_priority, "priority_mass": self._tree.total()}
+        return {"max_priority": self._prio.max_priority, "priority_mass": self._tree.total(),
+                "alpha": self._prio.alpha, "beta": self._prio.beta}
 
     def state_dict(self) -> dict[str, Any]:
         return {"priority": self._prio.state_dict(), "tree": self._tree.state_dict(self._used)}

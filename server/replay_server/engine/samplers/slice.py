@@ -180,6 +180,25 @@ class PrioritizedSliceSampler(Sampler):
         self._tree.set(new, self._row_mass[new])
         self._num_starts += int(new.size)
 
+    @property
+    def alpha(self) -> float:
+        return self._prio.alpha
+
+    @property
+    def max_priority(self) -> float:
+        return self._prio.max_priority
+
+    def priorities(self, positions: np.ndarray) -> np.ndarray:
+        return self._prio.priorities(self._row_mass[self._ring.slots(positions)])
+
+    def set_exponents(self, alpha: float | None, beta: float | None) -> tuple[float, float]:
+        """New exponents; every row's mass re-expressed with the new ``alpha`` (O(capacity))."""
+        used = self._used
+        self._prio.set_exponents(alpha, beta, [self._row_mass[:used]])
+        starts = np.flatnonzero(self._is_start[:used])
+        self._tree.set(starts, self._row_mass[starts])
+        return self._prio.alpha, self._prio.beta
+
     def update(self, positions: np.ndarray, priorities: np.ndarray) -> None:
         """Rows' priorities (``[n]``), or, with ``priority_mixing``, whole slices' (``[B,
         slice_len]``: each row one slice as sampled, its start given the mix).
@@ -263,6 +282,8 @@ class PrioritizedSliceSampler(Sampler):
             "open_episodes": self._episodes.open_episodes,
             "max_priority": self._prio.max_priority,
             "priority_mass": self._tree.total(),
+            "alpha": self._prio.alpha,
+            "beta": self._prio.beta,
         }
 
     def state_dict(self) -> dict[str, Any]:

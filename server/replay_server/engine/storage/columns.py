@@ -255,6 +255,8 @@ class ColumnStorage:
         for key, column in self.columns.items():
             saved = numpy_view(state[key].detach().cpu())
             used = saved.shape[0]
+            if used == 0:  # a table reset since its last row: nothing to take
+                continue
             start = first_slot if used == self.capacity else 0
             column[start:used] = saved[start:]
             if start:

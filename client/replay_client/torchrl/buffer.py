@@ -1,0 +1,503 @@
+"""``RemoteReplayBuffer``: a table of a replay server behind TorchRL's replay-buffer API.
+
+A TorchRL training script swaps its buffer in one line::
+
+    rb = TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=LazyTensorStorage(N),
+                                           batch_size=256, priority_key="td_error")
+    rb = RemoteReplayBuffer("localhost:50051", "replay", alpha=0.6, beta=0.4,
+                            storage=LazyTensorStorage(N), batch_size=256, priority_key="td_error")
+
+and keeps its loop. The buffer follows TorchRL's semantics wherever it takes
+TorchRL's names (``docs/torchrl.md`` has the conformance table):
+
+* the storage and sampler objects are checked against the table (capacity,
+  priorities, slices: a :class:`~replay_client.errors.TableMismatchError`
+  names the config line to change); ``alpha``/``beta`` are set on the table;
+* ``batch_size`` counts steps, slices included: a slice table's sample is
+  TorchRL's flat ``[batch_size]`` with its trajectory markers
+  (:mod:`~replay_client.torchrl.slices`);
+* ``"index"`` holds ids; ``update_priority`` takes ids or storage positions
+  (:mod:`~replay_client.torchrl.positions`), and ``rb[index]`` reads rows;
+* ``extend`` past capacity keeps the newest rows; an empty buffer raises
+  :class:`~replay_client.errors.EmptyBufferError` (a ``RuntimeError``) at
+  once unless ``wait=True``;
+* plain tensors, tensorclasses and tuples of tensors go in and come out as
+  they were given (:mod:`~replay_client.torchrl.data_kinds`).
+
+What cannot match raises a clear error naming the alternative; nothing
+differs silently.
+
+Thread-safety: as a ``ReplayClient`` (safe to share), except ``extend`` and
+``add``, whose episode tracking belongs to one writer.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from replay_client.api import ReplayApi
+from replay_client.client import ReplayClient
+from replay_client.connection import CLIENT_TIMEOUT
+from replay_client.errors import (
+    EmptyBufferError,
+    EmptyTableError,
+    InvalidArgumentError,
+    InvalidPriorityError,
+    TableMismatchError,
+)
+from replay_client.table_info import TableInfo
+from replay_client.torchrl import indexing, state
+from replay_client.torchrl.components import (
+    PriorityOptions,
+    built,
+    priority_options,
+    request_of,
+)
+from replay_client.torchrl.data_kinds import DataKind
+from replay_client.torchrl.episodes import DEFAULT_END_KEYS, EpisodeColumn
+from replay_client.torchrl.positions import as_index_array, split_index
+from replay_client.torchrl.row_shape import RowShape, expand_right
+from replay_client.torchrl.sampler_view import (
+    RemoteSampler,
+    bind_to_table,
+    register_with_torchrl,
+)
+from replay_client.torchrl.slices import INIT_KEY, TRUNCATED_KEY, SliceLayout
+from replay_client.torchrl.transforms import Transforms
+from replay_proto.batch import SampleBatch
+from replay_proto.rows import EpisodeTracker
+
+METADATA_KEYS = ("index", "_weight", "priority_weight")
+"""What a sample adds (ids, weights): never stored as data when a batch is extended again."""
+
+INSERT_BYTES = 16 << 20
+"""Bytes of rows one insert call carries at most (``extend`` splits larger data)."""
+
+
+class RemoteReplayBuffer:
+    """TorchRL's ``TensorDict(Prioritized)ReplayBuffer`` interface over one server table.
+
+    Args:
+        client: a replay client (:class:`~replay_client.api.ReplayApi`: one server's; a
+            sharded one refuses reads and writes by position), or the server's ``host:port``.
+        table: the table's name (its config decides capacity and sampler).
+        storage, sampler, writer: TorchRL's objects, checked against the table
+            (:mod:`~replay_client.torchrl.components`); ``None``: the table's.
+        batch_size: default batch size of :meth:`sample` and iteration, in steps.
+        priority_key: where :meth:`extend` and :meth:`update_tensordict_priority`
+            read priorities (TorchRL's default ``"td_error"``).
+        alpha, beta: set on a prioritized table (``None``: the table's, or the sampler's).
+        transform: applied to samples (its ``inv`` to written data), as TorchRL's.
+        pin_memory: samples in page-locked memory when an accelerator is present.
+        prefetch: batches iteration keeps in flight (it reads a stream).
+        include_info: put ``"index"``, the weights and slice markers in samples
+            (TorchRL's ``TensorDictReplayBuffer``); ``False``: samples are the data
+            alone and ``extend`` leaves the data untouched (TorchRL's ``ReplayBuffer``).
+        generator: seeds the table's random generator with its ``initial_seed()``
+            (:meth:`set_rng`): the same seed and data give the same draws.
+        wait: :meth:`sample` on an empty table waits for rows (up to ``timeout``)
+            instead of raising :class:`~replay_client.errors.EmptyBufferError`.
+        timeout: seconds a call may take (default: the client's).
+        weight_key: where importance weights go (TorchRL's ``"priority_weight"``).
+        **options: TorchRL's other buffer options: ``eps`` and ``reduction`` (how
+            written priorities become one per row), options that mean nothing for a
+            table (``shared``, ``compilable``, ...; accepted) and options with no
+            server counterpart (refused unless left at TorchRL's default, naming
+            the alternative): :mod:`~replay_client.torchrl.components`.
+
+    Raises:
+        TableMismatchError: the table cannot stand for ``storage``/``sampler``.
+        UnsupportedComponentError: a TorchRL part with no server counterpart.
+        UnknownTableError: no such table.
+    """
+
+    def __init__(self, client: ReplayApi | str, table: str, *, storage: Any = None,
+                 sampler: Any = None, writer: Any = None, batch_size: int | None = None,
+                 priority_key: str = "td_error", alpha: float | None = None,
+                 beta: float | None = None, transform: Callable | None = None,
+                 pin_memory: bool = False, prefetch: int | None = None,
+                 include_info: bool = True, generator: torch.Generator | None = None,
+                 wait: bool = False, timeout: Any = CLIENT_TIMEOUT,
+                 weight_key: str = "priority_weight", **options: Any) -> None:
+        self.replay_client = ReplayClient(client) if isinstance(client, str) else client
+        self.table = table
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
+                batch_size, int) or batch_size < 1):
+            raise InvalidArgumentError(f"batch_size must be an integer >= 1 or None, "
+                                       f"got {batch_size!r}")
+        self._batch_size = batch_size
+        self.priority_key = priority_key
+        self.include_info = include_info
+        self.wait = wait
+        self.timeout = timeout
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self.weight_key = weight_key
+        self._info: TableInfo | None = None
+        factory = options.pop("transform_factory", None)
+        if factory is not None:
+            transform = factory()
+        self._collate = options.pop("collate_fn", None)
+        self._priority = priority_options(sampler, options)
+        self._torchrl_sampler = built(sampler)
+        info = self.table_info()
+        caps = info.capabilities
+        request = request_of(storage=storage, sampler=sampler, writer=writer,
+                             batch_size=batch_size, alpha=alpha, beta=beta)
+        if storage is not None or sampler is not None:
+            problems = request.problems(info)
+            if problems:
+                raise TableMismatchError("; ".join(problems))
+        if caps.priorities and (request.alpha is not None or request.beta is not None):
+            self.replay_client.set_sampling(table, alpha=request.alpha, beta=request.beta)
+        slices = request.slices
+        self.slice_layout = None if not caps.slices else SliceLayout(
+            info.slice_len or 1, slices.num_slices if slices else None,
+            slices.truncated_key if slices else TRUNCATED_KEY, INIT_KEY)
+        self._episodes = None if not caps.episodes else EpisodeColumn(
+            info.episode_key, slices.traj_key if slices else None,
+            slices.end_keys if slices else DEFAULT_END_KEYS,
+            find_traj_key=slices.find_traj_key if slices else True)
+        self._tracker = EpisodeTracker()
+        self._kind = DataKind()
+        self._rows = RowShape(steps=caps.episodes)
+        self._transforms = Transforms(transform)
+        self.shared = bool(options.pop("shared", False))
+        if self.shared:
+            self._transforms.share()
+        self._shut_down = False
+        if generator is not None:
+            self.set_rng(generator)
+        register_with_torchrl(type(self))
+        self._sampler_bound = sampler is not None and self._torchrl_sampler is sampler
+        if self._sampler_bound:  # the caller's object: its update_priority reaches the table
+            bind_to_table(sampler, self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled (TorchRL pickles buffers to other processes): the copy of the sampler
+        speaks for the table too."""
+        self.__dict__.update(state)
+        if state.get("_sampler_bound"):
+            bind_to_table(self._torchrl_sampler, self)
+
+    # ------------------------------------------------------------------ table
+
+    def table_info(self, fresh: bool = False) -> TableInfo:
+        """The table's info (settings cached; ``fresh``: sizes and counters as of now)."""
+        if self._info is None or fresh:
+            self._info = self.replay_client.info()[self.table]
+        return self._info
+
+    @property
+    def _prioritized(self) -> bool:
+        return self.table_info().capabilities.priorities
+
+    @property
+    def sampler(self) -> RemoteSampler:
+        """The table's sampling settings (``rb.sampler.beta = x`` anneals it)."""
+        return RemoteSampler(self)
+
+    @property
+    def storage(self) -> indexing.RemoteStorage:
+        """The table's rows by storage position (``len``, ``max_size``, ``[index]``)."""
+        return indexing.RemoteStorage(self)
+
+    alpha = property(lambda self: self.sampler.alpha,
+                     lambda self, value: setattr(self.sampler, "alpha", value),
+                     doc="The table's alpha (TorchRL's schedulers may set it on the buffer).")
+    beta = property(lambda self: self.sampler.beta,
+                    lambda self, value: setattr(self.sampler, "beta", value),
+                    doc="The table's beta (TorchRL's schedulers may set it on the buffer).")
+
+    def set_rng(self, generator: torch.Generator) -> None:
+        """Seed the table's draws with ``generator.initial_seed()`` (draws happen on the server,
+        so the generator itself is not advanced)."""
+        self.replay_client.set_sampling(self.table, seed=int(generator.initial_seed()))
+
+    # ---------------------------------------------------------------- writing
+
+    def extend(self, data: Any, *, update_priority: bool | None = None) -> torch.Tensor:
+        """Insert the rows of ``data`` (a TensorDict's batch dims decide what a row is).
+
+        Returns the ids, flat; a TensorDict also gets them as ``"index"``
+        (shaped like its batch dims) unless ``include_info=False``. With
+        ``priority_key`` present and a prioritized table, those priorities
+        (``abs + eps``, reduced by max over trailing dims) go in with the rows.
+        Data larger than the table keeps its newest rows, as TorchRL's ring does.
+
+        Raises:
+            InvalidArgumentError: data of a kind a table cannot store (or another kind
+                than this buffer holds); SchemaMismatchError, ... from the server.
+        """
+        return self._write(data, single=False, update_priority=update_priority)
+
+    def add(self, data: Any) -> int:
+        """Insert one element, as TorchRL's ``add``: a transition (a TensorDict with batch
+        size ``[]``), or one row of a buffer whose rows have their own batch dims; returns its id.
+        A TensorDict with batch dims is one element too, with TorchRL's warning (``extend``
+        writes many)."""
+        if (isinstance(data, TensorDictBase) and data.batch_dims
+                and os.environ.get("RL_WARNINGS", "1") != "0"):
+            warnings.warn(f"Using `add()` with a TensorDict that has batch_size="
+                          f"{data.batch_size}: it is stored as one element. Use `extend()` to "
+                          f"add multiple elements (TorchRL's warning; RL_WARNINGS=0 silences it).", UserWarning, stacklevel=2)
+        return int(self._write(data, single=True, update_priority=None)[0])
+
+    def _write(self, data: Any, *, single: bool, update_priority: bool | None) -> torch.Tensor:
+        td = self._transforms.inverse(self._kind.encode(data, single=single))
+        if single:
+            td = td.unsqueeze(0)
+            self._rows.wrote(td)
+        rows_td = td.exclude(*METADATA_KEYS)  # a re-inserted sample's ids and weights
+        if self._episodes is not None:
+            rows_td = self._episodes.fill(rows_td)
+        columns = self._rows.columns(rows_td, self.table_info().episode_key, self._tracker)
+        priorities = None
+        if update_priority is not False and self._prioritized and self.priority_key in td.keys(
+                include_nested=True):
+            rows = next(iter(columns.values())).shape[0]
+            priorities = _priorities(td.get(self.priority_key), rows, self._priority)
+        ids = self._insert(columns, priorities)
+        target = data if isinstance(data, TensorDictBase) else None
+        if self.include_info and target is not None and not target.is_locked:
+            shaped = target.unsqueeze(0) if single else target
+            target.set("index", self._rows.index(ids, shaped).reshape(target.batch_size))
+        return ids
+
+    def _insert(self, columns: dict[str, torch.Tensor], priorities: torch.Tensor | None
+                ) -> torch.Tensor:
+        """Insert in calls of at most ``capacity`` rows and :data:`INSERT_BYTES`."""
+        rows = next(iter(columns.values())).shape[0] if columns else 0
+        row_bytes = sum(c[:1].numel() * c.element_size() for c in columns.values()) or 1
+        step = max(1, min(self.table_info().capacity, INSERT_BYTES // row_bytes))
+        if rows <= step:
+            return self.replay_client.insert(self.table, columns, priorities=priorities)
+        ids = []
+        for start in range(0, rows, step):
+            part = {k: v[start:start + step] for k, v in columns.items()}
+            ids.append(self.replay_client.insert(self.table, part, priorities=None if priorities is None
+                                          else priorities[start:start + step]))
+        return torch.cat(ids)
+
+    # --------------------------------------------------------------- sampling
+
+    @property
+    def batch_size(self) -> int | None:
+        return self._batch_size
+
+    def sample(self, batch_size: int | None = None, return_info: bool = False,
+               include_info: bool | None = None) -> Any:
+        """One batch: the data and (``include_info``) ``"index"``, weights, slice markers.
+
+        ``return_info=True`` returns ``(batch, info)`` as TorchRL does;
+        ``include_info`` overrides the buffer's for this call.
+
+        Raises:
+            InvalidArgumentError: no batch size, or not a whole number of slices.
+            EmptyBufferError: nothing to sample (``wait=False``); DeadlineExceededError, ...
+        """
+        if self._shut_down:
+            raise RuntimeError("A shut down replay buffer cannot be sampled.")
+        size = batch_size if batch_size is not None else self._batch_size
+        if size is None:
+            raise InvalidArgumentError(
+                "sample() needs a batch size: pass one, or batch_size=... to RemoteReplayBuffer")
+        draws = size if self.slice_layout is None else self.slice_layout.slices_for(size)
+        try:
+            batch = self.replay_client.sample(self.table, draws, wait=self.wait, timeout=self.timeout)
+        except EmptyTableError as exc:
+            raise EmptyBufferError(f"Cannot sample from an empty storage: {exc} "
+                                   f"(RemoteReplayBuffer(..., wait=True) waits for rows "
+                                   f"instead)") from None
+        data, info = self._output(batch, include_info)
+        return (data, info) if return_info else data
+
+    def _output(self, batch: SampleBatch,
+                include_info: bool | None = None) -> tuple[Any, dict[Any, torch.Tensor]]:
+        td = batch.to_tensordict(self.weight_key)
+        info_keys = ["index", self.weight_key] if self._prioritized else ["index"]
+        if not self._prioritized:
+            del td[self.weight_key]  # TorchRL's uniform samplers give no weights
+        markers: dict[Any, torch.Tensor] = {}
+        if self.slice_layout is not None:
+            td, markers = self.slice_layout.flatten(td)
+        if self._episodes is not None:
+            td = self._episodes.strip(td)
+        info = {key: td.get(key) for key in info_keys}
+        info.update(markers)
+        data = self._rows.restore(td.exclude(*info_keys))  # stored flags as stored
+        if self._collate is not None:
+            data = self._collate(data)
+        data = self._transforms.forward(data)
+        with_info = self.include_info if include_info is None else include_info
+        if self._kind.name in (None, "tensordict") and with_info:
+            for key, value in info.items():
+                data.set(key, expand_right(value, data.batch_size))
+        out = self._kind.decode(data)
+        if self.pin_memory and torch.cuda.is_available():
+            out = out.pin_memory()
+        return out, info
+
+    def __iter__(self) -> Iterator[Any]:
+        """Batches of ``batch_size`` for as long as the loop runs, read from a stream
+        (``prefetch`` batches ahead). Each one is the caller's to keep: it is
+        copied out of the stream's reused buffers before the next is asked for."""
+        if self._batch_size is None:
+            raise InvalidArgumentError("iterating needs batch_size=... at construction")
+        size = self._batch_size
+        draws = size if self.slice_layout is None else self.slice_layout.slices_for(size)
+        stream = self.replay_client.stream(self.table, draws, prefetch=self.prefetch or None,
+                                    wait=self.wait)
+        try:
+            for batch in stream:
+                yield self._output(batch.with_tensors([t.clone() for t in batch.tensors()]))[0]
+        except EmptyTableError as exc:
+            raise EmptyBufferError(str(exc)) from None
+        finally:
+            stream.close()
+
+    # ------------------------------------------------------------- priorities
+
+    def update_priority(self, index: Any, priority: Any) -> None:
+        """Set the priorities of the rows ``index`` names: ids (a sample's ``"index"``) or
+        storage positions (``abs(priority) + eps``, as TorchRL; dims beyond
+        ``index``'s reduced by max).
+
+        Raises:
+            InvalidArgumentError: a position that holds no row, or ids and positions
+                mixed. InvalidIdsError: an id the table never issued.
+        """
+        values = as_index_array(index, 0)
+        kind = split_index(values)
+        priorities = _priorities(priority, values.size, self._priority)
+        if not self._prioritized:  # TorchRL warns and does nothing, and so do we
+            warnings.warn(f"update_priority() on table {self.table!r}, whose sampler has no "
+                          f"priorities: nothing to update", stacklevel=2)
+            return
+        ids = (torch.from_numpy(values) if kind == "ids"
+               else self.replay_client.read(self.table, positions=values, columns=False).ids)
+        self.replay_client.update_priorities(self.table, ids, priorities)
+
+    def update_tensordict_priority(self, data: TensorDictBase) -> None:
+        """Update priorities from ``data[priority_key]`` for the rows of ``data["index"]``.
+
+        Priorities with more dims than the batch (e.g. ``[B, 1]``) are reduced
+        by max. Does nothing for a table without priorities, as TorchRL's buffer does.
+        """
+        if not self._prioritized:
+            return
+        index = data.get("index")
+        while index.dim() > 1 and self._rows.dims:  # rows with their own dims: one id each
+            index = index[..., 0]
+        self.update_priority(index, data.get(self.priority_key))
+
+    # ------------------------------------------------------------------ state
+
+    def __len__(self) -> int:
+        return self.table_info(fresh=True).size
+
+    @property
+    def write_count(self) -> int:
+        """Rows written since the table was created (TorchRL's ``write_count``)."""
+        return self.table_info(fresh=True).counters["inserted"]
+
+    def empty(self) -> None:
+        """Remove every row and forget the schema: the buffer starts over."""
+        indexing.reset(self)
+        self._tracker = EpisodeTracker()
+        self._kind = DataKind()
+        self._rows.reset()
+
+    __getitem__ = indexing.get_rows
+    __setitem__ = indexing.set_rows
+    set_ = indexing.set_column
+    set_at_ = indexing.set_column_at
+    update_ = indexing.update_columns
+    state_dict = state.state_dict
+    load_state_dict = state.load_state_dict
+    dumps = state.dumps
+    loads = state.loads
+    save = state.dumps
+    load = state.loads
+    dump = state.dumps
+    read_all_in_order = indexing.read_all_in_order
+    query = indexing.query
+    write_all = indexing.write_all
+
+    @property
+    def transform(self) -> Transforms:
+        """The transforms samples go through (``append_transform``, ``insert_transform``)."""
+        return self._transforms
+
+    def append_transform(self, transform: Callable, *, invert: bool = False
+                         ) -> RemoteReplayBuffer:
+        """Apply ``transform`` to samples (after the others; its ``inv`` to written data)."""
+        self._transforms.append(transform, invert)
+        if self.shared:
+            self._transforms.share()
+        return self
+
+    def insert_transform(self, index: int, transform: Callable, *, invert: bool = False
+                         ) -> RemoteReplayBuffer:
+        self._transforms.insert(index, transform, invert)
+        if self.shared:
+            self._transforms.share()
+        return self
+
+    def share(self, shared: bool = True) -> RemoteReplayBuffer:
+        """TorchRL's ``share``: the table is shared already (every process that connects uses
+        it; the buffer pickles as its client's settings), so only the transforms are
+        shared: their ``share_memory_()`` is called (a transform that keeps write state
+        without one is refused, as TorchRL refuses it)."""
+        self.shared = shared
+        if shared:
+            self._transforms.share()
+        return self
+
+    # TorchRL's service API: a RemoteReplayBuffer is its own client, started at construction.
+    service_backend = "direct"
+
+    def client(self) -> RemoteReplayBuffer:
+        return self
+
+    def start(self) -> RemoteReplayBuffer:
+        if not self.is_alive:
+            raise RuntimeError("A shut down replay buffer cannot be restarted.")
+        return self
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._shut_down
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Close the connection; later calls raise ``RuntimeError`` (the table stays)."""
+        self._shut_down = True
+        self.replay_client.close()
+
+    def __repr__(self) -> str:
+        return (f"RemoteReplayBuffer({self.replay_client.address!r}, table={self.table!r}, "
+                f"batch_size={self._batch_size})")
+
+
+def _priorities(value: Any, rows: int, options: PriorityOptions) -> torch.Tensor:
+    """``[rows]`` float64 priorities: ``abs + eps``, trailing dims reduced (TorchRL's rule)."""
+    tensor = torch.as_tensor(value).detach().cpu().to(torch.float64)
+    if tensor.numel() == rows:
+        flat = tensor.reshape(rows)
+    elif tensor.dim() and rows and tensor.numel() % rows == 0:
+        per_row = tensor.reshape(rows, -1).abs()
+        if options.reduction == "median":
+            flat = per_row.median(dim=1).values
+        else:
+            flat = getattr(per_row, {"max": "amax", "min": "amin", "mean": "mean"}[
+                options.reduction])(dim=1)
+    else:
+        raise InvalidPriorityError(
+            f"priorities of shape {list(tensor.shape)} do not fit {rows} rows")
+    return flat.abs() + options.eps

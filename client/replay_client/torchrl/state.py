@@ -1,0 +1,140 @@
+"""A buffer's contents saved and restored: ``state_dict``/``load_state_dict``, ``dumps``/``loads``.
+
+TorchRL checkpoints a buffer with ``rb.state_dict()`` (a dict of tensors) or
+``rb.dumps(path)`` (a directory). Here the rows live on the server, so both
+export the table's rows through ``ReplayClient.read`` and import them through
+inserts into the table, emptied first (its schema forgotten, as
+``rb.empty()``):
+
+* rows are exported oldest first (ordered by id), with their priorities on a
+  prioritized table, and the table's ``alpha``/``beta`` in force; on import
+  they are inserted oldest first with those priorities, and the exponents
+  set. A table that was never full gets its rows back at the same storage
+  positions; one that had wrapped gets them from position 0 on (the oldest
+  first), so the next insert overwrites the oldest row in both cases.
+* ``dumps(path)`` streams: it reads the ids of all rows (8 bytes each) to
+  order them, then reads and writes :data:`CHUNK_ROWS` rows at a time, one
+  file per chunk (``torch.save`` of tensors, loadable with
+  ``weights_only=True``), and ``loads`` inserts one chunk at a time, so
+  neither side holds more than a chunk of rows. ``state_dict`` holds every
+  row in memory, as TorchRL's does.
+
+Ids are not restored: imported rows get fresh ids (ids are never issued
+twice), so ids kept from before the import are stale.
+
+These functions are :class:`~replay_client.torchrl.buffer.RemoteReplayBuffer`'s
+methods; they take the buffer first. Thread-safety: as the client; writers
+of the same table during an export or import interleave with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from replay_client.errors import InvalidArgumentError
+
+FORMAT = "replay-server.torchrl-buffer/1"
+"""What a saved buffer says it is (``state_dict()["format"]``, ``meta.json``)."""
+
+CHUNK_ROWS = 65_536
+"""Rows per file of ``dumps`` (and per read and insert of an export or import)."""
+
+
+def _meta(buffer: Any, rows: int, chunks: int) -> dict[str, Any]:
+    info = buffer.table_info(fresh=True)
+    prioritized = info.capabilities.priorities
+    episodes = buffer._episodes
+    return {"format": FORMAT, "table": buffer.table, "rows": rows, "chunks": chunks,
+            "_batch_size": buffer.batch_size,  # where TorchRL's state dicts keep it
+            "capacity": info.capacity, "prioritized": prioritized,
+            "exponents": [info.alpha, info.beta] if prioritized else None,
+            "episode_added": bool(episodes is not None and episodes.added),
+            "kind": buffer._kind.name}
+
+
+def _order(buffer: Any) -> np.ndarray:
+    """Storage positions of every row, oldest first."""
+    size = len(buffer)
+    positions = np.arange(size, dtype=np.int64)
+    if size == 0:
+        return positions
+    ids = buffer.replay_client.read(buffer.table, positions=positions, columns=False).ids
+    return positions[np.argsort(ids.numpy(), kind="stable")]
+
+
+def _export(buffer: Any, positions: np.ndarray) -> dict[str, Any]:
+    got = buffer.replay_client.read(buffer.table, positions=positions,
+                             priorities=buffer.table_info().capabilities.priorities)
+    return {"columns": got.columns, "priorities": got.priorities}
+
+
+def _import(buffer: Any, part: dict[str, Any]) -> None:
+    columns = part["columns"]
+    if columns:
+        buffer.replay_client.insert(buffer.table, columns, priorities=part.get("priorities"))
+
+
+def _begin_import(buffer: Any, meta: dict[str, Any]) -> None:
+    if meta.get("format") != FORMAT:
+        raise InvalidArgumentError(f"not a saved RemoteReplayBuffer: format "
+                                   f"{meta.get('format')!r}, expected {FORMAT!r}")
+    info = buffer.table_info()
+    if meta["rows"] > info.capacity:
+        raise InvalidArgumentError(f"the saved buffer holds {meta['rows']} rows, more than "
+                                   f"table {info.name!r}'s capacity of {info.capacity}")
+    buffer.empty()
+    exponents = meta.get("exponents")
+    if exponents and info.capabilities.priorities:
+        buffer.replay_client.set_sampling(buffer.table, alpha=exponents[0], beta=exponents[1])
+    if buffer._episodes is not None:
+        buffer._episodes.added = bool(meta.get("episode_added"))
+    buffer._kind.name = meta.get("kind")
+
+
+def state_dict(buffer: Any) -> dict[str, Any]:
+    """Every row (oldest first), their priorities and the table's exponents, as tensors
+    and plain values (``torch.save``-able, loadable with ``weights_only=True``)."""
+    order = _order(buffer)
+    return {**_meta(buffer, order.size, 1), **_export(buffer, order)}
+
+
+def load_state_dict(buffer: Any, state: dict[str, Any]) -> None:
+    """Replace the table's rows with those of a :func:`state_dict` (the schema too)."""
+    _begin_import(buffer, state)
+    columns = state["columns"]
+    rows = next(iter(columns.values())).shape[0] if columns else 0
+    priorities = state.get("priorities")
+    for start in range(0, rows, CHUNK_ROWS):
+        part = {k: v[start:start + CHUNK_ROWS] for k, v in columns.items()}
+        _import(buffer, {"columns": part, "priorities": None if priorities is None
+                         else priorities[start:start + CHUNK_ROWS]})
+
+
+def dumps(buffer: Any, path: str | Path) -> None:
+    """Save the buffer's rows under directory ``path``, a chunk of rows per file."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    order = _order(buffer)
+    chunks = 0
+    for start in range(0, order.size, CHUNK_ROWS):
+        torch.save(_export(buffer, order[start:start + CHUNK_ROWS]),
+                   root / f"rows-{chunks:06d}.pt")
+        chunks += 1
+    (root / "meta.json").write_text(json.dumps(_meta(buffer, order.size, chunks), indent=1))
+
+
+def loads(buffer: Any, path: str | Path) -> None:
+    """Replace the table's rows with those saved by :func:`dumps` under ``path``."""
+    root = Path(path)
+    meta_path = root / "meta.json"
+    if not meta_path.exists():
+        raise InvalidArgumentError(f"{root} holds no saved RemoteReplayBuffer (no meta.json)")
+    meta = json.loads(meta_path.read_text())
+    _begin_import(buffer, meta)
+    for chunk in range(meta["chunks"]):
+        _import(buffer, torch.load(root / f"rows-{chunk:06d}.pt", weights_only=True))
