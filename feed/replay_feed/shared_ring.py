@@ -31,6 +31,7 @@ Not thread-safe: one owner per ring (the stream that created or mapped it).
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -45,6 +46,12 @@ ALIGN = 64
 TOKEN_BYTES = 16
 _NAME = re.compile(r"^replay-[0-9]+-[0-9a-f]{16}$")
 
+
+
+def _free_bytes(fd: int) -> int:
+    """Bytes an unprivileged writer can still allocate on ``fd``'s file system."""
+    stats = os.fstatvfs(fd)
+    return stats.f_bavail * stats.f_frsize
 
 class SharedMemoryError(OSError):
     """A shared-memory ring could not be created or mapped (the message says why)."""
@@ -121,6 +128,11 @@ class SharedRing:
             raise SharedMemoryError(f"cannot create {path}: {exc.strerror}") from None
         try:
             try:
+                # Asked before reserving: a disk file system (REPLAY_SHM_DIR on ext4, say)
+                # allocates a reservation that does not fit until it is full, and every
+                # other writer on that disk sees ENOSPC until this one gives up.
+                if size > _free_bytes(fd):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 raise SharedMemoryError(

@@ -61,12 +61,25 @@ def test_a_missing_or_full_directory_is_an_error_at_creation(monkeypatch, tmp_pa
     monkeypatch.setenv("REPLAY_SHM_DIR", str(tmp_path / "absent"))
     with pytest.raises(SharedMemoryError, match="cannot create"):
         SharedRing.create(1, 64)
-    # Reserving more than the filesystem holds fails up front (never a SIGBUS later).
+    # Reserving more than the filesystem holds fails up front (never a SIGBUS later),
+    # and without reserving anything: on a disk file system (tmp_path here) a
+    # reservation that does not fit would fill the disk for everyone until it failed.
     monkeypatch.setenv("REPLAY_SHM_DIR", str(tmp_path))
+    reserved: list[int] = []
+    real_fallocate = os.posix_fallocate
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        reserved.append(length)
+        real_fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
     free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize
     with pytest.raises(SharedMemoryError, match="--shm-size"):
         SharedRing.create(2, free)
+    assert reserved == []
     assert not os.listdir(tmp_path)
+    SharedRing.create(1, 64).unlink()  # one that fits is reserved
+    assert reserved == [SharedRing.size_for(1, 64)]
 
 
 def test_the_size_of_a_ring_is_a_page_of_header_and_page_aligned_slots():
