@@ -114,6 +114,13 @@ class MappedFile:
         if length <= 0:
             return
         try:
+            # Asked first: a disk file system allocates a reservation that does not fit
+            # until the disk is full, and every other writer on it sees ENOSPC meanwhile.
+            # What the file holds already may be part of this range, so only what is
+            # certainly new is compared (never a refusal of a range that fits).
+            held = os.fstat(self._fd).st_blocks * 512
+            if length - held > free_bytes(self.directory):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             os.posix_fallocate(self._fd, offset, length)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -100,3 +100,30 @@ def test_ram_budget_counts_the_sampler_not_the_rows_on_disk(tmp_path: Path) -> N
 def test_bad_storage_options_are_refused_naming_the_field(fields: dict, named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         TableConfig(name="t", capacity=8, **fields)
+
+
+def test_a_range_larger_than_the_free_space_is_refused_before_any_block_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a disk file system, posix_fallocate takes blocks until the disk is full before it
+    # fails: every other writer on that disk would see ENOSPC meanwhile.
+    from replay_server.engine.storage.memmap import MappedFile
+    from replay_server.errors import InsufficientMemoryError
+
+    reserved: list[int] = []
+    real_fallocate = os.posix_fallocate
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        reserved.append(length)
+        real_fallocate(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    stats = os.statvfs(tmp_path)
+    free = stats.f_bavail * stats.f_frsize
+    file = MappedFile(tmp_path, "t.obs", 2 * free, "t", reserve=False)
+    with pytest.raises(InsufficientMemoryError, match="ran out of space reserving"):
+        file.reserve(0, 2 * free)
+    assert reserved == []
+    file.reserve(0, 4096)  # a range that fits is reserved, and again (already held)
+    file.reserve(0, 4096)
+    assert reserved == [4096, 4096]
