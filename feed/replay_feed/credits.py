@@ -192,7 +192,9 @@ class CreditFlow:
         while True:
             with self._lock:
                 self._extra = 0
-                room = self.window + self._finished - self._received
+                # At most the window: a consumer waiting for its next batch has granted its
+                # credit already (it holds none), and a ring is sized by the window.
+                room = min(self.window, self.window + self._finished - self._received)
                 updates, self._unsent = self._unsent + updates, []
             if room >= 1:
                 return room, updates
