@@ -13,6 +13,15 @@ Each message received becomes batches in the feed's staging buffers
 shared-memory ring the server offered (nothing to copy), or, for a sharded
 stream's merge, views of the message itself.
 
+Queue tables: every call names a lease prefix of its own; when the
+server's first batch says the call is leased (``SampleResponse.leased``),
+each message also reports the call's batches the learner finished
+(``finished``: the flow counts them, see :class:`~replay_feed.credits.CreditFlow`),
+and closing the stream waits (at most :data:`LEASED_CLOSE_S`) for the
+server to end the call after the last report, so that it counts before
+the server gives back what was not finished. Batches of a lost call are
+the lost call's: the server gave back those not finished when it lost it.
+
 Restart policy: when the connection is lost (UNAVAILABLE: server restarted,
 draining or unreachable) the call raises :class:`~replay_feed.link.LinkLost`
 and the stream's :class:`~replay_feed.link.LinkRunner` reconnects with

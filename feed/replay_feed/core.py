@@ -33,12 +33,15 @@ On the learner's thread, ``next()`` makes the current stream wait for that
 event (no host wait) and returns the batch, so it never sees a partial copy
 while the copy of the next batch overlaps its compute.
 
-Flow control: the feed grants one *credit* per batch the learner takes
+Flow control: the feed grants one *credit* per batch the learner asks for
 (:mod:`replay_feed.credits`) and the source never produces batch ``k``
 unless ``k < window + taken``: at most ``window`` batches (``prefetch``, or
 what the stream grew it to) are in flight or buffered beside the one the
-learner holds, and memory does not grow. A batch's staging buffers are
-reused only once the learner has taken the batch after it and that batch's
+learner holds, and memory does not grow. Asking for the next batch gives
+the held one back: the learner has *finished* it (or earlier, by
+:meth:`FeedCore.ack`), which a leased stream reports to the server (a
+queue table's rows). A batch's staging buffers are
+reused only once the learner has asked for the batch after it and that batch's
 device copy has finished (the credit counts only after its event
 completed), so buffers are never overwritten under a pending copy; there
 are as many buffer sets as batches in flight or held, never more. Priority
