@@ -221,6 +221,30 @@ def test_a_stream_without_a_lease_takes_rows_for_good(server) -> None:
         assert client.info()["queue"].counters["returned"] == 0
 
 
+def test_a_clean_server_stop_saves_the_batches_not_finished_in_the_queue(tmp_path) -> None:
+    """SIGTERM while a learner streams: the final checkpoint holds every row but those of the
+    batches the learner finished; the restarted server hands them out (docs/durability.md)."""
+    config = f'[server]\ncheckpoint_dir = "{tmp_path / "checkpoints"}"\n' + CONFIG
+    server = start_server(tmp_path, config)
+    with ReplayClient(server.address, timeout=30) as client:
+        fill(client, 0, 100)
+        stream = client.stream("queue", BATCH, prefetch=2, reconnect=False)
+        taken = [next(stream).data["x"].tolist() for _ in range(3)]
+        # The positive event: the draw the third credit allowed (it applied the first two
+        # batches' acknowledgements first).
+        assert wait_for(lambda: client.info()["queue"].counters["sampled"] >= 5 * BATCH)
+        assert server.stop(signal.SIGTERM) == 0
+        stream.close()
+    server = start_server(tmp_path, config, name="restarted")
+    try:
+        with ReplayClient(server.address, timeout=30) as client:
+            assert client.info()["queue"].size == 100 - 2 * BATCH
+            again = drain_stream(client, 100 - 2 * BATCH)
+    finally:
+        server.stop()
+    assert sorted(taken[0] + taken[1] + again) == list(range(100))
+
+
 @pytest.mark.slow
 def test_soak_learners_killed_again_and_again_lose_no_row(server) -> None:
     """Eight learners killed with SIGKILL in turn, each after a few batches, over 4,000 rows;
