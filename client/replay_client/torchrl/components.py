@@ -19,7 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from replay_client.errors import InvalidArgumentError, UnsupportedComponentError
+import torch
+
+from replay_client.errors import (
+    InvalidArgumentError,
+    InvalidPriorityError,
+    UnsupportedComponentError,
+)
 from replay_client.table_info import TableInfo
 
 DEFAULT_CAPACITY = 1000
@@ -350,3 +356,21 @@ def priority_options(sampler: Any, options: dict[str, Any]) -> PriorityOptions:
         raise UnsupportedComponentError(f"reduction must be one of {REDUCTIONS}, got "
                                         f"{reduction!r}")
     return PriorityOptions(float(eps), reduction)
+
+
+def row_priorities(value: Any, rows: int, options: PriorityOptions) -> torch.Tensor:
+    """``[rows]`` float64 priorities: ``abs + eps``, trailing dims reduced (TorchRL's rule)."""
+    tensor = torch.as_tensor(value).detach().cpu().to(torch.float64)
+    if tensor.numel() == rows:
+        flat = tensor.reshape(rows)
+    elif tensor.dim() and rows and tensor.numel() % rows == 0:
+        per_row = tensor.reshape(rows, -1).abs()
+        if options.reduction == "median":
+            flat = per_row.median(dim=1).values
+        else:
+            flat = getattr(per_row, {"max": "amax", "min": "amin", "mean": "mean"}[
+                options.reduction])(dim=1)
+    else:
+        raise InvalidPriorityError(
+            f"priorities of shape {list(tensor.shape)} do not fit {rows} rows")
+    return flat.abs() + options.eps
