@@ -161,7 +161,8 @@ class RemoteReplayBuffer:
         slices = request.slices
         self.slice_layout = None if not caps.slices else SliceLayout(
             info.slice_len or 1, slices.num_slices if slices else None,
-            slices.truncated_key if slices else TRUNCATED_KEY, INIT_KEY,
+            slices.truncated_key if slices else TRUNCATED_KEY,
+            slices.init_key if slices else INIT_KEY,
             partial=bool(caps.partial_slices or caps.span_left or caps.span_right),
             pad_output=slices.pad_output if slices else False)
         self._episodes = None if not caps.episodes else EpisodeColumn(

@@ -54,6 +54,8 @@ class SliceRequest:
         traj_key: flat column of trajectory ids (TorchRL's ``traj_key``), if given.
         end_keys: flat columns of end-of-trajectory flags (TorchRL's ``end_key``/``end_keys``).
         truncated_key: where samples mark slice ends, as TorchRL's key (``None``: not marked).
+        init_key: the stored key OR-ed with slice starts, as TorchRL's (``None``: the stored
+            flags are left as they are).
         find_traj_key: the sampler was given neither ``traj_key`` nor ``end_key``: as
             TorchRL's, it takes ``("collector", "traj_ids")`` when the data has it.
         strict_length: TorchRL's ``strict_length`` (``False``: short trajectories are
@@ -70,6 +72,7 @@ class SliceRequest:
     end_keys: tuple[str, ...]
     truncated_key: Any
     find_traj_key: bool = False
+    init_key: Any = "is_init"
     strict_length: bool = True
     pad_output: bool = False
     span_left: bool | int = 0
@@ -286,6 +289,7 @@ def _slice_request(sampler: Any, batch_size: int | None) -> SliceRequest:
         traj_key=None if traj_key is None else flat_key(traj_key),
         end_keys=tuple(flat_key(k) for k in end_keys),
         truncated_key=truncated_key,
+        init_key=getattr(sampler, "init_key", "is_init"),
         find_traj_key=bool(getattr(sampler, "_traj_key_auto", traj_key is None)),
         strict_length=bool(getattr(sampler, "strict_length", True)),
         pad_output=bool(getattr(sampler, "pad_output", False)),

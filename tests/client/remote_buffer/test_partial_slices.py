@@ -142,3 +142,14 @@ def test_spans_on_both_sides_cut_slices_at_either_end(client, fresh):
         found.add((steps[0], len(steps)))
     # Left windows keep 2 or 3 steps from step 0; right ones end at step 5 with 2 or 3.
     assert found == {(0, 2), (0, 3), (0, 4), (1, 4), (2, 4), (3, 3), (4, 2)}
+
+
+def test_init_key_none_leaves_the_stored_flags_as_stored(client, fresh):
+    """The sampler's init_key was not read: is_init was OR-ed with slice starts even where
+    TorchRL's SliceSampler(init_key=None) leaves the stored flags alone (DreamerV3's RSSM)."""
+    sampler = SliceSampler(slice_len=4, traj_key="traj", strict_length=False)
+    sampler.init_key = None  # (a constructor argument from torchrl 0.14 on)
+    rb = RemoteReplayBuffer(client, fresh("short"), batch_size=40, sampler=sampler)
+    rb.extend(short_and_long())
+    batch = rb.sample()
+    assert torch.equal(batch["is_init"].reshape(-1), batch["obs"] == 0)  # stored: first steps
