@@ -110,7 +110,10 @@ class TableParts:
                 **asdict(self.sampler.traits),
                 retires=config.max_times_sampled > 0,
                 n_step=config.n_step,
-                frame_stack_key=config.frame_stack_key or ""),
+                frame_stack_key=config.frame_stack_key or "",
+                partial_slices=not config.strict_length,
+                span_left=config.span_left,
+                span_right=config.span_right),
         )
 
     def stored(self, columns: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
