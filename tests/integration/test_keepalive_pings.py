@@ -58,9 +58,9 @@ def test_the_clients_pings_are_never_sooner_than_any_server_accepts(keepalive_s)
 
 def waits_out(address: str) -> type[Exception]:
     """The error a sample waiting for rows that never come ends with."""
-    with ReplayClient(address, timeout=30, max_retry_s=0) as client:
-        with pytest.raises((DeadlineExceededError, UnavailableError)) as error:
-            client.sample("queue", 10, wait=True, timeout=WAIT_S)
+    with ReplayClient(address, timeout=30, max_retry_s=0) as client, \
+            pytest.raises((DeadlineExceededError, UnavailableError)) as error:
+        client.sample("queue", 10, wait=True, timeout=WAIT_S)
     return error.type
 
 
