@@ -22,6 +22,13 @@ options, and describes them for ``info`` and the start-up log.
 * ``handshake_timeout_s``, ``max_idle_connections_per_host``: how long a
   connection may go without its first call, and how many such connections
   one source address may hold (:mod:`~replay_server.service.connections`).
+* ``keepalive_s``, ``keepalive_timeout_s``: the server pings every connection
+  (HTTP/2 PING) every ``keepalive_s`` and closes one whose ping
+  is not answered within ``keepalive_timeout_s``, ending its calls: a peer
+  that vanished without a FIN or RST (power loss, partition) gives back what
+  its calls held (a stream's leased rows) within their sum, not after TCP's
+  retransmissions give up (~15 min). Clients may ping as often as every
+  :func:`client_ping_floor_s` (faster: GOAWAY ``too_many_pings``).
 * ``max_batch_mb``: the largest batch (or group) one draw may take.
 * ``shared_memory_mb``: /dev/shm all same-host rings together may take.
 """
@@ -43,7 +50,8 @@ MIB = 1 << 20
 DEFAULTS = {"memory_budget_mb": 1024, "max_concurrent_calls": 256, "max_connections": 512,
             "idle_timeout_s": 300.0, "max_batch_mb": 256, "shared_memory_mb": 1024,
             "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
-            "max_waiting_calls": 1024, "default_wait_s": 300.0, "response_timeout_s": 60.0}
+            "max_waiting_calls": 1024, "default_wait_s": 300.0, "response_timeout_s": 60.0,
+            "keepalive_s": 30.0, "keepalive_timeout_s": 10.0}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
 
 RESERVED_FILES = 64
@@ -61,6 +69,18 @@ METRICS_MAX_CONNECTIONS = 16
 
 SIDE_LISTENER_IDLE_S = 10.0
 """A health or metrics connection is closed after this long without a request."""
+
+CLIENT_PING_FLOOR_S = 10.0
+"""Clients may ping at most this often (or every ``keepalive_s``, if that is shorter); the
+replay client pings every 60 s (``replay_client.connection.KEEPALIVE_S``)."""
+
+
+def client_ping_floor_s(keepalive_s: float) -> float:
+    """The shortest interval the server accepts between a client's pings on a connection that
+    sends no data: :data:`CLIENT_PING_FLOOR_S`, or ``keepalive_s`` if shorter (a client may
+    ping as often as the server does). gRPC counts a faster ping as a strike and closes the
+    connection (GOAWAY ``too_many_pings``) after two."""
+    return min(CLIENT_PING_FLOOR_S, keepalive_s)
 
 
 def check_limits(settings: Any) -> None:
@@ -90,6 +110,8 @@ def check_limits(settings: Any) -> None:
     _int("server.max_idle_connections_per_host", settings.max_idle_connections_per_host, 1,
          settings.max_connections)
     _int("server.max_waiting_calls", settings.max_waiting_calls, 1, 1_000_000)
+    _seconds("server.keepalive_s", settings.keepalive_s, 1.0, 86_400.0)
+    _seconds("server.keepalive_timeout_s", settings.keepalive_timeout_s, 1.0, 3_600.0)
     wait = settings.default_wait_s
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < math.inf:
         raise ConfigError(f"server.default_wait_s must be a number of seconds > 0, got {wait!r}")
@@ -115,6 +137,12 @@ def max_batch_mb_for(memory_budget_mb: int) -> int:
     return max(1, int(memory_budget_mb * BULK_SHARE) // 2)
 
 
+def _seconds(name: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ConfigError(f"{name} must be a number of seconds in [{low:g}, {high:g}], got "
+                          f"{value!r}")
+
+
 def _int(name: str, value: Any, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
@@ -136,6 +164,8 @@ class ServiceLimits:
     max_waiting_calls: int = DEFAULTS["max_waiting_calls"]
     default_wait_s: float = DEFAULTS["default_wait_s"]
     response_timeout_s: float = DEFAULTS["response_timeout_s"]
+    keepalive_s: float = DEFAULTS["keepalive_s"]
+    keepalive_timeout_s: float = DEFAULTS["keepalive_timeout_s"]
 
     @classmethod
     def of(cls, settings: Any) -> ServiceLimits:
@@ -154,6 +184,8 @@ class ServiceLimits:
             max_waiting_calls=settings.max_waiting_calls,
             default_wait_s=float(settings.default_wait_s),
             response_timeout_s=float(settings.response_timeout_s),
+            keepalive_s=float(settings.keepalive_s),
+            keepalive_timeout_s=float(settings.keepalive_timeout_s),
         )
 
     @classmethod
@@ -189,6 +221,26 @@ class ServiceLimits:
             # a client pushing chunks the server is not reading yet could fill (measured:
             # +640 MiB for 60 such clients against a 256 MiB budget, +240 MiB without it).
             ("grpc.http2.bdp_probe", 0),
+            *self.keepalive_options(),
+        ]
+
+    def keepalive_options(self) -> list[tuple[str, int]]:
+        """gRPC server options of the keepalive (see the module docstring)."""
+        return [
+            ("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            # gRPC (1.85) waits for a ping's answer this long whatever keepalive_timeout_ms
+            # says (its default: 60 s).
+            ("grpc.http2.ping_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            # Ping a connection whose calls send nothing (a stream waiting for credits from a
+            # learner that vanished): gRPC's default stops after two pings without data.
+            ("grpc.http2.max_pings_without_data", 0),
+            # Ping connections without calls too, and accept clients' pings on them.
+            ("grpc.keepalive_permit_without_calls", 1),
+            # The shortest interval accepted between a client's pings (gRPC's default: 5 min,
+            # which a client pinging every minute would break with too_many_pings).
+            ("grpc.http2.min_ping_interval_without_data_ms",
+             int(client_ping_floor_s(self.keepalive_s) * 1000)),
         ]
 
     @property
