@@ -37,7 +37,7 @@ from tests.integration.raw_http2 import RawConnection
 
 IDLE_S = 2
 CALLS = 20
-ANSWER_S = 3
+ANSWER_S = 10  # generous: every answer is drawn well within it on a loaded machine
 CONFIG = f"""
 [server]
 idle_timeout_s = {IDLE_S}
@@ -105,18 +105,32 @@ def server(tmp_path_factory) -> Iterator[ServerProcess]:
     proc.stop()
 
 
-@pytest.mark.parametrize(("method", "batch"), [("Sample", 48), ("SampleChunks", 100)])
+def _dropped_answers(server: ServerProcess, source: str) -> int:
+    """Answers the server says it dropped for the client at ``source`` (its own log line,
+    naming the limit that dropped them)."""
+    return len(re.findall(
+        rf"dropped an answer of \d+ bytes its client at ipv4:{re.escape(source)}:\d+ did not "
+        rf"take within server\.response_timeout_s = {ANSWER_S} s", server.log()))
+
+
+@pytest.mark.parametrize(("method", "batch", "source"),
+                         [("Sample", 48, "127.0.0.20"), ("SampleChunks", 100, "127.0.0.21")])
 def test_calls_over_max_concurrent_calls_are_refused_and_unread_answers_are_dropped(
-        server, method, batch) -> None:
+        server, method, batch, source) -> None:
     """Calls whose answers a client never reads hold working slots and memory: over
     max_concurrent_calls the next call is refused before it is read, naming the limit.
     Issue 23, finding 10: such answers were held for good (720 MiB, samples refused); now
     one not taken within response_timeout_s is dropped, freeing its slot and memory; so is
-    a chunked answer (SampleChunks: 6.25 MiB in messages under the 4 MiB limit)."""
+    a chunked answer (SampleChunks: 6.25 MiB in messages under the 4 MiB limit).
+
+    Event-based: the answers are held (the next call refused) until the server itself says
+    it dropped them for response_timeout_s; no clock is read. (It read one, and with
+    response_timeout_s = 3 s a loaded machine could drop the first answers before the last
+    were drawn, or before the refusal was seen.)"""
     client = ReplayClient(server.address, timeout=10, max_retry_s=0)
     client.insert("big", {"x": torch.zeros(100, 16384)})  # rows of 64 KiB
     before = client.server_info().limits["memory_in_use_bytes"]
-    reader = RawConnection(server.port)
+    reader = RawConnection(server.port, source=source)  # its own address: its own log lines
     assert reader.handshake()
     request = pb.SampleRequest(table="big", batch_size=batch).SerializeToString()
     for _ in range(CALLS):  # answers HTTP/2 flow control holds: the client reads nothing
@@ -131,11 +145,12 @@ def test_calls_over_max_concurrent_calls_are_refused_and_unread_answers_are_drop
         return False
 
     try:
-        assert wait_for(refused, timeout=10)
+        assert wait_for(refused, timeout=60)  # all 20 held at once
         assert _serving(server.address)  # health checks are not replay calls: never refused
-        started = time.monotonic()
-        assert wait_for(lambda: not refused(), timeout=ANSWER_S + 20)
-        assert time.monotonic() - started >= ANSWER_S * 0.5
+        # The server drops the unread answers itself, saying so, and serves again.
+        assert wait_for(lambda: _dropped_answers(server, source) >= 1,
+                        timeout=ANSWER_S + 120), server.log()[-3000:]
+        assert wait_for(lambda: not refused(), timeout=ANSWER_S + 120)
         assert wait_for(lambda: client.server_info().limits["calls_in_flight"] == 1)  # itself
         limits = client.server_info().limits
         assert limits["memory_in_use_bytes"] <= before + (1 << 20)  # the answers' memory
@@ -188,16 +203,17 @@ def test_a_thousand_idle_sockets_do_not_lock_out_health_checks_or_clients(server
 # ---------------------------------------------------------------- issue 23, findings 3 and 4
 
 ATTACK_S = 6.0
-LOCKOUT_BOUND_S = 0.5
 ATTACK_CONNECTIONS = 3000
 HANDSHAKE_S = 1.0
 PER_HOST = 8
+MAX_CONNECTIONS = 200
+ATTACKERS = 2
 GUARDED = f"""
 [server]
 auth_token_env = "REPLAY_TEST_TOKEN"
 handshake_timeout_s = {HANDSHAKE_S}
 max_idle_connections_per_host = {PER_HOST}
-max_connections = 200
+max_connections = {MAX_CONNECTIONS}
 health_address = "127.0.0.1:0"
 metrics_address = "127.0.0.1:0"
 checkpoint_dir = "{{directory}}"
@@ -229,12 +245,15 @@ def _side_ports(server: ServerProcess) -> tuple[int, int]:
 
 
 class Probe:
-    """A legitimate client calling the server over a fresh connection every few tens of
-    milliseconds, recording how long it was locked out (failed calls end to end)."""
+    """A legitimate client (on 127.0.0.1) calling ``info`` over a fresh connection every
+    ``every_s``, recording every failed call and how long it was locked out (from a failed
+    call to the next served one). Its deadline is generous (10 s): a slow answer on a loaded
+    machine is no lockout, a refused connection is."""
 
-    def __init__(self, address: str, token: str | None = TOKEN) -> None:
+    def __init__(self, address: str, token: str | None = TOKEN, every_s: float = 0.02) -> None:
         self._address = address
         self._token = token
+        self._every_s = every_s
         self.calls = 0
         self.failures: list[str] = []
         self.lockout_s = 0.0
@@ -245,7 +264,7 @@ class Probe:
     def _run(self) -> None:
         failing_since = None
         while not self._stop.is_set() and self.calls < 10_000:
-            client = ReplayClient(self._address, token=self._token, timeout=2, max_retry_s=0)
+            client = ReplayClient(self._address, token=self._token, timeout=10, max_retry_s=0)
             try:
                 client.info()
                 if failing_since is not None:
@@ -258,7 +277,7 @@ class Probe:
             finally:
                 client.close()
                 self.calls += 1
-            self._stop.wait(0.02)
+            self._stop.wait(self._every_s)
         if failing_since is not None:
             self.lockout_s += time.monotonic() - failing_since
 
@@ -268,19 +287,32 @@ class Probe:
             self._thread.join(30)
 
 
-def _hold_idle_connections(port: int, source: str, until: float, held: list,
-                           most: int = ATTACK_CONNECTIONS) -> None:
-    """Open handshaked connections that make no call, as fast as possible, until ``until``
-    (at most ``most``)."""
-    for _ in range(most):
-        if time.monotonic() >= until:
+def _hold_idle_connections(port: int, sources: str | list[str], until: float, held: list,
+                           most: int = ATTACK_CONNECTIONS,
+                           stop: threading.Event | None = None, keep: int | None = None) -> None:
+    """Open handshaked connections that make no call, as fast as possible, from ``sources``
+    in turn, until ``until`` or ``stop`` (at most ``most``); with ``keep``, only the newest
+    ``keep`` stay open (the attacker's own descriptors are bounded too)."""
+    sources = [sources] if isinstance(sources, str) else sources
+    for i in range(most):
+        if time.monotonic() >= until or (stop is not None and stop.is_set()):
             return
         try:
-            connection = RawConnection(port, source=source, timeout=2)
+            connection = RawConnection(port, source=sources[i % len(sources)], timeout=2)
             connection.handshake()
         except OSError:
             continue
         held.append(connection)
+        if keep is not None and len(held) > keep:
+            held.pop(0).close()
+
+
+def _closed_without_a_call(server: ServerProcess) -> int:
+    client = ReplayClient(server.address, token=TOKEN, timeout=10)
+    try:
+        return client.server_info().limits["connections_closed"]
+    finally:
+        client.close()
 
 
 def test_idle_connections_from_one_address_lock_no_one_out(guarded) -> None:
@@ -304,10 +336,8 @@ def test_idle_connections_from_one_address_lock_no_one_out(guarded) -> None:
         print(f"{len(held)} idle connections from one address in {ATTACK_S:.0f} s; "
               f"{probe.calls} calls, {len(probe.failures)} failed, locked out "
               f"{probe.lockout_s:.2f} s; peak descriptors {peak[0]}")
-        assert len(held) >= 200  # the attacker did fill the port's 200 connections, often
-        # Target 0 (measured 0.00 s on an idle machine: docs/service.md); a shared machine
-        # may delay the guard's thread past a burst once in a while.
-        assert probe.calls >= 20 and probe.lockout_s <= LOCKOUT_BOUND_S, probe.failures
+        assert len(held) >= MAX_CONNECTIONS  # the attacker did fill the port's connections
+        assert probe.calls >= 20 and probe.failures == []  # locked out 0 s
         assert wait_for(lambda: sum(c.closed_by_server() for c in held) >= len(held) - PER_HOST,
                         timeout=HANDSHAKE_S + 15)
         assert wait_for(lambda: sum(not c.closed_by_server() for c in held) == 0,
@@ -315,6 +345,45 @@ def test_idle_connections_from_one_address_lock_no_one_out(guarded) -> None:
     finally:
         for connection in held:
             connection.close()
+
+
+def test_idle_connections_from_many_addresses_lock_no_one_out(guarded) -> None:
+    """Item 4 at the port's size: 40 source addresses (127.0.0.10-49) each under the
+    per-address cap, together able to hold 320 callless connections of a 200-connection
+    port. The guard keeps a quarter of the port for callless connections, the oldest closed
+    first, and trims bursts as they arrive: the legitimate client on 127.0.0.1 is served every
+    time (50 calls) while the attack keeps the callless cap full, and until the attackers have
+    had the port's size closed under them three times over."""
+    sources = [f"127.0.0.{10 + i}" for i in range(40)]
+    closed_before = _closed_without_a_call(guarded)
+    probe = Probe(guarded.address)
+    stop = threading.Event()
+    until = time.monotonic() + 120  # a bound: the event below comes long before
+    held: list[list[RawConnection]] = [[] for _ in range(ATTACKERS)]
+
+    def attack(part: int) -> None:
+        mine: list[RawConnection] = held[part]
+        _hold_idle_connections(guarded.port, sources[part::ATTACKERS], until, mine, 20_000, stop,
+                               keep=MAX_CONNECTIONS // 2)
+
+    attackers = [threading.Thread(target=attack, args=(k,)) for k in range(ATTACKERS)]
+    for attacker in attackers:
+        attacker.start()
+    try:
+        attacked = wait_for(lambda: probe.calls >= 50 and _closed_without_a_call(guarded)
+                            - closed_before >= 3 * MAX_CONNECTIONS, timeout=90)
+    finally:
+        stop.set()
+        for attacker in attackers:
+            attacker.join(30)
+        probe.stop()
+        for connection in (c for part in held for c in part):
+            connection.close()
+    closed = _closed_without_a_call(guarded) - closed_before
+    print(f"idle connections from 40 addresses: {closed} closed by the server; {probe.calls} "
+          f"calls, {len(probe.failures)} failed, locked out {probe.lockout_s:.2f} s")
+    assert attacked
+    assert probe.calls >= 20 and probe.failures == []  # locked out 0 s
 
 
 def test_without_the_token_no_connection_outlives_the_handshake_deadline(guarded) -> None:
@@ -423,31 +492,58 @@ capacity = 100
         server.stop()
 
 
+WAVE = 600
+WAVE_S = 5.0
+SOAK_S = 60.0
+
+
+def _waves(port: int, sources: list[str], until: float, threads: int = 4) -> int:
+    """Waves of :data:`WAVE` handshaked connections that make no call, opened by ``threads``
+    attackers at once from ``sources``, each wave held until the next replaces it (every
+    :data:`WAVE_S`), until ``until``; returns how many were opened."""
+    opened = 0
+    held: list[RawConnection] = []
+    while time.monotonic() < until and opened < 60_000:
+        end = min(until, time.monotonic() + WAVE_S)
+        parts: list[list[RawConnection]] = [[] for _ in range(threads)]
+        attackers = [threading.Thread(target=_hold_idle_connections,
+                                      args=(port, sources[k::threads] or sources, end,
+                                            parts[k], WAVE // threads)) for k in range(threads)]
+        for attacker in attackers:
+            attacker.start()
+        for attacker in attackers:
+            attacker.join(WAVE_S + 30)
+        for connection in held:  # the previous wave goes once the new one is open
+            connection.close()
+        held = [c for part in parts for c in part]
+        opened += len(held)
+        time.sleep(max(0.0, end - time.monotonic()))
+    for connection in held:
+        connection.close()
+    return opened
+
+
 @pytest.mark.slow
-def test_the_reported_idle_connection_attack_at_full_size(tmp_path) -> None:
+@pytest.mark.parametrize("addresses", [1, 40])
+def test_the_reported_idle_connection_attack_at_full_size(tmp_path, addresses) -> None:
     """The report's size against the default limits: waves of 600 handshaked connections
-    that make no call, from one address, renewed for a minute."""
+    that make no call, from one address (and from 40), renewed for a minute, while a fresh
+    client calls info every 50 ms. Locked out ~1 s in total before the guard swept on
+    arrival (docs/service.md, "Measured under attack"); target 0."""
     server = start_server(tmp_path, "[[tables]]\nname = \"replay\"\ncapacity = 100\n",
                           rlimits=USUAL_OPEN_FILE_LIMIT)
-    held: list[RawConnection] = []
-    probe = Probe(server.address, token=None)
+    probe = Probe(server.address, token=None, every_s=0.05)
     try:
-        until = time.monotonic() + 60
-        while time.monotonic() < until and len(held) < 60_000:
-            wave: list[RawConnection] = []
-            _hold_idle_connections(server.port, "127.0.0.2", min(until, time.monotonic() + 5),
-                                   wave, 600)
-            held.extend(wave)
-            for connection in held[:-600]:
-                connection.close()
-            del held[:-600]
+        sources = [f"127.0.0.{2 + i}" for i in range(addresses)]
+        opened = _waves(server.port, sources, time.monotonic() + SOAK_S)
         probe.stop()
-        print(f"idle-connection waves for 60 s: {probe.calls} calls, {len(probe.failures)} "
-              f"failed, locked out {probe.lockout_s:.2f} s")
-        assert probe.calls >= 100 and probe.lockout_s <= LOCKOUT_BOUND_S, probe.failures
+        full = server.log().count("is full")
+        print(f"idle-connection waves from {addresses} address(es) for {SOAK_S:.0f} s: "
+              f"{opened} opened; {probe.calls} calls, {len(probe.failures)} failed, locked "
+              f"out {probe.lockout_s:.2f} s; port full {full} times")
+        assert opened >= 5 * WAVE
+        assert probe.calls >= 100 and probe.failures == []  # locked out 0 s
         assert server.process.poll() is None
     finally:
         probe.stop()
-        for connection in held:
-            connection.close()
         assert server.stop() == 0

@@ -169,8 +169,8 @@ class ServiceLimits:
 
     @property
     def max_idle_connections(self) -> int:
-        """Connections without a call kept from all addresses together: half the port."""
-        return max(1, self.max_connections // 2)
+        """Connections without a call kept from all addresses together: a quarter of the port."""
+        return max(1, self.max_connections // 4)
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """gRPC server options enforcing the connection limits and message sizes."""
