@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from replay_server.errors import ConfigError
-from replay_server.service.limits import MIB, WAITER_BYTES, WINDOW_BYTES, ServiceLimits, check_limits
+from replay_server.service.limits import (MIB, WAITER_BYTES, WINDOW_BYTES, ServiceLimits,
+                                         check_limits)
 from replay_server.service.settings import ServerSettings
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "service.md"
