@@ -54,7 +54,7 @@ def test_it_closes_by_deadline_and_per_host_cap_keeping_callers(listener) -> Non
         guard.called(f"ipv4:127.0.0.3:{caller[0].getsockname()[1]}")
         now = time.monotonic()
         assert guard.sweep(now) == 0  # young: spared by the caps (no pressure)
-        assert guard.sweep(now + 0.1) == 2  # two over the per-host cap: the oldest
+        assert guard.sweep(now + connections.GRACE_S) == 2  # two over the per-host cap: the oldest
         assert [closed(client) for client, _ in pairs] == [True, True, False, False]
         assert guard.sweep(now + 6) == 2  # the deadline: the rest without a call
         assert all(closed(client) for client, _ in pairs)
