@@ -84,7 +84,7 @@ guard seeing connections within milliseconds, 15 to 78 of 100 connections opened
 from one address were cut before their call was admitted; with 0.15 s, none. An attack
 gains nothing from it: from :data:`PRESSURE` on, the caps apply at once.)"""
 
-PRESSURE = 0.5
+PRESSURE = 0.25
 """Share of ``max_connections`` open from which the caps spare no young connection."""
 
 CHECK_S = 0.005
