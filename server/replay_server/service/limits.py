@@ -15,6 +15,12 @@ options, and describes them for ``info`` and the start-up log.
   that wait for data), a pool of their own, so waiters never take the slots
   of the calls that would release them; and how long a unary call whose
   client set no deadline may wait.
+* ``max_streams``: streams (``SampleStream``, ``UpdateStream``) open at once,
+  within the waiting pool. A stream reads messages for its whole life, so
+  gRPC may hold a whole message for each; a unary call waits with its request
+  read (and reserved from the budget), holding about :data:`WAITER_BYTES`
+  outside it. So streams, not waiters, are what the memory bound counts
+  (:meth:`ServiceLimits.transport_bound_bytes`).
 * ``response_timeout_s``: how long a unary call's answer may wait for its
   client to take it (one nobody reads is dropped, its memory freed).
 * ``max_connections``, ``idle_timeout_s``: open connections (more are closed
@@ -50,9 +56,18 @@ MIB = 1 << 20
 DEFAULTS = {"memory_budget_mb": 1024, "max_concurrent_calls": 256, "max_connections": 512,
             "idle_timeout_s": 300.0, "max_batch_mb": 256, "shared_memory_mb": 1024,
             "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
-            "max_waiting_calls": 1024, "default_wait_s": 300.0, "response_timeout_s": 60.0,
-            "keepalive_s": 30.0, "keepalive_timeout_s": 10.0}
+            "max_waiting_calls": 1024, "max_streams": 128, "default_wait_s": 300.0,
+            "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
+
+WINDOW_BYTES = 64 << 10
+"""A stream's HTTP/2 flow-control window: what a client may send it that nobody reads yet
+(the server turns off gRPC's bandwidth-delay probe, which grew it to megabytes)."""
+
+WAITER_BYTES = 96 << 10
+"""What a waiting unary call holds outside the budget at most: its stream's window, which a
+lying client may fill, plus the call's own state (measured: 25 KiB per waiting fetch, 500
+of them)."""
 
 RESERVED_FILES = 64
 """Open files a server needs besides its connections (listeners, checkpoint files, rings, logs)."""
@@ -110,6 +125,7 @@ def check_limits(settings: Any) -> None:
     _int("server.max_idle_connections_per_host", settings.max_idle_connections_per_host, 1,
          settings.max_connections)
     _int("server.max_waiting_calls", settings.max_waiting_calls, 1, 1_000_000)
+    _int("server.max_streams", settings.max_streams, 1, 1_000_000)
     _seconds("server.keepalive_s", settings.keepalive_s, 1.0, 86_400.0)
     _seconds("server.keepalive_timeout_s", settings.keepalive_timeout_s, 1.0, 3_600.0)
     wait = settings.default_wait_s
@@ -162,6 +178,7 @@ class ServiceLimits:
     handshake_timeout_s: float = DEFAULTS["handshake_timeout_s"]
     max_idle_connections_per_host: int = DEFAULTS["max_idle_connections_per_host"]
     max_waiting_calls: int = DEFAULTS["max_waiting_calls"]
+    max_streams: int = DEFAULTS["max_streams"]
     default_wait_s: float = DEFAULTS["default_wait_s"]
     response_timeout_s: float = DEFAULTS["response_timeout_s"]
     keepalive_s: float = DEFAULTS["keepalive_s"]
@@ -182,6 +199,8 @@ class ServiceLimits:
                                     float(settings.idle_timeout_s)),
             max_idle_connections_per_host=settings.max_idle_connections_per_host,
             max_waiting_calls=settings.max_waiting_calls,
+            # streams wait in the waiting pool too: never more than it holds
+            max_streams=min(settings.max_streams, settings.max_waiting_calls),
             default_wait_s=float(settings.default_wait_s),
             response_timeout_s=float(settings.response_timeout_s),
             keepalive_s=float(settings.keepalive_s),
@@ -201,8 +220,25 @@ class ServiceLimits:
 
     @property
     def max_idle_connections(self) -> int:
-        """Connections without a call kept from all addresses together: half the port."""
-        return max(1, self.max_connections // 2)
+        """Connections without a call kept from all addresses together: a quarter of the port."""
+        return max(1, self.max_connections // 4)
+
+    @property
+    def transport_bound_bytes(self) -> int:
+        """What calls may make the server hold at most, besides its tables, whatever clients
+        send or declare (docs/service.md, "Limits"):
+
+            memory_budget + (max_concurrent_calls + max_streams) x (2 x max_message + window)
+                          + max_waiting_calls x WAITER_BYTES
+
+        the budget for everything admitted; per working call and per stream, one message
+        gRPC reads before the handler sees its size (held twice for a moment: gRPC's buffer
+        and the copy it hands over) plus its window; per waiting call, its window and
+        state (its request is read and in the budget)."""
+        per_reader = 2 * self.max_message_bytes + WINDOW_BYTES
+        return (self.memory_budget_bytes
+                + (self.max_concurrent_calls + self.max_streams) * per_reader
+                + self.max_waiting_calls * WAITER_BYTES)
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """gRPC server options enforcing the connection limits and message sizes."""
@@ -316,6 +352,7 @@ class ServiceLimits:
             "handshake_timeout_s": self.handshake_timeout_s,
             "max_idle_connections_per_host": self.max_idle_connections_per_host,
             "max_waiting_calls": self.max_waiting_calls,
+            "max_streams": self.max_streams,
             "default_wait_s": self.default_wait_s,
             "response_timeout_s": self.response_timeout_s,
         }

@@ -63,6 +63,10 @@ class ServerSettings:
         max_waiting_calls: calls waiting at once (streams; fetches, samples and
             inserts waiting for a newer version, for data or for their rate
             limiter), a pool of their own; more are refused (RESOURCE_EXHAUSTED).
+        max_streams: streams (``SampleStream``, ``UpdateStream``) open at once, within
+            the waiting pool (at most ``max_waiting_calls``); more are refused
+            (RESOURCE_EXHAUSTED). Each may have gRPC hold a whole message, so this,
+            not ``max_waiting_calls``, is what the memory bound counts.
         default_wait_s: how long a unary call whose client set no deadline may
             wait (a fetch for a newer version, a sample for data or its rate
             limiter, an insert for its rate limiter).
@@ -126,6 +130,7 @@ class ServerSettings:
     handshake_timeout_s: float = LIMIT_DEFAULTS["handshake_timeout_s"]
     max_idle_connections_per_host: int = LIMIT_DEFAULTS["max_idle_connections_per_host"]
     max_waiting_calls: int = LIMIT_DEFAULTS["max_waiting_calls"]
+    max_streams: int = LIMIT_DEFAULTS["max_streams"]
     default_wait_s: float = LIMIT_DEFAULTS["default_wait_s"]
     response_timeout_s: float = LIMIT_DEFAULTS["response_timeout_s"]
     keepalive_s: float = LIMIT_DEFAULTS["keepalive_s"]
