@@ -33,6 +33,15 @@ SERVICE_PATH = "/replay.v1.ReplayService/"
 CONNECT_TIMEOUT_S = 1.0
 """How long calls retry a server that has never answered this connection (nothing listens
 at its address, say) before raising "no replay server at HOST:PORT (is it running?)"."""
+KEEPALIVE_S = 60.0
+"""While a call is open the channel pings the server (HTTP/2 PING) every this many seconds,
+so that a call to a server that vanished without closing the connection (power loss,
+partition) fails (UNAVAILABLE, then the usual retry) instead of waiting for TCP to give
+up. Servers accept pings every 10 s at most often (``server.keepalive_s`` if shorter:
+``replay_server.service.limits.client_ping_floor_s``); faster ones would get the
+connection closed (GOAWAY ``too_many_pings``)."""
+KEEPALIVE_TIMEOUT_S = 20.0
+"""How long a ping may go unanswered before the channel drops the connection."""
 CLIENT_TIMEOUT: Any = object()
 """``timeout`` default of :meth:`Connection.unary`: the connection's own timeout."""
 
@@ -114,7 +123,7 @@ class Connection:
             if self._channel is None:
                 size = self.max_message_bytes
                 options = [("grpc.max_receive_message_length", size),
-                           ("grpc.max_send_message_length", size)]
+                           ("grpc.max_send_message_length", size), *keepalive_options()]
                 if self.tls is None:
                     self._channel = grpc.insecure_channel(self.address, options=options)
                 else:
@@ -211,3 +220,13 @@ def _accepts_connections(address: str, timeout: float) -> bool:
             return True
     except OSError:
         return False
+
+
+def keepalive_options() -> list[tuple[str, int]]:
+    """The channel's keepalive options (:data:`KEEPALIVE_S`): pings only while a call is open,
+    also on a call that sends nothing for long (a stream waiting for data)."""
+    return [("grpc.keepalive_time_ms", int(KEEPALIVE_S * 1000)),
+            ("grpc.keepalive_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(KEEPALIVE_TIMEOUT_S * 1000)),  # gRPC waits this
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.http2.max_pings_without_data", 0)]

@@ -414,6 +414,11 @@ class ServerClient:
         stops everything and frees the buffers. A lost connection is resumed
         (``reconnect``; see :mod:`replay_client.stream`).
 
+        On a queue table (``fifo``/``lifo``) the batches are leased: a batch
+        is finished when the next one is requested (or by ``stream.ack()``),
+        and those not finished when the stream ends (closed, broken, the
+        learner killed) return to the queue (``docs/service.md``, "Delivery").
+
         Args:
             table: table name.
             batch_size: rows (or slices) per batch.

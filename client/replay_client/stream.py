@@ -13,6 +13,15 @@ Each message received becomes batches in the feed's staging buffers
 shared-memory ring the server offered (nothing to copy), or, for a sharded
 stream's merge, views of the message itself.
 
+Queue tables: every call names a lease prefix of its own; when the
+server's first batch says the call is leased (``SampleResponse.leased``),
+each message also reports the call's batches the learner finished
+(``finished``: the flow counts them, see :class:`~replay_feed.credits.CreditFlow`),
+and closing the stream waits (at most :data:`LEASED_CLOSE_S`) for the
+server to end the call after the last report, so that it counts before
+the server gives back what was not finished. Batches of a lost call are
+the lost call's: the server gave back those not finished when it lost it.
+
 Restart policy: when the connection is lost (UNAVAILABLE: server restarted,
 draining or unreachable) the call raises :class:`~replay_feed.link.LinkLost`
 and the stream's :class:`~replay_feed.link.LinkRunner` reconnects with
@@ -36,6 +45,7 @@ import logging
 import os
 import queue
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,6 +73,10 @@ log = logging.getLogger("replay_client.stream")
 FLUSH_S = 0.5
 """How long closing a stream waits for its last updates to be sent before cancelling."""
 
+LEASED_CLOSE_S = 2.0
+"""How long closing a leased stream (a queue table's) waits, after its last message, for the
+server to end the call: its acknowledgements are then counted before it gives back the rest."""
+
 MAX_UPDATE_IDS = (STREAM_MESSAGE_BYTES - 1024) // 16
 """Ids one credit message carries at most (int64 id + float64 priority each); a larger
 update travels as several messages, the credits on the last."""
@@ -87,15 +101,34 @@ class StagingTarget:
 
 
 class _Outgoing:
-    """One call's request iterator: the first message, then grants and shared-memory answers."""
+    """One call's request iterator: the first message, then grants and shared-memory answers.
 
-    def __init__(self, link: SampleLink, flow: CreditFlow, first: list[bytes]) -> None:
+    ``start``: the stream's index of the call's first batch. Once the server said
+    the call is leased (``leased``), each grant also reports the call's batches
+    the learner finished since the previous message (the flow counts the
+    stream's; batches of an earlier call are not this call's to report).
+    """
+
+    def __init__(self, link: SampleLink, flow: CreditFlow, first: list[bytes],
+                 start: int) -> None:
         self.link = link
         self.flow = flow
         self.first = first
+        self.start = start
         self.done = False
+        self.leased = False
+        self.reported = 0  # batches of this call reported finished
         self.finished = threading.Event()
+        self.ended = threading.Event()  # the call is over (set by gRPC's done callback)
         self.answers: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+
+    def newly_finished(self) -> int:
+        """Batches of this call finished since the last report (0 unless leased)."""
+        if not self.leased:
+            return 0
+        done = max(0, self.flow.finished - self.start)
+        count, self.reported = done - self.reported, max(done, self.reported)
+        return max(0, count)
 
     def requests(self) -> Iterator[bytes]:
         try:
@@ -113,7 +146,7 @@ class _Outgoing:
                     except queue.Empty:
                         break
                 if grant:
-                    yield from self.link.encode_grant(grant)
+                    yield from self.link.encode_grant(grant, self.newly_finished())
         finally:
             self.finished.set()
 
@@ -183,10 +216,11 @@ class SampleLink:
                                    wait_for_data=self.wait,
                                    wait_timeout_s=self.wait_timeout or 0.0)
         opening = pb.SampleStreamRequest(request=request, credits=credits, window=flow.window,
-                                         shared_memory=self.shared_memory, host_id=host_id())
+                                         shared_memory=self.shared_memory, host_id=host_id(),
+                                         lease=f"{uuid.uuid4().hex}-{first}")
         head = (self._first_with_updates(opening, updates) if updates
                 else [opening.SerializeToString()])
-        outgoing = _Outgoing(self, flow, head)
+        outgoing = _Outgoing(self, flow, head, first)
         self._release_ring()
         connection = self.connection
         with self._lock:
@@ -196,6 +230,7 @@ class SampleLink:
                 outgoing.requests(),
                 metadata=connection.metadata + request_bytes_metadata(STREAM_MESSAGE_BYTES))
             self._call, self._outgoing = call, outgoing
+        call.add_done_callback(lambda _: outgoing.ended.set())
         target = self.target
         views = target.allocate is None
 
@@ -237,11 +272,13 @@ class SampleLink:
         first.MergeFrom(opening)
         return [first.SerializeToString(), *parts[1:]]
 
-    def encode_grant(self, grant: Grant) -> list[bytes]:
+    def encode_grant(self, grant: Grant, finished: int = 0) -> list[bytes]:
         """``grant`` as credit messages: its updates (split to fit a message), the credits
-        on the last."""
+        (and ``finished``: the call's batches the learner finished) on the last."""
         if not grant.updates:
-            return [messages.encode_credit(grant.credits)] if grant.credits else []
+            if not grant.credits and not finished:
+                return []
+            return [messages.encode_credit(grant.credits, finished=finished)]
         ids = np.concatenate([u.ids for u in grant.updates])
         priorities = np.concatenate([u.priorities for u in grant.updates])
         parts = []
@@ -250,7 +287,8 @@ class SampleLink:
             last = stop >= ids.size
             parts.append(messages.encode_credit(
                 grant.credits if last else 0,
-                messages.encode_update(self.table, ids[start:stop], priorities[start:stop])))
+                messages.encode_update(self.table, ids[start:stop], priorities[start:stop]),
+                finished=finished if last else 0))
         return parts
 
     def _give_up(self, error: BaseException) -> Callable[[float], BaseException]:
@@ -266,13 +304,16 @@ class SampleLink:
 
     def stop(self) -> None:
         """End the call: once the request iterator has sent what it holds (the updates the
-        learner made last, when its credits stopped; at most :data:`FLUSH_S`), cancel it."""
+        learner made last, and the batches it finished, when its credits stopped; at most
+        :data:`FLUSH_S`), and, on a leased call, once the server ended it (having given
+        back the batches not finished; at most :data:`LEASED_CLOSE_S`), cancel it."""
         with self._lock:
             self._stopped.set()
             call, outgoing = self._call, self._outgoing
         if call is not None:
             if outgoing is not None and outgoing.flow.stopping.is_set():
-                outgoing.finished.wait(FLUSH_S)
+                if outgoing.finished.wait(FLUSH_S) and outgoing.leased:
+                    outgoing.ended.wait(LEASED_CLOSE_S)
             call.cancel()
 
     def close(self) -> None:
@@ -298,6 +339,7 @@ class SampleLink:
         return True
 
     def _on_first(self, header: pb.SampleResponse, outgoing: _Outgoing, flow: CreditFlow) -> None:
+        outgoing.leased = header.leased
         notes = self.target.stats.notes
         grouped = not self._grouping_chosen and self._choose_grouping(header, outgoing, flow)
         if grouped and header.HasField("shared_memory_offer"):

@@ -30,6 +30,10 @@ class TableCapabilities:
         retires: rows retire after ``max_times_sampled`` draws.
         n_step: 1, or the n of the n-step returns samples carry.
         frame_stack_key: ``""``, or the column whose stacked frames samples rebuild.
+        partial_slices: slices may be shorter than ``slice_len`` (``strict_length =
+            false``): a short slice's window repeats its last id (``replay_proto.slices``).
+        span_left, span_right: steps a slice's window may reach before an episode's
+            first step / past its last stored step (the steps outside are cut).
     """
 
     priorities: bool = False
@@ -41,6 +45,9 @@ class TableCapabilities:
     retires: bool = False
     n_step: int = 1
     frame_stack_key: str = ""
+    partial_slices: bool = False
+    span_left: int = 0
+    span_right: int = 0
 
     @classmethod
     def from_proto(cls, message: Any) -> TableCapabilities:

@@ -33,12 +33,15 @@ On the learner's thread, ``next()`` makes the current stream wait for that
 event (no host wait) and returns the batch, so it never sees a partial copy
 while the copy of the next batch overlaps its compute.
 
-Flow control: the feed grants one *credit* per batch the learner takes
+Flow control: the feed grants one *credit* per batch the learner asks for
 (:mod:`replay_feed.credits`) and the source never produces batch ``k``
 unless ``k < window + taken``: at most ``window`` batches (``prefetch``, or
 what the stream grew it to) are in flight or buffered beside the one the
-learner holds, and memory does not grow. A batch's staging buffers are
-reused only once the learner has taken the batch after it and that batch's
+learner holds, and memory does not grow. Asking for the next batch gives
+the held one back: the learner has *finished* it (or earlier, by
+:meth:`FeedCore.ack`), which a leased stream reports to the server (a
+queue table's rows). A batch's staging buffers are
+reused only once the learner has asked for the batch after it and that batch's
 device copy has finished (the credit counts only after its event
 completed), so buffers are never overwritten under a pending copy; there
 are as many buffer sets as batches in flight or held, never more. Priority
@@ -206,6 +209,8 @@ class FeedCore:
         self._staging = _Slots(accel.pinned_empty if pinned else _host_empty)  # type: ignore[union-attr]
         self._pinned_out = _Slots(accel.pinned_empty if pinned else _host_empty)  # type: ignore[union-attr]
         self._held: _Ready | None = None
+        self._acked = False           # the held batch was finished by ack()
+        self._credited_first = False  # the first take granted its credit
         self._taken = 0
         self._flow: CreditFlow | None = None
         self._on_release: dict[int, Callable[[], None]] = {}
@@ -351,8 +356,19 @@ class FeedCore:
     # ------------------------------------------------------------ learner side
 
     def take(self) -> Any:
-        """The next batch (blocking); raises the producer's error, or StopIteration at the end."""
+        """The next batch (blocking); raises the producer's error, or StopIteration at the end.
+
+        Asking for it finishes the batch held (unless :meth:`ack` did): its
+        buffers may be reused, and a leased stream acknowledges its rows.
+        """
         held, self._held = self._held, None
+        if held is not None or not self._credited_first:
+            # Give back the previous batch (finished now): its buffers are reusable once its
+            # copy is done. The first take grants the credit of the batch it will hold.
+            self._credited_first = True
+            finished = held is not None and not self._acked
+            self.credits.credit(None if held is None else (held.index, held.event), finished)
+        self._acked = False
         start = time.perf_counter()
         item = self._ready.get()
         waited = time.perf_counter() - start
@@ -363,8 +379,6 @@ class FeedCore:
         if isinstance(item, BaseException):
             self._ready.put(item)
             raise item
-        # Give back the previous batch: its buffers are reusable once its copy is done.
-        self.credits.credit(None if held is None else (held.index, held.event))
         self._held = item
         self._taken += 1
         if item.event is not None and self.delivery.accelerator is not None:
@@ -374,6 +388,15 @@ class FeedCore:
         if self._growth is not None:
             self._growth.took(waited)
         return item.value
+
+    def ack(self) -> bool:
+        """The learner finished the batch it holds, before asking for the next: a leased
+        stream acknowledges its rows now (with the next message). Whether one was held."""
+        if self._held is None or self._acked:
+            return False
+        self._acked = True
+        self.credits.finish()
+        return True
 
     @property
     def taken(self) -> int:

@@ -49,13 +49,15 @@ class PriorityUpdate:
 
 @dataclass(slots=True)
 class Grant:
-    """What the consumer sends at once: ``credits`` more batches, after ``updates``."""
+    """What the consumer sends at once: ``credits`` more batches, after ``updates``;
+    ``finished``: batches the consumer finished meanwhile (see :class:`CreditFlow`)."""
 
     credits: int = 0
     updates: list[PriorityUpdate] = field(default_factory=list)
+    finished: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.credits or self.updates)
+        return bool(self.credits or self.updates or self.finished)
 
 
 class CreditQueue:
@@ -72,9 +74,14 @@ class CreditQueue:
         self._release = release
         self.stopping = threading.Event()
 
-    def credit(self, token: Any = None) -> None:
-        """One more batch may be produced (``token``: handed to ``release`` first)."""
-        self._queue.put(("credit", token))
+    def credit(self, token: Any = None, finished: bool = False) -> None:
+        """One more batch may be produced (``token``: handed to ``release`` first);
+        ``finished``: the consumer also finished a batch (the one it gave back)."""
+        self._queue.put(("credit", token, finished))
+
+    def finish(self) -> None:
+        """The consumer finished a batch it still holds (no credit: it gives it back later)."""
+        self._queue.put(("finished",))
 
     def update(self, update: PriorityUpdate) -> None:
         """Priorities to apply before the batches the next credits allow are drawn."""
@@ -109,13 +116,16 @@ class CreditQueue:
                 continue
             elif item[0] == "update":
                 grant.updates.append(item[1])
+            elif item[0] == "finished":
+                grant.finished += 1
             else:
                 if self._release is not None:
                     self._release(item[1])
                 grant.credits += 1
+                grant.finished += item[2]
         if stopped:
             self._queue.put(_STOP)  # every later take sees it too
-            return grant if grant.updates else None
+            return grant if grant.updates or grant.finished else None
         return grant
 
 
@@ -125,6 +135,11 @@ class CreditFlow:
     ``window`` batches may be in flight or buffered ahead of the consumer:
     a call opens with ``window + finished - received`` credits (what the
     consumer has room for now) and forwards every later grant as it comes.
+
+    It also counts the batches the consumer *finished* (:attr:`finished`: the
+    first that many batches of the stream, in order), which a link reports to
+    a producer that leases them (a queue table's ``SampleStream``:
+    :mod:`replay_client.stream`); a call counts only its own batches.
 
     Args:
         credits: the consumer's queue.
@@ -146,6 +161,12 @@ class CreditFlow:
         self._received = 0      # batches that arrived
         self._extra = 0         # window growth not forwarded yet
         self._unsent: list[PriorityUpdate] = []  # taken for a call that ended before sending
+        self._done = 0          # batches the consumer finished, the stream's first ones
+
+    @property
+    def finished(self) -> int:
+        """Batches of the stream the consumer finished so far (its first ones, in order)."""
+        return self._done
 
     @property
     def stopping(self) -> threading.Event:
@@ -171,7 +192,9 @@ class CreditFlow:
         while True:
             with self._lock:
                 self._extra = 0
-                room = self.window + self._finished - self._received
+                # At most the window: a consumer waiting for its next batch has granted its
+                # credit already (it holds none), and a ring is sized by the window.
+                room = min(self.window, self.window + self._finished - self._received)
                 updates, self._unsent = self._unsent + updates, []
             if room >= 1:
                 return room, updates
@@ -180,6 +203,7 @@ class CreditFlow:
                 return None
             with self._lock:
                 self._finished += grant.credits
+                self._done += grant.finished
             updates += grant.updates
 
     def next_grant(self, block: bool = True) -> Grant | None:
@@ -195,11 +219,13 @@ class CreditFlow:
                     grant, self._unsent = Grant(0, self._unsent), []
                     return grant
                 self._finished += grant.credits
+                self._done += grant.finished
                 grant.credits += self._extra
                 self._extra = 0
                 grant.updates[:0], self._unsent = self._unsent, []
                 held = sum(u.ids.size for u in grant.updates)
-                if self._ride and grant.updates and not grant.credits and held < RIDE_MAX_IDS:
+                if (self._ride and grant.updates and not grant.credits and not grant.finished
+                        and held < RIDE_MAX_IDS):
                     self._unsent = grant.updates  # they ride on the next credit
                     if not block:
                         return Grant()

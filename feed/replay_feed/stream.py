@@ -140,8 +140,26 @@ class BatchStream:
         update = self._source.check_update(ids, priorities)  # type: ignore[attr-defined]
         self._core.update_priorities(update)
 
+    def ack(self) -> None:
+        """Say the learner finished the batch it holds now, before it asks for the next.
+
+        On a queue table (``fifo``/``lifo``) a stream's batches are leased:
+        a batch is finished when the learner asks for the next one, or by
+        this call; when the stream ends (closed, broken, or the learner's
+        process dies) the server returns every batch not finished to the
+        queue, for the next learner (docs/service.md, "Delivery"). So call
+        it for the last batch before :meth:`close`, once that batch's work
+        is done, or the batch is handed out again. Returns at once (the
+        acknowledgement travels with the next message); a no-op when no
+        batch is held or on other tables.
+        """
+        if not self._closed:
+            self._core.ack()
+
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the background work and release buffers; idempotent."""
+        """Stop the background work and release buffers; idempotent. On a queue table the
+        batches not finished (prefetched, and the one held unless :meth:`ack` finished it)
+        return to the queue."""
         if self._closed:
             return
         self._closed = True

@@ -128,11 +128,13 @@ def encode_update_stream_request(sequence: int, update: bytes) -> bytes:
 _CREDIT_UPDATE_TAG = varint((pb.SampleStreamRequest.DESCRIPTOR.fields_by_name["update"].number << 3) | 2)
 
 
-def encode_credit(credits: int, update: bytes = b"", batches_per_message: int = 0) -> bytes:
+def encode_credit(credits: int, update: bytes = b"", batches_per_message: int = 0,
+                  finished: int = 0) -> bytes:
     """A SampleStream credit message: ``credits`` more batches, after ``update`` (an encoded
     UpdatePrioritiesRequest, or nothing), drawing ``batches_per_message`` at once from now on
-    (0: unchanged)."""
-    header = pb.SampleStreamRequest(credits=credits, batches_per_message=batches_per_message)
+    (0: unchanged), ``finished`` more batches finished by the learner (a leased stream's)."""
+    header = pb.SampleStreamRequest(credits=credits, batches_per_message=batches_per_message,
+                                    finished=finished)
     raw = header.SerializeToString()
     if not update:
         return raw

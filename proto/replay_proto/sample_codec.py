@@ -127,6 +127,11 @@ def with_note(chunk: bytes, note: str) -> bytes:
     return pb.SampleResponse(transport_note=note).SerializeToString() + chunk
 
 
+def with_leased(chunk: bytes) -> bytes:
+    """``chunk`` saying that the stream's batches are leased (``SampleResponse.leased``)."""
+    return pb.SampleResponse(leased=True).SerializeToString() + chunk
+
+
 # ------------------------------------------------------------------ decoding
 
 

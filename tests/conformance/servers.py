@@ -127,6 +127,7 @@ class ServerPool:
         config_path = self._workdir / f"server{serial}.toml"
         config_path.write_text(config_text(config, names))
         port_file = self._workdir / f"server{serial}.port"
+        port_file.unlink(missing_ok=True)  # an earlier run's, into the same --out: not this one's
         log = self._workdir / f"server{serial}.log"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in SERVER_PATH)}
         with log.open("w") as out:

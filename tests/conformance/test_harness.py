@@ -51,3 +51,18 @@ def test_not_applicable_entries_name_their_reason() -> None:
     assert scope.reason_out_of_scope(["storage=LazyTensorStorage", "storage.ndim=2"]).startswith(
         "uses storage.ndim=2")
     assert scope.reason_out_of_scope(["sampler=PrioritizedSampler"]) == ""
+
+
+def test_a_run_into_an_earlier_runs_out_directory_starts_its_own_servers(tmp_path) -> None:
+    """A second run into the same --out took the first run's port files for its servers' and
+    connected to ports no server listened on: every remote test failed, unavailable."""
+    from replay_client import ReplayClient
+    from tests.conformance.servers import ServerPool
+
+    (tmp_path / "server0.port").write_text("1")  # what the earlier run left behind
+    pool = ServerPool(sys.executable, tmp_path)
+    try:
+        address, table = pool.table({"capacity": 10, "sampler": "uniform"})
+        assert table in ReplayClient(address, timeout=10).info()
+    finally:
+        pool.close()

@@ -244,3 +244,26 @@ def test_tensordict_with_index_and_weight_arrives_on_the_device():
         assert torch.equal(out["_weight"], torch.ones(16))
         assert torch.equal(out["obs"][:, 3], out["index"].float())
     assert accel.copies == 5
+
+
+def test_asking_for_the_next_batch_finishes_the_one_held_and_ack_finishes_it_sooner():
+    """What a leased stream reports (replay_client.stream): a batch is finished when the
+    learner asks for the next one, or when it says so (ack); never twice."""
+    core = FeedCore(2, resolve_delivery(None, False))
+    flow = core.flow()
+    flow.opening()
+    for index in range(3):
+        rows = torch.arange(index * 4, index * 4 + 4)
+        core.deliver(index, SampleBatch.from_columns(
+            {"row": rows}, rows, torch.ones(4), torch.full((4,), 0.25, dtype=torch.float64)))
+    core.take()
+    assert flow.next_grant(block=False).finished == 0  # the first batch is held
+    core.take()
+    assert flow.next_grant(block=False).finished == 1
+    assert core.ack() and not core.ack()  # the second batch, once
+    core.take()
+    assert flow.next_grant(block=False).finished == 1 and flow.finished == 2
+    core.finish()
+    with pytest.raises(StopIteration):
+        core.take()  # asking past the end finishes the last batch
+    assert flow.next_grant(block=False).finished == 1 and flow.finished == 3

@@ -82,3 +82,42 @@ def test_held_updates_go_without_a_credit_once_they_are_many() -> None:
         queue.update(update(*range(start, start + 1024)))
     grant = flow.next_grant()
     assert grant.credits == 0 and sum(u.ids.size for u in grant.updates) == RIDE_MAX_IDS
+
+
+def test_finished_batches_are_counted_in_order_and_ride_with_the_credits() -> None:
+    """A leased stream reports the batches its learner finished (replay_client.stream)."""
+    queue = CreditQueue()
+    flow = CreditFlow(queue, window=2)
+    flow.opening()
+    queue.credit(None, finished=False)  # the first take: nothing finished yet
+    queue.credit(None, finished=True)   # the second: the first batch is finished
+    grant = flow.next_grant()
+    assert grant.credits == 2 and grant.finished == 1 and flow.finished == 1
+    queue.update(update(3))
+    queue.finish()                      # ack(): finished, no credit; the update goes with it
+    grant = flow.next_grant()
+    assert grant.credits == 0 and grant.finished == 1 and grant.updates
+    assert flow.finished == 2
+
+
+def test_a_finish_made_while_stopping_is_still_sent() -> None:
+    queue = CreditQueue()
+    flow = CreditFlow(queue, window=1)
+    queue.finish()
+    queue.stop()
+    grant = flow.next_grant()
+    assert grant is not None and grant.finished == 1
+    assert flow.next_grant() is None
+
+
+def test_a_reopened_call_grants_at_most_the_window_while_the_consumer_waits() -> None:
+    """A learner waiting in next() has granted the credit of the batch it waits for; a call
+    reopened then opens with the window, no more (a ring is sized by it)."""
+    queue = CreditQueue()
+    flow = CreditFlow(queue, window=2)
+    assert flow.opening()[0] == 2
+    flow.arrived(2)
+    for _ in range(3):  # took both, and asked for a third that never came (the call was lost)
+        queue.credit()
+    assert flow.next_grant().credits == 3
+    assert flow.opening()[0] == 2

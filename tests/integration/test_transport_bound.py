@@ -8,10 +8,12 @@ at most ``max_message_mb`` (4 MiB), large requests travel in chunks reserved
 whole from the budget before they are read, and a stream's flow-control
 window stays 64 KiB, so the server holds at most
 
-    budget + (max_concurrent_calls + max_waiting_calls) x (2 x max_message + 64 KiB)
+    budget + (max_concurrent_calls + max_streams) x (2 x max_message + 64 KiB)
+           + max_waiting_calls x 96 KiB
 
 (a message is held twice for a moment: in gRPC's buffer and in the copy it
-hands the handler)
+hands the handler; a waiting unary call has read its request, in the budget,
+and holds its window and its state)
 (docs/service.md, "Limits"). Each attack here is made by raw gRPC clients
 that declare small sizes (``replay-request-bytes``) and send large messages,
 or announce small chunked requests and send more, or push chunks the server
@@ -40,10 +42,13 @@ from tests.conftest import ServerProcess, module_server, wait_for
 BUDGET_MIB = 128
 CALLS = 32
 WAITING = 8
+STREAMS = WAITING  # max_streams (128 by default) is capped by the waiting pool
+WAITER_KIB = 96
 MESSAGE_MIB = 4
 WINDOW_KIB = 64
 SLACK_MIB = 96
-BOUND_MIB = BUDGET_MIB + (CALLS + WAITING) * (2 * MESSAGE_MIB + WINDOW_KIB / 1024)
+BOUND_MIB = (BUDGET_MIB + (CALLS + STREAMS) * (2 * MESSAGE_MIB + WINDOW_KIB / 1024)
+             + WAITING * WAITER_KIB / 1024)
 
 CONFIG = f"""
 [server]
@@ -228,6 +233,12 @@ def test_the_default_message_limit_is_a_few_mib(client) -> None:
     assert client.server_info().limits["max_message_bytes"] == MESSAGE_MIB * 2**20
 
 
+def test_the_server_states_the_bound_this_file_holds(client) -> None:
+    limits = client.server_info().limits
+    assert limits["max_streams"] == STREAMS
+    assert limits["transport_bound_bytes"] == BOUND_MIB * 2**20
+
+
 @pytest.mark.parametrize("name", list(ATTACKS))
 def test_lying_clients_cannot_push_the_server_past_the_transport_bound(
         server, client, name) -> None:
@@ -238,8 +249,8 @@ def test_lying_clients_cannot_push_the_server_past_the_transport_bound(
     assert set(codes) <= allowed, codes
     assert_nothing_stored(client)
     print(f"{name}: {clients} clients, server RSS +{watch.grew_mib:.0f} MiB (bound "
-          f"{BOUND_MIB:.0f} MiB = budget {BUDGET_MIB} + {CALLS + WAITING} calls x (2 x {MESSAGE_MIB} MiB "
-          f"+ window))")
+          f"{BOUND_MIB:.0f} MiB = budget {BUDGET_MIB} + {CALLS + STREAMS} calls and streams x "
+          f"(2 x {MESSAGE_MIB} MiB + window) + {WAITING} waiters x {WAITER_KIB} KiB)")
 
 
 @pytest.mark.slow

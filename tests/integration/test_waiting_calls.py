@@ -15,14 +15,18 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 
 from replay_client import ReplayClient, errors
+from replay_proto.v1 import replay_pb2 as pb
+from replay_proto.v1 import replay_pb2_grpc
 from tests.conftest import module_server, wait_for
 
 WORKING = 8
 WAITING = 60
+STREAMS = 4
 DEFAULT_WAIT_S = 2.0
 JOIN_S = 60
 
@@ -30,6 +34,7 @@ CONFIG = f"""
 [server]
 max_concurrent_calls = {WORKING}
 max_waiting_calls = {WAITING}
+max_streams = {STREAMS}
 default_wait_s = {DEFAULT_WAIT_S}
 
 [[tables]]
@@ -117,6 +122,48 @@ def test_a_full_waiting_pool_refuses_the_next_waiter_naming_the_limit(served) ->
     client.publish("full", {"w": torch.ones(1)})
     waiters.join()
     assert sum(isinstance(o, dict) for o in waiters.outcomes) == WAITING
+
+
+def test_streams_are_capped_within_the_pool_and_waiters_are_not(served) -> None:
+    """A stream reads messages all its life (gRPC may hold a whole one for it), a waiting
+    unary call has read its request: streams, not waiters, are what the memory bound counts
+    (docs/service.md, "Limits"), so they have a cap of their own (``max_streams``) inside the
+    waiting pool, and the pool's other waiters are admitted past it."""
+    client = ReplayClient(served.address, timeout=30, max_retry_s=0)
+    version = client.publish("streams", {"w": torch.zeros(1)})
+    client.insert("replay", {"x": torch.zeros(4, 2)})
+    done = threading.Event()
+
+    def idle():  # a learner's stream between batches: its one credit spent, open
+        yield pb.SampleStreamRequest(request=pb.SampleRequest(table="replay", batch_size=1),
+                                     credits=1)
+        done.wait(60)
+
+    with grpc.insecure_channel(served.address) as channel:
+        stub = replay_pb2_grpc.ReplayServiceStub(channel)
+        streams = [stub.SampleStream(idle(), timeout=60) for _ in range(STREAMS)]
+        try:
+            assert wait_for(lambda: client.server_info().limits["streams_open"] == STREAMS,
+                            timeout=JOIN_S)
+            refused = stub.SampleStream(idle(), timeout=60)
+            with pytest.raises(grpc.RpcError) as caught:
+                next(refused)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "server.max_streams = 4" in caught.value.details()
+            # The pool itself has room: unary waiters are admitted past the streams' cap.
+            waiters = Waiters()
+            waiters.start(lambda: ReplayClient(served.address, timeout=40).fetch(
+                "streams", newer_than=version, timeout=30), 10)
+            assert wait_for(lambda: waiting(client) == STREAMS + 10, timeout=JOIN_S)
+            client.publish("streams", {"w": torch.ones(1)})
+            waiters.join()
+            assert sum(isinstance(o, dict) for o in waiters.outcomes) == 10
+        finally:
+            done.set()
+            for stream in streams:
+                stream.cancel()
+    assert wait_for(lambda: client.server_info().limits["streams_open"] == 0)
+    assert wait_for(lambda: waiting(client) == 0)
 
 
 def test_a_waiting_call_without_a_deadline_waits_the_default_at_most(served) -> None:

@@ -48,16 +48,16 @@ from replay_client.errors import (
     EmptyBufferError,
     EmptyTableError,
     InvalidArgumentError,
-    InvalidPriorityError,
+    SchemaMismatchError,
     TableMismatchError,
 )
 from replay_client.table_info import TableInfo
 from replay_client.torchrl import indexing, state
 from replay_client.torchrl.components import (
-    PriorityOptions,
     built,
     priority_options,
     request_of,
+    row_priorities,
 )
 from replay_client.torchrl.data_kinds import DataKind
 from replay_client.torchrl.episodes import DEFAULT_END_KEYS, EpisodeColumn
@@ -144,6 +144,8 @@ class RemoteReplayBuffer:
         if factory is not None:
             transform = factory()
         self._collate = options.pop("collate_fn", None)
+        self._delayed_init = bool(options.get("delayed_init", False))
+        self._write_base = 0  # write_count at the last empty() (TorchRL's count starts over)
         self._priority = priority_options(sampler, options)
         self._torchrl_sampler = built(sampler)
         info = self.table_info()
@@ -159,7 +161,10 @@ class RemoteReplayBuffer:
         slices = request.slices
         self.slice_layout = None if not caps.slices else SliceLayout(
             info.slice_len or 1, slices.num_slices if slices else None,
-            slices.truncated_key if slices else TRUNCATED_KEY, INIT_KEY)
+            slices.truncated_key if slices else TRUNCATED_KEY,
+            slices.init_key if slices else INIT_KEY,
+            partial=bool(caps.partial_slices or caps.span_left or caps.span_right),
+            pad_output=slices.pad_output if slices else False)
         self._episodes = None if not caps.episodes else EpisodeColumn(
             info.episode_key, slices.traj_key if slices else None,
             slices.end_keys if slices else DEFAULT_END_KEYS,
@@ -255,6 +260,11 @@ class RemoteReplayBuffer:
             td = td.unsqueeze(0)
             self._rows.wrote(td)
         rows_td = td.exclude(*METADATA_KEYS)  # a re-inserted sample's ids and weights
+        if not rows_td.keys():
+            raise InvalidArgumentError(
+                f"{'add' if single else 'extend'}() of data with no entries (a TensorDict of "
+                f"batch_size={list(td.batch_size)} and no keys): a table stores columns, and "
+                f"a row needs at least one; write the data's keys with it")
         if self._episodes is not None:
             rows_td = self._episodes.fill(rows_td)
         columns = self._rows.columns(rows_td, self.table_info().episode_key, self._tracker)
@@ -262,8 +272,14 @@ class RemoteReplayBuffer:
         if update_priority is not False and self._prioritized and self.priority_key in td.keys(
                 include_nested=True):
             rows = next(iter(columns.values())).shape[0]
-            priorities = _priorities(td.get(self.priority_key), rows, self._priority)
-        ids = self._insert(columns, priorities)
+            priorities = row_priorities(td.get(self.priority_key), rows, self._priority)
+        try:
+            ids = self._insert(columns, priorities)
+        except SchemaMismatchError as exc:
+            raise SchemaMismatchError(
+                f"{exc}. A table's columns are fixed by its first write (TorchRL's storages "
+                f"take new keys later): write every key each time, or rb.empty() first (it "
+                f"forgets the schema)") from None
         target = data if isinstance(data, TensorDictBase) else None
         if self.include_info and target is not None and not target.is_locked:
             shaped = target.unsqueeze(0) if single else target
@@ -375,7 +391,7 @@ class RemoteReplayBuffer:
         """
         values = as_index_array(index, 0)
         kind = split_index(values)
-        priorities = _priorities(priority, values.size, self._priority)
+        priorities = row_priorities(priority, values.size, self._priority)
         if not self._prioritized:  # TorchRL warns and does nothing, and so do we
             warnings.warn(f"update_priority() on table {self.table!r}, whose sampler has no "
                           f"priorities: nothing to update", stacklevel=2)
@@ -404,21 +420,40 @@ class RemoteReplayBuffer:
 
     @property
     def write_count(self) -> int:
-        """Rows written since the table was created (TorchRL's ``write_count``)."""
-        return self.table_info(fresh=True).counters["inserted"]
+        """Rows written to the table since this buffer last emptied it (since it was created,
+        if never): TorchRL's ``write_count``."""
+        return self.table_info(fresh=True).counters["inserted"] - self._write_base
 
-    def empty(self) -> None:
-        """Remove every row and forget the schema: the buffer starts over."""
+    @property
+    def initialized(self) -> bool:
+        """TorchRL's: the storage holds its layout (here: the table's schema is fixed), or was
+        made without ``delayed_init``."""
+        return not self._delayed_init or bool(self.table_info(fresh=True).schema)
+
+    def empty(self, empty_write_count: bool = True) -> None:
+        """Remove every row and forget the schema: the buffer starts over (and
+        ``write_count`` from 0, unless ``empty_write_count=False``, as TorchRL's)."""
         indexing.reset(self)
+        if empty_write_count:
+            self._write_base = self.table_info(fresh=True).counters["inserted"]
         self._tracker = EpisodeTracker()
         self._kind = DataKind()
         self._rows.reset()
+
+    @property
+    def writer(self) -> Any:
+        """TorchRL's writer object has no counterpart: refused, naming what stands for it."""
+        raise AttributeError(
+            "RemoteReplayBuffer has no writer object: the table's ring is its writer (TorchRL's "
+            "RoundRobinWriter: when full, the oldest rows are overwritten); use rb.extend() "
+            "to write, rb.write_count and len(rb) to count")
 
     __getitem__ = indexing.get_rows
     __setitem__ = indexing.set_rows
     set_ = indexing.set_column
     set_at_ = indexing.set_column_at
     update_ = indexing.update_columns
+    stats = state.stats
     state_dict = state.state_dict
     load_state_dict = state.load_state_dict
     dumps = state.dumps
@@ -484,20 +519,3 @@ class RemoteReplayBuffer:
         return (f"RemoteReplayBuffer({self.replay_client.address!r}, table={self.table!r}, "
                 f"batch_size={self._batch_size})")
 
-
-def _priorities(value: Any, rows: int, options: PriorityOptions) -> torch.Tensor:
-    """``[rows]`` float64 priorities: ``abs + eps``, trailing dims reduced (TorchRL's rule)."""
-    tensor = torch.as_tensor(value).detach().cpu().to(torch.float64)
-    if tensor.numel() == rows:
-        flat = tensor.reshape(rows)
-    elif tensor.dim() and rows and tensor.numel() % rows == 0:
-        per_row = tensor.reshape(rows, -1).abs()
-        if options.reduction == "median":
-            flat = per_row.median(dim=1).values
-        else:
-            flat = getattr(per_row, {"max": "amax", "min": "amin", "mean": "mean"}[
-                options.reduction])(dim=1)
-    else:
-        raise InvalidPriorityError(
-            f"priorities of shape {list(tensor.shape)} do not fit {rows} rows")
-    return flat.abs() + options.eps

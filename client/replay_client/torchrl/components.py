@@ -19,7 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from replay_client.errors import InvalidArgumentError, UnsupportedComponentError
+import torch
+
+from replay_client.errors import (
+    InvalidArgumentError,
+    InvalidPriorityError,
+    UnsupportedComponentError,
+)
 from replay_client.table_info import TableInfo
 
 DEFAULT_CAPACITY = 1000
@@ -48,8 +54,16 @@ class SliceRequest:
         traj_key: flat column of trajectory ids (TorchRL's ``traj_key``), if given.
         end_keys: flat columns of end-of-trajectory flags (TorchRL's ``end_key``/``end_keys``).
         truncated_key: where samples mark slice ends, as TorchRL's key (``None``: not marked).
+        init_key: the stored key OR-ed with slice starts, as TorchRL's (``None``: the stored
+            flags are left as they are).
         find_traj_key: the sampler was given neither ``traj_key`` nor ``end_key``: as
             TorchRL's, it takes ``("collector", "traj_ids")`` when the data has it.
+        strict_length: TorchRL's ``strict_length`` (``False``: short trajectories are
+            sampled too; the table's ``strict_length = false``).
+        pad_output: TorchRL's ``pad_output`` (a client-side choice: keep slices padded).
+        span_left, span_right: TorchRL's ``span=(left, right)``: ``True``, ``False`` or
+            a number of steps (the table's ``span_left``/``span_right``; ``True`` is
+            ``slice_len - 1``).
     """
 
     slice_len: int | None
@@ -58,6 +72,17 @@ class SliceRequest:
     end_keys: tuple[str, ...]
     truncated_key: Any
     find_traj_key: bool = False
+    init_key: Any = "is_init"
+    strict_length: bool = True
+    pad_output: bool = False
+    span_left: bool | int = 0
+    span_right: bool | int = 0
+
+    def span_steps(self, slice_len: int) -> tuple[int, int]:
+        """``(span_left, span_right)`` in steps for slices of ``slice_len`` (``True``:
+        ``slice_len - 1``)."""
+        return tuple(slice_len - 1 if side is True else int(side)  # type: ignore[return-value]
+                     for side in (self.span_left, self.span_right))
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +112,12 @@ class TableRequest:
             out["sampler"] = "prioritized_slice" if self.prioritized else "slice"
             out["slice_len"] = self.slices.slice_len or 1
             out["done_key"] = self.slices.end_keys[0]
+            if not self.slices.strict_length:
+                out["strict_length"] = False
+            for name, steps in zip(("span_left", "span_right"),
+                                   self.slices.span_steps(out["slice_len"])):
+                if steps:
+                    out[name] = steps
         if self.prioritized:
             for name in ("alpha", "beta"):
                 value = getattr(self, name)
@@ -119,6 +150,26 @@ class TableRequest:
             elif self.slices.slice_len is not None and info.slice_len != self.slices.slice_len:
                 found.append(f"{where} has slice_len = {info.slice_len}, the sampler asks for "
                              f"{self.slices.slice_len} (set slice_len = {self.slices.slice_len})")
+            else:
+                found.extend(self._slice_shape_problems(info, where))
+        return found
+
+    def _slice_shape_problems(self, info: TableInfo, where: str) -> list[str]:
+        """The sampler's ``strict_length`` and right ``span`` against the table's."""
+        assert self.slices is not None
+        found = []
+        caps = info.capabilities
+        strict = not caps.partial_slices
+        if strict != self.slices.strict_length:
+            found.append(f"{where} has strict_length = {str(strict).lower()}, the sampler asks "
+                         f"for strict_length={self.slices.strict_length} (set strict_length = "
+                         f"{str(self.slices.strict_length).lower()})")
+        spans = self.slices.span_steps(info.slice_len or 1)
+        for name, table, asked in zip(("span_left", "span_right"),
+                                      (caps.span_left, caps.span_right), spans):
+            if table != asked:
+                found.append(f"{where} has {name} = {table}, the sampler's span asks for "
+                             f"{asked} (set {name} = {asked})")
         return found
 
 
@@ -202,21 +253,26 @@ def _slice_request(sampler: Any, batch_size: int | None) -> SliceRequest:
         raise UnsupportedComponentError(
             "SliceSamplerWithoutReplacement has no server counterpart: slice tables draw with "
             "replacement; use SliceSampler")
+    span = getattr(sampler, "span", (False, False))
+    if not isinstance(span, (tuple, list)):
+        span = (span, span)
+    span_left, span_right = (side if isinstance(side, bool) else int(side) for side in span)
     for name, default, why in (
-            ("strict_length", True, "a slice table never samples episodes shorter than its "
-                                    "slice_len; give the table a shorter slice_len"),
-            ("pad_output", False, "slices are always slice_len steps long"),
-            ("span", False, "slices never reach past an episode's ends"),
             ("fragmented", False, "an episode's steps are linked by the table whatever their "
                                   "storage positions; pass no fragmented"),
-            ("ends", None, "the table finds episodes in the rows' episode ids and end flags"),
-            ("trajectories", None, "the table finds episodes in the rows' episode ids")):
+):
         value = getattr(sampler, name, default)
-        if isinstance(value, (tuple, list)) and all(isinstance(v, bool) for v in value):
-            value = any(value)  # TorchRL keeps span as (left, right)
         if value is not None and (not isinstance(value, bool) or value != default):
             raise UnsupportedComponentError(
                 f"{type(sampler).__name__}({name}={value!r}) has no server counterpart: {why}")
+    cache = getattr(sampler, "_cache", None) or {}
+    if "static-stop-and-length" in cache or (  # TorchRL keeps them there, not as attributes
+            "stop-and-length" in cache and getattr(sampler, "end_key", 0) is None
+            and getattr(sampler, "traj_key", 0) is None):  # (torchrl 0.13's key)
+        raise UnsupportedComponentError(
+            f"{type(sampler).__name__}(trajectories=... or ends=...) has no server "
+            f"counterpart: the table finds episodes in the rows' episode ids and end flags; "
+            f"write them with the data (traj_key=... or end_key=...)")
     num_slices = getattr(sampler, "num_slices", None)
     slice_len = getattr(sampler, "slice_len", None)
     if slice_len is None and num_slices is not None and batch_size is not None:
@@ -233,7 +289,11 @@ def _slice_request(sampler: Any, batch_size: int | None) -> SliceRequest:
         traj_key=None if traj_key is None else flat_key(traj_key),
         end_keys=tuple(flat_key(k) for k in end_keys),
         truncated_key=truncated_key,
-        find_traj_key=bool(getattr(sampler, "_traj_key_auto", traj_key is None)))
+        init_key=getattr(sampler, "init_key", "is_init"),
+        find_traj_key=bool(getattr(sampler, "_traj_key_auto", traj_key is None)),
+        strict_length=bool(getattr(sampler, "strict_length", True)),
+        pad_output=bool(getattr(sampler, "pad_output", False)),
+        span_left=span_left, span_right=span_right)
 
 
 IGNORED_OPTIONS: dict[str, str] = {
@@ -300,3 +360,21 @@ def priority_options(sampler: Any, options: dict[str, Any]) -> PriorityOptions:
         raise UnsupportedComponentError(f"reduction must be one of {REDUCTIONS}, got "
                                         f"{reduction!r}")
     return PriorityOptions(float(eps), reduction)
+
+
+def row_priorities(value: Any, rows: int, options: PriorityOptions) -> torch.Tensor:
+    """``[rows]`` float64 priorities: ``abs + eps``, trailing dims reduced (TorchRL's rule)."""
+    tensor = torch.as_tensor(value).detach().cpu().to(torch.float64)
+    if tensor.numel() == rows:
+        flat = tensor.reshape(rows)
+    elif tensor.dim() and rows and tensor.numel() % rows == 0:
+        per_row = tensor.reshape(rows, -1).abs()
+        if options.reduction == "median":
+            flat = per_row.median(dim=1).values
+        else:
+            flat = getattr(per_row, {"max": "amax", "min": "amin", "mean": "mean"}[
+                options.reduction])(dim=1)
+    else:
+        raise InvalidPriorityError(
+            f"priorities of shape {list(tensor.shape)} do not fit {rows} rows")
+    return flat.abs() + options.eps

@@ -15,6 +15,16 @@ and turns a drawn ``[num_slices, slice_len]`` batch into TorchRL's flat one.
 A batch size that is not a whole number of slices is refused, naming the
 sizes that are (TorchRL refuses it too).
 
+Partial slices (TorchRL's ``strict_length=False`` and ``span``; the table's
+``strict_length = false`` / ``span_right``) may be shorter than
+``slice_len``; the table pads each window by repeating its last real step
+(:mod:`replay_proto.slices`). Without ``pad_output`` the padding is cut, and
+the batch holds fewer steps than asked for, the slices' real steps one after
+the other, as TorchRL's; with ``pad_output`` it is kept (the last real step
+repeated, as TorchRL pads) and ``("collector", "mask")`` (bool ``[B * T]``)
+says which steps are real. The markers sit at each slice's last *real* step
+and its first step either way.
+
 Thread-safety: immutable.
 """
 
@@ -27,9 +37,12 @@ import torch
 from tensordict import TensorDictBase
 
 from replay_client.errors import InvalidArgumentError
+from replay_proto.slices import real_steps
 
 TRUNCATED_KEY = ("next", "truncated")
 INIT_KEY = "is_init"
+MASK_KEY = ("collector", "mask")
+"""Where a padded batch says which steps are real (TorchRL's ``pad_output`` mask)."""
 
 
 def _sibling(key: Any, last: str) -> Any:
@@ -47,12 +60,19 @@ class SliceLayout:
             ``num_slices``); ``None``: ``batch_size // slice_len``.
         truncated_key: where slice ends are marked (``None``: no markers).
         init_key: the stored key OR-ed with slice starts (``None``: left as stored).
+        partial: the table's slices may be shorter than ``slice_len`` (its capabilities'
+            ``partial_slices`` or a span): their padding is cut, or kept with a mask.
+        pad_output: keep each slice ``slice_len`` long, padded with its last real step,
+            and put :data:`MASK_KEY` in every batch (TorchRL's ``pad_output``; TorchRL
+            leaves the mask out while no stored trajectory is short).
     """
 
     slice_len: int
     num_slices: int | None = None
     truncated_key: Any = TRUNCATED_KEY
     init_key: Any = INIT_KEY
+    partial: bool = False
+    pad_output: bool = False
 
     def slices_for(self, batch_size: int) -> int:
         """How many slices a batch of ``batch_size`` steps holds.
@@ -77,22 +97,43 @@ class SliceLayout:
         """A ``[num_slices, slice_len]`` sample as TorchRL's flat one, and its markers.
 
         Returns:
-            ``(flat, markers)``: the ``[num_slices * slice_len]`` batch as stored (its flags
-            untouched, as TorchRL's storage returns them) and the markers by key (what
-            TorchRL's sampler puts in ``info``, and its TensorDict buffers in the batch).
+            ``(flat, markers)``: the slices' steps one after the other, as stored
+            (``num_slices * slice_len`` of them, fewer when partial slices are cut;
+            their flags untouched, as TorchRL's storage returns them) and the markers
+            by key (what TorchRL's sampler puts in ``info``, and its TensorDict buffers
+            in the batch).
         """
-        flat = drawn.reshape(-1)
         count, length = drawn.batch_size[0], drawn.batch_size[1]
+        flat = drawn.reshape(-1)
+        real = real_steps(drawn.get("index")) if self.partial else None
+        if real is None:
+            lengths = torch.full((count,), length, dtype=torch.int64)
+        else:
+            lengths = real.sum(-1)
         markers: dict[Any, torch.Tensor] = {}
+        if real is not None and self.pad_output:
+            starts = torch.arange(count) * length
+            markers[MASK_KEY] = real.reshape(-1)
+        else:
+            if real is not None and not bool(real.all()):
+                flat = flat[real.reshape(-1)]
+            starts = lengths.cumsum(0) - lengths
+        self._mark(flat, markers, starts, starts + lengths - 1)
+        return flat, markers
+
+    def _mark(self, flat: TensorDictBase, markers: dict[Any, torch.Tensor],
+              starts: torch.Tensor, ends: torch.Tensor) -> None:
+        """TorchRL's markers: slice ends truncated (and done), slice starts ``is_init``."""
+        steps = flat.batch_size[0]
         if self.truncated_key is not None:
-            ends = torch.zeros(count, length, dtype=torch.bool)
-            ends[:, -1] = True
+            mark = torch.zeros(steps, dtype=torch.bool)
+            mark[ends] = True
             key = self.truncated_key
-            markers[key] = _shaped(ends.reshape(-1), flat.get(key, None))
+            markers[key] = _shaped(mark, flat.get(key, None))
             done_key = _sibling(key, "done")
             done = flat.get(done_key, None)
-            markers[done_key] = (_shaped(ends.reshape(-1), None) if done is None
-                                 else done | _shaped(ends.reshape(-1), done))
+            markers[done_key] = (_shaped(mark, None) if done is None
+                                 else done | _shaped(mark, done))
             terminated_key = _sibling(key, "terminated")
             terminated = flat.get(terminated_key, None)
             markers[terminated_key] = (torch.zeros_like(markers[key]) if terminated is None
@@ -100,10 +141,9 @@ class SliceLayout:
         if self.init_key is not None:
             stored = flat.get(self.init_key, None)
             if stored is not None:
-                starts = torch.zeros(count, length, dtype=torch.bool)
-                starts[:, 0] = True
-                markers[self.init_key] = stored | _shaped(starts.reshape(-1), stored)
-        return flat, markers
+                mark = torch.zeros(steps, dtype=torch.bool)
+                mark[starts] = True
+                markers[self.init_key] = stored | _shaped(mark, stored)
 
 
 def _shaped(mark: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:

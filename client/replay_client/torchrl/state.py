@@ -1,4 +1,5 @@
-"""A buffer's contents saved and restored: ``state_dict``/``load_state_dict``, ``dumps``/``loads``.
+"""A buffer's contents saved and restored: ``state_dict``/``load_state_dict``, ``dumps``/``loads``;
+and what it holds, counted (``stats``).
 
 TorchRL checkpoints a buffer with ``rb.state_dict()`` (a dict of tensors) or
 ``rb.dumps(path)`` (a directory). Here the rows live on the server, so both
@@ -37,6 +38,16 @@ import numpy as np
 import torch
 
 from replay_client.errors import InvalidArgumentError
+
+
+def stats(buffer: Any) -> dict[str, Any]:
+    """TorchRL's ``rb.stats()``: ``size``, ``write_count``, ``capacity``, ``utilization``,
+    ``prefetch_queue_size`` (0: iteration prefetches in its stream, not in the buffer) and
+    ``initialized``, as plain values (JSON-serializable). One ``info`` call; changes nothing."""
+    info = buffer.table_info(fresh=True)
+    return {"size": info.size, "write_count": buffer.write_count, "capacity": info.capacity,
+            "utilization": info.size / info.capacity, "prefetch_queue_size": 0,
+            "initialized": buffer.initialized}
 
 FORMAT = "replay-server.torchrl-buffer/1"
 """What a saved buffer says it is (``state_dict()["format"]``, ``meta.json``)."""

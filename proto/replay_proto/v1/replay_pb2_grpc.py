@@ -222,6 +222,13 @@ class ReplayServiceServicer:
         left in /dev/shm whoever exits first. When the server cannot or will not
         offer a ring, the first batch says why in `transport_note`. A batch the
         rate limiter holds back waits like a Sample (groups shrink to one batch).
+
+        Queue tables: a first message with `lease` takes each group under a
+        lease (the first batch says `leased`); later messages report `finished`
+        batches; when the call ends, groups not finished return to the queue.
+        A leased call draws nothing more once the client half-closes, and after
+        num_batches ends once every batch was finished, the client half-closes,
+        or the table's lease_timeout_s passed (docs/service.md, "Delivery").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -83,6 +83,17 @@ class TableConfig:
         alpha: priority exponent, P(i) = p_i^alpha / sum_k p_k^alpha (prioritized kinds).
         beta: importance-weight exponent (prioritized kinds).
         slice_len: steps per sampled slice (slice kinds; required there, refused elsewhere).
+        strict_length: (slice kinds) ``False``: a slice may also start at the first
+            stored step of any episode, however short, and is cut at the episode's
+            last stored step (TorchRL's ``SliceSampler(strict_length=False)``); a
+            sample stays ``[B, slice_len]``, each slice's window repeating its last
+            real id past its end (see :mod:`replay_server.engine.samplers.episodes`).
+        span_left: (``slice`` only) windows may also begin up to this many steps
+            before an episode's first stored step, the steps before it cut
+            (TorchRL's ``span=(left, right)``); in ``[0, slice_len - 1]``.
+        span_right: (slice kinds) windows may end up to this many steps past an
+            episode's last stored step, the steps past it cut: a slice has at
+            least ``slice_len - span_right`` steps; in ``[0, slice_len - 1]``.
         episode_key: int64 column holding each row's episode id (slice kinds need it).
         done_key: bool column whose True ends an episode (optional column).
         truncated_key: bool column whose True also ends an episode (optional column).
@@ -149,6 +160,9 @@ class TableConfig:
     alpha: float = 0.6
     beta: float = 0.4
     slice_len: int | None = None
+    strict_length: bool = True
+    span_left: int = 0
+    span_right: int = 0
     episode_key: str = "episode"
     done_key: str = "done"
     truncated_key: str = "truncated"
@@ -244,6 +258,7 @@ class TableConfig:
         self._check_compression(where)
         self._check_device(where)
         self._check_priority_mixing(where)
+        self._check_slice_shape(where)
         self._check_combinations(where)
 
     def _check_device(self, where: str) -> None:
@@ -419,6 +434,42 @@ class TableConfig:
                 f"is {self.sampler.value!r}; remove priority_mixing or choose "
                 f"'prioritized_slice'")
 
+    def _check_slice_shape(self, where: str) -> None:
+        """``strict_length``, ``span_left`` and ``span_right``: slice samplers only."""
+        if not isinstance(self.strict_length, bool):
+            raise ConfigError(f"{where}: strict_length must be true or false, got "
+                              f"{self.strict_length!r}")
+        for name in ("span_left", "span_right"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ConfigError(f"{where}: {name} must be an integer >= 0, got {value!r}")
+        partial = not self.strict_length or self.span_left or self.span_right
+        if not self.sampler.is_slice:
+            if partial:
+                raise ConfigError(
+                    f"{where}: strict_length, span_left and span_right shape slices, and "
+                    f"sampler is {self.sampler.value!r}; remove them or choose sampler 'slice'")
+            return
+        assert self.slice_len is not None
+        for name in ("span_left", "span_right"):
+            value = getattr(self, name)
+            if value >= self.slice_len:
+                raise ConfigError(
+                    f"{where}: {name} must be in [0, slice_len - 1 = {self.slice_len - 1}] (a "
+                    f"slice keeps at least one step), got {value!r}")
+        if self.span_left and self.sampler.traits.priorities:
+            raise ConfigError(
+                f"{where}: span_left={self.span_left!r} has no meaning with sampler "
+                f"{self.sampler.value!r}, which draws a slice by the priority of its first "
+                f"stored step (TorchRL's PrioritizedSliceSampler turns left spans off too); "
+                f"use span_left = 0, or sampler 'slice'")
+
+    @property
+    def partial_slices(self) -> bool:
+        """Whether a slice may be shorter than ``slice_len`` (``strict_length = false`` or a
+        span): its window then repeats its last real id."""
+        return bool(not self.strict_length or self.span_left or self.span_right)
+
     def _check_combinations(self, where: str) -> None:
         """The only combinations of features refused, each because it has no meaning
         (docs/engine.md, "What is refused"); every other combination composes."""
@@ -492,6 +543,9 @@ class TableConfig:
             "alpha": self.alpha,
             "beta": self.beta,
             "slice_len": self.slice_len,
+            "strict_length": self.strict_length,
+            "span_left": self.span_left,
+            "span_right": self.span_right,
             "episode_key": self.episode_key,
             "done_key": self.done_key,
             "truncated_key": self.truncated_key,

@@ -31,6 +31,11 @@ leaves room for the rows leased never overwrites them.
 Memory: per lease, its rows' positions, weights and probabilities (20 bytes
 a row) and a deadline entry (kept under twice the leases held, plus 64);
 leases hold distinct rows, so at most ``capacity`` rows in all.
+A lease may also be acknowledged in part (:meth:`Leases.acknowledge_first`:
+the first draws of a stream's group, the batches its learner finished).
+A lease taken with an infinite timeout (a stream's) never expires: the
+stream gives it back when it ends.
+
 Cost: O(rows + log leases) to take, acknowledge or return a lease; an
 expiry check is O(1) when nothing is due (a heap of deadlines). This
 module keeps the books; the table's parts move the rows (the layers meet
@@ -44,6 +49,8 @@ import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 from replay_proto.mass import SamplingMass
 from replay_server.engine.ids import IdRing
@@ -81,10 +88,6 @@ class Lease:
     removals: list[Removal]
     mass: SamplingMass | None
     deadline: float
-
-    def all(self) -> list[Lease]:
-        """The leases held, oldest first."""
-        return list(self._held.values())
 
     @property
     def rows(self) -> int:
@@ -148,6 +151,29 @@ class Leases:
                                and self._held[entry[2]].deadline == entry[0]]
             heapq.heapify(self._deadlines)
         return rows
+
+    def acknowledge_first(self, name: str, units: int) -> int:
+        """Acknowledge the first ``units`` draws of the lease ``name`` (rows, or slices);
+        the rest stay held. What a stream's group whose learner finished only some of its
+        batches needs (:mod:`replay_server.service.stream_leases`). Returns the rows
+        acknowledged; an unknown name is ignored. O(rows of the lease)."""
+        lease = self._held.get(name)
+        if lease is None or units <= 0:
+            return 0
+        index = lease.index
+        if units >= index.ids.shape[0]:
+            return self.acknowledge([name])
+        done = index.ids[:units].reshape(-1)
+        before = lease.rows
+        kept = []
+        for removal in lease.removals:
+            keep = ~np.isin(removal.positions, done)
+            kept.append(Removal(removal.positions[keep],
+                                None if removal.values is None else removal.values[keep]))
+        lease.removals = kept
+        lease.index = SampleIndex(index.ids[units:], index.slots[units:],
+                                  index.probabilities[units:], index.weights[units:])
+        return before - lease.rows
 
     def due(self, now: float | None = None) -> list[Lease]:
         """Remove and return the leases expired by ``now``, in the order they expired."""

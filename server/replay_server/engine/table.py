@@ -316,12 +316,14 @@ class Table:
                                         torch.from_numpy(index.weights),
                                         torch.from_numpy(index.probabilities), mass)
 
-    def settle_leases(self, acknowledge: Iterable[str] = (), give_back: Iterable[str] = ()) -> int:
-        """Acknowledge leases (their rows are gone for good), give others back (their taker
-        went away), and return the rows of expired ones to the queue. Unknown names are
-        ignored. Returns the rows that came back. See :mod:`replay_server.engine.leases`."""
+    def settle_leases(self, acknowledge: Iterable[str] = (), give_back: Iterable[str] = (),
+                      acknowledge_first: tuple[str, int] | None = None) -> int:
+        """Acknowledge leases (their rows are gone for good; ``acknowledge_first``: a lease
+        name and how many of its first draws), give others back (their taker went away),
+        and return the rows of expired ones to the queue. Unknown names are ignored.
+        Returns the rows that came back. See :mod:`replay_server.engine.leases`."""
         with self._lock:
-            back = self._parts.settle_leases(acknowledge, give_back)
+            back = self._parts.settle_leases(acknowledge, give_back, acknowledge_first)
             if back:
                 self.changes.tick()
         return back

@@ -32,7 +32,8 @@ class Capabilities:
     replay.proto): the sampler's traits (see
     :class:`~replay_server.engine.samplers.base.SamplerTraits`), whether rows
     retire after ``max_times_sampled`` draws, and the readers that shape a
-    draw (``n_step``; ``frame_stack_key``, empty when off)."""
+    draw (``n_step``; ``frame_stack_key``, empty when off), and how slices may be
+    cut (``partial_slices``: ``strict_length = false``; ``span_left``/``span_right``)."""
 
     priorities: bool = False
     slices: bool = False
@@ -43,6 +44,9 @@ class Capabilities:
     retires: bool = False
     n_step: int = 1
     frame_stack_key: str = ""
+    partial_slices: bool = False
+    span_left: int = 0
+    span_right: int = 0
 
 
 @dataclass(frozen=True, slots=True)

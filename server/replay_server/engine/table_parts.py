@@ -110,7 +110,10 @@ class TableParts:
                 **asdict(self.sampler.traits),
                 retires=config.max_times_sampled > 0,
                 n_step=config.n_step,
-                frame_stack_key=config.frame_stack_key or ""),
+                frame_stack_key=config.frame_stack_key or "",
+                partial_slices=not config.strict_length,
+                span_left=config.span_left,
+                span_right=config.span_right),
         )
 
     def stored(self, columns: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -148,13 +151,17 @@ class TableParts:
         self.limiter.sampled(again)
 
     def settle_leases(self, acknowledge: Iterable[str] = (),
-                      give_back: Iterable[str] = ()) -> int:
-        """Acknowledge leases, give others back, and return the rows of those expired now;
-        the rows that came back. O(1) when the table holds no lease."""
+                      give_back: Iterable[str] = (),
+                      acknowledge_first: tuple[str, int] | None = None) -> int:
+        """Acknowledge leases (``acknowledge_first``: the first draws of one), give others
+        back, and return the rows of those expired now; the rows that came back. O(1) when
+        the table holds no lease."""
         leases = self.leases
         if not len(leases):
             return 0
         leases.acknowledge(acknowledge)
+        if acknowledge_first is not None:
+            leases.acknowledge_first(*acknowledge_first)
         taken = leases.take_back(give_back) + leases.due()
         return sum(self.give_back(lease) for lease in taken)
 

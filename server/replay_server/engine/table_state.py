@@ -53,6 +53,10 @@ _MUST_MATCH = ("capacity", "sampler", "slice_len", "alpha", "episode_key", "done
                "truncated_key")
 """Config fields a saved state must agree with (the rest may change between runs)."""
 
+_SLICE_SHAPE = {"strict_length": True, "span_left": 0, "span_right": 0}
+"""Config fields that decide which slice starts a saved sampler holds, with the value a
+state saved before they existed has."""
+
 
 def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
                    arena_bytes: int, chunk_bytes: int) -> tuple[TableSnapshot, int]:
@@ -124,10 +128,11 @@ def check_saved_config(config: TableConfig, saved: Mapping[str, Any]) -> None:
         ConfigError: naming the table, the field and both values.
     """
     name, mine = config.name, config.describe()
-    for key in _MUST_MATCH:
-        if saved[key] != mine[key]:
+    for key in (*_MUST_MATCH, *_SLICE_SHAPE):
+        theirs = saved.get(key, _SLICE_SHAPE[key]) if key in _SLICE_SHAPE else saved[key]
+        if theirs != mine[key]:
             raise ConfigError(f"table {name!r}: config says {key}={mine[key]!r} but the saved "
-                              f"state has {key}={saved[key]!r}")
+                              f"state has {key}={theirs!r}")
     saved_key = saved.get("frame_stack_key")
     if saved_key != config.frame_stack_key:
         raise ConfigError(f"table {name!r}: config says frame_stack_key="

@@ -14,7 +14,11 @@ read or run:
    waiting for data), leaving its working slot. So 256 waiters once took
    every slot the inserts, publishes and info calls that would release them
    needed; now they fill their own pool, past which a call that would wait
-   is refused (RESOURCE_EXHAUSTED, ``overloaded``: it ran nothing).
+   is refused (RESOURCE_EXHAUSTED, ``overloaded``: it ran nothing). Streams
+   are also capped by ``max_streams`` within that pool: a stream reads
+   messages all its life (gRPC may hold a whole one for it), a waiting unary
+   call has read its request already, so streams are what the memory bound
+   counts, and the pool can hold many cheap waiters.
 2. The memory its request will take is reserved from the
    :class:`~replay_server.service.budget.MemoryBudget`: the size the client
    declared (``replay_proto.call_metadata``), else the message-size limit.
@@ -100,6 +104,7 @@ class Admission:
     Attributes:
         in_flight: replay calls admitted, working (not waiting) and not yet ended.
         waiting: calls in the waiting pool (streams, and calls that waited).
+        streams: streams open (counted in ``waiting`` too).
         refused: calls refused for the caps on calls working or waiting.
         unread: unary calls ended because their client did not take the answer.
     """
@@ -109,6 +114,7 @@ class Admission:
         self.budget = budget
         self.in_flight = 0
         self.waiting = 0
+        self.streams = 0
         self.refused = 0
         self.unread = 0
         self._tickets: dict[int, _Ended] = {}  # id(context) -> its call, while it lasts
@@ -230,23 +236,24 @@ class Admission:
         async def handle(requests: AsyncIterator[bytes],
                          context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             reservation = await self._admit(name, context, STREAM_MESSAGE_BYTES, wait=False,
-                                            waiting=True)
+                                            waiting=True, stream=True)
             async for message in behaviour(requests, context, reservation):
                 yield message
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
     async def _admit(self, name: str, context: grpc.aio.ServicerContext, default: int,
-                     wait: bool, waiting: bool = False) -> Reservation:
-        """Count the call (in the waiting pool if ``waiting``) and reserve its request's
-        memory (what it declared, else ``default``; waiting for room if ``wait``), or end it
-        with RESOURCE_EXHAUSTED."""
+                     wait: bool, waiting: bool = False, stream: bool = False) -> Reservation:
+        """Count the call (in the waiting pool if ``waiting``; a ``stream`` there and against
+        ``max_streams``) and reserve its request's memory (what it declared, else
+        ``default``; waiting for room if ``wait``), or end it with RESOURCE_EXHAUSTED."""
         if self.on_call is not None:
             self.on_call(context.peer())
-        refusal = self._full(name, waiting)
+        refusal = self._full(name, waiting, stream)
         if refusal is not None:
             await abort(context, refusal)
-        ended = _Ended(self, waiting, id(context))
+        ended = _Ended(self, waiting, id(context), stream)
+        self.streams += stream
         if waiting:
             self.waiting += 1
         else:
@@ -285,8 +292,15 @@ class Admission:
         self.in_flight -= 1
         self.waiting += 1
 
-    def _full(self, name: str, waiting: bool) -> OverloadedError | None:
-        """Why a call (``waiting``: one that will wait) cannot be admitted now, if it cannot."""
+    def _full(self, name: str, waiting: bool, stream: bool = False) -> OverloadedError | None:
+        """Why a call (``waiting``: one that will wait; ``stream``: a stream) cannot be
+        admitted now, if it cannot."""
+        if stream and self.streams >= self.limits.max_streams:
+            self.refused += 1
+            return OverloadedError(
+                f"{name}: server.max_streams = {self.limits.max_streams} streams are open "
+                f"already; the stream was not started: try again later, or raise "
+                f"server.max_streams")
         if waiting and self.waiting >= self.limits.max_waiting_calls:
             self.refused += 1
             return OverloadedError(
@@ -327,16 +341,19 @@ class Admission:
 class _Ended:
     """A call's done-callback: it is no longer in flight (or waiting), and its memory is free."""
 
-    __slots__ = ("_admission", "reservation", "waiting", "_key")
+    __slots__ = ("_admission", "reservation", "waiting", "_key", "_stream")
 
-    def __init__(self, admission: Admission, waiting: bool, key: int) -> None:
+    def __init__(self, admission: Admission, waiting: bool, key: int,
+                 stream: bool = False) -> None:
         self._admission = admission
         self.reservation: Reservation | None = None
         self.waiting = waiting
         self._key = key
+        self._stream = stream
 
     def __call__(self, _context: object) -> None:
         admission = self._admission
+        admission.streams -= self._stream
         if self.waiting:
             admission.waiting -= 1
         else:

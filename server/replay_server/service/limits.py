@@ -15,6 +15,12 @@ options, and describes them for ``info`` and the start-up log.
   that wait for data), a pool of their own, so waiters never take the slots
   of the calls that would release them; and how long a unary call whose
   client set no deadline may wait.
+* ``max_streams``: streams (``SampleStream``, ``UpdateStream``) open at once,
+  within the waiting pool. A stream reads messages for its whole life, so
+  gRPC may hold a whole message for each; a unary call waits with its request
+  read (and reserved from the budget), holding about :data:`WAITER_BYTES`
+  outside it. So streams, not waiters, are what the memory bound counts
+  (:meth:`ServiceLimits.transport_bound_bytes`).
 * ``response_timeout_s``: how long a unary call's answer may wait for its
   client to take it (one nobody reads is dropped, its memory freed).
 * ``max_connections``, ``idle_timeout_s``: open connections (more are closed
@@ -22,6 +28,13 @@ options, and describes them for ``info`` and the start-up log.
 * ``handshake_timeout_s``, ``max_idle_connections_per_host``: how long a
   connection may go without its first call, and how many such connections
   one source address may hold (:mod:`~replay_server.service.connections`).
+* ``keepalive_s``, ``keepalive_timeout_s``: the server pings every connection
+  (HTTP/2 PING) every ``keepalive_s`` and closes one whose ping
+  is not answered within ``keepalive_timeout_s``, ending its calls: a peer
+  that vanished without a FIN or RST (power loss, partition) gives back what
+  its calls held (a stream's leased rows) within their sum, not after TCP's
+  retransmissions give up (~15 min). Clients may ping as often as every
+  :func:`client_ping_floor_s` (faster: GOAWAY ``too_many_pings``).
 * ``max_batch_mb``: the largest batch (or group) one draw may take.
 * ``shared_memory_mb``: /dev/shm all same-host rings together may take.
 """
@@ -43,8 +56,18 @@ MIB = 1 << 20
 DEFAULTS = {"memory_budget_mb": 1024, "max_concurrent_calls": 256, "max_connections": 512,
             "idle_timeout_s": 300.0, "max_batch_mb": 256, "shared_memory_mb": 1024,
             "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
-            "max_waiting_calls": 1024, "default_wait_s": 300.0, "response_timeout_s": 60.0}
+            "max_waiting_calls": 1024, "max_streams": 128, "default_wait_s": 300.0,
+            "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
+
+WINDOW_BYTES = 64 << 10
+"""A stream's HTTP/2 flow-control window: what a client may send it that nobody reads yet
+(the server turns off gRPC's bandwidth-delay probe, which grew it to megabytes)."""
+
+WAITER_BYTES = 96 << 10
+"""What a waiting unary call holds outside the budget at most: its stream's window, which a
+lying client may fill, plus the call's own state (measured: 25 KiB per waiting fetch, 500
+of them)."""
 
 RESERVED_FILES = 64
 """Open files a server needs besides its connections (listeners, checkpoint files, rings, logs)."""
@@ -61,6 +84,18 @@ METRICS_MAX_CONNECTIONS = 16
 
 SIDE_LISTENER_IDLE_S = 10.0
 """A health or metrics connection is closed after this long without a request."""
+
+CLIENT_PING_FLOOR_S = 10.0
+"""Clients may ping at most this often (or every ``keepalive_s``, if that is shorter); the
+replay client pings every 60 s (``replay_client.connection.KEEPALIVE_S``)."""
+
+
+def client_ping_floor_s(keepalive_s: float) -> float:
+    """The shortest interval the server accepts between a client's pings on a connection that
+    sends no data: :data:`CLIENT_PING_FLOOR_S`, or ``keepalive_s`` if shorter (a client may
+    ping as often as the server does). gRPC counts a faster ping as a strike and closes the
+    connection (GOAWAY ``too_many_pings``) after two."""
+    return min(CLIENT_PING_FLOOR_S, keepalive_s)
 
 
 def check_limits(settings: Any) -> None:
@@ -90,6 +125,9 @@ def check_limits(settings: Any) -> None:
     _int("server.max_idle_connections_per_host", settings.max_idle_connections_per_host, 1,
          settings.max_connections)
     _int("server.max_waiting_calls", settings.max_waiting_calls, 1, 1_000_000)
+    _int("server.max_streams", settings.max_streams, 1, 1_000_000)
+    _seconds("server.keepalive_s", settings.keepalive_s, 1.0, 86_400.0)
+    _seconds("server.keepalive_timeout_s", settings.keepalive_timeout_s, 1.0, 3_600.0)
     wait = settings.default_wait_s
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < math.inf:
         raise ConfigError(f"server.default_wait_s must be a number of seconds > 0, got {wait!r}")
@@ -115,6 +153,12 @@ def max_batch_mb_for(memory_budget_mb: int) -> int:
     return max(1, int(memory_budget_mb * BULK_SHARE) // 2)
 
 
+def _seconds(name: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise ConfigError(f"{name} must be a number of seconds in [{low:g}, {high:g}], got "
+                          f"{value!r}")
+
+
 def _int(name: str, value: Any, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
         raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
@@ -134,8 +178,11 @@ class ServiceLimits:
     handshake_timeout_s: float = DEFAULTS["handshake_timeout_s"]
     max_idle_connections_per_host: int = DEFAULTS["max_idle_connections_per_host"]
     max_waiting_calls: int = DEFAULTS["max_waiting_calls"]
+    max_streams: int = DEFAULTS["max_streams"]
     default_wait_s: float = DEFAULTS["default_wait_s"]
     response_timeout_s: float = DEFAULTS["response_timeout_s"]
+    keepalive_s: float = DEFAULTS["keepalive_s"]
+    keepalive_timeout_s: float = DEFAULTS["keepalive_timeout_s"]
 
     @classmethod
     def of(cls, settings: Any) -> ServiceLimits:
@@ -152,8 +199,12 @@ class ServiceLimits:
                                     float(settings.idle_timeout_s)),
             max_idle_connections_per_host=settings.max_idle_connections_per_host,
             max_waiting_calls=settings.max_waiting_calls,
+            # streams wait in the waiting pool too: never more than it holds
+            max_streams=min(settings.max_streams, settings.max_waiting_calls),
             default_wait_s=float(settings.default_wait_s),
             response_timeout_s=float(settings.response_timeout_s),
+            keepalive_s=float(settings.keepalive_s),
+            keepalive_timeout_s=float(settings.keepalive_timeout_s),
         )
 
     @classmethod
@@ -169,8 +220,25 @@ class ServiceLimits:
 
     @property
     def max_idle_connections(self) -> int:
-        """Connections without a call kept from all addresses together: half the port."""
-        return max(1, self.max_connections // 2)
+        """Connections without a call kept from all addresses together: a quarter of the port."""
+        return max(1, self.max_connections // 4)
+
+    @property
+    def transport_bound_bytes(self) -> int:
+        """What calls may make the server hold at most, besides its tables, whatever clients
+        send or declare (docs/service.md, "Limits"):
+
+            memory_budget + (max_concurrent_calls + max_streams) x (2 x max_message + window)
+                          + max_waiting_calls x WAITER_BYTES
+
+        the budget for everything admitted; per working call and per stream, one message
+        gRPC reads before the handler sees its size (held twice for a moment: gRPC's buffer
+        and the copy it hands over) plus its window; per waiting call, its window and
+        state (its request is read and in the budget)."""
+        per_reader = 2 * self.max_message_bytes + WINDOW_BYTES
+        return (self.memory_budget_bytes
+                + (self.max_concurrent_calls + self.max_streams) * per_reader
+                + self.max_waiting_calls * WAITER_BYTES)
 
     def grpc_options(self) -> list[tuple[str, int]]:
         """gRPC server options enforcing the connection limits and message sizes."""
@@ -189,6 +257,26 @@ class ServiceLimits:
             # a client pushing chunks the server is not reading yet could fill (measured:
             # +640 MiB for 60 such clients against a 256 MiB budget, +240 MiB without it).
             ("grpc.http2.bdp_probe", 0),
+            *self.keepalive_options(),
+        ]
+
+    def keepalive_options(self) -> list[tuple[str, int]]:
+        """gRPC server options of the keepalive (see the module docstring)."""
+        return [
+            ("grpc.keepalive_time_ms", int(self.keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            # gRPC (1.85) waits for a ping's answer this long whatever keepalive_timeout_ms
+            # says (its default: 60 s).
+            ("grpc.http2.ping_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            # Ping a connection whose calls send nothing (a stream waiting for credits from a
+            # learner that vanished): gRPC's default stops after two pings without data.
+            ("grpc.http2.max_pings_without_data", 0),
+            # Ping connections without calls too, and accept clients' pings on them.
+            ("grpc.keepalive_permit_without_calls", 1),
+            # The shortest interval accepted between a client's pings (gRPC's default: 5 min,
+            # which a client pinging every minute would break with too_many_pings).
+            ("grpc.http2.min_ping_interval_without_data_ms",
+             int(client_ping_floor_s(self.keepalive_s) * 1000)),
         ]
 
     @property
@@ -264,6 +352,7 @@ class ServiceLimits:
             "handshake_timeout_s": self.handshake_timeout_s,
             "max_idle_connections_per_host": self.max_idle_connections_per_host,
             "max_waiting_calls": self.max_waiting_calls,
+            "max_streams": self.max_streams,
             "default_wait_s": self.default_wait_s,
             "response_timeout_s": self.response_timeout_s,
         }

@@ -8,7 +8,8 @@ Three sources, one registry per server:
   service already count (no second bookkeeping on the hot path):
 
       replay_table_size_rows / _capacity_rows / _storage_bytes{table}
-      replay_table_inserted_rows_total / _evicted_rows_total / _retired_rows_total{table}
+      replay_table_inserted_rows_total / _evicted_rows_total / _retired_rows_total /
+      _returned_rows_total{table}
       replay_table_sampled_total / _sample_calls_total{table}    (a slice counts once)
       replay_table_priority_updates_total / _stale_priority_updates_total{table}
       replay_table_resets_total{table}
@@ -174,6 +175,9 @@ class EngineCollector(Collector):
                                        "or reset."),
             "resets": ("replay_table_resets", "Resets of the table."),
             "deleted": ("replay_table_deleted_rows", "Rows removed by Delete."),
+            "returned": ("replay_table_returned_rows", "Rows taken from a queue under a lease "
+                         "that came back to it (the lease expired, or its stream ended "
+                         "before the learner finished them)."),
         }
         families = {key: CounterMetricFamily(name, text, labels=["table"])
                     for key, (name, text) in counters.items()}

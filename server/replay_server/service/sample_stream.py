@@ -14,6 +14,15 @@ credits allow is drawn before the update: a learner's next batch sees its
 last update with no round trip of its own. A refused update ends the stream
 with the status ``UpdatePriorities`` would have answered.
 
+Queue tables: a learner that names a lease prefix (``lease``) takes each
+group of batches under a lease of the table and says with its credits how
+many batches it finished (``finished``); the groups finished are
+acknowledged, and when the stream ends every group not finished returns to
+the queue (:mod:`replay_server.service.stream_leases`). Such a stream stops
+drawing once the learner half-closes, and after its last batch (``num_batches``)
+waits for the learner to finish them (at most the table's ``lease_timeout_s``)
+before it ends.
+
 Same host: if the learner asked for shared memory and runs on this host
 (same boot id), the server creates a ring of ``credits + 1`` slots in
 /dev/shm sized for one batch each and offers it with the first batch. Once
@@ -43,16 +52,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-import torch
 
-from replay_feed.shared_ring import SharedMemoryError, SharedRing, align, host_id
-from replay_proto import messages
+from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_proto.batch import SampleBatch, batch_nbytes
 from replay_proto.sample_codec import (
     HEADROOM,
     STREAM_CHUNK_BYTES,
     encode_ring_batch,
     encode_sample,
+    with_leased,
     with_note,
     with_offer,
 )
@@ -63,6 +71,9 @@ from replay_server.engine.table_set import TableSet
 from replay_server.errors import InvalidArgumentError, RateLimitedError
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner
+from replay_server.service.stream_leases import StreamLeases, until_done
+from replay_server.service.stream_requests import parse_first, update_table
+from replay_server.service.stream_ring import RingLayout
 from replay_server.service.status import (
     CLIENT_LOG,
     LimitExceededError,
@@ -70,10 +81,6 @@ from replay_server.service.status import (
     ShuttingDownError,
 )
 from replay_server.service.waiting import draw
-
-
-MAX_CREDITS = 1024
-"""Largest prefetch window a learner may grant in its first message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,30 +93,6 @@ class StreamLimits:
     max_batch_bytes: int
     budget: MemoryBudget
     shared_memory_budget: MemoryBudget
-
-
-class _RingLayout:
-    """Where each tensor of one batch lies in a ring slot (64-byte aligned offsets).
-
-    Args:
-        batch: a drawn batch or group (its first ``batch_size`` rows give the layout).
-        batch_size: rows per batch.
-    """
-
-    def __init__(self, batch: SampleBatch, batch_size: int) -> None:
-        self.keys = list(batch.columns)
-        tensors = [t[:batch_size] for t in batch.tensors()]
-        self.specs = [(t.dtype, tuple(t.shape)) for t in tensors]
-        self.offsets = []
-        offset = 0
-        for t in tensors:
-            self.offsets.append(offset)
-            offset = align(offset + t.numel() * t.element_size())
-        self.slot_bytes = max(offset, 1)
-
-    def views(self, ring: SharedRing, slot: int) -> list[torch.Tensor]:
-        return [ring.view(slot, off, dtype, shape)
-                for off, (dtype, shape) in zip(self.offsets, self.specs)]
 
 
 class SampleStreamCall:
@@ -139,12 +122,14 @@ class SampleStreamCall:
         self._table: Table = None  # type: ignore[assignment]  # set by run()
         self._credit_event = asyncio.Event()
         self._client_done = False
+        self._left = asyncio.Event()  # set with _client_done
         self._refused: InvalidArgumentError | None = None  # a malformed learner message
         self._ring: SharedRing | None = None
         self._ring_reservation: Reservation | None = None
-        self._layout: _RingLayout | None = None
+        self._layout: RingLayout | None = None
         self._ring_accepted = False
         self._held: dict[asyncio.Future, Reservation] = {}  # each drawn group's memory
+        self._leases: StreamLeases | None = None  # a queue table's, if the learner named a prefix
 
     def wake(self) -> None:
         """The server started draining: a stream waiting for credit ends now (UNAVAILABLE),
@@ -166,7 +151,7 @@ class SampleStreamCall:
             return
         if len(first_raw) > self._max_request:
             await calls.fail(context, self._oversized(first_raw))
-        first = await calls.run(context, _parse_first, first_raw)
+        first = await calls.run(context, parse_first, first_raw)
         request = first.request
         table = await calls.run(context, self._tables.__getitem__, request.table)
         self._table = table
@@ -174,6 +159,12 @@ class SampleStreamCall:
         if batch_bytes > self._limits.max_batch_bytes:
             await calls.fail(context, self._too_large(table, request.batch_size, batch_bytes))
         self._group = max(1, request.batches_per_message)
+        try:
+            self._leases = StreamLeases.open(table, first.lease, request.batch_size)
+            if first.finished:
+                raise InvalidArgumentError("the first SampleStream message cannot finish batches")
+        except InvalidArgumentError as exc:
+            await calls.fail(context, exc)
         if first.HasField("update"):
             try:
                 await self._apply(first.update)
@@ -202,6 +193,8 @@ class SampleStreamCall:
                 if calls.draining:
                     pending.cancel()
                     await calls.fail(context, ShuttingDownError("the server is shutting down"))
+                if self._leases is not None and not await until_done(pending, self._left):
+                    break  # the learner left while the draw waited: nothing more to send
                 chunks, count, ring_note = await calls.settle(context, pending)
                 sent = self._held.pop(pending, None)
                 index += count
@@ -210,6 +203,8 @@ class SampleStreamCall:
                     note = ring_note
                 if note and index == count:  # first group: say why there is no ring
                     chunks[0] = with_note(chunks[0], note)
+                if self._leases is not None and index == count:
+                    chunks[0] = with_leased(chunks[0])
                 ahead = await self._next_count(request, table, index, wait=False)
                 if ahead:
                     reservation = await self._reserve(table, request, ahead, wait=False)
@@ -223,7 +218,13 @@ class SampleStreamCall:
                     sent.release()  # the group was handed to gRPC whole: its bytes are gone
             if self._refused is not None:
                 await calls.fail(context, self._refused)
+            if self._leases is not None:
+                await self._leases.wait_finished(
+                    self._credit_event, self._table.config.effective_lease_timeout_s,
+                    lambda: self._client_done or calls.draining or self._refused is not None)
         finally:
+            if self._leases is not None:
+                self._leases.end_soon(self._calls.executor)
             if pending is not None and not pending.done():
                 pending.cancel()
             elif pending is not None and not pending.cancelled():
@@ -295,12 +296,19 @@ class SampleStreamCall:
                         f"malformed SampleStream credit message: {exc}")
                     return
                 if (message.credits < 0 or message.HasField("request")
-                        or message.batches_per_message < 0):
+                        or message.batches_per_message < 0 or message.finished < 0
+                        or message.lease):
                     self._refused = InvalidArgumentError(
                         "a later SampleStream message may only grant credits >= 0, carry a "
-                        "priority update, set batches_per_message >= 0 or answer a "
-                        "shared-memory offer")
+                        "priority update, set batches_per_message >= 0, finish batches >= 0 "
+                        "or answer a shared-memory offer")
                     return
+                if message.finished and self._leases is not None:
+                    try:
+                        self._leases.finish(message.finished)
+                    except InvalidArgumentError as exc:
+                        self._refused = exc
+                        return
                 if message.HasField("update"):
                     try:
                         await self._apply(message.update)  # before its credits count
@@ -319,6 +327,7 @@ class SampleStreamCall:
             pass
         finally:
             self._client_done = True
+            self._left.set()
             self._credit_event.set()
 
     async def _apply(self, update: pb.UpdatePrioritiesRequest) -> None:
@@ -328,7 +337,7 @@ class SampleStreamCall:
             raise InvalidArgumentError(
                 f"a SampleStream of table {table.name!r} carried a priority update of table "
                 f"{update.table!r}; update other tables with UpdatePriorities")
-        await self._calls.change(self._context, _update_table, table, update, aborting=False)
+        await self._calls.change(self._context, update_table, table, update, aborting=False)
 
     def _on_answer(self, answer: pb.SharedMemoryAnswer) -> None:
         ring = self._ring
@@ -348,6 +357,8 @@ class SampleStreamCall:
         remaining = request.num_batches - index if request.num_batches else MAX_BATCH_SIZE
         if remaining <= 0 or self._refused is not None:
             return 0
+        if self._leases is not None and self._client_done:
+            return 0  # the learner left: draw nothing more it would have to give back
         while self._credits <= index:
             if not wait or self._client_done:
                 return 0
@@ -388,14 +399,19 @@ class SampleStreamCall:
               offer_ring: bool) -> tuple[str, tuple[list[bytes], int, str]]:
         if self._ring_accepted and self._ring is not None and self._layout is not None:
             return table.name, ([self._draw_into_ring(table, request, index)], 1, "")
-        wait = request.wait_for_data
+        wait, leases = request.wait_for_data, self._leases
+        lease = None if leases is None else leases.request(index)
+        if leases is not None:
+            leases.settle()  # acknowledge the groups the learner finished
         try:
-            batch = draw(table, request.batch_size * count, wait_for_data=wait)
+            batch = draw(table, request.batch_size * count, wait_for_data=wait, lease=lease)
         except RateLimitedError:
             if count == 1:
                 raise
             count = 1  # a group the limiter holds back is drawn as a single batch
-            batch = draw(table, request.batch_size, wait_for_data=wait)
+            batch = draw(table, request.batch_size, wait_for_data=wait, lease=lease)
+        if leases is not None and lease is not None:
+            leases.drawn(lease, count)
         chunk_bytes = max(1, min(STREAM_CHUNK_BYTES, self._limits.max_message_bytes - HEADROOM))
         chunks = encode_sample(batch, index, chunk_bytes, batch_count=count)
         note = ""
@@ -409,7 +425,7 @@ class SampleStreamCall:
         return table.name, (chunks, count, note)
 
     def _create_ring(self, batch: SampleBatch, batch_size: int) -> str:
-        layout = _RingLayout(batch, batch_size)
+        layout = RingLayout(batch, batch_size)
         slots = self._window + 1
         size = SharedRing.size_for(slots, layout.slot_bytes)
         try:
@@ -435,7 +451,14 @@ class SampleStreamCall:
         views = layout.views(ring, slot)
         n = len(layout.keys)
         columns = dict(zip(layout.keys, views[:n]))
-        batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data, out=columns)
+        leases = self._leases
+        lease = None if leases is None else leases.request(index)
+        if leases is not None:
+            leases.settle()
+        batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data, out=columns,
+                     lease=lease)
+        if leases is not None and lease is not None:
+            leases.drawn(lease, 1)
         for dest, src in zip(views[n:], batch.extras):
             dest.copy_(src)
         return encode_ring_batch(columns, views[n:], index, slot, layout.offsets, batch.mass)
@@ -454,32 +477,3 @@ class SampleStreamCall:
             ring.close()
         if reservation is not None:
             reservation.release()
-
-
-def _update_table(table: Table, update: pb.UpdatePrioritiesRequest) -> tuple[str, int]:
-    """Engine pool: ``update`` applied to ``table``; how many ids named stored rows."""
-    ids, priorities = messages.update_arrays(update)
-    applied = table.update_priorities(ids, priorities)
-    return table.name, int(applied or 0)
-
-
-def _parse_first(raw: bytes) -> pb.SampleStreamRequest:
-    try:
-        first = pb.SampleStreamRequest.FromString(raw)
-    except Exception as exc:
-        raise InvalidArgumentError(f"malformed SampleStreamRequest: {exc}") from None
-    if not first.HasField("request"):
-        raise InvalidArgumentError("the first SampleStream message must carry `request`")
-    request = first.request
-    for name in ("num_batches", "batches_per_message"):
-        if getattr(request, name) < 0:
-            raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(request, name)}")
-    if not 1 <= first.credits <= MAX_CREDITS:
-        raise InvalidArgumentError(
-            f"the first SampleStream message must grant credits in [1, {MAX_CREDITS}] (the "
-            f"prefetch window), got {first.credits}")
-    if not 0 <= first.window <= MAX_CREDITS:
-        raise InvalidArgumentError(
-            f"the first SampleStream message's window must be in [0, {MAX_CREDITS}], got "
-            f"{first.window}")
-    return first

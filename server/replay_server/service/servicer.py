@@ -410,6 +410,8 @@ class ReplayServicer:
             default_wait_s=limits.default_wait_s, handshake_timeout_s=limits.handshake_timeout_s,
             max_idle_connections_per_host=limits.max_idle_connections_per_host,
             connections_open=connections_open, connections_closed=connections_closed,
+            max_streams=limits.max_streams, streams_open=self._admission.streams,
+            transport_bound_bytes=limits.transport_bound_bytes,
         )
 
     def _may_pass(self, table: str, operation: str, count: int) -> bool:

@@ -63,6 +63,10 @@ class ServerSettings:
         max_waiting_calls: calls waiting at once (streams; fetches, samples and
             inserts waiting for a newer version, for data or for their rate
             limiter), a pool of their own; more are refused (RESOURCE_EXHAUSTED).
+        max_streams: streams (``SampleStream``, ``UpdateStream``) open at once, within
+            the waiting pool (at most ``max_waiting_calls``); more are refused
+            (RESOURCE_EXHAUSTED). Each may have gRPC hold a whole message, so this,
+            not ``max_waiting_calls``, is what the memory bound counts.
         default_wait_s: how long a unary call whose client set no deadline may
             wait (a fetch for a newer version, a sample for data or its rate
             limiter, an insert for its rate limiter).
@@ -76,6 +80,14 @@ class ServerSettings:
             only calls carrying it do); ``idle_timeout_s`` if that is shorter.
         max_idle_connections_per_host: connections that have made no call yet
             one source address may hold; more are closed, the oldest first.
+        keepalive_s: the server pings every connection (HTTP/2 PING) every this many
+            seconds, so that a peer that vanished without closing its connection
+            (power loss, partition) is found dead; clients may ping as often as every
+            ``min(keepalive_s, 10)`` seconds.
+        keepalive_timeout_s: a connection whose ping is not answered within this
+            many seconds is closed, ending its calls (a stream's leased rows go back
+            to the queue): a vanished learner's rows stay leased at most
+            ``keepalive_s + keepalive_timeout_s``.
         max_batch_mb: largest batch (or group of batches) one Sample call or
             SampleStream draws, in MiB; at most 3/8 of ``memory_budget_mb``.
         shared_memory_mb: bytes all shared-memory rings together may take in
@@ -118,8 +130,11 @@ class ServerSettings:
     handshake_timeout_s: float = LIMIT_DEFAULTS["handshake_timeout_s"]
     max_idle_connections_per_host: int = LIMIT_DEFAULTS["max_idle_connections_per_host"]
     max_waiting_calls: int = LIMIT_DEFAULTS["max_waiting_calls"]
+    max_streams: int = LIMIT_DEFAULTS["max_streams"]
     default_wait_s: float = LIMIT_DEFAULTS["default_wait_s"]
     response_timeout_s: float = LIMIT_DEFAULTS["response_timeout_s"]
+    keepalive_s: float = LIMIT_DEFAULTS["keepalive_s"]
+    keepalive_timeout_s: float = LIMIT_DEFAULTS["keepalive_timeout_s"]
     max_batch_mb: int = LIMIT_DEFAULTS["max_batch_mb"]
     shared_memory_mb: int = LIMIT_DEFAULTS["shared_memory_mb"]
     table_memory_mb: int = 0

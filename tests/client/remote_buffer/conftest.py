@@ -14,9 +14,17 @@ KINDS = {
     "per": 'sampler = "prioritized"\nalpha = 0.6\nbeta = 0.4',
     "seq": 'sampler = "slice"\nslice_len = 4\ndone_key = "next.done"',
     "pseq": 'sampler = "prioritized_slice"\nslice_len = 4\ndone_key = "next.done"',
+    "short": 'sampler = "slice"\nslice_len = 4\ndone_key = "next.done"\nstrict_length = false',
+    "pshort": 'sampler = "prioritized_slice"\nslice_len = 4\ndone_key = "next.done"\n'
+              'strict_length = false\nalpha = 1.0',
+    "span": 'sampler = "prioritized_slice"\nslice_len = 4\ndone_key = "next.done"\n'
+            'span_right = 2',
+    "spans": 'sampler = "slice"\nslice_len = 4\ndone_key = "next.done"\n'
+             'span_left = 2\nspan_right = 2',
 }
-TABLES_PER_KIND = 16
-CAPACITY = {"rows": 10, "per": 100, "seq": 1000, "pseq": 1000}
+TABLES_PER_KIND = 24
+CAPACITY = {"rows": 10, "per": 100, "seq": 1000, "pseq": 1000, "short": 1000, "pshort": 1000,
+            "span": 1000, "spans": 1000}
 
 
 @pytest.fixture(scope="package")
@@ -35,7 +43,10 @@ _used = {kind: itertools.count() for kind in KINDS}
 @pytest.fixture
 def fresh(buffer_server):
     """``fresh(kind)``: the name of a table of ``kind`` (rows: uniform, capacity 10; per:
-    prioritized, capacity 100; seq / pseq: slices of 4, capacity 1000) no test used before."""
+    prioritized, capacity 100; seq / pseq: slices of 4, capacity 1000; short / pshort: slices
+    of 4 with strict_length = false, span: prioritized slices of 4 with span_right = 2, spans:
+    slices of 4 with span_left = span_right = 2,
+    capacity 1000) no test used before."""
     def make(kind: str) -> str:
         n = next(_used[kind])
         assert n < TABLES_PER_KIND, f"add tables of kind {kind!r} to the test server"

@@ -185,9 +185,11 @@ def test_collate_and_inverted_transforms_and_schedulers_on_the_buffer(client, fr
 
 
 def test_slice_options_without_a_server_counterpart_are_refused(client, fresh) -> None:
-    with pytest.raises(errors.UnsupportedComponentError, match="strict_length=False"):
-        RemoteReplayBuffer(client, fresh("seq"),
-                           sampler=SliceSampler(slice_len=4, strict_length=False))
+    """Static trajectories were ignored before, silently: TorchRL keeps them in a cache, not
+    in the attribute the buffer read."""
+    with pytest.raises(errors.UnsupportedComponentError, match="trajectories=... or ends="):
+        RemoteReplayBuffer(client, fresh("seq"), sampler=SliceSampler(
+            slice_len=4, trajectories=torch.zeros(8, dtype=torch.int64), cache_values=True))
 
 
 def test_torchrl_service_calls_and_shared_transforms(client, fresh) -> None:

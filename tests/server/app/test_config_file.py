@@ -103,6 +103,7 @@ def test_omitted_server_keys_take_their_defaults(tmp_path: Path) -> None:
         "127.0.0.1:50051", "auto", None, 4, 4, "text")
     assert (settings.checkpoint_dir, settings.checkpoint_interval_s, settings.keep_latest) == (
         None, 600.0, 3)
+    assert (settings.keepalive_s, settings.keepalive_timeout_s) == (30.0, 10.0)
 
 
 def test_declared_schema_loads_with_nested_keys_flattened(tmp_path: Path) -> None:
@@ -156,12 +157,19 @@ def test_port_zero_means_any_free_port_and_is_accepted(tmp_path: Path) -> None:
     ("max_batch_mb = 400", ("server.max_batch_mb", "[1, 384]", "400")),
     ("shared_memory_mb = -1", ("server.shared_memory_mb", "-1")),
     ("table_memory_mb = true", ("server.table_memory_mb", "True")),
+    ("keepalive_s = 0", ("server.keepalive_s", "[1, 86400]", "0")),
+    ("keepalive_s = inf", ("server.keepalive_s", "inf")),
+    ("keepalive_s = true", ("server.keepalive_s", "True")),
+    ("keepalive_timeout_s = 0.5", ("server.keepalive_timeout_s", "[1, 3600]", "0.5")),
+    ('keepalive_timeout_s = "10"', ("server.keepalive_timeout_s", "'10'")),
 ], ids=["address-without-port", "port-70000", "address-without-host", "pin-memory-maybe",
         "workers-0", "workers-float", "max-message-0", "log-format-xml", "empty-token-env",
         "empty-checkpoint-dir", "checkpoint-dir-number", "interval-negative", "interval-inf",
         "interval-string", "keep-latest-0", "keep-latest-float", "shard-128", "shard-negative",
         "start-empty-string", "budget-0", "calls-0", "connections-float", "idle-0", "idle-inf",
-        "batch-over-budget", "rings-negative", "table-memory-bool"])
+        "batch-over-budget", "rings-negative", "table-memory-bool", "keepalive-0",
+        "keepalive-inf", "keepalive-bool", "keepalive-timeout-half-second",
+        "keepalive-timeout-string"])
 def test_bad_server_value_names_the_field_and_value(
     tmp_path: Path, line: str, fragments: tuple[str, ...]
 ) -> None:

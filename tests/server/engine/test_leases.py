@@ -143,3 +143,29 @@ def test_a_lease_name_is_bounded() -> None:
         LeaseRequest("x" * 300, 1.0)
     with pytest.raises(InvalidArgumentError, match="lease name"):
         LeaseRequest("", 1.0)
+
+
+@pytest.mark.parametrize("sampler", ["fifo", "lifo"])
+def test_a_lease_acknowledged_in_part_gives_back_only_the_rest(sampler) -> None:
+    """A stream's group whose learner finished its first batches (Leases.acknowledge_first)."""
+    table = queue(sampler)
+    taken = take(table, 6, "group")
+    back = table.settle_leases(acknowledge_first=("group", 4), give_back=["group"])
+    assert back == 2 and table.size == 6
+    assert sorted(drain(table)) == sorted(set(range(10)) - set(taken[:4]))
+    assert table.info().counters.returned == 2
+
+
+def test_acknowledging_a_lease_in_part_past_its_end_acknowledges_it_whole() -> None:
+    table = queue()
+    take(table, 3, "a")
+    assert table.settle_leases(acknowledge_first=("a", 5), give_back=["a"]) == 0
+    assert table.settle_leases(acknowledge_first=("unknown", 2)) == 0
+    assert drain(table) == list(range(3, 10))
+
+
+def test_a_lease_without_a_timeout_never_expires() -> None:
+    table = queue()
+    take(table, 3, "stream/0", timeout=float("inf"))
+    assert table.settle_leases() == 0 and table.size == 7
+    assert table.settle_leases(give_back=["stream/0"]) == 3 and table.size == 10

@@ -7,7 +7,9 @@ import time
 
 import pytest
 
+from replay_server.service import connections
 from replay_server.service.connections import ConnectionGuard, peer_address
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.skipif(not ConnectionGuard.supported(), reason="needs /proc/self/fd")
 
@@ -52,7 +54,7 @@ def test_it_closes_by_deadline_and_per_host_cap_keeping_callers(listener) -> Non
         guard.called(f"ipv4:127.0.0.3:{caller[0].getsockname()[1]}")
         now = time.monotonic()
         assert guard.sweep(now) == 0  # young: spared by the caps (no pressure)
-        assert guard.sweep(now + 0.1) == 2  # two over the per-host cap: the oldest
+        assert guard.sweep(now + connections.GRACE_S) == 2  # two over the per-host cap: the oldest
         assert [closed(client) for client, _ in pairs] == [True, True, False, False]
         assert guard.sweep(now + 6) == 2  # the deadline: the rest without a call
         assert all(closed(client) for client, _ in pairs)
@@ -97,6 +99,29 @@ def test_it_never_closes_a_descriptor_it_does_not_own(listener) -> None:
         for _, conn in pairs:
             conn.settimeout(10)  # the server's descriptors stay open: only shut down
             assert conn.fileno() >= 0 and conn.recv(1) == b""
+    finally:
+        guard.stop()
+        for client, conn in pairs:
+            client.close()
+            conn.close()
+
+
+def test_its_thread_sweeps_as_soon_as_connections_arrive(listener, monkeypatch) -> None:
+    """Sweeping every 100 ms let a burst of 256 connections fill a 512-connection port between
+    two sweeps (clients refused for ~1 s in a minute of attack waves). The thread now sweeps
+    as soon as the process holds more descriptors than at its last sweep: with the periodic
+    sweep out of the way (a minute), a burst over the caps is still trimmed."""
+    monkeypatch.setattr(connections, "SWEEP_S", 60.0)
+    port = listener.getsockname()[1]
+    guard = ConnectionGuard(port, handshake_timeout_s=30, max_idle_per_host=2, max_idle=100,
+                            max_connections=8)
+    guard.start()
+    pairs = []
+    try:
+        assert wait_for(lambda: guard.open == 0 and guard.closed == 0, timeout=10)
+        pairs = [accepted(listener, "127.0.0.2") for _ in range(6)]  # under pressure: 6 of 8
+        assert wait_for(lambda: guard.closed == 4, timeout=10)
+        assert [closed(client) for client, _ in pairs] == [True] * 4 + [False] * 2
     finally:
         guard.stop()
         for client, conn in pairs:

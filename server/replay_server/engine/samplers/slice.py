@@ -5,6 +5,16 @@ yields each row the moment it becomes a valid slice start; they differ only in
 how a start is drawn: uniformly (:class:`SliceSampler`) or by priority
 (:class:`PrioritizedSliceSampler`, R2D2-style sequence replay). Sampling cost
 depends on neither capacity nor the number of rows stored.
+
+*Partial slices* (the table's ``strict_length = false`` or a span, see
+:class:`~replay_server.engine.config.TableConfig`) may be shorter than
+``slice_len``: they start at the first stored step of an episode of any length
+(``strict_length = false``), may end up to ``span_right`` steps early at an
+episode's last stored step, and (:class:`SliceSampler` only) may begin up to
+``span_left`` steps before its first one. A sample is still ``[B, slice_len]``:
+past a slice's last real step its window repeats that step's id (and row), so
+``1 + number of id changes`` along a window is its length (what the clients
+cut or pad, see ``replay_proto.slices``).
 """
 
 from __future__ import annotations
@@ -24,53 +34,104 @@ from replay_server.engine.samplers.base import (
     SampleIndex,
     SamplerOptions,
     SamplerTraits,
+    uniform_draws,
 )
 from replay_server.engine.samplers.episodes import EpisodeIndex, index_dtype
+from replay_server.engine.samplers.heads import EpisodeHeads, heads_bytes
 from replay_server.engine.samplers.prioritized import PriorityState, draw_by_priority
 from replay_server.engine.samplers.slotset import SlotSet, slotset_bytes
 from replay_server.engine.snapshot import saved_copy
 from replay_server.engine.sumtree import SLOT_BYTES, SumTree
 
 
-def _no_slices(ring: IdRing, slice_len: int) -> EmptyTableError:
+def _no_slices(ring: IdRing, episodes: EpisodeIndex) -> EmptyTableError:
     if ring.size == 0:
         return EmptyTableError("the table is empty")
     return EmptyTableError(
-        f"no episode has {slice_len} consecutive steps stored yet "
-        f"({ring.size} rows stored); episodes shorter than slice_len are never sampled"
+        f"no episode has {episodes.min_len} consecutive steps stored yet "
+        f"({ring.size} rows stored); episodes shorter than slice_len = "
+        f"{episodes.slice_len} are sampled only by a table with strict_length = false"
     )
 
 
+def _fresh(slots: np.ndarray, is_start: np.ndarray | None, starts: SlotSet | None = None
+           ) -> np.ndarray:
+    """``slots`` that are not starts yet, each once (partial slices: an episode's first
+    step may come back as a start when it later has ``min_len`` steps)."""
+    slots = np.unique(slots)
+    known = starts.contains(slots) if starts is not None else is_start[slots]
+    return slots[~known]
+
+
+def _new_starts(ring: IdRing, episodes: EpisodeIndex, event: InsertEvent,
+                strict_length: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Partial slices: the slots that may have become starts (with duplicates, and starts
+    already known), and the slots of the new episode heads."""
+    starts, heads = episodes.insert_tracking_heads(event)
+    starts, heads = ring.slots(starts), ring.slots(heads)
+    return (starts if strict_length else np.concatenate((starts, heads))), heads
+
+
+def _cut(windows: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """``windows`` ``[n, slice_len]`` with at most ``keep[i]`` real steps each, the rest
+    repeating the last one kept (see :mod:`replay_server.engine.samplers.episodes`)."""
+    real = 1 + (windows[:, 1:] != windows[:, :-1]).sum(axis=1)
+    last = np.minimum(real, keep) - 1
+    steps = np.minimum(np.arange(windows.shape[1]), last[:, None])
+    return np.take_along_axis(windows, steps, axis=1)
+
+
 class SliceSampler(Sampler):
-    """Slices whose starts are drawn uniformly among all valid starts.
+    """Slices whose starts are drawn uniformly among all valid starts (and, with a left
+    span, the windows that begin before an episode's first step: see
+    :mod:`~replay_server.engine.samplers.heads`).
 
     Cost: ``sample`` O(B * slice_len); ``insert`` O(n) for n rows (see
     :class:`~replay_server.engine.samplers.episodes.EpisodeIndex`); ``delete``
-    and ``restore`` O(n). Memory: 12 bytes per slot (24 when capacity >= 2**31).
+    and ``restore`` O(n). Memory: 12 bytes per slot (24 when capacity >= 2**31),
+    9 (17) more with ``span_left``.
     """
 
     kind = "slice"
     traits = SamplerTraits(slices=True, episodes=True)
 
-    def __init__(self, ring: IdRing, slice_len: int) -> None:
+    def __init__(self, ring: IdRing, slice_len: int, *, strict_length: bool = True,
+                 span_left: int = 0, span_right: int = 0) -> None:
         super().__init__(ring)
-        self._episodes = EpisodeIndex(ring, slice_len)
+        self._episodes = EpisodeIndex(ring, slice_len, slice_len - span_right)
+        self._strict = strict_length
+        self._partial = not strict_length or span_left > 0 or span_right > 0
+        self._left = span_left
+        self._heads = EpisodeHeads(ring.capacity) if span_left else None
         self._starts = SlotSet(ring.capacity)
 
     @classmethod
     def build(cls, ring: IdRing, options: SamplerOptions, *, deletes: bool) -> SliceSampler:
         assert options.slice_len is not None
-        return cls(ring, options.slice_len)
+        return cls(ring, options.slice_len, strict_length=options.strict_length,
+                   span_left=options.span_left, span_right=options.span_right)
 
     @classmethod
     def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
-        return np.dtype(index_dtype(options.capacity)).itemsize + slotset_bytes(options.capacity)
+        heads = heads_bytes(options.capacity) if options.span_left else 0
+        return (np.dtype(index_dtype(options.capacity)).itemsize
+                + slotset_bytes(options.capacity) + heads)
 
     def insert(self, event: InsertEvent) -> None:
         cap = self._ring.capacity
         if event.evicted:
-            self._starts.remove(event.evicted_ids % cap)
-        self._starts.add(self._episodes.insert(event) % cap)
+            evicted = event.evicted_ids % cap
+            self._starts.remove(evicted)
+            if self._heads is not None:
+                self._heads.evict(evicted)
+        if not self._partial:
+            self._starts.add(self._episodes.insert(event) % cap)
+            return
+        candidates, heads = _new_starts(self._ring, self._episodes, event, self._strict)
+        new = _fresh(candidates, None, self._starts)
+        self._starts.add(new)
+        if self._heads is not None:
+            self._heads.arrived(heads, new, self._starts)
 
     def update(self, positions: np.ndarray, priorities: np.ndarray) -> None:
         """Priorities do not change uniform draws (the table refuses them first)."""
@@ -80,6 +141,8 @@ class SliceSampler(Sampler):
         slots = self._ring.slots(positions)
         starts = self._starts.contains(slots)
         self._starts.remove(slots[starts])
+        if self._heads is not None:
+            self._heads.drawable.remove(slots)
         return Removal(positions, starts)
 
     def restore(self, removal: Removal) -> None:
@@ -87,39 +150,73 @@ class SliceSampler(Sampler):
         positions = removal.positions[removal.values & self._ring.live(removal.positions)]
         slots = self._ring.slots(positions)
         self._starts.add(slots[~self._starts.contains(slots)])
+        if self._heads is not None:
+            self._heads.restore(slots, self._starts)
+
+    def _draws(self) -> int:
+        """Windows a draw picks among: every start's, and ``span_left`` more per head."""
+        heads = 0 if self._heads is None else self._heads.drawable.count
+        return self._starts.count + self._left * heads
 
     def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         n = self._starts.count
         if n == 0:
-            raise _no_slices(self._ring, self._episodes.slice_len)
-        slots = self._episodes.chain(self._starts.draw(batch_size, generator))
+            raise _no_slices(self._ring, self._episodes)
+        total = self._draws()
+        if total == n:
+            slots = self._episodes.chain(self._starts.draw(batch_size, generator))
+        else:
+            slots = self._draw_with_left_windows(batch_size, generator, total)
         return SampleIndex(
             ids=self._ring.ids_of_slots(slots),
             slots=slots,
-            probabilities=np.full(batch_size, 1.0 / n),
+            probabilities=np.full(batch_size, 1.0 / total),
             weights=np.ones(batch_size, dtype=np.float32),
         )
+
+    def _draw_with_left_windows(self, batch_size: int, generator: np.random.Generator,
+                                total: int) -> np.ndarray:
+        """Draws over ``starts + span_left * heads``: a draw past the starts is the window
+        of a head shifted ``1 + k // heads`` steps left, cut to what remains of it."""
+        assert self._heads is not None
+        n, heads = self._starts.count, self._heads.drawable
+        draws = uniform_draws(generator, total, batch_size)
+        early = draws >= n
+        first = np.empty(batch_size, dtype=np.int64)
+        first[~early] = self._starts.members()[draws[~early]]
+        k = draws[early] - n
+        first[early] = heads.members()[k % heads.count]
+        slots = self._episodes.chain(first)
+        slots[early] = _cut(slots[early], self._episodes.slice_len - 1 - k // heads.count)
+        return slots
 
     def clear(self) -> None:
         self._episodes.clear()
         self._starts.clear()
+        if self._heads is not None:
+            self._heads.clear()
 
     def mass(self) -> SamplingMass:
-        return uniform_mass(self._starts.count)
+        return uniform_mass(self._draws())
 
     def stats(self) -> dict[str, Any]:
         return {"slices": self._starts.count, "open_episodes": self._episodes.open_episodes}
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "episodes": self._episodes.state_dict(self._used),
             "starts": torch.from_numpy(saved_copy(self._starts.members(), np.int64)),
         }
+        if self._heads is not None:
+            state["heads"] = self._heads.state_dict(self._used)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._episodes.load_state_dict(state["episodes"])
         self._starts.clear()
         self._starts.add(state["starts"].numpy())
+        if self._heads is not None:
+            self._heads.load_state_dict(state["heads"])
 
 
 class PrioritizedSliceSampler(Sampler):
@@ -145,7 +242,8 @@ class PrioritizedSliceSampler(Sampler):
               deletes: bool) -> PrioritizedSliceSampler:
         assert options.slice_len is not None
         return cls(ring, options.slice_len, options.alpha, options.beta,
-                   options.priority_mixing)
+                   options.priority_mixing, strict_length=options.strict_length,
+                   span_right=options.span_right)
 
     @classmethod
     def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
@@ -153,11 +251,14 @@ class PrioritizedSliceSampler(Sampler):
         return np.dtype(index_dtype(options.capacity)).itemsize + SLOT_BYTES + 4 + 1
 
     def __init__(self, ring: IdRing, slice_len: int, alpha: float, beta: float,
-                 mixing: float | None = None) -> None:
+                 mixing: float | None = None, *, strict_length: bool = True,
+                 span_right: int = 0) -> None:
         super().__init__(ring)
         cap = ring.capacity
         self._mixing = mixing
-        self._episodes = EpisodeIndex(ring, slice_len)
+        self._episodes = EpisodeIndex(ring, slice_len, slice_len - span_right)
+        self._strict = strict_length
+        self._partial = not strict_length or span_right > 0
         self._prio = PriorityState(alpha, beta)
         self._tree = SumTree(cap)
         self._row_mass = np.zeros(cap, dtype=np.float32)
@@ -175,7 +276,10 @@ class PrioritizedSliceSampler(Sampler):
         priorities = self._prio.given(event.priorities, event.count)
         self._prio.observe(priorities)
         self._row_mass[self._ring.slots(event.ids)] = self._prio.mass(priorities)
-        new = self._episodes.insert(event) % cap
+        if self._partial:
+            new = _fresh(_new_starts(self._ring, self._episodes, event, self._strict)[0], self._is_start)
+        else:
+            new = self._episodes.insert(event) % cap
         self._is_start[new] = True
         self._tree.set(new, self._row_mass[new])
         self._num_starts += int(new.size)
@@ -258,7 +362,7 @@ class PrioritizedSliceSampler(Sampler):
     def sample(self, batch_size: int, generator: np.random.Generator) -> SampleIndex:
         total = self._tree.total()
         if self._num_starts == 0:
-            raise _no_slices(self._ring, self._episodes.slice_len)
+            raise _no_slices(self._ring, self._episodes)
         if total <= 0.0:
             raise EmptyTableError("every slice start has priority 0, so none can be drawn")
         slots, probabilities, weights = draw_by_priority(
