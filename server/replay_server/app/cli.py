@@ -49,6 +49,9 @@ _EPILOG = """\
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # A malformed --address is refused before torch is loaded (a usage error in a fraction of
+    # a second, not after the engine's imports).
+    address = _address(args.address, "--address") if args.address else None
     import dataclasses
     import logging
 
@@ -63,8 +66,8 @@ def _serve(args: argparse.Namespace) -> int:
     logs.configure(level=level)
     log = logging.getLogger("replay_server")
     settings = load_settings(args.config) if args.config else ServerSettings()
-    if args.address:
-        settings = dataclasses.replace(settings, address=_address(args.address, "--address"))
+    if address:
+        settings = dataclasses.replace(settings, address=address)
     if args.start_empty_if_unrestorable:
         settings = dataclasses.replace(settings, start_empty_if_unrestorable=True)
     if args.checkpoint_dir:

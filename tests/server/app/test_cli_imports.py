@@ -51,6 +51,10 @@ def test_a_failed_health_check_loads_nothing_heavy():
     assert _probe("health", "--address", "127.0.0.1:1") == {"code": 1, "heavy": []}
 
 
+def test_serve_refuses_a_malformed_address_before_loading_anything_heavy():
+    assert _probe("serve", "--address", "127.0.0.1:99999") == {"code": 2, "heavy": []}
+
+
 def test_the_packages_load_nothing_until_a_name_is_used():
     probe = ("import json, sys, replay_server, replay_server.app, replay_proto; "
              "before = 'torch' in sys.modules; from replay_server import Table; "
