@@ -28,7 +28,12 @@ seconds on a loaded 2-core machine, so the deadline catches the hang without tim
 START_S = 120.0
 
 LEARNER = textwrap.dedent("""
+    import signal
     import sys
+    # Ctrl-C raises KeyboardInterrupt, as in a terminal, even when the test runner was
+    # started in the background (a shell without job control starts it with SIGINT ignored,
+    # and an ignored signal stays ignored in every process it starts).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import torch
     transport, ending, addresses = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
     if transport == "in_process":

@@ -26,6 +26,9 @@ from tests.conftest import ServerProcess, module_server, wait_for
 from tests.integration.raw_http2 import RawConnection
 
 CONFIG = """
+[server]
+max_streams = 256  # the 200 blocked streams below (the default is 128)
+
 [[tables]]
 name = "rows"
 capacity = 1000
