@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -84,8 +89,13 @@ def start_server(
         args += ["--config", str(config_path)]
     args += list(extra_args)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    log_file = log_path.open("a")
-    process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+    process = None
+    if not launch and module == "replay_server.app.cli":
+        process = _SPARES.take(args[3:], log_path, full_env)
+    if process is None:
+        with log_path.open("a") as log_file:
+            process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                                       env=full_env)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():
@@ -96,6 +106,103 @@ def start_server(
         time.sleep(0.05)
     process.kill()
     raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()}")
+
+
+class _Spares:
+    """One ``python -m tests.spare`` process kept imported ahead of the next server start.
+
+    Why: a server's start is mostly importing torch (about 1.5 CPU seconds
+    here), during which the test waits with a core idle. The spare is started
+    while the previous test runs; a start with the plain command line (no
+    ``rlimits``, no other ``module``, no extra ``env``) takes it when the
+    environment and working directory are still the spare's, and the next
+    spare is started at once. Any other start is a cold start, as before.
+    What the spare printed while importing goes to the server's log first, as
+    it would have. ``REPLAY_TEST_SPARES=0`` turns spares off. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen | None = None
+        self._prelude = ""  # the file holding the spare's own output until it serves
+        self._env: dict[str, str] = {}
+        self._cwd = ""
+        self._enabled = os.environ.get("REPLAY_TEST_SPARES", "1") != "0"
+        atexit.register(self.close)
+
+    def take(self, args: list[str], log_path: Path, env: dict[str, str]):
+        """The spare, now serving ``args`` into ``log_path``; None: start cold."""
+        plain = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if not self._enabled or env != plain:
+            return None
+        with self._lock:
+            process, prelude = self._process, self._prelude
+            if _unlike(self._env, env) or self._cwd != os.getcwd():
+                process = None  # the environment changed: the spare is of no use
+                self._discard()
+            self._process = None
+            self._start(env)
+        if process is None or not _ready(process):
+            _stop_spare(process, prelude)
+            return None
+        order = json.dumps({"args": args, "log": str(log_path), "prelude": prelude})
+        try:
+            process.stdin.write(order.encode() + b"\n")
+            process.stdin.close()
+        except OSError:
+            _stop_spare(process, prelude)
+            return None
+        process.stdout.close()
+        return process
+
+    def _start(self, env: dict[str, str]) -> None:
+        descriptor, self._prelude = tempfile.mkstemp(prefix="replay-spare-", suffix=".log")
+        self._env, self._cwd = env, os.getcwd()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "tests.spare"], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=descriptor, env=env)
+        finally:
+            os.close(descriptor)
+
+    def _discard(self) -> None:
+        process, self._process = self._process, None
+        if process is not None:
+            process.kill()
+        _stop_spare(process, self._prelude)
+
+    def close(self) -> None:
+        with self._lock:
+            self._discard()
+
+
+def _unlike(spare: dict[str, str], wanted: dict[str, str]) -> bool:
+    """Whether two environments differ beyond ``PYTEST_CURRENT_TEST`` (pytest sets it per test)."""
+    ignored = "PYTEST_CURRENT_TEST"
+    return ({k: v for k, v in spare.items() if k != ignored}
+            != {k: v for k, v in wanted.items() if k != ignored})
+
+
+def _ready(process: subprocess.Popen) -> bool:
+    """Wait for a spare's ``ready`` line (False: it exited or did not say so in time)."""
+    readable, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
+    return bool(readable) and process.stdout.readline() == b"ready\n"
+
+
+def _stop_spare(process: subprocess.Popen | None, prelude: str) -> None:
+    if process is not None:
+        process.stdin.close()  # no order: it exits without serving
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        process.stdout.close()
+    if prelude:
+        Path(prelude).unlink(missing_ok=True)
+
+
+_SPARES = _Spares()
 
 
 def serve_until_exit(tmp_path: Path, config: str, *, extra_args: tuple[str, ...] = (),
@@ -109,17 +216,24 @@ def serve_until_exit(tmp_path: Path, config: str, *, extra_args: tuple[str, ...]
     config_path.write_text(config)
     port_file = tmp_path / "exits.port"
     port_file.unlink(missing_ok=True)
+    log_path = tmp_path / "exits.log"
+    log_path.unlink(missing_ok=True)
     args = [sys.executable, "-m", "replay_server.app.cli", "serve", "--address", "127.0.0.1:0",
             "--config", str(config_path), "--port-file", str(port_file), *extra_args]
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = _SPARES.take(args[3:], log_path, env)
+    if process is None:
+        with log_path.open("a") as log_file:
+            process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     while process.poll() is None and time.monotonic() < deadline and not port_file.exists():
         time.sleep(0.05)
     if process.poll() is None:
         process.kill()
-        output = process.communicate()[0]
-        pytest.fail(f"the server did not stop on its own (it started serving):\n{output}")
-    return process.returncode, process.communicate()[0]
+        process.wait()
+        pytest.fail(f"the server did not stop on its own (it started serving):\n"
+                    f"{log_path.read_text()}")
+    return process.returncode, log_path.read_text()
 
 
 def wait_for(predicate, timeout: float = 20.0, interval: float = 0.02) -> bool:
