@@ -122,8 +122,12 @@ class Connection:
                 self._channel, self._calls, self._pid = None, {}, os.getpid()
             if self._channel is None:
                 size = self.max_message_bytes
+                # Each client its own subchannels: gRPC's process-wide pool would hand a
+                # new client the cached failure of an earlier one to the same address
+                # (a fresh client to a server just started there failed at once).
                 options = [("grpc.max_receive_message_length", size),
-                           ("grpc.max_send_message_length", size), *keepalive_options()]
+                           ("grpc.max_send_message_length", size),
+                           ("grpc.use_local_subchannel_pool", 1), *keepalive_options()]
                 if self.tls is None:
                     self._channel = grpc.insecure_channel(self.address, options=options)
                 else:

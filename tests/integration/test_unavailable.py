@@ -312,10 +312,9 @@ def test_an_address_without_a_port_means_the_default_port_never_443() -> None:
 
 
 def test_a_new_client_reaches_a_restarted_server_another_client_saw_down(server_factory) -> None:
-    # gRPC shares connections between the channels of a process: a new client may be
-    # answered with the refusal an older one met while the server was down (the shared
-    # connection's reconnect backoff, seconds after a while). The connect timeout applies
-    # only while nothing accepts connections at the address.
+    # gRPC would share connections between the channels of a process (each client keeps its
+    # own now): a new client must not be answered with the refusal an older one met while
+    # the server was down, nor the older one stay in its reconnect backoff after the restart.
     first = server_factory(CONFIG)
     old = ReplayClient(first.address, timeout=120, max_retry_s=120)
     old.info()
@@ -332,3 +331,22 @@ def test_a_new_client_reaches_a_restarted_server_another_client_saw_down(server_
         old.close()
         fresh.close()
     assert retried and "uniform" in retried[0]
+
+
+def test_a_new_clients_first_insert_reaches_a_server_started_where_another_client_failed(
+        server_factory) -> None:
+    # An insert is never retried: a fresh client must not inherit another client's cached
+    # refusal for the address (gRPC's process-wide subchannel pool did exactly that, so an
+    # insert to a server that had just started failed at once: seen in CI when a test's
+    # server was given a port an earlier test's client had been refused on).
+    port = free_port()
+    earlier = ReplayClient(f"127.0.0.1:{port}", timeout=5, max_retry_s=0)
+    with pytest.raises(errors.UnavailableError):
+        earlier.insert("uniform", rows(1))
+    server = server_factory(CONFIG, port=port)
+    fresh = ReplayClient(server.address, timeout=30)
+    try:
+        assert len(fresh.insert("uniform", rows(3))) == 3
+    finally:
+        earlier.close()
+        fresh.close()
