@@ -70,12 +70,15 @@ from replay_proto.v1 import replay_pb2 as pb
 
 log = logging.getLogger("replay_client.stream")
 
-FLUSH_S = 0.5
-"""How long closing a stream waits for its last updates to be sent before cancelling."""
+FLUSH_S = 2.0
+"""How long closing a stream waits for its last messages to be handed to gRPC before cancelling."""
 
-LEASED_CLOSE_S = 2.0
-"""How long closing a leased stream (a queue table's) waits, after its last message, for the
-server to end the call: its acknowledgements are then counted before it gives back the rest."""
+CLOSE_S = 2.0
+"""How long closing a stream that sent priority updates, or a leased one (a queue table's),
+waits after its last message for the server to end the call. A message gRPC sent is not yet
+read by the server: cancelling at once may drop it, and with it the learner's last updates (or
+its acknowledgements). After the learner's half-close the server sends the batches already
+credited and ends the call, having read every message."""
 
 MAX_UPDATE_IDS = (STREAM_MESSAGE_BYTES - 1024) // 16
 """Ids one credit message carries at most (int64 id + float64 priority each); a larger
@@ -110,13 +113,14 @@ class _Outgoing:
     """
 
     def __init__(self, link: SampleLink, flow: CreditFlow, first: list[bytes],
-                 start: int) -> None:
+                 start: int, updated: bool) -> None:
         self.link = link
         self.flow = flow
         self.first = first
         self.start = start
         self.done = False
         self.leased = False
+        self.updated = updated  # the call carried a priority update
         self.reported = 0  # batches of this call reported finished
         self.finished = threading.Event()
         self.ended = threading.Event()  # the call is over (set by gRPC's done callback)
@@ -146,6 +150,7 @@ class _Outgoing:
                     except queue.Empty:
                         break
                 if grant:
+                    self.updated = self.updated or bool(grant.updates)
                     yield from self.link.encode_grant(grant, self.newly_finished())
         finally:
             self.finished.set()
@@ -220,7 +225,7 @@ class SampleLink:
                                          lease=f"{uuid.uuid4().hex}-{first}")
         head = (self._first_with_updates(opening, updates) if updates
                 else [opening.SerializeToString()])
-        outgoing = _Outgoing(self, flow, head, first)
+        outgoing = _Outgoing(self, flow, head, first, updated=bool(updates))
         self._release_ring()
         connection = self.connection
         with self._lock:
@@ -305,16 +310,25 @@ class SampleLink:
     def stop(self) -> None:
         """End the call: once the request iterator has sent what it holds (the updates the
         learner made last, and the batches it finished, when its credits stopped; at most
-        :data:`FLUSH_S`), and, on a leased call, once the server ended it (having given
-        back the batches not finished; at most :data:`LEASED_CLOSE_S`), cancel it."""
+        :data:`FLUSH_S`), and, on a call that carried priority updates or a leased one, once
+        the server ended it (having read them all, and given back the batches not finished;
+        at most :data:`CLOSE_S`), cancel it."""
         with self._lock:
             self._stopped.set()
             call, outgoing = self._call, self._outgoing
-        if call is not None:
-            if outgoing is not None and outgoing.flow.stopping.is_set():
-                if outgoing.finished.wait(FLUSH_S) and outgoing.leased:
-                    outgoing.ended.wait(LEASED_CLOSE_S)
-            call.cancel()
+        if call is None:
+            return
+        if outgoing is not None and outgoing.flow.stopping.is_set():
+            flushed = outgoing.finished.wait(FLUSH_S)
+            waits = outgoing.leased or outgoing.updated
+            if waits and flushed:
+                outgoing.ended.wait(CLOSE_S)
+            if waits and not outgoing.ended.is_set():
+                log.warning("stream of %r from %s cancelled before the server ended it: the "
+                            "learner's last priority updates%s may not have reached it",
+                            self.table, self.connection.address,
+                            " and acknowledgements" if outgoing.leased else "")
+        call.cancel()
 
     def close(self) -> None:
         """Release the ring (after the runner ended)."""
