@@ -122,12 +122,8 @@ class Connection:
                 self._channel, self._calls, self._pid = None, {}, os.getpid()
             if self._channel is None:
                 size = self.max_message_bytes
-                # Each client its own subchannels: gRPC's process-wide pool would hand a
-                # new client the cached failure of an earlier one to the same address
-                # (a fresh client to a server just started there failed at once).
                 options = [("grpc.max_receive_message_length", size),
-                           ("grpc.max_send_message_length", size),
-                           ("grpc.use_local_subchannel_pool", 1), *keepalive_options()]
+                           ("grpc.max_send_message_length", size), *keepalive_options()]
                 if self.tls is None:
                     self._channel = grpc.insecure_channel(self.address, options=options)
                 else:
@@ -139,7 +135,8 @@ class Connection:
             return self._calls[name]
 
     def unary(self, name: str, request: Any, *, retry: bool,
-              timeout: Any = CLIENT_TIMEOUT, kind: str = "unary_unary") -> Any:
+              timeout: Any = CLIENT_TIMEOUT, kind: str = "unary_unary",
+              retry_unsent: bool = True) -> Any:
         """Call RPC ``name`` with raw ``request`` bytes; return the raw answer.
 
         ``kind`` ``"stream_unary"``: ``request`` is a list of messages (a chunked
@@ -147,9 +144,12 @@ class Connection:
         ``"unary_stream"``: the answer is the list of messages received.
 
         Retries (``retry``: the call is safe to repeat) while the server is
-        UNAVAILABLE, and any call the server refused as overloaded (it ran
-        nothing of it), on the :class:`~replay_client.backoff.Backoff`
-        schedule, within the call's timeout and ``max_retry_s``. Sends the
+        UNAVAILABLE; whatever ``retry`` says, a call gRPC could not send
+        (:func:`never_sent`: it reached no server; unless ``retry_unsent`` is
+        False, for a look that must fail fast) and a call the server refused
+        as overloaded (it ran nothing of it); on the
+        :class:`~replay_client.backoff.Backoff` schedule, within the call's
+        timeout and ``max_retry_s`` (see :meth:`retry_window`). Sends the
         request's size (``replay_proto.call_metadata``) so the server reserves
         just that much memory before reading it.
 
@@ -171,9 +171,11 @@ class Connection:
                 return answer
             except grpc.RpcError as exc:
                 error = self.error(exc)
-            # An overloaded server ran nothing of the call: even an insert may be repeated.
+                unsent = retry_unsent and never_sent(exc)
+            # An overloaded server ran nothing of the call, and a call gRPC could not send
+            # reached none: even an insert may be repeated then.
             if not isinstance(error, OverloadedError) and not (
-                retry and isinstance(error, UnavailableError)
+                (retry or unsent) and isinstance(error, UnavailableError)
             ):
                 raise error from None
             backoff = backoff or Backoff(self.retry_window(), deadline=deadline)
@@ -211,6 +213,21 @@ class Connection:
             if self._channel is not None:
                 self._channel.close()
                 self._channel, self._calls = None, {}
+
+
+def never_sent(exc: grpc.RpcError) -> bool:
+    """Whether a failed call was never sent: gRPC had no connection to send it on.
+
+    UNAVAILABLE "failed to connect to all addresses" is gRPC's answer to a call
+    made while its channel cannot connect (its last attempt failed, or the one
+    it made for this call did): the call was refused in this process, before any
+    byte of it left. Any other UNAVAILABLE (a connection lost during the call)
+    may come after the server ran it.
+    """
+    code = exc.code() if hasattr(exc, "code") else None
+    details = (exc.details() if hasattr(exc, "details") else None) or ""
+    return code == grpc.StatusCode.UNAVAILABLE and details.startswith(
+        "failed to connect to all addresses")
 
 
 def _accepts_connections(address: str, timeout: float) -> bool:

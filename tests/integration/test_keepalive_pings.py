@@ -64,6 +64,14 @@ def waits_out(address: str) -> type[Exception]:
     return error.type
 
 
+def test_the_server_states_its_keepalive_in_info_and_its_log(server) -> None:
+    # What an operator reads to size a proxy's idle timeout, or a client's own pings.
+    with ReplayClient(server.address, timeout=30) as client:
+        limits = client.server_info().limits
+    assert (limits["keepalive_s"], limits["keepalive_timeout_s"]) == (2.0, 5.0)
+    assert "pinged every 2 s, closed 5 s after an unanswered ping" in server.log()
+
+
 def test_pings_as_often_as_accepted_keep_a_waiting_call(server, monkeypatch) -> None:
     # The server accepts a ping every 2 s (keepalive_s = 2); the client, scaled down from its
     # 60 s against 10 s, pings every 4 s through a call that waits 13 s without data.

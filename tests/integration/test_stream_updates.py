@@ -77,41 +77,56 @@ def test_the_batch_after_an_update_never_sees_the_old_priority(served, shared_me
     assert applied() == STEPS * ROWS  # every update applied, once
 
 
+class HeldUpdates:
+    """An embedded server (real gRPC port) whose table ``prio`` holds each priority update in
+    the engine until :attr:`release` is set; :attr:`entered`: one arrived there."""
+
+    def __init__(self) -> None:
+        settings = ServerSettings(address="127.0.0.1:0", tables=(
+            TableConfig(name="prio", capacity=100, sampler="prioritized"),))
+        self.server = EmbeddedServer(settings)
+        self.table = self.server.tables["prio"]
+        self.ids = self.table.insert({"key": torch.arange(10)})
+        self.entered, self.release = threading.Event(), threading.Event()
+        apply = self.table.update_priorities
+
+        def held(*args, **kwargs):
+            self.entered.set()
+            self.release.wait(30)
+            return apply(*args, **kwargs)
+
+        self.table.update_priorities = held  # type: ignore[method-assign]
+
+    def __enter__(self) -> HeldUpdates:
+        self.server.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.server.__exit__(*exc)
+
+    def counter(self, name: str) -> int:
+        return getattr(self.table.info().counters, name)
+
+
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
 def test_no_batch_is_drawn_until_the_update_sent_before_its_credit_is_applied(
         shared_memory) -> None:
     """Deterministic: the server's update is held in the engine; the credit that followed it
     must not let a batch be drawn meanwhile (it would, were the credit counted first, or the
     update sent after it or on another call)."""
-    settings = ServerSettings(address="127.0.0.1:0", tables=(
-        TableConfig(name="prio", capacity=100, sampler="prioritized"),))
-    with EmbeddedServer(settings) as server:
-        table = server.tables["prio"]
-        ids = table.insert({"key": torch.arange(10)})
-        entered, release = threading.Event(), threading.Event()
-        apply = table.update_priorities
-
-        def held(*args, **kwargs):
-            entered.set()
-            release.wait(30)
-            return apply(*args, **kwargs)
-
-        def sampled() -> int:
-            return table.info().counters.sampled
-
-        table.update_priorities = held  # type: ignore[method-assign]
-        client = ReplayClient(server.address)
+    with HeldUpdates() as held, ReplayClient(held.server.address) as client:
         with client.stream("prio", 4, prefetch=1, batches_per_message=1,
                            shared_memory=shared_memory) as stream:
             next(stream)  # the learner holds batch 0; batch 1 is drawn
-            assert wait_for(lambda: sampled() == 2 * 4)
-            stream.update_priorities(ids, torch.full((10,), 2.0))
+            assert wait_for(lambda: held.counter("sampled") == 2 * 4)
+            stream.update_priorities(held.ids, torch.full((10,), 2.0))
             next(stream)  # takes batch 1: its credit, which allows batch 2, follows the update
-            assert entered.wait(10), "the update never reached the table"
-            assert stays(lambda: sampled() == 2 * 4, seconds=0.5), "drawn before the update"
-            release.set()
-            assert wait_for(lambda: sampled() == 3 * 4)
-        client.close()
+            assert held.entered.wait(10), "the update never reached the table"
+            assert stays(lambda: held.counter("sampled") == 2 * 4, seconds=0.5), \
+                "drawn before the update"
+            held.release.set()
+            assert wait_for(lambda: held.counter("sampled") == 3 * 4)
 
 
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
@@ -121,35 +136,20 @@ def test_closing_a_stream_right_after_an_update_loses_none_of_it(shared_memory) 
     in the stream's final message, which the server reads only after the held one: closing
     waits for the server to end the call. Cancelling once the message was handed to gRPC
     dropped it unread (a CI run counted 1,856 of 1,920 updates applied)."""
-    settings = ServerSettings(address="127.0.0.1:0", tables=(
-        TableConfig(name="prio", capacity=100, sampler="prioritized"),))
-    with EmbeddedServer(settings) as server:
-        table = server.tables["prio"]
-        ids = table.insert({"key": torch.arange(10)})
-        entered, release = threading.Event(), threading.Event()
-        apply = table.update_priorities
-
-        def held(*args, **kwargs):
-            entered.set()
-            release.wait(30)
-            return apply(*args, **kwargs)
-
-        table.update_priorities = held  # type: ignore[method-assign]
-        client = ReplayClient(server.address)
+    with HeldUpdates() as held, ReplayClient(held.server.address) as client:
         stream = client.stream("prio", 4, prefetch=1, batches_per_message=1,
                                shared_memory=shared_memory)
         next(stream)
-        stream.update_priorities(ids, torch.full((10,), 2.0))
+        stream.update_priorities(held.ids, torch.full((10,), 2.0))
         next(stream)  # its credit carries the update: the server holds it in the engine
-        assert entered.wait(10), "the update never reached the table"
-        stream.update_priorities(ids[:3], torch.full((3,), 5.0))  # goes as the stream closes
-        timer = threading.Timer(0.5, release.set)
+        assert held.entered.wait(10), "the update never reached the table"
+        stream.update_priorities(held.ids[:3], torch.full((3,), 5.0))  # goes as it closes
+        timer = threading.Timer(0.5, held.release.set)
         timer.start()
         stream.close()
         timer.join()
-        assert wait_for(lambda: table.info().counters.priority_updates >= 13, timeout=10)
-        assert table.info().counters.priority_updates == 13  # both applied, once
-        client.close()
+        assert wait_for(lambda: held.counter("priority_updates") >= 13, timeout=10)
+        assert held.counter("priority_updates") == 13  # both applied, once
 
 
 def test_the_embedded_stream_applies_updates_before_its_next_draw() -> None:

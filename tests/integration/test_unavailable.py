@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from replay_client import RemoteReplayBuffer, ReplayClient, ReplayError, errors
-from tests.conftest import ServerProcess, start_server
+from tests.conftest import ServerProcess, start_server, stays, wait_for
 
 CONFIG = """
 [[tables]]
@@ -62,6 +62,7 @@ class Relay:
         self._listener = socket.create_server(("127.0.0.1", port))  # SO_REUSEADDR on POSIX
         self.port = self._listener.getsockname()[1]
         self._sockets: list[socket.socket] = []
+        self._holding = threading.Event()  # drop what the server sends (see hold_answers)
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads[0].start()
 
@@ -82,16 +83,16 @@ class Relay:
                 continue
             upstream.settimeout(None)
             self._sockets += [downstream, upstream]
-            for src, dst in ((downstream, upstream), (upstream, downstream)):
-                pump = threading.Thread(target=self._pump, args=(src, dst), daemon=True)
+            for src, dst, answers in ((downstream, upstream, False), (upstream, downstream, True)):
+                pump = threading.Thread(target=self._pump, args=(src, dst, answers), daemon=True)
                 self._threads.append(pump)
                 pump.start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
         try:
             while data := src.recv(1 << 16):  # ends when either side closes
-                dst.sendall(data)
+                if not (answers and self._holding.is_set()):
+                    dst.sendall(data)
         except OSError:
             pass
         finally:
@@ -100,6 +101,20 @@ class Relay:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def hold_answers(self) -> None:
+        """From now on the server's bytes go nowhere: calls reach it, answers never return."""
+        self._holding.set()
+
+    def cut(self) -> None:
+        """Drop the connections relayed so far, as a network failure would, and relay new
+        ones in full again (the port keeps accepting)."""
+        for sock in self._sockets:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._holding.clear()
 
     def close(self) -> None:
         try:
@@ -242,16 +257,65 @@ def test_sample_retries_while_the_server_is_briefly_down(served) -> None:
             r.close()
 
 
-def test_insert_is_not_retried_while_the_server_is_down(served) -> None:
+def inserted(address: str) -> int:
+    with ReplayClient(address, timeout=30) as direct:
+        return direct.info()["uniform"].counters["inserted"]
+
+
+def test_an_insert_that_may_have_reached_the_server_is_not_repeated(served) -> None:
+    # The server runs the insert, its answer is lost and the connection dropped: a retry
+    # would store the rows twice, so the client raises. The relay accepts again at once,
+    # so a client that did repeat the insert would succeed, and be caught.
+    relay = Relay(served.port)
+    client = ReplayClient(relay.address, timeout=30, max_retry_s=15)
+    try:
+        client.info()
+        before = inserted(served.address)
+        relay.hold_answers()
+
+        def cut_once_stored() -> None:
+            wait_for(lambda: inserted(served.address) > before)
+            relay.cut()
+
+        cutter = threading.Thread(target=cut_once_stored, daemon=True)
+        cutter.start()
+        with pytest.raises(errors.UnavailableError):
+            client.insert("uniform", rows(1))
+        cutter.join(THREAD_JOIN_S)
+        assert client.info()["uniform"].counters["inserted"] == before + 1  # relayed again
+        assert stays(lambda: inserted(served.address) == before + 1, seconds=1.0)
+    finally:
+        client.close()
+        relay.close()
+
+
+def test_an_insert_gRPC_could_not_send_waits_for_the_server_and_is_stored_once(served) -> None:
+    # Nothing accepts connections for ~1 s (a server restarting): gRPC refuses the insert
+    # before sending any of it, so the client retries it like any call, within max_retry_s.
     relay = Relay(served.port)
     client = ReplayClient(relay.address, timeout=30, max_retry_s=15)
     client.info()
-    before = client.info()["uniform"].counters["inserted"]
+    before = inserted(served.address)
+    port = relay.port
     relay.close()
-    with pytest.raises(errors.UnavailableError):
-        client.insert("uniform", rows(1))  # fails at once: a retry could store rows twice
-    with ReplayClient(served.address, timeout=30) as direct:
-        assert direct.info()["uniform"].counters["inserted"] == before
+    back = threading.Event()
+    revived: list[Relay] = []
+
+    def come_back() -> None:
+        back.wait(1.0)  # ~1 s down (the event is never set: a bounded sleep)
+        revived.append(Relay(served.port, port=port))
+
+    thread = threading.Thread(target=come_back, daemon=True)
+    thread.start()
+    try:
+        assert len(client.insert("uniform", rows(1))) == 1
+        assert revived, "the insert returned while the server was still down"
+        assert inserted(served.address) == before + 1
+    finally:
+        thread.join(THREAD_JOIN_S)
+        client.close()
+        for r in revived:
+            r.close()
 
 
 # --------------------------------------------------------------------- pickling
@@ -312,9 +376,10 @@ def test_an_address_without_a_port_means_the_default_port_never_443() -> None:
 
 
 def test_a_new_client_reaches_a_restarted_server_another_client_saw_down(server_factory) -> None:
-    # gRPC would share connections between the channels of a process (each client keeps its
-    # own now): a new client must not be answered with the refusal an older one met while
-    # the server was down, nor the older one stay in its reconnect backoff after the restart.
+    # gRPC shares connections between the channels of a process: a new client may be
+    # answered with the refusal an older one met while the server was down (the shared
+    # connection's reconnect backoff, seconds after a while). The connect timeout applies
+    # only while nothing accepts connections at the address.
     first = server_factory(CONFIG)
     old = ReplayClient(first.address, timeout=120, max_retry_s=120)
     old.info()
@@ -335,10 +400,10 @@ def test_a_new_client_reaches_a_restarted_server_another_client_saw_down(server_
 
 def test_a_new_clients_first_insert_reaches_a_server_started_where_another_client_failed(
         server_factory) -> None:
-    # An insert is never retried: a fresh client must not inherit another client's cached
-    # refusal for the address (gRPC's process-wide subchannel pool did exactly that, so an
-    # insert to a server that had just started failed at once: seen in CI when a test's
-    # server was given a port an earlier test's client had been refused on).
+    # gRPC's process-wide connections hand a new client the refusal another one met at the
+    # address, for as long as that connection's reconnect backoff: an insert (made only once
+    # when it may have reached a server) to a server that had just started there failed at
+    # once. Seen in CI when a test's server got a port an earlier test's client was refused on.
     port = free_port()
     earlier = ReplayClient(f"127.0.0.1:{port}", timeout=5, max_retry_s=0)
     with pytest.raises(errors.UnavailableError):

@@ -548,7 +548,7 @@ class ShardedClient:
             connection = self._set.clients()[shard].connection
             try:
                 raw = connection.unary("Info", pb.InfoRequest().SerializeToString(),
-                                       retry=False, timeout=_MASS_CHECK_S)
+                                       retry=False, retry_unsent=False, timeout=_MASS_CHECK_S)
             except ReplayError:
                 return None
             info = tables_of(pb.InfoResponse.FromString(raw)).get(table)

@@ -412,6 +412,7 @@ class ReplayServicer:
             connections_open=connections_open, connections_closed=connections_closed,
             max_streams=limits.max_streams, streams_open=self._admission.streams,
             transport_bound_bytes=limits.transport_bound_bytes,
+            keepalive_s=limits.keepalive_s, keepalive_timeout_s=limits.keepalive_timeout_s,
         )
 
     def _may_pass(self, table: str, operation: str, count: int) -> bool:

@@ -31,6 +31,12 @@ def listener():
 def accepted(listener: socket.socket, source: str) -> tuple[socket.socket, socket.socket]:
     client = socket.socket()
     client.bind((source, 0))
+    while client.getsockname()[1] == listener.getsockname()[1]:
+        # Another address may be given the listener's port number: the guard (looking at
+        # every socket of this process on that port) would count the client as a connection.
+        client.close()
+        client = socket.socket()
+        client.bind((source, 0))
     client.connect(listener.getsockname())
     conn, _ = listener.accept()
     return client, conn
