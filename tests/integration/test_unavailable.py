@@ -228,33 +228,44 @@ def test_same_client_works_again_after_a_restart_on_the_same_port(server_factory
     assert (batch.data["obs"] == 4.0).all()
 
 
+class Outage:
+    """``relay`` closed now and back on its port after ~1 s, in front of the same server:
+    a restarted replay server would come back empty, while this one keeps its rows.
+    :attr:`over`: whether it came back (it has, once the ``with`` block is left)."""
+
+    def __init__(self, relay: Relay, target: int) -> None:
+        self._port, self._target = relay.port, target
+        self._revived: list[Relay] = []
+        relay.close()
+        self._thread = threading.Thread(target=self._come_back, daemon=True)
+
+    def _come_back(self) -> None:
+        threading.Event().wait(1.0)  # ~1 s down (a bounded sleep)
+        self._revived.append(Relay(self._target, port=self._port))
+
+    @property
+    def over(self) -> bool:
+        return bool(self._revived)
+
+    def __enter__(self) -> Outage:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(THREAD_JOIN_S)
+        for relay in self._revived:
+            relay.close()
+
+
 def test_sample_retries_while_the_server_is_briefly_down(served) -> None:
-    # The outage is a relay in front of the server going away and coming back on the
-    # same port: a restarted replay server would come back empty (nothing to sample),
-    # while this one keeps its rows, so the retried sample has something to return.
     relay = Relay(served.port)
     client = ReplayClient(relay.address, timeout=30, max_retry_s=15)
     client.insert("uniform", rows(4, value=2.0))
-    port = relay.port
-    relay.close()
-    back = threading.Event()
-    revived: list[Relay] = []
-
-    def come_back() -> None:
-        back.wait(1.0)  # ~1 s down (the event is never set: a bounded sleep)
-        revived.append(Relay(served.port, port=port))
-
-    thread = threading.Thread(target=come_back, daemon=True)
-    thread.start()
-    try:
+    with Outage(relay, served.port) as outage:
         batch = client.sample("uniform", 4)
-        assert revived, "the sample returned while the server was still down"
+        assert outage.over, "the sample returned while the server was still down"
         assert batch.ids.shape == (4,)
-    finally:
-        thread.join(THREAD_JOIN_S)
-        client.close()
-        for r in revived:
-            r.close()
+    client.close()
 
 
 def inserted(address: str) -> int:
@@ -296,26 +307,11 @@ def test_an_insert_gRPC_could_not_send_waits_for_the_server_and_is_stored_once(s
     client = ReplayClient(relay.address, timeout=30, max_retry_s=15)
     client.info()
     before = inserted(served.address)
-    port = relay.port
-    relay.close()
-    back = threading.Event()
-    revived: list[Relay] = []
-
-    def come_back() -> None:
-        back.wait(1.0)  # ~1 s down (the event is never set: a bounded sleep)
-        revived.append(Relay(served.port, port=port))
-
-    thread = threading.Thread(target=come_back, daemon=True)
-    thread.start()
-    try:
+    with Outage(relay, served.port) as outage:
         assert len(client.insert("uniform", rows(1))) == 1
-        assert revived, "the insert returned while the server was still down"
-        assert inserted(served.address) == before + 1
-    finally:
-        thread.join(THREAD_JOIN_S)
-        client.close()
-        for r in revived:
-            r.close()
+        assert outage.over, "the insert returned while the server was still down"
+    assert inserted(served.address) == before + 1
+    client.close()
 
 
 # --------------------------------------------------------------------- pickling
