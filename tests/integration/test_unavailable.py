@@ -10,12 +10,13 @@ import pickle
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from replay_client import RemoteReplayBuffer, ReplayClient, ReplayError, errors
+from replay_client import RemoteReplayBuffer, ReplayClient, ReplayError, connection, errors
 from tests.conftest import ServerProcess, start_server, stays, wait_for
 
 CONFIG = """
@@ -266,6 +267,39 @@ def test_sample_retries_while_the_server_is_briefly_down(served) -> None:
         assert outage.over, "the sample returned while the server was still down"
         assert batch.ids.shape == (4,)
     client.close()
+
+
+@pytest.mark.slow
+def test_a_client_reaches_a_server_back_after_a_long_outage_within_seconds(served) -> None:
+    # 30 s down, its calls failing all along: gRPC's own reconnect backoff (up to 120 s)
+    # had grown to ~17 s, so the client found the server again ~10-17 s after it was back,
+    # each call giving up after max_retry_s meanwhile. Capped at RECONNECT_BACKOFF_MAX_S.
+    relay = Relay(served.port)
+    client = ReplayClient(relay.address, timeout=30, max_retry_s=0.5)
+    client.info()
+    port = relay.port
+    relay.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with pytest.raises(errors.UnavailableError):
+            client.info()
+        threading.Event().wait(0.5)
+    relay = Relay(served.port, port=port)
+    back = time.monotonic()
+    try:
+        assert wait_for(lambda: _answers(client), timeout=60, interval=0.1)
+        assert time.monotonic() - back < 2 * connection.RECONNECT_BACKOFF_MAX_S + 1
+    finally:
+        client.close()
+        relay.close()
+
+
+def _answers(client: ReplayClient) -> bool:
+    try:
+        client.info()
+        return True
+    except errors.UnavailableError:
+        return False
 
 
 def inserted(address: str) -> int:
