@@ -108,7 +108,22 @@ def draw_by_priority(
     return slots, probabilities, importance_weights(probabilities, tree.min_positive() / total, beta)
 
 
-class PrioritizedSampler(Sampler):
+class HoldsPriorities:
+    """What a sampler keeping its priorities in a :class:`PriorityState` (``_prio``) tells
+    of them; mixed in ahead of :class:`~replay_server.engine.samplers.base.Sampler`."""
+
+    _prio: PriorityState
+
+    @property
+    def alpha(self) -> float:
+        return self._prio.alpha
+
+    @property
+    def max_priority(self) -> float:
+        return self._prio.max_priority
+
+
+class PrioritizedSampler(HoldsPriorities, Sampler):
     """Row ``i`` is drawn with probability ``p_i^alpha / sum_k p_k^alpha``.
 
     Each row's mass lives in a :class:`~replay_server.engine.sumtree.SumTree` leaf at
@@ -137,14 +152,6 @@ class PrioritizedSampler(Sampler):
     @classmethod
     def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
         return SLOT_BYTES
-
-    @property
-    def alpha(self) -> float:
-        return self._prio.alpha
-
-    @property
-    def max_priority(self) -> float:
-        return self._prio.max_priority
 
     def insert(self, event: InsertEvent) -> None:
         priorities = self._prio.given(event.priorities, event.count)

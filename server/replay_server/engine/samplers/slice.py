@@ -38,7 +38,11 @@ from replay_server.engine.samplers.base import (
 )
 from replay_server.engine.samplers.episodes import EpisodeIndex, index_dtype
 from replay_server.engine.samplers.heads import EpisodeHeads, heads_bytes
-from replay_server.engine.samplers.prioritized import PriorityState, draw_by_priority
+from replay_server.engine.samplers.prioritized import (
+    HoldsPriorities,
+    PriorityState,
+    draw_by_priority,
+)
 from replay_server.engine.samplers.slotset import SlotSet, slotset_bytes
 from replay_server.engine.snapshot import saved_copy
 from replay_server.engine.sumtree import SLOT_BYTES, SumTree
@@ -219,7 +223,7 @@ class SliceSampler(Sampler):
             self._heads.load_state_dict(state["heads"])
 
 
-class PrioritizedSliceSampler(Sampler):
+class PrioritizedSliceSampler(HoldsPriorities, Sampler):
     """Slices whose starts are drawn by priority: P(slice at row i) ∝ p_i^alpha.
 
     Every row has a priority (given at insert, else the largest seen so far,
@@ -283,14 +287,6 @@ class PrioritizedSliceSampler(Sampler):
         self._is_start[new] = True
         self._tree.set(new, self._row_mass[new])
         self._num_starts += int(new.size)
-
-    @property
-    def alpha(self) -> float:
-        return self._prio.alpha
-
-    @property
-    def max_priority(self) -> float:
-        return self._prio.max_priority
 
     def priorities(self, positions: np.ndarray) -> np.ndarray:
         return self._prio.priorities(self._row_mass[self._ring.slots(positions)])
