@@ -17,10 +17,15 @@ Queue tables: every call names a lease prefix of its own; when the
 server's first batch says the call is leased (``SampleResponse.leased``),
 each message also reports the call's batches the learner finished
 (``finished``: the flow counts them, see :class:`~replay_feed.credits.CreditFlow`),
-and closing the stream waits (at most :data:`LEASED_CLOSE_S`) for the
+and closing the stream waits (at most :data:`CLOSE_S`) for the
 server to end the call after the last report, so that it counts before
 the server gives back what was not finished. Batches of a lost call are
 the lost call's: the server gave back those not finished when it lost it.
+
+Closing: the call's last message says the learner leaves (:data:`CLOSING`,
+after its last updates); a stream that carried updates, or a leased one,
+waits for the server to end the call before letting go, so that nothing it
+sent is dropped unread.
 
 Restart policy: when the connection is lost (UNAVAILABLE: server restarted,
 draining or unreachable) the call raises :class:`~replay_feed.link.LinkLost`
@@ -77,8 +82,13 @@ CLOSE_S = 2.0
 """How long closing a stream that sent priority updates, or a leased one (a queue table's),
 waits after its last message for the server to end the call. A message gRPC sent is not yet
 read by the server: cancelling at once may drop it, and with it the learner's last updates (or
-its acknowledgements). After the learner's half-close the server sends the batches already
-credited and ends the call, having read every message."""
+its acknowledgements). On the learner's last message (:data:`CLOSING`) the server draws
+nothing more and ends the call, having read every message: usually one round trip (a server
+older than that message first sends the batches already credited)."""
+
+CLOSING = pb.SampleStreamRequest(closing=True).SerializeToString()
+"""A stream's last message: the learner leaves; the server draws nothing more and ends the
+call once it has read (and applied) everything before."""
 
 MAX_UPDATE_IDS = (STREAM_MESSAGE_BYTES - 1024) // 16
 """Ids one credit message carries at most (int64 id + float64 priority each); a larger
@@ -139,8 +149,9 @@ class _Outgoing:
             yield from self.first
             while True:
                 grant = self.flow.next_grant()
-                if grant is None:
-                    return  # the stream is stopping: half-close
+                if grant is None:  # the stream is stopping: say so after the last updates,
+                    yield CLOSING  # then half-close (the server ends the call, all read)
+                    return
                 if self.done:
                     self.flow.unsent(grant)
                     return

@@ -15,6 +15,7 @@ it draws nothing meanwhile.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -34,6 +35,12 @@ name = "prio"
 capacity = 1000
 sampler = "prioritized"
 alpha = 1.0
+
+[[tables]]
+name = "gated"
+capacity = 1000
+sampler = "prioritized"
+min_size_to_sample = 1000
 """
 
 served = module_server(CONFIG)
@@ -150,6 +157,33 @@ def test_closing_a_stream_right_after_an_update_loses_none_of_it(shared_memory) 
         timer.join()
         assert wait_for(lambda: held.counter("priority_updates") >= 13, timeout=10)
         assert held.counter("priority_updates") == 13  # both applied, once
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_closing_a_stream_whose_draw_waits_ends_it_at_once_with_its_updates(
+        served, shared_memory, caplog) -> None:
+    """The server's draw waits (a rate limiter: fewer rows than min_size_to_sample) when the
+    learner updates and closes: its last message says it leaves, so the server applies the
+    update, drops the waiting draw and ends the call. Without it the server went on waiting,
+    and closing cancelled the call after CLOSE_S, not knowing whether the update was read."""
+    client = ReplayClient(served.address)
+    client.reset("gated")
+    ids = client.insert("gated", {"key": torch.arange(ROWS)})
+
+    def gated() -> dict:
+        return client.info()["gated"].counters | client.info()["gated"].rate_limiter
+
+    before = gated()["priority_updates"]
+    stream = client.stream("gated", 4, prefetch=1, batches_per_message=1,
+                           shared_memory=shared_memory)
+    assert wait_for(lambda: gated()["blocked_samples"] == 1), "the draw never waited"
+    stream.update_priorities(ids, torch.full((ROWS,), 3.0))
+    with caplog.at_level(logging.WARNING, logger="replay_client.stream"):
+        stream.close()
+    assert not [r.getMessage() for r in caplog.records if "cancelled" in r.getMessage()]
+    assert gated()["priority_updates"] - before == ROWS
+    assert wait_for(lambda: gated()["blocked_samples"] == 0)  # the draw stopped waiting
+    client.close()
 
 
 def test_the_embedded_stream_applies_updates_before_its_next_draw() -> None:

@@ -14,12 +14,19 @@ credits allow is drawn before the update: a learner's next batch sees its
 last update with no round trip of its own. A refused update ends the stream
 with the status ``UpdatePriorities`` would have answered.
 
+Leaving: the learner's last message says ``closing`` (after its last
+updates). The server then draws nothing more, drops a draw still waiting
+(for data, a rate limiter) and ends the call with OK, so the learner learns
+that every message before was read and applied, without waiting on a draw.
+A learner that half-closes without saying so gets what its credits allow
+first (a client may send one request and half-close).
+
 Queue tables: a learner that names a lease prefix (``lease``) takes each
 group of batches under a lease of the table and says with its credits how
 many batches it finished (``finished``); the groups finished are
 acknowledged, and when the stream ends every group not finished returns to
 the queue (:mod:`replay_server.service.stream_leases`). Such a stream stops
-drawing once the learner half-closes, and after its last batch (``num_batches``)
+drawing once the learner half-closes (or leaves), and after its last batch (``num_batches``)
 waits for the learner to finish them (at most the table's ``lease_timeout_s``)
 before it ends.
 
@@ -71,7 +78,7 @@ from replay_server.engine.table_set import TableSet
 from replay_server.errors import InvalidArgumentError, RateLimitedError
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner
-from replay_server.service.stream_leases import StreamLeases, until_done
+from replay_server.service.stream_leases import StreamLeases
 from replay_server.service.stream_requests import parse_first, update_table
 from replay_server.service.stream_ring import RingLayout
 from replay_server.service.status import (
@@ -122,7 +129,9 @@ class SampleStreamCall:
         self._table: Table = None  # type: ignore[assignment]  # set by run()
         self._credit_event = asyncio.Event()
         self._client_done = False
-        self._left = asyncio.Event()  # set with _client_done
+        # Set when the learner leaves: its closing message, or a leased stream's half-close.
+        self._leaving = asyncio.Event()
+        self._leaving_wait: asyncio.Future | None = None  # one waiter for every draw
         self._refused: InvalidArgumentError | None = None  # a malformed learner message
         self._ring: SharedRing | None = None
         self._ring_reservation: Reservation | None = None
@@ -193,7 +202,7 @@ class SampleStreamCall:
                 if calls.draining:
                     pending.cancel()
                     await calls.fail(context, ShuttingDownError("the server is shutting down"))
-                if self._leases is not None and not await until_done(pending, self._left):
+                if not await self._drawn_unless_leaving(pending):
                     break  # the learner left while the draw waited: nothing more to send
                 chunks, count, ring_note = await calls.settle(context, pending)
                 sent = self._held.pop(pending, None)
@@ -221,7 +230,8 @@ class SampleStreamCall:
             if self._leases is not None:
                 await self._leases.wait_finished(
                     self._credit_event, self._table.config.effective_lease_timeout_s,
-                    lambda: self._client_done or calls.draining or self._refused is not None)
+                    lambda: (self._client_done or self._leaving.is_set() or calls.draining
+                             or self._refused is not None))
         finally:
             if self._leases is not None:
                 self._leases.end_soon(self._calls.executor)
@@ -232,7 +242,20 @@ class SampleStreamCall:
             for held in self._held.values():
                 held.release()
             reader.cancel()
+            if self._leaving_wait is not None:
+                self._leaving_wait.cancel()
             self._close_ring()
+
+    async def _drawn_unless_leaving(self, pending: asyncio.Future) -> bool:
+        """Wait for the draw ``pending`` unless the learner leaves first (a draw may wait long
+        for data or a rate limiter); whether the draw is done. One waiter on the leaving
+        event serves every draw of the stream (about 4 us a group)."""
+        if pending.done():
+            return True
+        if self._leaving_wait is None:
+            self._leaving_wait = asyncio.ensure_future(self._leaving.wait())
+        await asyncio.wait({pending, self._leaving_wait}, return_when=asyncio.FIRST_COMPLETED)
+        return pending.done()
 
     # ------------------------------------------------------------ memory
 
@@ -322,12 +345,15 @@ class SampleStreamCall:
                 self._credits += message.credits
                 if message.HasField("shared_memory_answer"):
                     self._on_answer(message.shared_memory_answer)
+                if message.closing:
+                    self._leaving.set()
                 self._credit_event.set()
         except (asyncio.CancelledError, grpc.RpcError):
             pass
         finally:
             self._client_done = True
-            self._left.set()
+            if self._leases is not None:
+                self._leaving.set()
             self._credit_event.set()
 
     async def _apply(self, update: pb.UpdatePrioritiesRequest) -> None:
@@ -357,10 +383,10 @@ class SampleStreamCall:
         remaining = request.num_batches - index if request.num_batches else MAX_BATCH_SIZE
         if remaining <= 0 or self._refused is not None:
             return 0
-        if self._leases is not None and self._client_done:
-            return 0  # the learner left: draw nothing more it would have to give back
+        if self._leaving.is_set():
+            return 0  # the learner left: draw nothing more (it would have to give it back)
         while self._credits <= index:
-            if not wait or self._client_done:
+            if not wait or self._client_done or self._leaving.is_set():
                 return 0
             if self._calls.draining:
                 await self._calls.fail(self._context,

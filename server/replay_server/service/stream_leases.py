@@ -190,16 +190,3 @@ def _log_returned(table: str, end: Callable[[], int]) -> None:
     if back:
         log.info("SampleStream of table %r ended: %d unfinished row(s) back in the queue",
                  table, back)
-
-
-async def until_done(pending: asyncio.Future, left: asyncio.Event) -> bool:
-    """Wait for a leased stream's draw ``pending`` unless its learner leaves first (a draw
-    may wait long for data); whether the draw is done."""
-    if pending.done():
-        return True
-    leaving = asyncio.ensure_future(left.wait())
-    try:
-        await asyncio.wait({pending, leaving}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        leaving.cancel()
-    return pending.done()
