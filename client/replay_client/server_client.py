@@ -45,9 +45,10 @@ class ServerClient:
 
     Retries: calls that are safe to repeat (sample, update_priorities, info,
     reset) are retried with exponential backoff while the server is
-    UNAVAILABLE, within the call's timeout; insert is not (a retry could store
-    rows twice), so an insert that fails with :class:`UnavailableError` may or
-    may not have been stored.
+    UNAVAILABLE, within the call's timeout; insert is only while gRPC could not
+    connect at all (nothing was sent), never once it may have reached the server
+    (a retry could store rows twice), so an insert that fails with
+    :class:`UnavailableError` may or may not have been stored.
 
     Rate limiting: an insert or sample that a table's rate limiter holds back
     waits on the server (which holds no thread for it) up to the call's
