@@ -89,13 +89,8 @@ def start_server(
         args += ["--config", str(config_path)]
     args += list(extra_args)
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    process = None
-    if not launch and module == "replay_server.app.cli":
-        process = _SPARES.take(args[3:], log_path, full_env)
-    if process is None:
-        with log_path.open("a") as log_file:
-            process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                       env=full_env)
+    process = _spawn(args, log_path, full_env,
+                     spare=not launch and module == "replay_server.app.cli")
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         if port_file.exists() and port_file.read_text().strip():
@@ -205,6 +200,18 @@ def _stop_spare(process: subprocess.Popen | None, prelude: str) -> None:
 _SPARES = _Spares()
 
 
+def _spawn(args: list[str], log_path: Path, env: dict[str, str], *,
+           spare: bool) -> subprocess.Popen:
+    """The server command ``args``, its output appended to ``log_path``: served by the spare
+    when ``spare`` (a plain ``replay_server.app.cli`` start) and it fits (see
+    :class:`_Spares`), else started cold."""
+    process = _SPARES.take(args[3:], log_path, env) if spare else None
+    if process is None:
+        with log_path.open("a") as log_file:
+            process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    return process
+
+
 def serve_until_exit(tmp_path: Path, config: str, *, extra_args: tuple[str, ...] = (),
                      timeout: float = START_TIMEOUT_S) -> tuple[int, str]:
     """Run ``replay-server serve --config`` expecting it to stop on its own (a start-up error).
@@ -220,11 +227,7 @@ def serve_until_exit(tmp_path: Path, config: str, *, extra_args: tuple[str, ...]
     log_path.unlink(missing_ok=True)
     args = [sys.executable, "-m", "replay_server.app.cli", "serve", "--address", "127.0.0.1:0",
             "--config", str(config_path), "--port-file", str(port_file), *extra_args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    process = _SPARES.take(args[3:], log_path, env)
-    if process is None:
-        with log_path.open("a") as log_file:
-            process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    process = _spawn(args, log_path, {**os.environ, "PYTHONUNBUFFERED": "1"}, spare=True)
     deadline = time.monotonic() + timeout
     while process.poll() is None and time.monotonic() < deadline and not port_file.exists():
         time.sleep(0.05)
