@@ -173,28 +173,42 @@ def test_no_server_fails_fast_saying_so_the_same_way_for_every_call(call) -> Non
     client.close()
 
 
+class Outage:
+    """``relay`` closed now and back on its port after ``down_s``, in front of the same server:
+    a restarted replay server would come back empty, while this one keeps its rows.
+    :attr:`over`: whether it came back (it has, once the ``with`` block is left)."""
+
+    def __init__(self, relay: Relay, target: int, down_s: float = 1.0) -> None:
+        self._port, self._target, self._down_s = relay.port, target, down_s
+        self._revived: list[Relay] = []
+        relay.close()
+        self._thread = threading.Thread(target=self._come_back, daemon=True)
+
+    def _come_back(self) -> None:
+        time.sleep(self._down_s)
+        self._revived.append(Relay(self._target, port=self._port))
+
+    @property
+    def over(self) -> bool:
+        return bool(self._revived)
+
+    def __enter__(self) -> Outage:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join(THREAD_JOIN_S)
+        for relay in self._revived:
+            relay.close()
+
+
 def test_the_connect_timeout_is_configurable(served) -> None:
     relay = Relay(served.port)
-    port = relay.port
-    relay.close()
-    revived: list[Relay] = []
-    back = threading.Event()
-
-    def come_back() -> None:
-        back.wait(1.5)  # down longer than the default connect timeout (a bounded sleep)
-        revived.append(Relay(served.port, port=port))
-
-    thread = threading.Thread(target=come_back, daemon=True)
-    thread.start()
-    client = ReplayClient(f"127.0.0.1:{port}", timeout=60, connect_timeout_s=30)
-    try:
+    client = ReplayClient(relay.address, timeout=60, connect_timeout_s=30)
+    with Outage(relay, served.port, down_s=1.5) as outage:  # longer than the default 1 s
         assert "uniform" in client.info()  # retried past 1 s: the server came up meanwhile
-        assert revived
-    finally:
-        thread.join(THREAD_JOIN_S)
-        client.close()
-        for r in revived:
-            r.close()
+        assert outage.over
+    client.close()
 
 
 def test_unavailable_error_is_a_connection_error() -> None:
@@ -229,35 +243,6 @@ def test_same_client_works_again_after_a_restart_on_the_same_port(server_factory
     assert (batch.data["obs"] == 4.0).all()
 
 
-class Outage:
-    """``relay`` closed now and back on its port after ~1 s, in front of the same server:
-    a restarted replay server would come back empty, while this one keeps its rows.
-    :attr:`over`: whether it came back (it has, once the ``with`` block is left)."""
-
-    def __init__(self, relay: Relay, target: int) -> None:
-        self._port, self._target = relay.port, target
-        self._revived: list[Relay] = []
-        relay.close()
-        self._thread = threading.Thread(target=self._come_back, daemon=True)
-
-    def _come_back(self) -> None:
-        threading.Event().wait(1.0)  # ~1 s down (a bounded sleep)
-        self._revived.append(Relay(self._target, port=self._port))
-
-    @property
-    def over(self) -> bool:
-        return bool(self._revived)
-
-    def __enter__(self) -> Outage:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._thread.join(THREAD_JOIN_S)
-        for relay in self._revived:
-            relay.close()
-
-
 def test_sample_retries_while_the_server_is_briefly_down(served) -> None:
     relay = Relay(served.port)
     client = ReplayClient(relay.address, timeout=30, max_retry_s=15)
@@ -283,7 +268,7 @@ def test_a_client_reaches_a_server_back_after_a_long_outage_within_seconds(serve
     while time.monotonic() < deadline:
         with pytest.raises(errors.UnavailableError):
             client.info()
-        threading.Event().wait(0.5)
+        time.sleep(0.5)
     relay = Relay(served.port, port=port)
     back = time.monotonic()
     try:
@@ -302,12 +287,19 @@ def _answers(client: ReplayClient) -> bool:
         return False
 
 
-def inserted(address: str) -> int:
-    with ReplayClient(address, timeout=30) as direct:
-        return direct.info()["uniform"].counters["inserted"]
+@pytest.fixture
+def direct(served: ServerProcess) -> Iterator[ReplayClient]:
+    """A client of the served server itself, past any relay."""
+    with ReplayClient(served.address, timeout=30) as client:
+        yield client
 
 
-def test_an_insert_that_may_have_reached_the_server_is_not_repeated(served) -> None:
+def inserted(direct: ReplayClient) -> int:
+    """The table's inserted count, asked past the relay."""
+    return direct.info()["uniform"].counters["inserted"]
+
+
+def test_an_insert_that_may_have_reached_the_server_is_not_repeated(served, direct) -> None:
     # The server runs the insert, its answer is lost and the connection dropped: a retry
     # would store the rows twice, so the client raises. The relay accepts again at once,
     # so a client that did repeat the insert would succeed, and be caught.
@@ -315,11 +307,11 @@ def test_an_insert_that_may_have_reached_the_server_is_not_repeated(served) -> N
     client = ReplayClient(relay.address, timeout=30, max_retry_s=15)
     try:
         client.info()
-        before = inserted(served.address)
+        before = inserted(direct)
         relay.hold_answers()
 
         def cut_once_stored() -> None:
-            wait_for(lambda: inserted(served.address) > before)
+            wait_for(lambda: inserted(direct) > before)
             relay.cut()
 
         cutter = threading.Thread(target=cut_once_stored, daemon=True)
@@ -328,23 +320,24 @@ def test_an_insert_that_may_have_reached_the_server_is_not_repeated(served) -> N
             client.insert("uniform", rows(1))
         cutter.join(THREAD_JOIN_S)
         assert client.info()["uniform"].counters["inserted"] == before + 1  # relayed again
-        assert stays(lambda: inserted(served.address) == before + 1, seconds=1.0)
+        assert stays(lambda: inserted(direct) == before + 1, seconds=1.0)
     finally:
         client.close()
         relay.close()
 
 
-def test_an_insert_gRPC_could_not_send_waits_for_the_server_and_is_stored_once(served) -> None:
+def test_an_insert_gRPC_could_not_send_waits_for_the_server_and_is_stored_once(
+        served, direct) -> None:
     # Nothing accepts connections for ~1 s (a server restarting): gRPC refuses the insert
     # before sending any of it, so the client retries it like any call, within max_retry_s.
     relay = Relay(served.port)
     client = ReplayClient(relay.address, timeout=30, max_retry_s=15)
     client.info()
-    before = inserted(served.address)
+    before = inserted(direct)
     with Outage(relay, served.port) as outage:
         assert len(client.insert("uniform", rows(1))) == 1
         assert outage.over, "the insert returned while the server was still down"
-    assert inserted(served.address) == before + 1
+    assert inserted(direct) == before + 1
     client.close()
 
 
