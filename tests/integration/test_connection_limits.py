@@ -144,8 +144,13 @@ def test_calls_over_max_concurrent_calls_are_refused_and_unread_answers_are_drop
             return True
         return False
 
+    def why_not() -> str:  # what the server and the connection looked like instead
+        return (f"calls in flight and waiting: {client.server_info().limits}; the raw "
+                f"connection closed by the server: {reader.closed_by_server()}; server log:\n"
+                f"{server.log()[-4000:]}")
+
     try:
-        assert wait_for(refused, timeout=60)  # all 20 held at once
+        assert wait_for(refused, timeout=60), why_not()  # all 20 held at once
         assert _serving(server.address)  # health checks are not replay calls: never refused
         # The server drops the unread answers itself, saying so, and serves again.
         assert wait_for(lambda: _dropped_answers(server, source) >= 1,
