@@ -28,7 +28,8 @@ How: a thread sweeps: it lists the process' socket descriptors
 duplicate in a descriptor slot of its own, checked to be the same socket),
 and shuts the chosen ones down through such a duplicate: gRPC sees the peer
 go away and closes its own descriptor. The guard never closes a descriptor
-it did not open, and needs no new one to act (it works with none left).
+it did not open, and needs no new one to close one; listing them takes one, so
+with none left a sweep does nothing (it forgets no call) until one is free.
 
 When: gRPC accepts connections itself (the guard cannot refuse one at
 accept), and refuses everyone once ``max_connections`` are open, so what
@@ -226,6 +227,8 @@ class ConnectionGuard:
         """Look at the port's connections once, close those to close; returns how many."""
         now = time.monotonic() if now is None else now
         sockets = self._sockets()
+        if sockets is None:  # nothing is known this time: forget nothing, close nothing
+            return 0
         for inode in [i for i in self._connections if i not in sockets]:
             gone = self._connections.pop(inode)
             with self._lock:
@@ -292,13 +295,17 @@ class ConnectionGuard:
                 self._spared += 1
         return doomed
 
-    def _sockets(self) -> dict[int, int]:
-        """Socket inode -> descriptor, for every socket this process has open now."""
+    def _sockets(self) -> dict[int, int] | None:
+        """Socket inode -> descriptor, for every socket this process has open now; ``None``
+        when the descriptors cannot be listed (listing takes a descriptor: at the open-file
+        limit there is none). An empty answer then would have made every connection look
+        gone and come back new: the calls they had made forgotten, and each connection
+        (a learner's stream, say) shut at the deadline for making no call."""
         found: dict[int, int] = {}
         try:
             names = os.listdir(_FD_DIR)
         except OSError:
-            return found
+            return None
         for name in names:
             try:
                 link = os.readlink(f"{_FD_DIR}/{name}")

@@ -73,6 +73,36 @@ def test_it_closes_by_deadline_and_per_host_cap_keeping_callers(listener) -> Non
             conn.close()
 
 
+def test_a_sweep_that_cannot_list_descriptors_forgets_no_call(listener, monkeypatch) -> None:
+    """Listing /proc/self/fd takes a descriptor, so at the open-file limit it fails. The guard
+    took that for "no connection open": every connection came back new at the next sweep,
+    its call forgotten, and was shut at the deadline (a learner's stream, making no new
+    call, cut in the middle of an attack that filled the descriptors)."""
+    port = listener.getsockname()[1]
+    guard = ConnectionGuard(port, handshake_timeout_s=5, max_idle_per_host=10, max_idle=100,
+                            max_connections=100)
+    caller = accepted(listener, "127.0.0.3")
+    try:
+        guard.called(f"ipv4:127.0.0.3:{caller[0].getsockname()[1]}")
+        now = time.monotonic()
+        assert guard.sweep(now) == 0 and guard.open == 1
+        real_listdir = connections.os.listdir
+
+        def no_descriptor_left(path):
+            raise OSError(24, "Too many open files", path)
+
+        monkeypatch.setattr(connections.os, "listdir", no_descriptor_left)
+        assert guard.sweep(now + 1) == 0  # nothing learned: nothing forgotten
+        monkeypatch.setattr(connections.os, "listdir", real_listdir)
+        assert guard.sweep(now + 2) == 0
+        assert guard.sweep(now + 60) == 0  # long past the deadline: its call still counts
+        assert not closed(caller[0]) and guard.open == 1
+    finally:
+        guard.stop()
+        caller[0].close()
+        caller[1].close()
+
+
 def test_the_global_cap_and_fullness(listener) -> None:
     port = listener.getsockname()[1]
     seen: list[bool] = []
