@@ -23,6 +23,7 @@ from replay_client.update_stream import StreamFallback, UpdateStream
 from replay_client.updates import PriorityUpdater
 from replay_client.variables import Variable
 from replay_client.writer import Writer
+from replay_feed.eager import runs_eagerly
 from replay_feed.options import StreamOptions
 from replay_feed.source import LinkSource
 from replay_feed.stream import BatchStream
@@ -153,6 +154,7 @@ class ServerClient:
 
     # ------------------------------------------------------------------- API
 
+    @runs_eagerly
     def insert(self, table: str, data: Any, priorities: Any = None) -> torch.Tensor:
         """Append rows to ``table``; returns their int64 ids.
 
@@ -178,6 +180,7 @@ class ServerClient:
                 )
         return chunked.insert(self._connection, table, columns, prios)
 
+    @runs_eagerly
     def sample(self, table: str, batch_size: int, *, wait: bool | None = None,
                timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
         """Draw one batch; ``batch.data`` keeps the inserted (nested) structure.
@@ -223,6 +226,7 @@ class ServerClient:
             self._connection.unary("Acknowledge", request, retry=True)
             self._leases.acknowledged(table, pending)
 
+    @runs_eagerly
     def update_priorities(
         self, table: str, ids: Any, priorities: Any, *, wait: bool = True
     ) -> int | None:
@@ -283,10 +287,12 @@ class ServerClient:
                 self._updater, self._updater_pid = PriorityUpdater(self._send_update), os.getpid()
             return self._updater
 
+    @runs_eagerly
     def info(self) -> dict[str, TableInfo]:
         """Every table's sizes, counters and settings, by name."""
         return self.server_info().tables
 
+    @runs_eagerly
     def server_info(self) -> ServerInfo:
         """The server's shard, id incarnation and limits (with what is in use), and its tables."""
         response = pb.InfoResponse.FromString(
@@ -321,6 +327,7 @@ class ServerClient:
         self._connection.unary(
             "Reset", pb.ResetRequest(table=table, schema=schema).SerializeToString(), retry=True)
 
+    @runs_eagerly
     def delete(self, table: str, ids: Any) -> int:
         """Remove rows by id from a queue table (sampler ``fifo`` or ``lifo``).
 
@@ -341,10 +348,12 @@ class ServerClient:
         return pb.DeleteResponse.FromString(raw).deleted
 
 
+    @runs_eagerly
     def read(self, table: str, **request: Any) -> table_rows.RowsRead:
         """Stored rows by ``positions=`` or ``ids=`` (:func:`replay_client.table_rows.read`)."""
         return table_rows.read(self._connection, table, **request)
 
+    @runs_eagerly
     def write(self, table: str, positions: Any, data: Any) -> int:
         """Overwrite stored rows by position (:func:`replay_client.table_rows.write`)."""
         return table_rows.write(self._connection, table, positions, data)
@@ -352,6 +361,7 @@ class ServerClient:
     def set_sampling(self, table: str, **settings: Any) -> tuple[float, float]:
         """``alpha=``, ``beta=``, ``seed=`` from now on (:func:`replay_client.table_rows.set_sampling`)."""
         return table_rows.set_sampling(self._connection, table, **settings)
+    @runs_eagerly
     def publish(self, name: str, state_dict: Any) -> int:
         """Store ``state_dict`` (tensors only) as the next version of variable ``name``.
 
@@ -373,6 +383,7 @@ class ServerClient:
         """
         return variables.publish(self._connection, name, state_dict)
 
+    @runs_eagerly
     def fetch(self, name: str, newer_than: int | None = None,
               timeout: float | None = None) -> Variable | None:
         """The newest version of variable ``name``, as a :class:`~replay_client.variables.Variable`.

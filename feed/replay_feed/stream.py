@@ -20,6 +20,7 @@ from typing import Any
 
 from replay_feed.core import FeedCore, Source
 from replay_feed.delivery import Delivery
+from replay_feed.eager import runs_eagerly
 
 log = logging.getLogger("replay.feed")
 
@@ -105,6 +106,7 @@ class BatchStream:
         finally:
             self.close()
 
+    @runs_eagerly
     def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
@@ -121,6 +123,7 @@ class BatchStream:
             self.close()
             raise
 
+    @runs_eagerly
     def update_priorities(self, ids: Any, priorities: Any) -> None:
         """Set priorities of rows this stream delivered; they ride on the next credit.
 

@@ -71,6 +71,7 @@ from replay_client.stream_options import stream_options
 from replay_client.table_info import tables_of
 from replay_client.writer import Writer
 from replay_feed.credits import PriorityUpdate
+from replay_feed.eager import runs_eagerly
 from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
@@ -238,6 +239,7 @@ class ShardedClient:
 
     # ------------------------------------------------------------------ insert
 
+    @runs_eagerly
     def insert(self, table: str, data: Any, priorities: Any = None) -> torch.Tensor:
         """Append rows; each episode's rows go to one shard (see :mod:`replay_client.sharded.placement`).
 
@@ -310,6 +312,7 @@ class ShardedClient:
 
     # ------------------------------------------------------------------ sample
 
+    @runs_eagerly
     def sample(self, table: str, batch_size: int, *, wait: bool | None = None,
                timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
         """One batch from the union of every shard, as one table would draw it.
@@ -412,6 +415,7 @@ class ShardedClient:
 
     # -------------------------------------------------------------- priorities
 
+    @runs_eagerly
     def update_priorities(self, table: str, ids: Any, priorities: Any, *,
                           wait: bool = True) -> int | None:
         """Set priorities by id: each id goes to its shard (``id >> 56``), concurrently.
@@ -447,6 +451,7 @@ class ShardedClient:
             self._health.count("skipped_updates", len(groups[shard]))
         return None if not wait else sum(int(r) for r in results.values())
 
+    @runs_eagerly
     def delete(self, table: str, ids: Any) -> int:
         """Remove rows by id from a queue table, each id on its shard, concurrently: how many
         named rows present (summed). An id of no known shard deletes nothing (InvalidIdsError)."""
@@ -462,6 +467,7 @@ class ShardedClient:
 
     # ------------------------------------------------------------------- admin
 
+    @runs_eagerly
     def info(self) -> dict[str, Any]:
         """Every table summed over shards (sizes, counters, masses); per shard: :meth:`shard_info`."""
         return summed_tables(self._all(lambda c: c.info(), tolerate=True))
@@ -470,6 +476,7 @@ class ShardedClient:
         """Each shard's ``ServerInfo`` (its shard, incarnation, limits, tables), by shard index."""
         return self._all(lambda c: c.server_info(), tolerate=True)
 
+    @runs_eagerly
     def server_info(self) -> Any:
         raise UnsupportedError("a sharded client talks to many servers: shard_info() gives each "
                                "one's ServerInfo, info() the tables summed over shards")

@@ -70,6 +70,7 @@ from replay_client.torchrl.sampler_view import (
 )
 from replay_client.torchrl.slices import INIT_KEY, TRUNCATED_KEY, SliceLayout
 from replay_client.torchrl.transforms import Transforms
+from replay_feed.eager import runs_eagerly
 from replay_proto.batch import SampleBatch
 from replay_proto.rows import EpisodeTracker
 
@@ -193,6 +194,7 @@ class RemoteReplayBuffer:
 
     # ------------------------------------------------------------------ table
 
+    @runs_eagerly
     def table_info(self, fresh: bool = False) -> TableInfo:
         """The table's info (settings cached; ``fresh``: sizes and counters as of now)."""
         if self._info is None or fresh:
@@ -227,6 +229,7 @@ class RemoteReplayBuffer:
 
     # ---------------------------------------------------------------- writing
 
+    @runs_eagerly
     def extend(self, data: Any, *, update_priority: bool | None = None) -> torch.Tensor:
         """Insert the rows of ``data`` (a TensorDict's batch dims decide what a row is).
 
@@ -242,6 +245,7 @@ class RemoteReplayBuffer:
         """
         return self._write(data, single=False, update_priority=update_priority)
 
+    @runs_eagerly
     def add(self, data: Any) -> int:
         """Insert one element, as TorchRL's ``add``: a transition (a TensorDict with batch
         size ``[]``), or one row of a buffer whose rows have their own batch dims; returns its id.
@@ -307,6 +311,7 @@ class RemoteReplayBuffer:
     def batch_size(self) -> int | None:
         return self._batch_size
 
+    @runs_eagerly
     def sample(self, batch_size: int | None = None, return_info: bool = False,
                include_info: bool | None = None) -> Any:
         """One batch: the data and (``include_info``) ``"index"``, weights, slice markers.
@@ -380,6 +385,7 @@ class RemoteReplayBuffer:
 
     # ------------------------------------------------------------- priorities
 
+    @runs_eagerly
     def update_priority(self, index: Any, priority: Any) -> None:
         """Set the priorities of the rows ``index`` names: ids (a sample's ``"index"``) or
         storage positions (``abs(priority) + eps``, as TorchRL; dims beyond
@@ -400,6 +406,7 @@ class RemoteReplayBuffer:
                else self.replay_client.read(self.table, positions=values, columns=False).ids)
         self.replay_client.update_priorities(self.table, ids, priorities)
 
+    @runs_eagerly
     def update_tensordict_priority(self, data: TensorDictBase) -> None:
         """Update priorities from ``data[priority_key]`` for the rows of ``data["index"]``.
 
@@ -430,6 +437,7 @@ class RemoteReplayBuffer:
         made without ``delayed_init``."""
         return not self._delayed_init or bool(self.table_info(fresh=True).schema)
 
+    @runs_eagerly
     def empty(self, empty_write_count: bool = True) -> None:
         """Remove every row and forget the schema: the buffer starts over (and
         ``write_count`` from 0, unless ``empty_write_count=False``, as TorchRL's)."""
@@ -448,8 +456,8 @@ class RemoteReplayBuffer:
             "RoundRobinWriter: when full, the oldest rows are overwritten); use rb.extend() "
             "to write, rb.write_count and len(rb) to count")
 
-    __getitem__ = indexing.get_rows
-    __setitem__ = indexing.set_rows
+    __getitem__ = runs_eagerly(indexing.get_rows)
+    __setitem__ = runs_eagerly(indexing.set_rows)
     set_ = indexing.set_column
     set_at_ = indexing.set_column_at
     update_ = indexing.update_columns
