@@ -92,3 +92,21 @@ def test_a_compiled_step_reads_the_client_directly(client, fresh) -> None:
     assert total.item() >= 0 and client.info()[table].size == 10
     client.flush_updates()
     assert client.info()[table].counters["priority_updates"] >= 1
+
+
+def test_a_compiled_step_takes_its_batch_from_a_stream(client, fresh) -> None:
+    """``next(stream)`` and ``stream.update_priorities`` inside the compiled step."""
+    table = fresh("per")
+    client.insert(table, rows(20))
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager")
+    def step(stream) -> torch.Tensor:
+        batch = next(stream)
+        stream.update_priorities(batch.ids, (batch.data["x"] == 3).float() * 1000 + 0.01)
+        return batch.data["obs"].sum()
+
+    with client.stream(table, 64, num_batches=4) as stream:
+        totals = [step(stream) for _ in range(4)]
+    assert all(total.item() >= 0 for total in totals)
+    assert client.info()[table].counters["priority_updates"] >= 1
