@@ -25,7 +25,12 @@ the lost call's: the server gave back those not finished when it lost it.
 Closing: the call's last message says the learner leaves (:data:`CLOSING`,
 after its last updates); a stream that carried updates, or a leased one,
 waits for the server to end the call before letting go, so that nothing it
-sent is dropped unread.
+sent is dropped unread. A stream of ``num_batches`` says in its first
+message that it leaves so (``stays_until_closing``): the server keeps the
+call open after the last batch, and the link stops reading it there, so the
+updates of the batches the learner takes after that still reach the server
+(they were dropped when the server ended the call with its last batch, up
+to a window of batches before the learner had them).
 
 Restart policy: when the connection is lost (UNAVAILABLE: server restarted,
 draining or unreachable) the call raises :class:`~replay_feed.link.LinkLost`
@@ -166,6 +171,11 @@ class _Outgoing:
         finally:
             self.finished.set()
 
+    def end(self) -> None:
+        """gRPC's done callback: the call is over, nothing more of it will be sent."""
+        self.ended.set()
+        self.finished.set()
+
     def answer(self, accepted: bool, reason: str = "") -> None:
         self.send(pb.SampleStreamRequest(shared_memory_answer=pb.SharedMemoryAnswer(
             accepted=accepted, reason=reason)))
@@ -233,7 +243,8 @@ class SampleLink:
                                    wait_timeout_s=self.wait_timeout or 0.0)
         opening = pb.SampleStreamRequest(request=request, credits=credits, window=flow.window,
                                          shared_memory=self.shared_memory, host_id=host_id(),
-                                         lease=f"{uuid.uuid4().hex}-{first}")
+                                         lease=f"{uuid.uuid4().hex}-{first}",
+                                         stays_until_closing=True)
         head = (self._first_with_updates(opening, updates) if updates
                 else [opening.SerializeToString()])
         outgoing = _Outgoing(self, flow, head, first, updated=bool(updates))
@@ -246,7 +257,7 @@ class SampleLink:
                 outgoing.requests(),
                 metadata=connection.metadata + request_bytes_metadata(STREAM_MESSAGE_BYTES))
             self._call, self._outgoing = call, outgoing
-        call.add_done_callback(lambda _: outgoing.ended.set())
+        call.add_done_callback(lambda _: outgoing.end())
         target = self.target
         views = target.allocate is None
 
@@ -258,6 +269,8 @@ class SampleLink:
                                 ring_view=self._ring_view, copy=target.copy or _no_copy,
                                 views=views)
         opened = True
+        received = 0
+        last = False  # the call's last batch came: the call stays open for the learner
         try:
             for raw in call:
                 header, payload = split_sample(raw)
@@ -265,7 +278,14 @@ class SampleLink:
                     opened = False
                     connection.answered = True
                     self._on_first(header, outgoing, flow)
-                yield from decoder.add(header, payload)
+                for batch in decoder.add(header, payload):
+                    received += 1
+                    yield batch
+                if remaining and received >= remaining:
+                    # The server keeps the call open (stays_until_closing) to read the
+                    # updates of the batches the learner has not taken yet, and its leaving.
+                    last = True
+                    return
         except grpc.RpcError as exc:
             if self._stopped.is_set():
                 return
@@ -274,7 +294,8 @@ class SampleLink:
                 raise LinkLost(error, self._give_up(error)) from None
             raise error from None
         finally:
-            outgoing.done = True
+            if not last:
+                outgoing.done = True
             flow.wake()
 
     def _first_with_updates(self, opening: pb.SampleStreamRequest,

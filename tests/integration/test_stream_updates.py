@@ -15,9 +15,12 @@ it draws nothing meanwhile.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 
+import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +28,8 @@ from replay_client import ReplayClient, errors
 from replay_server.app.embedded import EmbeddedServer
 from replay_server.engine.config import TableConfig
 from replay_server.service.settings import ServerSettings
+from replay_proto import messages
+from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import module_server, stays, wait_for
 
 ROWS = 64
@@ -184,6 +189,91 @@ def test_closing_a_stream_whose_draw_waits_ends_it_at_once_with_its_updates(
     assert gated()["priority_updates"] - before == ROWS
     assert wait_for(lambda: gated()["blocked_samples"] == 0)  # the draw stopped waiting
     client.close()
+
+
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
+def test_the_updates_of_a_bounded_streams_last_batches_are_applied(
+        served, shared_memory) -> None:
+    """A stream of ``num_batches``: the server has sent the last batch a window before the
+    learner takes it. It ended the call then, and every update the learner made after was
+    dropped unread (here 128 of 256 applied with the default window, none with a learner
+    slower than the server). Now the call stays open until the learner leaves."""
+    client = ReplayClient(served.address)
+    client.reset("prio")
+    client.insert("prio", {"key": torch.arange(ROWS)})
+    before = client.info()["prio"].counters["priority_updates"]
+    with client.stream("prio", 16, num_batches=6, prefetch=4,
+                       shared_memory=shared_memory) as stream:
+        for k, batch in enumerate(stream):
+            if k == 0:  # the server sends what the window allows, and has all 6 out soon
+                assert wait_for(lambda: client.info()["prio"].counters["sampled"] >= 5 * 16)
+            stream.update_priorities(batch.ids, torch.full((16,), 2.0))
+    assert client.info()["prio"].counters["priority_updates"] - before == 6 * 16
+    client.close()
+
+
+class RawLearner:
+    """A learner speaking SampleStream's messages itself on a real gRPC port: it opens a
+    stream of ``num_batches``, may send one update once it has the last batch, and neither
+    says ``closing`` nor half-closes until :meth:`leave`."""
+
+    def __init__(self, address: str, *, stays: bool, num_batches: int = 2) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self._update: list[bytes] = []
+        self._wake, self._left = threading.Event(), threading.Event()
+        opening = pb.SampleStreamRequest(
+            request=pb.SampleRequest(table="prio", batch_size=4, num_batches=num_batches),
+            credits=num_batches, stays_until_closing=stays).SerializeToString()
+
+        def requests():
+            yield opening
+            while not self._left.is_set():
+                self._wake.wait(30)
+                self._wake.clear()
+                while self._update:
+                    yield self._update.pop()
+
+        call = self.channel.stream_stream("/replay.v1.ReplayService/SampleStream")
+        self.call = call(requests())
+        self.answers = iter(self.call)
+
+    def update(self, ids: torch.Tensor, priority: float) -> None:
+        self._update.append(messages.encode_credit(0, messages.encode_update(
+            "prio", ids.numpy(), np.full(len(ids), priority))))
+        self._wake.set()
+
+    def leave(self) -> None:
+        self._left.set()
+        self._wake.set()
+        self.channel.close()
+
+
+def test_a_bounded_stream_waits_for_a_learner_that_said_it_closes_at_most_response_timeout(
+        ) -> None:
+    """With ``stays_until_closing`` the call stays open after the last batch: an update sent
+    then is applied; a learner that never leaves is let go after server.response_timeout_s
+    (OK: it had every batch). Without it (a raw client, an older one) the call ends with the
+    last batch, as it always did, whether or not the client half-closed."""
+    settings = ServerSettings(address="127.0.0.1:0", response_timeout_s=1.0, tables=(
+        TableConfig(name="prio", capacity=100, sampler="prioritized"),))
+    with EmbeddedServer(settings) as server:
+        table = server.tables["prio"]
+        ids = table.insert({"key": torch.arange(10)})
+        staying = RawLearner(server.address, stays=True)
+        try:
+            assert len(list(itertools.islice(staying.answers, 2))) == 2  # both batches
+            staying.update(ids[:3], 7.0)
+            assert wait_for(lambda: table.info().counters.priority_updates == 3)
+            assert list(staying.answers) == []  # then it ends, after response_timeout_s
+            assert staying.call.code() == grpc.StatusCode.OK
+        finally:
+            staying.leave()
+        leaving = RawLearner(server.address, stays=False)
+        try:
+            assert len(list(leaving.answers)) == 2  # the call ends with the last batch
+            assert leaving.call.code() == grpc.StatusCode.OK
+        finally:
+            leaving.leave()
 
 
 def test_the_embedded_stream_applies_updates_before_its_next_draw() -> None:

@@ -19,7 +19,12 @@ updates). The server then draws nothing more, drops a draw still waiting
 (for data, a rate limiter) and ends the call with OK, so the learner learns
 that every message before was read and applied, without waiting on a draw.
 A learner that half-closes without saying so gets what its credits allow
-first (a client may send one request and half-close).
+first (a client may send one request and half-close). A learner that says
+in its first message that it will leave so (``stays_until_closing``) keeps
+a stream with ``num_batches`` open after its last batch until it does (at
+most ``server.response_timeout_s``): the updates of its last batches, made
+after the server sent them, are read. (They were lost: the call ended with
+the last batch sent, up to a window of batches before the learner took it.)
 
 Queue tables: a learner that names a lease prefix (``lease``) takes each
 group of batches under a lease of the table and says with its credits how
@@ -100,6 +105,9 @@ class StreamLimits:
     max_batch_bytes: int
     budget: MemoryBudget
     shared_memory_budget: MemoryBudget
+    closing_wait_s: float
+    """How long a stream that had its ``num_batches`` waits for a learner that said it
+    leaves with ``closing`` (``server.response_timeout_s``)."""
 
 
 class SampleStreamCall:
@@ -139,6 +147,7 @@ class SampleStreamCall:
         self._ring_accepted = False
         self._held: dict[asyncio.Future, Reservation] = {}  # each drawn group's memory
         self._leases: StreamLeases | None = None  # a queue table's, if the learner named a prefix
+        self._stays = False  # the learner leaves with `closing`: wait for it after the last batch
 
     def wake(self) -> None:
         """The server started draining: a stream waiting for credit ends now (UNAVAILABLE),
@@ -168,6 +177,7 @@ class SampleStreamCall:
         if batch_bytes > self._limits.max_batch_bytes:
             await calls.fail(context, self._too_large(table, request.batch_size, batch_bytes))
         self._group = max(1, request.batches_per_message)
+        self._stays = first.stays_until_closing
         try:
             self._leases = StreamLeases.open(table, first.lease, request.batch_size)
             if first.finished:
@@ -232,6 +242,10 @@ class SampleStreamCall:
                     self._credit_event, self._table.config.effective_lease_timeout_s,
                     lambda: (self._client_done or self._leaving.is_set() or calls.draining
                              or self._refused is not None))
+            if self._stays and request.num_batches:
+                await self._until_leaving(self._limits.closing_wait_s)
+                if self._refused is not None:
+                    await calls.fail(context, self._refused)
         finally:
             if self._leases is not None:
                 self._leases.end_soon(self._calls.executor)
@@ -245,6 +259,23 @@ class SampleStreamCall:
             if self._leaving_wait is not None:
                 self._leaving_wait.cancel()
             self._close_ring()
+
+    async def _until_leaving(self, timeout_s: float) -> None:
+        """After the last batch: read the learner's messages (its updates of the last
+        batches) until it leaves (``closing``, a half-close), an update is refused, the server
+        drains, or ``timeout_s`` passes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            self._credit_event.clear()
+            left = deadline - loop.time()
+            if (self._leaving.is_set() or self._client_done or self._refused is not None
+                    or self._calls.draining or left <= 0):
+                return
+            try:
+                await asyncio.wait_for(self._credit_event.wait(), left)
+            except TimeoutError:
+                return
 
     async def _drawn_unless_leaving(self, pending: asyncio.Future) -> bool:
         """Wait for the draw ``pending`` unless the learner leaves first (a draw may wait long

@@ -98,7 +98,8 @@ class ReplayServicer:
                                            shared_memory=shared_memory,
                                            max_batch_bytes=admission.limits.max_batch_bytes,
                                            budget=admission.budget,
-                                           shared_memory_budget=shared_memory_budget)
+                                           shared_memory_budget=shared_memory_budget,
+                                           closing_wait_s=admission.limits.response_timeout_s)
         self._checkpointer = checkpointer
         self._checkpoint_executor = checkpoint_executor or executor
         self._streams: set[SampleStreamCall] = set()
