@@ -366,6 +366,10 @@ class SampleLink:
         """Release the ring (after the runner ended)."""
         self._release_ring()
 
+    def after_last(self, flow: CreditFlow) -> None:
+        """Nothing: the call stays open after its last batch (``stays_until_closing``), and
+        its request iterator forwards the learner's updates until it leaves."""
+
     # ------------------------------------------------------------ shared memory
 
     def _choose_grouping(self, header: pb.SampleResponse, outgoing: _Outgoing,

@@ -77,6 +77,12 @@ class Link(Protocol):
     def close(self) -> None:
         """Release what the link holds (a mapped ring), once no call runs any more."""
 
+    def after_last(self, flow: CreditFlow) -> None:
+        """The stream has all its batches (``num_batches``), a window of which the learner
+        may not have taken yet: deliver the updates it makes for them until ``flow`` stops
+        (:func:`apply_until_stopping`), or nothing, for a link whose open call forwards
+        them itself."""
+
 
 def drawn_here(flow: CreditFlow, credits: int, updates: list[PriorityUpdate], remaining: int,
                first: int, *, apply: Callable[[list[PriorityUpdate]], None],
@@ -125,6 +131,18 @@ def drawn_here(flow: CreditFlow, credits: int, updates: list[PriorityUpdate], re
             yield batch
         index += len(batches)
         allowance -= len(batches)
+
+
+def apply_until_stopping(flow: CreditFlow, apply: Callable[[list[PriorityUpdate]], None]) -> None:
+    """:meth:`Link.after_last` of a link that draws where it runs: apply every update the
+    learner sends until the stream stops (the updates still held then included). Those of
+    the last batches were dropped before: the link had stopped reading the learner's grants
+    with its last batch, a window before the learner took it."""
+    while True:
+        grant = flow.next_grant()
+        if grant is None:
+            return
+        apply(grant.updates)
 
 
 class LinkRunner:
@@ -213,3 +231,8 @@ class LinkRunner:
     @property
     def stopped(self) -> bool:
         return self._stopped.is_set()
+
+    @property
+    def complete(self) -> bool:
+        """Whether the stream had all its ``num_batches``."""
+        return bool(self.num_batches) and self.received >= self.num_batches

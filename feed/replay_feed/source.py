@@ -10,6 +10,7 @@ that they travel with the next credit.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,10 @@ from replay_feed.link import Link, LinkRunner
 
 CheckUpdate = Callable[[Any, Any], PriorityUpdate]
 """``check(ids, priorities)``: the update as flat arrays, or the entry's typed error."""
+
+SETTLE_S = 2.0
+"""How long closing a stream that had all its batches waits for the updates the learner made
+last to be delivered (:meth:`~replay_feed.link.Link.after_last`) before it stops the link."""
 
 
 class LinkSource:
@@ -46,6 +51,7 @@ class LinkSource:
         self._name = name
         self._runner: LinkRunner | None = None
         self._stopped = False
+        self._settled = threading.Event()  # run() is past delivering the last updates
 
     def run(self, core: FeedCore) -> None:
         core.stats.transport = self.link.transport
@@ -53,7 +59,8 @@ class LinkSource:
         def resumed() -> None:
             core.stats.reconnects += 1
 
-        runner = LinkRunner(self.link, core.flow(), num_batches=self._num_batches,
+        flow = core.flow()
+        runner = LinkRunner(self.link, flow, num_batches=self._num_batches,
                             reconnect=self._reconnect, retry_window_s=self._window_s,
                             name=self._name, resumed=resumed)
         self._runner = runner
@@ -63,12 +70,23 @@ class LinkSource:
             for index, batch in enumerate(runner.batches()):
                 core.stats.transport = self.link.transport
                 core.deliver(index, batch)
+            if runner.complete:
+                # Every batch is out; the learner may hold a window of them still. It sees
+                # the end once it took them, and their updates go on until it closes.
+                core.finish()
+                self.link.after_last(flow)
         finally:
+            self._settled.set()
             self.link.close()
 
     def stop(self) -> None:
+        """Stop the link; on a stream that had all its batches, once the updates the learner
+        made last were delivered (at most :data:`SETTLE_S`: the feed has stopped its credits
+        before, which ends :meth:`~replay_feed.link.Link.after_last`)."""
         self._stopped = True
         runner = self._runner
+        if runner is not None and runner.complete:
+            self._settled.wait(SETTLE_S)
         if runner is not None:
             runner.stop()
         else:

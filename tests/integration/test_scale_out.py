@@ -395,6 +395,26 @@ def test_a_stream_over_shards_stays_within_its_windows_and_groups_small_rows(tri
     assert "batches_per_message=" in "; ".join(grouped.stats.notes)
 
 
+def test_the_updates_of_a_bounded_sharded_streams_last_batches_reach_their_shards(
+        trio, shards) -> None:
+    """A merged stream of ``num_batches`` stopped routing the learner's updates to the shards
+    with its last batch, a window before the learner took it: those updates were dropped
+    (160 of 192 applied here). Now they are routed until the learner closes."""
+    for shard in shards:
+        shards[shard].insert("p", {"key": torch.arange(20, dtype=torch.int64)})
+
+    def applied() -> int:
+        return sum(c.info()["p"].counters["priority_updates"] for c in shards.values())
+
+    before = applied()
+    with sharded(trio) as client:
+        with client.stream("p", 16, num_batches=12, prefetch=4, batches_per_message=1) as stream:
+            for batch in stream:
+                stream.update_priorities(batch.ids, torch.full((16,), 2.0))
+    assert wait_for(lambda: applied() - before == 12 * 16), applied() - before
+    assert stays(lambda: applied() - before == 12 * 16, seconds=0.3)
+
+
 # --------------------------------------------------------------------- faults
 
 

@@ -287,6 +287,22 @@ def test_the_embedded_stream_applies_updates_before_its_next_draw() -> None:
         assert keys in ([target] * 16, [newer] * 16), (target, newer, keys)
 
 
+def test_the_embedded_stream_applies_the_updates_of_its_last_batches() -> None:
+    """In process too: the link stopped reading the learner's grants with its last batch, a
+    window before the learner took it (80 of 96 applied here)."""
+    settings = ServerSettings(tables=(TableConfig(name="prio", capacity=1000,
+                                                  sampler="prioritized"),))
+    server = EmbeddedServer(settings, listen=False)
+    table = server.tables["prio"]
+    table.insert({"key": torch.arange(ROWS)})
+    with server.stream("prio", 16, num_batches=6, prefetch=4) as stream:
+        for k, batch in enumerate(stream):
+            if k == 0:  # every batch the window allows is drawn before the first update
+                assert wait_for(lambda: table.info().counters.sampled >= 5 * 16)
+            stream.update_priorities(batch.ids, torch.full((16,), 2.0))
+    assert table.info().counters.priority_updates == 6 * 16
+
+
 def test_large_updates_travel_in_parts_before_their_credit(served) -> None:
     """An update of more ids than one credit message holds is split; all parts go first."""
     client = ReplayClient(served.address)

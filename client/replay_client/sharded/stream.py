@@ -68,7 +68,7 @@ from replay_client.sharded.rows import ShardRows
 from replay_client.stream import StagingTarget
 from replay_client.stream_options import feed_core
 from replay_feed.credits import CreditFlow, PriorityUpdate
-from replay_feed.link import drawn_here
+from replay_feed.link import apply_until_stopping, drawn_here
 from replay_feed.options import StreamOptions
 from replay_feed.source import LinkSource
 from replay_feed.stream import BatchStream
@@ -412,6 +412,9 @@ class MergedLink:
                 self._health.answered([shard])
 
     # ------------------------------------------------------------ lifetime
+
+    def after_last(self, flow: CreditFlow) -> None:
+        apply_until_stopping(flow, self._route)  # into the shards' streams, open till stop
 
     def stop(self) -> None:
         with self._cond:

@@ -34,7 +34,7 @@ import torch
 
 from replay_feed.core import FeedCore
 from replay_feed.credits import CreditFlow, PriorityUpdate
-from replay_feed.link import drawn_here
+from replay_feed.link import apply_until_stopping, drawn_here
 from replay_feed.source import LinkSource
 from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
@@ -130,6 +130,9 @@ class TableLink:
             return True
         left = deadline - time.monotonic()
         return left > 0 and (self.table.changes.wait(mark, left) or time.monotonic() < deadline)
+
+    def after_last(self, flow: CreditFlow) -> None:
+        apply_until_stopping(flow, self._apply)
 
     def stop(self) -> None:
         self._stopped.set()
