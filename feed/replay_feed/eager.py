@@ -10,8 +10,9 @@ the call is made through ``torch.compiler.disable``: a graph break, the call
 itself run as plain Python, and tracing resumes with its result.
 
 Cost: outside compilation one ``torch.compiler.is_compiling()`` check per
-call (0.17 us here; a call to the server takes tens of microseconds). ``torch._dynamo`` (1.5 s to import here) is
-imported only by a compilation that is already running, never by the client.
+call (0.17 us here; a call to the server takes tens of microseconds).
+``torch._dynamo`` (1.5 s to import here) is imported only by a compilation
+that is already running, never by the client.
 
 Thread-safety: stateless.
 """
