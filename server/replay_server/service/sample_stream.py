@@ -84,7 +84,7 @@ from replay_server.errors import InvalidArgumentError, RateLimitedError
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.stream_leases import StreamLeases
-from replay_server.service.stream_requests import parse_first, update_table
+from replay_server.service.stream_requests import messages_until, parse_first, update_table
 from replay_server.service.stream_ring import RingLayout
 from replay_server.service.status import (
     CLIENT_LOG,
@@ -243,7 +243,11 @@ class SampleStreamCall:
                     lambda: (self._client_done or self._leaving.is_set() or calls.draining
                              or self._refused is not None))
             if self._stays and request.num_batches:
-                await self._until_leaving(self._limits.closing_wait_s)
+                # Read the learner's updates of the last batches until it leaves.
+                await messages_until(
+                    self._credit_event, self._limits.closing_wait_s,
+                    lambda: (self._leaving.is_set() or self._client_done or calls.draining
+                             or self._refused is not None))
                 if self._refused is not None:
                     await calls.fail(context, self._refused)
         finally:
@@ -259,23 +263,6 @@ class SampleStreamCall:
             if self._leaving_wait is not None:
                 self._leaving_wait.cancel()
             self._close_ring()
-
-    async def _until_leaving(self, timeout_s: float) -> None:
-        """After the last batch: read the learner's messages (its updates of the last
-        batches) until it leaves (``closing``, a half-close), an update is refused, the server
-        drains, or ``timeout_s`` passes."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            self._credit_event.clear()
-            left = deadline - loop.time()
-            if (self._leaving.is_set() or self._client_done or self._refused is not None
-                    or self._calls.draining or left <= 0):
-                return
-            try:
-                await asyncio.wait_for(self._credit_event.wait(), left)
-            except TimeoutError:
-                return
 
     async def _drawn_unless_leaving(self, pending: asyncio.Future) -> bool:
         """Wait for the draw ``pending`` unless the learner leaves first (a draw may wait long

@@ -44,6 +44,7 @@ from concurrent.futures import Executor
 from replay_server.engine.leases import MAX_LEASE_NAME, LeaseRequest
 from replay_server.engine.table import Table
 from replay_server.errors import InvalidArgumentError
+from replay_server.service.stream_requests import messages_until
 
 log = logging.getLogger("replay_server.service")
 
@@ -155,17 +156,7 @@ class StreamLeases:
         batch (``event`` is set on each of its messages), or ``over()`` (it left, the server
         drains), at most ``timeout_s`` (the table's ``lease_timeout_s``), so that its
         acknowledgements arrive before :meth:`end` gives back what is left."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            event.clear()
-            left = deadline - loop.time()
-            if self.all_finished or over() or left <= 0:
-                return
-            try:
-                await asyncio.wait_for(event.wait(), left)
-            except asyncio.TimeoutError:
-                return
+        await messages_until(event, timeout_s, lambda: self.all_finished or over())
 
     def end_soon(self, executor: Executor) -> None:
         """Event loop, as the stream ends: :meth:`end` in the engine pool, not awaited (the

@@ -5,6 +5,9 @@ See :mod:`replay_server.service.sample_stream` for the protocol.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+
 from replay_proto import messages
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.engine.table import Table
@@ -12,6 +15,23 @@ from replay_server.errors import InvalidArgumentError
 
 MAX_CREDITS = 1024
 """Largest prefetch window a learner may grant in its first message."""
+
+
+async def messages_until(event: asyncio.Event, timeout_s: float,
+                         done: Callable[[], bool]) -> None:
+    """Event loop, once a stream's last batch was sent: let the learner's messages come in
+    (``event`` is set on each) until ``done()`` holds or ``timeout_s`` passes."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        event.clear()
+        left = deadline - loop.time()
+        if done() or left <= 0:
+            return
+        try:
+            await asyncio.wait_for(event.wait(), left)
+        except TimeoutError:
+            return
 
 
 def update_table(table: Table, update: pb.UpdatePrioritiesRequest) -> tuple[str, int]:
