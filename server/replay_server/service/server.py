@@ -248,7 +248,8 @@ class ReplayServer:
                  limits.max_waiting_calls, limits.max_streams,
                  limits.max_connections, limits.idle_timeout_s, limits.handshake_timeout_s,
                  limits.max_idle_connections_per_host, limits.keepalive_s,
-                 limits.keepalive_timeout_s, format_bytes(limits.max_batch_bytes), format_bytes(limits.shared_memory_bytes),
+                 limits.keepalive_timeout_s, format_bytes(limits.max_batch_bytes),
+                 format_bytes(limits.shared_memory_bytes),
                  format_bytes(self.tables.memory.limit))
         if self._health_server is not None:
             await self._health_server.start()
