@@ -212,6 +212,7 @@ class FeedCore:
         self._acked = False           # the held batch was finished by ack()
         self._credited_first = False  # the first take granted its credit
         self._taken = 0
+        self._finished = False  # finish() queued the end (once: a source may end it early)
         self._flow: CreditFlow | None = None
         self._on_release: dict[int, Callable[[], None]] = {}
         self._growth: WindowGrowth | None = None
@@ -312,7 +313,11 @@ class FeedCore:
         (self._stage or self._ready).put(exc)
 
     def finish(self) -> None:
-        """End the feed normally (the learner's loop stops after the queued batches)."""
+        """End the feed normally (the learner's loop stops after the queued batches); the
+        producer's thread only, idempotent."""
+        if self._finished:
+            return
+        self._finished = True
         (self._stage or self._ready).put(_END)
 
     def wait_credits(self) -> int:
