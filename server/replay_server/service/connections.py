@@ -108,8 +108,20 @@ def _descriptor_count() -> int:
 
 @dataclass(slots=True)
 class _Connection:
+    """One connection to the port, with the instants that decide its fate.
+
+    The instants are stored once, when the guard first sees the connection, and
+    each sweep compares its clock against them (``now >= deadline``). Comparing
+    recomputed differences instead (``now - accepted >= timeout``) fails for about
+    half of all clock values: ``t + 0.15`` is rounded, so ``(t + 0.15) - t`` is
+    ``0.14999999999963`` for ``t = 4400.19``, and a sweep at exactly the end of a
+    grace period kept the connection or not depending on the host's uptime.
+    """
+
     peer: tuple[str, int]
-    accepted: float  # monotonic time the guard first saw it
+    accepted: float  # monotonic time the guard first saw it (orders the oldest first)
+    spared_until: float  # accepted + GRACE_S: the caps spare it before this instant
+    deadline: float  # accepted + handshake_timeout_s: closed from then on without a call
     fd: int
     shut: bool = False  # shut down by the guard; gRPC has yet to close its descriptor
 
@@ -207,20 +219,18 @@ class ConnectionGuard:
             self._slot = None
 
     def _run(self) -> None:
-        last = time.monotonic()
+        next_sweep = time.monotonic() + SWEEP_S
         swept_with = 0  # descriptors open at the last sweep
-        busy = False
         while not self._stop.wait(CHECK_S):
             now = time.monotonic()
-            count = _descriptor_count()
-            if not (count > swept_with or now - last >= (BUSY_SWEEP_S if busy else SWEEP_S)):
+            if not (_descriptor_count() > swept_with or now >= next_sweep):
                 continue
             try:
                 busy = bool(self.sweep() or self._spared)
             except Exception:  # never let the guard die: it is a bound
                 log.exception("connection sweep failed")
                 busy = False
-            last = now
+            next_sweep = now + (BUSY_SWEEP_S if busy else SWEEP_S)
             swept_with = _descriptor_count()
 
     def sweep(self, now: float | None = None) -> int:
@@ -243,7 +253,8 @@ class ConnectionGuard:
                 if peer is None:
                     self._other.add(inode)
                 else:
-                    self._connections[inode] = _Connection(peer, now, fd)
+                    self._connections[inode] = _Connection(
+                        peer, now, now + GRACE_S, now + self.handshake_timeout_s, fd)
         doomed = self._doomed(now)
         closed = sum(self._shut(inode) for inode in doomed)
         self.closed += closed
@@ -275,7 +286,7 @@ class ConnectionGuard:
         for inode, connection in self._connections.items():
             if connection.peer in called or connection.shut:
                 continue
-            if now - connection.accepted >= self.handshake_timeout_s:
+            if now >= connection.deadline:
                 doomed.append(inode)
             else:
                 hosts.setdefault(connection.peer[0], []).append((connection.accepted, inode))
@@ -288,8 +299,8 @@ class ConnectionGuard:
             hosts[host] = idle[cut:]
             kept += len(idle) - cut
         over += _fair_cut(hosts, kept - self.max_idle)
-        for accepted, inode in over:
-            if pressed or now - accepted >= GRACE_S:
+        for _, inode in over:
+            if pressed or now >= self._connections[inode].spared_until:
                 doomed.append(inode)
             else:
                 self._spared += 1

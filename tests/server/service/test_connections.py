@@ -50,7 +50,13 @@ def closed(client: socket.socket) -> bool:
         return False
 
 
-def test_it_closes_by_deadline_and_per_host_cap_keeping_callers(listener) -> None:
+# Clock values where ``(t + GRACE_S) - t < GRACE_S`` in floating point (4400.19: by 3.7e-13;
+# the host's uptime in [256, 1024) s and [4096, 16384) s gave such values), and this clock.
+CLOCKS = [4400.19, 300.07, 9000.33, 2.0**20 + 0.01, None]
+
+
+@pytest.mark.parametrize("clock", CLOCKS, ids=lambda c: "now" if c is None else repr(c))
+def test_it_closes_by_deadline_and_per_host_cap_keeping_callers(listener, clock) -> None:
     port = listener.getsockname()[1]
     guard = ConnectionGuard(port, handshake_timeout_s=5, max_idle_per_host=2, max_idle=100,
                             max_connections=100)
@@ -58,11 +64,11 @@ def test_it_closes_by_deadline_and_per_host_cap_keeping_callers(listener) -> Non
         pairs = [accepted(listener, "127.0.0.2") for _ in range(4)]
         caller = accepted(listener, "127.0.0.3")
         guard.called(f"ipv4:127.0.0.3:{caller[0].getsockname()[1]}")
-        now = time.monotonic()
+        now = time.monotonic() if clock is None else clock
         assert guard.sweep(now) == 0  # young: spared by the caps (no pressure)
         assert guard.sweep(now + connections.GRACE_S) == 2  # two over the per-host cap: the oldest
         assert [closed(client) for client, _ in pairs] == [True, True, False, False]
-        assert guard.sweep(now + 6) == 2  # the deadline: the rest without a call
+        assert guard.sweep(now + 5) == 2  # exactly the deadline: the rest without a call
         assert all(closed(client) for client, _ in pairs)
         assert not closed(caller[0])  # it made a call: left to gRPC's idle timeout
         assert guard.closed == 4 and guard.open == 1
