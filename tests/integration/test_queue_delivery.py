@@ -203,10 +203,17 @@ def test_a_retried_chunked_sample_gets_the_same_rows(tmp_path) -> None:
         server.stop()
 
 
+LEASE_S = 5.0
+"""The leases of :func:`two_learners`' queue: long enough for a loaded machine's two calls (a
+1 s lease expired between a learner's two samples in a CI run at load 20-35, and the second was
+handed the first's rows again: at least once, as promised, but not what the tests ask), short
+enough to wait out."""
+
+
 @pytest.fixture
 def two_learners(tmp_path: Path) -> Iterator[tuple[ReplayClient, ReplayClient]]:
-    """Two clients of a queue whose leases expire after one second."""
-    server = start_server(tmp_path, config(lease_timeout_s=1.0))
+    """Two clients of a queue whose leases expire after :data:`LEASE_S`."""
+    server = start_server(tmp_path, config(lease_timeout_s=LEASE_S))
     try:
         with ReplayClient(server.address, timeout=30) as one, \
                 ReplayClient(server.address, timeout=30) as two:
@@ -220,7 +227,7 @@ def test_expired_leases_return_their_rows_to_a_waiting_learner(two_learners) -> 
     fill(gone, 10)
     taken = gone.sample("queue", 10).data["x"].tolist()  # never acknowledged
     assert other.info()["queue"].size == 0
-    again = other.sample("queue", 10, wait=True, timeout=20).data["x"].tolist()
+    again = other.sample("queue", 10, wait=True, timeout=LEASE_S + 20).data["x"].tolist()
     assert sorted(again) == sorted(taken) == list(range(10))
     assert other.info()["queue"].counters["returned"] == 10
 
@@ -232,7 +239,8 @@ def test_acknowledged_rows_never_come_back(two_learners) -> None:
     acker.ack("queue")
     left = leaver.sample("queue", 5).data["x"].tolist()  # never acknowledged
     # The positive event: the later lease expired and its rows came back ...
-    assert wait_for(lambda: acker.info()["queue"].counters["returned"] == 5, timeout=20)
+    assert wait_for(lambda: acker.info()["queue"].counters["returned"] == 5,
+                    timeout=LEASE_S + 20)
     rest = drain(acker)
     # ... and the acknowledged rows, taken earlier, did not.
     assert sorted(rest) == sorted(left + list(range(10, 20)))
@@ -243,11 +251,19 @@ def test_the_next_sample_acknowledges_the_last(two_learners) -> None:
     learner, other = two_learners
     fill(learner, 20)
     first = learner.sample("queue", 5).data["x"].tolist()
-    second = learner.sample("queue", 5).data["x"].tolist()  # acknowledges the first; then silent
-    assert wait_for(lambda: other.info()["queue"].counters["returned"] == 5, timeout=20)
+    second = learner.sample("queue", 5).data["x"].tolist()  # acknowledges the first
+    returned_then = other.info()["queue"].counters["returned"]
+    # Then the learner is silent: its second lease expires and its rows come back.
+    came_back = wait_for(lambda: other.info()["queue"].counters["returned"] >= 5,
+                         timeout=LEASE_S + 20)
     rest = drain(other)
-    assert sorted(rest) == sorted(second + list(range(10, 20)))
-    assert not set(rest) & set(first)
+    why = (f"first sample {first}, second {second}, rows returned by expiry when the second "
+           f"answered: {returned_then} (non-zero: the first lease expired before the second "
+           f"sample acknowledged it, over {LEASE_S} s between two calls)")
+    assert came_back, f"the second lease never expired; {why}"
+    assert first == list(range(5)) and second == list(range(5, 10)), why
+    assert sorted(rest) == sorted(second + list(range(10, 20))), why
+    assert not set(rest) & set(first), why
 
 
 def test_kill_9_redelivers_exactly_what_was_not_acknowledged_by_the_checkpoint(tmp_path) -> None:
