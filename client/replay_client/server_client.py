@@ -13,7 +13,7 @@ from replay_client import chunked, grouping, table_rows, variables
 from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, CONNECT_TIMEOUT_S, Connection
-from replay_client.errors import InvalidArgumentError, InvalidPriorityError
+from replay_client.errors import InvalidArgumentError, InvalidPriorityError, UnknownTableError
 from replay_client.leases import ClientLeases
 from replay_client.stream import SampleLink, StagingTarget
 from replay_client.stream_options import feed_core, stream_options
@@ -402,7 +402,21 @@ class ServerClient:
         return variables.fetch(self._answers, name, newer_than, timeout)
 
     def writer(self, table: str, **options: Any) -> Writer:
-        """A :class:`~replay_client.writer.Writer` appending steps to ``table``."""
+        """A :class:`~replay_client.writer.Writer` appending steps to ``table``.
+
+        Unless ``episode_key=`` is given, the writer follows the table (one ``info``
+        call): episode ids go in the table's episode column where it keeps episodes
+        (slice tables, n-step readers) or declares that column, and nowhere else.
+
+        Raises:
+            UnknownTableError: no such table (asked only when ``episode_key`` is not given).
+        """
+        if "episode_key" not in options:
+            tables = self.info()
+            if table not in tables:
+                raise UnknownTableError(f"no table named {table!r} on {self.address}; tables "
+                                        f"there: {', '.join(sorted(tables)) or 'none'}")
+            options["episode_key"] = tables[table].writer_episode_key
         return Writer(self, table, **options)
 
     def stream(self, table: str, batch_size: int, options: StreamOptions | None = None,

@@ -82,6 +82,16 @@ class TableInfo:
     episode_key: str = "episode"
     capabilities: TableCapabilities = TableCapabilities()
 
+    @property
+    def writer_episode_key(self) -> str | None:
+        """The column a :class:`~replay_client.writer.Writer` puts its episode ids in: the
+        table's ``episode_key`` where the table keeps episodes, or where its schema has
+        that column; ``None`` (no column added) elsewhere, since a table without episodes
+        would refuse the extra column."""
+        if self.capabilities.episodes or self.episode_key in self.schema:
+            return self.episode_key
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class ServerInfo:

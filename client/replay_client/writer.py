@@ -8,8 +8,10 @@ memory, backpressure).
 
 Episodes: each step gets the writer's current episode id in ``episode_key``
 (a random 62-bit id, fresh after every :meth:`Writer.end_episode`), which is
-what slice tables need to keep an actor's steps together. Episode ends as data
-(``done``/``truncated``) are the step's own columns.
+what slice tables need to keep an actor's steps together; ``episode_key=None``
+adds no column (``ReplayClient.writer`` picks one or ``None`` from the table:
+:attr:`~replay_client.table_info.TableInfo.writer_episode_key`). Episode ends
+as data (``done``/``truncated``) are the step's own columns.
 
 Errors: a step whose keys, dtypes or shapes differ from the first step's is
 refused at ``append``. A failed background insert is raised, as

@@ -26,6 +26,17 @@ name = "seq"
 capacity = 10000
 sampler = "slice"
 slice_len = 3
+
+[[tables]]
+name = "plain"
+capacity = 100
+
+[[tables]]
+name = "declared"
+capacity = 100
+[tables.schema]
+x = "float32[]"
+episode = "int64[]"
 """
 
 
@@ -71,6 +82,29 @@ def test_steps_get_one_episode_id_per_episode(server):
     assert set(batch.data["episode"][:, 0].tolist()) <= {first, writer.episode_id}
 
 
+def test_the_writer_adds_episode_ids_only_where_the_table_keeps_them(server):
+    """A writer on a plain uniform table (the README's ``replay``) added an ``episode``
+    column the table refused (``SchemaMismatchError: unexpected keys ['episode']``)."""
+    client = ReplayClient(server.address)
+    with client.writer("plain", batch_rows=4) as writer:
+        for step in range(6):
+            writer.append({"x": float(step)})
+    info = client.info()
+    assert info["plain"].size == 6 and set(info["plain"].schema) == {"x"}
+    with client.writer("declared", batch_rows=4) as writer:  # the schema has the column
+        for step in range(6):
+            writer.append({"x": float(step)})
+    assert set(client.sample("declared", 10).data["episode"].tolist()) == {writer.episode_id}
+    writer = client.writer("plain", episode_key="run")  # asked for: the table refuses it
+    writer.append({"x": 1.0})
+    with pytest.raises(errors.WriterError, match="unexpected keys \\['run'\\]"):
+        writer.flush()
+    with pytest.raises(errors.WriterError):
+        writer.close()
+    with pytest.raises(errors.UnknownTableError, match="nope"):
+        client.writer("nope")
+
+
 def test_a_step_with_another_layout_is_refused_at_append(server):
     writer = ReplayClient(server.address).writer("t")
     try:
@@ -85,7 +119,7 @@ def test_a_step_with_another_layout_is_refused_at_append(server):
 
 def test_a_failed_background_insert_surfaces_with_its_cause_and_lost_rows(server):
     client = ReplayClient(server.address)
-    client.insert("t", {"obs": torch.zeros(1, 3), "r": torch.zeros(1), "episode": torch.zeros(1, dtype=torch.int64)})
+    client.insert("t", {"obs": torch.zeros(1, 3), "r": torch.zeros(1)})
     writer = client.writer("t", batch_rows=5)
     for _ in range(5):  # float64 obs: the table stores float32, so this insert fails
         writer.append({"obs": torch.zeros(3, dtype=torch.float64), "r": 0.0})
