@@ -21,6 +21,7 @@ from replay_client.errors import (
     InvalidArgumentError,
     OverloadedError,
     ReplayError,
+    UnauthenticatedError,
     UnavailableError,
     from_rpc_error,
 )
@@ -201,9 +202,39 @@ class Connection:
         error = from_rpc_error(exc, self.address)
         if isinstance(error, UnavailableError) and not self.answered:
             details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
-            return UnavailableError(f"no replay server at {self.address} (is it running?): "
-                                    f"{details}")
+            return UnavailableError(f"{self._unreached(details)}: {details}")
+        if isinstance(error, UnauthenticatedError):
+            return UnauthenticatedError(f"{error}; {self._token_hint()}")
         return error
+
+    def _unreached(self, details: str) -> str:
+        """Why no server answered: nothing listens, or (something accepts a connection) the
+        TLS settings of the two sides differ, said with the setting that fixes it."""
+        if "handshake" in details.lower() or "SSL" in details:
+            return (f"the TLS handshake with {self.address} failed (the server's certificate "
+                    f"does not chain to the CA this client trusts, or its name does not match "
+                    f"the address: TlsConfig.from_files(ca=...), server_name=...)")
+        if not _accepts_connections(self.address, self.connect_timeout_s):
+            return f"no replay server at {self.address} (is it running?)"
+        if self.tls is None:
+            return (f"something at {self.address} closes this client's plaintext connections: "
+                    f"if the server uses TLS (its tls_cert_file), connect with "
+                    f"tls=TlsConfig.from_files(ca=...) (CLI: --tls-ca FILE)")
+        if self.tls.certificate_chain is None:
+            return (f"the server at {self.address} closed the TLS connection: if it requires "
+                    f"client certificates (mutual TLS: its tls_client_ca_file), pass "
+                    f"TlsConfig.from_files(ca=..., cert=..., key=...) (CLI: --tls-cert, "
+                    f"--tls-key)")
+        return f"the server at {self.address} closed the connection before answering"
+
+    def _token_hint(self) -> str:
+        """What to set when the server refused this client's token."""
+        if not self.token:
+            return ("this client sent no token: set REPLAY_TOKEN in its environment to the "
+                    "server's token (the variable the server's auth_token_env names), or pass "
+                    "ReplayClient(..., token=...) (CLI: --token-env NAME)")
+        return ("the token this client sent is not the server's: compare REPLAY_TOKEN (or "
+                "token=...) with the variable the server's auth_token_env names")
 
     def retry_window(self) -> float:
         """Seconds to retry an unavailable server: ``max_retry_s``, but only

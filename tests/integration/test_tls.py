@@ -99,8 +99,9 @@ def command(capsys, monkeypatch):
     return run
 
 
-def _refused(client: ReplayClient) -> None:
-    with pytest.raises(errors.UnavailableError):
+def _refused(client: ReplayClient, match: str | None = None) -> None:
+    """The client cannot reach the server; ``match``: the error says what to set."""
+    with pytest.raises(errors.UnavailableError, match=match):
         client.info()
 
 
@@ -115,9 +116,13 @@ def test_the_server_says_it_listens_with_tls(tls_server, mtls_server) -> None:
 def test_a_client_that_does_not_trust_the_servers_ca_is_refused(tls_server, pki) -> None:
     address = tls_server[0].address
     options = {"token": TOKEN, "timeout": 10, "max_retry_s": 0}
-    _refused(ReplayClient(address, tls=True, **options))                   # system roots
-    _refused(ReplayClient(address, tls=TlsConfig.from_files(ca=pki["other"].cert), **options))
-    _refused(ReplayClient(address, **options))                             # plaintext
+    handshake = "the TLS handshake with .* failed .*TlsConfig.from_files\\(ca=...\\)"
+    _refused(ReplayClient(address, tls=True, **options), handshake)        # system roots
+    _refused(ReplayClient(address, tls=TlsConfig.from_files(ca=pki["other"].cert), **options),
+             handshake)
+    # Plaintext to a TLS server: not "no replay server at ... (is it running?)".
+    _refused(ReplayClient(address, **options),
+             "closes this client's plaintext connections: if the server uses TLS")
 
 
 def test_with_the_ca_every_call_works(tls_server, pki) -> None:
@@ -146,10 +151,14 @@ def test_with_the_ca_every_call_works(tls_server, pki) -> None:
     assert client.info()["replay"].size == 0
 
 
-def test_the_token_is_still_checked_over_tls(tls_server, pki) -> None:
+def test_the_token_is_still_checked_over_tls(tls_server, pki, monkeypatch) -> None:
     tls = TlsConfig.from_files(ca=pki["ca"].cert)
-    with pytest.raises(errors.UnauthenticatedError):
+    with pytest.raises(errors.UnauthenticatedError, match="the token this client sent is not "
+                                                          "the server's: compare REPLAY_TOKEN"):
         ReplayClient(tls_server[0].address, tls=tls, token="wrong", timeout=10).info()
+    monkeypatch.delenv("REPLAY_TOKEN", raising=False)
+    with pytest.raises(errors.UnauthenticatedError, match="sent no token: set REPLAY_TOKEN"):
+        ReplayClient(tls_server[0].address, tls=tls, timeout=10).info()
 
 
 def test_the_cli_speaks_tls_and_health_needs_no_token(tls_server, pki, command) -> None:
@@ -180,7 +189,8 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(mtls_server, pki,
                                                           command) -> None:
     address = mtls_server[0].address
     options = {"token": TOKEN, "timeout": 10, "max_retry_s": 0}
-    _refused(ReplayClient(address, tls=TlsConfig.from_files(ca=pki["ca"].cert), **options))
+    _refused(ReplayClient(address, tls=TlsConfig.from_files(ca=pki["ca"].cert), **options),
+             "if it requires client certificates \\(mutual TLS")
     stranger = TlsConfig.from_files(ca=pki["ca"].cert, cert=pki["stranger"].cert,
                                     key=pki["stranger"].key)
     _refused(ReplayClient(address, tls=stranger, **options))  # signed by another CA

@@ -28,6 +28,7 @@ config). Exit status: 0 done, 1 the server refused or could not be reached
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -128,7 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      title="commands")
 
     def command(name: str, text: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=text, description=text, allow_abbrev=False)
+        sub = commands.add_parser(name, help=text, description=text, allow_abbrev=False)
+        sub.set_defaults(parser=sub)
+        return sub
 
     serve = command("serve", "run a server (default tables on 127.0.0.1:50051, or --config "
                              "FILE)")
@@ -182,8 +185,26 @@ def _version() -> str:
         return "unknown"
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's arguments; an unknown flag is refused by its command's parser (its
+    usage, not the top-level one) with the closest flag it has (``--adress``: did you mean
+    ``--address``?). Exits 2 on an error, as argparse does."""
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        sub: argparse.ArgumentParser = args.parser
+        flags = [flag for action in sub._actions for flag in action.option_strings]
+        hints = []
+        for word in unknown:
+            close = difflib.get_close_matches(word.partition("=")[0], flags, n=1, cutoff=0.75)
+            if word.startswith("-") and close:
+                hints.append(f"{word!r}: did you mean {close[0]}?")
+        sub.error(f"unrecognized arguments: {' '.join(unknown)}"
+                  + (f" ({'; '.join(hints)})" if hints else ""))
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     from replay_server.app.commands import CommandError, print_error
 
     try:

@@ -60,6 +60,20 @@ def test_serve_port_is_refused_not_taken_for_port_file(command):
     result = command("serve", "--port", "50090")
     assert result.returncode == 2
     assert "unrecognized arguments: --port 50090" in result.stderr
+    assert "did you mean" not in result.stderr  # --port-file is not a typo of --port
+
+
+@pytest.mark.parametrize(("args", "hint"), [
+    (["info", "--adress", "127.0.0.1:1"], "'--adress': did you mean --address?"),
+    (["serve", "--conifg", "x.toml"], "'--conifg': did you mean --config?"),
+    (["reset", "replay", "--schemaa"], "'--schemaa': did you mean --schema?"),
+])
+def test_a_mistyped_flag_gets_its_commands_usage_and_the_closest_flag(args, hint, command):
+    """``info --adress`` printed the top-level usage and no hint (issue 32, friction 8)."""
+    result = command(*args)
+    assert result.returncode == 2
+    assert f"usage: replay-server {args[0]}" in result.stderr and hint in result.stderr
+    assert f"replay-server {args[0]}: error: unrecognized arguments" in result.stderr
 
 
 @pytest.mark.parametrize("name", ["replay-server", "serve", "check-config", "health", "info",
