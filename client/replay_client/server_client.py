@@ -16,7 +16,7 @@ from replay_client.connection import CLIENT_TIMEOUT, CONNECT_TIMEOUT_S, Connecti
 from replay_client.errors import InvalidArgumentError, InvalidPriorityError, UnknownTableError
 from replay_client.leases import ClientLeases
 from replay_client.stream import SampleLink, StagingTarget
-from replay_client.stream_options import feed_core, stream_options
+from replay_client.stream_options import feed_core, reconnect_window, stream_options
 from replay_client.table_info import ServerInfo, TableInfo, server_info_of
 from replay_client.tls import TlsConfig
 from replay_client.update_stream import StreamFallback, UpdateStream
@@ -479,7 +479,7 @@ class ServerClient:
             core.grow_window(opts.memory_mb * 2**20, lambda: link.transport == "grpc")
         source = LinkSource(link, check_update=priority_update, num_batches=opts.num_batches,
                             reconnect=opts.reconnect,
-                            retry_window_s=self._connection.retry_window,
+                            retry_window_s=reconnect_window(opts, self._connection),
                             name=self._connection.address)
         stream = BatchStream(core, source, table)
         if group is not None and window > (opts.prefetch or window):

@@ -70,6 +70,7 @@ from replay_feed.core import FeedStats
 from replay_feed.credits import CreditFlow, Grant, PriorityUpdate
 from replay_feed.delivery import Delivery
 from replay_feed.link import LinkLost
+from replay_feed.options import RECONNECT_S
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
@@ -334,8 +335,10 @@ class SampleLink:
         def give_up(window: float) -> BaseException:
             if not connection.answered:
                 return error  # "no replay server at HOST:PORT (is it running?)"
-            return UnavailableError(f"stream from {connection.address} lost and not back "
-                                    f"within {window:.0f} s: {error}")
+            return UnavailableError(
+                f"stream from {connection.address} lost and not back within {window:g} s "
+                f"(how long a stream waits for its server: stream(..., reconnect_s=...), "
+                f"default {RECONNECT_S:.0f} s or the client's max_retry_s if longer): {error}")
 
         return give_up
 

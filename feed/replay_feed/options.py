@@ -26,6 +26,11 @@ from replay_feed.delivery import Delivery, resolve_delivery
 DEFAULT_MEMORY_MB = 256
 """What a stream may hold in batches in flight or buffered, unless told (see ``memory_mb``)."""
 
+RECONNECT_S = 60.0
+"""Seconds a lost stream keeps trying to resume, unless told (``reconnect_s``): long enough
+for a server's restart with its restore (``make serve`` stopped and started by hand took
+10-20 s to SERVING; a stream gave up after the client's 10 s ``max_retry_s`` before)."""
+
 
 class StreamOptionsError(ValueError):
     """A stream option is not valid (the message names it and the value)."""
@@ -51,6 +56,10 @@ class StreamOptions:
             is known (small batches grouped, large ones not).
         shared_memory: use a same-host shared-memory ring when the server offers one.
         reconnect: resume after a lost connection instead of raising.
+        reconnect_s: seconds a lost stream keeps trying to resume before it fails;
+            ``None``: :data:`RECONNECT_S` (a server's restart, restore included), or
+            the client's ``max_retry_s`` where that is longer. A server that never
+            answered this client gets only its connect window, as any call.
         wait: wait while the table cannot serve a batch (``False``: an empty
             table ends the stream with ``EmptyTableError``).
         wait_timeout: seconds one batch may wait for data before the stream
@@ -71,6 +80,7 @@ class StreamOptions:
     batches_per_message: int | None = None
     shared_memory: bool = True
     reconnect: bool = True
+    reconnect_s: float | None = None
     wait: bool = True
     wait_timeout: float | None = None
     memory_mb: float = DEFAULT_MEMORY_MB
@@ -98,6 +108,10 @@ class StreamOptions:
                                                   and self.wait_timeout > 0):
             raise StreamOptionsError(
                 f"wait_timeout must be a number of seconds > 0 or None, got {self.wait_timeout!r}")
+        if self.reconnect_s is not None and not (_is_number(self.reconnect_s)
+                                                 and 0 < self.reconnect_s < float("inf")):
+            raise StreamOptionsError(
+                f"reconnect_s must be a number of seconds > 0 or None, got {self.reconnect_s!r}")
         if not (_is_number(self.memory_mb) and self.memory_mb > 0):
             raise StreamOptionsError(f"memory_mb must be a number > 0, got {self.memory_mb!r}")
 

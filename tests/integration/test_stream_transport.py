@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -158,8 +159,10 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shm"])
 def test_stream_resumes_after_a_server_restart(server_factory, shared_memory):
+    """With the default reconnect window: a restart (a new process importing torch: seconds)
+    takes longer than the client's max_retry_s, which a stream waited for before."""
     port = _free_port()
-    client = ReplayClient(f"127.0.0.1:{port}", max_retry_s=60)
+    client = ReplayClient(f"127.0.0.1:{port}", max_retry_s=0.5)
     first = server_factory(CONFIG, port=port)
     issued_first = _fill(client)["replay"]
     stream = client.stream("replay", 8, shared_memory=shared_memory, batches_per_message=1)
@@ -169,14 +172,25 @@ def test_stream_resumes_after_a_server_restart(server_factory, shared_memory):
         # The window fills: the learner holds prefetch batches when the server dies.
         assert wait_for(lambda: client.info()["replay"].counters["sampled"] >= (3 + 2) * 8)
         first.stop(signal.SIGKILL)
-        second = server_factory(CONFIG, port=port)
-        issued = _fill_when_up(ReplayClient(second.address))["replay"]  # the new server's actor
-        by_server = []
+        restarted: dict = {}
+
+        def restart() -> None:  # slower than max_retry_s, while the learner waits for batches
+            time.sleep(1.5)
+            restarted["server"] = server_factory(CONFIG, port=port)
+            restarted["issued"] = _fill_when_up(ReplayClient(restarted["server"].address))[
+                "replay"]  # the new server's actor
+
+        thread = threading.Thread(target=restart, daemon=True)
+        thread.start()
+        got = []
         for _ in range(5):
             batch = next(stream)
-            # The batches the learner held come from the first server, the rest from the second.
-            by_server.append(next(n for n, ids in enumerate((issued_first, issued))
-                                  if torch.equal(ids[batch.data["row"]], batch.ids)))
+            got.append((batch.data["row"].clone(), batch.ids.clone()))
+        thread.join(timeout=120)
+        second, issued = restarted["server"], restarted["issued"]
+        # The batches the learner held come from the first server, the rest from the second.
+        by_server = [next(n for n, ids in enumerate((issued_first, issued))
+                          if torch.equal(ids[rows], batch_ids)) for rows, batch_ids in got]
         assert by_server == sorted(by_server) and by_server.count(1) >= 3
         assert stream.stats.reconnects == 1
         assert stream.transport == ("shared_memory" if shared_memory else "grpc")
@@ -195,13 +209,13 @@ def test_stream_without_reconnect_fails_loudly(server_factory):
             next(stream)
 
 
-def test_stream_gives_up_after_max_retry_s(server_factory):
+def test_stream_gives_up_after_reconnect_s_naming_it(server_factory):
     proc = server_factory(CONFIG)
     client = ReplayClient(proc.address, max_retry_s=1.0)
     _fill(client)
-    stream = client.stream("replay", 8, batches_per_message=1)
+    stream = client.stream("replay", 8, batches_per_message=1, reconnect_s=1.5)
     next(stream)
     proc.stop(signal.SIGKILL)
-    with pytest.raises(errors.UnavailableError, match="not back within 1 s"):
+    with pytest.raises(errors.UnavailableError, match="not back within 1.5 s .*reconnect_s=..."):
         for _ in range(10):
             next(stream)

@@ -66,7 +66,7 @@ from replay_client.sharded.merge import merge_into, shares, split
 from replay_client.sharded.routing import SHARD_SHIFT
 from replay_client.sharded.rows import ShardRows
 from replay_client.stream import StagingTarget
-from replay_client.stream_options import feed_core
+from replay_client.stream_options import feed_core, reconnect_window
 from replay_feed.credits import CreditFlow, PriorityUpdate
 from replay_feed.link import apply_until_stopping, drawn_here
 from replay_feed.options import StreamOptions
@@ -472,7 +472,7 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
         return ShardRows(shard, link, cond, window=max(window, 2 * (group or 1)),
                          chunk_rows=chunk,
                          mass=None, reconnect=options.reconnect,
-                         retry_window_s=client.connection.retry_window,
+                         retry_window_s=reconnect_window(options, client.connection),
                          name=f"shard {shard} ({client.address})")
 
     link = MergedLink(addresses, make, batch_size, beta=beta, masses=masses,
