@@ -19,10 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
+ELSEWHERE = {"localhost:50061": "runs against the doc's three shards in "
+                                  "tests/integration/test_scale_out_docs.py"}
+"""Blocks that need more than the one server: what marks them, and where they run."""
+
+
 def _blocks(language: str) -> list:
     pattern = re.compile(rf"```{language}\n(.*?)```", re.DOTALL)
     return [
-        pytest.param(code, id=f"{path.name}:{n}")
+        pytest.param(code, id=f"{path.name}:{n}", marks=[
+            pytest.mark.skip(reason=why) for mark, why in ELSEWHERE.items() if mark in code])
         for path in DOCS
         for n, code in enumerate(pattern.findall(path.read_text()), start=1)
     ]

@@ -123,3 +123,5 @@ def test_a_port_in_use_is_named_as_such(server):
     assert result.returncode == 2
     assert (f"cannot listen on {server.address}: the port is in use (another replay-server?)"
             in result.stderr)
+    # gRPC's own line ("add_port.cc ... Address already in use") came first before.
+    assert "add_port" not in result.stderr and "Address already in use" not in result.stderr
