@@ -113,6 +113,8 @@ class MergedLink:
             batch's size, :func:`replay_client.grouping.choose`; small batches: up to 8).
         prefetch: the window the learner asked for (``None``: widened for small batches).
         notes: the stream's notes (the grouping chosen is added).
+        absent: the shards the client expects but has not found (listed in every
+            batch's ``missing_shards``).
     """
 
     transport = "sharded"
@@ -127,7 +129,8 @@ class MergedLink:
                  refresh: Callable[[int], SamplingMass | None],
                  health: ShardHealth, degraded: bool, wait: bool,
                  wait_timeout: float | None, group: int | None = None,
-                 prefetch: int | None = None, notes: list[str] | None = None) -> None:
+                 prefetch: int | None = None, notes: list[str] | None = None,
+                 absent: Callable[[], tuple[int, ...]] = tuple) -> None:
         self._shards = shards
         self._addresses = dict(shards())
         self._followed = time.monotonic()
@@ -147,6 +150,7 @@ class MergedLink:
         self._group = group
         self._prefetch = prefetch
         self._notes = notes if notes is not None else []
+        self._absent = absent
         self._cond = threading.Condition()
         self._stopped = False
         self._rows: dict[int, ShardRows] = {}
@@ -255,7 +259,8 @@ class MergedLink:
                 if not self._wait_for_rows(counts):
                     continue  # a shard failed or stalled and was left out: split again
                 taken = {s: self._rows[s].take(k) for s, k in counts.items() if k > 0}
-                missing = tuple(sorted(s for s in self._addresses if s not in live))
+                missing = tuple(sorted({s for s in self._addresses if s not in live}
+                                       | set(self._absent())))
                 if missing:
                     self._health.count("degraded_samples")
                 drawn.append((taken, shares(masses), masses, missing))
@@ -448,7 +453,8 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
                 masses: Mapping[int, SamplingMass],
                 refresh: Callable[[int], SamplingMass | None], generator: np.random.Generator,
                 rng_lock: threading.Lock, health: ShardHealth, degraded: bool,
-                check_update: Callable[[Any, Any], PriorityUpdate]) -> BatchStream:
+                check_update: Callable[[Any, Any], PriorityUpdate],
+                absent: Callable[[], tuple[int, ...]] = tuple) -> BatchStream:
     """A learner's stream of merged batches over ``clients()`` (one-server clients by shard,
     asked again as the set changes; ``addresses()`` likewise).
 
@@ -480,7 +486,8 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
                       copy=core.copy_rows, generator=generator,
                       rng_lock=rng_lock, refresh=refresh, health=health, degraded=degraded,
                       wait=options.wait, wait_timeout=options.wait_timeout,
-                      group=group, prefetch=options.prefetch, notes=core.stats.notes)
+                      group=group, prefetch=options.prefetch, notes=core.stats.notes,
+                      absent=absent)
     source = LinkSource(link, check_update=check_update, num_batches=options.num_batches,
                         reconnect=False, name=f"{shards} shards")
     if options.prefetch is None:  # widened over slow links; the shards' buffers take as much
