@@ -25,7 +25,9 @@ waits for it (re-resolving, at most ``wait_for_shards_s``), then refuses with
 :class:`UnavailableError` naming it (and what the registry says of it); a
 degraded client goes on and every merged sample lists it in
 ``missing_shards``. Either way no client takes the shards it found for the
-whole replay. An absent shard is looked for again at most once a second.
+whole replay. While a shard is absent, gone or down (a stream lost it), the
+name is resolved again at most once a second (a restarted shard is found at
+its new address).
 
 Thread-safety: every method may be called from any thread; the set is
 replaced whole (readers see the old or the new one, never half of it), and
@@ -105,9 +107,10 @@ class ShardSet:
             clients = self._clients
         elif ((self._interval is not None and time.monotonic() >= self._next_resolve
                and (isinstance(self.spec, str) or self._pending)) or (
-                self._absent and time.monotonic() >= self._last_resolve + RETRY_RESOLVE_S)):
+                (self._absent or self._gone or self.health.any_down)
+                and time.monotonic() >= self._last_resolve + RETRY_RESOLVE_S)):
             self.resolve()  # a name again, (a list) the servers that had not answered, or
-            clients = self._clients  # an absent shard looked for again
+            clients = self._clients  # an absent or gone shard looked for again
         if self._absent and not self._degraded:
             self._await_absent()
             clients = self._clients
