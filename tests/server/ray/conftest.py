@@ -19,7 +19,9 @@ from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
-ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'replay-server[ray]'")
+SKIP_REASON = "Ray is not importable: pip install 'replay-server[ray]'"
+"""Each test module skips with this where Ray is missing (``pytest.importorskip`` there: a
+conftest may not skip)."""
 
 NODE_A = {"node_a": 0.001}  # a shard or task on the head node
 NODE_B = {"node_b": 0.001}  # ... on the second node
@@ -27,6 +29,8 @@ NODE_B = {"node_b": 0.001}  # ... on the second node
 
 def loopback_addresses() -> set[str]:
     """Every Ray node's address, and the GCS's host."""
+    import ray
+
     found = {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     found.add(ray.get_runtime_context().gcs_address.rsplit(":", 1)[0])
     return found
@@ -39,6 +43,7 @@ def add_node_b(cluster):
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator:
     """Two nodes of one CPU each (``node_a``, ``node_b``), this process connected as a driver."""
+    import ray
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 

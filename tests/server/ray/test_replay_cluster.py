@@ -35,7 +35,9 @@ import pytest
 import torch
 
 from tests.conftest import wait_for
-from tests.server.ray.conftest import NODE_A, NODE_B, add_node_b, loopback_addresses, ray
+from tests.server.ray.conftest import NODE_A, NODE_B, SKIP_REASON, add_node_b, loopback_addresses
+
+ray = pytest.importorskip("ray", reason=SKIP_REASON, exc_type=ImportError)
 
 from replay_client.errors import UnavailableError  # noqa: E402
 from replay_server.app.config_file import settings_from_dict  # noqa: E402
