@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt proto/replay/v1/*.proto
 	@mkdir -p $(VENV) && : > $(SETUP_LOG)
 	$(call setup_step,"virtualenv $(VENV)",$(PYTHON) -m venv $(VENV))
 	$(call setup_step,"pip",$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip)
-	$(call setup_step,"replay-server, its test tools and Ray (torch: constraints.txt)",$(PIP) -e '.[test,ray]')
+	$(call setup_step,"replay-server and its test tools (torch: constraints.txt)",$(PIP) -e '.[test]')
 	$(call setup_step,"protobuf code (proto/generate.py)",$(BIN)/python proto/generate.py)
 	@touch $(STAMP)
 
