@@ -261,7 +261,7 @@ def test_a_killed_shard_restarts_restores_and_rejoins_a_learner_and_a_writer(dur
     assert wait_for(lambda: replay.states()[1]["incarnation"] == before["incarnation"] + 1
                     and replay.states()[1]["state"] == "serving", timeout=60)
     after = replay.states()[1]
-    assert after["pid"] != before["pid"] and after["address"] != before["address"]
+    assert after["pid"] != before["pid"]  # a new process (its port is chosen anew)
     assert after["address"].startswith("127.0.0.1:")
     with replay.client() as strict:  # the writer's rows reach the restarted shard again
         assert wait_for(lambda: strict.shard_info()[1].tables["u"].size > sizes[1], timeout=60)
