@@ -437,8 +437,8 @@ class ShardedClient:
 
         Checked whole before anything is sent (a bad priority or an id of no
         known shard refuses the whole update; in degraded mode, while a server
-        has not answered yet, ids of no known shard are skipped and counted
-        instead). Returns how many ids named stored rows, summed over shards
+        has not answered yet or an expected shard is missing, ids of no known
+        shard, or of the missing one, are skipped and counted instead). Returns how many ids named stored rows, summed over shards
         (``None`` with ``wait=False``).
 
         Raises:
@@ -447,9 +447,12 @@ class ShardedClient:
         """
         id_array, values = (a.reshape(-1) for a in update_arrays(ids, priorities))  # slices whole
         clients = self._connect()
-        if self._degraded and self._set.unidentified:
-            # Some server has not answered yet: an id of no known shard may be one of its.
-            known = np.isin(id_array >> SHARD_SHIFT, list(clients)) & (id_array >= 0)
+        if self._degraded and (self._set.unidentified or self._set.absent):
+            # Some server has not answered yet, or an expected shard is missing: an id of
+            # no known shard may be one of its (skipped and counted, as a down shard's).
+            owners = id_array >> SHARD_SHIFT
+            known = ((np.isin(owners, list(clients)) & (id_array >= 0)) if self._set.unidentified
+                     else ~np.isin(owners, self._set.absent))
             if not known.all():
                 self._health.count("skipped_updates", int((~known).sum()))
                 id_array, values = id_array[known], values[known]

@@ -18,6 +18,7 @@ second) while a shard is down.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,7 @@ from replay_client.errors import UnavailableError
 from replay_client.sharded.resolution import STATES, Resolution, ShardState
 
 ASK_TIMEOUT_S = 10.0
-"""How long one question to the registry may take."""
+"""How long one question to the registry may take (asked again while it restarts)."""
 
 
 def registry_resolver(namespace: str, name: str) -> Resolution:
@@ -49,12 +50,22 @@ def registry_resolver(namespace: str, name: str) -> Resolution:
         raise UnavailableError(f"no replay {name!r} in Ray namespace {namespace!r} (its "
                                f"registry actor is not there: not started, or shut down)"
                                ) from None
-    try:
-        listed = ray.get(registry.snapshot.remote(), timeout=ASK_TIMEOUT_S)
-    except (ray.exceptions.RayError, TimeoutError) as exc:
-        raise UnavailableError(f"the registry of ray://{namespace}/{name} did not answer: "
-                               f"{type(exc).__name__}: {exc}") from None
-    return resolution_of(listed)
+    deadline = time.monotonic() + ASK_TIMEOUT_S
+    while True:  # asked again while Ray restarts the registry (its node lost)
+        try:
+            listed = ray.get(registry.snapshot.remote(),
+                             timeout=max(0.1, deadline - time.monotonic()))
+            return resolution_of(listed)
+        except ray.exceptions.ActorUnavailableError as exc:
+            if time.monotonic() >= deadline:
+                failure: Exception = exc
+                break
+            time.sleep(0.2)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            failure = exc
+            break
+    raise UnavailableError(f"the registry of ray://{namespace}/{name} did not answer: "
+                           f"{type(failure).__name__}: {failure}")
 
 
 def resolution_of(listed: Mapping[str, Any]) -> Resolution:

@@ -32,7 +32,7 @@ import ray
 
 from replay_client import ReplayClient
 from replay_server.errors import ConfigError
-from replay_server.ray.registry import ShardRegistry, shard_actor_name
+from replay_server.ray.registry import ShardRegistry, ask, shard_actor_name
 from replay_server.ray.shard import ReplayShard, shard_settings
 
 DEFAULT_NAMESPACE = "replay"
@@ -69,7 +69,9 @@ class ReplayCluster:
                shard_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
                placement_strategy: str = "SPREAD", checkpoint_dir: str | None = None,
                checkpoint_interval_s: float = 60.0, max_restarts: int = -1,
-               server: Mapping[str, Any] | None = None, namespace: str = DEFAULT_NAMESPACE,
+               server: Mapping[str, Any] | None = None,
+               registry_options: Mapping[str, Any] | None = None,
+               namespace: str = DEFAULT_NAMESPACE,
                get_if_exists: bool = True, timeout_s: float = 120.0) -> ReplayCluster:
         """Start replay ``name``: a registry and ``num_shards`` shards, each serving ``tables``.
 
@@ -95,6 +97,10 @@ class ReplayCluster:
             max_restarts: how often Ray restarts a shard that dies (-1: always).
             server: ``[server]`` keys for every shard (``address`` defaults to the
                 node's IP, port 0; ``metrics_address`` likewise).
+            registry_options: Ray actor options of the registry (it takes no CPU;
+                ``resources`` can keep it on a node you trust, such as the head:
+                Ray restarts it elsewhere if its node is lost, and it learns the
+                shards back from them).
             namespace: the Ray namespace of the replay's actors.
             get_if_exists: a replay of that name exists (a driver that failed
                 after starting it): return it (missing shards started) instead
@@ -126,10 +132,11 @@ class ReplayCluster:
             raise ReplayExistsError(f"a replay {name!r} exists in Ray namespace {namespace!r}; "
                                     f"ReplayCluster.get({name!r}) returns it (or pass "
                                     f"get_if_exists=True)")
-        registry = ray.remote(ShardRegistry).options(
-            name=name, namespace=namespace, lifetime="detached", get_if_exists=True,
-            num_cpus=0, max_restarts=-1, max_concurrency=16).remote(name, namespace, spec)
-        found = ray.get(registry.spec.remote())["num_shards"]
+        registry = ray.remote(ShardRegistry).options(**{
+            "num_cpus": 0, **(registry_options or {}), "name": name, "namespace": namespace,
+            "lifetime": "detached", "get_if_exists": True, "max_restarts": -1,
+            "max_concurrency": 16}).remote(name, namespace, spec)
+        found = ask(registry, "spec")["num_shards"]
         if found != num_shards:
             raise ReplayExistsError(f"replay {name!r} exists with {found} shards, not "
                                     f"{num_shards}")
@@ -156,7 +163,7 @@ class ReplayCluster:
         registry = _registry_of(name, namespace)
         if registry is None:
             raise ReplayNotFoundError(f"no replay {name!r} in Ray namespace {namespace!r}")
-        return cls(name, namespace, registry, ray.get(registry.spec.remote())["num_shards"])
+        return cls(name, namespace, registry, ask(registry, "spec")["num_shards"])
 
     # ------------------------------------------------------------ use
 
@@ -180,7 +187,7 @@ class ReplayCluster:
     def states(self) -> list[dict[str, Any]]:
         """Every shard as the registry knows it: index, state, address, metrics address,
         incarnation, pid, node id."""
-        return ray.get(self._registry.snapshot.remote())["shards"]
+        return ask(self._registry, "snapshot")["shards"]
 
     def wait_serving(self, timeout_s: float = 120.0) -> None:
         """Wait until every shard serves.

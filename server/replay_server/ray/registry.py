@@ -41,6 +41,26 @@ ASK_S = 5.0
 """How long one shard may take to describe itself before the watcher moves on."""
 
 
+def ask(actor: Any, method: str, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> Any:
+    """``actor.<method>(...)``'s result, asked again while Ray restarts ``actor`` (its
+    registry or a shard on a lost node), at most ``timeout_s``.
+
+    Raises:
+        ray.exceptions.ActorUnavailableError: still restarting after ``timeout_s``.
+        ray.exceptions.RayError: the actor is dead, or the call failed.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = 0.05
+    while True:
+        try:
+            return ray.get(getattr(actor, method).remote(*args, **kwargs))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
+
+
 def shard_actor_name(replay: str, index: int) -> str:
     """The Ray actor name of shard ``index`` of replay ``replay`` (in the replay's namespace)."""
     return f"{replay}.shard-{index}"

@@ -36,6 +36,7 @@ from replay_server.app.config_file import settings_from_dict
 from replay_server.app.embedded import EmbeddedServer
 from replay_server.engine.config import TableConfig
 from replay_server.errors import ConfigError
+from replay_server.ray.registry import ask
 from replay_server.service.settings import ServerSettings
 
 
@@ -78,7 +79,7 @@ class ReplayShard:
                  tables: Sequence[Any], checkpoint_dir: str | None) -> None:
         self._index = index
         self._registry = ray.get_actor(replay, namespace=namespace)
-        self._incarnation = ray.get(self._registry.starting.remote(index))
+        self._incarnation = ask(self._registry, "starting", index)
         self._host = ray.util.get_node_ip_address()
         settings = shard_settings(index, bind_host=self._host, server=server, tables=tables,
                                   checkpoint_dir=checkpoint_dir, replay=replay)
@@ -87,7 +88,7 @@ class ReplayShard:
         assert bound is not None
         self._address = f"{self._host}:{bound.rsplit(':', 1)[1]}"
         self._state = "serving"
-        ray.get(self._registry.serving.remote(**self._said()))
+        ask(self._registry, "serving", **self._said())
 
     def _said(self) -> dict[str, Any]:
         metrics = self._server.metrics_address
@@ -107,7 +108,7 @@ class ReplayShard:
         if self._state != "serving":
             return
         self._state = "draining"
-        ray.get(self._registry.draining.remote(self._index))
+        ask(self._registry, "draining", self._index)
         self._server.close(grace)
         self._state = "gone"
-        ray.get(self._registry.gone.remote(self._index))
+        ask(self._registry, "gone", self._index)

@@ -29,7 +29,8 @@ NAME = "shards://replay.replay.svc:50051"
 def _server(shard: int) -> EmbeddedServer:
     return EmbeddedServer(settings_from_dict({
         "server": {"address": "127.0.0.1:0", "shard": shard, "shared_memory": False},
-        "tables": [{"name": "u", "capacity": 1000, "sampler": "uniform"}]}))
+        "tables": [{"name": "u", "capacity": 1000, "sampler": "uniform"},
+                   {"name": "p", "capacity": 1000, "sampler": "prioritized"}]}))
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,8 @@ def pair() -> Iterator[list[EmbeddedServer]]:
 def names(pair) -> list[str]:
     """What the name resolves to now (a test may add or remove addresses)."""
     for server in pair:
-        ReplayClient(server.address).reset("u")
+        for table in ("u", "p"):
+            ReplayClient(server.address).reset(table)
     return [s.address for s in pair]
 
 
@@ -81,6 +83,13 @@ def test_a_degraded_client_lists_the_missing_shard_in_every_sample_and_stream(na
         assert 2 in client.shard_stats().down
         stream = client.stream("u", 8, num_batches=3)
         assert [b.missing_shards for b in stream] == [(2,)] * 3
+        # a learner's update naming rows of the missing shard (drawn before it went down)
+        client.insert("p", {"key": torch.arange(16)})
+        ids = torch.cat([client.sample("p", 8).ids.unique(),
+                         torch.tensor([2 << 56 | 1 << 40 | 5])])
+        skipped = client.shard_stats().skipped_updates
+        assert client.update_priorities("p", ids, torch.ones(len(ids))) == len(ids) - 1
+        assert client.shard_stats().skipped_updates == skipped + 1
     finally:
         client.close()
 

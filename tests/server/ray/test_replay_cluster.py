@@ -54,7 +54,8 @@ INCARNATION = lambda ids: (np.asarray(ids) >> 40) & 0xFFFF  # noqa: E731 (id bit
 def start(name: str, tmp_path: Path | None = None, **options) -> ReplayCluster:
     return ReplayCluster.create(name, tables=TABLES, num_shards=2, shard_options=ON_BOTH,
                                 checkpoint_dir=None if tmp_path is None else str(tmp_path),
-                                checkpoint_interval_s=0, get_if_exists=False, **options)
+                                checkpoint_interval_s=0, get_if_exists=False,
+                                registry_options={"resources": NODE_A}, **options)
 
 
 @pytest.fixture(scope="module")
