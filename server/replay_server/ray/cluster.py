@@ -189,6 +189,10 @@ class ReplayCluster:
         incarnation, pid, node id."""
         return ask(self._registry, "snapshot")["shards"]
 
+    def registry(self) -> dict[str, Any]:
+        """Where the registry actor runs: ``pid`` and ``node_id``."""
+        return ask(self._registry, "describe")
+
     def wait_serving(self, timeout_s: float = 120.0) -> None:
         """Wait until every shard serves.
 

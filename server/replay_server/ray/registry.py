@@ -28,6 +28,7 @@ and written under one lock.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -101,6 +102,10 @@ class ShardRegistry:
     def spec(self) -> dict[str, Any]:
         """How the replay was created (``num_shards``, ``namespace``, options)."""
         return dict(self._spec)
+
+    def describe(self) -> dict[str, Any]:
+        """Where the registry runs: its process id and Ray node id."""
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id()}
 
     # ------------------------------------------------------------ reports
 

@@ -148,6 +148,18 @@ def test_writers_on_both_nodes_and_a_streaming_learner_sample_the_whole_replay_e
     client.close()
 
 
+def test_a_restarted_registry_learns_the_shards_back_from_them(shared) -> None:
+    before, where = shared.states(), shared.registry()
+    assert ray.get_actor("shared", namespace="replay") is not None
+    ray.kill(ray.get_actor("shared", namespace="replay"), no_restart=False)  # entries lost
+    assert wait_for(lambda: shared.registry()["pid"] != where["pid"], timeout=60)
+    assert wait_for(lambda: shared.states() == before, timeout=60)  # told by the shards
+    with shared.client(wait_for_shards_s=30) as client:  # made while it may still learn
+        assert sorted(client.shards) == [0, 1]
+        client.insert("u", {"key": torch.arange(8)})
+        assert client.sample("u", 4).missing_shards == ()
+
+
 DRIVER = """
 import os, sys
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
