@@ -116,6 +116,8 @@ def test_the_runtime_imports_neither_server_nor_client(module: str) -> None:
 
 def test_server_and_client_never_import_each_other() -> None:
     for module in _modules_in("replay_server"):
+        if _in(module, RAY):
+            continue  # the layer above both (test_ray_sits_above_the_app_and_uses_the_front_door)
         assert not any(_in(m, "replay_client") for m in _imports(module)), module
     for module in _modules_in("replay_client"):
         assert not any(_in(m, "replay_server") for m in _imports(module)), module
@@ -270,3 +272,39 @@ def test_the_table_is_the_only_place_that_wires_the_layers() -> None:
         m: layers for m, layers in wiring.items() if len(layers) > 1 and m not in _WIRING}
     assert wiring["replay_server.engine.table_parts"] >= {"samplers", "remover", "storage",
                                                           "readers"}
+
+
+RAY = "replay_server.ray"
+"""Shards as Ray actors: above ``replay_server.app`` (it runs embedded servers), and the one
+server package that uses the client (``ReplayCluster.client``), through its front door."""
+
+
+def test_ray_sits_above_the_app_and_uses_the_front_door() -> None:
+    for module in _modules():
+        if not _in(module, RAY):
+            assert not any(_in(m, RAY) for m in _imports(module)), (module, "imports", RAY)
+    for module in _modules_in(RAY):
+        clients = {m for m in _imports(module) if _in(m, "replay_client")}
+        assert clients <= {"replay_client"}, (module, sorted(clients))
+    assert "ray" not in _reaches("replay_server"), "import replay_server must not load Ray"
+
+
+def _top_level_imports(module: str) -> set[str]:
+    """Top-level names ``module`` imports at module level (not in functions)."""
+    tree = ast.parse(_modules()[module].read_text())
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_the_client_works_without_ray() -> None:
+    """Only the ``ray://`` resolver imports Ray, inside the function that needs it."""
+    for module in _modules_in("replay_client", "replay_feed", "replay_proto"):
+        assert "ray" not in _top_level_imports(module), module
+        if module != "replay_client.sharded.ray_registry":
+            assert "ray" not in _imports(module), module
+    assert "ray" in _imports("replay_client.sharded.ray_registry")

@@ -96,7 +96,9 @@ class ShardedClient:
     """One logical replay over many servers. See the module docstring.
 
     Args:
-        address: a list of ``host:port`` (one per shard) or ``"shards://NAME:PORT"``.
+        address: a list of ``host:port`` (one per shard), ``"shards://NAME:PORT"``
+            (``?expected=N``: the replay has N shards) or ``"ray://NAMESPACE/NAME"``
+            (a replay on Ray, :mod:`replay_client.sharded.discovery`).
         client: makes each shard's one-server client from its address and
             options (default: :class:`~replay_client.server_client.ServerClient`).
         resolver: resolves a ``shards://`` name (default: the system's resolver).
@@ -115,13 +117,17 @@ class ShardedClient:
             (``None``: only after a shard was found unavailable); servers that
             appear join, addresses that disappear are down shards
             (:mod:`replay_client.sharded.shard_set`).
+        wait_for_shards_s: where the name says how many shards there are, how
+            long a strict client waits for missing ones before it refuses
+            (naming them); a degraded client goes on and lists them in
+            ``missing_shards``.
     """
 
     def __init__(self, address: Any, *, client: Callable[..., Any] = ServerClient,
                  resolver: Resolver | None = None, seed: int | None = None,
                  allow_degraded: bool = False,
                  resolve_interval_s: float | None = DEFAULT_RESOLVE_INTERVAL_S,
-                 **options: Any) -> None:
+                 wait_for_shards_s: float = 10.0, **options: Any) -> None:
         if isinstance(address, (list, tuple)):
             address = list(address)
             addresses_of(address)  # bad lists fail here, before any connection
@@ -132,6 +138,11 @@ class ShardedClient:
                     resolve_interval_s, bool) and resolve_interval_s > 0):
             raise InvalidArgumentError(f"resolve_interval_s must be a number of seconds > 0 "
                                        f"or None, got {resolve_interval_s!r}")
+        if isinstance(wait_for_shards_s, bool) or not isinstance(
+                wait_for_shards_s, (int, float)) or not wait_for_shards_s >= 0:
+            raise InvalidArgumentError(f"wait_for_shards_s must be a number of seconds >= 0, "
+                                       f"got {wait_for_shards_s!r}")
+        self._wait_for_shards = wait_for_shards_s
         self._factory = client
         self._resolver = resolver
         self._seed = seed
@@ -143,7 +154,8 @@ class ShardedClient:
         self._masses = MassBook()
         self._set = ShardSet(address, client, shard_options, resolver=resolver,
                              degraded=allow_degraded, resolve_interval_s=resolve_interval_s,
-                             forget=lambda shard: self._masses.forget(shard=shard))
+                             forget=lambda shard: self._masses.forget(shard=shard),
+                             wait_for_shards_s=wait_for_shards_s)
         self._health = self._set.health
         self._tables: dict[str, TableShape] = {}
         self._rng = np.random.default_rng(seed)
@@ -169,13 +181,15 @@ class ShardedClient:
     def __getstate__(self) -> dict[str, Any]:
         return {"address": self._set.spec, "resolver": self._resolver, "seed": self._seed,
                 "options": self._options, "client": self._factory,
-                "allow_degraded": self._degraded, "resolve_interval_s": self._interval}
+                "allow_degraded": self._degraded, "resolve_interval_s": self._interval,
+                "wait_for_shards_s": self._wait_for_shards}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["address"], client=state["client"],  # type: ignore[misc]
                       resolver=state["resolver"], seed=state["seed"],
                       allow_degraded=state["allow_degraded"],
-                      resolve_interval_s=state["resolve_interval_s"], **state["options"])
+                      resolve_interval_s=state["resolve_interval_s"],
+                      wait_for_shards_s=state.get("wait_for_shards_s", 10.0), **state["options"])
 
     def close(self) -> None:
         """Send pending ``wait=False`` updates and close every shard's connection."""
@@ -365,8 +379,9 @@ class ShardedClient:
                 pause = min(2 * pause, _EMPTY_WAIT_S[1])
                 continue
             try:
+                missing = {s for s in clients if s not in masses} | set(self._set.absent)
                 batch = self._draw(table, shape, counts, masses, wait, timeout,
-                                   tuple(s for s in clients if s not in masses))
+                                   tuple(sorted(missing)))
                 if batch is not None:
                     return batch
             except EmptyTableError:
@@ -422,8 +437,8 @@ class ShardedClient:
 
         Checked whole before anything is sent (a bad priority or an id of no
         known shard refuses the whole update; in degraded mode, while a server
-        has not answered yet, ids of no known shard are skipped and counted
-        instead). Returns how many ids named stored rows, summed over shards
+        has not answered yet or an expected shard is missing, ids of no known
+        shard, or of the missing one, are skipped and counted instead). Returns how many ids named stored rows, summed over shards
         (``None`` with ``wait=False``).
 
         Raises:
@@ -432,9 +447,12 @@ class ShardedClient:
         """
         id_array, values = (a.reshape(-1) for a in update_arrays(ids, priorities))  # slices whole
         clients = self._connect()
-        if self._degraded and self._set.unidentified:
-            # Some server has not answered yet: an id of no known shard may be one of its.
-            known = np.isin(id_array >> SHARD_SHIFT, list(clients)) & (id_array >= 0)
+        if self._degraded and (self._set.unidentified or self._set.absent):
+            # Some server has not answered yet, or an expected shard is missing: an id of
+            # no known shard may be one of its (skipped and counted, as a down shard's).
+            owners = id_array >> SHARD_SHIFT
+            known = ((np.isin(owners, list(clients)) & (id_array >= 0)) if self._set.unidentified
+                     else ~np.isin(owners, self._set.absent))
             if not known.all():
                 self._health.count("skipped_updates", int((~known).sum()))
                 id_array, values = id_array[known], values[known]
@@ -544,11 +562,9 @@ class ShardedClient:
                 f"so a sharded client does not stream it; use one client per shard")
         live = self._live(clients)
         masses = self._refresh(table, live)
-        shard_ids = sorted(clients)
-
         def check(ids: Any, priorities: Any) -> PriorityUpdate:
             id_values, values = update_arrays(ids, priorities)
-            by_owner(id_values, shard_ids, "nothing was queued")
+            by_owner(id_values, self._set.known, "nothing was queued")
             return PriorityUpdate(id_values, values)
 
         def refresh(shard: int) -> SamplingMass | None:  # once, briefly: the stream waits on it
@@ -565,7 +581,8 @@ class ShardedClient:
                            beta=shape.beta if shape.prioritized else None, masses=masses,
                            refresh=refresh, generator=self._rng,
                            rng_lock=self._rng_lock, health=self._health,
-                           degraded=self._degraded, check_update=check)
+                           degraded=self._degraded, check_update=check,
+                           absent=lambda: self._set.absent)
 
 
 def _has_key(data: Any, key: str) -> bool:

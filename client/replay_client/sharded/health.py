@@ -79,6 +79,12 @@ class ShardHealth:
                     self._delay.pop(shard, None)
                     self._stats.rejoins += 1
 
+    @property
+    def any_down(self) -> bool:
+        """Whether some shard is down now."""
+        with self._lock:
+            return bool(self._stats.down)
+
     def count(self, what: str, n: int = 1) -> None:
         """Add ``n`` to the :class:`ShardStats` counter ``what``."""
         with self._lock:

@@ -54,19 +54,23 @@ class ShardRows:
         reconnect: reopen a lost call within ``retry_window_s`` (else fail at once).
         retry_window_s: how long reconnecting may go on.
         name: for the log (the shard and its address).
+        probe: a left-out shard tried again: fail at once (no reconnecting, so no log
+            line per try) until its first rows arrive, then reconnect as asked.
     """
 
     def __init__(self, shard: int, link: Link, cond: threading.Condition, *, window: int,
                  chunk_rows: int, mass: SamplingMass | None, reconnect: bool,
-                 retry_window_s: float | Callable[[], float], name: str) -> None:
+                 retry_window_s: float | Callable[[], float], name: str,
+                 probe: bool = False) -> None:
         self.shard = shard
         self.link = link
         self.chunk_rows = chunk_rows
         self.mass = mass
         self._cond = cond
         self._credits = CreditQueue()
+        self._reconnect = reconnect
         self._runner = LinkRunner(link, CreditFlow(self._credits, window, ride=False),
-                                  reconnect=reconnect,
+                                  reconnect=reconnect and not probe,
                                   retry_window_s=retry_window_s, name=name,
                                   credits_of=self._chunks_in)
         self._segments: deque[list] = deque()  # [batch, rows taken from it]
@@ -93,6 +97,8 @@ class ShardRows:
                     self._rows += batch.batch_size
                     if batch.mass is not None:
                         self.mass = batch.mass
+                    if not self.arrivals:
+                        self._runner.reconnect = self._reconnect  # a probe that answered
                     self.arrivals += 1
                     self.last_arrival = time.monotonic()
                     self._cond.notify_all()

@@ -18,6 +18,17 @@ With ``allow_degraded=True`` a client can be created, and used, while some
 of its servers do not answer yet: they are tried again at each resolution
 (their index, and so which ids they own, is unknown until they answer).
 
+Where the name says how many shards the replay has (``shards://...?expected=N``,
+or a ``ray://`` registry, :class:`~replay_client.sharded.discovery.Resolution`),
+a shard that has not been found is *absent*, and known to be: a strict client
+waits for it (re-resolving, at most ``wait_for_shards_s``), then refuses with
+:class:`UnavailableError` naming it (and what the registry says of it); a
+degraded client goes on and every merged sample lists it in
+``missing_shards``. Either way no client takes the shards it found for the
+whole replay. While a shard is absent, gone or down (a stream lost it), the
+name is resolved again at most once a second (a restarted shard is found at
+its new address).
+
 Thread-safety: every method may be called from any thread; the set is
 replaced whole (readers see the old or the new one, never half of it), and
 one caller at a time resolves.
@@ -32,11 +43,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from replay_client.errors import ReplayError, ShardingError, UnavailableError
-from replay_client.sharded.discovery import Resolver, addresses_of, named
+from replay_client.sharded.discovery import Resolution, Resolver, named, resolve
 from replay_client.sharded.health import ShardHealth
 
 RETRY_RESOLVE_S = 1.0
 """After a call found a shard unavailable, the name is resolved again at most this often."""
+
+_WAIT_PAUSE_S = (0.05, 0.5)  # a strict client waiting for absent shards: resolves this often
 
 
 class ShardSet:
@@ -52,11 +65,13 @@ class ShardSet:
             had not answered are asked again (``None``: only after a failure).
         forget: told when a shard may have come back with other rows (its
             masses must be asked again).
+        wait_for_shards_s: how long a strict client waits for absent shards
+            before it refuses (see the module docstring).
     """
 
     def __init__(self, spec: Any, factory: Callable[..., Any], options: Mapping[str, Any], *,
                  resolver: Resolver | None, degraded: bool, resolve_interval_s: float | None,
-                 forget: Callable[[int], None]) -> None:
+                 forget: Callable[[int], None], wait_for_shards_s: float = 10.0) -> None:
         self.spec = spec
         self.health = ShardHealth()
         self._factory = factory
@@ -75,6 +90,9 @@ class ShardSet:
         self._last_resolve = 0.0
         self._failures: dict[str, ReplayError] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._wait_s = wait_for_shards_s
+        self._expected: int | None = None
+        self._absent: dict[int, str] = {}  # expected shards not found: index -> why
 
     # ------------------------------------------------------------ the set
 
@@ -87,12 +105,54 @@ class ShardSet:
                 if self._clients is None:
                     self._resolve(first=True)
             clients = self._clients
-        elif (self._interval is not None and time.monotonic() >= self._next_resolve
-              and (isinstance(self.spec, str) or self._pending)):
-            self.resolve()  # a name again, or (a list) the servers that had not answered
+        elif ((self._interval is not None and time.monotonic() >= self._next_resolve
+               and (isinstance(self.spec, str) or self._pending)) or (
+                (self._absent or self._gone or self.health.any_down)
+                and time.monotonic() >= self._last_resolve + RETRY_RESOLVE_S)):
+            self.resolve()  # a name again, (a list) the servers that had not answered, or
+            clients = self._clients  # an absent or gone shard looked for again
+        if self._absent and not self._degraded:
+            self._await_absent()
             clients = self._clients
         assert clients is not None
         return clients
+
+    @property
+    def known(self) -> list[int]:
+        """The shards whose ids are valid now, without connecting: every expected index
+        (where the name gives a count), else those found."""
+        if self._expected is not None:
+            return list(range(self._expected))
+        return sorted(self._clients or {})
+
+    @property
+    def absent(self) -> tuple[int, ...]:
+        """Expected shards not found (their index), in index order."""
+        return tuple(sorted(self._absent))
+
+    def _await_absent(self) -> None:
+        """A strict client: resolve until every expected shard is found, at most
+        ``wait_for_shards_s``; then refuse, naming the shards still absent."""
+        deadline = time.monotonic() + self._wait_s
+        pause, last = _WAIT_PAUSE_S[0], None
+        while self._absent:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                found = len(self._clients or {})
+                why = "; ".join(self._absent.values())
+                raise UnavailableError(
+                    f"{self.spec!r}: {len(self._absent)} of {self._expected} shards not found "
+                    f"after waiting {self._wait_s:g} s: {why}"
+                    f"{f' (last resolution: {last})' if last else ''}. A strict client never "
+                    f"takes the {found} shard(s) it found for the whole replay; "
+                    f"allow_degraded=True uses them and lists the others in missing_shards")
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _WAIT_PAUSE_S[1])
+            with self._resolving:
+                try:
+                    self._resolve(first=False)
+                except UnavailableError as exc:
+                    last = exc
 
     @property
     def addresses(self) -> dict[int, str]:
@@ -125,19 +185,23 @@ class ShardSet:
         """Find the servers the spec names now and make them the set (under ``_resolving``)."""
         now = self._last_resolve = time.monotonic()
         self._next_resolve = now + (self._interval or 0.0)
+        resolution: Resolution | None
         try:
-            wanted = addresses_of(self.spec, self._resolver)
+            resolution = resolve(self.spec, self._resolver)
+            wanted = list(resolution.addresses)
+            self._expected = resolution.expected
         except UnavailableError:
-            if first or not self._clients:
+            if (first or not self._clients) and self._expected is None:
                 raise
-            wanted = list(self._addresses.values()) + list(self._pending)  # keep what we have
+            resolution = None  # keep what we have
+            wanted = list(self._addresses.values()) + list(self._pending)
         known = {address: shard for shard, address in self._addresses.items()}
         clients = dict(self._clients or {})
         addresses = dict(self._addresses)
         for client in self._pending.values():  # asked afresh: a new channel, no old backoff
             client.close()
         ask = {a: self._factory(a, **self._options) for a in wanted if a not in known}
-        found = self._identify(ask)
+        found = self._identify(ask, wait=self._degraded or self._expected is not None)
         pending = {a: c for a, c in ask.items() if a not in found}
         for address, (client, shard) in found.items():
             if shard in clients and addresses[shard] in wanted:  # two live servers, one index
@@ -149,16 +213,18 @@ class ShardSet:
                 old.close()
             clients[shard], addresses[shard] = client, address
             self._forget(shard)
-            if not first:
+            if not first or shard in self._absent:
                 self.health.answered([shard])
         gone = {shard for shard, address in addresses.items() if address not in wanted}
         for shard in gone - self._gone:
-            self.health.failed(shard, f"{addresses[shard]} is no longer among the addresses "
-                                      f"{self.spec!r} resolves to")
+            said = resolution.why_missing(shard) if resolution is not None else None
+            self.health.failed(shard, said or f"{addresses[shard]} is no longer among the "
+                                              f"addresses {self.spec!r} resolves to")
         if not first:
             self.health.answered(self._gone - gone)  # named again
         self._gone = gone
-        if first and not clients:
+        self._absent = self._absent_of(clients, resolution)
+        if first and not clients and self._expected is None:
             reasons = "; ".join(f"{a}: {e}" for a, e in self._failures.items())
             raise UnavailableError(f"no server of {self.spec!r} answered ({reasons})")
         order = sorted(clients)
@@ -172,11 +238,35 @@ class ShardSet:
                 if old_pool is not None:
                     old_pool.shutdown(wait=False)
 
-    def _identify(self, ask: Mapping[str, Any]) -> dict[str, tuple[Any, int]]:
+    def _absent_of(self, clients: Mapping[int, Any],
+                   resolution: Resolution | None) -> dict[int, str]:
+        """Expected shards without a server (index -> why), newly absent ones marked down."""
+        expected = self._expected
+        if expected is None:
+            return {}
+        absent = {}
+        for shard in range(expected):
+            if shard in clients:
+                continue
+            said = resolution.why_missing(shard) if resolution is not None else None
+            absent[shard] = said or self._absent.get(shard) or (
+                f"shard {shard}: no server of {self.spec!r} answered as it ({len(clients)} of "
+                f"{expected} found{self._failed_addresses()})")
+            if shard not in self._absent:
+                self.health.failed(shard, absent[shard])
+        return absent
+
+    def _failed_addresses(self) -> str:
+        if not self._failures:
+            return ""
+        return "; not answering: " + ", ".join(f"{a} ({e})" for a, e in self._failures.items())
+
+    def _identify(self, ask: Mapping[str, Any], wait: bool) -> dict[str, tuple[Any, int]]:
         """Ask each new server its shard index, concurrently: ``address -> (client, shard)``.
 
         A server that does not answer fails the whole set by default (named);
-        in degraded mode it stays pending. Two new servers with one index are refused.
+        with ``wait`` (degraded mode, or an expected count that tells who is
+        absent) it stays pending. Two new servers with one index are refused.
         """
         self._failures = {}
         if not ask:
@@ -189,7 +279,7 @@ class ShardSet:
             try:
                 shard = future.result().shard
             except ReplayError as exc:
-                if self._degraded and isinstance(exc, UnavailableError):
+                if wait and isinstance(exc, UnavailableError):
                     self._failures[address] = exc
                     continue
                 for client in ask.values():
@@ -199,6 +289,11 @@ class ShardSet:
                 for client in ask.values():
                     client.close()
                 raise _same_index(where[shard], address, shard)
+            if self._expected is not None and shard >= self._expected:
+                for client in ask.values():
+                    client.close()
+                raise ShardingError(f"{self.spec!r} expects shards 0..{self._expected - 1}, "
+                                    f"but the server at {address} reports shard {shard}")
             where[shard] = address
             found[address] = (ask[address], shard)
         return found

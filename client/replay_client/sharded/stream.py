@@ -38,9 +38,11 @@ client's ``max_retry_s``. Past that, by default the stream ends with the
 shard's error, naming it; with ``allow_degraded=True`` the shard is left out
 (``batch.missing_shards``; the merge is exact over the live shards) and
 tried again on :class:`~replay_client.sharded.health.ShardHealth`'s
-schedule. In degraded mode a shard that delivers none of the rows a batch
-waits for within :data:`STALL_S` seconds is left out too, until it delivers
-again.
+schedule (each try a new stream that fails at once until the shard answers:
+one warning per outage, when the shard is left out, and one line when it is
+back, however many tries a restart takes). In degraded mode a shard that
+delivers none of the rows a batch waits for within :data:`STALL_S` seconds is
+left out too, until it delivers again.
 
 Waiting: while no shard has anything to sample, the stream waits (every
 shard's server holds its draw until rows arrive) up to ``wait_timeout`` per
@@ -49,6 +51,7 @@ batch; ``wait=False`` ends it with :class:`EmptyTableError` instead.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -75,6 +78,8 @@ from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
 from replay_proto.mass import SamplingMass
 
+log = logging.getLogger("replay_client")
+
 STALL_S = 2.0
 """Degraded mode: how long a batch waits for a shard's rows before it leaves the shard out."""
 
@@ -85,8 +90,9 @@ RECHECK_S = 1.0
 """How long a batch waits for a shard's rows before asking the shard for its mass (a shard
 emptied since its last chunk, by a reset, draws nothing until rows arrive: split again)."""
 
-ShardFactory = Callable[[int, threading.Condition], ShardRows]
-"""``make(shard, cond)``: a new (not started) :class:`ShardRows` for ``shard``."""
+ShardFactory = Callable[..., ShardRows]
+"""``make(shard, cond)``: a new (not started) :class:`ShardRows` for ``shard``;
+``make(shard, cond, probe=True)`` for a left-out shard tried again."""
 
 
 class MergedLink:
@@ -113,6 +119,8 @@ class MergedLink:
             batch's size, :func:`replay_client.grouping.choose`; small batches: up to 8).
         prefetch: the window the learner asked for (``None``: widened for small batches).
         notes: the stream's notes (the grouping chosen is added).
+        absent: the shards the client expects but has not found (listed in every
+            batch's ``missing_shards``).
     """
 
     transport = "sharded"
@@ -127,7 +135,8 @@ class MergedLink:
                  refresh: Callable[[int], SamplingMass | None],
                  health: ShardHealth, degraded: bool, wait: bool,
                  wait_timeout: float | None, group: int | None = None,
-                 prefetch: int | None = None, notes: list[str] | None = None) -> None:
+                 prefetch: int | None = None, notes: list[str] | None = None,
+                 absent: Callable[[], tuple[int, ...]] = tuple) -> None:
         self._shards = shards
         self._addresses = dict(shards())
         self._followed = time.monotonic()
@@ -147,10 +156,12 @@ class MergedLink:
         self._group = group
         self._prefetch = prefetch
         self._notes = notes if notes is not None else []
+        self._absent = absent
         self._cond = threading.Condition()
         self._stopped = False
         self._rows: dict[int, ShardRows] = {}
         self._down: dict[int, float] = {}  # shard -> when it was left out (degraded)
+        self._outages: set[int] = set()  # left out, not delivered since (logged once)
         self._stalled: dict[int, int] = {}  # shard -> its arrivals when it was left out
         self._initial = dict(masses)
         self._keys: list[str] | None = None
@@ -189,8 +200,8 @@ class MergedLink:
             for rows in self._rows.values():
                 rows.grow(-(-grown * self._batch_size // rows.chunk_rows))
 
-    def _start(self, shard: int) -> None:
-        rows = self._make(shard, self._cond)
+    def _start(self, shard: int, probe: bool = False) -> None:
+        rows = self._make(shard, self._cond, probe=True) if probe else self._make(shard, self._cond)
         if rows.mass is None:
             rows.mass = self._initial.get(shard)
         self._rows[shard] = rows
@@ -255,7 +266,9 @@ class MergedLink:
                 if not self._wait_for_rows(counts):
                     continue  # a shard failed or stalled and was left out: split again
                 taken = {s: self._rows[s].take(k) for s, k in counts.items() if k > 0}
-                missing = tuple(sorted(s for s in self._addresses if s not in live))
+                self._back(taken)
+                missing = tuple(sorted({s for s in self._addresses if s not in live}
+                                       | set(self._absent())))
                 if missing:
                     self._health.count("degraded_samples")
                 drawn.append((taken, shares(masses), masses, missing))
@@ -393,6 +406,18 @@ class MergedLink:
     def _leave_out(self, shard: int, reason: str) -> None:
         self._down[shard] = time.monotonic()
         self._health.failed(shard, reason)
+        if shard not in self._outages:
+            self._outages.add(shard)
+            log.warning("shard %d (%s) left out of the stream: %s; tried again on a backoff "
+                        "(one line when it gives rows again)", shard,
+                        self._addresses.get(shard, "?"), reason)
+
+    def _back(self, taken: Mapping[int, Any]) -> None:
+        """Shards of an outage that gave rows to a batch again: logged, once."""
+        for shard in self._outages & set(taken):
+            self._outages.discard(shard)
+            log.info("shard %d (%s) is back in the stream", shard,
+                     self._addresses.get(shard, "?"))
 
     def _rejoin(self) -> None:
         """Bring back left-out shards: a stalled one that delivered since, a failed one whose
@@ -408,7 +433,7 @@ class MergedLink:
                 self._stalled.pop(shard, None)
                 rows.join(0.0)
                 del self._down[shard]
-                self._start(shard)  # counts as rejoined once it delivers
+                self._start(shard, probe=True)  # counts as rejoined once it delivers
                 self._health.answered([shard])
 
     # ------------------------------------------------------------ lifetime
@@ -448,7 +473,8 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
                 masses: Mapping[int, SamplingMass],
                 refresh: Callable[[int], SamplingMass | None], generator: np.random.Generator,
                 rng_lock: threading.Lock, health: ShardHealth, degraded: bool,
-                check_update: Callable[[Any, Any], PriorityUpdate]) -> BatchStream:
+                check_update: Callable[[Any, Any], PriorityUpdate],
+                absent: Callable[[], tuple[int, ...]] = tuple) -> BatchStream:
     """A learner's stream of merged batches over ``clients()`` (one-server clients by shard,
     asked again as the set changes; ``addresses()`` likewise).
 
@@ -463,7 +489,7 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
     group = options.batches_per_message  # None: chosen per shard at its first chunk
     target = StagingTarget(None, None, core.stats, core.delivery)
 
-    def make(shard: int, cond: threading.Condition) -> ShardRows:
+    def make(shard: int, cond: threading.Condition, probe: bool = False) -> ShardRows:
         client = clients()[shard]
         # A chunk's grouping is chosen as on one server (small chunks: groups of up to 8 per
         # message, the shard's window widened to two groups).
@@ -473,14 +499,15 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
                          chunk_rows=chunk,
                          mass=None, reconnect=options.reconnect,
                          retry_window_s=reconnect_window(options, client.connection),
-                         name=f"shard {shard} ({client.address})")
+                         name=f"shard {shard} ({client.address})", probe=probe)
 
     link = MergedLink(addresses, make, batch_size, beta=beta, masses=masses,
                       staging=core.staging, when_released=core.when_released,
                       copy=core.copy_rows, generator=generator,
                       rng_lock=rng_lock, refresh=refresh, health=health, degraded=degraded,
                       wait=options.wait, wait_timeout=options.wait_timeout,
-                      group=group, prefetch=options.prefetch, notes=core.stats.notes)
+                      group=group, prefetch=options.prefetch, notes=core.stats.notes,
+                      absent=absent)
     source = LinkSource(link, check_update=check_update, num_batches=options.num_batches,
                         reconnect=False, name=f"{shards} shards")
     if options.prefetch is None:  # widened over slow links; the shards' buffers take as much

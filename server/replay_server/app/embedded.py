@@ -230,6 +230,17 @@ class EmbeddedServer:
         host = self.settings.address.rsplit(":", 1)[0]
         return f"{host}:{self._server.port}"
 
+    @property
+    def metrics_address(self) -> str | None:
+        """``host:port`` of ``/metrics`` (None when metrics are off or the server stopped):
+        the port bound, also where ``metrics_address`` asked for port 0."""
+        server = self._server
+        if server is None or server.metrics is None or server.metrics.port is None:
+            return None
+        assert self.settings.metrics_address is not None
+        host = self.settings.metrics_address.rsplit(":", 1)[0]
+        return f"{host}:{server.metrics.port}"
+
     def stream(self, table: str, batch_size: int, options: StreamOptions | None = None,
                **keywords: Any) -> BatchStream:
         """Batches sampled in this process; options as ``ReplayClient.stream`` (see :func:`stream_table`).

@@ -1,0 +1,286 @@
+"""``ReplayCluster``: a sharded replay on a Ray cluster, started, found and stopped in one call.
+
+::
+
+    replay = ReplayCluster.create("replay", tables=[{"name": "replay", "capacity": 100_000,
+                                                     "sampler": "prioritized"}],
+                                  num_shards=2, checkpoint_dir="/shared/checkpoints")
+    client = replay.client()          # an ordinary ReplayClient over the shards; pickles
+    ray.get(actor_loop.remote(client))  # into tasks and actors, which find the shards
+
+The replay is a registry actor (:class:`~replay_server.ray.registry.ShardRegistry`,
+named as the replay) and ``num_shards`` shard actors
+(:class:`~replay_server.ray.shard.ReplayShard`, ``<name>.shard-<i>``), all
+detached (they outlive the driver that made them) in ``namespace``. Clients
+find them by ``ray://<namespace>/<name>``
+(:mod:`replay_client.sharded.ray_registry`): the registry lists every expected
+shard with its state, so a client never takes the shards serving for the whole
+replay. Ray restarts a shard that dies (``max_restarts``); it restores its
+last checkpoint and registers again, and open clients and streams take it back.
+
+Thread-safety: a ``ReplayCluster`` is a handle (names and actor handles); it
+may be used from any thread and pickled into tasks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+
+from replay_client import ReplayClient
+from replay_server.errors import ConfigError
+from replay_server.ray.registry import ShardRegistry, ask, shard_actor_name
+from replay_server.ray.shard import ReplayShard, shard_settings
+
+DEFAULT_NAMESPACE = "replay"
+"""The Ray namespace of a replay's actors unless ``namespace=`` names another."""
+
+PLACEMENT = {"SPREAD": "SPREAD", "DEFAULT": "DEFAULT", "PACK": "DEFAULT"}
+"""``placement_strategy`` -> the shard actors' Ray ``scheduling_strategy``."""
+
+_GONE_WAIT_S = 30.0  # how long shutdown waits for Ray to release the actors' names
+
+
+class ReplayExistsError(ConfigError):
+    """``create(..., get_if_exists=False)`` named a replay that exists, or an existing replay
+    was asked for with another number of shards."""
+
+
+class ReplayNotFoundError(ConfigError):
+    """``ReplayCluster.get`` named no replay (no registry actor under that name)."""
+
+
+class ReplayCluster:
+    """A handle on a replay running as Ray actors. Made by :meth:`create` or :meth:`get`."""
+
+    def __init__(self, name: str, namespace: str, registry: Any, num_shards: int) -> None:
+        self.name = name
+        self.namespace = namespace
+        self.num_shards = num_shards
+        self._registry = registry
+
+    # ------------------------------------------------------------ start, find
+
+    @classmethod
+    def create(cls, name: str, tables: Sequence[Any], num_shards: int = 1, *,
+               shard_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+               placement_strategy: str = "SPREAD", checkpoint_dir: str | None = None,
+               checkpoint_interval_s: float = 60.0, max_restarts: int = -1,
+               server: Mapping[str, Any] | None = None,
+               registry_options: Mapping[str, Any] | None = None,
+               namespace: str = DEFAULT_NAMESPACE,
+               get_if_exists: bool = True, timeout_s: float = 120.0) -> ReplayCluster:
+        """Start replay ``name``: a registry and ``num_shards`` shards, each serving ``tables``.
+
+        Args:
+            name: the replay's name (its registry actor's; clients use
+                ``ray://<namespace>/<name>``).
+            tables: ``[[tables]]`` entries as ``replay.toml`` parses them
+                (``{"name": "replay", "capacity": 100_000, "sampler": "prioritized"}``)
+                or ``TableConfig`` objects; every shard serves them all.
+            num_shards: shards (1..128).
+            shard_options: Ray actor options of the shards (``num_cpus``,
+                ``resources``, ``memory``, ``scheduling_strategy``, ...): one dict for
+                all, or a list of one per shard.
+            placement_strategy: ``"SPREAD"`` (shards on as many nodes as Ray can)
+                or ``"PACK"``/``"DEFAULT"`` (Ray's default placement); a
+                ``scheduling_strategy`` in ``shard_options`` overrides it.
+            checkpoint_dir: root of the shards' checkpoints
+                (``<dir>/<name>/shard-<i>``), on storage every node can read;
+                ``None``: no persistence (a restarted shard starts empty).
+            checkpoint_interval_s: seconds between a shard's timed checkpoints
+                (a crash loses the rows since its last one); 0: only on request and
+                at shutdown.
+            max_restarts: how often Ray restarts a shard that dies (-1: always).
+            server: ``[server]`` keys for every shard (``address`` defaults to the
+                node's IP, port 0; ``metrics_address`` likewise).
+            registry_options: Ray actor options of the registry (it takes no CPU;
+                ``resources`` can keep it on a node you trust, such as the head:
+                Ray restarts it elsewhere if its node is lost, and it learns the
+                shards back from them).
+            namespace: the Ray namespace of the replay's actors.
+            get_if_exists: a replay of that name exists (a driver that failed
+                after starting it): return it (missing shards started) instead
+                of refusing.
+            timeout_s: how long to wait for every shard to serve.
+
+        Raises:
+            ConfigError: a bad argument or table (named), before any actor starts.
+            ReplayExistsError: the replay exists and ``get_if_exists`` is false, or it
+                exists with another number of shards.
+            TimeoutError: the shards did not all serve within ``timeout_s``.
+        """
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not (
+                1 <= num_shards <= 128):
+            raise ConfigError(f"num_shards must be an integer in 1..128, got {num_shards!r}")
+        if placement_strategy not in PLACEMENT:
+            raise ConfigError(f"placement_strategy must be one of {sorted(PLACEMENT)}, got "
+                              f"{placement_strategy!r}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or (
+                max_restarts < -1):
+            raise ConfigError(f"max_restarts must be an integer >= -1, got {max_restarts!r}")
+        per_shard = _per_shard(shard_options, num_shards)
+        server = {**(server or {}), "checkpoint_interval_s": checkpoint_interval_s}
+        shard_settings(0, bind_host="127.0.0.1", server=server, tables=tables,  # checked here
+                       checkpoint_dir=checkpoint_dir, replay=name)
+        spec = {"num_shards": num_shards, "namespace": namespace}
+        existing = _registry_of(name, namespace)
+        if existing is not None and not get_if_exists:
+            raise ReplayExistsError(f"a replay {name!r} exists in Ray namespace {namespace!r}; "
+                                    f"ReplayCluster.get({name!r}) returns it (or pass "
+                                    f"get_if_exists=True)")
+        registry = ray.remote(ShardRegistry).options(**{
+            "num_cpus": 0, **(registry_options or {}), "name": name, "namespace": namespace,
+            "lifetime": "detached", "get_if_exists": True, "max_restarts": -1,
+            "max_concurrency": 16}).remote(name, namespace, spec)
+        found = ask(registry, "spec")["num_shards"]
+        if found != num_shards:
+            raise ReplayExistsError(f"replay {name!r} exists with {found} shards, not "
+                                    f"{num_shards}")
+        strategy = PLACEMENT[placement_strategy]
+        shard_class = ray.remote(ReplayShard)
+        for index in range(num_shards):
+            options = {"scheduling_strategy": strategy, **per_shard[index],
+                       "name": shard_actor_name(name, index), "namespace": namespace,
+                       "lifetime": "detached", "get_if_exists": True,
+                       "max_restarts": max_restarts, "max_concurrency": 4}
+            shard_class.options(**options).remote(name, namespace, index, server, list(tables),
+                                                  checkpoint_dir)
+        cluster = cls(name, namespace, registry, num_shards)
+        cluster.wait_serving(timeout_s)
+        return cluster
+
+    @classmethod
+    def get(cls, name: str, namespace: str = DEFAULT_NAMESPACE) -> ReplayCluster:
+        """The running replay ``name`` (started by any driver).
+
+        Raises:
+            ReplayNotFoundError: there is no such replay.
+        """
+        registry = _registry_of(name, namespace)
+        if registry is None:
+            raise ReplayNotFoundError(f"no replay {name!r} in Ray namespace {namespace!r}")
+        return cls(name, namespace, registry, ask(registry, "spec")["num_shards"])
+
+    # ------------------------------------------------------------ use
+
+    @property
+    def address(self) -> str:
+        """What clients connect to: ``ray://<namespace>/<name>``."""
+        return f"ray://{self.namespace}/{self.name}"
+
+    def client(self, **client_options: Any) -> Any:
+        """An ordinary sharded ``ReplayClient`` over the shards (``allow_degraded``,
+        ``wait_for_shards_s``, ``timeout``, ... as there); it pickles into Ray tasks and
+        actors, which find the shards through the registry."""
+        return ReplayClient(self.address, **client_options)
+
+    @property
+    def shards(self) -> list[Any]:
+        """The shard actors' handles, in index order."""
+        return [ray.get_actor(shard_actor_name(self.name, i), namespace=self.namespace)
+                for i in range(self.num_shards)]
+
+    def states(self) -> list[dict[str, Any]]:
+        """Every shard as the registry knows it: index, state, address, metrics address,
+        incarnation, pid, node id."""
+        return ask(self._registry, "snapshot")["shards"]
+
+    def registry(self) -> dict[str, Any]:
+        """Where the registry actor runs: ``pid`` and ``node_id``."""
+        return ask(self._registry, "describe")
+
+    def wait_serving(self, timeout_s: float = 120.0) -> None:
+        """Wait until every shard serves.
+
+        Raises:
+            TimeoutError: some did not within ``timeout_s`` (named, with their states).
+        """
+        deadline = time.monotonic() + timeout_s
+        pause = 0.05
+        while True:
+            states = self.states()
+            if all(s["state"] == "serving" for s in states):
+                return
+            if time.monotonic() >= deadline:
+                late = [f"shard {s['index']}: {s['state']}" for s in states
+                        if s["state"] != "serving"]
+                raise TimeoutError(f"replay {self.name!r}: not every shard serves after "
+                                   f"{timeout_s:g} s ({'; '.join(late)})")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+    def checkpoint(self) -> dict[int, str]:
+        """A checkpoint of every shard now: shard index -> the checkpoint's path."""
+        with self.client() as client:
+            return client.checkpoint()
+
+    # ------------------------------------------------------------ stop
+
+    def shutdown(self, grace: float = 10.0) -> None:
+        """Drain every shard (in-flight calls finish within ``grace``, then its final
+        checkpoint), then kill the shards and the registry: no actor, name or process of
+        the replay is left. Idempotent."""
+        handles = {}
+        for index in range(self.num_shards):
+            try:
+                handles[index] = ray.get_actor(shard_actor_name(self.name, index),
+                                               namespace=self.namespace)
+            except ValueError:
+                continue
+        try:
+            ray.get(self._registry.stop_watching.remote())
+        except ray.exceptions.RayError:
+            pass  # already gone
+        drains = [h.drain.remote(grace) for h in handles.values()]
+        for ref in drains:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                pass  # a shard that died meanwhile has nothing to drain
+        for handle in [*handles.values(), self._registry]:
+            ray.kill(handle, no_restart=True)
+        names = [self.name, *(shard_actor_name(self.name, i) for i in range(self.num_shards))]
+        deadline = time.monotonic() + _GONE_WAIT_S
+        while any(_exists(n, self.namespace) for n in names):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"replay {self.name!r}: Ray still lists "
+                                   f"{[n for n in names if _exists(n, self.namespace)]} "
+                                   f"{_GONE_WAIT_S:g} s after they were killed")
+            time.sleep(0.05)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ReplayCluster, (self.name, self.namespace, self._registry, self.num_shards))
+
+
+def _per_shard(options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+               num_shards: int) -> list[dict[str, Any]]:
+    """One dict of Ray actor options per shard."""
+    if options is None:
+        return [{} for _ in range(num_shards)]
+    if isinstance(options, Mapping):
+        return [dict(options) for _ in range(num_shards)]
+    listed = [dict(o) for o in options]
+    if len(listed) != num_shards:
+        raise ConfigError(f"shard_options is a list of {len(listed)} dicts for {num_shards} "
+                          f"shards (give one dict for all, or one per shard)")
+    reserved = {"name", "namespace", "lifetime", "get_if_exists", "max_restarts"}
+    for index, entry in enumerate(listed):
+        if reserved & set(entry):
+            raise ConfigError(f"shard_options[{index}] sets {sorted(reserved & set(entry))}, "
+                              f"which the replay sets itself")
+    return listed
+
+
+def _registry_of(name: str, namespace: str) -> Any | None:
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def _exists(name: str, namespace: str) -> bool:
+    return _registry_of(name, namespace) is not None

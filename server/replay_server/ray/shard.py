@@ -1,0 +1,114 @@
+"""``ReplayShard``: one shard of a replay on Ray, a replay server inside its actor's own process.
+
+The actor runs an :class:`~replay_server.app.embedded.EmbeddedServer` in its
+process (never a child process: Ray kills a worker's children with it, and
+an in-process server's tables, threads and final checkpoint live and die with
+the actor). On start, and on every restart Ray makes (``max_restarts``), it
+
+1. tells the registry it is ``starting`` (and gets its incarnation),
+2. restores its newest checkpoint from ``<checkpoint_dir>/<replay>/shard-<i>``
+   (storage every node can read, so a shard restarted on another node finds it),
+3. binds its address (the node's IP, port 0, unless ``server.address``
+   says otherwise) and ``/metrics`` (port 0),
+4. reports ``serving`` with the address clients should use: the node's IP
+   as Ray knows it (a shard bound to ``0.0.0.0`` is reached at its node's IP).
+
+A graceful stop (:meth:`drain`) reports ``draining``, stops the server (new
+calls refused, in-flight ones finished within ``grace``, then the final
+checkpoint) and reports ``gone``. A crash loses the rows inserted since the
+shard's last checkpoint (``checkpoint_interval_s``).
+
+Thread-safety: a threaded actor (``max_concurrency`` > 1): :meth:`describe`
+answers while a drain runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from replay_server.app.config_file import settings_from_dict
+from replay_server.app.embedded import EmbeddedServer
+from replay_server.engine.config import TableConfig
+from replay_server.errors import ConfigError
+from replay_server.ray.registry import ask
+from replay_server.service.settings import ServerSettings
+
+
+def shard_settings(index: int, *, bind_host: str, server: Mapping[str, Any],
+                   tables: Sequence[Any], checkpoint_dir: str | None, replay: str
+                   ) -> ServerSettings:
+    """Shard ``index``'s server settings: ``server`` (the ``[server]`` keys) over the
+    shard's defaults, and ``tables`` (``[[tables]]`` dicts or ``TableConfig`` objects).
+
+    Raises:
+        ConfigError: a bad key or value (named), or tables of both kinds.
+    """
+    options = {"address": f"{bind_host}:0", "metrics_address": f"{bind_host}:0",
+               **server, "shard": index}
+    if checkpoint_dir is not None:
+        options["checkpoint_dir"] = str(Path(checkpoint_dir) / replay / f"shard-{index}")
+    configs = [t for t in tables if isinstance(t, TableConfig)]
+    if configs and len(configs) != len(tables):
+        raise ConfigError("tables must be all dicts (as replay.toml's [[tables]] parse to) or "
+                          "all TableConfig objects, not a mix")
+    if configs:
+        return dataclasses.replace(settings_from_dict({"server": options}),
+                                   tables=tuple(configs))
+    return settings_from_dict({"server": options, "tables": [dict(t) for t in tables]})
+
+
+class ReplayShard:
+    """One shard (see the module docstring). Run as a named, detached Ray actor.
+
+    Args:
+        replay: the replay's name (its registry actor's name).
+        namespace: the Ray namespace of the replay's actors.
+        index: this shard's index (the ``shard`` its server reports).
+        server: ``[server]`` keys for its server (``shard`` is set here).
+        tables: the tables, as :func:`shard_settings` takes them.
+        checkpoint_dir: the replay's checkpoint root (``None``: no persistence).
+    """
+
+    def __init__(self, replay: str, namespace: str, index: int, server: Mapping[str, Any],
+                 tables: Sequence[Any], checkpoint_dir: str | None) -> None:
+        self._index = index
+        self._registry = ray.get_actor(replay, namespace=namespace)
+        self._incarnation = ask(self._registry, "starting", index)
+        self._host = ray.util.get_node_ip_address()
+        settings = shard_settings(index, bind_host=self._host, server=server, tables=tables,
+                                  checkpoint_dir=checkpoint_dir, replay=replay)
+        self._server = EmbeddedServer(settings)  # restores its newest checkpoint first
+        bound = self._server.address
+        assert bound is not None
+        self._address = f"{self._host}:{bound.rsplit(':', 1)[1]}"
+        self._state = "serving"
+        ask(self._registry, "serving", **self._said())
+
+    def _said(self) -> dict[str, Any]:
+        metrics = self._server.metrics_address
+        if metrics is not None:
+            metrics = f"{self._host}:{metrics.rsplit(':', 1)[1]}"
+        return {"index": self._index, "incarnation": self._incarnation,
+                "address": self._address, "metrics_address": metrics, "pid": os.getpid(),
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    def describe(self) -> dict[str, Any]:
+        """This shard now: state, address, metrics address, incarnation, pid, node id."""
+        return {**self._said(), "state": self._state}
+
+    def drain(self, grace: float = 10.0) -> None:
+        """Stop gracefully: refuse new calls, finish in-flight ones within ``grace`` seconds,
+        write the final checkpoint. Idempotent."""
+        if self._state != "serving":
+            return
+        self._state = "draining"
+        ask(self._registry, "draining", self._index)
+        self._server.close(grace)
+        self._state = "gone"
+        ask(self._registry, "gone", self._index)

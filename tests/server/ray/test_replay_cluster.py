@@ -1,0 +1,371 @@
+"""A sharded replay on a real two-node Ray cluster (loopback): placed, fed, sampled, killed,
+restarted, stopped.
+
+One cluster for the module (``conftest.ray_cluster``, started once: about ten
+seconds) and two replays for most tests: ``shared`` (no persistence) and
+``durable`` (checkpointed), in the order the tests need them: the fault tests
+take ``durable`` through a crash and a lost node, and the last test shuts it
+down.
+
+Faults:
+
+* A shard killed under a streaming learner and a writer (both degraded): the
+  learner goes on over shard 0 (its batches list shard 1 in
+  ``missing_shards``), the writer's rows go to shard 0, no error reaches
+  either; Ray restarts shard 1, which restores its checkpoint (exactly the
+  rows it held then) and registers again; both take it back. Counts are
+  checked from the ids (bits 40..55: the id incarnation, new after a restart).
+* Its node lost: Ray cannot place it again, so the registry says
+  ``restarting`` for as long as the test wants; a client made then knows
+  (strict: refused naming shard 1; degraded: ``missing_shards``). A new node
+  with the resource brings it back, restored.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import wait_for
+from tests.server.ray.conftest import NODE_A, NODE_B, SKIP_REASON, add_node_b, loopback_addresses
+
+ray = pytest.importorskip("ray", reason=SKIP_REASON, exc_type=ImportError)
+
+from replay_client.errors import UnavailableError  # noqa: E402
+from replay_server.app.config_file import settings_from_dict  # noqa: E402
+from replay_server.app.embedded import EmbeddedServer  # noqa: E402
+from replay_server.ray import ReplayCluster, ReplayExistsError, ReplayNotFoundError  # noqa: E402
+
+ALPHA = 0.6
+TABLES = [{"name": "p", "capacity": 4000, "sampler": "prioritized", "alpha": ALPHA, "beta": 0.4},
+          {"name": "u", "capacity": 4000, "sampler": "uniform"}]
+ON_BOTH = [{"num_cpus": 0, "resources": NODE_A}, {"num_cpus": 0, "resources": NODE_B}]
+INCARNATION = lambda ids: (np.asarray(ids) >> 40) & 0xFFFF  # noqa: E731 (id bits 40..55)
+
+
+def start(name: str, tmp_path: Path | None = None, **options) -> ReplayCluster:
+    return ReplayCluster.create(name, tables=TABLES, num_shards=2, shard_options=ON_BOTH,
+                                checkpoint_dir=None if tmp_path is None else str(tmp_path),
+                                checkpoint_interval_s=0, get_if_exists=False,
+                                registry_options={"resources": NODE_A}, **options)
+
+
+@pytest.fixture(scope="module")
+def shared(ray_cluster):
+    replay = start("shared")
+    yield replay
+    replay.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def durable(ray_cluster, checkpoints):
+    replay = start("durable", checkpoints)
+    yield replay
+    replay.shutdown()  # idempotent: the last test has shut it down
+
+
+@ray.remote(num_cpus=0.5)
+def write(client, table: str, first: int, rows: int) -> list[int]:
+    """Rows ``first .. first+rows-1`` (key, priority 1 + key % 7) in inserts of 16: their ids."""
+    ids = []
+    for start in range(first, first + rows, 16):
+        keys = torch.arange(start, min(start + 16, first + rows), dtype=torch.int64)
+        ids += client.insert(table, {"key": keys}, priorities=1.0 + (keys % 7).double()).tolist()
+    return ids
+
+
+@ray.remote(num_cpus=0.5)
+def learn(client, table: str, batches: int) -> dict[int, float]:
+    """A learner: streams ``batches`` batches, updating each row's priority to 0.5 + key % 5
+    on the stream; the priorities it set, by id."""
+    set_to = {}
+    stream = client.stream(table, 32, num_batches=batches)
+    for batch in stream:
+        new = 0.5 + (batch.data["key"] % 5).double()
+        stream.update_priorities(batch.ids, new)
+        set_to.update(zip(batch.ids.tolist(), new.tolist()))
+    stream.close()
+    return set_to
+
+
+def test_shards_spread_over_both_nodes_on_loopback_with_their_metrics(shared) -> None:
+    replay = shared
+    states = replay.states()
+    assert [s["state"] for s in states] == ["serving", "serving"]
+    assert [s["incarnation"] for s in states] == [1, 1]
+    assert len({s["node_id"] for s in states}) == 2  # one per node
+    for s in states:
+        host, port = s["address"].rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+        metrics_host, metrics_port = s["metrics_address"].rsplit(":", 1)
+        assert metrics_host == "127.0.0.1" and int(metrics_port) > 0
+        with urllib.request.urlopen(f"http://{s['metrics_address']}/metrics", timeout=10) as r:
+            assert b"replay_" in r.read()
+    assert loopback_addresses() == {"127.0.0.1"}
+    with replay.client() as client:
+        assert client.shards == {s["index"]: s["address"] for s in states}
+        assert sorted(client.info()) == ["p", "u"]
+    assert ReplayCluster.get("shared").states() == states
+
+
+def test_writers_on_both_nodes_and_a_streaming_learner_sample_the_whole_replay_exactly(
+        shared) -> None:
+    replay = shared
+    client = replay.client(seed=3)
+    a = write.options(resources=NODE_A).remote(client, "p", 0, 300)
+    b = write.options(resources=NODE_B).remote(client, "p", 300, 300)
+    ids = ray.get(a) + ray.get(b)
+    assert len(set(ids)) == 600
+    assert set(np.array(ids) >> 56) == {0, 1}  # both nodes' rows on both shards
+    info = client.shard_info()
+    assert info[0].tables["p"].size + info[1].tables["p"].size == 600 and min(
+        info[0].tables["p"].size, info[1].tables["p"].size) > 0
+    set_to = ray.get(learn.options(resources=NODE_B).remote(client, "p", 12))
+    assert set_to and set(np.array(list(set_to)) >> 56) == {0, 1}
+
+    keys = {i: k for i, k in zip(ids, range(600))}  # ids in key order
+    priority = {i: set_to.get(i, 1.0 + keys[i] % 7) for i in ids}
+    masses = np.array([priority[i] for i in ids]) ** ALPHA
+
+    def exact() -> bool:  # the learner's last updates ride on its last credit
+        batch = client.sample("p", 256)
+        want = np.array([priority[i] for i in batch.ids.tolist()]) ** ALPHA / masses.sum()
+        return np.allclose(batch.probabilities.numpy(), want, rtol=1e-4)
+    assert wait_for(exact, timeout=20)
+    client.close()
+
+
+def test_a_restarted_registry_learns_the_shards_back_from_them(shared) -> None:
+    before, where = shared.states(), shared.registry()
+    assert ray.get_actor("shared", namespace="replay") is not None
+    ray.kill(ray.get_actor("shared", namespace="replay"), no_restart=False)  # entries lost
+    assert wait_for(lambda: shared.registry()["pid"] != where["pid"], timeout=60)
+    assert wait_for(lambda: shared.states() == before, timeout=60)  # told by the shards
+    with shared.client(wait_for_shards_s=30) as client:  # made while it may still learn
+        assert sorted(client.shards) == [0, 1]
+        client.insert("u", {"key": torch.arange(8)})
+        assert client.sample("u", 4).missing_shards == ()
+
+
+DRIVER = """
+import os, sys
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+import ray, torch
+from replay_server.ray import ReplayCluster
+ray.init(address=sys.argv[1], logging_level="warning", log_to_driver=False)
+replay = ReplayCluster.create("orphan", tables=[{"name": "u", "capacity": 100,
+                          "sampler": "uniform"}], num_shards=2,
+                          shard_options={"num_cpus": 0}, checkpoint_interval_s=0)
+replay.client().insert("u", {"key": torch.arange(10)})
+os._exit(3)  # the driver fails: no shutdown, no ray.shutdown
+"""
+
+
+def test_get_or_create_after_a_failed_driver_returns_the_running_replay(ray_cluster) -> None:
+    done = subprocess.run([sys.executable, "-c", DRIVER, ray_cluster.address], timeout=180,
+                          capture_output=True, text=True, env={**os.environ})
+    assert done.returncode == 3, done.stderr[-3000:]
+    replay = ReplayCluster.create("orphan", tables=[{"name": "u", "capacity": 100,
+                                                     "sampler": "uniform"}], num_shards=2,
+                                  shard_options={"num_cpus": 0}, get_if_exists=True)
+    try:
+        assert [s["incarnation"] for s in replay.states()] == [1, 1]  # the same shards
+        with replay.client() as client:
+            assert client.info()["u"].size == 10
+        with pytest.raises(ReplayExistsError, match="get_if_exists"):
+            ReplayCluster.create("orphan", tables=[{"name": "u", "capacity": 100}],
+                                 num_shards=2, get_if_exists=False)
+        with pytest.raises(ReplayExistsError, match="2 shards, not 3"):
+            ReplayCluster.create("orphan", tables=[{"name": "u", "capacity": 100}],
+                                 num_shards=3)
+    finally:
+        replay.shutdown()
+
+
+def test_a_bad_table_is_refused_before_any_actor_starts(ray_cluster) -> None:
+    from replay_server.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="capacity"):
+        ReplayCluster.create("bad", tables=[{"name": "u"}], num_shards=1)
+    with pytest.raises(ConfigError, match="num_shards"):
+        ReplayCluster.create("bad", tables=TABLES, num_shards=0)
+    with pytest.raises(UnavailableError, match="no replay 'bad'"):
+        ReplayCluster("bad", "replay", None, 1).client().info()
+
+
+# ------------------------------------------------------------------ faults
+
+
+def _filled(replay: ReplayCluster) -> tuple[dict[int, int], dict[int, int]]:
+    """200 rows, then a checkpoint: each shard's size and id incarnation in it."""
+    with replay.client() as client:
+        ids = torch.cat([client.insert("u", {"key": torch.arange(k, k + 20)})
+                         for k in range(0, 200, 20)]).numpy()
+        replay.checkpoint()
+        sizes = {s: info.tables["u"].size for s, info in client.shard_info().items()}
+    return sizes, {s: int(INCARNATION(ids[(ids >> 56) == s]).max()) for s in (0, 1)}
+
+
+@ray.remote(num_cpus=0.5)
+class Worker:
+    """A writer or a learner on the head node, running until told to stop (bounded)."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        self.stopping = False
+
+    def write(self, most: int = 3000) -> list[int]:
+        ids: list[int] = []
+        for k in range(most):
+            if self.stopping:
+                break
+            ids += self.client.insert("u", {"key": torch.arange(8)}).tolist()
+            time.sleep(0.01)
+        return ids
+
+    def learn(self, most: int = 20_000) -> list[tuple[tuple[int, ...], list[int]]]:
+        """Each batch's missing shards and the shards its rows came from."""
+        self.seen: list[tuple[tuple[int, ...], list[int]]] = []
+        stream = self.client.stream("u", 16)
+        for _, batch in zip(range(most), stream):
+            self.seen.append((batch.missing_shards, sorted(set((batch.ids >> 56).tolist()))))
+            if self.stopping:
+                break
+            time.sleep(0.005)
+        stream.close()
+        return self.seen
+
+    def rejoined(self) -> bool:
+        """Whether the learner had a batch without shard 1, then one with its rows again."""
+        seen = list(getattr(self, "seen", []))
+        missing = [i for i, (gone, _) in enumerate(seen) if gone == (1,)]
+        return bool(missing) and any(1 in shards for _, shards in seen[missing[-1]:])
+
+    def stop(self) -> None:
+        self.stopping = True
+
+
+def test_a_killed_shard_restarts_restores_and_rejoins_a_learner_and_a_writer(durable) -> None:
+    replay = durable
+    sizes, incarnations = _filled(replay)
+    before = replay.states()[1]
+    client = replay.client(allow_degraded=True)
+    writer = Worker.options(resources=NODE_A, max_concurrency=2).remote(client)
+    learner = Worker.options(resources=NODE_A, max_concurrency=2).remote(client)
+    written, learned = writer.write.remote(), learner.learn.remote()
+    with replay.client() as strict:
+        assert wait_for(lambda: sum(i.tables["u"].size for i in strict.shard_info().values())
+                        > 400, timeout=60)
+    ray.kill(replay.shards[1], no_restart=False)  # a crash: no drain, no final checkpoint
+    assert wait_for(lambda: replay.states()[1]["incarnation"] == before["incarnation"] + 1
+                    and replay.states()[1]["state"] == "serving", timeout=60)
+    after = replay.states()[1]
+    assert after["pid"] != before["pid"]  # a new process (its port is chosen anew)
+    assert after["address"].startswith("127.0.0.1:")
+    with replay.client() as strict:  # the writer's rows reach the restarted shard again
+        assert wait_for(lambda: strict.shard_info()[1].tables["u"].size > sizes[1], timeout=60)
+    assert wait_for(lambda: ray.get(learner.rejoined.remote()), timeout=60)  # so does the stream
+    for worker in (writer, learner):
+        ray.get(worker.stop.remote())
+    ids, seen = np.array(ray.get(written, timeout=120)), ray.get(learned, timeout=120)
+
+    on0, on1 = ids[(ids >> 56) == 0], ids[(ids >> 56) == 1]
+    reborn = on1[INCARNATION(on1) > incarnations[1]]  # written to shard 1 after its restart
+    assert len(reborn) > 0
+    with replay.client() as strict:
+        now = {s: info.tables["u"].size for s, info in strict.shard_info().items()}
+    assert now[0] == sizes[0] + len(on0)  # nothing lost, nothing doubled on shard 0
+    assert now[1] == sizes[1] + len(reborn)  # the checkpoint, and what came after the restart
+    missing = [i for i, (gone, _) in enumerate(seen) if gone == (1,)]
+    assert missing, "the learner never saw shard 1 missing"
+    assert all(shards == [0] for gone, shards in seen if gone == (1,))
+    assert any(gone == () and 1 in shards for gone, shards in seen[missing[-1]:])  # rejoined
+
+
+def test_a_client_made_while_a_shard_cannot_restart_knows_it_is_missing(
+        ray_cluster, durable) -> None:
+    replay = durable
+    sizes, _ = _filled(replay)
+    incarnation = replay.states()[1]["incarnation"]
+    node_b = next(n for n in ray_cluster.worker_nodes if n.node_id == replay.states()[1][
+        "node_id"])
+    ray_cluster.remove_node(node_b)  # shard 1's node is lost: nowhere to restart it
+    try:
+        assert wait_for(lambda: replay.states()[1]["state"] == "restarting", timeout=60)
+        strict = replay.client(wait_for_shards_s=0.5)
+        with pytest.raises(UnavailableError, match=rf"shard 1 is restarting \(incarnation "
+                                                   rf"{incarnation}"):
+            strict.sample("u", 8)
+        with replay.client(allow_degraded=True) as degraded:
+            batch = degraded.sample("u", 8)
+            assert batch.missing_shards == (1,)
+            assert set((batch.ids >> 56).tolist()) == {0}
+            assert "restarting" in degraded.shard_stats().down[1]
+    finally:
+        add_node_b(ray_cluster)  # a node with the resource: shard 1 restarts there
+    assert loopback_addresses() == {"127.0.0.1"}
+    assert wait_for(lambda: replay.states()[1]["state"] == "serving", timeout=90)
+    assert replay.states()[1]["incarnation"] == incarnation + 1
+    assert sorted(strict.shards) == [0, 1]  # the strict client takes the whole replay now
+    assert {s: i.tables["u"].size for s, i in strict.shard_info().items()} == sizes
+    strict.close()
+
+
+# ------------------------------------------------------------------ shutdown (last)
+
+
+def _shm_of(pids: list[int]) -> list[str]:
+    return [p.name for p in Path("/dev/shm").glob("replay-*")
+            if int(p.name.split("-")[1]) in pids]
+
+
+def test_shutdown_checkpoints_then_leaves_no_actor_name_process_or_segment(
+        durable, checkpoints) -> None:
+    replay = durable
+    client = replay.client()
+    client.insert("u", {"key": torch.arange(50, dtype=torch.int64)})
+    sizes = {s: info.tables["u"].size for s, info in client.shard_info().items()}
+    stream = client.stream("u", 8, shared_memory=True)  # rings in /dev/shm, one per shard
+    next(stream)
+    pids = [s["pid"] for s in replay.states()]
+    stream.close()
+    client.close()
+    replay.shutdown()
+    for name in ("durable", "durable.shard-0", "durable.shard-1"):
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace="replay")
+    assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=30), pids
+    assert _shm_of(pids) == []
+    with pytest.raises(ReplayNotFoundError, match="durable"):
+        ReplayCluster.get("durable")
+    for shard, size in sizes.items():  # the drain's final checkpoints hold every row
+        server = EmbeddedServer(settings_from_dict({"server": {
+            "address": "127.0.0.1:0", "shard": shard, "shared_memory": False,
+            "checkpoint_dir": str(checkpoints / "durable" / f"shard-{shard}")},
+            "tables": TABLES}))
+        try:
+            assert server.tables["u"].size == size
+        finally:
+            server.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
