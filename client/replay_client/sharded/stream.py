@@ -495,10 +495,14 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
         # message, the shard's window widened to two groups).
         link = client.link(table, chunk, target, batches_per_message=group, prefetch=None,
                            shared_memory=options.shared_memory and (group or 1) <= 1, wait=True)
+        # Strict: a shard's restart is waited for as a server's (reconnect_s). Degraded: the
+        # shard client's short window, after which the merge leaves the shard out and tries it
+        # again by itself (its probes).
+        window_s = (client.connection.retry_window if degraded
+                    else reconnect_window(options, client.connection))
         return ShardRows(shard, link, cond, window=max(window, 2 * (group or 1)),
                          chunk_rows=chunk,
-                         mass=None, reconnect=options.reconnect,
-                         retry_window_s=reconnect_window(options, client.connection),
+                         mass=None, reconnect=options.reconnect, retry_window_s=window_s,
                          name=f"shard {shard} ({client.address})", probe=probe)
 
     link = MergedLink(addresses, make, batch_size, beta=beta, masses=masses,
