@@ -152,7 +152,7 @@ class Writer:
                 self._check_open()
             row = self._filled
             for key, value in values.items():
-                self._rows[key][row] = value.numpy() if type(value) is torch.Tensor else value
+                self._rows[key][row] = numpy_view(value) if type(value) is torch.Tensor else value
             if self._episode_key is not None:
                 self._rows[self._episode_key][row] = self._episode
             self._filled = row + 1
@@ -225,7 +225,7 @@ class Writer:
             kind = type(value)
             if kind is torch.Tensor:
                 if (value.dtype != spec[0] or value.shape != spec[1] or value.requires_grad
-                        or value.is_cuda or value.dtype == torch.bfloat16):
+                        or value.is_cuda):
                     return False
             elif _SCALAR_DTYPES.get(kind) != spec[0] or spec[1]:
                 return False

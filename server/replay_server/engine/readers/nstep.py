@@ -72,7 +72,7 @@ NEXT_PREFIX = "next."
 _MIN_SWEEP = 1024
 
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
-"""The reward dtypes numpy has (bfloat16 goes through torch)."""
+"""The reward dtypes numpy has (the others go through torch)."""
 
 
 class NStepReturns(Reader):
@@ -298,10 +298,9 @@ class NStepReturns(Reader):
         assert self._schema is not None
         spec = self._schema[self.reward_key]
         sums = self._sum[slots].reshape(*slots.shape, *spec.shape)  # numpy's: cheaper than torch's
-        if spec.dtype == torch.bfloat16:  # numpy has no bfloat16
-            total = torch.from_numpy(sums).to(spec.dtype)
-        else:
-            total = torch.from_numpy(sums.astype(_NUMPY[spec.dtype]))
+        numpy_type = _NUMPY.get(spec.dtype)
+        total = (torch.from_numpy(sums.astype(numpy_type)) if numpy_type is not None
+                 else torch.from_numpy(sums).to(spec.dtype))  # a dtype numpy lacks
         reward = None if out is None else out.get(self.reward_key)
         if reward is None:
             return total if device.type == "cpu" else total.to(device)

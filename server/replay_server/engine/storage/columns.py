@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 from replay_proto.batch import SampleBatch
+from replay_proto.dtypes import numpy_view
 from replay_server.engine import buffers
 from replay_server.engine.prefault import Prefaulter
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, StorageSnapshot
-from replay_server.engine.storage.base import HOST, Column, numpy_view
+from replay_server.engine.storage.base import HOST, Column
 from replay_server.engine.storage.memory import HostColumn
 from replay_server.engine.storage.placement import pin_staging
 
