@@ -71,6 +71,7 @@ from replay_feed.pipeline import DeliveryStage, HostCopier
 from replay_feed.tree import tree_leaves
 from replay_feed.window import WindowGrowth
 from replay_proto.batch import SampleBatch
+from replay_proto.scalars import is_int
 
 Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 """One batch's tensors as ``(dtype, shape)``, in a fixed order."""
@@ -192,7 +193,7 @@ class FeedCore:
     def __init__(self, prefetch: int, delivery: Delivery,
                  transform: Callable[[SampleBatch], Any] | None = None, *,
                  threads: int | None = None, pipelined: bool | None = None) -> None:
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        if not is_int(prefetch) or prefetch < 1:
             raise ValueError(f"prefetch must be an integer >= 1, got {prefetch!r}")
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {type(transform).__name__}")

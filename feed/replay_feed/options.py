@@ -19,9 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-import numpy as np
-
 from replay_feed.delivery import Delivery, resolve_delivery
+from replay_proto.scalars import is_int, is_real
 
 DEFAULT_MEMORY_MB = 256
 """What a stream may hold in batches in flight or buffered, unless told (see ``memory_mb``)."""
@@ -81,7 +80,7 @@ class StreamOptions:
             value = getattr(self, name)
             if value is None and optional:
                 continue
-            if isinstance(value, bool) or not _is_int(value) or value < low:
+            if not is_int(value, numpy=True) or value < low:
                 raise StreamOptionsError(f"{name} must be an integer >= {low}"
                                          f"{' or None' if optional else ''}, got {value!r}")
         for name in ("shared_memory", "reconnect", "wait"):
@@ -94,11 +93,11 @@ class StreamOptions:
         if self.transform is not None and not callable(self.transform):
             raise StreamOptionsError(
                 f"transform must be callable, got {type(self.transform).__name__}")
-        if self.wait_timeout is not None and not (_is_number(self.wait_timeout)
+        if self.wait_timeout is not None and not (is_real(self.wait_timeout)
                                                   and self.wait_timeout > 0):
             raise StreamOptionsError(
                 f"wait_timeout must be a number of seconds > 0 or None, got {self.wait_timeout!r}")
-        if not (_is_number(self.memory_mb) and self.memory_mb > 0):
+        if not (is_real(self.memory_mb) and self.memory_mb > 0):
             raise StreamOptionsError(f"memory_mb must be a number > 0, got {self.memory_mb!r}")
 
     @classmethod
@@ -138,11 +137,3 @@ class StreamOptions:
 
 NAMES = tuple(f.name for f in fields(StreamOptions))
 """Every option's name, in declaration order."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer))
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

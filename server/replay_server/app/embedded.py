@@ -39,6 +39,7 @@ from replay_feed.source import LinkSource
 from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
+from replay_proto.scalars import is_int
 from replay_server.engine.inputs import update_values
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
@@ -152,7 +153,7 @@ def stream_table(table: Table, batch_size: int, options: StreamOptions | None = 
     Raises:
         InvalidArgumentError: a bad option (e.g. ``pin_memory=True`` without an accelerator).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     try:
         opts = StreamOptions.build(options, **keywords)

@@ -65,6 +65,7 @@ from replay_proto.id_layout import (
     make_id,
     shard_of,
 )
+from replay_proto.scalars import is_int
 from replay_server.errors import ConfigError, InvalidIdsError
 
 class IncarnationSource(Protocol):
@@ -122,7 +123,7 @@ class RandomIncarnations(LocalIncarnations):
 
 
 def check_shard(shard: Any) -> int:
-    if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard <= MAX_SHARD:
+    if not is_int(shard) or not 0 <= shard <= MAX_SHARD:
         raise ConfigError(f"server.shard must be an integer in [0, {MAX_SHARD}], got {shard!r}")
     return shard
 
