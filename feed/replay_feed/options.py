@@ -22,6 +22,9 @@ from typing import Any
 from replay_feed.delivery import Delivery, resolve_delivery
 from replay_proto.scalars import is_int, is_real
 
+DEFAULT_PREFETCH = 2
+"""Batches ahead of the learner when nothing else is chosen (``prefetch=None``)."""
+
 DEFAULT_MEMORY_MB = 256
 """What a stream may hold in batches in flight or buffered, unless told (see ``memory_mb``)."""
 
@@ -36,7 +39,7 @@ class StreamOptions:
 
     Attributes:
         prefetch: batches in flight or buffered ahead of the learner (>= 1);
-            ``None``: chosen by the stream (2, or two groups of grouped
+            ``None``: chosen by the stream (:data:`DEFAULT_PREFETCH`, or two groups of grouped
             batches, grown over a slow link; see ``docs/learner.md``).
         device: where batches go (``"cuda"``, ``"cuda:1"``, a ``torch.device``);
             ``None`` or ``"cpu"``: they stay on the host.
