@@ -15,7 +15,7 @@ stream has no connection to lose (``reconnect``), no messages to group
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -133,9 +133,6 @@ class StreamOptions:
             return resolve_delivery(self.device, self.pin_memory)
         except ValueError as exc:
             raise StreamOptionsError(str(exc)) from None
-
-    def as_dict(self) -> Mapping[str, Any]:
-        return {name: getattr(self, name) for name in NAMES}
 
 
 NAMES = tuple(f.name for f in fields(StreamOptions))

@@ -57,7 +57,3 @@ def incarnation_of(ids: Any) -> Any:
     """The incarnation of each id (an int, or an array of them)."""
     return (ids >> INCARNATION_SHIFT) & MAX_INCARNATION
 
-
-def split_id(row_id: int) -> tuple[int, int, int]:
-    """``(shard, incarnation, sequence)`` of a non-negative id."""
-    return shard_of(row_id), incarnation_of(row_id), row_id & SEQUENCE_MASK

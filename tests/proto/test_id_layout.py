@@ -9,11 +9,16 @@ from replay_proto.id_layout import (
     MAX_SHARD,
     MAX_SHARDS,
     SEGMENT_ROWS,
+    SEQUENCE_MASK,
     incarnation_of,
     make_id,
     shard_of,
-    split_id,
 )
+
+
+def split_id(row_id: int) -> tuple[int, int, int]:
+    """``(shard, incarnation, sequence)`` of a non-negative id."""
+    return shard_of(row_id), incarnation_of(row_id), row_id & SEQUENCE_MASK
 
 
 def test_the_parts_fill_a_non_negative_int64() -> None:

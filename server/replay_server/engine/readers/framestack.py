@@ -64,8 +64,6 @@ from replay_server.engine.snapshot import saved_copy
 from replay_server.engine.workers import take_rows
 from replay_server.errors import InvalidArgumentError, SchemaMismatchError
 
-FILLS = ("repeat", "zero")
-
 _MIN_SWEEP = 1024
 """Open episodes kept before those whose newest step left the ring are forgotten."""
 
