@@ -16,6 +16,7 @@ import torch
 from replay_client.errors import InvalidArgumentError, error_of
 from replay_feed.credits import PriorityUpdate
 from replay_proto import inputs
+from replay_proto.scalars import is_int
 
 
 def check_int(name: str, value: Any, low: int) -> None:
@@ -24,7 +25,7 @@ def check_int(name: str, value: Any, low: int) -> None:
     Raises:
         InvalidArgumentError: naming ``name`` and the value.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+    if not is_int(value, numpy=True) or value < low:
         raise InvalidArgumentError(f"{name} must be an integer >= {low}, got {value!r}")
 
 

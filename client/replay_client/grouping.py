@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from replay_feed.options import DEFAULT_PREFETCH
+
 GROUP_BELOW_BYTES = 1 << 20
 """Batches up to this size (1 MiB) are grouped."""
 
@@ -36,10 +38,6 @@ GROUP_TARGET_BYTES = 2 << 20
 
 MAX_GROUP = 8
 """Batches per message at most, when chosen automatically."""
-
-DEFAULT_PREFETCH = 2
-"""Batches ahead of the learner when nothing else is chosen."""
-
 
 @dataclass(frozen=True, slots=True)
 class Grouping:

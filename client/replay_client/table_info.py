@@ -1,57 +1,19 @@
 """What ``info`` returns, decoded once from ``InfoResponse``: each table's
-settings, counters and capabilities, and the server's shard, incarnation and limits."""
+settings, counters and capabilities (:class:`~replay_proto.capabilities.TableCapabilities`:
+decide on these, never on the sampler's name), and the server's shard, incarnation and limits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from replay_proto.capabilities import TableCapabilities
 from replay_proto.mass import SamplingMass
 from replay_proto.v1 import replay_pb2 as pb
 
 _COUNTER_FIELDS = tuple(pb.TableCounters.DESCRIPTOR.fields_by_name)
 _LIMITER_FIELDS = tuple(pb.RateLimiterInfo.DESCRIPTOR.fields_by_name)
 _SERVER_LIMIT_FIELDS = tuple(pb.ServerLimits.DESCRIPTOR.fields_by_name)
-_CAPABILITY_FIELDS = tuple(pb.TableCapabilities.DESCRIPTOR.fields_by_name)
-
-
-@dataclass(frozen=True, slots=True)
-class TableCapabilities:
-    """What a table does (``TableCapabilities`` in ``replay.proto``): decide on
-    these, never on the sampler's name.
-
-    Attributes:
-        priorities: rows carry priorities (``update_priorities`` applies).
-        slices: a sample row is ``slice_len`` consecutive steps of one episode.
-        episodes: the table keeps episodes (inserts carry ``episode_key``).
-        consumes: a sample takes its rows (each handed out once); ``delete`` applies.
-        ordered: rows come out in a fixed order (fifo/lifo), kept per server.
-        mergeable: a sharded client can merge shards' samples exactly.
-        retires: rows retire after ``max_times_sampled`` draws.
-        n_step: 1, or the n of the n-step returns samples carry.
-        frame_stack_key: ``""``, or the column whose stacked frames samples rebuild.
-        partial_slices: slices may be shorter than ``slice_len`` (``strict_length =
-            false``): a short slice's window repeats its last id (``replay_proto.slices``).
-        span_left, span_right: steps a slice's window may reach before an episode's
-            first step / past its last stored step (the steps outside are cut).
-    """
-
-    priorities: bool = False
-    slices: bool = False
-    episodes: bool = False
-    consumes: bool = False
-    ordered: bool = False
-    mergeable: bool = True
-    retires: bool = False
-    n_step: int = 1
-    frame_stack_key: str = ""
-    partial_slices: bool = False
-    span_left: int = 0
-    span_right: int = 0
-
-    @classmethod
-    def from_proto(cls, message: Any) -> TableCapabilities:
-        return cls(**{f: getattr(message, f) for f in _CAPABILITY_FIELDS})
 
 
 @dataclass(frozen=True, slots=True)

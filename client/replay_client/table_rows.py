@@ -32,6 +32,7 @@ from replay_proto.dtypes import DTYPES
 from replay_proto.row_codec import RowsRead
 from replay_proto.rows import rows_of
 from replay_proto.sample_codec import HEADROOM
+from replay_proto.scalars import is_int, is_real
 from replay_proto.v1 import replay_pb2 as pb
 
 _EXTRA_BYTES_PER_ROW = 16
@@ -91,12 +92,11 @@ def set_sampling(connection: Connection, table: str, *, alpha: float | None = No
             continue
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()  # schedulers hand out 0-d tensors
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+        if not is_real(value, numpy=True):
             raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
         setattr(request, name, float(value))
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
-                0 <= seed < 2**64):
+        if not is_int(seed, numpy=True) or not 0 <= seed < 2**64:
             raise InvalidArgumentError(f"seed must be an integer in [0, 2**64), got {seed!r}")
         request.seed = int(seed)
     answer = pb.SetSamplingResponse.FromString(

@@ -21,6 +21,7 @@ from replay_client.connection import Connection
 from replay_client import chunked
 from replay_client.errors import InvalidArgumentError, InvalidVariableError
 from replay_proto import variable_codec
+from replay_proto.scalars import is_int, is_real
 from replay_proto.v1 import replay_pb2 as pb
 
 
@@ -59,11 +60,10 @@ def fetch(answers: chunked.LargeAnswers, name: str, newer_than: int | None,
     request = pb.FetchRequest(name=name)
     call_timeout = answers.connection.timeout
     if newer_than is not None:
-        if isinstance(newer_than, bool) or not isinstance(newer_than, int) or newer_than < 0:
+        if not is_int(newer_than) or newer_than < 0:
             raise InvalidArgumentError(f"newer_than must be a version >= 0 or None, "
                                        f"got {newer_than!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
-                timeout, (int, float)) or not 0 <= timeout < math.inf):
+        if timeout is not None and (not is_real(timeout) or not 0 <= timeout < math.inf):
             raise InvalidArgumentError(f"timeout must be a number of seconds >= 0 or None, "
                                        f"got {timeout!r}")
         request.newer_than = newer_than

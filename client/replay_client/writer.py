@@ -45,6 +45,7 @@ from replay_client.errors import (
 )
 from replay_proto.dtypes import dtype_name, numpy_view
 from replay_proto.keys import flatten
+from replay_proto.scalars import is_int, is_real
 
 _STOP = object()
 
@@ -84,17 +85,14 @@ class Writer:
         max_delay_s: float = 0.2,
         episode_key: str | None = "episode",
     ) -> None:
-        if isinstance(batch_rows, bool) or not isinstance(batch_rows, int) or batch_rows < 1:
+        if not is_int(batch_rows) or batch_rows < 1:
             raise InvalidArgumentError(f"batch_rows must be an integer >= 1, got {batch_rows!r}")
-        if (isinstance(max_pending_rows, bool) or not isinstance(max_pending_rows, int)
-                or max_pending_rows < batch_rows):
+        if not is_int(max_pending_rows) or max_pending_rows < batch_rows:
             raise InvalidArgumentError(
                 f"max_pending_rows must be an integer >= batch_rows ({batch_rows}), "
                 f"got {max_pending_rows!r}"
             )
-        if isinstance(max_delay_s, bool) or not isinstance(max_delay_s, (int, float)) or not (
-            0 < max_delay_s < float("inf")
-        ):
+        if not is_real(max_delay_s) or not 0 < max_delay_s < float("inf"):
             raise InvalidArgumentError(f"max_delay_s must be a number of seconds > 0, got "
                                        f"{max_delay_s!r}")
         if episode_key is not None and (not isinstance(episode_key, str) or not episode_key):
@@ -154,7 +152,7 @@ class Writer:
                 self._check_open()
             row = self._filled
             for key, value in values.items():
-                self._rows[key][row] = value.numpy() if type(value) is torch.Tensor else value
+                self._rows[key][row] = numpy_view(value) if type(value) is torch.Tensor else value
             if self._episode_key is not None:
                 self._rows[self._episode_key][row] = self._episode
             self._filled = row + 1
@@ -227,7 +225,7 @@ class Writer:
             kind = type(value)
             if kind is torch.Tensor:
                 if (value.dtype != spec[0] or value.shape != spec[1] or value.requires_grad
-                        or value.is_cuda or value.dtype == torch.bfloat16):
+                        or value.is_cuda):
                     return False
             elif _SCALAR_DTYPES.get(kind) != spec[0] or spec[1]:
                 return False

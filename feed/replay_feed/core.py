@@ -71,6 +71,7 @@ from replay_feed.pipeline import DeliveryStage, HostCopier
 from replay_feed.tree import tree_leaves
 from replay_feed.window import WindowGrowth
 from replay_proto.batch import SampleBatch
+from replay_proto.scalars import is_int
 
 Layout = tuple[tuple[torch.dtype, tuple[int, ...]], ...]
 """One batch's tensors as ``(dtype, shape)``, in a fixed order."""
@@ -111,12 +112,6 @@ class _Slots:
             entry = self._used.pop(index, None)
             if entry is not None:
                 self._free.append(entry)
-
-    @property
-    def sets(self) -> int:
-        """Buffer sets allocated (in use or pooled)."""
-        with self._lock:
-            return len(self._used) + len(self._free)
 
     def clear(self) -> None:
         with self._lock:
@@ -184,15 +179,14 @@ class FeedCore:
             stage's thread (None: when batches are copied to a device; see
             :mod:`replay_feed.pipeline`).
 
-    Thread-safety: :meth:`staging`, :meth:`deliver`, :meth:`fail` and
-    :meth:`wait_credits` are for the producer thread; :meth:`take` for the
-    learner's; queues carry everything between them.
+    Thread-safety: :meth:`staging`, :meth:`deliver` and :meth:`fail` are for the
+    producer thread; :meth:`take` for the learner's; queues carry everything between them.
     """
 
     def __init__(self, prefetch: int, delivery: Delivery,
                  transform: Callable[[SampleBatch], Any] | None = None, *,
                  threads: int | None = None, pipelined: bool | None = None) -> None:
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+        if not is_int(prefetch) or prefetch < 1:
             raise ValueError(f"prefetch must be an integer >= 1, got {prefetch!r}")
         if transform is not None and not callable(transform):
             raise ValueError(f"transform must be callable, got {type(transform).__name__}")
@@ -232,11 +226,6 @@ class FeedCore:
         """The reused staging buffers of batch ``index``, in ``layout`` order (pinned when
         pinning is on); they are the batch's until the learner gives it back."""
         return self._staging.get(index, layout)
-
-    @property
-    def staging_sets(self) -> int:
-        """Staging buffer sets allocated so far (at most the window plus one)."""
-        return self._staging.sets
 
     def flow(self) -> CreditFlow:
         """The learner's credits as a link forwards them, over a window of ``prefetch``
@@ -320,16 +309,6 @@ class FeedCore:
         self._finished = True
         (self._stage or self._ready).put(_END)
 
-    def wait_credits(self) -> int:
-        """Block until the learner has taken more batches; return how many (0: woken for nothing).
-
-        For sources that count credits themselves (priority updates queued
-        meanwhile are dropped: such a source has nowhere to apply them).
-        Check :attr:`stopping` after a return of 0.
-        """
-        grant = self.credits.take()
-        return 0 if grant is None else grant.credits
-
     def _release(self, token: Any) -> None:
         """A batch the learner gave back (``token``: its index and copy event): once its
         device copy has finished, its buffers may be reused. On the credits' reader thread."""
@@ -353,10 +332,6 @@ class FeedCore:
     def update_priorities(self, update: PriorityUpdate) -> None:
         """Queue ``update`` to go before the next credit (learner's thread)."""
         self.credits.update(update)
-
-    def wake(self) -> None:
-        """Make a waiting :meth:`wait_credits` return (with 0 if no credit came)."""
-        self.credits.wake()
 
     # ------------------------------------------------------------ learner side
 

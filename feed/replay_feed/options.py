@@ -15,13 +15,15 @@ stream has no connection to lose (``reconnect``), no messages to group
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-import numpy as np
-
 from replay_feed.delivery import Delivery, resolve_delivery
+from replay_proto.scalars import is_int, is_real
+
+DEFAULT_PREFETCH = 2
+"""Batches ahead of the learner when nothing else is chosen (``prefetch=None``)."""
 
 DEFAULT_MEMORY_MB = 256
 """What a stream may hold in batches in flight or buffered, unless told (see ``memory_mb``)."""
@@ -42,7 +44,7 @@ class StreamOptions:
 
     Attributes:
         prefetch: batches in flight or buffered ahead of the learner (>= 1);
-            ``None``: chosen by the stream (2, or two groups of grouped
+            ``None``: chosen by the stream (:data:`DEFAULT_PREFETCH`, or two groups of grouped
             batches, grown over a slow link; see ``docs/learner.md``).
         device: where batches go (``"cuda"``, ``"cuda:1"``, a ``torch.device``);
             ``None`` or ``"cpu"``: they stay on the host.
@@ -91,7 +93,7 @@ class StreamOptions:
             value = getattr(self, name)
             if value is None and optional:
                 continue
-            if isinstance(value, bool) or not _is_int(value) or value < low:
+            if not is_int(value, numpy=True) or value < low:
                 raise StreamOptionsError(f"{name} must be an integer >= {low}"
                                          f"{' or None' if optional else ''}, got {value!r}")
         for name in ("shared_memory", "reconnect", "wait"):
@@ -104,15 +106,15 @@ class StreamOptions:
         if self.transform is not None and not callable(self.transform):
             raise StreamOptionsError(
                 f"transform must be callable, got {type(self.transform).__name__}")
-        if self.wait_timeout is not None and not (_is_number(self.wait_timeout)
+        if self.wait_timeout is not None and not (is_real(self.wait_timeout)
                                                   and self.wait_timeout > 0):
             raise StreamOptionsError(
                 f"wait_timeout must be a number of seconds > 0 or None, got {self.wait_timeout!r}")
-        if self.reconnect_s is not None and not (_is_number(self.reconnect_s)
+        if self.reconnect_s is not None and not (is_real(self.reconnect_s)
                                                  and 0 < self.reconnect_s < float("inf")):
             raise StreamOptionsError(
                 f"reconnect_s must be a number of seconds > 0 or None, got {self.reconnect_s!r}")
-        if not (_is_number(self.memory_mb) and self.memory_mb > 0):
+        if not (is_real(self.memory_mb) and self.memory_mb > 0):
             raise StreamOptionsError(f"memory_mb must be a number > 0, got {self.memory_mb!r}")
 
     @classmethod
@@ -146,17 +148,6 @@ class StreamOptions:
         except ValueError as exc:
             raise StreamOptionsError(str(exc)) from None
 
-    def as_dict(self) -> Mapping[str, Any]:
-        return {name: getattr(self, name) for name in NAMES}
-
 
 NAMES = tuple(f.name for f in fields(StreamOptions))
 """Every option's name, in declaration order."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer))
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -56,6 +56,7 @@ import numpy as np
 import torch
 
 from replay_proto.dtypes import numpy_view
+from replay_proto.scalars import is_int
 
 ENV_THREADS = "REPLAY_FEED_THREADS"
 PARALLEL_BYTES = 2 << 20
@@ -120,7 +121,7 @@ class HostCopier:
     def __init__(self, threads: int | None = None) -> None:
         if threads is None:
             threads = default_threads()
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        if not is_int(threads) or threads < 1:
             raise ValueError(f"threads must be an integer >= 1, got {threads!r}")
         self.threads = threads
 

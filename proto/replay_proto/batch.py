@@ -21,6 +21,12 @@ from replay_proto.mass import SamplingMass
 EXTRAS = ("ids", "weights", "probabilities")
 """The tensors every sample carries besides its columns, in wire order."""
 
+STEPS_KEY = "steps_to_next_obs"
+"""The column an n-step sample (``n_step > 1``) adds: each transition's number of steps
+``m`` (TorchRL's name), of :data:`STEPS_DTYPE`."""
+
+STEPS_DTYPE = torch.int64
+
 
 def batch_nbytes(row_bytes: int, batch_size: int, slice_len: int | None = None,
                  n_step: int = 1) -> int:
@@ -30,7 +36,7 @@ def batch_nbytes(row_bytes: int, batch_size: int, slice_len: int | None = None,
     probability. The one formula both sides size batches with (0 rows: ``row_bytes=0``
     gives the extras alone)."""
     steps = slice_len or 1
-    extra = 8 if n_step > 1 else 0
+    extra = STEPS_DTYPE.itemsize if n_step > 1 else 0
     return batch_size * (steps * (row_bytes + 8 + extra) + 4 + 8)
 
 

@@ -6,9 +6,8 @@ travels on the ``*Chunks`` RPC beside its unary one, as several messages of
 the same type (``replay.proto``, "Chunked transfers"): the first carries
 every header field, the start of the payload and ``payload_bytes``, the
 whole payload's size; each later one carries only the payload's
-continuation (field 15). This module is the one writer (:func:`frame_chunks`,
-:func:`split_message`) and the one reader (:class:`Reassembly`) of that
-form, for both sides.
+continuation (field 15). This module is the one writer (:func:`frame_chunks`)
+and the one reader (:class:`Reassembly`) of that form, for both sides.
 
 :func:`payload_parts` reads a whole received transfer as views of its
 messages (a decoder then copies each tensor out, as from one message);
@@ -82,12 +81,6 @@ def frame_chunks(header: Any, buffers: Iterable[memoryview | bytes], chunk: int)
     if filled or not messages:
         messages.append(_message(head if not messages else b"", pieces, filled))
     return messages
-
-
-def split_message(raw: bytes, message_type: type, chunk: int) -> list[bytes]:
-    """The one-message form ``raw`` (of ``message_type``) as a chunked transfer (one copy)."""
-    header, payload = split_payload(raw, message_type)
-    return frame_chunks(header, [payload], chunk)
 
 
 def _message(head: bytes, pieces: list[memoryview], size: int) -> bytes:

@@ -53,10 +53,38 @@ def dtype_from_name(name: str) -> torch.dtype:
         ) from None
 
 
+_BITS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}
+"""The numpy rule, written once: numpy has no bfloat16, so wherever a tensor meets numpy
+(copies, the wire, storage arrays, checkpoints) a bfloat16 tensor is the same bits in int16
+(copies and the wire need only the bytes), viewed back as bfloat16 on the way out."""
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype whose numpy arrays hold ``dtype``'s values bit for bit: ``dtype`` itself,
+    or int16 for bfloat16 (which numpy lacks)."""
+    return _BITS.get(dtype, dtype)
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    """The numpy dtype of :func:`numpy_view` arrays of ``dtype`` tensors (bfloat16: int16).
+    Cached: O(1) after the first call per dtype."""
+    found = _NUMPY.get(dtype)
+    if found is None:
+        found = _NUMPY[dtype] = torch.empty(0, dtype=bits_dtype(dtype)).numpy().dtype
+    return found
+
+
+_NUMPY: dict[torch.dtype, np.dtype] = {}
+
+
 def numpy_view(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy array sharing ``tensor``'s memory (a CPU tensor); numpy has no bfloat16, so a
-    bfloat16 tensor is viewed as the same bits in int16 (copies and the wire need only the
-    bytes)."""
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy()
+    """A numpy array sharing ``tensor``'s memory (a CPU tensor; bfloat16 as int16 bits)."""
+    bits = _BITS.get(tensor.dtype)
+    return (tensor if bits is None else tensor.view(bits)).numpy()
+
+
+def tensor_view(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A ``dtype`` tensor sharing ``array``'s memory, the inverse of :func:`numpy_view`
+    (``array`` of :func:`numpy_dtype`, bfloat16's int16 bits viewed back)."""
+    tensor = torch.from_numpy(array)
+    return tensor.view(dtype) if dtype in _BITS else tensor

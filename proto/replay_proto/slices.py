@@ -25,7 +25,3 @@ def real_steps(ids: torch.Tensor) -> torch.Tensor:
         mask[..., 1:] = ids[..., 1:] != ids[..., :-1]
     return mask
 
-
-def slice_lengths(ids: torch.Tensor) -> torch.Tensor:
-    """int64 ``[B]``: each window's real steps (see :func:`real_steps`)."""
-    return real_steps(ids).sum(-1)

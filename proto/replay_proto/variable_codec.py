@@ -89,24 +89,12 @@ class FetchAnswer:
     tensors: dict[str, torch.Tensor]
 
 
-def encode_publish(name: str, tensors: Mapping[str, torch.Tensor]) -> bytes:
-    return frame(*publish_parts(name, tensors))
-
-
 def publish_parts(name: str, tensors: Mapping[str, torch.Tensor]
                   ) -> tuple[pb.PublishRequest, list[memoryview]]:
     """A PublishRequest's header and payload buffers, not yet joined (one message, or
     chunks: :mod:`replay_proto.chunks`)."""
     specs, buffers = encode_tensors(tensors)
     return pb.PublishRequest(name=name, tensors=specs), buffers
-
-
-def decode_publish(raw: bytes) -> tuple[str, dict[str, torch.Tensor]]:
-    """``(name, tensors)``; the tensors are read-only views of ``raw``."""
-    header, payload = split_payload(raw, pb.PublishRequest)
-    tensors, offset = decode_tensors(header.tensors, payload)
-    expect_end(payload, offset)
-    return header.name, tensors
 
 
 def check_specs(specs: Sequence[pb.TensorSpec]) -> list[int]:
@@ -193,11 +181,6 @@ def fetch_packed_parts(name: str, version: int, layout: bytes, data: Any
     header = pb.FetchResponse(found=True, name=name, version=version,
                               tensors=decode_layout(layout))
     return header, [memoryview(data).cast("B")]
-
-
-def encode_fetch(name: str, version: int, tensors: Mapping[str, torch.Tensor]) -> bytes:
-    specs, buffers = encode_tensors(tensors)
-    return frame(pb.FetchResponse(found=True, name=name, version=version, tensors=specs), buffers)
 
 
 def encode_not_newer(name: str) -> bytes:

@@ -13,7 +13,7 @@ import torch
 
 from replay_feed import BatchStream, FeedCore, resolve_delivery
 from replay_proto.batch import SampleBatch
-from tests.feed.test_core import SlowAccelerator
+from tests.feed.test_core import SlowAccelerator, wait_credits
 
 
 class DeviceSource:
@@ -28,7 +28,7 @@ class DeviceSource:
         credits = core.prefetch
         for index in range(self.num_batches):
             while credits == 0:
-                credits += core.wait_credits()
+                credits += wait_credits(core)
                 if core.stopping.is_set():
                     return
             extras = "cpu" if self.host_extras else "meta"

@@ -12,15 +12,26 @@ from replay_proto.chunks import (
     frame_chunks,
     payload_parts,
     scatter,
-    split_message,
 )
-from replay_proto.codec import CodecError, frame
+from replay_proto.codec import CodecError, encode_tensors, frame, split_payload
 from replay_proto.v1 import replay_pb2 as pb
 
 
 def columns(rows: int) -> dict[str, torch.Tensor]:
     return {"obs": torch.arange(rows * 300, dtype=torch.float32).reshape(rows, 300),
             "action": torch.arange(rows, dtype=torch.int64)}
+
+
+def split_message(raw: bytes, message_type: type, chunk: int) -> list[bytes]:
+    """The one-message form ``raw`` (of ``message_type``) as a chunked transfer."""
+    header, payload = split_payload(raw, message_type)
+    return frame_chunks(header, [payload], chunk)
+
+
+def encode_fetch(name: str, version: int, tensors: dict[str, torch.Tensor]) -> bytes:
+    """A whole (unary) Fetch answer carrying ``tensors``."""
+    specs, buffers = encode_tensors(tensors)
+    return frame(pb.FetchResponse(found=True, name=name, version=version, tensors=specs), buffers)
 
 
 def reassembled(parts: list[bytes], message_type: type) -> bytes:
@@ -59,7 +70,7 @@ def test_a_request_that_fits_one_message_is_whole_and_read_as_it_is() -> None:
 
 def test_split_message_chunks_a_whole_message_and_fetch_decodes_the_parts() -> None:
     state = {"w": torch.randn(1000, 33), "b": torch.randn(7), "step": torch.tensor(3)}
-    whole = variable_codec.encode_fetch("policy", 4, state)
+    whole = encode_fetch("policy", 4, state)
     parts = split_message(whole, pb.FetchResponse, 3000)
     assert len(parts) > 10
     answer = variable_codec.decode_fetch_chunks(parts)

@@ -7,7 +7,15 @@ import re
 import pytest
 import torch
 
-from replay_proto.dtypes import DTYPES, dtype_from_name, dtype_name
+from replay_proto.dtypes import (
+    DTYPES,
+    bits_dtype,
+    dtype_from_name,
+    dtype_name,
+    numpy_dtype,
+    numpy_view,
+    tensor_view,
+)
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
@@ -43,3 +51,19 @@ def test_unsupported_dtype_message_lists_the_supported_ones() -> None:
 def test_unknown_name_raises_value_error_naming_it(name: str) -> None:
     with pytest.raises(ValueError, match=re.escape(f"unknown dtype name {name!r}")):
         dtype_from_name(name)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_numpy_views_share_memory_and_view_back_bit_for_bit(dtype: torch.dtype) -> None:
+    tensor = (torch.linspace(-3, 3, 6) if dtype.is_floating_point else torch.arange(6) % 2).to(dtype)
+    array = numpy_view(tensor)
+    assert array.dtype == numpy_dtype(dtype) and array.nbytes == tensor.nbytes
+    back = tensor_view(array, dtype)
+    assert back.dtype is dtype and torch.equal(back, tensor)
+    assert back.data_ptr() == tensor.data_ptr()
+
+
+def test_bfloat16_is_int16_bits_for_numpy() -> None:
+    assert bits_dtype(torch.bfloat16) is torch.int16 and bits_dtype(torch.float16) is torch.float16
+    value = torch.tensor([1.5], dtype=torch.bfloat16)
+    assert numpy_view(value).tolist() == [value.view(torch.int16).item()]

@@ -62,7 +62,7 @@ from replay_client.sharded.discovery import Resolver, addresses_of, is_sharded
 from replay_client.sharded.health import ShardStats
 from replay_client.sharded.merge import MassBook, merge, shares, split
 from replay_client.sharded.placement import RoundRobin, by_episode
-from replay_client.sharded.routing import SHARD_SHIFT, by_owner
+from replay_client.sharded.routing import by_owner
 from replay_client.sharded.shard_set import ShardSet
 from replay_client.sharded.stream import open_stream
 from replay_client.sharded.table_rows import with_table_rows
@@ -75,6 +75,7 @@ from replay_feed.eager import runs_eagerly
 from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
+from replay_proto.id_layout import shard_of
 from replay_proto.keys import unflatten
 from replay_proto.mass import SamplingMass
 from replay_proto.rows import rows_of
@@ -450,7 +451,7 @@ class ShardedClient:
         if self._degraded and (self._set.unidentified or self._set.absent):
             # Some server has not answered yet, or an expected shard is missing: an id of
             # no known shard may be one of its (skipped and counted, as a down shard's).
-            owners = id_array >> SHARD_SHIFT
+            owners = shard_of(id_array)
             known = ((np.isin(owners, list(clients)) & (id_array >= 0)) if self._set.unidentified
                      else ~np.isin(owners, self._set.absent))
             if not known.all():

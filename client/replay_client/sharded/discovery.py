@@ -38,6 +38,7 @@ from replay_client.errors import (
     UnavailableError,
 )
 from replay_client.sharded.resolution import Resolution, ShardState
+from replay_proto.id_layout import MAX_SHARDS
 
 __all__ = ["RAY_SCHEME", "SCHEME", "Resolution", "Resolver", "ShardState", "addresses_of",
            "is_sharded", "named", "resolve", "system_resolver"]
@@ -47,9 +48,6 @@ SCHEME = "shards://"
 
 RAY_SCHEME = "ray://"
 """Prefix of a replay started on Ray, found through its registry actor."""
-
-MAX_SHARDS = 128
-"""Shard indices are 7 bits of every id (bits 56..62)."""
 
 Resolver = Callable[[str, Any], "Sequence[str] | Resolution"]
 """``resolver(host, port)`` (``shards://``) or ``resolver(namespace, name)`` (``ray://``):

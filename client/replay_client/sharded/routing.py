@@ -1,4 +1,5 @@
-"""Which shard owns each id: ids carry their server's shard index in bits 56..62.
+"""Which shard owns each id: ids carry their server's shard index in bits 56..62
+(:mod:`replay_proto.id_layout`).
 
 Pure functions over numpy arrays, shared by the sharded client's per-id calls
 (``update_priorities``, ``delete``).
@@ -11,9 +12,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from replay_client.errors import InvalidIdsError
-
-SHARD_SHIFT = 56
-"""An id's shard index is ``id >> SHARD_SHIFT`` (the server's id layout, ``docs/scale-out.md``)."""
+from replay_proto.id_layout import shard_of
 
 
 def by_owner(ids: np.ndarray, shards: Iterable[int], nothing_done: str) -> dict[int, np.ndarray]:
@@ -31,7 +30,7 @@ def by_owner(ids: np.ndarray, shards: Iterable[int], nothing_done: str) -> dict[
         InvalidIdsError: an id is negative or belongs to no shard in ``shards``.
     """
     known_shards = np.fromiter(shards, dtype=np.int64)
-    owners = ids >> SHARD_SHIFT
+    owners = shard_of(ids)
     known = np.isin(owners, known_shards)
     if not known.all():
         first = int(np.flatnonzero(~known)[0])

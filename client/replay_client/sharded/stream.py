@@ -66,7 +66,6 @@ from replay_client.errors import DeadlineExceededError, EmptyTableError, ReplayE
 from replay_client.sharded.discovery import named
 from replay_client.sharded.health import ShardHealth
 from replay_client.sharded.merge import merge_into, shares, split
-from replay_client.sharded.routing import SHARD_SHIFT
 from replay_client.sharded.rows import ShardRows
 from replay_client.stream import StagingTarget
 from replay_client.stream_options import feed_core, reconnect_window
@@ -76,6 +75,7 @@ from replay_feed.options import StreamOptions
 from replay_feed.source import LinkSource
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
+from replay_proto.id_layout import shard_of
 from replay_proto.mass import SamplingMass
 
 log = logging.getLogger("replay_client")
@@ -210,7 +210,7 @@ class MergedLink:
     def _route(self, updates: list[PriorityUpdate]) -> None:
         """Each id of ``updates`` to its shard's stream (a down shard's are dropped, counted)."""
         for update in updates:
-            owners = update.ids >> SHARD_SHIFT
+            owners = shard_of(update.ids)
             for shard in np.unique(owners).tolist():
                 mask = owners == shard
                 rows = self._rows.get(shard)

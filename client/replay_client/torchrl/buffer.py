@@ -73,6 +73,7 @@ from replay_client.torchrl.transforms import Transforms
 from replay_feed.eager import runs_eagerly
 from replay_proto.batch import SampleBatch
 from replay_proto.rows import EpisodeTracker
+from replay_proto.scalars import is_int
 
 METADATA_KEYS = ("index", "_weight", "priority_weight")
 """What a sample adds (ids, weights): never stored as data when a batch is extended again."""
@@ -128,8 +129,7 @@ class RemoteReplayBuffer:
                  weight_key: str = "priority_weight", **options: Any) -> None:
         self.replay_client = ReplayClient(client) if isinstance(client, str) else client
         self.table = table
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(
-                batch_size, int) or batch_size < 1):
+        if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
             raise InvalidArgumentError(f"batch_size must be an integer >= 1 or None, "
                                        f"got {batch_size!r}")
         self._batch_size = batch_size

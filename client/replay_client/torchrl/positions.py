@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from replay_client.errors import InvalidArgumentError
+from replay_proto.id_layout import SEGMENT_ROWS
 
-ID_FLOOR = 1 << 40
-"""Every id a server issues is at least this; every storage position is below it."""
+ID_FLOOR = SEGMENT_ROWS
+"""Every id a server issues is at least this (``2**40``); every storage position is below it."""
 
 
 def as_index_array(index: Any, size: int) -> np.ndarray:

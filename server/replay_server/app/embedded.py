@@ -36,9 +36,10 @@ from replay_feed.core import FeedCore
 from replay_feed.credits import CreditFlow, PriorityUpdate
 from replay_feed.link import apply_until_stopping, drawn_here
 from replay_feed.source import LinkSource
-from replay_feed.options import StreamOptions
+from replay_feed.options import DEFAULT_PREFETCH, StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
+from replay_proto.scalars import is_int
 from replay_server.engine.inputs import update_values
 from replay_server.engine.table import Table
 from replay_server.engine.table_set import TableSet
@@ -145,18 +146,18 @@ class TableLink:
 def stream_table(table: Table, batch_size: int, options: StreamOptions | None = None,
                  **keywords: Any) -> BatchStream:
     """A learner's stream over an in-process table (options as ``ReplayClient.stream``: one
-    :class:`~replay_feed.options.StreamOptions`). ``prefetch`` defaults to 2; a connection's
-    options (``reconnect``, ``shared_memory``, ``batches_per_message``) have nothing to act
-    on in process.
+    :class:`~replay_feed.options.StreamOptions`). ``prefetch`` defaults to
+    ``DEFAULT_PREFETCH``; a connection's options (``reconnect``, ``shared_memory``,
+    ``batches_per_message``) have nothing to act on in process.
 
     Raises:
         InvalidArgumentError: a bad option (e.g. ``pin_memory=True`` without an accelerator).
     """
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be an integer >= 1, got {batch_size!r}")
     try:
         opts = StreamOptions.build(options, **keywords)
-        core = FeedCore(opts.prefetch or 2, opts.delivery(), opts.transform)
+        core = FeedCore(opts.prefetch or DEFAULT_PREFETCH, opts.delivery(), opts.transform)
     except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from None
     link = TableLink(table, batch_size, core.staging, wait=opts.wait,

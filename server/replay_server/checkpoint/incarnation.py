@@ -26,7 +26,8 @@ import threading
 from pathlib import Path
 
 from replay_server.checkpoint.directory import fsync_dir
-from replay_server.engine.id_space import MAX_INCARNATION, check_shard, exhausted_message
+from replay_proto.id_layout import MAX_INCARNATION
+from replay_server.engine.id_space import check_shard, exhausted_message
 from replay_server.errors import ConfigError
 
 INCARNATION_NAME = "INCARNATION"

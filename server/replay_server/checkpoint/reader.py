@@ -256,39 +256,10 @@ def restore_latest(
         start = time.perf_counter()
         tables = make_tables()
         variables = None if make_variables is None else make_variables()
-        try:
-            manifest = load_checkpoint(ref.path, tables, cancel, variables)
-        except (CorruptCheckpointError, MalformedStateError) as exc:
-            log.warning("skipping checkpoint %s: %s", ref.path, exc)
-            skipped.append((ref.path, str(exc)))
-            directory.mark_damaged(ref.path, str(exc))
+        manifest = _load(directory, ref, refs, tables, cancel, variables, skipped)
+        if manifest is None:
             tables = variables = None  # dropped before the next attempt makes new ones
             continue
-        except NewerFormatError as exc:
-            raise ConfigError(
-                f"checkpoint {ref.path} has {exc}; upgrade the server, or move the checkpoint "
-                f"out of the checkpoint directory") from None
-        except ConfigError as exc:
-            raise ConfigError(_conflict(directory, ref, refs, tables, exc)) from None
-        except (InsufficientMemoryError, MemoryError) as exc:
-            raise RestoreError(
-                f"checkpoint {ref.path} could not be loaded: {type(exc).__name__}"
-                f"{': ' if str(exc) else ''}{exc}. The "
-                f"server does not start (nothing is thrown away); give it more memory, or "
-                f"raise server.table_memory_mb") from None
-        except RestoreCancelled:
-            raise
-        except OSError as exc:  # not damage: the machine (descriptors, permissions, I/O)
-            raise RestoreError(
-                f"checkpoint {ref.path} could not be read: {exc.strerror or exc} "
-                f"({errno.errorcode.get(exc.errno or 0, 'error')}). The server does not "
-                f"start (nothing is thrown away); fix the cause and start it again") from None
-        except Exception as exc:
-            log.error("loading checkpoint %s failed unexpectedly", ref.path, exc_info=exc)
-            raise RestoreError(
-                f"checkpoint {ref.path} could not be loaded: {type(exc).__name__}: {exc} (the "
-                f"log has the traceback). The server does not start (nothing is thrown "
-                f"away)") from None
         if manifest.failed:
             older = [r for r in refs if r.sequence < ref.sequence]
             _fill_failed_parts(directory, older, ref.path, manifest, tables, variables, cancel)
@@ -298,18 +269,66 @@ def restore_latest(
         return tables, RestoreResult(ref.path, manifest, time.perf_counter() - start,
                                      tuple(skipped), variables)
     if refs:
-        reasons = "; ".join(f"{path.name}: {why}" for path, why in skipped)
-        if not start_empty:
-            raise RestoreError(
-                f"none of the {len(refs)} checkpoint(s) in {directory.path} can be restored "
-                f"({reasons}). The server does not start, so that nothing is lost by mistake: "
-                f"repair or move them, or set server.start_empty_if_unrestorable = true (or "
-                f"pass --start-empty-if-unrestorable) to start with empty tables; the damaged "
-                f"checkpoints are kept either way")
-        log.error("none of the %d checkpoint(s) in %s can be restored (%s); starting with "
-                  "empty tables as server.start_empty_if_unrestorable asks (they are kept)",
-                  len(refs), directory.path, reasons)
+        _none_usable(directory, len(refs), skipped, start_empty)
     return None
+
+
+def _load(directory: CheckpointDirectory, ref: CheckpointRef, refs: list[CheckpointRef],
+          tables: TableSet, cancel: threading.Event | None, variables: VariableStore | None,
+          skipped: list[tuple[Path, str]]) -> Manifest | None:
+    """Checkpoint ``ref`` loaded into ``tables`` (and ``variables``): its manifest, or
+    ``None`` when it is damaged (marked so, logged and added to ``skipped``: the restore
+    tries the next older one). Any other failure stops the restore with a message that
+    names the checkpoint and what to do (see :func:`restore_latest`)."""
+    try:
+        return load_checkpoint(ref.path, tables, cancel, variables)
+    except (CorruptCheckpointError, MalformedStateError) as exc:
+        log.warning("skipping checkpoint %s: %s", ref.path, exc)
+        skipped.append((ref.path, str(exc)))
+        directory.mark_damaged(ref.path, str(exc))
+        return None
+    except NewerFormatError as exc:
+        raise ConfigError(
+            f"checkpoint {ref.path} has {exc}; upgrade the server, or move the checkpoint "
+            f"out of the checkpoint directory") from None
+    except ConfigError as exc:
+        raise ConfigError(_conflict(directory, ref, refs, tables, exc)) from None
+    except (InsufficientMemoryError, MemoryError) as exc:
+        raise RestoreError(
+            f"checkpoint {ref.path} could not be loaded: {type(exc).__name__}"
+            f"{': ' if str(exc) else ''}{exc}. The "
+            f"server does not start (nothing is thrown away); give it more memory, or "
+            f"raise server.table_memory_mb") from None
+    except RestoreCancelled:
+        raise
+    except OSError as exc:  # not damage: the machine (descriptors, permissions, I/O)
+        raise RestoreError(
+            f"checkpoint {ref.path} could not be read: {exc.strerror or exc} "
+            f"({errno.errorcode.get(exc.errno or 0, 'error')}). The server does not "
+            f"start (nothing is thrown away); fix the cause and start it again") from None
+    except Exception as exc:
+        log.error("loading checkpoint %s failed unexpectedly", ref.path, exc_info=exc)
+        raise RestoreError(
+            f"checkpoint {ref.path} could not be loaded: {type(exc).__name__}: {exc} (the "
+            f"log has the traceback). The server does not start (nothing is thrown "
+            f"away)") from None
+
+
+def _none_usable(directory: CheckpointDirectory, count: int, skipped: list[tuple[Path, str]],
+                 start_empty: bool) -> None:
+    """Every one of the ``count`` checkpoints was damaged: stop the server (RestoreError),
+    or with ``start_empty`` say so in the log and let it start with empty tables."""
+    reasons = "; ".join(f"{path.name}: {why}" for path, why in skipped)
+    if not start_empty:
+        raise RestoreError(
+            f"none of the {count} checkpoint(s) in {directory.path} can be restored "
+            f"({reasons}). The server does not start, so that nothing is lost by mistake: "
+            f"repair or move them, or set server.start_empty_if_unrestorable = true (or "
+            f"pass --start-empty-if-unrestorable) to start with empty tables; the damaged "
+            f"checkpoints are kept either way")
+    log.error("none of the %d checkpoint(s) in %s can be restored (%s); starting with "
+              "empty tables as server.start_empty_if_unrestorable asks (they are kept)",
+              count, directory.path, reasons)
 
 
 def _fill_failed_parts(

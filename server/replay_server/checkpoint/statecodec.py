@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_proto.dtypes import dtype_from_name, dtype_name
+from replay_proto.dtypes import dtype_from_name, dtype_name, numpy_dtype, numpy_view, tensor_view
 
 _ALIGN = 64
 _TENSOR, _NDARRAY = "$tensor", "$ndarray"
@@ -60,10 +60,8 @@ def encode_state(state: Any) -> tuple[Any, list[np.ndarray]]:
         if isinstance(value, torch.Tensor):
             tensor = value.detach().cpu()
             name = dtype_name(tensor.dtype)
-            if tensor.dtype == torch.bfloat16:
-                tensor = tensor.view(torch.int16)
             return {_TENSOR: {"dtype": name, "shape": list(tensor.shape),
-                              **add(tensor.contiguous().numpy())}}
+                              **add(numpy_view(tensor.contiguous()))}}
         if isinstance(value, np.ndarray):
             if value.dtype.kind not in "biuf":
                 raise StateFormatError(f"{path}: cannot save a numpy array of dtype {value.dtype}")
@@ -119,10 +117,7 @@ def decode_state(tree: Any, blob: bytes | memoryview | np.ndarray) -> Any:
                     dtype = dtype_from_name(ref["dtype"])
                 except (KeyError, TypeError, ValueError) as exc:
                     raise StateFormatError(f"{path}: bad tensor dtype ({exc})") from None
-                if dtype == torch.bfloat16:  # numpy has no bfloat16: same-width int16 bits
-                    return torch.from_numpy(array(ref, path, np.dtype(np.int16))).view(dtype)
-                numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
-                return torch.from_numpy(array(ref, path, numpy_dtype))
+                return tensor_view(array(ref, path, numpy_dtype(dtype)), dtype)
             if set(value) == {_NDARRAY}:
                 ref = value[_NDARRAY]
                 try:

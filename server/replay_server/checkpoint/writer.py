@@ -48,6 +48,7 @@ from replay_server.checkpoint.manifest import (
     FailedPart,
     Manifest,
     TableEntry,
+    VariablesEntry,
     complete_marker,
 )
 from replay_server.checkpoint.statecodec import encode_state
@@ -112,25 +113,8 @@ def write_checkpoint(
     failed: list[FailedPart] = []
     try:
         sequence, temp, final = directory.begin()
-        entries = []
-        for table in tables:
-            try:
-                entries.append(_write_table(temp, table, chunk_bytes, current))
-            except OSError:
-                raise
-            except Exception as exc:  # this table's own state: the others are written
-                failed.append(_left_out("table", table.name, exc))
-                directory.discard(temp / table.name)
-        current[0] = str(temp / VARIABLES_FILE)
-        saved_variables = None
-        if variables is not None:
-            try:
-                saved_variables = write_variables(temp, variables)
-            except OSError:
-                raise
-            except Exception as exc:
-                failed.append(_left_out("variables", "", exc))
-                (temp / VARIABLES_FILE).unlink(missing_ok=True)
+        entries, saved_variables = _write_parts(directory, temp, tables, variables,
+                                                chunk_bytes, current, failed)
         manifest = Manifest(
             server_version=server_version,
             created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created_unix))
@@ -171,6 +155,34 @@ def write_checkpoint(
         seconds=time.perf_counter() - start, tables={t.name: t.rows for t in entries},
         removed=removed, failed=tuple(failed),
     )
+
+
+def _write_parts(directory: CheckpointDirectory, temp: Path, tables: Iterable[Table],
+                 variables: VariableStore | None, chunk_bytes: int, current: list[str],
+                 failed: list[FailedPart]) -> tuple[list[TableEntry], VariablesEntry | None]:
+    """Each table's part, then the variables', into ``temp``: their manifest entries. A part
+    whose own state fails is left out (added to ``failed``, its files removed) and the others
+    are written; an OSError (the disk) fails the whole checkpoint."""
+    entries = []
+    for table in tables:
+        try:
+            entries.append(_write_table(temp, table, chunk_bytes, current))
+        except OSError:
+            raise
+        except Exception as exc:  # this table's own state: the others are written
+            failed.append(_left_out("table", table.name, exc))
+            directory.discard(temp / table.name)
+    current[0] = str(temp / VARIABLES_FILE)
+    saved_variables = None
+    if variables is not None:
+        try:
+            saved_variables = write_variables(temp, variables)
+        except OSError:
+            raise
+        except Exception as exc:
+            failed.append(_left_out("variables", "", exc))
+            (temp / VARIABLES_FILE).unlink(missing_ok=True)
+    return entries, saved_variables
 
 
 def _left_out(kind: str, name: str, exc: Exception) -> FailedPart:

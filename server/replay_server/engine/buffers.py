@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from replay_proto.dtypes import numpy_dtype, tensor_view
+
 _HOST = torch.device("cpu")
 
 
@@ -25,16 +27,4 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device = _HO
     memory; bfloat16, which numpy lacks, as int16 viewed back)."""
     if device.type != "cpu":
         return torch.empty(shape, dtype=dtype, device=device)
-    bits = torch.int16 if dtype == torch.bfloat16 else dtype
-    tensor = torch.from_numpy(np.empty(shape, dtype=_NUMPY.get(bits) or numpy_dtype(bits)))
-    return tensor.view(dtype) if bits is not dtype else tensor
-
-
-def numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    """The numpy dtype of a torch dtype numpy has."""
-    dtype_of = torch.empty(0, dtype=dtype).numpy().dtype
-    _NUMPY[dtype] = dtype_of
-    return dtype_of
-
-
-_NUMPY: dict[torch.dtype, np.dtype] = {}
+    return tensor_view(np.empty(shape, dtype=numpy_dtype(dtype)), dtype)

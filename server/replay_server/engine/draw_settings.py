@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from replay_proto.scalars import is_int, is_real
 from replay_server.engine.config import TableConfig
 from replay_server.engine.inputs import max_priority
 from replay_server.engine.table_parts import TableParts
@@ -45,12 +46,10 @@ def check(config: TableConfig, alpha: float | None, beta: float | None,
     for name, value in (("alpha", alpha), ("beta", beta)):
         if value is None:
             continue
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or not math.isfinite(value) or value < 0):
+        if not is_real(value) or not math.isfinite(value) or value < 0:
             raise InvalidArgumentError(
                 f"table {config.name!r}: {name} must be a finite number >= 0, got {value!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not 0 <= seed < 2**128):
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**128):
         raise InvalidArgumentError(
             f"table {config.name!r}: seed must be an integer in [0, 2**128), got {seed!r}")
 

@@ -1,10 +1,8 @@
 """Row ids that are never issued twice, not even across crashes and restarts.
 
-A row id is a non-negative int64 made of three parts::
-
-    bits 56..62  shard        7 bits   the server's ``shard`` index (0..127)
-    bits 40..55  incarnation 16 bits   the id segment of the table that issued it
-    bits  0..39  sequence    40 bits   rows issued in that segment before it
+A row id is a non-negative int64 of a shard, an incarnation and a sequence
+(bits 56..62, 40..55 and 0..39: :mod:`replay_proto.id_layout` holds the layout,
+which sharded clients read too).
 
 Inside the engine a table counts its rows by *position*: the n-th row ever
 inserted has position n (what :class:`~replay_server.engine.ids.IdRing` and
@@ -58,36 +56,17 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from replay_proto.id_layout import (
+    MAX_INCARNATION,
+    MAX_SHARD,
+    SEGMENT_ROWS,
+    SEQUENCE_MASK,
+    incarnation_of,
+    make_id,
+    shard_of,
+)
+from replay_proto.scalars import is_int
 from replay_server.errors import ConfigError, InvalidIdsError
-
-SHARD_BITS = 7
-INCARNATION_BITS = 16
-SEQUENCE_BITS = 40
-
-MAX_SHARD = (1 << SHARD_BITS) - 1
-"""Largest shard index (127)."""
-
-MAX_INCARNATION = (1 << INCARNATION_BITS) - 1
-"""Largest incarnation (65535)."""
-
-SEGMENT_ROWS = 1 << SEQUENCE_BITS
-"""Rows one segment can issue (2**40)."""
-
-_SEQUENCE_MASK = SEGMENT_ROWS - 1
-_INCARNATION_SHIFT = SEQUENCE_BITS
-_SHARD_SHIFT = SEQUENCE_BITS + INCARNATION_BITS
-
-
-def make_id(shard: int, incarnation: int, sequence: int) -> int:
-    """The id of row ``sequence`` of segment ``incarnation`` on ``shard``."""
-    return (shard << _SHARD_SHIFT) | (incarnation << _INCARNATION_SHIFT) | sequence
-
-
-def split_id(row_id: int) -> tuple[int, int, int]:
-    """``(shard, incarnation, sequence)`` of a non-negative id."""
-    return (row_id >> _SHARD_SHIFT, (row_id >> _INCARNATION_SHIFT) & MAX_INCARNATION,
-            row_id & _SEQUENCE_MASK)
-
 
 class IncarnationSource(Protocol):
     """Where a server's tables get their shard and incarnations.
@@ -144,7 +123,7 @@ class RandomIncarnations(LocalIncarnations):
 
 
 def check_shard(shard: Any) -> int:
-    if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard <= MAX_SHARD:
+    if not is_int(shard) or not 0 <= shard <= MAX_SHARD:
         raise ConfigError(f"server.shard must be an integer in [0, {MAX_SHARD}], got {shard!r}")
     return shard
 
@@ -245,8 +224,8 @@ class IdSpace:
         if offsets.min() >= 0 and offsets.max() < issued:
             return offsets + self._first  # the usual case: every id from the current segment
         self._check(ids, issued, table)
-        incarnations = (ids >> _INCARNATION_SHIFT) & MAX_INCARNATION
-        sequences = ids & _SEQUENCE_MASK
+        incarnations = incarnation_of(ids)
+        sequences = ids & SEQUENCE_MASK
         positions = np.full(ids.shape, -1, dtype=np.int64)
         for incarnation in np.unique(incarnations):
             segment = self._index.get(int(incarnation))
@@ -265,17 +244,17 @@ class IdSpace:
             raise InvalidIdsError(
                 f"table {table!r}: {int(ids[negative][0])} is not an id (ids are non-negative "
                 f"int64, as returned by insert and sample); {int(negative.sum())} such ids")
-        shards = ids >> _SHARD_SHIFT
+        shards = shard_of(ids)
         foreign = shards != self.shard
         if foreign.any():
             first = int(ids[foreign][0])
             raise InvalidIdsError(
-                f"table {table!r}: id {first} belongs to shard {first >> _SHARD_SHIFT}, and "
+                f"table {table!r}: id {first} belongs to shard {shard_of(first)}, and "
                 f"this server is shard {self.shard}; {int(foreign.sum())} such ids")
         if 0 not in self._index:
             # Servers' incarnations start at 1, so an id below 2**40 was never issued here:
             # typically a storage position (0..capacity-1) taken for an id.
-            small = (ids >> _INCARNATION_SHIFT) == 0
+            small = ids < SEGMENT_ROWS
             if small.any():
                 first = int(ids[small][0])
                 raise InvalidIdsError(

@@ -14,6 +14,7 @@ import torch
 
 from replay_proto.dtypes import dtype_from_name, dtype_name
 from replay_proto.keys import check_prefixes
+from replay_proto.scalars import is_int
 from replay_server.errors import InvalidArgumentError, SchemaMismatchError
 
 MAX_ROW_BYTES = 2**31 - 1
@@ -40,7 +41,7 @@ class FieldSpec:
 
     def __post_init__(self) -> None:
         dtype_name(self.dtype)  # raises ValueError for unsupported dtypes
-        if any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in self.shape):
+        if any(not is_int(d) or d < 1 for d in self.shape):
             raise ValueError(f"every dimension of a row must be an integer >= 1, got shape "
                              f"{list(self.shape)}")
         object.__setattr__(self, "shape", tuple(self.shape))

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_proto.dtypes import tensor_view
+
 DEFAULT_CHUNK_BYTES = 8 << 20
 """Bytes of rows copied per lock hold: about 2 ms of copying here."""
 
@@ -216,11 +218,7 @@ class StorageSnapshot:
         for piece in self.pieces():
             for key, rows in piece.columns.items():
                 out[key][piece.slot : piece.slot + piece.count] = rows
-        return {
-            key: torch.from_numpy(array).view(self._dtypes[key])
-            if self._dtypes[key] == torch.bfloat16 else torch.from_numpy(array)
-            for key, array in out.items()
-        }
+        return {key: tensor_view(array, self._dtypes[key]) for key, array in out.items()}
 
     def close(self) -> None:
         """Stop tracking writes and drop rows copied aside (idempotent)."""

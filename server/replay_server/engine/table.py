@@ -211,26 +211,38 @@ class Table:
                 storage.encode(parts.stored(columns))
             storage.reserve(ring.next_id % ring.capacity, encoded)  # may refuse: nothing changed
             episodes = episode_values(columns, rows, self.config) if self._episodes else {}
-            evicted_first_id = ring.first_live
-            first_id, evicted = ring.allocate(rows)
-            first_row_id = parts.ids.id_of(first_id)
-            event = InsertEvent(first_id=first_id, count=rows, evicted_first_id=evicted_first_id,
-                                evicted=evicted, priorities=checked_priorities, **episodes)
-            deleted = evicted
-            if parts.remover is not None:  # rows retired before were deleted then
-                deleted -= parts.remover.inserted(event.ids, event.evicted_ids)
-            for reader in parts.readers:
-                reader.before_write(event)
-            storage.write(first_id % ring.capacity, encoded)
-            for reader in parts.readers:
-                reader.after_write(event, columns)
-            parts.sampler.insert(event)
-            parts.counters.inserted += rows
-            parts.counters.evicted += evicted
-            parts.limiter.inserted(rows)
-            parts.limiter.deleted(deleted)
+            first_row_id = self._append(parts, columns, encoded, rows, checked_priorities,
+                                        episodes)
             self.changes.tick()
         return torch.from_numpy(ring.range(first_row_id, rows))
+
+    @staticmethod
+    def _append(parts: TableParts, columns: Mapping[str, torch.Tensor], encoded: Any,
+                rows: int, priorities: Any, episodes: dict[str, Any]) -> int:
+        """Append checked rows whose storage is reserved: the ring, then each layer told once,
+        in order, then counters and rate limiter; the first new row's id. Under the lock;
+        nothing here refuses."""
+        ring, storage = parts.ring, parts.storage
+        assert storage is not None
+        evicted_first_id = ring.first_live
+        first_id, evicted = ring.allocate(rows)
+        first_row_id = parts.ids.id_of(first_id)
+        event = InsertEvent(first_id=first_id, count=rows, evicted_first_id=evicted_first_id,
+                            evicted=evicted, priorities=priorities, **episodes)
+        deleted = evicted
+        if parts.remover is not None:  # rows retired before were deleted then
+            deleted -= parts.remover.inserted(event.ids, event.evicted_ids)
+        for reader in parts.readers:
+            reader.before_write(event)
+        storage.write(first_id % ring.capacity, encoded)
+        for reader in parts.readers:
+            reader.after_write(event, columns)
+        parts.sampler.insert(event)
+        parts.counters.inserted += rows
+        parts.counters.evicted += evicted
+        parts.limiter.inserted(rows)
+        parts.limiter.deleted(deleted)
+        return first_row_id
 
     # ------------------------------------------------------------------ sample
 

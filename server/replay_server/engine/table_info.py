@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from replay_proto.capabilities import TableCapabilities
 from replay_proto.mass import SamplingMass
 from replay_server.engine.rate_limiter import RateLimiterInfo
 
@@ -27,29 +28,6 @@ class TableCounters:
 
 
 @dataclass(frozen=True, slots=True)
-class Capabilities:
-    """What a table does, as its parts declare it (``TableCapabilities`` in
-    replay.proto): the sampler's traits (see
-    :class:`~replay_server.engine.samplers.base.SamplerTraits`), whether rows
-    retire after ``max_times_sampled`` draws, and the readers that shape a
-    draw (``n_step``; ``frame_stack_key``, empty when off), and how slices may be
-    cut (``partial_slices``: ``strict_length = false``; ``span_left``/``span_right``)."""
-
-    priorities: bool = False
-    slices: bool = False
-    episodes: bool = False
-    consumes: bool = False
-    ordered: bool = False
-    mergeable: bool = True
-    retires: bool = False
-    n_step: int = 1
-    frame_stack_key: str = ""
-    partial_slices: bool = False
-    span_left: int = 0
-    span_right: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class TableInfo:
     """A snapshot of one table, for ``info``."""
 
@@ -65,7 +43,7 @@ class TableInfo:
     config: dict[str, Any] = field(default_factory=dict)
     rate_limiter: RateLimiterInfo | None = None
     mass: SamplingMass | None = None
-    capabilities: Capabilities = field(default_factory=Capabilities)
+    capabilities: TableCapabilities = field(default_factory=TableCapabilities)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from replay_server.engine.storage import (
     make_storage,
     storage_ram_bytes,
 )
-from replay_server.engine.table_info import Capabilities, TableCounters, TableInfo
+from replay_server.engine.table_info import TableCounters, TableInfo
 from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMismatchError
 
 
@@ -106,8 +106,8 @@ class TableParts:
             config=config.describe(),
             rate_limiter=self.limiter.info(),
             mass=self.sampler.mass(),
-            capabilities=Capabilities(
-                **asdict(self.sampler.traits),
+            capabilities=replace(
+                self.sampler.traits,
                 retires=config.max_times_sampled > 0,
                 n_step=config.n_step,
                 frame_stack_key=config.frame_stack_key or "",

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from replay_proto.codec import CodecError, decode_tensor_list, encode_tensors
+from replay_proto.scalars import is_int
 from replay_proto.v1 import replay_pb2 as pb
 from replay_proto.variable_codec import (
     VariableFormatError,
@@ -128,7 +129,7 @@ class VariableStore:
     """
 
     def __init__(self, max_bytes: int) -> None:
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        if not is_int(max_bytes) or max_bytes < 0:
             raise ValueError(f"max_bytes must be an integer >= 0, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self._lock = threading.Lock()

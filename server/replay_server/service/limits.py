@@ -46,6 +46,7 @@ import resource
 from dataclasses import dataclass
 from typing import Any
 
+from replay_proto.scalars import is_int, is_real
 from replay_server.engine.id_space import check_shard
 from replay_server.engine.memory import format_bytes
 from replay_server.service.budget import BULK_SHARE
@@ -112,14 +113,10 @@ def check_limits(settings: Any) -> None:
     _int("server.max_concurrent_calls", settings.max_concurrent_calls, 1, 1_000_000)
     _int("server.max_connections", settings.max_connections, 1, 1_000_000)
     idle = settings.idle_timeout_s
-    if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not (
-        0 < idle < math.inf
-    ):
+    if not is_real(idle) or not 0 < idle < math.inf:
         raise ConfigError(f"server.idle_timeout_s must be a number of seconds > 0, got {idle!r}")
     handshake = settings.handshake_timeout_s
-    if isinstance(handshake, bool) or not isinstance(handshake, (int, float)) or not (
-        0.1 <= handshake <= 60
-    ):
+    if not is_real(handshake) or not 0.1 <= handshake <= 60:
         raise ConfigError(f"server.handshake_timeout_s must be a number of seconds in [0.1, "
                           f"60], got {handshake!r}")
     _int("server.max_idle_connections_per_host", settings.max_idle_connections_per_host, 1,
@@ -129,16 +126,14 @@ def check_limits(settings: Any) -> None:
     _seconds("server.keepalive_s", settings.keepalive_s, 1.0, 86_400.0)
     _seconds("server.keepalive_timeout_s", settings.keepalive_timeout_s, 1.0, 3_600.0)
     wait = settings.default_wait_s
-    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait < math.inf:
+    if not is_real(wait) or not 0 < wait < math.inf:
         raise ConfigError(f"server.default_wait_s must be a number of seconds > 0, got {wait!r}")
     answer = settings.response_timeout_s
-    if isinstance(answer, bool) or not isinstance(answer, (int, float)) or not (
-            0 < answer < math.inf):
+    if not is_real(answer) or not 0 < answer < math.inf:
         raise ConfigError(
             f"server.response_timeout_s must be a number of seconds > 0, got {answer!r}")
     most = max_batch_mb_for(settings.memory_budget_mb)
-    if not isinstance(settings.max_batch_mb, int) or isinstance(settings.max_batch_mb, bool) \
-            or not 1 <= settings.max_batch_mb <= most:
+    if not is_int(settings.max_batch_mb) or not 1 <= settings.max_batch_mb <= most:
         raise ConfigError(
             f"server.max_batch_mb must be an integer in [1, {most}] (3/8 of "
             f"server.memory_budget_mb={settings.memory_budget_mb}: a batch is held twice while "
@@ -154,13 +149,13 @@ def max_batch_mb_for(memory_budget_mb: int) -> int:
 
 
 def _seconds(name: str, value: Any, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+    if not is_real(value) or not low <= value <= high:
         raise ConfigError(f"{name} must be a number of seconds in [{low:g}, {high:g}], got "
                           f"{value!r}")
 
 
 def _int(name: str, value: Any, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 

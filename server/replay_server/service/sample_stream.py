@@ -146,6 +146,7 @@ class SampleStreamCall:
         self._layout: RingLayout | None = None
         self._ring_accepted = False
         self._held: dict[asyncio.Future, Reservation] = {}  # each drawn group's memory
+        self._pending: asyncio.Future | None = None  # the group being drawn, if any
         self._leases: StreamLeases | None = None  # a queue table's, if the learner named a prefix
         self._stays = False  # the learner leaves with `closing`: wait for it after the last batch
 
@@ -162,11 +163,57 @@ class SampleStreamCall:
         return "shared_memory" if self._ring_accepted else "grpc"
 
     async def run(self) -> AsyncIterator[bytes]:
+        """The call: open it from the learner's first message, then draw and send groups of
+        batches as credit comes (drawing the next group while one is sent), then wait for
+        what the learner still owes (leased rows finished, its last updates)."""
+        calls, context = self._calls, self._context
+        first = await self._open()
+        if first is None:
+            return
+        request, table = first.request, self._table
+        reader = asyncio.create_task(self._read())
+        want_ring, note = self._ring_wanted(first)
+        index = 0
+        try:
+            while True:
+                if self._pending is None:
+                    count = await self._next_count(request, table, index)
+                    if count == 0:
+                        break
+                    reservation = await self._reserve(table, request, count, wait=True)
+                    self._pending = self._start_draw(table, request, index, count,
+                                                     index == 0 and want_ring, reservation)
+                pending = self._pending
+                if calls.draining:
+                    pending.cancel()
+                    await calls.fail(context, ShuttingDownError("the server is shutting down"))
+                if not await self._drawn_unless_leaving(pending):
+                    break  # the learner left while the draw waited: nothing more to send
+                chunks, count, ring_note = await calls.settle(context, pending)
+                sent = self._held.pop(pending, None)
+                index += count
+                self._pending = None
+                note = ring_note or note
+                if index == count:
+                    self._mark_first(chunks, note)
+                await self._draw_ahead(table, request, index)
+                for chunk in chunks:
+                    yield chunk
+                del chunks
+                if sent is not None:
+                    sent.release()  # the group was handed to gRPC whole: its bytes are gone
+            await self._finish(request)
+        finally:
+            self._end(reader)
+
+    async def _open(self) -> pb.SampleStreamRequest | None:
+        """Read and check the learner's first message (``None``: it sent none): the table,
+        the batch's size against the limit, a lease, a first priority update, the credits."""
         calls, context = self._calls, self._context
         try:
             first_raw = await self._requests.__anext__()
         except StopAsyncIteration:
-            return
+            return None
         if len(first_raw) > self._max_request:
             await calls.fail(context, self._oversized(first_raw))
         first = await calls.run(context, parse_first, first_raw)
@@ -191,78 +238,72 @@ class SampleStreamCall:
                 await calls.fail(context, exc)
         self._credits = first.credits
         self._window = max(first.credits, first.window)  # a ring gets window + 1 slots
-        reader = asyncio.create_task(self._read())
+        return first
+
+    def _ring_wanted(self, first: pb.SampleStreamRequest) -> tuple[bool, str]:
+        """Whether to offer a shared-memory ring with the first batch, and why not (a note the
+        first batch carries; "" when nothing was asked or the ring is offered)."""
         want_ring = first.shared_memory and self._limits.shared_memory
-        note = ""
         if first.shared_memory and not self._limits.shared_memory:
-            note = "the server has shared_memory = false"
-        elif want_ring and first.host_id != host_id():
-            want_ring, note = False, "the learner runs on another host"
-        index = 0
-        pending: asyncio.Future | None = None
-        try:
-            while True:
-                if pending is None:
-                    count = await self._next_count(request, table, index)
-                    if count == 0:
-                        break
-                    reservation = await self._reserve(table, request, count, wait=True)
-                    pending = self._start_draw(table, request, index, count,
-                                               index == 0 and want_ring, reservation)
-                if calls.draining:
-                    pending.cancel()
-                    await calls.fail(context, ShuttingDownError("the server is shutting down"))
-                if not await self._drawn_unless_leaving(pending):
-                    break  # the learner left while the draw waited: nothing more to send
-                chunks, count, ring_note = await calls.settle(context, pending)
-                sent = self._held.pop(pending, None)
-                index += count
-                pending = None
-                if ring_note:
-                    note = ring_note
-                if note and index == count:  # first group: say why there is no ring
-                    chunks[0] = with_note(chunks[0], note)
-                if self._leases is not None and index == count:
-                    chunks[0] = with_leased(chunks[0])
-                ahead = await self._next_count(request, table, index, wait=False)
-                if ahead:
-                    reservation = await self._reserve(table, request, ahead, wait=False)
-                    if reservation is not None:
-                        pending = self._start_draw(table, request, index, ahead, False,
-                                                   reservation)
-                for chunk in chunks:
-                    yield chunk
-                del chunks
-                if sent is not None:
-                    sent.release()  # the group was handed to gRPC whole: its bytes are gone
+            return want_ring, "the server has shared_memory = false"
+        if want_ring and first.host_id != host_id():
+            return False, "the learner runs on another host"
+        return want_ring, ""
+
+    def _mark_first(self, chunks: list[bytes], note: str) -> None:
+        """Mark the first group's first chunk: why there is no ring (``note``), and that its
+        rows are leased."""
+        if note:
+            chunks[0] = with_note(chunks[0], note)
+        if self._leases is not None:
+            chunks[0] = with_leased(chunks[0])
+
+    async def _draw_ahead(self, table: Table, request: pb.SampleRequest, index: int) -> None:
+        """Start drawing the group after ``index`` while this one is sent, if the learner's
+        credit and the memory budget allow it now (else the loop draws it when they do)."""
+        ahead = await self._next_count(request, table, index, wait=False)
+        if ahead:
+            reservation = await self._reserve(table, request, ahead, wait=False)
+            if reservation is not None:
+                self._pending = self._start_draw(table, request, index, ahead, False,
+                                                 reservation)
+
+    async def _finish(self, request: pb.SampleRequest) -> None:
+        """After the last batch: end with a learner message refused meanwhile, wait for a
+        leased stream's batches to be finished, and read a staying learner's last updates."""
+        calls, context = self._calls, self._context
+        if self._refused is not None:
+            await calls.fail(context, self._refused)
+        if self._leases is not None:
+            await self._leases.wait_finished(
+                self._credit_event, self._table.config.effective_lease_timeout_s,
+                lambda: (self._client_done or self._leaving.is_set() or calls.draining
+                         or self._refused is not None))
+        if self._stays and request.num_batches:
+            # Read the learner's updates of the last batches until it leaves.
+            await messages_until(
+                self._credit_event, self._limits.closing_wait_s,
+                lambda: (self._leaving.is_set() or self._client_done or calls.draining
+                         or self._refused is not None))
             if self._refused is not None:
                 await calls.fail(context, self._refused)
-            if self._leases is not None:
-                await self._leases.wait_finished(
-                    self._credit_event, self._table.config.effective_lease_timeout_s,
-                    lambda: (self._client_done or self._leaving.is_set() or calls.draining
-                             or self._refused is not None))
-            if self._stays and request.num_batches:
-                # Read the learner's updates of the last batches until it leaves.
-                await messages_until(
-                    self._credit_event, self._limits.closing_wait_s,
-                    lambda: (self._leaving.is_set() or self._client_done or calls.draining
-                             or self._refused is not None))
-                if self._refused is not None:
-                    await calls.fail(context, self._refused)
-        finally:
-            if self._leases is not None:
-                self._leases.end_soon(self._calls.executor)
-            if pending is not None and not pending.done():
-                pending.cancel()
-            elif pending is not None and not pending.cancelled():
-                pending.exception()  # retrieved, so asyncio does not log it as lost
-            for held in self._held.values():
-                held.release()
-            reader.cancel()
-            if self._leaving_wait is not None:
-                self._leaving_wait.cancel()
-            self._close_ring()
+
+    def _end(self, reader: asyncio.Task) -> None:
+        """Let go of everything the call holds, however it ended: its leases (soon), a draw
+        under way, reserved memory, the reader of the learner's messages, the ring."""
+        if self._leases is not None:
+            self._leases.end_soon(self._calls.executor)
+        pending = self._pending
+        if pending is not None and not pending.done():
+            pending.cancel()
+        elif pending is not None and not pending.cancelled():
+            pending.exception()  # retrieved, so asyncio does not log it as lost
+        for held in self._held.values():
+            held.release()
+        reader.cancel()
+        if self._leaving_wait is not None:
+            self._leaving_wait.cancel()
+        self._close_ring()
 
     async def _drawn_unless_leaving(self, pending: asyncio.Future) -> bool:
         """Wait for the draw ``pending`` unless the learner leaves first (a draw may wait long

@@ -318,7 +318,7 @@ class ReplayServicer:
                 max_times_sampled=info.config["max_times_sampled"],
                 mass=None if info.mass is None else info.mass.to_proto(),
                 episode_key=info.config["episode_key"],
-                capabilities=pb.TableCapabilities(**asdict(info.capabilities)),
+                capabilities=info.capabilities.to_proto(),
             ))
         response = pb.InfoResponse(tables=tables, shard=self._incarnations.shard,
                                    incarnation=self._incarnations.current,

@@ -15,6 +15,7 @@ from typing import Any
 
 from replay_feed.accelerator import cuda_present
 from replay_proto.addresses import DEFAULT_ADDRESS, is_loopback
+from replay_proto.scalars import is_int, is_real
 from replay_server.engine.config import TableConfig, default_table_configs
 from replay_server.errors import ConfigError
 from replay_server.service.limits import DEFAULTS as LIMIT_DEFAULTS
@@ -175,9 +176,7 @@ class ServerSettings:
             raise ConfigError(
                 f"server.checkpoint_dir must be a directory path, got {self.checkpoint_dir!r}")
         interval = self.checkpoint_interval_s
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not (
-            0 <= interval < float("inf")
-        ):
+        if not is_real(interval) or not 0 <= interval < float("inf"):
             raise ConfigError(
                 f"server.checkpoint_interval_s must be a number of seconds >= 0 (0: only on "
                 f"request and at shutdown), got {interval!r}")
@@ -238,7 +237,7 @@ def _pinned_if_possible(table: TableConfig) -> TableConfig:
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise ConfigError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 

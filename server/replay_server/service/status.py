@@ -79,8 +79,6 @@ _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, ErrorKind], ...] = (
      ErrorKind.FAILED_PRECONDITION),
 )
 
-EXPECTED = tuple(error for error, _, _ in _MAPPING)
-
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, ErrorKind] | None:
     """``(code, kind)`` for an expected error, ``None`` for a bug."""

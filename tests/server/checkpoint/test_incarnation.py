@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from replay_proto.id_layout import MAX_INCARNATION
 from replay_server.checkpoint.incarnation import INCARNATION_NAME, IncarnationFile
-from replay_server.engine.id_space import MAX_INCARNATION
 from replay_server.errors import ConfigError
 
 

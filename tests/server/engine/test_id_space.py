@@ -6,16 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from replay_proto.id_layout import MAX_INCARNATION, make_id
 from replay_server import Table, TableConfig
-from replay_server.engine.id_space import (
-    MAX_INCARNATION,
-    IdSpace,
-    LocalIncarnations,
-    RandomIncarnations,
-    make_id,
-    split_id,
-)
+from replay_server.engine.id_space import IdSpace, LocalIncarnations, RandomIncarnations
 from replay_server.errors import ConfigError, InvalidIdsError
+from tests.proto.test_id_layout import split_id
 
 
 def ids(*values: int) -> np.ndarray:

@@ -235,3 +235,14 @@ def test_a_batch_into_staging_buffers_equals_a_batch_into_new_tensors() -> None:
         assert torch.equal(a.data[key], b.data[key]), key
         assert b.data[key].data_ptr() == out[key].data_ptr()
     assert torch.equal(a.data["next"]["obs"], b.data["next"]["obs"])
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_wire_formula_sizes_a_batch_as_sampled(n: int) -> None:
+    """``batch_nbytes`` (replay_proto, both sides) counts exactly the bytes a sample returns,
+    the n-step reader's step counts included."""
+    table = Table(TableConfig(name="n", capacity=CAPACITY, n_step=n, seed=2))
+    table.insert(columns([step(0, 1, t, 1.0, t == 9, False) for t in range(10)]))
+    batch = table.sample(6)
+    assert table.batch_nbytes(6) == sum(t.nbytes for t in batch.tensors())
+    assert ("steps_to_next_obs" in batch.columns) == (n > 1)

@@ -10,8 +10,8 @@ import torch
 
 from replay_server.engine import prefault
 from replay_server.engine.schema import FieldSpec, Schema
-from replay_server.engine.storage import ColumnStorage
 from tests.conftest import wait_for
+from tests.server.engine.test_storage import in_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux madvise")
 
@@ -22,7 +22,7 @@ def _resident() -> int:
 
 def test_a_write_makes_the_pages_after_it_resident_up_to_the_bound():
     schema = Schema({"x": FieldSpec(torch.uint8, (4096,))})  # one page per row
-    storage = ColumnStorage.in_memory(schema, capacity=(prefault.AHEAD_BYTES >> 12) * 4)  # 256 MiB
+    storage = in_memory(schema, capacity=(prefault.AHEAD_BYTES >> 12) * 4)  # 256 MiB
     before = _resident()
     storage.write(0, {"x": torch.ones(1, 4096, dtype=torch.uint8)})
     assert prefault._supported
@@ -33,7 +33,7 @@ def test_a_write_makes_the_pages_after_it_resident_up_to_the_bound():
 
 def test_contents_written_while_pages_are_made_resident_are_kept():
     schema = Schema({"x": FieldSpec(torch.int64, (512,))})
-    storage = ColumnStorage.in_memory(schema, capacity=50_000)
+    storage = in_memory(schema, capacity=50_000)
     rows = torch.arange(50_000 * 512, dtype=torch.int64).view(50_000, 512)
     for first in range(0, 50_000, 700):
         storage.write(first, {"x": rows[first:first + 700]})

@@ -8,12 +8,20 @@ import torch
 from replay_proto.dtypes import DTYPES
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.storage import ColumnStorage
+from replay_server.engine.storage.memory import HostColumn
+
+
+def in_memory(schema: Schema, capacity: int, *, pin_memory: bool = False) -> ColumnStorage:
+    """Every column of ``schema`` in RAM (pinned with ``pin_memory``), prefaulted unless pinned."""
+    columns = {key: HostColumn(spec, capacity, pin_memory=pin_memory)
+               for key, spec in schema.items()}
+    return ColumnStorage(schema, capacity, columns, prefault=[] if pin_memory else list(schema))
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_every_supported_dtype_round_trips(name):
     dtype = DTYPES[name]
-    storage = ColumnStorage.in_memory(Schema({"x": FieldSpec(dtype, (2,))}), capacity=8)
+    storage = in_memory(Schema({"x": FieldSpec(dtype, (2,))}), capacity=8)
     rows = (torch.arange(12).reshape(6, 2) % 3).to(dtype)
     storage.write(5, {"x": rows})  # slots 5, 6, 7, 0, 1, 2
     got = storage.gather(torch.tensor([[5, 6, 7], [0, 1, 2]]))["x"]
@@ -22,14 +30,14 @@ def test_every_supported_dtype_round_trips(name):
 
 
 def test_strided_and_grad_requiring_inputs_are_copied_as_values():
-    storage = ColumnStorage.in_memory(Schema({"x": FieldSpec(torch.float32, ())}), capacity=4)
+    storage = in_memory(Schema({"x": FieldSpec(torch.float32, ())}), capacity=4)
     source = torch.arange(8, dtype=torch.float32, requires_grad=True)
     storage.write(0, {"x": source[::2]})
     assert storage.gather(torch.arange(4))["x"].tolist() == [0.0, 2.0, 4.0, 6.0]
 
 
 def test_gather_returns_copies_not_views_of_storage():
-    storage = ColumnStorage.in_memory(Schema({"x": FieldSpec(torch.int64, ())}), capacity=4)
+    storage = in_memory(Schema({"x": FieldSpec(torch.int64, ())}), capacity=4)
     storage.write(0, {"x": torch.arange(4)})
     got = storage.gather(torch.tensor([1]))["x"]
     storage.write(1, {"x": torch.tensor([99])})
@@ -42,7 +50,7 @@ def test_pin_memory_without_an_accelerator_is_a_clear_error():
     from replay_server.errors import ConfigError
 
     with pytest.raises(ConfigError, match="pin_memory is true but no CUDA device"):
-        ColumnStorage.in_memory(Schema({"x": FieldSpec(torch.float32, ())}), capacity=4, pin_memory=True)
+        in_memory(Schema({"x": FieldSpec(torch.float32, ())}), capacity=4, pin_memory=True)
 
 
 def test_writes_and_gathers_split_across_threads_equal_one_thread(monkeypatch):
@@ -54,7 +62,7 @@ def test_writes_and_gathers_split_across_threads_equal_one_thread(monkeypatch):
     monkeypatch.setattr(workers, "THREADS", 3)
     monkeypatch.setattr(storage_module, "WRITE_THREADS", 3)
     schema = Schema({"obs": FieldSpec(torch.uint8, (5, 3)), "reward": FieldSpec(torch.float32, ())})
-    split, plain = ColumnStorage.in_memory(schema, capacity=50), ColumnStorage.in_memory(schema, capacity=50)
+    split, plain = in_memory(schema, capacity=50), in_memory(schema, capacity=50)
     generator = torch.Generator().manual_seed(0)
     for first, rows in ((0, 40), (40, 33), (23, 7)):  # the second write wraps
         data = {"obs": torch.randint(0, 255, (rows, 5, 3), dtype=torch.uint8, generator=generator),

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from replay_proto.variable_codec import encode_publish, decode_publish_packed
+from replay_proto.codec import frame
+from replay_proto.variable_codec import decode_publish_packed, publish_parts
 from replay_server.engine.variables import VariableStore
 from replay_server.errors import (
     InvalidVariableError,
@@ -13,6 +14,11 @@ from replay_server.errors import (
     UnknownVariableError,
     VariableBudgetError,
 )
+
+
+def encode_publish(name: str, tensors: dict[str, torch.Tensor]) -> bytes:
+    """A whole (unary) PublishRequest carrying ``tensors``."""
+    return frame(*publish_parts(name, tensors))
 
 
 def policy(value: float = 1.0) -> dict[str, torch.Tensor]:

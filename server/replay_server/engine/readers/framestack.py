@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_proto.dtypes import numpy_view
 from replay_server.engine import buffers
 from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
@@ -62,8 +63,6 @@ from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.snapshot import saved_copy
 from replay_server.engine.workers import take_rows
 from replay_server.errors import InvalidArgumentError, SchemaMismatchError
-
-FILLS = ("repeat", "zero")
 
 _MIN_SWEEP = 1024
 """Open episodes kept before those whose newest step left the ring are forgotten."""
@@ -446,7 +445,4 @@ def _shift(stacks: torch.Tensor, following: torch.Tensor) -> None:
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
-    tensor = tensor.detach().cpu()
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy()
+    return numpy_view(tensor.detach().cpu())

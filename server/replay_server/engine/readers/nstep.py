@@ -57,14 +57,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_proto.batch import STEPS_DTYPE, STEPS_KEY
+from replay_proto.dtypes import numpy_dtype
 from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
 from replay_server.engine.readers.base import Reader
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import saved_copy
-
-STEPS_KEY = "steps_to_next_obs"
-"""The batch column holding each transition's number of steps ``m`` (TorchRL's name)."""
 
 NEXT_PREFIX = "next."
 """Columns under ``next`` (``next.obs``...) come from the window's last step."""
@@ -72,7 +71,7 @@ NEXT_PREFIX = "next."
 _MIN_SWEEP = 1024
 
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
-"""The reward dtypes numpy has (bfloat16 goes through torch)."""
+"""The reward dtypes numpy has (the others go through torch)."""
 
 
 class NStepReturns(Reader):
@@ -277,7 +276,7 @@ class NStepReturns(Reader):
             columns[self.reward_key] = self._reward(slots, out, device)
         if STEPS_KEY in wanted:
             steps = None if out is None else out.get(STEPS_KEY)
-            counts = torch.from_numpy(self._steps[slots].astype(np.int64))
+            counts = torch.from_numpy(self._steps[slots].astype(numpy_dtype(STEPS_DTYPE)))
             if steps is None:
                 steps = counts if device.type == "cpu" else counts.to(device)
             else:
@@ -298,10 +297,9 @@ class NStepReturns(Reader):
         assert self._schema is not None
         spec = self._schema[self.reward_key]
         sums = self._sum[slots].reshape(*slots.shape, *spec.shape)  # numpy's: cheaper than torch's
-        if spec.dtype == torch.bfloat16:  # numpy has no bfloat16
-            total = torch.from_numpy(sums).to(spec.dtype)
-        else:
-            total = torch.from_numpy(sums.astype(_NUMPY[spec.dtype]))
+        numpy_type = _NUMPY.get(spec.dtype)
+        total = (torch.from_numpy(sums.astype(numpy_type)) if numpy_type is not None
+                 else torch.from_numpy(sums).to(spec.dtype))  # a dtype numpy lacks
         reward = None if out is None else out.get(self.reward_key)
         if reward is None:
             return total if device.type == "cpu" else total.to(device)
@@ -309,7 +307,7 @@ class NStepReturns(Reader):
         return reward
 
     def extra_layout(self, lead: tuple[int, ...]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {**super().extra_layout(lead), STEPS_KEY: (torch.int64, lead)}
+        return {**super().extra_layout(lead), STEPS_KEY: (STEPS_DTYPE, lead)}
 
     # ------------------------------------------------------------- persistence
 

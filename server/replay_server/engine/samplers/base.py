@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from replay_proto.capabilities import TableCapabilities
 from replay_proto.mass import SamplingMass
 from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
@@ -43,27 +44,13 @@ from replay_server.errors import NoPrioritiesError
 __all__ = ["InsertEvent", "Removal", "SampleIndex", "Sampler", "SamplerOptions", "SamplerTraits"]
 
 
-@dataclass(frozen=True, slots=True)
-class SamplerTraits:
-    """What a sampler does, declared once on its class, so that nothing else
-    (the table, the service, clients) needs to match sampler names.
-
-    Attributes:
-        priorities: rows carry priorities (``update`` applies; weights vary).
-        slices: a draw is ``slice_len`` consecutive steps of one episode.
-        episodes: the sampler reads the episode ids and end flags of inserts.
-        consumes: a draw takes its rows (each handed out once: the table gives
-            it a remover of limit 1, see :mod:`replay_server.engine.remover`).
-        ordered: rows come out in a fixed order (fifo/lifo), kept per server.
-        mergeable: samples of many shards merge exactly by their sampling mass.
-    """
-
-    priorities: bool = False
-    slices: bool = False
-    episodes: bool = False
-    consumes: bool = False
-    ordered: bool = False
-    mergeable: bool = True
+SamplerTraits = TableCapabilities
+"""What a sampler does, declared once on its class (``traits``), so that nothing else (the
+table, the service, clients) needs to match sampler names: its share of its table's
+capabilities (:mod:`replay_proto.capabilities`), ``priorities``, ``slices``, ``episodes``,
+``consumes`` (a draw takes its rows: the table gives it a remover of limit 1, see
+:mod:`replay_server.engine.remover`), ``ordered`` and ``mergeable``; the table fills in
+the rest from its readers and options."""
 
 
 class SamplerOptions(Protocol):

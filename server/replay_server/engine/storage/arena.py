@@ -122,11 +122,6 @@ class ByteArena:
                 self._grow(taken * self.segment)
             self._taken = taken
 
-    @property
-    def taken_bytes(self) -> int:
-        """Bytes of the segments ever taken (promised, or reserved on disk)."""
-        return self._taken * self.segment
-
     def _segments_needed(self, sizes: Sequence[int]) -> int:
         """New segments a write of ``sizes`` may take (at most), after the one being filled."""
         total = int(sum(sizes))

@@ -22,7 +22,7 @@ device's, and of disk.
 Copies go through numpy views of the memory: ``np.take`` and ``np.copyto``
 are single-threaded memcpy loops, several times faster than torch's indexing
 for row gathers and immune to OpenMP threads spinning on a busy machine
-(bfloat16, which numpy lacks, travels as same-width int16).
+(bfloat16, which numpy lacks, travels as same-width int16: ``replay_proto.dtypes``).
 
 Not thread-safe: the owning table serializes access under its lock.
 """
@@ -36,11 +36,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from replay_proto.dtypes import numpy_dtype, numpy_view, tensor_view
 from replay_server.engine import buffers, workers
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.workers import take_rows
 
-__all__ = ["ArrayColumn", "Column", "copy_rows", "numpy_dtype", "numpy_view", "take_rows"]
+__all__ = ["ArrayColumn", "Column", "copy_rows", "take_rows"]
 
 
 HOST = torch.device("cpu")
@@ -154,7 +155,6 @@ class ArrayColumn(Column):
 
     def __init__(self, spec: FieldSpec, capacity: int) -> None:
         super().__init__(spec, capacity)
-        self._as_bits = spec.dtype == torch.bfloat16  # its array holds bfloat16 as int16
         self._row_shape = tuple(spec.shape)
 
     @property
@@ -176,8 +176,7 @@ class ArrayColumn(Column):
             return super().gather(slots, device)
         rows = np.empty((slots.size, *self._row_shape), dtype=self.dtype)
         self._take(slots, rows)
-        tensor = torch.from_numpy(rows)
-        return tensor.view(torch.bfloat16) if self._as_bits else tensor
+        return tensor_view(rows, self.spec.dtype)
 
     def __getitem__(self, index: slice) -> np.ndarray:
         return self.array[index]
@@ -194,19 +193,6 @@ WRITE_THREADS = workers.THREADS if workers.MANY_CORES else 1
 storage, bound by the kernel zeroing pages), and on 2 busy cores a second
 thread measured slower (15-33M rows/s against 30-33M for 100,000-row inserts);
 a gather is latency-bound, so two threads help even there."""
-
-
-def numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    """The numpy dtype a column of ``dtype`` is viewed as (bfloat16 as int16)."""
-    bits = torch.int16 if dtype == torch.bfloat16 else dtype
-    return torch.empty(0, dtype=bits).numpy().dtype
-
-
-def numpy_view(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy array sharing ``tensor``'s (host) memory (bfloat16 viewed as int16)."""
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy()
 
 
 def pieces(nbytes: int, rows: int, threads: int) -> int:

@@ -28,12 +28,12 @@ import numpy as np
 import torch
 
 from replay_proto.batch import SampleBatch
+from replay_proto.dtypes import numpy_view
 from replay_server.engine import buffers
 from replay_server.engine.prefault import Prefaulter
 from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, StorageSnapshot
-from replay_server.engine.storage.base import HOST, Column, numpy_view
-from replay_server.engine.storage.memory import HostColumn
+from replay_server.engine.storage.base import HOST, Column
 from replay_server.engine.storage.placement import pin_staging
 
 
@@ -63,14 +63,6 @@ class ColumnStorage:
         self._prefault = [key for key in prefault]
         row = sum(schema[key].row_bytes for key in self._prefault)
         self._prefaulter = Prefaulter(capacity, row) if self._prefault else None
-
-    @classmethod
-    def in_memory(cls, schema: Schema, capacity: int, *, pin_memory: bool = False
-                  ) -> ColumnStorage:
-        """Every column of ``schema`` in RAM (pinned with ``pin_memory``)."""
-        columns: dict[str, Column] = {key: HostColumn(spec, capacity, pin_memory=pin_memory)
-                                      for key, spec in schema.items()}
-        return cls(schema, capacity, columns, prefault=[] if pin_memory else list(schema))
 
     @property
     def pinned(self) -> bool:

@@ -30,10 +30,11 @@ import lz4.block
 import numpy as np
 import torch
 
+from replay_proto.dtypes import numpy_view
 from replay_server.engine import workers
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.storage.arena import ByteArena
-from replay_server.engine.storage.base import Column, numpy_view
+from replay_server.engine.storage.base import Column
 from replay_server.engine.storage.lz4_batch import DECODER, PREFIX, prefixed, zero_block
 from replay_server.engine.storage.memmap import MappedFile
 

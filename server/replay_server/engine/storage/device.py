@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from replay_proto.batch import SampleBatch
+from replay_proto.dtypes import bits_dtype
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.storage.base import Column
 from replay_server.engine.storage.placement import pin_staging, stand_in
@@ -173,8 +174,8 @@ class DeviceColumn(Column):
 
     @property
     def _bits(self) -> torch.Tensor:
-        tensor = self.tensor
-        return tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
+        """The column as numpy-compatible bits (:func:`replay_proto.dtypes.bits_dtype`)."""
+        return self.tensor.view(bits_dtype(self.tensor.dtype))
 
     def __getitem__(self, index: slice) -> np.ndarray:
         return self._bits[index].to("cpu", copy=True).numpy()

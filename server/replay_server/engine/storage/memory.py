@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from replay_proto.dtypes import numpy_view
 from replay_server.engine.schema import FieldSpec
-from replay_server.engine.storage.base import ArrayColumn, numpy_view
+from replay_server.engine.storage.base import ArrayColumn
 from replay_server.errors import ConfigError, InsufficientMemoryError
 
 
