@@ -18,6 +18,12 @@ from pathlib import Path
 
 import pytest
 
+# Ray reads this when it is first imported, by whichever test that is (a client test resolving
+# ray://, a doc block, the Ray cluster's): without it Ray 2.60 turns 127.0.0.1 into the host's
+# address. Every Ray node a test starts stays on loopback (tests/server/ray/conftest.py checks).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
 START_TIMEOUT_S = 60
 
 
