@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from replay_server.engine.config import StorageKind, TableConfig
 from replay_server.engine.memory import machine_memory
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.storage.base import Column
@@ -46,6 +46,9 @@ from replay_server.engine.storage.placement import (
     table_device,
 )
 
+if TYPE_CHECKING:
+    from replay_server.engine.config import TableConfig
+
 __all__ = ["Column", "ColumnStorage", "check_storage", "make_storage", "storage_ram_bytes"]
 
 
@@ -53,7 +56,7 @@ def _backend(config: TableConfig, key: str) -> type[Column]:
     """The class that keeps column ``key`` of a table of ``config``."""
     if config.compress_keys and key in config.compress_keys:
         return Lz4Column
-    if config.backend_of(key) is StorageKind.MEMMAP:
+    if config.backend_of(key) == "memmap":
         return MemmapColumn
     return DeviceColumn if config.on_device else HostColumn
 
@@ -81,7 +84,7 @@ def make_storage(config: TableConfig, schema: Schema,
     capacity, name = config.capacity, config.name
     backends = {key: _backend(config, key) for key in schema}
     directory = None
-    on_disk = [key for key in schema if config.backend_of(key) is StorageKind.MEMMAP]
+    on_disk = [key for key in schema if config.backend_of(key) == "memmap"]
     if on_disk:
         assert config.storage_dir is not None
         directory = check_directory(config.storage_dir, name)
@@ -130,7 +133,7 @@ def make_storage(config: TableConfig, schema: Schema,
 def _compressed(config: TableConfig, key: str, spec: FieldSpec, directory: Path | None,
                 grow: Callable[[int], None]) -> Lz4Column:
     """An lz4 column of ``key`` over its backend (a sparse file for ``memmap``, else RAM)."""
-    if config.backend_of(key) is not StorageKind.MEMMAP:
+    if config.backend_of(key) != "memmap":
         return Lz4Column(spec, config.capacity, grow=grow)
     assert directory is not None
     file = MappedFile(directory, f"{config.name}.{key}",
