@@ -246,6 +246,11 @@ def table_options() -> dict[str, list[tuple[str, OptionDoc]]]:
     return found
 
 
+def layer_names() -> dict[str, str]:
+    """The registered samplers and storage backends, by layer (``check-config`` lists them)."""
+    return {"samplers": SAMPLERS.names(), "storage": BACKENDS.names()}
+
+
 def _build(config: TableConfig, name: Any, capacity: Any, options: dict[str, Any]) -> None:
     """Route flat ``options`` to the specs that own them, check every value and the few
     combinations without meaning, and set the fields (see :class:`TableConfig`)."""

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from replay_server.engine.memory import machine_memory
 from replay_server.engine.schema import FieldSpec, Schema
+from replay_server.engine.storage.backends import BACKENDS
 from replay_server.engine.storage.base import Column
 from replay_server.engine.storage.columns import ColumnStorage
 from replay_server.engine.storage.compressed import Lz4Column
@@ -56,8 +57,12 @@ def _backend(config: TableConfig, key: str) -> type[Column]:
     """The class that keeps column ``key`` of a table of ``config``."""
     if config.compress_keys and key in config.compress_keys:
         return Lz4Column
-    if config.backend_of(key) == "memmap":
+    kind = config.backend_of(key)
+    if kind == "memmap":
         return MemmapColumn
+    registered = BACKENDS[kind]
+    if registered.column_class is not None:
+        return registered.column_class
     return DeviceColumn if config.on_device else HostColumn
 
 
@@ -113,6 +118,11 @@ def make_storage(config: TableConfig, schema: Schema,
         backend = backends[key]
         if backend is Lz4Column:
             columns[key] = _compressed(config, key, spec, directory, partial(grown, key))
+        elif BACKENDS[config.backend_of(key)].column is not None:
+            kind = config.backend_of(key)
+            make = BACKENDS[kind].column
+            assert make is not None
+            columns[key] = make(spec, capacity, config.storage_options[kind])
         elif backend is MemmapColumn:
             assert directory is not None
             columns[key] = MemmapColumn(spec, capacity, directory, name, key)
