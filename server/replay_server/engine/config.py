@@ -128,6 +128,8 @@ class TableConfig:
                                 "cpu, cuda or cuda:N")
     pin_memory: bool = field(default=False, metadata={"server": True})
     sampler_options: SamplerSpec = _spec("the sampler's")
+    inert: dict[str, Any] = field(default=None, hash=False,  # type: ignore[assignment]
+                                  metadata={"spec": "options kept without effect"})
     storage_options: dict[str, LayerSpec] = field(default=None, hash=False,  # type: ignore
                                                   metadata={"spec": "each backend used's"})
     flow: FlowControl = _spec("rate limiter")
@@ -139,11 +141,10 @@ class TableConfig:
         _build(self, name, capacity, options)
 
     def __getattr__(self, key: str) -> Any:
+        # Every option is a plain attribute once built (_flatten); this finds only an
+        # option of a layer registered since, at its default.
         if key.startswith("_") or "sampler_options" not in self.__dict__:
             raise AttributeError(key)
-        for spec in self.specs():
-            if key in spec.keys():
-                return getattr(spec, key)
         found = table_options().get(key)
         if found is None:
             raise AttributeError(f"TableConfig has no option {key!r}")
@@ -233,7 +234,7 @@ def table_options() -> dict[str, list[tuple[str, OptionDoc]]]:
         doc = f.metadata.get("doc", "")
         if f.name == "sampler":
             doc += f" ({SAMPLERS.names()})"
-        elif f.name in ("storage", "column_storage"):
+        elif f.name == "storage":
             doc += f" ({BACKENDS.names()})"
         required = f.metadata.get("required", False)
         found[f.name] = [("table", OptionDoc(f.name, f.default, doc, required))]
@@ -268,8 +269,10 @@ def _build(config: TableConfig, name: Any, capacity: Any, options: dict[str, Any
     values["sampler"] = _kind(SamplerKind, values["sampler"], where, "sampler")
     values["storage"] = _kind(StorageKind, values["storage"], where, "storage")
     values["column_storage"] = _column_storage(where, values["column_storage"])
-    held = {key: options.pop(key) for key in ("sampler_options", "storage_options",
+    held = {key: options.pop(key) for key in ("sampler_options", "storage_options", "inert",
                                               *(g for g, _, _ in _GROUPS)) if key in options}
+    for key, value in (held.get("inert") or {}).items():  # dataclasses.replace() gives them
+        options.setdefault(key, value)
     kind, storage_kinds = values["sampler"], _used_backends(values)
     targets: list[tuple[str, type[LayerSpec], Any]] = [
         ("sampler_options", kind.options, held.get("sampler_options")),
@@ -277,11 +280,14 @@ def _build(config: TableConfig, name: Any, capacity: Any, options: dict[str, Any
     backends = held.get("storage_options") or {}
     targets += [(f"storage:{k}", BACKENDS[k].options, backends.get(k)) for k in storage_kinds]
     routed: dict[str, dict[str, Any]] = {target: {} for target, _, _ in targets}
+    inert: dict[str, Any] = {}
     for key, value in options.items():
         owners = [target for target, cls, _ in targets if key in cls.keys()]
         if owners:
             for target in owners:
                 routed[target][key] = value
+        elif _is_inert(key):
+            inert[key] = value
         elif not _at_default(key, value):  # an option at its default says nothing
             raise _unknown(where, key, value, kind, values["storage"])
     for target, cls, given in targets:
@@ -297,9 +303,25 @@ def _build(config: TableConfig, name: Any, capacity: Any, options: dict[str, Any
                 raise ConfigError(f"{where}: {owner} needs {doc.name}")
         values[target] = spec
     values["storage_options"] = {k: values.pop(f"storage:{k}") for k in storage_kinds}
+    values["inert"] = _checked_inert(inert, where, capacity)
     for key, value in values.items():
         object.__setattr__(config, key, value)
+    for spec in config.specs():
+        spec.check(where, config.capacity)  # each layer's values, normalised
+    _flatten(config)
     _check(config, where)
+
+
+def _flatten(config: TableConfig) -> None:
+    """Each layer option also as a plain attribute of ``config`` (checked, normalised), so
+    reading ``config.slice_len`` on the sample path costs what a field does."""
+    own = {f.name for f in fields(TableConfig)}
+    for key, owners in table_options().items():
+        if key in own:
+            continue
+        value = next((getattr(spec, key) for spec in config.specs() if key in spec.keys()),
+                     config.inert.get(key, owners[0][1].default))
+        object.__setattr__(config, key, value)
 
 
 def _kind(cls: Any, value: Any, where: str, what: str) -> Any:
@@ -329,6 +351,23 @@ def _used_backends(values: dict[str, Any]) -> list[str]:
     return [kind for kind in BACKENDS if kind in used]
 
 
+def _is_inert(key: str) -> bool:
+    owners = table_options().get(key)
+    return owners is not None and all(doc.inert for _, doc in owners)
+
+
+def _checked_inert(inert: dict[str, Any], where: str, capacity: int) -> dict[str, Any]:
+    """``inert`` options, checked and normalised by the spec of a sampler that owns them."""
+    checked: dict[str, Any] = {}
+    for key, value in inert.items():  # by the smallest spec declaring it (its own checks)
+        cls = min((s.options for s in SAMPLERS.values() if key in s.options.keys()),
+                  key=lambda spec: len(spec.keys()))
+        spec = cls(**{key: value})
+        spec.check(where, capacity)
+        checked[key] = getattr(spec, key)
+    return checked
+
+
 def _at_default(key: str, value: Any) -> bool:
     owners = table_options().get(key)
     return value is None or (owners is not None and all(
@@ -351,9 +390,8 @@ def _unknown(where: str, key: str, value: Any, sampler: SamplerKind,
 
 
 def _check(config: TableConfig, where: str) -> None:
-    """Every value, then the only combinations refused (docs/engine.md, "What is refused")."""
-    for spec in config.specs():
-        spec.check(where, config.capacity)
+    """The table's own values, then the only combinations refused (docs/engine.md, "What
+    is refused")."""
     keys = (config.episode_key, config.done_key, config.truncated_key)
     for name, value in zip(("episode_key", "done_key", "truncated_key"), keys):
         if not isinstance(value, str) or not value:

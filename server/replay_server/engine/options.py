@@ -31,12 +31,15 @@ from replay_server.errors import ConfigError
 T = TypeVar("T")
 
 
-def option(default: Any, doc: str, *, required: bool = False) -> Any:
-    """A spec field: its ``default`` (``None``: unset), its one-line ``doc``, and whether a
-    table with the layer must set it (``required``: the default is only its unset value)."""
+def option(default: Any, doc: str, *, required: bool = False, inert: bool = False) -> Any:
+    """A spec field: its ``default`` (``None``: unset), its one-line ``doc``, whether a
+    table with the layer must set it (``required``: the default is only its unset value),
+    and whether a table without the layer takes it too, checked and kept but without
+    effect (``inert``: configs set it on every table before options had owners, and
+    checkpoints recorded it, so refusing it would break their files)."""
     if isinstance(default, (dict, list)):
         raise TypeError("an option's default must be immutable")
-    return field(default=default, metadata={"doc": doc, "required": required})
+    return field(default=default, metadata={"doc": doc, "required": required, "inert": inert})
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class OptionDoc:
     default: Any
     doc: str
     required: bool = False
+    inert: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +61,8 @@ class LayerSpec:
     def options(cls) -> tuple[OptionDoc, ...]:
         """The options this spec declares, in declaration order."""
         return tuple(OptionDoc(f.name, None if f.default is MISSING else f.default,
-                               f.metadata.get("doc", ""), f.metadata.get("required", False))
+                               f.metadata.get("doc", ""), f.metadata.get("required", False),
+                               f.metadata.get("inert", False))
                      for f in fields(cls))
 
     @classmethod

@@ -13,8 +13,7 @@ from replay_server.engine.table import Table
 
 
 def table(sampler: SamplerKind, **kw) -> Table:
-    alpha = {"alpha": 0.5} if SamplerKind(sampler).is_prioritized else {}
-    return Table(TableConfig(name="t", capacity=8, sampler=sampler, **alpha, **kw))
+    return Table(TableConfig(name="t", capacity=8, sampler=sampler, alpha=0.5, **kw))
 
 
 def test_prioritized_mass_is_the_sum_and_minimum_of_p_alpha() -> None:

@@ -1105,8 +1105,7 @@ def test_corrupt_state_leaves_table_unchanged(
 @pytest.mark.parametrize("kind", KINDS)
 def test_state_with_other_beta_is_accepted(kind: str) -> None:
     table = filled_table(kind)
-    beta = {"beta": 0.9} if SamplerKind(kind).is_prioritized else {}  # beta: theirs only
-    table.load_state_dict(filled_table(kind, **beta).state_dict())
+    table.load_state_dict(filled_table(kind, beta=0.9).state_dict())
     assert table.size == STORED
 
 

@@ -29,8 +29,10 @@ from replay_server.engine.sumtree import SLOT_BYTES, SumTree
 class PriorityOptions(SamplerSpec):
     """The options of the prioritized samplers (proportional PER)."""
 
-    alpha: float = option(0.6, "priority exponent: P(i) = p_i^alpha / sum_k p_k^alpha")
-    beta: float = option(0.4, "importance-weight exponent: w_i = (N * P(i))^-beta / max_j w_j")
+    alpha: float = option(0.6, "priority exponent: P(i) = p_i^alpha / sum_k p_k^alpha",
+                          inert=True)
+    beta: float = option(0.4, "importance-weight exponent: w_i = (N * P(i))^-beta / max_j w_j",
+                         inert=True)
 
     def check(self, where: str, capacity: int) -> None:
         for name in ("alpha", "beta"):
