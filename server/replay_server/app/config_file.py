@@ -33,6 +33,11 @@
     [tables.schema]                # optional; else the first insert fixes it
     obs = "float32[17]"
 
+The ``[[tables]]`` keys, their defaults and their checks are the table's and
+its layers' own specs (:func:`~replay_server.engine.config.table_options`;
+docs/service.md's reference is checked against them): a key of a sampler or
+storage the table does not use is refused naming the one it belongs to.
+
 Every problem is a :class:`~replay_server.errors.ConfigError` naming the
 field and the value; an unknown key is refused, never silently ignored.
 """

@@ -103,9 +103,11 @@ class TableConfig:
     (``TableConfig(name="r", capacity=1000, sampler="prioritized", alpha=0.7)``):
     each key goes to the spec that owns it; a key no layer of this table
     owns is refused, naming the sampler or storage it belongs to (unless it
-    is unset or at its default: it then says nothing). Every
-    option reads flat too (``config.alpha``): the owning spec's value, else
-    (an option of a layer the table does not have) its declared default.
+    is unset or at its default: it then says nothing; ``alpha`` and ``beta``
+    are taken by every sampler, without effect where it has no priorities,
+    as configs and checkpoints have always had them). Every option reads
+    flat too (``config.alpha``): the owning spec's value, else (an option of
+    a layer the table does not have) its declared default.
     :func:`table_options` documents every key.
     """
 
