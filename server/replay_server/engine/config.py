@@ -254,6 +254,10 @@ def layer_names() -> dict[str, str]:
     return {"samplers": SAMPLERS.names(), "storage": BACKENDS.names()}
 
 
+_Target = tuple[str, type[LayerSpec], Any]
+"""Where routed keys go: (field, or ``storage:<kind>``; the spec's class; a spec given whole)."""
+
+
 def _build(config: TableConfig, name: Any, capacity: Any, options: dict[str, Any]) -> None:
     """Route flat ``options`` to the specs that own them, check every value and the few
     combinations without meaning, and set the fields (see :class:`TableConfig`)."""
@@ -275,12 +279,36 @@ def _build(config: TableConfig, name: Any, capacity: Any, options: dict[str, Any
                                               *(g for g, _, _ in _GROUPS)) if key in options}
     for key, value in (held.get("inert") or {}).items():  # dataclasses.replace() gives them
         options.setdefault(key, value)
-    kind, storage_kinds = values["sampler"], _used_backends(values)
-    targets: list[tuple[str, type[LayerSpec], Any]] = [
+    storage_kinds = _used_backends(values)
+    targets = _targets(values["sampler"], storage_kinds, held)
+    routed, inert = _route(options, targets, where, values["sampler"], values["storage"])
+    for target, cls, given in targets:
+        values[target] = _spec_of(cls, given, routed[target], where, target, values["sampler"])
+    values["storage_options"] = {k: values.pop(f"storage:{k}") for k in storage_kinds}
+    values["inert"] = _checked_inert(inert, where, capacity)
+    for key, value in values.items():
+        object.__setattr__(config, key, value)
+    for spec in config.specs():
+        spec.check(where, config.capacity)  # each layer's values, normalised
+    _flatten(config)
+    _check(config, where)
+
+
+def _targets(kind: SamplerKind, storage_kinds: list[str], held: dict[str, Any]
+             ) -> list[_Target]:
+    """The specs this table has: its sampler's, every group's and each used backend's."""
+    targets: list[_Target] = [
         ("sampler_options", kind.options, held.get("sampler_options")),
         *((group, cls, held.get(group)) for group, _, cls in _GROUPS)]
     backends = held.get("storage_options") or {}
-    targets += [(f"storage:{k}", BACKENDS[k].options, backends.get(k)) for k in storage_kinds]
+    return targets + [(f"storage:{k}", BACKENDS[k].options, backends.get(k))
+                      for k in storage_kinds]
+
+
+def _route(options: dict[str, Any], targets: list[_Target], where: str, kind: SamplerKind,
+           storage: StorageKind) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Each key to the specs of ``targets`` that declare it, or to the inert options; a key
+    none takes is refused, naming its owner (unless unset or at its default)."""
     routed: dict[str, dict[str, Any]] = {target: {} for target, _, _ in targets}
     inert: dict[str, Any] = {}
     for key, value in options.items():
@@ -291,27 +319,25 @@ def _build(config: TableConfig, name: Any, capacity: Any, options: dict[str, Any
         elif _is_inert(key):
             inert[key] = value
         elif not _at_default(key, value):  # an option at its default says nothing
-            raise _unknown(where, key, value, kind, values["storage"])
-    for target, cls, given in targets:
-        carried = {} if given is None else {
-            k: v for k, v in given.values().items() if k in cls.keys()}
-        if isinstance(given, LayerSpec) and type(given) is cls:
-            carried = {k: getattr(given, k) for k in cls.keys()}
-        spec = cls(**{**carried, **routed[target]})
-        owner = (f"sampler {kind.value!r}" if target == "sampler_options"
-                 else f"storage {target[8:]!r}" if target.startswith("storage:") else None)
-        for doc in spec.options():
-            if doc.required and getattr(spec, doc.name) is None and owner is not None:
-                raise ConfigError(f"{where}: {owner} needs {doc.name}")
-        values[target] = spec
-    values["storage_options"] = {k: values.pop(f"storage:{k}") for k in storage_kinds}
-    values["inert"] = _checked_inert(inert, where, capacity)
-    for key, value in values.items():
-        object.__setattr__(config, key, value)
-    for spec in config.specs():
-        spec.check(where, config.capacity)  # each layer's values, normalised
-    _flatten(config)
-    _check(config, where)
+            raise _unknown(where, key, value, kind, storage)
+    return routed, inert
+
+
+def _spec_of(cls: type[LayerSpec], given: Any, routed: dict[str, Any], where: str,
+             target: str, kind: SamplerKind) -> LayerSpec:
+    """The spec of ``cls`` from a spec ``given`` whole (its values that ``cls`` declares) and
+    the keys routed to it; a required option left unset is refused, naming its layer."""
+    carried = {} if given is None else {
+        k: v for k, v in given.values().items() if k in cls.keys()}
+    if isinstance(given, LayerSpec) and type(given) is cls:
+        carried = {k: getattr(given, k) for k in cls.keys()}
+    spec = cls(**{**carried, **routed})
+    owner = (f"sampler {kind.value!r}" if target == "sampler_options"
+             else f"storage {target[8:]!r}" if target.startswith("storage:") else None)
+    for doc in spec.options():
+        if doc.required and getattr(spec, doc.name) is None and owner is not None:
+            raise ConfigError(f"{where}: {owner} needs {doc.name}")
+    return spec
 
 
 def _flatten(config: TableConfig) -> None:
