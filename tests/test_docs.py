@@ -56,7 +56,10 @@ def test_readme_has_client_examples():
 @pytest.mark.parametrize("code", PYTHON)
 def test_python_example_runs(code, address):
     code = code.replace("localhost:50051", address)
-    exec(compile(code, "<doc example>", "exec"), {"__name__": "__doc_example__"})
+    # dont_inherit: the example runs as a user's file would, without this module's
+    # ``from __future__ import annotations`` (a dataclass in it needs real annotations)
+    exec(compile(code, "<doc example>", "exec", dont_inherit=True),
+         {"__name__": "__doc_example__"})
 
 
 @pytest.mark.parametrize("code", TOML)
@@ -148,7 +151,8 @@ def test_the_transports_the_docs_print_are_the_ones_used(address, capsys):
     checked = 0
     for code in blocks:
         said = re.findall(r"print\(stream\.transport\)\s*# (\w+)", code)
-        exec(compile(code.replace("localhost:50051", address), "<doc example>", "exec"),
+        exec(compile(code.replace("localhost:50051", address), "<doc example>", "exec",
+                     dont_inherit=True),
              {"__name__": "__doc_example__"})
         printed = [line for line in capsys.readouterr().out.splitlines()
                    if line in ("grpc", "shared_memory", "in_process")]

@@ -33,6 +33,11 @@
     [tables.schema]                # optional; else the first insert fixes it
     obs = "float32[17]"
 
+The ``[[tables]]`` keys, their defaults and their checks are the table's and
+its layers' own specs (:func:`~replay_server.engine.config.table_options`;
+docs/service.md's reference is checked against them): a key of a sampler or
+storage the table does not use is refused naming the one it belongs to.
+
 Every problem is a :class:`~replay_server.errors.ConfigError` naming the
 field and the value; an unknown key is refused, never silently ignored.
 """
@@ -49,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from replay_proto.dtypes import dtype_from_name
-from replay_server.engine.config import TableConfig
+from replay_server.engine.config import TableConfig, table_options
 from replay_server.engine.schema import FieldSpec
 from replay_server.errors import ConfigError
 from replay_server.service.settings import ServerSettings
@@ -58,10 +63,10 @@ log = logging.getLogger("replay_server")
 
 _SPEC = re.compile(r"^([a-z0-9]+)\[([0-9, ]*)\]$")
 
-# The keys a section accepts are the fields of what it configures (the server sets
-# each table's pin_memory from [server]).
+# The keys a section accepts are the fields of what it configures: [[tables]] the keys
+# the layers' specs declare (engine.config.table_options, read when a file is read, so a
+# layer registered later is in it; the server sets each table's pin_memory from [server]).
 _SERVER_KEYS = {f.name for f in fields(ServerSettings)} - {"tables"}
-_TABLE_KEYS = {f.name for f in fields(TableConfig)} - {"pin_memory"}
 
 
 def load_settings(path: str | Path) -> ServerSettings:
@@ -95,7 +100,8 @@ def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
         raise ConfigError(f"server must be a table ([server] with key = value lines), got "
                           f"{document['server']!r}")
     server = dict(document.get("server", {}))
-    _check_keys("server", server, _SERVER_KEYS, ("[[tables]]", _TABLE_KEYS))
+    table_keys = set(table_options())
+    _check_keys("server", server, _SERVER_KEYS, ("[[tables]]", table_keys))
     tables = document.get("tables")
     if tables is None:
         log.info("the config declares no [[tables]]: serving the default tables "
@@ -109,7 +115,7 @@ def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
             raise ConfigError(f"tables[{index}] must be a table ([[tables]] with key = value "
                               f"lines), got {table!r}")
         where = f"tables[{index}]" + (f" ({table.get('name')!r})" if "name" in table else "")
-        _check_keys(where, table, _TABLE_KEYS, ("[server]", _SERVER_KEYS))
+        _check_keys(where, table, table_keys, ("[server]", _SERVER_KEYS))
         options = dict(table)
         if "schema" in options:
             options["schema"] = _schema(where, options["schema"])

@@ -12,7 +12,7 @@ allocated, bound or written.
 from __future__ import annotations
 
 from replay_server.checkpoint.directory import CheckpointDirectory
-from replay_server.engine.config import TableConfig
+from replay_server.engine.config import TableConfig, layer_names, table_options
 from replay_server.engine.memory import MemoryLedger, format_bytes
 from replay_server.engine.table_parts import table_bytes
 from replay_server.engine.schema import Schema
@@ -43,6 +43,7 @@ def config_report(settings: ServerSettings) -> str:
              f"tables promise {format_bytes(ledger.committed)} at start (of "
              f"{format_bytes(ledger.limit)} allowed; rows of an undeclared schema come with "
              f"the first insert)",
+             layers_report(),
              f"{len(settings.tables)} table(s):"]
     lines += [f"  {_table(table)}" for table in settings.tables]
     return "\n".join(lines)
@@ -61,10 +62,22 @@ def _persistence(settings: ServerSettings) -> str:
 
 
 def _table(table: TableConfig) -> str:
-    extras = [f"slice_len={table.slice_len}"] if table.slice_len else []
+    """``name: sampler, capacity N`` and every option set away from its default, as each
+    layer's spec declares it (:func:`~replay_server.engine.config.table_options`)."""
+    options = table_options()
+    set_ = [f"{key}={value}" for key, value in table.describe().items()
+            if key not in ("name", "capacity", "sampler")
+            and value != _plain_default(options[key][0][1].default)]
     if table.schema is not None:
-        extras.append(f"schema {Schema(table.schema).describe()}")
-    limiter = [f"{key}={getattr(table, key)}" for key in
-               ("min_size_to_sample", "samples_per_insert") if getattr(table, key)]
+        set_.append(f"schema {Schema(table.schema).describe()}")
     return (f"{table.name}: {table.sampler.value}, capacity {table.capacity:,}"
-            + "".join(f", {extra}" for extra in extras + limiter))
+            + "".join(f", {extra}" for extra in set_))
+
+
+def _plain_default(default: object) -> object:
+    return list(default) if isinstance(default, tuple) else default
+
+
+def layers_report() -> str:
+    """The samplers and storage backends this server knows (its registries)."""
+    return "; ".join(f"{layer}: {names}" for layer, names in layer_names().items())

@@ -1,4 +1,14 @@
-"""Table configuration: frozen, validated at construction.
+"""Table configuration: the table's own options plus one spec per layer, frozen and validated.
+
+Each layer owns its options (:mod:`replay_server.engine.options`): the sampler's
+are its class's spec (``alpha``/``beta`` are the prioritized samplers',
+``slice_len`` the slice samplers', ``lease_timeout_s`` the queues'), a storage
+backend's are its spec (``storage_dir`` is ``memmap``'s), the readers' and the
+codec's theirs. :class:`TableConfig` holds the table's own options and those
+specs; it is built from the flat keys a ``[[tables]]`` entry has (each key
+routed to the spec that owns it) and reads flat (``config.alpha``) the same
+way. :func:`table_options` lists every key with its owner, default and doc:
+the config file, ``check-config`` and the docs reference all read it.
 
 A bad value raises :class:`~replay_server.errors.ConfigError` whose message
 names the table, the field and the value; nothing is silently corrected.
@@ -6,43 +16,58 @@ names the table, the field and the value; nothing is silently corrected.
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any
+from dataclasses import dataclass, field, fields
+from difflib import get_close_matches
+from typing import Any, ClassVar
 
+from replay_proto.id_layout import SEGMENT_ROWS
 from replay_proto.keys import check_prefixes
-from replay_server.errors import ConfigError
-from replay_server.engine.samplers import SAMPLERS, SamplerTraits
+from replay_proto.scalars import is_int
+from replay_server.engine.options import (
+    LayerSpec,
+    OptionDoc,
+    RegisteredName,
+    Registry,
+    misplaced,
+    option,
+)
+from replay_server.engine.rate_limiter import DEFAULT_ERROR_ROWS, MAX_TIMES_SAMPLED, FlowControl
+from replay_server.engine.readers.framestack import FrameStackOptions
+from replay_server.engine.readers.nstep import NStepOptions
+from replay_server.engine.samplers import SAMPLERS, SamplerSpec, SamplerTraits
+from replay_server.engine.samplers.queue import DEFAULT_LEASE_TIMEOUT_S, MAX_LEASE_TIMEOUT_S
 from replay_server.engine.schema import FieldSpec
+from replay_server.engine.storage.backends import BACKENDS, StorageKind
+from replay_server.engine.storage.compressed import CompressionOptions
+from replay_server.errors import ConfigError
+
+__all__ = ["DEFAULT_ERROR_ROWS", "DEFAULT_LEASE_TIMEOUT_S", "MAX_CAPACITY",
+           "MAX_LEASE_TIMEOUT_S", "MAX_TIMES_SAMPLED", "SamplerKind", "StorageKind",
+           "TableConfig", "default_table_configs", "table_options"]
 
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_\-]{0,127}")
 _DEVICE = re.compile(r"cpu|cuda(:(0|[1-9][0-9]{0,3}))?")
 
-MAX_CAPACITY = 2**40
-"""Rows per table, at most (ids are int64 insertion numbers, slots fit int64)."""
-
-MAX_TIMES_SAMPLED = 2**32 - 1
-"""Largest ``max_times_sampled`` (per-row counts are uint32)."""
-
-DEFAULT_ERROR_ROWS = 1000
-"""``error_buffer`` defaults to ``max(1, samples_per_insert) * max(min_size_to_sample, this)``."""
+MAX_CAPACITY = SEGMENT_ROWS
+"""Rows per table, at most: one id segment's rows (2**40; ``replay_proto.id_layout``)."""
 
 
-class StorageKind(str, Enum):
-    """Where a table keeps its rows (see ``replay_server.engine.storage``)."""
+class SamplerKind(RegisteredName):
+    """A registered sampler's name (``SamplerKind.PRIORITIZED``, ``SamplerKind("slice")``),
+    and what its class declares."""
 
-    MEMORY = "memory"
-    MEMMAP = "memmap"
-
-
-class _SamplerKinds(str, Enum):
-    """What a sampler's name tells, read from the declaration of the class it names."""
+    registry: ClassVar[Registry[Any]] = SAMPLERS
+    _made: ClassVar[dict[str, Any]] = {}
 
     @property
     def traits(self) -> SamplerTraits:
         return SAMPLERS[self.value].traits
+
+    @property
+    def options(self) -> type[SamplerSpec]:
+        """The spec of the sampler's options."""
+        return SAMPLERS[self.value].options
 
     @property
     def is_queue(self) -> bool:
@@ -58,411 +83,95 @@ class _SamplerKinds(str, Enum):
         return self.traits.slices
 
 
-SamplerKind = _SamplerKinds(  # type: ignore[call-overload]
-    "SamplerKind", [(name.upper(), name) for name in SAMPLERS], module=__name__)
-"""How a table picks the rows of a sample: one member per registered sampler
-(:data:`~replay_server.engine.samplers.SAMPLERS`), named as the config names it."""
+_GROUPS: tuple[tuple[str, str, type[LayerSpec]], ...] = (
+    ("flow", "rate limiter", FlowControl),
+    ("returns", "n-step reader", NStepOptions),
+    ("stacking", "frame-stack reader", FrameStackOptions),
+    ("compression", "lz4 codec", CompressionOptions),
+)
+"""The specs every table has: (its field in TableConfig, its owner's name, its class)."""
 
 
-DEFAULT_LEASE_TIMEOUT_S = 60.0
-"""How long a queue's rows taken under a lease wait for their acknowledgement by default."""
-
-MAX_LEASE_TIMEOUT_S = 86_400.0
-"""The longest ``lease_timeout_s`` (a day)."""
+def _spec(doc: str) -> Any:
+    return field(default=None, metadata={"spec": doc}, hash=False, compare=True)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, init=False)
 class TableConfig:
-    """Everything that defines one table.
+    """Everything that defines one table: its own options and one spec per layer.
 
-    Attributes:
-        name: the table's name (letters, digits, ``_`` and ``-``).
-        capacity: rows kept; when full, the oldest row is overwritten (FIFO).
-        sampler: a registered sampler's name (``uniform``, ``prioritized``,
-            ``slice``, ``prioritized_slice``, ``fifo``, ``lifo``).
-        alpha: priority exponent, P(i) = p_i^alpha / sum_k p_k^alpha (prioritized kinds).
-        beta: importance-weight exponent (prioritized kinds).
-        slice_len: steps per sampled slice (slice kinds; required there, refused elsewhere).
-        strict_length: (slice kinds) ``False``: a slice may also start at the first
-            stored step of any episode, however short, and is cut at the episode's
-            last stored step (TorchRL's ``SliceSampler(strict_length=False)``); a
-            sample stays ``[B, slice_len]``, each slice's window repeating its last
-            real id past its end (see :mod:`replay_server.engine.samplers.episodes`).
-        span_left: (``slice`` only) windows may also begin up to this many steps
-            before an episode's first stored step, the steps before it cut
-            (TorchRL's ``span=(left, right)``); in ``[0, slice_len - 1]``.
-        span_right: (slice kinds) windows may end up to this many steps past an
-            episode's last stored step, the steps past it cut: a slice has at
-            least ``slice_len - span_right`` steps; in ``[0, slice_len - 1]``.
-        episode_key: int64 column holding each row's episode id (slice kinds need it).
-        done_key: bool column whose True ends an episode (optional column).
-        truncated_key: bool column whose True also ends an episode (optional column).
-        schema: columns declared up front (flat key -> FieldSpec); ``None``: the
-            first insert fixes it.
-        pin_memory: allocate storage in page-locked memory (needs an accelerator).
-        seed: seed of the table's random generator; ``None``: nondeterministic.
-        min_size_to_sample: samples wait until the table holds this many rows
-            (Reverb's ``MinSize``); ``None``: 1 with ``samples_per_insert``,
-            else no rate limiter at all.
-        samples_per_insert: the ratio of sampled rows to inserted rows the rate
-            limiter holds (Reverb's ``SampleToInsertRatio``); ``None``: no ratio limit.
-        error_buffer: how far the ratio's count may drift either way before
-            calls wait, in sampled rows (see :mod:`replay_server.engine.rate_limiter`);
-            ``None``: ``max(1, samples_per_insert) * max(min_size_to_sample, 1000)``.
-        max_times_sampled: a row drawn this many times is retired (no longer
-            sampled; slice samplers: a slice drawn this many times is retired);
-            0: no limit (``fifo``/``lifo``: 1).
-        max_size: (tables whose rows leave when sampled: ``fifo``/``lifo``, or
-            ``max_times_sampled``) inserts wait while the table holds more
-            than ``max_size - rows`` rows; ``None``: they never wait, and the
-            ring overwrites the oldest rows when full. At most ``capacity``.
-        lease_timeout_s: (samplers that consume their rows: ``fifo``/``lifo``)
-            seconds a sample's rows taken under a lease stay its taker's
-            before they return to the queue unless acknowledged
-            (:mod:`replay_server.engine.leases`); ``None``: 60.
-        storage: every column's backend: ``memory`` (preallocated tensors in
-            RAM; on a device table, in device memory) or ``memmap``
-            (memory-mapped files under ``storage_dir``: the page cache decides
-            what stays in RAM, so a table may be larger than RAM).
-        column_storage: per-column backends overriding ``storage`` (flat key ->
-            ``memory`` or ``memmap``); ``None``: none.
-        storage_dir: the existing directory ``memmap`` columns keep their
-            files in; only with a ``memmap`` column.
-        n_step: (any sampler but ``fifo``/``lifo``) samples return n-step
-            transitions built from the stored steps of each row's episode
-            (see :mod:`replay_server.engine.readers.nstep`); 1: plain rows.
-        gamma: the discount of the n-step return (``n_step > 1`` only), in [0, 1].
-        reward_key: the column summed into the n-step return (``n_step > 1`` only).
-        frame_stack_key: a stacked observation ``[stack, ...]`` stored one frame
-            per step (with ``next.<key>`` when present), its stacks rebuilt at
-            sample time (see :mod:`replay_server.engine.readers.framestack`);
-            ``None``: off.
-        frame_stack_fill: the frames before an episode's first step: ``repeat``
-            its first frame, or ``zero``.
-        compress_keys: columns whose rows are stored lz4-compressed, over their
-            backend (see :mod:`replay_server.engine.storage.compressed`);
-            ``None``: none.
-        priority_mixing: (samplers with priorities and slices) ``eta``: priority
-            updates are of whole slices (a batch's ids ``[B, slice_len]``, each
-            row one slice as sampled, which the sampler checks) and give each
-            slice's start ``eta * max + (1 - eta) * mean`` of its steps'
-            priorities, as R2D2 does; ``None``: updates apply per row.
-        device: where the table's batches are handed out and its ``memory``
-            columns live: ``"cpu"`` (host memory, the default) or ``"cuda"`` /
-            ``"cuda:N"`` (device memory: sampling gathers there; see
-            :mod:`replay_server.engine.storage.device`). Checked against the
-            machine when the table is made.
+    Built from flat keywords, as a ``[[tables]]`` entry is written
+    (``TableConfig(name="r", capacity=1000, sampler="prioritized", alpha=0.7)``):
+    each key goes to the spec that owns it; a key no layer of this table
+    owns is refused, naming the sampler or storage it belongs to (unless it
+    is unset or at its default: it then says nothing; ``alpha`` and ``beta``
+    are taken by every sampler, without effect where it has no priorities,
+    as configs and checkpoints have always had them). Every option reads
+    flat too (``config.alpha``): the owning spec's value, else (an option of
+    a layer the table does not have) its declared default.
+    :func:`table_options` documents every key.
     """
 
-    name: str
-    capacity: int
-    sampler: SamplerKind = SamplerKind.UNIFORM
-    alpha: float = 0.6
-    beta: float = 0.4
-    slice_len: int | None = None
-    strict_length: bool = True
-    span_left: int = 0
-    span_right: int = 0
-    episode_key: str = "episode"
-    done_key: str = "done"
-    truncated_key: str = "truncated"
-    schema: dict[str, FieldSpec] | None = field(default=None, hash=False)
-    pin_memory: bool = False
-    seed: int | None = None
-    min_size_to_sample: int | None = None
-    samples_per_insert: float | None = None
-    error_buffer: float | None = None
-    max_times_sampled: int = 0
-    max_size: int | None = None
-    lease_timeout_s: float | None = None
-    storage: StorageKind = StorageKind.MEMORY
-    storage_dir: str | None = None
-    n_step: int = 1
-    gamma: float = 0.99
-    reward_key: str = "reward"
-    frame_stack_key: str | None = None
-    frame_stack_fill: str = "repeat"
-    compress_keys: tuple[str, ...] | None = None
-    device: str = "cpu"
-    column_storage: dict[str, StorageKind] | None = field(default=None, hash=False)
-    priority_mixing: float | None = None
+    name: str = option(None, "the table's name (letters, digits, '_' and '-')", required=True)
+    capacity: int = option(None, "rows kept; when full, the oldest row is overwritten",
+                           required=True)
+    sampler: SamplerKind = option("uniform", "how a sample picks rows: a registered sampler")
+    storage: StorageKind = option("memory", "every column's storage backend")
+    column_storage: dict[str, StorageKind] | None = field(default=None, hash=False, metadata={
+        "doc": "per-column backends overriding storage (key -> backend); unset: none"})
+    episode_key: str = option("episode", "int64 column holding each row's episode id")
+    done_key: str = option("done", "bool column whose True ends an episode")
+    truncated_key: str = option("truncated", "bool column whose True also ends an episode")
+    schema: dict[str, FieldSpec] | None = field(default=None, hash=False, metadata={
+        "doc": "columns declared up front (key -> 'dtype[dims]'); unset: the first insert "
+               "fixes them"})
+    seed: int | None = option(None, "seed of the table's random generator; unset: "
+                                    "nondeterministic")
+    device: str = option("cpu", "where batches are handed out and memory columns live: "
+                                "cpu, cuda or cuda:N")
+    pin_memory: bool = field(default=False, metadata={"server": True})
+    sampler_options: SamplerSpec = _spec("the sampler's")
+    inert: dict[str, Any] = field(default=None, hash=False,  # type: ignore[assignment]
+                                  metadata={"spec": "options kept without effect"})
+    storage_options: dict[str, LayerSpec] = field(default=None, hash=False,  # type: ignore
+                                                  metadata={"spec": "each backend used's"})
+    flow: FlowControl = _spec("rate limiter")
+    returns: NStepOptions = _spec("n-step reader")
+    stacking: FrameStackOptions = _spec("frame-stack reader")
+    compression: CompressionOptions = _spec("lz4 codec")
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
-            raise ConfigError(
-                f"table name {self.name!r} is invalid: use 1-128 letters, digits, '_' or '-'"
-            )
-        where = f"table {self.name!r}"
-        if not _is_int(self.capacity) or not 1 <= self.capacity <= MAX_CAPACITY:
-            raise ConfigError(
-                f"{where}: capacity must be an integer in [1, {MAX_CAPACITY}], got {self.capacity!r}"
-            )
-        try:
-            object.__setattr__(self, "sampler", SamplerKind(self.sampler))
-        except ValueError:
-            kinds = ", ".join(k.value for k in SamplerKind)
-            raise ConfigError(
-                f"{where}: sampler must be one of {kinds}, got {self.sampler!r}"
-            ) from None
-        for name in ("alpha", "beta"):
-            value = getattr(self, name)
-            if not _is_real(value) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
-            object.__setattr__(self, name, float(value))
-        if self.sampler.is_slice:
-            if self.slice_len is None:
-                raise ConfigError(f"{where}: sampler {self.sampler.value!r} needs slice_len")
-            if not _is_int(self.slice_len) or not 1 <= self.slice_len <= self.capacity:
-                raise ConfigError(
-                    f"{where}: slice_len must be an integer in [1, capacity={self.capacity}], "
-                    f"got {self.slice_len!r}"
-                )
-        elif self.slice_len is not None:
-            raise ConfigError(
-                f"{where}: slice_len={self.slice_len!r} is only used by the slice samplers, and "
-                f"sampler is {self.sampler.value!r}; remove slice_len or choose sampler 'slice'"
-            )
-        for name in ("episode_key", "done_key", "truncated_key"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"{where}: {name} must be a non-empty string, got {value!r}")
-        keys = (self.episode_key, self.done_key, self.truncated_key)
-        if len(set(keys)) != len(keys):
-            raise ConfigError(
-                f"{where}: episode_key, done_key and truncated_key must be different columns, "
-                f"got {keys!r}"
-            )
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**128):
-            raise ConfigError(f"{where}: seed must be an integer in [0, 2**128) or omitted, got "
-                              f"{self.seed!r}")
-        if not isinstance(self.pin_memory, bool):
-            raise ConfigError(f"{where}: pin_memory must be true or false, got {self.pin_memory!r}")
-        if self.schema is not None:
-            if not isinstance(self.schema, dict) or not self.schema:
-                raise ConfigError(f"{where}: schema must be a non-empty mapping of key -> FieldSpec")
-            for key, spec in self.schema.items():
-                if not isinstance(spec, FieldSpec):
-                    raise ConfigError(
-                        f"{where}: schema[{key!r}] must be a FieldSpec, got {type(spec).__name__}"
-                    )
-            try:
-                check_prefixes(self.schema)
-            except ValueError as exc:
-                raise ConfigError(f"{where}: schema: {exc}") from None
-        self._check_flow_control(where)
-        self._check_max_size(where)
-        self._check_lease(where)
-        self._check_storage(where)
-        self._check_n_step(where)
-        self._check_frame_stack(where)
-        self._check_compression(where)
-        self._check_device(where)
-        self._check_priority_mixing(where)
-        self._check_slice_shape(where)
-        self._check_combinations(where)
+    def __init__(self, *, name: str, capacity: int, **options: Any) -> None:
+        _build(self, name, capacity, options)
 
-    def _check_device(self, where: str) -> None:
-        """Syntax and supported combinations only; the machine is asked when the table is made
-        (:func:`~replay_server.engine.storage.placement.check_placement`)."""
-        device = self.device
-        if not isinstance(device, str) or not _DEVICE.fullmatch(device):
-            raise ConfigError(f"{where}: device must be 'cpu', 'cuda' or 'cuda:N' (N a device "
-                              f"index), got {device!r}")
-        if device == "cpu":
-            return
+    def __getattr__(self, key: str) -> Any:
+        # Every option is a plain attribute once built (_flatten); this finds only an
+        # option of a layer registered since, at its default.
+        if key.startswith("_") or "sampler_options" not in self.__dict__:
+            raise AttributeError(key)
+        found = table_options().get(key)
+        if found is None:
+            raise AttributeError(f"TableConfig has no option {key!r}")
+        return found[0][1].default
+
+    def specs(self) -> list[LayerSpec]:
+        """The layer specs of this table: the sampler's, each storage backend's, the rest."""
+        return [self.sampler_options, *self.storage_options.values(),
+                *(getattr(self, group) for group, _, _ in _GROUPS)]
 
     @property
     def on_device(self) -> bool:
         """Whether the table's columns live in device memory (``device`` is not ``"cpu"``)."""
         return self.device != "cpu"
 
-    def _check_compression(self, where: str) -> None:
-        keys = self.compress_keys
-        if keys is None:
-            return
-        if (not isinstance(keys, (list, tuple)) or not keys
-                or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys)):
-            raise ConfigError(f"{where}: compress_keys must be a non-empty list of distinct "
-                              f"column names, got {keys!r}")
-        object.__setattr__(self, "compress_keys", tuple(keys))
-
-    def _check_frame_stack(self, where: str) -> None:
-        if self.frame_stack_fill not in ("repeat", "zero"):
-            raise ConfigError(f"{where}: frame_stack_fill must be 'repeat' or 'zero', got "
-                              f"{self.frame_stack_fill!r}")
-        key = self.frame_stack_key
-        if key is None:
-            return
-        if not isinstance(key, str) or not key or key.startswith("next."):
-            raise ConfigError(f"{where}: frame_stack_key must name the stacked observation "
-                              f"(e.g. 'obs'; 'next.<key>' is stacked with it), got {key!r}")
-
-    def _check_n_step(self, where: str) -> None:
-        if not _is_int(self.n_step) or not 1 <= self.n_step <= min(self.capacity, 1000):
-            raise ConfigError(f"{where}: n_step must be an integer in [1, min(capacity, 1000)] "
-                              f"(1: plain rows), got {self.n_step!r}")
-        if not _is_real(self.gamma) or not 0.0 <= self.gamma <= 1.0:
-            raise ConfigError(f"{where}: gamma must be a number in [0, 1], got {self.gamma!r}")
-        object.__setattr__(self, "gamma", float(self.gamma))
-        if not isinstance(self.reward_key, str) or not self.reward_key:
-            raise ConfigError(f"{where}: reward_key must be a non-empty string, got "
-                              f"{self.reward_key!r}")
-
-    def _check_max_size(self, where: str) -> None:
-        """max_size bounds tables whose rows leave when sampled (a remover's)."""
-        if self.max_size is None:
-            return
-        if self.removal_limit == 0:
-            raise ConfigError(
-                f"{where}: max_size={self.max_size!r} only applies where rows leave the table "
-                f"when sampled (sampler 'fifo' or 'lifo', or max_times_sampled); without that "
-                f"a table at max_size would stop taking inserts for good; remove max_size")
-        if not _is_int(self.max_size) or not 1 <= self.max_size <= self.capacity:
-            raise ConfigError(f"{where}: max_size must be an integer in [1, capacity="
-                              f"{self.capacity}] or omitted, got {self.max_size!r}")
-
-    def _check_lease(self, where: str) -> None:
-        """lease_timeout_s applies where a sample takes its rows (a consuming sampler)."""
-        timeout = self.lease_timeout_s
-        if timeout is None:
-            return
-        if not self.sampler.traits.consumes:
-            raise ConfigError(
-                f"{where}: lease_timeout_s={timeout!r} only applies where a sample takes its "
-                f"rows (sampler 'fifo' or 'lifo'): sampler {self.sampler.value!r} hands rows "
-                f"out without taking them, so nothing is leased; remove lease_timeout_s")
-        if not _is_real(timeout) or not 0 < timeout <= MAX_LEASE_TIMEOUT_S:
-            raise ConfigError(f"{where}: lease_timeout_s must be a number of seconds in "
-                              f"(0, {MAX_LEASE_TIMEOUT_S:g}] or omitted, got {timeout!r}")
-        object.__setattr__(self, "lease_timeout_s", float(timeout))
-
     @property
     def effective_lease_timeout_s(self) -> float:
         """``lease_timeout_s`` with its default resolved."""
-        return DEFAULT_LEASE_TIMEOUT_S if self.lease_timeout_s is None else self.lease_timeout_s
-
-    def _check_storage(self, where: str) -> None:
-        try:
-            object.__setattr__(self, "storage", StorageKind(self.storage))
-        except ValueError:
-            kinds = ", ".join(k.value for k in StorageKind)
-            raise ConfigError(
-                f"{where}: storage must be one of {kinds}, got {self.storage!r}") from None
-        overrides = self.column_storage
-        if overrides is not None:
-            if not isinstance(overrides, dict) or not overrides or not all(
-                    isinstance(k, str) and k for k in overrides):
-                raise ConfigError(f"{where}: column_storage must map column keys to storage "
-                                  f"kinds, got {overrides!r}")
-            try:
-                object.__setattr__(self, "column_storage", {
-                    key: StorageKind(kind) for key, kind in overrides.items()})
-            except ValueError:
-                kinds = ", ".join(k.value for k in StorageKind)
-                raise ConfigError(f"{where}: column_storage values must be one of {kinds}, "
-                                  f"got {overrides!r}") from None
-        kinds = {self.storage, *(self.column_storage or {}).values()}
-        if StorageKind.MEMMAP in kinds:
-            if not isinstance(self.storage_dir, str) or not self.storage_dir:
-                raise ConfigError(f"{where}: storage 'memmap' needs storage_dir, the directory "
-                                  f"its files go in; got {self.storage_dir!r}")
-        elif self.storage_dir is not None:
-            raise ConfigError(f"{where}: storage_dir={self.storage_dir!r} is only used by "
-                              f"storage 'memmap', and storage is {self.storage.value!r}; remove "
-                              f"storage_dir or set storage = \"memmap\"")
+        timeout = self.lease_timeout_s
+        return DEFAULT_LEASE_TIMEOUT_S if timeout is None else timeout
 
     def backend_of(self, key: str) -> StorageKind:
         """The storage kind of column ``key`` (``column_storage``'s, else ``storage``)."""
         return (self.column_storage or {}).get(key, self.storage)
-
-    def _check_flow_control(self, where: str) -> None:
-        """Rate limiter and max_times_sampled: refuse settings that can never make progress."""
-        if self.min_size_to_sample is not None and (
-            not _is_int(self.min_size_to_sample)
-            or not 1 <= self.min_size_to_sample <= self.capacity
-        ):
-            raise ConfigError(
-                f"{where}: min_size_to_sample must be an integer in [1, capacity={self.capacity}] "
-                f"(the table never holds more than capacity rows, so sampling would wait "
-                f"forever), got {self.min_size_to_sample!r}"
-            )
-        spi = self.samples_per_insert
-        if spi is not None:
-            if not _is_real(spi) or not math.isfinite(spi) or spi <= 0:
-                raise ConfigError(
-                    f"{where}: samples_per_insert must be a finite number > 0, got {spi!r}"
-                )
-            object.__setattr__(self, "samples_per_insert", float(spi))
-        buffer = self.error_buffer
-        if buffer is not None:
-            if spi is None:
-                raise ConfigError(
-                    f"{where}: error_buffer={buffer!r} only applies with samples_per_insert; "
-                    f"set samples_per_insert or remove error_buffer"
-                )
-            if not _is_real(buffer) or not math.isfinite(buffer) or buffer <= 0:
-                raise ConfigError(
-                    f"{where}: error_buffer must be a finite number > 0, got {buffer!r}"
-                )
-            if buffer < max(1.0, spi):
-                raise ConfigError(
-                    f"{where}: error_buffer={buffer!r} is below max(1, samples_per_insert="
-                    f"{spi!r}) = {max(1.0, spi)!r}: a single insert and a single sample could "
-                    f"then both be blocked at once, forever (Reverb's rule)"
-                )
-            object.__setattr__(self, "error_buffer", float(buffer))
-        limit = self.max_times_sampled
-        if not _is_int(limit) or not 0 <= limit <= MAX_TIMES_SAMPLED:
-            raise ConfigError(
-                f"{where}: max_times_sampled must be an integer in [0, {MAX_TIMES_SAMPLED}] "
-                f"(0: no limit), got {limit!r}"
-            )
-
-    def _check_priority_mixing(self, where: str) -> None:
-        eta = self.priority_mixing
-        if eta is None:
-            return
-        if not _is_real(eta) or not 0.0 <= eta <= 1.0:
-            raise ConfigError(f"{where}: priority_mixing must be a number in [0, 1] or omitted, "
-                              f"got {eta!r}")
-        object.__setattr__(self, "priority_mixing", float(eta))
-        traits = self.sampler.traits
-        if not (traits.priorities and traits.slices):
-            raise ConfigError(
-                f"{where}: priority_mixing={eta!r} only applies to samplers with priorities and "
-                f"slices (it mixes a slice's steps' priorities into its start's), and sampler "
-                f"is {self.sampler.value!r}; remove priority_mixing or choose "
-                f"'prioritized_slice'")
-
-    def _check_slice_shape(self, where: str) -> None:
-        """``strict_length``, ``span_left`` and ``span_right``: slice samplers only."""
-        if not isinstance(self.strict_length, bool):
-            raise ConfigError(f"{where}: strict_length must be true or false, got "
-                              f"{self.strict_length!r}")
-        for name in ("span_left", "span_right"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise ConfigError(f"{where}: {name} must be an integer >= 0, got {value!r}")
-        partial = not self.strict_length or self.span_left or self.span_right
-        if not self.sampler.is_slice:
-            if partial:
-                raise ConfigError(
-                    f"{where}: strict_length, span_left and span_right shape slices, and "
-                    f"sampler is {self.sampler.value!r}; remove them or choose sampler 'slice'")
-            return
-        assert self.slice_len is not None
-        for name in ("span_left", "span_right"):
-            value = getattr(self, name)
-            if value >= self.slice_len:
-                raise ConfigError(
-                    f"{where}: {name} must be in [0, slice_len - 1 = {self.slice_len - 1}] (a "
-                    f"slice keeps at least one step), got {value!r}")
-        if self.span_left and self.sampler.traits.priorities:
-            raise ConfigError(
-                f"{where}: span_left={self.span_left!r} has no meaning with sampler "
-                f"{self.sampler.value!r}, which draws a slice by the priority of its first "
-                f"stored step (TorchRL's PrioritizedSliceSampler turns left spans off too); "
-                f"use span_left = 0, or sampler 'slice'")
 
     @property
     def partial_slices(self) -> bool:
@@ -470,64 +179,25 @@ class TableConfig:
         span): its window then repeats its last real id."""
         return bool(not self.strict_length or self.span_left or self.span_right)
 
-    def _check_combinations(self, where: str) -> None:
-        """The only combinations of features refused, each because it has no meaning
-        (docs/engine.md, "What is refused"); every other combination composes."""
-        kind = self.sampler.value
-        if self.n_step > 1 and self.sampler.traits.consumes:
-            raise ConfigError(
-                f"{where}: n_step={self.n_step} has no meaning with sampler {kind!r}, which "
-                f"hands a row out as soon as it arrives, before the later steps its n-step "
-                f"return sums exist; use n_step = 1 or a sampler that keeps its rows")
-        kinds = {self.storage, *(self.column_storage or {}).values()}
-        if self.pin_memory and kinds == {StorageKind.MEMMAP}:
-            raise ConfigError(
-                f"{where}: pin_memory has no meaning with storage 'memmap', whose rows are "
-                f"file pages that pinning would hold in RAM, which memmap exists to avoid; "
-                f"remove pin_memory")
-        spi, limit = self.samples_per_insert, self.removal_limit
-        most = limit * (self.slice_len or 1)  # a slice's draw samples slice_len rows
-        if limit and spi is not None and spi > most:
-            raise ConfigError(
-                f"{where}: samples_per_insert={spi!r} has no meaning with {self._limit_name}, "
-                f"which lets a row be sampled at most {most} time{'s' if most > 1 else ''}, so "
-                f"inserts would wait for samples that wait for inserts; lower samples_per_insert or raise the limit")
-
     @property
     def removal_limit(self) -> int:
         """Draws after which a row leaves the table: ``max_times_sampled``, else 1 for a
         sampler that consumes its rows (``fifo``/``lifo``), else 0 (rows only age out)."""
-        if self.max_times_sampled:
-            return self.max_times_sampled
+        if self.flow.max_times_sampled:
+            return self.flow.max_times_sampled
         return 1 if self.sampler.traits.consumes else 0
 
     @property
-    def _limit_name(self) -> str:
-        if self.max_times_sampled:
-            return f"max_times_sampled={self.max_times_sampled}"
-        return f"sampler {self.sampler.value!r} (each row handed out once)"
-
-    @property
     def rate_limited(self) -> bool:
-        """Whether a rate limiter is configured (``min_size_to_sample``/``samples_per_insert``)."""
-        return self.min_size_to_sample is not None or self.samples_per_insert is not None
+        return self.flow.rate_limited
 
     @property
     def effective_min_size_to_sample(self) -> int:
-        """``min_size_to_sample`` with its default resolved (0: no rate limiter)."""
-        if self.min_size_to_sample is not None:
-            return self.min_size_to_sample
-        return 1 if self.samples_per_insert is not None else 0
+        return self.flow.effective_min_size_to_sample
 
     @property
     def effective_error_buffer(self) -> float | None:
-        """``error_buffer`` with its default resolved (``None``: no ratio limit)."""
-        spi = self.samples_per_insert
-        if spi is None:
-            return None
-        if self.error_buffer is not None:
-            return self.error_buffer
-        return max(1.0, spi) * max(self.effective_min_size_to_sample, DEFAULT_ERROR_ROWS)
+        return self.flow.effective_error_buffer
 
     @property
     def episode_end_keys(self) -> tuple[str, str]:
@@ -535,39 +205,290 @@ class TableConfig:
         return (self.done_key, self.truncated_key)
 
     def describe(self) -> dict[str, Any]:
-        """The config as plain values (for logs, ``info`` and checkpoints)."""
-        return {
-            "name": self.name,
-            "capacity": self.capacity,
-            "sampler": self.sampler.value,
-            "alpha": self.alpha,
-            "beta": self.beta,
-            "slice_len": self.slice_len,
-            "strict_length": self.strict_length,
-            "span_left": self.span_left,
-            "span_right": self.span_right,
-            "episode_key": self.episode_key,
-            "done_key": self.done_key,
-            "truncated_key": self.truncated_key,
-            "min_size_to_sample": self.min_size_to_sample,
-            "samples_per_insert": self.samples_per_insert,
-            "error_buffer": self.error_buffer,
-            "max_times_sampled": self.max_times_sampled,
-            "max_size": self.max_size,
-            "lease_timeout_s": self.lease_timeout_s,
-            "storage": self.storage.value,
-            "storage_dir": self.storage_dir,
-            "n_step": self.n_step,
-            "gamma": self.gamma,
-            "reward_key": self.reward_key,
-            "frame_stack_key": self.frame_stack_key,
-            "frame_stack_fill": self.frame_stack_fill,
-            "compress_keys": None if self.compress_keys is None else list(self.compress_keys),
-            "device": self.device,
-            "column_storage": None if self.column_storage is None else {
-                key: kind.value for key, kind in self.column_storage.items()},
-            "priority_mixing": self.priority_mixing,
-        }
+        """The config as plain values, one per key of :func:`table_options` (for logs,
+        ``info`` and checkpoints; an option of a layer the table lacks reads its default)."""
+        return {key: _plain(getattr(self, key)) for key in table_options()
+                if key not in ("schema", "seed")}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, RegisteredName):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    return value
+
+
+def _own_fields() -> list[Any]:
+    return [f for f in fields(TableConfig) if "spec" not in f.metadata
+            and "server" not in f.metadata]
+
+
+def table_options() -> dict[str, list[tuple[str, OptionDoc]]]:
+    """Every ``[[tables]]`` key: its owners (``"table"``, ``"sampler 'slice'"``, ``"storage
+    'memmap'"``, ``"rate limiter"``, ...) with the option as each declares it.
+
+    Derived from the registries each time (a layer registered later is in it).
+    """
+    found: dict[str, list[tuple[str, OptionDoc]]] = {}
+    for f in _own_fields():
+        doc = f.metadata.get("doc", "")
+        if f.name == "sampler":
+            doc += f" ({SAMPLERS.names()})"
+        elif f.name == "storage":
+            doc += f" ({BACKENDS.names()})"
+        required = f.metadata.get("required", False)
+        found[f.name] = [("table", OptionDoc(f.name, f.default, doc, required))]
+    owners: list[tuple[str, type[LayerSpec]]] = [(owner, spec) for _, owner, spec in _GROUPS]
+    owners += [(f"sampler {kind!r}", cls.options) for kind, cls in SAMPLERS.items()]
+    owners += [(f"storage {kind!r}", backend.options) for kind, backend in BACKENDS.items()]
+    for owner, spec in owners:
+        for doc in spec.options():
+            found.setdefault(doc.name, []).append((owner, doc))
+    return found
+
+
+def layer_names() -> dict[str, str]:
+    """The registered samplers and storage backends, by layer (``check-config`` lists them)."""
+    return {"samplers": SAMPLERS.names(), "storage": BACKENDS.names()}
+
+
+_Target = tuple[str, type[LayerSpec], Any]
+"""Where routed keys go: (field, or ``storage:<kind>``; the spec's class; a spec given whole)."""
+
+
+def _build(config: TableConfig, name: Any, capacity: Any, options: dict[str, Any]) -> None:
+    """Route flat ``options`` to the specs that own them, check every value and the few
+    combinations without meaning, and set the fields (see :class:`TableConfig`)."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(
+            f"table name {name!r} is invalid: use 1-128 letters, digits, '_' or '-'")
+    where = f"table {name!r}"
+    if not is_int(capacity) or not 1 <= capacity <= MAX_CAPACITY:
+        raise ConfigError(
+            f"{where}: capacity must be an integer in [1, {MAX_CAPACITY}], got {capacity!r}")
+    own = {f.name: f.default for f in fields(TableConfig) if "spec" not in f.metadata}
+    values = {key: options.pop(key, default) for key, default in own.items()
+              if key not in ("name", "capacity")}
+    values.update(name=name, capacity=capacity)
+    values["sampler"] = _kind(SamplerKind, values["sampler"], where, "sampler")
+    values["storage"] = _kind(StorageKind, values["storage"], where, "storage")
+    values["column_storage"] = _column_storage(where, values["column_storage"])
+    held = {key: options.pop(key) for key in ("sampler_options", "storage_options", "inert",
+                                              *(g for g, _, _ in _GROUPS)) if key in options}
+    for key, value in (held.get("inert") or {}).items():  # dataclasses.replace() gives them
+        options.setdefault(key, value)
+    storage_kinds = _used_backends(values)
+    targets = _targets(values["sampler"], storage_kinds, held)
+    routed, inert = _route(options, targets, where, values["sampler"], values["storage"])
+    for target, cls, given in targets:
+        values[target] = _spec_of(cls, given, routed[target], where, target, values["sampler"])
+    values["storage_options"] = {k: values.pop(f"storage:{k}") for k in storage_kinds}
+    values["inert"] = _checked_inert(inert, where, capacity)
+    for key, value in values.items():
+        object.__setattr__(config, key, value)
+    for spec in config.specs():
+        spec.check(where, config.capacity)  # each layer's values, normalised
+    _flatten(config)
+    _check(config, where)
+
+
+def _targets(kind: SamplerKind, storage_kinds: list[str], held: dict[str, Any]
+             ) -> list[_Target]:
+    """The specs this table has: its sampler's, every group's and each used backend's."""
+    targets: list[_Target] = [
+        ("sampler_options", kind.options, held.get("sampler_options")),
+        *((group, cls, held.get(group)) for group, _, cls in _GROUPS)]
+    backends = held.get("storage_options") or {}
+    return targets + [(f"storage:{k}", BACKENDS[k].options, backends.get(k))
+                      for k in storage_kinds]
+
+
+def _route(options: dict[str, Any], targets: list[_Target], where: str, kind: SamplerKind,
+           storage: StorageKind) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Each key to the specs of ``targets`` that declare it, or to the inert options; a key
+    none takes is refused, naming its owner (unless unset or at its default)."""
+    routed: dict[str, dict[str, Any]] = {target: {} for target, _, _ in targets}
+    inert: dict[str, Any] = {}
+    for key, value in options.items():
+        owners = [target for target, cls, _ in targets if key in cls.keys()]
+        if owners:
+            for target in owners:
+                routed[target][key] = value
+        elif _is_inert(key):
+            inert[key] = value
+        elif not _at_default(key, value):  # an option at its default says nothing
+            raise _unknown(where, key, value, kind, storage)
+    return routed, inert
+
+
+def _spec_of(cls: type[LayerSpec], given: Any, routed: dict[str, Any], where: str,
+             target: str, kind: SamplerKind) -> LayerSpec:
+    """The spec of ``cls`` from a spec ``given`` whole (its values that ``cls`` declares) and
+    the keys routed to it; a required option left unset is refused, naming its layer."""
+    carried = {} if given is None else {
+        k: v for k, v in given.values().items() if k in cls.keys()}
+    if isinstance(given, LayerSpec) and type(given) is cls:
+        carried = {k: getattr(given, k) for k in cls.keys()}
+    spec = cls(**{**carried, **routed})
+    owner = (f"sampler {kind.value!r}" if target == "sampler_options"
+             else f"storage {target[8:]!r}" if target.startswith("storage:") else None)
+    for doc in spec.options():
+        if doc.required and getattr(spec, doc.name) is None and owner is not None:
+            raise ConfigError(f"{where}: {owner} needs {doc.name}")
+    return spec
+
+
+def _flatten(config: TableConfig) -> None:
+    """Each layer option also as a plain attribute of ``config`` (checked, normalised), so
+    reading ``config.slice_len`` on the sample path costs what a field does."""
+    own = {f.name for f in fields(TableConfig)}
+    for key, owners in table_options().items():
+        if key in own:
+            continue
+        value = next((getattr(spec, key) for spec in config.specs() if key in spec.keys()),
+                     config.inert.get(key, owners[0][1].default))
+        object.__setattr__(config, key, value)
+
+
+def _kind(cls: Any, value: Any, where: str, what: str) -> Any:
+    try:
+        return cls(value)
+    except (ValueError, TypeError):
+        raise ConfigError(f"{where}: {what} must be one of {cls.registry.names()}, got "
+                          f"{value!r}") from None
+
+
+def _column_storage(where: str, overrides: Any) -> dict[str, StorageKind] | None:
+    if overrides is None:
+        return None
+    if not isinstance(overrides, dict) or not overrides or not all(
+            isinstance(k, str) and k for k in overrides):
+        raise ConfigError(f"{where}: column_storage must map column keys to storage "
+                          f"kinds, got {overrides!r}")
+    try:
+        return {key: StorageKind(kind) for key, kind in overrides.items()}
+    except ValueError:
+        raise ConfigError(f"{where}: column_storage values must be one of "
+                          f"{BACKENDS.names()}, got {overrides!r}") from None
+
+
+def _used_backends(values: dict[str, Any]) -> list[str]:
+    used = {values["storage"], *(values["column_storage"] or {}).values()}
+    return [kind for kind in BACKENDS if kind in used]
+
+
+def _is_inert(key: str) -> bool:
+    owners = table_options().get(key)
+    return owners is not None and all(doc.inert for _, doc in owners)
+
+
+def _checked_inert(inert: dict[str, Any], where: str, capacity: int) -> dict[str, Any]:
+    """``inert`` options, checked and normalised by the spec of a sampler that owns them."""
+    checked: dict[str, Any] = {}
+    for key, value in inert.items():  # by the smallest spec declaring it (its own checks)
+        cls = min((s.options for s in SAMPLERS.values() if key in s.options.keys()),
+                  key=lambda spec: len(spec.keys()))
+        spec = cls(**{key: value})
+        spec.check(where, capacity)
+        checked[key] = getattr(spec, key)
+    return checked
+
+
+def _at_default(key: str, value: Any) -> bool:
+    owners = table_options().get(key)
+    return value is None or (owners is not None and all(
+        type(value) is type(doc.default) and value == doc.default for _, doc in owners))
+
+
+def _unknown(where: str, key: str, value: Any, sampler: SamplerKind,
+             storage: StorageKind) -> ConfigError:
+    """A key this table's layers do not take: whose it is, or the close one meant."""
+    owners = table_options().get(key)
+    if owners:
+        samplers = [o[9:-1] for o, _ in owners if o.startswith("sampler ")]
+        if samplers:
+            return misplaced(where, key, value, samplers, "sampler", sampler.value)
+        backends = [o[9:-1] for o, _ in owners if o.startswith("storage ")]
+        return misplaced(where, key, value, backends, "storage", storage.value)
+    close = get_close_matches(key, sorted(table_options()), n=1, cutoff=0.75)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{where}: unknown option {key!r}{hint}")
+
+
+def _check(config: TableConfig, where: str) -> None:
+    """The table's own values, then the only combinations refused (docs/engine.md, "What
+    is refused")."""
+    keys = (config.episode_key, config.done_key, config.truncated_key)
+    for name, value in zip(("episode_key", "done_key", "truncated_key"), keys):
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{where}: {name} must be a non-empty string, got {value!r}")
+    if len(set(keys)) != len(keys):
+        raise ConfigError(f"{where}: episode_key, done_key and truncated_key must be "
+                          f"different columns, got {keys!r}")
+    seed = config.seed
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**128):
+        raise ConfigError(f"{where}: seed must be an integer in [0, 2**128) or omitted, got "
+                          f"{seed!r}")
+    if not isinstance(config.pin_memory, bool):
+        raise ConfigError(f"{where}: pin_memory must be true or false, got "
+                          f"{config.pin_memory!r}")
+    _check_schema(config.schema, where)
+    if not isinstance(config.device, str) or not _DEVICE.fullmatch(config.device):
+        raise ConfigError(f"{where}: device must be 'cpu', 'cuda' or 'cuda:N' (N a device "
+                          f"index), got {config.device!r}")
+    if config.max_size is not None:
+        if config.removal_limit == 0:
+            raise ConfigError(
+                f"{where}: max_size={config.max_size!r} only applies where rows leave the "
+                f"table when sampled (sampler 'fifo' or 'lifo', or max_times_sampled); "
+                f"without that a table at max_size would stop taking inserts for good; "
+                f"remove max_size")
+        config.flow.check_max_size(where, config.capacity)
+    _check_combinations(config, where)
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    if schema is None:
+        return
+    if not isinstance(schema, dict) or not schema:
+        raise ConfigError(f"{where}: schema must be a non-empty mapping of key -> FieldSpec")
+    for key, spec in schema.items():
+        if not isinstance(spec, FieldSpec):
+            raise ConfigError(
+                f"{where}: schema[{key!r}] must be a FieldSpec, got {type(spec).__name__}")
+    try:
+        check_prefixes(schema)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: schema: {exc}") from None
+
+
+def _check_combinations(config: TableConfig, where: str) -> None:
+    """The three combinations of layers refused, each because it has no meaning; every
+    other combination composes."""
+    kind = config.sampler.value
+    if config.n_step > 1 and config.sampler.traits.consumes:
+        raise ConfigError(
+            f"{where}: n_step={config.n_step} has no meaning with sampler {kind!r}, which "
+            f"hands a row out as soon as it arrives, before the later steps its n-step "
+            f"return sums exist; use n_step = 1 or a sampler that keeps its rows")
+    if config.pin_memory and set(config.storage_options) == {"memmap"}:
+        raise ConfigError(
+            f"{where}: pin_memory has no meaning with storage 'memmap', whose rows are "
+            f"file pages that pinning would hold in RAM, which memmap exists to avoid; "
+            f"remove pin_memory")
+    spi, limit = config.samples_per_insert, config.removal_limit
+    most = limit * (config.slice_len or 1)  # a slice's draw samples slice_len rows
+    if limit and spi is not None and spi > most:
+        name = (f"max_times_sampled={config.max_times_sampled}" if config.max_times_sampled
+                else f"sampler {kind!r} (each row handed out once)")
+        raise ConfigError(
+            f"{where}: samples_per_insert={spi!r} has no meaning with {name}, which lets a "
+            f"row be sampled at most {most} time{'s' if most > 1 else ''}, so inserts would "
+            f"wait for samples that wait for inserts; lower samples_per_insert or raise "
+            f"the limit")
 
 
 def default_table_configs(capacity: int = 100_000) -> list[TableConfig]:
@@ -581,20 +502,8 @@ def default_table_configs(capacity: int = 100_000) -> list[TableConfig]:
         TableConfig(name="replay", capacity=capacity, sampler=SamplerKind.PRIORITIZED),
         TableConfig(name="uniform", capacity=capacity, sampler=SamplerKind.UNIFORM),
         TableConfig(name="slice", capacity=capacity, sampler=SamplerKind.SLICE, slice_len=32),
-        TableConfig(
-            name="prioritized_slice",
-            capacity=capacity,
-            sampler=SamplerKind.PRIORITIZED_SLICE,
-            slice_len=32,
-        ),
+        TableConfig(name="prioritized_slice", capacity=capacity,
+                    sampler=SamplerKind.PRIORITIZED_SLICE, slice_len=32),
         TableConfig(name="fifo", capacity=capacity, sampler=SamplerKind.FIFO),
         TableConfig(name="lifo", capacity=capacity, sampler=SamplerKind.LIFO),
     ]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -63,8 +63,106 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from replay_server.engine.config import TableConfig
+from replay_proto.scalars import is_int, is_real
+from replay_server.engine.options import LayerSpec, option
 from replay_server.errors import ConfigError, InvalidArgumentError, RateLimitedError
+
+
+DEFAULT_ERROR_ROWS = 1000
+"""``error_buffer`` defaults to ``max(1, samples_per_insert) * max(min_size_to_sample, this)``."""
+
+MAX_TIMES_SAMPLED = 2**32 - 1
+"""Largest ``max_times_sampled`` (per-row counts are uint32)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlowControl(LayerSpec):
+    """A table's rate limiter and row retirement: its options (checked alone; the table's
+    config checks them against its sampler)."""
+
+    min_size_to_sample: int | None = option(
+        None, "samples wait until the table holds this many rows (Reverb's MinSize); unset: "
+              "1 with samples_per_insert, else no rate limiter")
+    samples_per_insert: float | None = option(
+        None, "the ratio of sampled rows to inserted rows the rate limiter holds; unset: "
+              "no ratio limit")
+    error_buffer: float | None = option(
+        None, "how far the ratio's count may drift either way before calls wait, in sampled "
+              "rows (only with samples_per_insert); unset: "
+              "max(1, samples_per_insert) * max(min_size_to_sample, 1000)")
+    max_times_sampled: int = option(
+        0, "a row (a slice's start) drawn this many times is retired; 0: no limit "
+           "(fifo/lifo: 1)")
+    max_size: int | None = option(
+        None, "tables whose rows leave when sampled (fifo/lifo, or max_times_sampled): "
+              "inserts wait while the table holds more than max_size - rows; unset: never")
+
+    def check(self, where: str, capacity: int) -> None:
+        """Refuse settings that can never make progress."""
+        if self.min_size_to_sample is not None and (
+                not is_int(self.min_size_to_sample)
+                or not 1 <= self.min_size_to_sample <= capacity):
+            raise ConfigError(
+                f"{where}: min_size_to_sample must be an integer in [1, capacity={capacity}] "
+                f"(the table never holds more than capacity rows, so sampling would wait "
+                f"forever), got {self.min_size_to_sample!r}")
+        spi = self.samples_per_insert
+        if spi is not None:
+            if not is_real(spi) or not math.isfinite(spi) or spi <= 0:
+                raise ConfigError(
+                    f"{where}: samples_per_insert must be a finite number > 0, got {spi!r}")
+            self._set("samples_per_insert", float(spi))
+        self._check_error_buffer(where)
+        limit = self.max_times_sampled
+        if not is_int(limit) or not 0 <= limit <= MAX_TIMES_SAMPLED:
+            raise ConfigError(
+                f"{where}: max_times_sampled must be an integer in [0, {MAX_TIMES_SAMPLED}] "
+                f"(0: no limit), got {limit!r}")
+
+    def _check_error_buffer(self, where: str) -> None:
+        buffer, spi = self.error_buffer, self.samples_per_insert
+        if buffer is None:
+            return
+        if spi is None:
+            raise ConfigError(
+                f"{where}: error_buffer={buffer!r} only applies with samples_per_insert; "
+                f"set samples_per_insert or remove error_buffer")
+        if not is_real(buffer) or not math.isfinite(buffer) or buffer <= 0:
+            raise ConfigError(
+                f"{where}: error_buffer must be a finite number > 0, got {buffer!r}")
+        if buffer < max(1.0, spi):
+            raise ConfigError(
+                f"{where}: error_buffer={buffer!r} is below max(1, samples_per_insert="
+                f"{spi!r}) = {max(1.0, spi)!r}: a single insert and a single sample could "
+                f"then both be blocked at once, forever (Reverb's rule)")
+        self._set("error_buffer", float(buffer))
+
+    def check_max_size(self, where: str, capacity: int) -> None:
+        if not is_int(self.max_size) or not 1 <= self.max_size <= capacity:
+            raise ConfigError(f"{where}: max_size must be an integer in [1, capacity="
+                              f"{capacity}] or omitted, got {self.max_size!r}")
+
+    @property
+    def rate_limited(self) -> bool:
+        """Whether a rate limiter is configured (``min_size_to_sample``/``samples_per_insert``)."""
+        return self.min_size_to_sample is not None or self.samples_per_insert is not None
+
+    @property
+    def effective_min_size_to_sample(self) -> int:
+        """``min_size_to_sample`` with its default resolved (0: no rate limiter)."""
+        if self.min_size_to_sample is not None:
+            return self.min_size_to_sample
+        return 1 if self.samples_per_insert is not None else 0
+
+    @property
+    def effective_error_buffer(self) -> float | None:
+        """``error_buffer`` with its default resolved (``None``: no ratio limit)."""
+        spi = self.samples_per_insert
+        if spi is None:
+            return None
+        if self.error_buffer is not None:
+            return self.error_buffer
+        return max(1.0, spi) * max(self.effective_min_size_to_sample, DEFAULT_ERROR_ROWS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +225,12 @@ class RateLimiter:
         self.deletes = 0
 
     @classmethod
-    def from_config(cls, config: TableConfig) -> RateLimiter:
-        """The limiter ``config`` describes (one that admits everything if it names none)."""
-        return cls(
-            config.effective_min_size_to_sample,
-            config.samples_per_insert,
-            config.effective_error_buffer,
-            config.max_size,
-        )
+    def from_config(cls, config: Any) -> RateLimiter:
+        """The limiter a table's config (its :class:`FlowControl`, ``config.flow``) describes
+        (one that admits everything if it names none)."""
+        flow: FlowControl = config.flow
+        return cls(flow.effective_min_size_to_sample, flow.samples_per_insert,
+                   flow.effective_error_buffer, flow.max_size)
 
     @property
     def enabled(self) -> bool:

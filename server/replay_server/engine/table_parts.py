@@ -269,7 +269,8 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
     ids.begin(0)
     limit = config.removal_limit
     try:
-        sampler = SAMPLERS[config.sampler.value].build(ring, config, deletes=limit > 0)
+        sampler = SAMPLERS[config.sampler.value].build(ring, config.sampler_options,
+                                                       deletes=limit > 0)
         remover = (Remover(ring, limit, removes_rows=not config.sampler.traits.slices)
                    if limit else None)
     except MemoryError:
@@ -301,7 +302,8 @@ def sampler_slot_bytes(config: TableConfig) -> int:
     """Bytes of per-slot state a table of ``config`` allocates: its sampler's, its remover's
     and its readers' (each as the layer declares it)."""
     limit = config.removal_limit
-    per_slot = SAMPLERS[config.sampler.value].slot_bytes(config, deletes=limit > 0)
+    per_slot = SAMPLERS[config.sampler.value].slot_bytes(config.sampler_options, config.capacity,
+                                                         deletes=limit > 0)
     per_slot += NStepReturns.SLOT_BYTES if config.n_step > 1 else 0
     per_slot += FrameStacks.SLOT_BYTES if config.frame_stack_key else 0
     return per_slot + (Remover.slot_bytes(limit) if limit else 0)

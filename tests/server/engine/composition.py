@@ -21,7 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from replay_server.engine.config import TableConfig
+from replay_server.engine.config import SamplerKind, TableConfig
+from replay_server.engine.samplers import SAMPLERS
+from replay_server.engine.storage.backends import BACKENDS
 from replay_server.engine.storage.placement import cpu_stand_in
 from replay_server.engine.table import Table
 from replay_server.errors import EmptyTableError, RateLimitedError
@@ -29,8 +31,10 @@ from replay_server.errors import EmptyTableError, RateLimitedError
 STACK = 3
 FRAME = (4, 5)
 GAMMA = 0.9
-SAMPLERS = ("uniform", "prioritized", "slice", "prioritized_slice", "fifo", "lifo")
-STORAGES = ("memory", "memmap", "device")
+
+
+def storages() -> tuple[str, ...]:
+    return (*BACKENDS, "device")
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,15 @@ class Combo:
     @property
     def meaningful(self) -> bool:
         """n-step on a queue is the one refused here (its rows go before their returns exist)."""
-        return not (self.n_step > 1 and self.sampler in ("fifo", "lifo"))
+        return not (self.n_step > 1 and self.kind.traits.consumes)
+
+    @property
+    def kind(self) -> SamplerKind:
+        return SamplerKind(self.sampler)
 
     @property
     def slices(self) -> bool:
-        return "slice" in self.sampler
+        return self.kind.is_slice
 
     def __str__(self) -> str:
         return (f"{self.sampler}-{self.storage}{'-lz4' if self.compressed else ''}"
@@ -65,6 +73,8 @@ class Combo:
             options.update(storage="memmap", storage_dir=str(directory))
         elif self.storage == "device":
             options["device"] = "cuda"
+        elif self.storage != "memory":
+            options["storage"] = self.storage
         if self.compressed:
             options["compress_keys"] = ["obs", "next.obs", "reward"]
         if self.stacked:
@@ -73,7 +83,9 @@ class Combo:
 
 
 def every_combo() -> list[Combo]:
-    return [combo for sampler in SAMPLERS for storage in STORAGES for compressed in (False, True)
+    """Every meaningful cell, over every sampler and storage registered now (a test's own
+    included; ``device``: memory columns on a device)."""
+    return [combo for sampler in SAMPLERS for storage in storages() for compressed in (False, True)
             for stacked in (False, True) for n_step in (1, 3)
             if (combo := Combo(sampler, storage, compressed, stacked, n_step)).meaningful]
 
@@ -208,7 +220,7 @@ class Run:
     def insert(self, n: int) -> None:
         data = self.actors.steps(n)
         priorities = (torch.from_numpy(self.rng.random(n) * 3)
-                      if "prioritized" in self.combo.sampler and self.rng.random() < 0.5 else None)
+                      if self.combo.kind.is_prioritized and self.rng.random() < 0.5 else None)
         ids = self.table.insert(data, priorities)
         assert torch.equal(ids, self.reference.insert(data, priorities))
         self.log.add(ids, data)
@@ -226,14 +238,14 @@ class Run:
             return
         same(batch, reference, self.log, self.combo)
         self.checked += 1
-        if "prioritized" in self.combo.sampler:
+        if self.combo.kind.is_prioritized:
             ids = reference.ids if reference.ids.dim() == 1 else reference.ids[:, 0]
             new = torch.from_numpy(self.rng.random(ids.numel()) * 2)
             assert self.table.update_priorities(ids, new) == \
                 self.reference.update_priorities(ids, new)
 
     def delete(self) -> None:
-        if self.combo.sampler not in ("fifo", "lifo") or not self.log.rows:
+        if not self.combo.kind.traits.consumes or not self.log.rows:
             return
         known = sorted(self.log.rows)[-self.log.capacity:]
         chosen = torch.tensor(self.rng.choice(known, size=min(2, len(known)), replace=False),

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.server.engine.composition import Combo, Run, every_combo
+from replay_server.engine.samplers import SAMPLERS
+from tests.server.engine.composition import Combo, Run, every_combo, storages
 
 CORE = [
     Combo("prioritized", "memory", True, True, 3),       # Ape-X
@@ -59,7 +60,9 @@ def test_every_meaningful_combination_returns_what_the_reference_computes(
 
 def test_the_matrix_has_every_meaningful_cell() -> None:
     cells = every_combo()
-    assert len(cells) == 6 * 3 * 2 * 2 * 2 - 2 * 3 * 2 * 2  # n-step on a queue: no meaning
+    queues = sum(cls.traits.consumes for cls in SAMPLERS.values())
+    kinds = len(storages())
+    assert len(cells) == len(SAMPLERS) * kinds * 8 - queues * kinds * 4  # n-step on a queue
     for axis in ("sampler", "storage", "compressed", "stacked", "n_step"):
         assert {getattr(c, axis) for c in CORE} == {getattr(c, axis) for c in cells}, axis
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from replay_server.engine.config import MAX_CAPACITY, SamplerKind, TableConfig, default_table_configs
+from replay_server.engine.samplers import SAMPLERS
 from replay_server.errors import ConfigError, UnknownTableError
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.table import Table
@@ -72,10 +73,8 @@ def test_capacity_bounds_are_inclusive(capacity: int) -> None:
 
 @pytest.mark.parametrize("sampler", ["heap", "Uniform", "", 3, None], ids=repr)
 def test_unknown_sampler_raises_config_error_listing_the_kinds(sampler: Any) -> None:
-    pattern = (
-        r"table 'replay': sampler must be one of uniform, prioritized, slice, "
-        rf"prioritized_slice, fifo, lifo, got {re.escape(repr(sampler))}"
-    )
+    kinds = ", ".join(SAMPLERS)  # the registry's names, in registration order
+    pattern = rf"table 'replay': sampler must be one of {kinds}, got {re.escape(repr(sampler))}"
     with pytest.raises(ConfigError, match=pattern):
         config(sampler=sampler)
 
@@ -151,7 +150,8 @@ def test_slice_len_bounds_are_inclusive(slice_len: int) -> None:
 @pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
 def test_slice_len_on_a_row_sampler_raises_config_error_naming_the_sampler(sampler: str) -> None:
     pattern = (
-        rf"table 'replay': slice_len=8 is only used by the slice samplers, and sampler is '{sampler}'"
+        rf"table 'replay': slice_len=8 is only used by sampler 'slice' or 'prioritized_slice', "
+        rf"and sampler is '{sampler}'; remove slice_len or choose sampler 'slice'"
     )
     with pytest.raises(ConfigError, match=pattern):
         config(sampler=sampler, slice_len=8)

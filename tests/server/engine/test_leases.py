@@ -132,7 +132,8 @@ def test_lease_timeout_applies_to_consuming_tables_only() -> None:
     assert TableConfig(name="q", capacity=4, sampler="fifo",
                        lease_timeout_s=5).effective_lease_timeout_s == 5.0
     assert TableConfig(name="q", capacity=4, sampler="fifo").effective_lease_timeout_s == 60.0
-    with pytest.raises(ConfigError, match="lease_timeout_s=5 only applies"):
+    with pytest.raises(ConfigError,
+                       match="lease_timeout_s=5 is only used by sampler 'fifo' or 'lifo'"):
         TableConfig(name="u", capacity=4, sampler="uniform", lease_timeout_s=5)
     with pytest.raises(ConfigError, match="lease_timeout_s must be"):
         TableConfig(name="q", capacity=4, sampler="fifo", lease_timeout_s=0)

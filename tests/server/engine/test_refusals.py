@@ -11,16 +11,14 @@ from itertools import combinations
 
 import pytest
 
-from replay_server.engine.config import TableConfig
+from replay_server.engine.config import SamplerKind, TableConfig
 from replay_server.errors import ConfigError
 
+SAMPLERS = {kind.value for kind in SamplerKind}  # every registered sampler
+
 FEATURES: dict[str, dict] = {
-    "uniform": {"sampler": "uniform"},
-    "prioritized": {"sampler": "prioritized"},
-    "slice": {"sampler": "slice", "slice_len": 2},
-    "prioritized_slice": {"sampler": "prioritized_slice", "slice_len": 2},
-    "fifo": {"sampler": "fifo"},
-    "lifo": {"sampler": "lifo"},
+    **{kind.value: {"sampler": kind.value, **({"slice_len": 2} if kind.is_slice else {})}
+       for kind in SamplerKind},
     "memmap": {"storage": "memmap", "storage_dir": "/tmp"},
     "mixed storage": {"storage": "memmap", "storage_dir": "/tmp",
                       "column_storage": {"action": "memory"}},
@@ -33,8 +31,6 @@ FEATURES: dict[str, dict] = {
     "rate limiter": {"min_size_to_sample": 2, "samples_per_insert": 1.5},
     "pin_memory": {"pin_memory": True},
 }
-
-SAMPLERS = {"uniform", "prioritized", "slice", "prioritized_slice", "fifo", "lifo"}
 
 REFUSED = {
     frozenset({"fifo", "n-step"}): "n_step=3 has no meaning with sampler 'fifo', which hands a "

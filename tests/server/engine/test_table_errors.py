@@ -35,7 +35,7 @@ from replay_server.errors import (
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.table import MAX_BATCH_SIZE, STATE_VERSION, Table, TableCounters
 
-KINDS = ("uniform", "prioritized", "slice", "prioritized_slice")
+KINDS = tuple(k.value for k in SamplerKind if not k.traits.consumes)  # the registry's
 PRIORITIZED = tuple(k for k in KINDS if SamplerKind(k).is_prioritized)
 UNPRIORITIZED = tuple(k for k in KINDS if not SamplerKind(k).is_prioritized)
 SLICED = tuple(k for k in KINDS if SamplerKind(k).is_slice)

@@ -49,6 +49,7 @@ table's lock.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,11 +59,12 @@ from replay_proto.dtypes import numpy_view
 from replay_server.engine import buffers
 from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
+from replay_server.engine.options import LayerSpec, option
 from replay_server.engine.readers.base import Reader
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.snapshot import saved_copy
 from replay_server.engine.workers import take_rows
-from replay_server.errors import InvalidArgumentError, SchemaMismatchError
+from replay_server.errors import ConfigError, InvalidArgumentError, SchemaMismatchError
 
 _MIN_SWEEP = 1024
 """Open episodes kept before those whose newest step left the ring are forgotten."""
@@ -118,6 +120,26 @@ def check_insert(columns: Mapping[str, torch.Tensor], key: str, table: str) -> N
             f"table {table!r}: frame_stack_key={key!r}: row {row} has {next_key(key)}[:-1] != "
             f"{key}[1:]; a frame-stacked table needs each next observation to be the "
             f"observation shifted by one frame")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrameStackOptions(LayerSpec):
+    """The frame-stack reader's options (:class:`FrameStacks`; no key: no reader)."""
+
+    frame_stack_key: str | None = option(
+        None, "a stacked observation [stack, ...] stored one frame per step (with "
+              "next.<key> when present), its stacks rebuilt at sample time; unset: off")
+    frame_stack_fill: str = option(
+        "repeat", "the frames before an episode's first step: repeat its first frame, or zero")
+
+    def check(self, where: str, capacity: int) -> None:
+        if self.frame_stack_fill not in ("repeat", "zero"):
+            raise ConfigError(f"{where}: frame_stack_fill must be 'repeat' or 'zero', got "
+                              f"{self.frame_stack_fill!r}")
+        key = self.frame_stack_key
+        if key is not None and (not isinstance(key, str) or not key or key.startswith("next.")):
+            raise ConfigError(f"{where}: frame_stack_key must name the stacked observation "
+                              f"(e.g. 'obs'; 'next.<key>' is stacked with it), got {key!r}")
 
 
 class FrameStacks(Reader):

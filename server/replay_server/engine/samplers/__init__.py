@@ -1,21 +1,23 @@
 """Samplers: how a table picks the rows of a sample.
 
 All implement :class:`~replay_server.engine.samplers.base.Sampler`; each
-declares its ``kind`` (the name a config gives it), traits, memory and
-cost. :data:`SAMPLERS` is the registry the config's ``sampler`` names are
-checked against and the table builds from: a new sampler is one module
-here, one line in :data:`SAMPLERS`, and its tests (docs/engine.md, "Adding
-a sampler").
+declares its ``kind`` (the name a config gives it), its options (a
+:class:`SamplerSpec`), traits, memory and cost. :data:`SAMPLERS` is the
+registry the config's ``sampler`` names and keys are checked against and the
+table builds from: a new sampler is one module, one :func:`register_sampler`
+call, and its tests (docs/engine.md, "Adding a sampler").
 """
 
 from __future__ import annotations
+
+from replay_server.engine.options import Registry
 
 from replay_server.engine.samplers.base import (
     InsertEvent,
     Removal,
     Sampler,
     SampleIndex,
-    SamplerOptions,
+    SamplerSpec,
     SamplerTraits,
 )
 from replay_server.engine.samplers.prioritized import PrioritizedSampler
@@ -34,15 +36,27 @@ __all__ = [
     "Removal",
     "SampleIndex",
     "Sampler",
-    "SamplerOptions",
+    "SamplerSpec",
     "SamplerTraits",
     "SliceSampler",
     "UniformSampler",
+    "register_sampler",
 ]
 
-SAMPLERS: dict[str, type[Sampler]] = {
-    cls.kind: cls
-    for cls in (UniformSampler, PrioritizedSampler, SliceSampler, PrioritizedSliceSampler,
-                FifoSampler, LifoSampler)
-}
+SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
 """Every sampler by the name a config gives it, in the order ``info`` and errors list them."""
+
+
+def register_sampler(cls: type[Sampler]) -> type[Sampler]:
+    """Make ``cls`` a sampler configs can name (``sampler = cls.kind``), with its options.
+
+    Usable as a class decorator; a kind already registered is refused (ValueError).
+    ``SAMPLERS.registered(cls.kind, cls)`` registers one for a block (a test's).
+    """
+    SAMPLERS.register(cls.kind, cls)
+    return cls
+
+
+for _sampler in (UniformSampler, PrioritizedSampler, SliceSampler, PrioritizedSliceSampler,
+                 FifoSampler, LifoSampler):
+    register_sampler(_sampler)

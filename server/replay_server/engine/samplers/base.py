@@ -15,10 +15,11 @@ exactly once, from its table, under the table's lock:
 * ``clear()``: every row was removed.
 
 Each sampler class declares what it is, so nothing else matches its name:
-``kind`` (the config's name for it), ``traits``
+``kind`` (the config's name for it), ``options`` (its :class:`SamplerSpec`: the
+config keys it takes), ``traits``
 (:class:`SamplerTraits`, reported by ``info``), its memory per slot
 (:meth:`Sampler.slot_bytes`) and its cost (in its docstring). The table builds
-it with :meth:`Sampler.build` from the table's options.
+it with :meth:`Sampler.build` from its options.
 
 Samplers work on numpy arrays: single-threaded vectorized loops whose speed
 does not depend on how busy the machine's other cores are (torch's intra-op
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -39,9 +40,10 @@ from replay_proto.capabilities import TableCapabilities
 from replay_proto.mass import SamplingMass
 from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
+from replay_server.engine.options import LayerSpec
 from replay_server.errors import NoPrioritiesError
 
-__all__ = ["InsertEvent", "Removal", "SampleIndex", "Sampler", "SamplerOptions", "SamplerTraits"]
+__all__ = ["InsertEvent", "Removal", "SampleIndex", "Sampler", "SamplerSpec", "SamplerTraits"]
 
 
 SamplerTraits = TableCapabilities
@@ -53,26 +55,12 @@ capabilities (:mod:`replay_proto.capabilities`), ``priorities``, ``slices``, ``e
 the rest from its readers and options."""
 
 
-class SamplerOptions(Protocol):
-    """What a sampler may read of its table's configuration (a
-    :class:`~replay_server.engine.config.TableConfig` satisfies it)."""
-
-    @property
-    def capacity(self) -> int: ...
-    @property
-    def alpha(self) -> float: ...
-    @property
-    def beta(self) -> float: ...
-    @property
-    def slice_len(self) -> int | None: ...
-    @property
-    def priority_mixing(self) -> float | None: ...
-    @property
-    def strict_length(self) -> bool: ...
-    @property
-    def span_left(self) -> int: ...
-    @property
-    def span_right(self) -> int: ...
+@dataclass(frozen=True, kw_only=True)
+class SamplerSpec(LayerSpec):
+    """A sampler's options (none here: ``uniform``'s, ``fifo``'s). A sampler with options
+    subclasses it in its own module and names it as its class's :attr:`Sampler.options`;
+    the table's config then takes exactly those keys with that sampler (see
+    :mod:`replay_server.engine.options`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,19 +105,23 @@ class Sampler(ABC):
 
     traits: ClassVar[SamplerTraits] = SamplerTraits()
 
+    options: ClassVar[type[SamplerSpec]] = SamplerSpec
+    """Its options: the config keys a table with this sampler takes (with their defaults,
+    checks and docs)."""
+
     def __init__(self, ring: IdRing) -> None:
         self._ring = ring
 
     @classmethod
-    def build(cls, ring: IdRing, options: SamplerOptions, *, deletes: bool) -> Sampler:
-        """The sampler for a table of ``options`` over ``ring``. ``deletes``: whether the
-        table will delete single rows (it has a remover)."""
+    def build(cls, ring: IdRing, options: Any, *, deletes: bool) -> Sampler:
+        """The sampler over ``ring`` with ``options`` (an instance of :attr:`options`).
+        ``deletes``: whether the table will delete single rows (it has a remover)."""
         return cls(ring)
 
     @classmethod
     @abstractmethod
-    def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
-        """Bytes of state per slot at ``options.capacity`` (allocated when the table is made)."""
+    def slot_bytes(cls, options: Any, capacity: int, *, deletes: bool) -> int:
+        """Bytes of state per slot at ``capacity`` (allocated when the table is made)."""
 
     @abstractmethod
     def insert(self, event: InsertEvent) -> None:

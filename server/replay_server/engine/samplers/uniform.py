@@ -15,7 +15,7 @@ from replay_server.engine.samplers.base import (
     Removal,
     Sampler,
     SampleIndex,
-    SamplerOptions,
+    SamplerSpec,
     SamplerTraits,
     uniform_draws,
 )
@@ -46,15 +46,15 @@ class UniformSampler(Sampler):
         self._members: SlotSet | None = None
 
     @classmethod
-    def build(cls, ring: IdRing, options: SamplerOptions, *, deletes: bool) -> UniformSampler:
+    def build(cls, ring: IdRing, options: SamplerSpec, *, deletes: bool) -> UniformSampler:
         sampler = cls(ring)
         if deletes:
             sampler._member_set()
         return sampler
 
     @classmethod
-    def slot_bytes(cls, options: SamplerOptions, *, deletes: bool) -> int:
-        return slotset_bytes(options.capacity) if deletes else 0
+    def slot_bytes(cls, options: SamplerSpec, capacity: int, *, deletes: bool) -> int:
+        return slotset_bytes(capacity) if deletes else 0
 
     def _member_set(self) -> SlotSet:
         """The drawable rows as a set, made from the live range when first needed."""

@@ -25,10 +25,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from replay_server.engine.config import StorageKind, TableConfig
 from replay_server.engine.memory import machine_memory
 from replay_server.engine.schema import FieldSpec, Schema
+from replay_server.engine.storage.backends import BACKENDS
 from replay_server.engine.storage.base import Column
 from replay_server.engine.storage.columns import ColumnStorage
 from replay_server.engine.storage.compressed import Lz4Column
@@ -46,6 +47,9 @@ from replay_server.engine.storage.placement import (
     table_device,
 )
 
+if TYPE_CHECKING:
+    from replay_server.engine.config import TableConfig
+
 __all__ = ["Column", "ColumnStorage", "check_storage", "make_storage", "storage_ram_bytes"]
 
 
@@ -53,8 +57,12 @@ def _backend(config: TableConfig, key: str) -> type[Column]:
     """The class that keeps column ``key`` of a table of ``config``."""
     if config.compress_keys and key in config.compress_keys:
         return Lz4Column
-    if config.backend_of(key) is StorageKind.MEMMAP:
+    kind = config.backend_of(key)
+    if kind == "memmap":
         return MemmapColumn
+    registered = BACKENDS[kind]
+    if registered.column_class is not None:
+        return registered.column_class
     return DeviceColumn if config.on_device else HostColumn
 
 
@@ -81,7 +89,7 @@ def make_storage(config: TableConfig, schema: Schema,
     capacity, name = config.capacity, config.name
     backends = {key: _backend(config, key) for key in schema}
     directory = None
-    on_disk = [key for key in schema if config.backend_of(key) is StorageKind.MEMMAP]
+    on_disk = [key for key in schema if config.backend_of(key) == "memmap"]
     if on_disk:
         assert config.storage_dir is not None
         directory = check_directory(config.storage_dir, name)
@@ -110,6 +118,11 @@ def make_storage(config: TableConfig, schema: Schema,
         backend = backends[key]
         if backend is Lz4Column:
             columns[key] = _compressed(config, key, spec, directory, partial(grown, key))
+        elif BACKENDS[config.backend_of(key)].column is not None:
+            kind = config.backend_of(key)
+            make = BACKENDS[kind].column
+            assert make is not None
+            columns[key] = make(spec, capacity, config.storage_options[kind])
         elif backend is MemmapColumn:
             assert directory is not None
             columns[key] = MemmapColumn(spec, capacity, directory, name, key)
@@ -130,7 +143,7 @@ def make_storage(config: TableConfig, schema: Schema,
 def _compressed(config: TableConfig, key: str, spec: FieldSpec, directory: Path | None,
                 grow: Callable[[int], None]) -> Lz4Column:
     """An lz4 column of ``key`` over its backend (a sparse file for ``memmap``, else RAM)."""
-    if config.backend_of(key) is not StorageKind.MEMMAP:
+    if config.backend_of(key) != "memmap":
         return Lz4Column(spec, config.capacity, grow=grow)
     assert directory is not None
     file = MappedFile(directory, f"{config.name}.{key}",

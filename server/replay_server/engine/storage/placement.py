@@ -32,12 +32,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from replay_server.engine.config import TableConfig
 from replay_server.engine.memory import format_bytes
 from replay_server.errors import ConfigError, InsufficientMemoryError
+
+if TYPE_CHECKING:
+    from replay_server.engine.config import TableConfig
 
 
 @dataclass(slots=True)

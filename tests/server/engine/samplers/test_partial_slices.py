@@ -174,10 +174,11 @@ def test_bad_slice_shapes_are_refused_naming_the_option(options, message):
 
 def test_slice_shapes_are_refused_for_row_samplers_and_left_spans_for_priorities():
     """(span_left is served by sampler 'slice' only.)"""
-    with pytest.raises(ConfigError, match="strict_length, span_left and span_right shape slices"):
+    with pytest.raises(ConfigError, match="strict_length=False is only used by sampler 'slice' "
+                                          "or 'prioritized_slice', and sampler is 'uniform'"):
         TableConfig(name="t", capacity=10, sampler="uniform", strict_length=False)
-    with pytest.raises(ConfigError, match="span_left=2 has no meaning with sampler "
-                                          "'prioritized_slice'"):
+    with pytest.raises(ConfigError, match="span_left=2 is only used by sampler 'slice', and "
+                                          "sampler is 'prioritized_slice'"):
         TableConfig(name="t", capacity=10, sampler="prioritized_slice", slice_len=5,
                     span_left=2)
 

@@ -169,7 +169,8 @@ def test_priority_mixing_gives_each_slice_start_the_mix_of_its_steps_as_r2d2_doe
     expected = eta * td.max(dim=1).values + (1 - eta) * td.mean(dim=1)
     plain.update_priorities(starts, expected)  # the same, applied by hand
     assert mixed.info().mass == plain.info().mass
-    with pytest.raises(ConfigError, match="priority_mixing=0.9 only applies to samplers with"):
+    with pytest.raises(ConfigError, match="priority_mixing=0.9 is only used by sampler "
+                                          "'prioritized_slice', and sampler is 'prioritized'"):
         TableConfig(name="r", capacity=8, sampler="prioritized", priority_mixing=0.9)
 
 
