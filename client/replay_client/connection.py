@@ -211,9 +211,10 @@ class Connection:
         """Why no server answered: nothing listens, or (something accepts a connection) the
         TLS settings of the two sides differ, said with the setting that fixes it."""
         if "handshake" in details.lower() or "SSL" in details:
-            return (f"the TLS handshake with {self.address} failed (the server's certificate "
-                    f"does not chain to the CA this client trusts, or its name does not match "
-                    f"the address: TlsConfig.from_files(ca=...), server_name=...)")
+            return (f"the TLS handshake with {self.address} failed (its certificate does not "
+                    f"chain to the CA this client trusts, or names another host: "
+                    f"TlsConfig.from_files(ca=...), server_name=...; or the server speaks "
+                    f"plaintext: no tls=)")
         if not _accepts_connections(self.address, self.connect_timeout_s):
             return f"no replay server at {self.address} (is it running?)"
         if self.tls is None:

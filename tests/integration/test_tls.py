@@ -297,3 +297,9 @@ def test_an_expired_server_certificate_stops_the_server_at_start(pki, tmp_path, 
     assert f"server.tls_cert_file '{pem.cert}': the certificate {why} (valid from " in (
         result.stderr)
     assert "Traceback" not in result.stderr
+
+
+def test_a_tls_client_of_a_plaintext_server_is_told_so(server, pki) -> None:
+    _refused(ReplayClient(server.address, tls=TlsConfig.from_files(ca=pki["ca"].cert),
+                          timeout=10, max_retry_s=0),
+             "the TLS handshake with .* failed .*or the server speaks plaintext: no tls=")
