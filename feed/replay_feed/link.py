@@ -216,7 +216,7 @@ class LinkRunner:
                     window = self.retry_window_s
                     window = window() if callable(window) else window
                     backoff = Backoff(window)
-                    log.warning("stream from %s lost (%s); reconnecting for up to %.0f s",
+                    log.warning("stream from %s lost (%s); reconnecting for up to %g s",
                                 self.name, lost.error, window)
                 delay = backoff.next_delay()
                 if delay is None:

@@ -59,7 +59,7 @@ from replay_client.errors import (
 )
 from replay_client.server_client import ServerClient
 from replay_client.sharded.discovery import Resolver, addresses_of, is_sharded
-from replay_client.sharded.health import ShardStats
+from replay_client.sharded.health import ShardStats, down_note
 from replay_client.sharded.merge import MassBook, merge, shares, split
 from replay_client.sharded.placement import RoundRobin, by_episode
 from replay_client.sharded.routing import by_owner
@@ -370,12 +370,14 @@ class ShardedClient:
                 masses = self._refresh(table, live)
                 if any(m.total > 0 for m in masses.values()):
                     continue
+                down = down_note(set(clients) - set(live) | set(self._set.absent))
                 if not wait:
                     raise EmptyTableError(f"table {table!r} has nothing to sample on any of its "
-                                          f"{len(clients)} shards")
+                                          f"{len(live)} live shards{down}")
                 if deadline is not None and time.monotonic() + pause > deadline:
                     raise DeadlineExceededError(f"table {table!r} had nothing to sample on any "
-                                                f"of its {len(clients)} shards within {limit} s")
+                                                f"of its {len(live)} live shards within {limit} "
+                                                f"s{down}")
                 time.sleep(pause)
                 pause = min(2 * pause, _EMPTY_WAIT_S[1])
                 continue
@@ -591,3 +593,4 @@ def _has_key(data: Any, key: str) -> bool:
         return key in data.keys()
     except (AttributeError, TypeError):
         return False
+

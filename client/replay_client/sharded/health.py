@@ -96,3 +96,12 @@ class ShardHealth:
             s = self._stats
             return ShardStats(dict(s.down), s.failures, s.rejoins, s.degraded_samples,
                               s.degraded_inserts, s.skipped_updates)
+
+
+def down_note(down: set[int]) -> str:
+    """What an empty replay's error adds about shards it could not ask (their rows may be
+    all there is): nothing when every shard answered."""
+    if not down:
+        return ""
+    listed = ", ".join(str(s) for s in sorted(down))
+    return f"; shard{'s' if len(down) > 1 else ''} {listed} down, not counted"
