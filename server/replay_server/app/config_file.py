@@ -109,20 +109,40 @@ def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
         return ServerSettings(**server)
     if not isinstance(tables, list):
         raise ConfigError("tables must be an array of tables ([[tables]])")
-    configs = []
+    configs, problems = [], []
     for index, table in enumerate(tables):
-        if not isinstance(table, Mapping):
-            raise ConfigError(f"tables[{index}] must be a table ([[tables]] with key = value "
-                              f"lines), got {table!r}")
-        where = f"tables[{index}]" + (f" ({table.get('name')!r})" if "name" in table else "")
-        _check_keys(where, table, table_keys, ("[server]", _SERVER_KEYS))
-        options = dict(table)
-        if "schema" in options:
-            options["schema"] = _schema(where, options["schema"])
-        if "name" not in options or "capacity" not in options:
-            raise ConfigError(f"{where}: every table needs a name and a capacity")
-        configs.append(TableConfig(**options))
-    return ServerSettings(**server, tables=tuple(configs))
+        try:
+            configs.append(_table_config(index, table, table_keys))
+        except ConfigError as exc:  # every table is checked: all their problems at once
+            problems.append(str(exc))
+    try:
+        settings = ServerSettings(**server, tables=tuple(configs))
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems:\n  - " + "\n  - ".join(problems))
+    return settings
+
+
+def _table_config(index: int, table: Any, table_keys: set[str]) -> TableConfig:
+    """The ``index``-th ``[[tables]]`` entry as a table config.
+
+    Raises:
+        ConfigError: its first problem, naming the table.
+    """
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"tables[{index}] must be a table ([[tables]] with key = value "
+                          f"lines), got {table!r}")
+    where = f"tables[{index}]" + (f" ({table.get('name')!r})" if "name" in table else "")
+    _check_keys(where, table, table_keys, ("[server]", _SERVER_KEYS))
+    options = dict(table)
+    if "schema" in options:
+        options["schema"] = _schema(where, options["schema"])
+    if "name" not in options or "capacity" not in options:
+        raise ConfigError(f"{where}: every table needs a name and a capacity")
+    return TableConfig(**options)
 
 
 def parse_field_spec(text: str) -> FieldSpec:

@@ -343,3 +343,19 @@ def test_serve_with_a_bad_config_exits_2_printing_the_reason(tmp_path: Path) -> 
                             text=True, timeout=60, check=False)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "server.log_format" in result.stderr and "'xml'" in result.stderr, result.stderr
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    """Only the first problem was reported (issue 32, friction 7): a user fixed a config one
+    run of check-config (or one failed start) at a time."""
+    text = ('[server]\naddress = "x"\n[[tables]]\nname = "a"\ncapacity = -1\n'
+            '[[tables]]\nname = "b"\ncapacity = 10\nsampler = "nope"\n'
+            '[[tables]]\nname = "fine"\ncapacity = 10\n')
+    with pytest.raises(ConfigError) as raised:
+        load_text(tmp_path, text)
+    message = str(raised.value)
+    assert "3 problems:" in message
+    assert "table 'a': capacity must be an integer" in message and "got -1" in message
+    assert "table 'b': sampler must be one of" in message and "'nope'" in message
+    assert "server.address must be 'host:port', got 'x'" in message
+    assert "'fine'" not in message
