@@ -115,6 +115,8 @@ def test_command(command: str, place: dict, monkeypatch, capsys) -> None:
         _docker(words[1:])
     elif program == "kubectl":
         _kubectl(words[1:])
+    elif program == "deploy/image/run.sh":  # podman run with the limits runc will set
+        _docker(["run", *words[1:]])
     else:
         pytest.fail(f"no test exercises {command!r}: add a rule to tests/test_operations_doc.py")
 
@@ -232,7 +234,7 @@ def _docker(args: list[str]) -> None:
             if arg == "-v":
                 target = args[i + 1].split(":")[1]
                 assert target in (volume, "/etc/replay/replay.toml"), args[i + 1]
-        assert args[-1].startswith("replay-server")
+        assert args[-1].startswith(("replay-server", "localhost/replay-server"))
     elif args[0] == "stop":
         assert int(args[args.index("-t") + 1]) >= 60  # room for the final checkpoint
     elif args[0] == "compose":

@@ -24,13 +24,7 @@ BASE=${BASE_IMAGE:-localhost/replay-base:bookworm}
 DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 DEBIAN_SUITE=${DEBIAN_SUITE:-bookworm}
 TORCH_VERSION=${TORCH_VERSION:-$(sed -n 's/^torch==//p' "$ROOT/constraints.txt")}
-# Container ulimits at or below the current soft limits (runc refuses to raise them), and
-# nproc at most kernel.pid_max (runc here refuses more).
-NOFILE=$(ulimit -n)
-NPROC=$(ulimit -u)
-PID_MAX=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 32768)
-[ "$NPROC" = unlimited ] || [ "$NPROC" -gt "$PID_MAX" ] && NPROC=$PID_MAX
-ULIMITS=(--ulimit "nofile=$NOFILE:$NOFILE" --ulimit "nproc=$NPROC:$NPROC")
+source "$ROOT/deploy/image/limits.sh"  # ULIMITS: the limits runc will set
 
 step() { printf '\n== %s\n' "$*"; }
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import shlex
 import subprocess
 import sys
@@ -45,17 +44,18 @@ VOLUME = f"{NAME}-checkpoints"
 STOP_TIMEOUT_S = 120
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_CONFIG = ROOT / "deploy" / "image" / "replay.toml"  # the Dockerfile copies it in
+RUN = ROOT / "deploy" / "image" / "run.sh"
 
 
-def ulimits() -> list[str]:
-    """``--ulimit`` flags at or below the current soft limits (runc refuses to raise them),
-    nproc at most kernel.pid_max (as deploy/image/build.sh)."""
-    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    with open("/proc/sys/kernel/pid_max") as pid_max:
-        limit = int(pid_max.read())
-    nproc = limit if nproc == resource.RLIM_INFINITY else min(nproc, limit)
-    return ["--ulimit", f"nofile={nofile}:{nofile}", "--ulimit", f"nproc={nproc}:{nproc}"]
+def run(*args: str) -> str:
+    """``podman run`` as the docs give it: deploy/image/run.sh, which adds the limits runc will
+    set (docs/operations.md's podman line is that script's)."""
+    result = subprocess.run([str(RUN), *args], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PODMAN": shlex.join(PODMAN)})
+    if result.returncode != 0:
+        raise AssertionError(f"deploy/image/run.sh {' '.join(args)} exited "
+                             f"{result.returncode}:\n{result.stdout}{result.stderr}")
+    return result.stdout.strip()
 
 
 def podman(*args: str, check: bool = True, timeout: float = 300) -> str:
@@ -94,10 +94,10 @@ def host_cli(*args: str) -> subprocess.CompletedProcess:
 def start(name: str) -> tuple[str, str]:
     """Run a container of the image; returns its published gRPC and metrics addresses."""
     # read-only root as in deploy/k8s/statefulset.yaml: only the volume, /tmp and /dev/shm
-    podman("run", "--detach", "--name", name, *ulimits(), "--shm-size", "256m",
-           "--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp",
-           "--volume", f"{VOLUME}:/var/lib/replay/checkpoints",
-           "--publish", "127.0.0.1::50051", "--publish", "127.0.0.1::9100", IMAGE)
+    run("--detach", "--name", name, "--shm-size", "256m",
+        "--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp",
+        "--volume", f"{VOLUME}:/var/lib/replay/checkpoints",
+        "--publish", "127.0.0.1::50051", "--publish", "127.0.0.1::9100", IMAGE)
     grpc_address = podman("port", name, "50051/tcp").splitlines()[0]
     metrics_address = podman("port", name, "9100/tcp").splitlines()[0]
     ok(f"container {name}: gRPC on {grpc_address}, metrics on {metrics_address}")
