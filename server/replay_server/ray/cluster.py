@@ -24,6 +24,8 @@ may be used from any thread and pickled into tasks.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,7 +48,7 @@ _GONE_WAIT_S = 30.0  # how long shutdown waits for Ray to release the actors' na
 
 class ReplayExistsError(ConfigError):
     """``create(..., get_if_exists=False)`` named a replay that exists, or an existing replay
-    was asked for with another number of shards."""
+    was asked for with another number of shards or other tables."""
 
 
 class ReplayNotFoundError(ConfigError):
@@ -110,7 +112,8 @@ class ReplayCluster:
         Raises:
             ConfigError: a bad argument or table (named), before any actor starts.
             ReplayExistsError: the replay exists and ``get_if_exists`` is false, or it
-                exists with another number of shards.
+                exists with another number of shards or other tables (each
+                difference named).
             TimeoutError: the shards did not all serve within ``timeout_s``.
         """
         if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not (
@@ -124,9 +127,10 @@ class ReplayCluster:
             raise ConfigError(f"max_restarts must be an integer >= -1, got {max_restarts!r}")
         per_shard = _per_shard(shard_options, num_shards)
         server = {**(server or {}), "checkpoint_interval_s": checkpoint_interval_s}
-        shard_settings(0, bind_host="127.0.0.1", server=server, tables=tables,  # checked here
-                       checkpoint_dir=checkpoint_dir, replay=name)
-        spec = {"num_shards": num_shards, "namespace": namespace}
+        settings = shard_settings(0, bind_host="127.0.0.1", server=server,  # checked here
+                                  tables=tables, checkpoint_dir=checkpoint_dir, replay=name)
+        spec = {"num_shards": num_shards, "namespace": namespace,
+                "tables": list(settings.tables)}
         existing = _registry_of(name, namespace)
         if existing is not None and not get_if_exists:
             raise ReplayExistsError(f"a replay {name!r} exists in Ray namespace {namespace!r}; "
@@ -136,10 +140,7 @@ class ReplayCluster:
             "num_cpus": 0, **(registry_options or {}), "name": name, "namespace": namespace,
             "lifetime": "detached", "get_if_exists": True, "max_restarts": -1,
             "max_concurrency": 16}).remote(name, namespace, spec)
-        found = ask(registry, "spec")["num_shards"]
-        if found != num_shards:
-            raise ReplayExistsError(f"replay {name!r} exists with {found} shards, not "
-                                    f"{num_shards}")
+        _check_same(name, ask(registry, "spec"), spec)
         strategy = PLACEMENT[placement_strategy]
         shard_class = ray.remote(ReplayShard)
         for index in range(num_shards):
@@ -254,6 +255,44 @@ class ReplayCluster:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ReplayCluster, (self.name, self.namespace, self._registry, self.num_shards))
+
+
+def _check_same(name: str, running: Mapping[str, Any], asked: Mapping[str, Any]) -> None:
+    """Refuse to hand back a running replay other than the one asked for: another shard
+    count, or tables that differ (each difference named, as ``table 'u': capacity 100
+    running, 200 asked``). A registry started before the spec held tables has none to
+    compare.
+
+    Raises:
+        ReplayExistsError: the running replay differs.
+    """
+    if running["num_shards"] != asked["num_shards"]:
+        raise ReplayExistsError(f"replay {name!r} exists with {running['num_shards']} "
+                                f"shards, not {asked['num_shards']}")
+    if "tables" not in running:
+        return
+    had = {table.name: table for table in running["tables"]}
+    wanted = {table.name: table for table in asked["tables"]}
+    problems = [f"table {n!r} is not running" for n in sorted(wanted.keys() - had.keys())]
+    problems += [f"table {n!r} runs but was not asked for" for n in sorted(had.keys()
+                                                                           - wanted.keys())]
+    for table_name in sorted(had.keys() & wanted.keys()):
+        old, new = had[table_name], wanted[table_name]
+        problems += [f"table {table_name!r}: {f.name} {_shown(getattr(old, f.name))} "
+                     f"running, {_shown(getattr(new, f.name))} asked"
+                     for f in dataclasses.fields(old) if getattr(old, f.name) != getattr(
+                         new, f.name)]
+    if problems:
+        raise ReplayExistsError(f"replay {name!r} exists with other tables ("
+                                + "; ".join(problems) + "): shut it down first "
+                                "(ReplayCluster.get(name).shutdown()) or use another name")
+
+
+def _shown(value: Any) -> str:
+    """A config value as the user wrote it: a sampler or storage kind as its plain name."""
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return repr(str.__str__(value) if isinstance(value, str) else value)
 
 
 def _per_shard(options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,

@@ -192,6 +192,15 @@ def test_get_or_create_after_a_failed_driver_returns_the_running_replay(ray_clus
         with pytest.raises(ReplayExistsError, match="2 shards, not 3"):
             ReplayCluster.create("orphan", tables=[{"name": "u", "capacity": 100}],
                                  num_shards=3)
+        with pytest.raises(ReplayExistsError, match=r"table 'u': capacity 100 running, 200 "
+                           r"asked; table 'u': sampler 'uniform' running, 'prioritized' asked"):
+            ReplayCluster.create("orphan", tables=[{"name": "u", "capacity": 200,
+                                                    "sampler": "prioritized"}], num_shards=2)
+        with pytest.raises(ReplayExistsError, match="table 'v' is not running"):
+            ReplayCluster.create("orphan", tables=[{"name": "u", "capacity": 100},
+                                                   {"name": "v", "capacity": 10}], num_shards=2)
+        with replay.client() as client:
+            assert client.info()["u"].size == 10  # a refused create changed nothing
     finally:
         replay.shutdown()
 
