@@ -9,7 +9,8 @@ PIP    := $(BIN)/python -m pip install --disable-pip-version-check --progress-ba
 PYTEST_ARGS ?=
 
 .PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner \
-        bench-scaleout bench-starvation bench-gpu-table clean image image-test conformance
+        bench-scaleout bench-starvation bench-gpu-table clean image image-test conformance \
+        gpu-check
 
 # One line per set-up step; what the step prints goes to $(SETUP_LOG), whose end is shown
 # (with the whole log's path) only when the step fails.
@@ -84,6 +85,15 @@ bench-starvation: $(STAMP)
 
 # A device-resident table (device = "cuda") vs TorchRL's LazyTensorStorage(device=...) with a
 # PrioritizedSampler: sample 256 Atari rows + priority update. Without DEVICE: CPU figures.
+# The GPU path in one prepared run (benchmarks/gpu_check.py; docs/learner.md, "Checking a GPU
+# machine"): no set-up step, since a GPU machine may have no package registry; it runs the
+# project from source with .venv's Python where there is one, else python3 (a GPU machine's,
+# with its torch). Report: $(GPU_CHECK_OUT)/report.md and report.json.
+GPU_CHECK_OUT ?= gpu-check
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-check:
+	$(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
+
 bench-gpu-table: $(STAMP) .venv-torchrl/.installed-stamp
 	$(BIN)/python benchmarks/gpu_table.py --torchrl-python .venv-torchrl/bin/python $(if $(DEVICE),--device $(DEVICE),)
 

@@ -173,6 +173,7 @@ def table(results: dict[str, dict], theirs: dict | None, device: str | None) -> 
 
 
 def main() -> None:
+    global PREFILL
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reverb-python", help="python of Reverb's virtualenv")
     parser.add_argument("--seconds", type=float, default=w.SECONDS)
@@ -180,7 +181,11 @@ def main() -> None:
     parser.add_argument("--transform", action="store_true",
                         help="a learner-side transform (frames to float32) on every stream")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--prefill", type=int, default=PREFILL,
+                        help="rows inserted before measuring (fewer: quicker, for make gpu-check's "
+                             "short run; the figures then come from a smaller table)")
     args = parser.parse_args()
+    PREFILL = args.prefill
     print("ours", file=sys.stderr)
     results = ours(args.seconds, args.device, args.transform)
     theirs = None

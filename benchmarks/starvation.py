@@ -247,6 +247,7 @@ def table(results: dict[str, dict], device: str | None, cpu_step: str) -> str:
 
 
 def main() -> None:
+    global PREFILL
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="cuda: a GPU step on batches delivered to the GPU")
     parser.add_argument("--steps-ms", default="2,10", help="step lengths in ms, comma-separated")
@@ -254,7 +255,11 @@ def main() -> None:
     parser.add_argument("--cpu-step", default="sleep", choices=("sleep", "spin"),
                         help="without --device: how the host step spends its time")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--prefill", type=int, default=PREFILL,
+                        help="rows inserted before measuring (fewer: quicker, for make gpu-check's "
+                             "short run; the figures then come from a smaller table)")
     args = parser.parse_args()
+    PREFILL = args.prefill
     if args.device is not None and args.device.split(":")[0] != "cuda":
         parser.error(f"--device must be cuda (or omitted), got {args.device!r}")
     steps_ms = [float(s) for s in args.steps_ms.split(",") if s.strip()]

@@ -77,6 +77,8 @@ MADE_AT_RUN_TIME = {
     "./checkpoints", "checkpoints",  # make serve's checkpoint_dir
     "manifest.json",                 # inside each checkpoint (docs/durability.md)
     "dqn_cartpole.png",              # written by make demo
+    "gpu-check", "report.md", "report.json",  # written by make gpu-check
+    ".whl",                          # benchmarks/gpu_wheels.sh's download folder
 }
 """Files the docs name that a run makes, not the repository (and ``.venv*``: the set-up's)."""
 
