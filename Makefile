@@ -41,9 +41,11 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/replay-server serve $(if $(CONFIG),--config $(CONFIG),--checkpoint-dir checkpoints)
 
-# Pyflakes-level checks first (undefined or unused names), then the suite.
+# Pyflakes-level checks (undefined or unused names) and the type checker ([tool.mypy] in
+# pyproject.toml: the four packages), before the suite.
 lint: $(STAMP)
 	$(BIN)/ruff check --quiet --select F,E9 .
+	$(BIN)/mypy
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

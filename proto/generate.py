@@ -1,4 +1,5 @@
-"""Generate ``replay_proto/v1/*_pb2*.py`` from ``replay/v1/*.proto``.
+"""Generate ``replay_proto/v1/*_pb2*.py`` (and the messages' ``.pyi`` types) from
+``replay/v1/*.proto``.
 
 Run by the build (``make proto``, also part of ``make install``); a test
 regenerates into a temporary folder and checks the committed files are fresh.
@@ -29,6 +30,7 @@ def generate(out_dir: Path) -> list[Path]:
             "grpc_tools.protoc",
             f"-I{HERE}",
             f"--python_out={tmp}",
+            f"--pyi_out={tmp}",  # types of the messages, for the type checker
             f"--grpc_python_out={tmp}",
             *map(str, PROTOS),
         ]
@@ -36,7 +38,7 @@ def generate(out_dir: Path) -> list[Path]:
             raise SystemExit("protoc failed")
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
-        for source in sorted((Path(tmp) / "replay" / "v1").glob("*.py")):
+        for source in sorted((Path(tmp) / "replay" / "v1").glob("*.py*")):
             text = source.read_text()
             # protoc writes imports for a top-level `replay` package; ours is replay_proto.
             text = re.sub(r"^from replay\.v1 import", "from replay_proto.v1 import", text,

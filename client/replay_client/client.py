@@ -12,6 +12,7 @@ the sharded one exists (``tests/test_layout.py``).
 
 from __future__ import annotations
 
+from abc import ABC
 from typing import Any
 
 from replay_client.api import ReplayApi
@@ -21,7 +22,7 @@ from replay_client.sharded.client import ShardedClient
 from replay_client.sharded.discovery import is_sharded
 
 
-class ReplayClient(ReplayApi):
+class ReplayClient(ABC):
     """A replay client for ``address`` (see the module docstring); returns the one it builds.
 
     Args:
@@ -39,7 +40,12 @@ class ReplayClient(ReplayApi):
             keyword given for one server.
     """
 
-    def __new__(cls, address: Any = "localhost:50051", **options: Any) -> Any:  # type: ignore[misc]
+    # Not a subclass of the ReplayApi protocol itself (a type checker would then take the
+    # class for an abstract one that cannot be made): both clients are registered below, so
+    # isinstance(c, ReplayClient) holds, and a type checker reads ReplayClient(...) as a
+    # ReplayApi from __new__'s annotation.
+    def __new__(cls, address: Any = "localhost:50051",  # type: ignore[misc]
+                **options: Any) -> ReplayApi:
         if is_sharded(address):
             return ShardedClient(address, **options)
         if not isinstance(address, str):

@@ -56,7 +56,7 @@ import os
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -262,7 +262,7 @@ class SampleLink:
         target = self.target
         views = target.allocate is None
 
-        def staging(index: int, layout: Any) -> list[torch.Tensor]:
+        def staging(index: int, layout: Any) -> Sequence[torch.Tensor]:
             assert target.allocate is not None
             return target.allocate(first + index, layout)
 

@@ -67,7 +67,8 @@ def read(connection: Connection, table: str, *, positions: Any = None, ids: Any 
     return RowsRead(
         {key: torch.cat([p.columns[key] for p in parts]) for key in parts[0].columns},
         torch.cat([p.ids for p in parts]),
-        None if parts[0].priorities is None else torch.cat([p.priorities for p in parts]),
+        None if parts[0].priorities is None else torch.cat(
+            [p.priorities for p in parts if p.priorities is not None]),
         parts[-1].size)
 
 

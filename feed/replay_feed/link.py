@@ -58,8 +58,9 @@ class LinkLost(Exception):
 class Link(Protocol):
     """One transport's calls (see the module docstring)."""
 
-    transport: str
-    """How batches travel (``grpc``, ``shared_memory``, ``in_process``, ``sharded``)."""
+    @property
+    def transport(self) -> str:
+        """How batches travel (``grpc``, ``shared_memory``, ``in_process``, ``sharded``)."""
 
     def call(self, flow: CreditFlow, credits: int, updates: list[PriorityUpdate],
              remaining: int, first: int) -> Iterator[SampleBatch]:
@@ -213,8 +214,8 @@ class LinkRunner:
                 if not self.reconnect:
                     raise lost.error from None
                 if backoff is None:
-                    window = self.retry_window_s
-                    window = window() if callable(window) else window
+                    setting = self.retry_window_s
+                    window = setting() if callable(setting) else setting
                     backoff = Backoff(window)
                     log.warning("stream from %s lost (%s); reconnecting for up to %g s",
                                 self.name, lost.error, window)

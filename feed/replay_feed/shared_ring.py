@@ -233,7 +233,7 @@ def sweep_stale_rings() -> list[str]:
     host's pid namespace only: a ring whose pid is alive (or not ours to
     signal) is kept. Returns the names removed.
     """
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(shm_dir().iterdir())
     except OSError:

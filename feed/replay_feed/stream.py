@@ -97,7 +97,7 @@ class BatchStream:
         """How batches travel: ``shared_memory``, ``grpc`` or ``in_process``."""
         return self.stats.transport
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self):
         try:
             while True:
                 yield self.__next__()
@@ -140,7 +140,7 @@ class BatchStream:
                 checked here, nothing queued.
             NotImplementedError: this stream takes no priority updates.
         """
-        update = self._source.check_update(ids, priorities)  # type: ignore[attr-defined]
+        update = self._source.check_update(ids, priorities)
         self._core.update_priorities(update)
 
     def ack(self) -> None:

@@ -88,6 +88,15 @@ class SampleBatch:
         _set(batch, dict(columns), ids, weights, probabilities, mass, missing_shards)
         return batch
 
+    @classmethod
+    def from_flat(cls, columns: Mapping[str, torch.Tensor], extras: Sequence[torch.Tensor],
+                  mass: SamplingMass | None = None,
+                  missing_shards: tuple[int, ...] = ()) -> SampleBatch:
+        """:meth:`from_columns` with the extras (:data:`EXTRAS`: ids, weights,
+        probabilities) as one sequence, in that order, as codecs carry them."""
+        ids, weights, probabilities = extras
+        return cls.from_columns(columns, ids, weights, probabilities, mass, missing_shards)
+
     @property
     def data(self) -> dict[str, Any]:
         """The rows as the nested dict of tensors that was inserted (built once, on first use)."""
@@ -115,8 +124,8 @@ class SampleBatch:
         n = len(self.columns)
         if len(tensors) != n + len(EXTRAS):
             raise ValueError(f"expected {n + len(EXTRAS)} tensors, got {len(tensors)}")
-        return SampleBatch.from_columns(dict(zip(self.columns, tensors[:n])), *tensors[n:],
-                                        mass=self.mass, missing_shards=self.missing_shards)
+        return SampleBatch.from_flat(dict(zip(self.columns, tensors[:n])), tensors[n:],
+                                     mass=self.mass, missing_shards=self.missing_shards)
 
     def to_tensordict(self, weight_key: str = "_weight") -> Any:
         """The batch as a ``tensordict.TensorDict``, with TorchRL's names for the extras.

@@ -120,7 +120,7 @@ def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
             raise CodecError("varint longer than 10 bytes")
 
 
-def split_payload(raw: bytes, message_type: type) -> tuple[Any, memoryview]:
+def split_payload(raw: bytes, message_type: Any) -> tuple[Any, memoryview]:
     """Parse ``raw`` as ``message_type``, returning ``(header, payload view)``.
 
     The header is parsed from the bytes outside the payload field; the payload

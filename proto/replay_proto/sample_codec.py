@@ -20,6 +20,7 @@ descriptor, not the ring). Every malformed or out-of-order message raises
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ def encode_sample(
         for key, tensor in columns.items():
             specs.append(spec_of(key, tensor[start:stop]))
             buffers.append(tensor_bytes(tensor[start:stop]))
-        extra_specs = {}
+        extra_specs: dict[str, Any] = {}
         for name, tensor in zip(EXTRAS, extras):
             extra_specs[name] = spec_of(name, tensor[start:stop])
             buffers.append(tensor_bytes(tensor[start:stop]))
@@ -112,9 +113,13 @@ def encode_ring_batch(
         batch_count=1,
         shared_memory=pb.SharedMemoryBatch(slot=slot, offsets=list(offsets)),
         mass=None if mass is None else mass.to_proto(),
-        **{name: spec_of(name, tensor) for name, tensor in zip(EXTRAS, extras)},
+        **_extra_specs(extras),
     )
     return header.SerializeToString()
+
+
+def _extra_specs(extras: Sequence[torch.Tensor]) -> dict[str, Any]:
+    return {name: spec_of(name, tensor) for name, tensor in zip(EXTRAS, extras)}
 
 
 def with_offer(chunk: bytes, offer: pb.SharedMemoryOffer) -> bytes:
@@ -216,8 +221,8 @@ class SampleDecoder:
                 self._check_end(header)
             n = len(self._keys)
             mass = SamplingMass.from_proto(header.mass) if header.HasField("mass") else None
-            return [SampleBatch.from_columns(dict(zip(self._keys, tensors[:n])), *tensors[n:],
-                                             mass=mass)]
+            return [SampleBatch.from_flat(dict(zip(self._keys, tensors[:n])), tensors[n:],
+                                          mass=mass)]
         self._scatter(header.row_start, count, tensors)
         self._next_row += count
         if not header.last_chunk:
@@ -225,7 +230,7 @@ class SampleDecoder:
         self._check_end(header)
         n = len(self._keys)
         mass = SamplingMass.from_proto(header.mass) if header.HasField("mass") else None
-        return [SampleBatch.from_columns(dict(zip(self._keys, slot[:n])), *slot[n:], mass=mass)
+        return [SampleBatch.from_flat(dict(zip(self._keys, slot[:n])), slot[n:], mass=mass)
                 for slot in self._slots]
 
     def _check_end(self, header: pb.SampleResponse) -> None:
@@ -284,4 +289,4 @@ class SampleDecoder:
         if len(columns) != n:
             raise CodecError("a column key appears twice in a shared-memory batch")
         mass = SamplingMass.from_proto(header.mass) if header.HasField("mass") else None
-        return SampleBatch.from_columns(columns, *tensors[n:], mass=mass)
+        return SampleBatch.from_flat(columns, tensors[n:], mass=mass)

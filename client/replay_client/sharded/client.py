@@ -65,7 +65,7 @@ from replay_client.sharded.placement import RoundRobin, by_episode
 from replay_client.sharded.routing import by_owner
 from replay_client.sharded.shard_set import ShardSet
 from replay_client.sharded.stream import open_stream
-from replay_client.sharded.table_rows import with_table_rows
+from replay_client.sharded.table_rows import ShardedTableRows
 from replay_client.sharded.tables import TableShape, summed_tables
 from replay_client.stream_options import stream_options
 from replay_client.table_info import tables_of
@@ -92,8 +92,7 @@ _DEGRADED_RETRY_S = 0.5  # a shard client's retry window in degraded mode, unles
 _RACES = 3  # splits a sample retries when a shard it drew from turned out empty
 
 
-@with_table_rows
-class ShardedClient:
+class ShardedClient(ShardedTableRows):
     """One logical replay over many servers. See the module docstring.
 
     Args:

@@ -4,7 +4,7 @@
 draws with the same settings on each. Storage positions are per shard (each
 server has its own ring), so ``read`` and ``write`` by position have no
 meaning for the logical table and are refused, naming the way: one shard's
-own ``ReplayClient``. :func:`with_table_rows` gives
+own ``ReplayClient``. :class:`ShardedTableRows` gives
 :class:`~replay_client.sharded.client.ShardedClient` these calls as its own.
 
 Thread-safety: as the sharded client.
@@ -12,15 +12,10 @@ Thread-safety: as the sharded client.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from replay_client.errors import UnsupportedError
-
-
-def _set_sampling(self: Any, table: str, **settings: Any) -> tuple[float, float]:
-    """Set how ``table`` draws on every shard (see ``ReplayClient.set_sampling``)."""
-    answers = self._all(lambda client: client.set_sampling(table, **settings))
-    return next(iter(answers.values()))
 
 
 def _refusal(what: str, table: str) -> UnsupportedError:
@@ -30,19 +25,23 @@ def _refusal(what: str, table: str) -> UnsupportedError:
         f"(client.shards maps shard index -> address)")
 
 
-def _read(self: Any, table: str, **request: Any) -> Any:
-    """Refused: reading rows by position is per shard (see the module docstring)."""
-    raise _refusal("reading", table)
+class ShardedTableRows:
+    """``set_sampling``, ``read`` and ``write`` of the sharded client (a base class of
+    :class:`~replay_client.sharded.client.ShardedClient`; see the module docstring).
+    ``_all`` is the client's: one call on every shard, answers by shard index."""
 
+    def _all(self, call: Callable[[Any], Any]) -> dict[int, Any]:
+        raise NotImplementedError  # the sharded client's
 
-def _write(self: Any, table: str, positions: Any, data: Any) -> int:
-    """Refused: writing rows by position is per shard (see the module docstring)."""
-    raise _refusal("writing", table)
+    def set_sampling(self, table: str, **settings: Any) -> tuple[float, float]:
+        """Set how ``table`` draws on every shard (see ``ReplayClient.set_sampling``)."""
+        answers = self._all(lambda client: client.set_sampling(table, **settings))
+        return next(iter(answers.values()))
 
+    def read(self, table: str, **request: Any) -> Any:
+        """Refused: reading rows by position is per shard (see the module docstring)."""
+        raise _refusal("reading", table)
 
-def with_table_rows(cls: type) -> type:
-    """Class decorator: ``cls`` (the sharded client) gets ``set_sampling``, ``read`` and ``write``."""
-    cls.set_sampling = _set_sampling
-    cls.read = _read
-    cls.write = _write
-    return cls
+    def write(self, table: str, positions: Any, data: Any) -> int:
+        """Refused: writing rows by position is per shard (see the module docstring)."""
+        raise _refusal("writing", table)

@@ -189,6 +189,7 @@ class EmbeddedServer:
         self._server: ReplayServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
+        self.tables: TableSet
         if listen:
             self._start()
             assert self._server is not None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from replay_proto.v1 import replay_pb2 as pb
@@ -126,7 +125,7 @@ def plain(message: Message) -> dict[str, Any]:
     return out
 
 
-def _value(field: FieldDescriptor, value: Any) -> Any:
+def _value(field: Any, value: Any) -> Any:  # a FieldDescriptor (python or upb)
     if field.message_type is not None:
         return plain(value)
     if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):

@@ -28,7 +28,7 @@ class TextFormatter(logging.Formatter):
         record.message = excerpt(record.message, LOG_LINE_CHARS)
         return super().formatMessage(record)
 
-    def formatException(self, ei) -> str:  # type: ignore[no-untyped-def]  # noqa: N802
+    def formatException(self, ei) -> str:  # noqa: N802
         return excerpt(super().formatException(ei), LOG_LINE_CHARS)
 
 

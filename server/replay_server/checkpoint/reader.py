@@ -258,7 +258,7 @@ def restore_latest(
         variables = None if make_variables is None else make_variables()
         manifest = _load(directory, ref, refs, tables, cancel, variables, skipped)
         if manifest is None:
-            tables = variables = None  # dropped before the next attempt makes new ones
+            del tables, variables  # dropped before the next attempt makes new ones
             continue
         if manifest.failed:
             older = [r for r in refs if r.sequence < ref.sequence]

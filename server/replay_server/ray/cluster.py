@@ -236,7 +236,7 @@ class ReplayCluster:
             ray.get(self._registry.stop_watching.remote())
         except ray.exceptions.RayError:
             pass  # already gone
-        drains = [h.drain.remote(grace) for h in handles.values()]
+        drains: list[Any] = [h.drain.remote(grace) for h in handles.values()]
         for ref in drains:
             try:
                 ray.get(ref)

@@ -157,7 +157,7 @@ class ShardRegistry:
             with self._lock:
                 indices = [i for i, e in self._entries.items()
                            if e["state"] not in ("draining", "gone")]
-            asked = {}
+            asked: dict[int, Any] = {}
             for index in indices:
                 try:
                     actor = ray.get_actor(shard_actor_name(self._replay, index),

@@ -195,7 +195,7 @@ class ColumnStorage:
             if self._pin:
                 tensor = tensor.pin_memory()
             extras.append(tensor.to(self.device, non_blocking=self._pin))
-        return SampleBatch.from_columns(batch.columns, *extras, batch.mass)
+        return SampleBatch.from_flat(batch.columns, extras, batch.mass, batch.missing_shards)
 
     # ------------------------------------------------------------ the rest
 
