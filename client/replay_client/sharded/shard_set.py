@@ -29,6 +29,14 @@ whole replay. While a shard is absent, gone or down (a stream lost it), the
 name is resolved again at most once a second (a restarted shard is found at
 its new address).
 
+Every shard has ``shard_deadline_s`` to answer its part of a call, and a probe
+as long again (:mod:`replay_client.sharded.deadline`): a shard silent past
+both is unavailable, so a hung server costs a call at most twice the
+deadline, never the call's whole timeout; a server that does not answer within
+the deadline when first asked its index (that ask is a probe) is treated alike
+(pending in degraded mode, named in the error by default). A degraded client's down shards are probed in the
+background (:mod:`replay_client.sharded.prober`), not by callers' calls.
+
 Thread-safety: every method may be called from any thread; the set is
 replaced whole (readers see the old or the new one, never half of it), and
 one caller at a time resolves.
@@ -40,11 +48,19 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from typing import Any
 
-from replay_client.errors import ReplayError, ShardingError, UnavailableError
+from replay_client.errors import (
+    DeadlineExceededError,
+    ReplayError,
+    ShardingError,
+    UnavailableError,
+)
+from replay_client.sharded.deadline import DEFAULT_SHARD_DEADLINE_S, probe_call, settle
 from replay_client.sharded.discovery import Resolution, Resolver, named, resolve
 from replay_client.sharded.health import ShardHealth
+from replay_client.sharded.prober import ShardProber
 
 RETRY_RESOLVE_S = 1.0
 """After a call found a shard unavailable, the name is resolved again at most this often."""
@@ -67,13 +83,19 @@ class ShardSet:
             masses must be asked again).
         wait_for_shards_s: how long a strict client waits for absent shards
             before it refuses (see the module docstring).
+        shard_deadline_s: how long a shard has to answer its part of a call, and
+            a probe after that (:mod:`replay_client.sharded.deadline`).
     """
 
     def __init__(self, spec: Any, factory: Callable[..., Any], options: Mapping[str, Any], *,
                  resolver: Resolver | None, degraded: bool, resolve_interval_s: float | None,
-                 forget: Callable[[int], None], wait_for_shards_s: float = 10.0) -> None:
+                 forget: Callable[[int], None], wait_for_shards_s: float = 10.0,
+                 shard_deadline_s: float = DEFAULT_SHARD_DEADLINE_S) -> None:
         self.spec = spec
         self.health = ShardHealth()
+        self._deadline = shard_deadline_s
+        self._probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="replay-shard-probes")
+        self._prober = ShardProber(self.health, self._ask)
         self._factory = factory
         self._options = dict(options)
         self._resolver = resolver
@@ -127,8 +149,15 @@ class ShardSet:
 
     @property
     def absent(self) -> tuple[int, ...]:
-        """Expected shards not found (their index), in index order."""
-        return tuple(sorted(self._absent))
+        """Expected shards not found (their index), in index order. Without a count, servers
+        that have not answered yet (degraded mode) are taken to hold the lowest indices of
+        ``0..n-1`` no server reports (``n``: the addresses; ``shard = "auto"`` numbers so)."""
+        absent = set(self._absent)
+        if self._expected is None and self._pending:
+            found = set(self._clients or {})
+            free = [i for i in range(len(found) + len(self._pending)) if i not in found]
+            absent.update(free[:len(self._pending)])
+        return tuple(sorted(absent))
 
     def _await_absent(self) -> None:
         """A strict client: resolve until every expected shard is found, at most
@@ -232,9 +261,11 @@ class ShardSet:
             self._clients = {s: clients[s] for s in order}
             self._addresses = {s: addresses[s] for s in order}
             self._pending = pending
-            if self._pool is None or self._pool._max_workers < len(order):  # noqa: SLF001
+            # Room for calls left running past their shard's deadline (until their timeout).
+            workers = 4 * len(order) + 4
+            if self._pool is None or self._pool._max_workers < workers:  # noqa: SLF001
                 old_pool, self._pool = self._pool, ThreadPoolExecutor(
-                    max_workers=max(1, len(order)), thread_name_prefix="replay-shards")
+                    max_workers=workers, thread_name_prefix="replay-shards")
                 if old_pool is not None:
                     old_pool.shutdown(wait=False)
 
@@ -271,15 +302,20 @@ class ShardSet:
         self._failures = {}
         if not ask:
             return {}
-        with ThreadPoolExecutor(max_workers=len(ask)) as pool:
-            futures = {a: pool.submit(c.server_info) for a, c in ask.items()}
+        pool = ThreadPoolExecutor(max_workers=len(ask), thread_name_prefix="replay-identify")
+        futures = {a: pool.submit(c.server_info) for a, c in ask.items()}
+        wait_all(list(futures.values()), timeout=self._deadline)  # the ask is itself a probe
+        pool.shutdown(wait=False)
         found: dict[str, tuple[Any, int]] = {}
         where: dict[int, str] = {}
         for address, future in futures.items():
             try:
+                if not future.done():
+                    raise UnavailableError(f"no answer to Info within the per-shard deadline "
+                                           f"(shard_deadline_s={self._deadline:g})")
                 shard = future.result().shard
             except ReplayError as exc:
-                if wait and isinstance(exc, UnavailableError):
+                if wait and isinstance(exc, (UnavailableError, DeadlineExceededError)):
                     self._failures[address] = exc
                     continue
                 for client in ask.values():
@@ -321,23 +357,12 @@ class ShardSet:
             ReplayError: the first failure in shard order, its message naming the shard.
         """
         clients = self.clients()
-        outcomes: dict[int, Any] = {}
-        if len(calls) == 1:
-            ((shard, call),) = calls.items()
-            try:
-                outcomes[shard] = self._on(shard, call, clients[shard])
-            except ReplayError as exc:
-                outcomes[shard] = exc
-        else:
-            pool = self._pool
-            assert pool is not None
-            futures: dict[int, Future] = {
-                s: pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
-            for shard, future in futures.items():
-                try:
-                    outcomes[shard] = future.result()
-                except ReplayError as exc:
-                    outcomes[shard] = exc
+        pool = self._pool
+        assert pool is not None
+        futures: dict[int, Future] = {
+            s: pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
+        outcomes = settle(futures, self._deadline, lambda s: self._probe(clients[s]),
+                          lambda s: f"shard {s} ({self.address_of(s)})")
         results, failure, lost = {}, None, False
         for shard, outcome in outcomes.items():
             if not isinstance(outcome, ReplayError):
@@ -345,7 +370,8 @@ class ShardSet:
                 continue
             lost = lost or isinstance(outcome, UnavailableError)
             if tolerate and self._degraded and isinstance(outcome, UnavailableError):
-                self.health.failed(shard, str(outcome))
+                self.health.failed(shard, str(outcome), probed=True)
+                self._prober.watch(shard)  # asked again in the background, not by callers
                 self._forget(shard)  # it may come back with other rows
             else:
                 failure = failure or outcome
@@ -363,6 +389,23 @@ class ShardSet:
         return self.each({s: call for s in (self.live(clients) if tolerate else clients)},
                          tolerate)
 
+    def _probe(self, client: Any) -> Future | None:
+        """Start a probe of ``client``'s server (``None``: it cannot be probed)."""
+        call = probe_call(client, self._deadline)
+        return None if call is None else self._probes.submit(call)
+
+    def _ask(self, shard: int) -> str | None:
+        """The background probe of a down shard: ``None`` if it answered, else why not."""
+        client = (self._clients or {}).get(shard)
+        if client is None:
+            return "not connected"
+        call = probe_call(client, self._deadline) or client.server_info
+        try:
+            call()
+        except ReplayError as exc:
+            return str(named(exc, f"shard {shard} ({self.address_of(shard)})"))
+        return None
+
     def _on(self, shard: int, call: Callable[[Any], Any], client: Any) -> Any:
         try:
             return call(client)
@@ -371,6 +414,7 @@ class ShardSet:
 
     def close(self) -> None:
         """Close every shard's client (a later call connects again)."""
+        self._prober.close()
         with self._resolving, self._lock:
             clients, self._clients = self._clients, None
             pending, self._pending = self._pending, {}
