@@ -13,7 +13,12 @@ from replay_client import chunked, grouping, table_rows, variables
 from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, CONNECT_TIMEOUT_S, Connection
-from replay_client.errors import InvalidArgumentError, InvalidPriorityError, UnknownTableError
+from replay_client.errors import (
+    InvalidArgumentError,
+    InvalidPriorityError,
+    StreamEndedError,
+    UnknownTableError,
+)
 from replay_client.leases import ClientLeases
 from replay_client.stream import SampleLink, StagingTarget
 from replay_client.stream_options import feed_core, reconnect_window, stream_options
@@ -512,7 +517,7 @@ class ServerClient:
                             reconnect=opts.reconnect,
                             retry_window_s=reconnect_window(opts, self._connection),
                             name=self._connection.address)
-        stream = BatchStream(core, source, table)
+        stream = BatchStream(core, source, table, ended_error=StreamEndedError)
         if group is not None and window > (opts.prefetch or window):
             stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
                                       f"batches_per_message={group} fit the window")
