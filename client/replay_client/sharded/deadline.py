@@ -9,7 +9,8 @@ probe (``Info``, which a live server answers in milliseconds however long
 the call itself takes: a sample held by the rate limiter, a large insert)
 that has another ``shard_deadline_s`` to answer:
 
-* the probe answers: the shard is alive and merely slow; the call is waited
+* the probe answers (even with an error, say overloaded: the server spoke):
+  the shard is alive and merely slow; the call is waited
   for as long as its own timeout allows, as before;
 * neither the call nor the probe has answered: the shard is *late*, and its
   part of the call fails with :class:`~replay_client.errors.UnavailableError`
@@ -34,7 +35,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
-from replay_client.errors import ReplayError, UnavailableError
+from replay_client.errors import DeadlineExceededError, ReplayError, UnavailableError
 from replay_proto.v1 import replay_pb2 as pb
 
 DEFAULT_SHARD_DEADLINE_S = 2.0
@@ -96,7 +97,7 @@ def settle(futures: Mapping[int, Future], deadline_s: float, probe: Probe,
         for shard in open_calls:
             answer = probes[shard]
             if answer is not None and answer.done():
-                (alive if answer.exception() is None else dead).add(shard)
+                (dead if is_silent(answer.exception()) else alive).add(shard)
     for shard, future in futures.items():
         if shard in late and shard not in alive and not future.done():
             outcomes[shard] = UnavailableError(
@@ -109,3 +110,10 @@ def settle(futures: Mapping[int, Future], deadline_s: float, probe: Probe,
         except ReplayError as exc:
             outcomes[shard] = exc
     return outcomes
+
+
+def is_silent(error: BaseException | None) -> bool:
+    """Whether a probe that ended with ``error`` found the server silent or gone (any other
+    answer, an error included, came from a live server)."""
+    return isinstance(error, (UnavailableError, DeadlineExceededError)) or (
+        error is not None and not isinstance(error, ReplayError))

@@ -57,7 +57,12 @@ from replay_client.errors import (
     ShardingError,
     UnavailableError,
 )
-from replay_client.sharded.deadline import DEFAULT_SHARD_DEADLINE_S, probe_call, settle
+from replay_client.sharded.deadline import (
+    DEFAULT_SHARD_DEADLINE_S,
+    is_silent,
+    probe_call,
+    settle,
+)
 from replay_client.sharded.discovery import Resolution, Resolver, named, resolve
 from replay_client.sharded.health import ShardHealth
 from replay_client.sharded.prober import ShardProber
@@ -94,7 +99,7 @@ class ShardSet:
         self.spec = spec
         self.health = ShardHealth()
         self._deadline = shard_deadline_s
-        self._probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="replay-shard-probes")
+        self._probes = ThreadPoolExecutor(max_workers=16, thread_name_prefix="replay-shard-probes")
         self._prober = ShardProber(self.health, self._ask)
         self._factory = factory
         self._options = dict(options)
@@ -395,7 +400,8 @@ class ShardSet:
         return None if call is None else self._probes.submit(call)
 
     def _ask(self, shard: int) -> str | None:
-        """The background probe of a down shard: ``None`` if it answered, else why not."""
+        """The background probe of a down shard: ``None`` if it answered (an error that is
+        not unavailability is an answer too), else why not."""
         client = (self._clients or {}).get(shard)
         if client is None:
             return "not connected"
@@ -403,7 +409,8 @@ class ShardSet:
         try:
             call()
         except ReplayError as exc:
-            return str(named(exc, f"shard {shard} ({self.address_of(shard)})"))
+            if is_silent(exc):
+                return str(named(exc, f"shard {shard} ({self.address_of(shard)})"))
         return None
 
     def _on(self, shard: int, call: Callable[[Any], Any], client: Any) -> Any:

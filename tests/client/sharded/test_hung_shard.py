@@ -206,3 +206,56 @@ def test_a_bad_per_shard_deadline_is_refused_before_connecting(bad):
         ReplayClient(["127.0.0.1:1", "127.0.0.1:2"], shard_deadline_s=bad)
     with pytest.raises(errors.InvalidArgumentError, match="apply to a sharded client"):
         ReplayClient("127.0.0.1:1", shard_deadline_s=1.0)
+
+
+# ------------------------------------------------------------------ slow is not down
+
+
+def test_a_slow_shard_that_answers_its_probe_is_waited_for_not_counted_down(shard0):
+    """A strict client's fetch waits on shard 0 for a newer version for longer than the
+    per-shard deadline: the probe answers, so the call is waited for and returns the version."""
+    other = EmbeddedServer(settings_from_dict({
+        "server": {"address": "127.0.0.1:0", "shard": 1, "shared_memory": False},
+        "tables": [{"name": "u", "capacity": 100, "sampler": "uniform"}]}))
+    client = ReplayClient([shard0.address, other.address], timeout=TIMEOUT_S,
+                          shard_deadline_s=DEADLINE_S)
+    try:
+        assert client.publish("policy", {"w": torch.zeros(2)}) == 1
+        got: list[Any] = []
+        waiting = threading.Thread(
+            target=lambda: got.append(client.fetch("policy", newer_than=1, timeout=TIMEOUT_S)))
+        waiting.start()
+        threading.Event().wait(4 * DEADLINE_S)  # past the deadline and the probe's
+        with ReplayClient(shard0.address) as direct:
+            direct.publish("policy", {"w": torch.ones(2)})
+        waiting.join(BOUND_S)
+        assert got and got[0].version == 2
+        assert client.shard_stats().down == {}
+    finally:
+        client.close()
+        other.close()
+
+
+def test_settle_waits_for_a_late_call_whose_shard_answers_its_probe_and_drops_a_silent_one():
+    from concurrent.futures import Future
+
+    from replay_client.sharded.deadline import settle
+
+    calls = {s: Future() for s in (0, 1, 2)}
+    calls[0].set_result("fast")
+    probed = {s: threading.Event() for s in (1, 2)}
+
+    def probe(shard: int) -> Future:
+        answer: Future = Future()
+        if shard == 1:  # alive: answers the probe, finishes its call afterwards
+            answer.set_exception(errors.OverloadedError("busy"))  # an answer all the same
+            threading.Thread(target=lambda: calls[1].set_result("slow")).start()
+        else:  # silent
+            answer.set_exception(errors.DeadlineExceededError("no answer"))
+        probed[shard].set()
+        return answer
+
+    outcomes = settle(calls, 0.05, probe, lambda s: f"shard {s} (here)")
+    assert outcomes[0] == "fast" and outcomes[1] == "slow"
+    assert isinstance(outcomes[2], errors.UnavailableError)
+    assert "shard 2 (here) did not answer within the per-shard deadline" in str(outcomes[2])
