@@ -34,7 +34,10 @@ as long again (:mod:`replay_client.sharded.deadline`): a shard silent past
 both is unavailable, so a hung server costs a call at most twice the
 deadline, never the call's whole timeout; a server that does not answer within
 the deadline when first asked its index (that ask is a probe) is treated alike
-(pending in degraded mode, named in the error by default). A degraded client's down shards are probed in the
+(pending in degraded mode, named in the error by default). After the first,
+a degraded client resolves in the background (callers go on with the set
+they have meanwhile), so a pending server that stays silent costs no caller
+anything. A degraded client's down shards are probed in the
 background (:mod:`replay_client.sharded.prober`), not by callers' calls.
 
 Thread-safety: every method may be called from any thread; the set is
@@ -112,6 +115,7 @@ class ShardSet:
         self._clients: dict[int, Any] | None = None
         self._addresses: dict[int, str] = {}
         self._pending: dict[str, Any] = {}  # addresses whose server has not answered yet
+        self._background: threading.Thread | None = None  # a degraded client's resolution
         self._gone: set[int] = set()  # shards whose address the name no longer gives
         self._next_resolve = 0.0
         self._last_resolve = 0.0
@@ -136,8 +140,8 @@ class ShardSet:
                and (isinstance(self.spec, str) or self._pending)) or (
                 (self._absent or self._gone or self.health.any_down)
                 and time.monotonic() >= self._last_resolve + RETRY_RESOLVE_S)):
-            self.resolve()  # a name again, (a list) the servers that had not answered, or
-            clients = self._clients  # an absent or gone shard looked for again
+            self._resolve_again()  # a name again, (a list) the servers that had not
+            clients = self._clients  # answered, or an absent or gone shard looked for again
         if self._absent and not self._degraded:
             self._await_absent()
             clients = self._clients
@@ -211,9 +215,25 @@ class ShardSet:
         if not self._resolving.acquire(blocking=False):
             return
         try:
-            self._resolve(first=False)
+            if self._clients is not None:  # not closed meanwhile
+                self._resolve(first=False)
         finally:
             self._resolving.release()
+
+    def _resolve_again(self, soon: bool = False) -> None:
+        """:meth:`resolve`: in the caller's thread for a strict client; in the background
+        for a degraded one, whose callers go on with the set they have (a server that does
+        not answer would hold each of them for the per-shard deadline)."""
+        if not self._degraded:
+            self.resolve(soon=soon)
+            return
+        with self._lock:
+            if self._background is not None and self._background.is_alive():
+                return
+            self._background = threading.Thread(
+                target=self.resolve, kwargs={"soon": soon}, name="replay-shards-resolve",
+                daemon=True)
+            self._background.start()
 
     def _resolve(self, first: bool) -> None:
         """Find the servers the spec names now and make them the set (under ``_resolving``)."""
@@ -381,7 +401,7 @@ class ShardSet:
             else:
                 failure = failure or outcome
         if lost:
-            self.resolve(soon=True)
+            self._resolve_again(soon=True)
         if failure is not None:
             raise failure
         if self._degraded:

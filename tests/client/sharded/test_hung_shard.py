@@ -38,8 +38,8 @@ margin for a loaded machine (without the per-shard deadline: the 60 s timeout)."
 TIMEOUT_S = 60.0
 
 
-def _returns(call: Callable[[], Any]) -> Any:
-    """``call()``'s result (or its error, raised), which must come within ``BOUND_S``."""
+def _returns(call: Callable[[], Any], bound: float = BOUND_S) -> Any:
+    """``call()``'s result (or its error, raised), which must come within ``bound`` s."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -52,7 +52,7 @@ def _returns(call: Callable[[], Any]) -> Any:
             done.set()
 
     threading.Thread(target=run, daemon=True).start()
-    assert done.wait(BOUND_S), f"the call did not return within {BOUND_S} s"
+    assert done.wait(bound), f"the call did not return within {bound} s"
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -103,6 +103,36 @@ def test_a_black_hole_in_the_list_is_left_out_and_reported_missing(shard0, black
         batch = _returns(lambda: client.sample("u", 16))
         assert batch.batch_size == 16 and batch.missing_shards == (1,)
         assert set((batch.ids >> 56).tolist()) == {0}
+    finally:
+        client.close()
+
+
+def test_a_degraded_client_asks_a_silent_new_server_in_the_background(shard0, black_hole):
+    """A black hole that appears under the name is asked its index by a background
+    resolution: no caller waits the per-shard deadline (8 s here) for it."""
+    names = [shard0.address]
+    asked = threading.Event()
+
+    def resolver(host: str, port: int) -> list[str]:
+        if len(names) > 1:
+            asked.set()
+        return list(names)
+
+    client = ReplayClient("shards://replay:50051", resolver=resolver, allow_degraded=True,
+                          timeout=TIMEOUT_S, shard_deadline_s=8.0, resolve_interval_s=0.1)
+    try:
+        client.insert("u", {"x": torch.arange(4)})
+        names.append(black_hole)
+        for _ in range(200):  # a call soon finds the resolution due: it starts it
+            _returns(client.info, bound=5.0)
+            if asked.wait(0.05):
+                break
+        assert asked.is_set()
+        for _ in range(3):  # while the black hole is being asked (8 s), calls go on
+            assert _returns(client.info, bound=5.0)["u"].size >= 4
+            assert set((_returns(lambda: client.insert("u", {"x": torch.arange(2)}),
+                                 bound=5.0) >> 56).tolist()) == {0}
+            assert _returns(lambda: client.sample("u", 4), bound=5.0).batch_size == 4
     finally:
         client.close()
 
