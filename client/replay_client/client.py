@@ -32,8 +32,9 @@ class ReplayClient(ABC):
             ``max_message_mb``, ``max_retry_s``, ``tls``,
             ``allow_plaintext_token``, ``connect_timeout_s`` for every client (see
             :class:`~replay_client.server_client.ServerClient`); ``resolver``,
-            ``seed``, ``allow_degraded``, ``resolve_interval_s`` for a sharded
-            one (see :class:`~replay_client.sharded.client.ShardedClient`).
+            ``seed``, ``allow_degraded``, ``resolve_interval_s``,
+            ``wait_for_shards_s``, ``shard_deadline_s`` for a sharded one (see
+            :class:`~replay_client.sharded.client.ShardedClient`).
 
     Raises:
         InvalidArgumentError: an address of the wrong type, or a sharded
@@ -60,7 +61,8 @@ class ReplayClient(ABC):
         return ServerClient(address, **options)
 
 
-_SHARDED_ONLY = frozenset({"resolver", "seed", "allow_degraded", "resolve_interval_s", "client"})
+_SHARDED_ONLY = frozenset({"resolver", "seed", "allow_degraded", "resolve_interval_s", "client",
+                           "wait_for_shards_s", "shard_deadline_s"})
 
 ReplayClient.register(ServerClient)
 ReplayClient.register(ShardedClient)

@@ -14,6 +14,7 @@ import builtins
 
 import grpc
 
+from replay_feed import stream as _feed_stream
 from replay_proto.error_kinds import ErrorKind, kind_of
 
 
@@ -51,6 +52,12 @@ class FailedPreconditionError(ReplayError):
 
 class EmptyTableError(FailedPreconditionError):
     """Nothing in the table can be sampled yet."""
+
+
+class StreamEndedError(FailedPreconditionError, _feed_stream.StreamEndedError):
+    """``stream.ack()`` after the stream ended holding a queue batch not finished: that
+    batch went back to the queue, unacknowledged (leaving a ``for`` loop ends a stream:
+    ack inside the loop, before ``break``)."""
 
 
 class NoPrioritiesError(FailedPreconditionError):

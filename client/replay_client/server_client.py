@@ -13,12 +13,18 @@ from replay_client import chunked, grouping, table_rows, variables
 from replay_client.arguments import check_int as _check_int
 from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, CONNECT_TIMEOUT_S, Connection
-from replay_client.errors import InvalidArgumentError, InvalidPriorityError, UnknownTableError
+from replay_client.errors import (
+    InvalidArgumentError,
+    InvalidPriorityError,
+    StreamEndedError,
+    UnknownTableError,
+)
 from replay_client.leases import ClientLeases
 from replay_client.stream import SampleLink, StagingTarget
 from replay_client.stream_options import feed_core, reconnect_window, stream_options
 from replay_client.table_info import ServerInfo, TableInfo, server_info_of
 from replay_client.tls import TlsConfig
+from replay_client.update_parts import max_ids_per_message, update_parts
 from replay_client.update_stream import StreamFallback, UpdateStream
 from replay_client.updates import PriorityUpdater
 from replay_client.variables import Variable
@@ -109,6 +115,7 @@ class ServerClient:
         self._updater_pid = 0
         self._update_stream: UpdateStream | None = None
         self._update_stream_pid = 0
+        self._slice_lens: dict[str, int] = {}
 
     @property
     def address(self) -> str:
@@ -238,7 +245,10 @@ class ServerClient:
             priorities: finite values >= 0, same shape.
             wait: ``True``: send now and return how many ids still named
                 stored rows (on the client's persistent update stream: one
-                round trip, see :mod:`replay_client.update_stream`).
+                round trip, see :mod:`replay_client.update_stream`). An update
+                over the message limit goes as several requests in order
+                (:mod:`replay_client.update_parts`); if one is refused, the
+                ones before it stay applied (the error's note says how many).
                 ``False``: queue it for a background thread and
                 return ``None`` at once; updates stay in order, are merged
                 while one is in flight (see :mod:`replay_client.updates`), and
@@ -255,7 +265,17 @@ class ServerClient:
             return None
         if self._updater is not None:
             self._updater.flush()  # keep order with earlier wait=False updates
-        return self._send_update(table, id_array, values)
+        applied = 0
+        parts = list(self._update_parts(table, id_array, values))
+        for number, (part_ids, part_values) in enumerate(parts):
+            try:
+                applied += self._send_update(table, part_ids, part_values)
+            except Exception as exc:
+                if number:
+                    exc.add_note(f"{number} of {len(parts)} requests of this update were "
+                                 f"applied before ({applied} ids present)")
+                raise
+        return applied
 
     def flush_updates(self, timeout: float | None = None) -> None:
         """Wait until every ``update_priorities(..., wait=False)`` was applied (or raise its error)."""
@@ -274,6 +294,19 @@ class ServerClient:
         )
         return int(response.applied)
 
+    def _update_parts(self, table: str, ids: np.ndarray, priorities: np.ndarray
+                      ) -> Any:
+        """``(ids, priorities)`` as requests under the message limit; flat ids are cut at
+        multiples of the table's ``slice_len`` (asked once, only when flat ids must be cut)."""
+        max_ids = max_ids_per_message(self._connection.max_message_bytes)
+        step = 1
+        if ids.size > max_ids and ids.ndim == 1:
+            if table not in self._slice_lens:
+                found = self.info().get(table)
+                self._slice_lens[table] = (found.slice_len or 1) if found else 1
+            step = self._slice_lens[table]
+        return update_parts(ids, priorities, max_ids, step)
+
     def _stream(self) -> UpdateStream:
         with self._lock:
             if self._update_stream is None or self._update_stream_pid != os.getpid():
@@ -284,7 +317,10 @@ class ServerClient:
     def _updates(self) -> PriorityUpdater:
         with self._lock:
             if self._updater is None or self._updater_pid != os.getpid():
-                self._updater, self._updater_pid = PriorityUpdater(self._send_update), os.getpid()
+                self._updater = PriorityUpdater(
+                    self._send_update, parts=self._update_parts,
+                    max_ids_per_call=max_ids_per_message(self._connection.max_message_bytes))
+                self._updater_pid = os.getpid()
             return self._updater
 
     @runs_eagerly
@@ -481,7 +517,7 @@ class ServerClient:
                             reconnect=opts.reconnect,
                             retry_window_s=reconnect_window(opts, self._connection),
                             name=self._connection.address)
-        stream = BatchStream(core, source, table)
+        stream = BatchStream(core, source, table, ended_error=StreamEndedError)
         if group is not None and window > (opts.prefetch or window):
             stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
                                       f"batches_per_message={group} fit the window")

@@ -233,6 +233,13 @@ class SampleLink:
     def transport(self) -> str:
         return "shared_memory" if self._ring is not None else "grpc"
 
+    @property
+    def leased(self) -> bool:
+        """Whether the current call's batches are leased (a queue table's, as its first
+        batch said)."""
+        outgoing = self._outgoing
+        return outgoing is not None and outgoing.leased
+
     # ------------------------------------------------------------ one call
 
     def call(self, flow: CreditFlow, credits: int, updates: list[PriorityUpdate],

@@ -378,6 +378,10 @@ class FeedCore:
         self.credits.finish()
         return True
 
+    def holds_unfinished(self) -> bool:
+        """Whether the learner holds a batch it has not finished (taken, not acknowledged)."""
+        return self._held is not None and not self._acked
+
     @property
     def taken(self) -> int:
         return self._taken

@@ -53,6 +53,12 @@ class LinkSource:
         self._stopped = False
         self._settled = threading.Event()  # run() is past delivering the last updates
 
+    @property
+    def leased(self) -> bool:
+        """Whether the link's batches are leased (a queue table's: a batch not finished
+        when the stream ends goes back to the queue); false for a link that does not say."""
+        return bool(getattr(self.link, "leased", False))
+
     def run(self, core: FeedCore) -> None:
         core.stats.transport = self.link.transport
 

@@ -51,6 +51,12 @@ def _track(stream: BatchStream) -> None:
         _open.add(stream)
 
 
+class StreamEndedError(RuntimeError):
+    """:meth:`BatchStream.ack` after the stream ended holding a leased batch not finished:
+    that batch went back to the queue when the stream ended (leaving a ``for`` loop ends
+    it), so it was not acknowledged and will be handed out again."""
+
+
 class BatchStream:
     """The learner's iterator over a feed: ``for batch in stream: ...``.
 
@@ -64,10 +70,13 @@ class BatchStream:
         stats: batches and bytes delivered, time waited, transport, notes.
     """
 
-    def __init__(self, core: FeedCore, source: Source, name: str) -> None:
+    def __init__(self, core: FeedCore, source: Source, name: str, *,
+                 ended_error: type[Exception] = StreamEndedError) -> None:
         self._core = core
         self._source = source
         self._name = name
+        self._ended_error = ended_error  # what a late ack() raises (the entry's typed class)
+        self._gave_back = False  # the stream ended holding a leased batch not finished
         self.stats = core.stats
         self.stats.notes.append(core.delivery.note)
         self._thread = threading.Thread(
@@ -155,9 +164,23 @@ class BatchStream:
         is done, or the batch is handed out again. Returns at once (the
         acknowledgement travels with the next message); a no-op when no
         batch is held or on other tables.
+
+        Leaving a ``for`` loop over the stream (``break``) ends the stream, so
+        call it inside the loop, before ``break``.
+
+        Raises:
+            StreamEndedError: (the entry's typed subclass) the stream had ended
+                holding a leased batch not finished: that batch went back to the
+                queue, unacknowledged.
         """
         if not self._closed:
             self._core.ack()
+        elif self._gave_back:
+            raise self._ended_error(
+                f"stream {self._name}: ack() after the stream ended: the batch it held was "
+                f"not finished then and went back to the queue (it will be handed out again). "
+                f"Leaving a for loop over the stream (break) ends it: call stream.ack() inside "
+                f"the loop, before break, or before close()")
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the background work and release buffers; idempotent. On a queue table the
@@ -166,6 +189,8 @@ class BatchStream:
         if self._closed:
             return
         self._closed = True
+        self._gave_back = self._core.holds_unfinished() and bool(
+            getattr(self._source, "leased", False))
         _open.discard(self)
         self._core.stop()
         self._source.stop()

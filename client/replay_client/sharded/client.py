@@ -58,11 +58,13 @@ from replay_client.errors import (
     UnsupportedError,
 )
 from replay_client.server_client import ServerClient
+from replay_client.sharded.deadline import DEFAULT_SHARD_DEADLINE_S
 from replay_client.sharded.discovery import Resolver, addresses_of, is_sharded
 from replay_client.sharded.health import ShardStats, down_note
 from replay_client.sharded.merge import MassBook, merge, shares, split
 from replay_client.sharded.placement import RoundRobin, by_episode
 from replay_client.sharded.routing import by_owner
+from replay_client.sharded.settings import checked_settings
 from replay_client.sharded.shard_set import ShardSet
 from replay_client.sharded.stream import open_stream
 from replay_client.sharded.table_rows import ShardedTableRows
@@ -121,28 +123,24 @@ class ShardedClient(ShardedTableRows):
             long a strict client waits for missing ones before it refuses
             (naming them); a degraded client goes on and lists them in
             ``missing_shards``.
+        shard_deadline_s: how long a shard has to answer its part of a call
+            before it is probed, and the probe after that: a shard silent past
+            both is unavailable (:mod:`replay_client.sharded.deadline`).
     """
 
     def __init__(self, address: Any, *, client: Callable[..., Any] = ServerClient,
                  resolver: Resolver | None = None, seed: int | None = None,
                  allow_degraded: bool = False,
                  resolve_interval_s: float | None = DEFAULT_RESOLVE_INTERVAL_S,
-                 wait_for_shards_s: float = 10.0, **options: Any) -> None:
+                 wait_for_shards_s: float = 10.0,
+                 shard_deadline_s: float = DEFAULT_SHARD_DEADLINE_S, **options: Any) -> None:
         if isinstance(address, (list, tuple)):
             address = list(address)
             addresses_of(address)  # bad lists fail here, before any connection
-        if not isinstance(allow_degraded, bool):
-            raise InvalidArgumentError(f"allow_degraded must be True or False, got {allow_degraded!r}")
-        if resolve_interval_s is not None and not (
-                isinstance(resolve_interval_s, (int, float)) and not isinstance(
-                    resolve_interval_s, bool) and resolve_interval_s > 0):
-            raise InvalidArgumentError(f"resolve_interval_s must be a number of seconds > 0 "
-                                       f"or None, got {resolve_interval_s!r}")
-        if isinstance(wait_for_shards_s, bool) or not isinstance(
-                wait_for_shards_s, (int, float)) or not wait_for_shards_s >= 0:
-            raise InvalidArgumentError(f"wait_for_shards_s must be a number of seconds >= 0, "
-                                       f"got {wait_for_shards_s!r}")
+        checked_settings(allow_degraded=allow_degraded, resolve_interval_s=resolve_interval_s,
+                         wait_for_shards_s=wait_for_shards_s, shard_deadline_s=shard_deadline_s)
         self._wait_for_shards = wait_for_shards_s
+        self._shard_deadline = shard_deadline_s
         self._factory = client
         self._resolver = resolver
         self._seed = seed
@@ -155,7 +153,8 @@ class ShardedClient(ShardedTableRows):
         self._set = ShardSet(address, client, shard_options, resolver=resolver,
                              degraded=allow_degraded, resolve_interval_s=resolve_interval_s,
                              forget=lambda shard: self._masses.forget(shard=shard),
-                             wait_for_shards_s=wait_for_shards_s)
+                             wait_for_shards_s=wait_for_shards_s,
+                             shard_deadline_s=shard_deadline_s)
         self._health = self._set.health
         self._tables: dict[str, TableShape] = {}
         self._rng = np.random.default_rng(seed)
@@ -182,14 +181,17 @@ class ShardedClient(ShardedTableRows):
         return {"address": self._set.spec, "resolver": self._resolver, "seed": self._seed,
                 "options": self._options, "client": self._factory,
                 "allow_degraded": self._degraded, "resolve_interval_s": self._interval,
-                "wait_for_shards_s": self._wait_for_shards}
+                "wait_for_shards_s": self._wait_for_shards,
+                "shard_deadline_s": self._shard_deadline}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["address"], client=state["client"],  # type: ignore[misc]
                       resolver=state["resolver"], seed=state["seed"],
                       allow_degraded=state["allow_degraded"],
                       resolve_interval_s=state["resolve_interval_s"],
-                      wait_for_shards_s=state.get("wait_for_shards_s", 10.0), **state["options"])
+                      wait_for_shards_s=state.get("wait_for_shards_s", 10.0),
+                      shard_deadline_s=state.get("shard_deadline_s", DEFAULT_SHARD_DEADLINE_S),
+                      **state["options"])
 
     def close(self) -> None:
         """Send pending ``wait=False`` updates and close every shard's connection."""

@@ -6,8 +6,12 @@ a shard whose call failed with :class:`~replay_client.errors.UnavailableError`
 (down, restarting, draining) is *down*: calls leave it out until its retry
 time, which backs off from ``first_retry_s`` to ``max_retry_s``; the first
 call after that time includes it again (a probe), and if the shard answers it
-has *rejoined*. :class:`ShardStats` counts what happened, for dashboards and
-tests (``client.shard_stats()``).
+has *rejoined*. A shard a sharded client's one-shot calls found down
+(unavailable, or silent past its per-shard deadline,
+:mod:`replay_client.sharded.deadline`) is instead *probed*: calls leave it
+out until a probe in the background (:mod:`replay_client.sharded.prober`)
+finds it answering, so no caller waits on it meanwhile. :class:`ShardStats`
+counts what happened, for dashboards and tests (``client.shard_stats()``).
 
 Thread-safety: all methods take the object's lock.
 """
@@ -52,17 +56,28 @@ class ShardHealth:
         self._max = max_retry_s
         self._retry_at: dict[int, float] = {}
         self._delay: dict[int, float] = {}
+        self._probed: set[int] = set()
         self._stats = ShardStats()
 
     def live(self, shards: Iterable[int]) -> list[int]:
-        """``shards`` that are up, or down but due for a retry, in the order given."""
+        """``shards`` that are up, or down but due for a retry (and not left to a background
+        probe), in the order given."""
         now = time.monotonic()
         with self._lock:
-            return [s for s in shards if self._retry_at.get(s, 0.0) <= now]
+            return [s for s in shards
+                    if s not in self._probed and self._retry_at.get(s, 0.0) <= now]
 
-    def failed(self, shard: int, reason: str) -> None:
-        """A call to ``shard`` failed as unavailable: leave it out until its next retry time."""
+    def retry_at(self, shard: int) -> float | None:
+        """When ``shard`` is due for its next try (``time.monotonic()``); ``None``: it is up."""
         with self._lock:
+            return self._retry_at.get(shard) if shard in self._stats.down else None
+
+    def failed(self, shard: int, reason: str, *, probed: bool = False) -> None:
+        """A call to ``shard`` failed as unavailable: leave it out until its next retry time
+        (``probed``: until a background probe finds it answering)."""
+        with self._lock:
+            if probed:
+                self._probed.add(shard)
             delay = min(self._delay.get(shard, self._first / 2) * 2, self._max)
             self._delay[shard] = delay
             self._retry_at[shard] = time.monotonic() + delay
@@ -73,6 +88,7 @@ class ShardHealth:
         """``shards`` answered a call: those that were down have rejoined."""
         with self._lock:
             for shard in shards:
+                self._probed.discard(shard)
                 if shard in self._stats.down:
                     del self._stats.down[shard]
                     self._retry_at.pop(shard, None)

@@ -35,6 +35,13 @@ row, from the shard's answer (or its shared-memory slot) straight into the
 merged batch (a learner's staging buffer): the same bytes a concatenation
 would copy, and no more.
 
+Hostile or broken shards: every mass a shard reports is checked before it is
+stored or used (:func:`checked_mass`): a total that is not finite and >= 0, a
+smallest unit mass that is not > 0, or a negative count is refused with
+:class:`~replay_client.errors.ShardingError` naming the shard, so a NaN or
+infinite mass can never poison a batch's probabilities and weights, nor make
+a split that can never be drawn.
+
 Thread-safety: :class:`MassBook` takes its own lock; the functions are pure.
 """
 
@@ -47,8 +54,31 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from replay_client.errors import ShardingError
 from replay_proto.batch import SampleBatch
 from replay_proto.mass import SamplingMass
+
+
+def checked_mass(shard: int, mass: SamplingMass) -> SamplingMass:
+    """``mass`` if it is one a table can have, else :class:`ShardingError` naming ``shard``.
+
+    A table's mass has a finite total >= 0, a smallest positive unit mass > 0
+    (``inf`` when it has no unit of positive mass) and a count >= 0.
+    """
+    total, low, count = mass.total, mass.min_positive, mass.count
+    if not (math.isfinite(total) and total >= 0 and low > 0 and not math.isnan(low)
+            and count >= 0):
+        raise ShardingError(
+            f"shard {shard} reported a sampling mass that no table can have (total={total!r}, "
+            f"min_positive={low!r}, count={count!r}; a total must be finite and >= 0, the "
+            f"smallest unit mass > 0): refused, nothing merged with it")
+    return mass
+
+
+def checked_masses(masses: Mapping[int, SamplingMass]) -> None:
+    """:func:`checked_mass` on every shard's mass."""
+    for shard, mass in masses.items():
+        checked_mass(shard, mass)
 
 
 class MassBook:
@@ -63,6 +93,8 @@ class MassBook:
             return dict(self._masses.get(table, {}))
 
     def put(self, table: str, shard: int, mass: SamplingMass) -> None:
+        """Note ``shard``'s mass (checked: :func:`checked_mass` raises for a bad one)."""
+        checked_mass(shard, mass)
         with self._lock:
             self._masses.setdefault(table, {})[shard] = mass
 
@@ -82,8 +114,11 @@ def split(batch_size: int, masses: Mapping[int, SamplingMass],
     """Draws per shard: ``Multinomial(batch_size, M_s / sum M)`` (shards of mass 0 get none).
 
     Raises:
+        ShardingError: a shard's mass is not one a table can have (a ``ValueError``
+            too: catch it first).
         ValueError: no shard has any mass (nothing can be drawn anywhere).
     """
+    checked_masses(masses)
     shards = [s for s in sorted(masses) if masses[s].total > 0]
     if not shards:
         raise ValueError("no shard has anything to sample")
@@ -95,7 +130,12 @@ def split(batch_size: int, masses: Mapping[int, SamplingMass],
 
 
 def shares(masses: Mapping[int, SamplingMass]) -> dict[int, float]:
-    """``q_s = M_s / sum M``: the probability that one draw goes to shard ``s`` (see :func:`split`)."""
+    """``q_s = M_s / sum M``: the probability that one draw goes to shard ``s`` (see :func:`split`).
+
+    Raises:
+        ShardingError: a shard's mass is not one a table can have.
+    """
+    checked_masses(masses)
     total = math.fsum(m.total for m in masses.values())
     return {s: (m.total / total if total > 0 else 0.0) for s, m in masses.items()}
 
@@ -148,6 +188,7 @@ def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
         copy: ``copy(dest, start, src)`` for contiguous row copies (a feed's
             parallel copier); default: one ``copy_``.
     """
+    checked_masses(fresh)
     n = len(keys)
     sizes = {s: sum(p.batch_size for p in ps) for s, ps in pieces.items() if ps}
     total = sum(sizes.values())

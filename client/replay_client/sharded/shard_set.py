@@ -29,6 +29,17 @@ whole replay. While a shard is absent, gone or down (a stream lost it), the
 name is resolved again at most once a second (a restarted shard is found at
 its new address).
 
+Every shard has ``shard_deadline_s`` to answer its part of a call, and a probe
+as long again (:mod:`replay_client.sharded.deadline`): a shard silent past
+both is unavailable, so a hung server costs a call at most twice the
+deadline, never the call's whole timeout; a server that does not answer within
+the deadline when first asked its index (that ask is a probe) is treated alike
+(pending in degraded mode, named in the error by default). After the first,
+a degraded client resolves in the background (callers go on with the set
+they have meanwhile), so a pending server that stays silent costs no caller
+anything. A degraded client's down shards are probed in the
+background (:mod:`replay_client.sharded.prober`), not by callers' calls.
+
 Thread-safety: every method may be called from any thread; the set is
 replaced whole (readers see the old or the new one, never half of it), and
 one caller at a time resolves.
@@ -40,11 +51,24 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from typing import Any
 
-from replay_client.errors import ReplayError, ShardingError, UnavailableError
+from replay_client.errors import (
+    DeadlineExceededError,
+    ReplayError,
+    ShardingError,
+    UnavailableError,
+)
+from replay_client.sharded.deadline import (
+    DEFAULT_SHARD_DEADLINE_S,
+    is_silent,
+    probe_call,
+    settle,
+)
 from replay_client.sharded.discovery import Resolution, Resolver, named, resolve
 from replay_client.sharded.health import ShardHealth
+from replay_client.sharded.prober import ShardProber
 
 RETRY_RESOLVE_S = 1.0
 """After a call found a shard unavailable, the name is resolved again at most this often."""
@@ -67,13 +91,19 @@ class ShardSet:
             masses must be asked again).
         wait_for_shards_s: how long a strict client waits for absent shards
             before it refuses (see the module docstring).
+        shard_deadline_s: how long a shard has to answer its part of a call, and
+            a probe after that (:mod:`replay_client.sharded.deadline`).
     """
 
     def __init__(self, spec: Any, factory: Callable[..., Any], options: Mapping[str, Any], *,
                  resolver: Resolver | None, degraded: bool, resolve_interval_s: float | None,
-                 forget: Callable[[int], None], wait_for_shards_s: float = 10.0) -> None:
+                 forget: Callable[[int], None], wait_for_shards_s: float = 10.0,
+                 shard_deadline_s: float = DEFAULT_SHARD_DEADLINE_S) -> None:
         self.spec = spec
         self.health = ShardHealth()
+        self._deadline = shard_deadline_s
+        self._probes = ThreadPoolExecutor(max_workers=16, thread_name_prefix="replay-shard-probes")
+        self._prober = ShardProber(self.health, self._ask)
         self._factory = factory
         self._options = dict(options)
         self._resolver = resolver
@@ -85,6 +115,7 @@ class ShardSet:
         self._clients: dict[int, Any] | None = None
         self._addresses: dict[int, str] = {}
         self._pending: dict[str, Any] = {}  # addresses whose server has not answered yet
+        self._background: threading.Thread | None = None  # a degraded client's resolution
         self._gone: set[int] = set()  # shards whose address the name no longer gives
         self._next_resolve = 0.0
         self._last_resolve = 0.0
@@ -109,8 +140,8 @@ class ShardSet:
                and (isinstance(self.spec, str) or self._pending)) or (
                 (self._absent or self._gone or self.health.any_down)
                 and time.monotonic() >= self._last_resolve + RETRY_RESOLVE_S)):
-            self.resolve()  # a name again, (a list) the servers that had not answered, or
-            clients = self._clients  # an absent or gone shard looked for again
+            self._resolve_again()  # a name again, (a list) the servers that had not
+            clients = self._clients  # answered, or an absent or gone shard looked for again
         if self._absent and not self._degraded:
             self._await_absent()
             clients = self._clients
@@ -127,8 +158,15 @@ class ShardSet:
 
     @property
     def absent(self) -> tuple[int, ...]:
-        """Expected shards not found (their index), in index order."""
-        return tuple(sorted(self._absent))
+        """Expected shards not found (their index), in index order. Without a count, servers
+        that have not answered yet (degraded mode) are taken to hold the lowest indices of
+        ``0..n-1`` no server reports (``n``: the addresses; ``shard = "auto"`` numbers so)."""
+        absent = set(self._absent)
+        if self._expected is None and self._pending:
+            found = set(self._clients or {})
+            free = [i for i in range(len(found) + len(self._pending)) if i not in found]
+            absent.update(free[:len(self._pending)])
+        return tuple(sorted(absent))
 
     def _await_absent(self) -> None:
         """A strict client: resolve until every expected shard is found, at most
@@ -177,9 +215,25 @@ class ShardSet:
         if not self._resolving.acquire(blocking=False):
             return
         try:
-            self._resolve(first=False)
+            if self._clients is not None:  # not closed meanwhile
+                self._resolve(first=False)
         finally:
             self._resolving.release()
+
+    def _resolve_again(self, soon: bool = False) -> None:
+        """:meth:`resolve`: in the caller's thread for a strict client; in the background
+        for a degraded one, whose callers go on with the set they have (a server that does
+        not answer would hold each of them for the per-shard deadline)."""
+        if not self._degraded:
+            self.resolve(soon=soon)
+            return
+        with self._lock:
+            if self._background is not None and self._background.is_alive():
+                return
+            self._background = threading.Thread(
+                target=self.resolve, kwargs={"soon": soon}, name="replay-shards-resolve",
+                daemon=True)
+            self._background.start()
 
     def _resolve(self, first: bool) -> None:
         """Find the servers the spec names now and make them the set (under ``_resolving``)."""
@@ -232,9 +286,11 @@ class ShardSet:
             self._clients = {s: clients[s] for s in order}
             self._addresses = {s: addresses[s] for s in order}
             self._pending = pending
-            if self._pool is None or self._pool._max_workers < len(order):  # noqa: SLF001
+            # Room for calls left running past their shard's deadline (until their timeout).
+            workers = 4 * len(order) + 4
+            if self._pool is None or self._pool._max_workers < workers:  # noqa: SLF001
                 old_pool, self._pool = self._pool, ThreadPoolExecutor(
-                    max_workers=max(1, len(order)), thread_name_prefix="replay-shards")
+                    max_workers=workers, thread_name_prefix="replay-shards")
                 if old_pool is not None:
                     old_pool.shutdown(wait=False)
 
@@ -271,15 +327,20 @@ class ShardSet:
         self._failures = {}
         if not ask:
             return {}
-        with ThreadPoolExecutor(max_workers=len(ask)) as pool:
-            futures = {a: pool.submit(c.server_info) for a, c in ask.items()}
+        pool = ThreadPoolExecutor(max_workers=len(ask), thread_name_prefix="replay-identify")
+        futures = {a: pool.submit(c.server_info) for a, c in ask.items()}
+        wait_all(list(futures.values()), timeout=self._deadline)  # the ask is itself a probe
+        pool.shutdown(wait=False)
         found: dict[str, tuple[Any, int]] = {}
         where: dict[int, str] = {}
         for address, future in futures.items():
             try:
+                if not future.done():
+                    raise UnavailableError(f"no answer to Info within the per-shard deadline "
+                                           f"(shard_deadline_s={self._deadline:g})")
                 shard = future.result().shard
             except ReplayError as exc:
-                if wait and isinstance(exc, UnavailableError):
+                if wait and isinstance(exc, (UnavailableError, DeadlineExceededError)):
                     self._failures[address] = exc
                     continue
                 for client in ask.values():
@@ -321,23 +382,12 @@ class ShardSet:
             ReplayError: the first failure in shard order, its message naming the shard.
         """
         clients = self.clients()
-        outcomes: dict[int, Any] = {}
-        if len(calls) == 1:
-            ((shard, call),) = calls.items()
-            try:
-                outcomes[shard] = self._on(shard, call, clients[shard])
-            except ReplayError as exc:
-                outcomes[shard] = exc
-        else:
-            pool = self._pool
-            assert pool is not None
-            futures: dict[int, Future] = {
-                s: pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
-            for shard, future in futures.items():
-                try:
-                    outcomes[shard] = future.result()
-                except ReplayError as exc:
-                    outcomes[shard] = exc
+        pool = self._pool
+        assert pool is not None
+        futures: dict[int, Future] = {
+            s: pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
+        outcomes = settle(futures, self._deadline, lambda s: self._probe(clients[s]),
+                          lambda s: f"shard {s} ({self.address_of(s)})")
         results, failure, lost = {}, None, False
         for shard, outcome in outcomes.items():
             if not isinstance(outcome, ReplayError):
@@ -345,12 +395,13 @@ class ShardSet:
                 continue
             lost = lost or isinstance(outcome, UnavailableError)
             if tolerate and self._degraded and isinstance(outcome, UnavailableError):
-                self.health.failed(shard, str(outcome))
+                self.health.failed(shard, str(outcome), probed=True)
+                self._prober.watch(shard)  # asked again in the background, not by callers
                 self._forget(shard)  # it may come back with other rows
             else:
                 failure = failure or outcome
         if lost:
-            self.resolve(soon=True)
+            self._resolve_again(soon=True)
         if failure is not None:
             raise failure
         if self._degraded:
@@ -363,6 +414,25 @@ class ShardSet:
         return self.each({s: call for s in (self.live(clients) if tolerate else clients)},
                          tolerate)
 
+    def _probe(self, client: Any) -> Future | None:
+        """Start a probe of ``client``'s server (``None``: it cannot be probed)."""
+        call = probe_call(client, self._deadline)
+        return None if call is None else self._probes.submit(call)
+
+    def _ask(self, shard: int) -> str | None:
+        """The background probe of a down shard: ``None`` if it answered (an error that is
+        not unavailability is an answer too), else why not."""
+        client = (self._clients or {}).get(shard)
+        if client is None:
+            return "not connected"
+        call = probe_call(client, self._deadline) or client.server_info
+        try:
+            call()
+        except ReplayError as exc:
+            if is_silent(exc):
+                return str(named(exc, f"shard {shard} ({self.address_of(shard)})"))
+        return None
+
     def _on(self, shard: int, call: Callable[[Any], Any], client: Any) -> Any:
         try:
             return call(client)
@@ -371,6 +441,7 @@ class ShardSet:
 
     def close(self) -> None:
         """Close every shard's client (a later call connects again)."""
+        self._prober.close()
         with self._resolving, self._lock:
             clients, self._clients = self._clients, None
             pending, self._pending = self._pending, {}

@@ -62,7 +62,12 @@ import numpy as np
 import torch
 
 from replay_client import grouping
-from replay_client.errors import DeadlineExceededError, EmptyTableError, ReplayError
+from replay_client.errors import (
+    DeadlineExceededError,
+    EmptyTableError,
+    ReplayError,
+    ShardingError,
+)
 from replay_client.sharded.discovery import named
 from replay_client.sharded.health import ShardHealth
 from replay_client.sharded.merge import merge_into, shares, split
@@ -255,6 +260,8 @@ class MergedLink:
                 with self._rng_lock:
                     try:
                         counts = split(self._batch_size, masses, self._rng)
+                    except ShardingError:
+                        raise  # a shard's mass no table can have: refused, naming it
                     except ValueError:
                         counts = None
                 if drawn and (counts is None or any(
