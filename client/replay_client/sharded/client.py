@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -211,7 +211,7 @@ class ShardedClient(ShardedTableRows):
               tolerate: bool = False) -> dict[int, Any]:
         return self._set.each(calls, tolerate)
 
-    def _live(self, clients: Mapping[int, Any]) -> list[int]:
+    def _live(self, clients: Iterable[int]) -> list[int]:
         return self._set.live(clients)
 
     def _all(self, call: Callable[[Any], Any], tolerate: bool = False) -> dict[int, Any]:
@@ -309,7 +309,7 @@ class ShardedClient(ShardedTableRows):
                 return ids
             excluded.update(failed)
             if ids is not None:
-                pending = np.concatenate([plan[s] if plan[s] is not None  # type: ignore[misc]
+                pending = np.concatenate([plan[s] if plan[s] is not None
                                           else np.arange(len(ids)) for s in failed])
 
     def writer(self, table: str, **options: Any) -> Writer:
@@ -394,7 +394,7 @@ class ShardedClient(ShardedTableRows):
                     raise
 
     def _draw(self, table: str, shape: TableShape, counts: dict[int, int],
-              masses: dict[int, SamplingMass], wait: bool, timeout: Any,
+              masses: dict[int, SamplingMass], wait: bool | None, timeout: Any,
               missing: tuple[int, ...]) -> SampleBatch | None:
         """One round: sample ``counts`` from their shards, refresh the others' masses, merge.
 
@@ -479,8 +479,7 @@ class ShardedClient(ShardedTableRows):
         named rows present (summed). An id of no known shard deletes nothing (InvalidIdsError)."""
         array = id_array(ids).reshape(-1)
         groups = by_owner(array, self._connect(), "nothing was deleted")
-        results = self._each({s: (lambda c, rows=rows: c.delete(table, array[rows]))
-                              for s, rows in groups.items()})
+        results = self._each({s: _deleting(table, array[rows]) for s, rows in groups.items()})
         return sum(int(r) for r in results.values())
 
     def flush_updates(self, timeout: float | None = None) -> None:
@@ -595,3 +594,6 @@ def _has_key(data: Any, key: str) -> bool:
     except (AttributeError, TypeError):
         return False
 
+
+def _deleting(table: str, ids: np.ndarray) -> Callable[[Any], Any]:
+    return lambda client: client.delete(table, ids)

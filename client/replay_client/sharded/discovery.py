@@ -66,7 +66,7 @@ def system_resolver(host: str, port: int) -> list[str]:
         found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise UnavailableError(f"cannot resolve {host!r} to shard addresses: {exc}") from None
-    hosts = sorted({info[4][0] for info in found})
+    hosts = sorted({str(info[4][0]) for info in found})
     return [f"[{h}]:{port}" if ":" in h else f"{h}:{port}" for h in hosts]
 
 

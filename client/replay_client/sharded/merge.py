@@ -219,8 +219,8 @@ def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
                 for dest, src in zip(out, sources):
                     dest.index_copy_(0, positions, src)
             start += rows
-    return SampleBatch.from_columns(
-        dict(zip(keys, out[:n])), *out[n:],
+    return SampleBatch.from_flat(
+        dict(zip(keys, out[:n])), out[n:],
         SamplingMass(math.fsum(m.total for m in fresh.values()),
                      min((m.min_positive for m in fresh.values()), default=math.inf),
                      sum(m.count for m in fresh.values())),

@@ -53,7 +53,7 @@ def registry_resolver(namespace: str, name: str) -> Resolution:
     deadline = time.monotonic() + ASK_TIMEOUT_S
     while True:  # asked again while Ray restarts the registry (its node lost)
         try:
-            listed = ray.get(registry.snapshot.remote(),
+            listed: Any = ray.get(registry.snapshot.remote(),
                              timeout=max(0.1, deadline - time.monotonic()))
             return resolution_of(listed)
         except ray.exceptions.ActorUnavailableError as exc:

@@ -187,5 +187,5 @@ class ShardRows:
 
 
 def _rows(batch: SampleBatch, start: int, stop: int) -> SampleBatch:
-    return SampleBatch.from_columns({k: v[start:stop] for k, v in batch.columns.items()},
-                                    *(t[start:stop] for t in batch.extras), mass=batch.mass)
+    return SampleBatch.from_flat({k: v[start:stop] for k, v in batch.columns.items()},
+                                 [t[start:stop] for t in batch.extras], mass=batch.mass)

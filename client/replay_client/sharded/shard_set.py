@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Any
@@ -361,7 +361,7 @@ class ShardSet:
 
     # ------------------------------------------------------------ calls
 
-    def live(self, clients: Mapping[int, Any]) -> list[int]:
+    def live(self, clients: Iterable[int]) -> list[int]:
         """The shards to call now: all, or in degraded mode those not down (raises if none)."""
         if not self._degraded:
             return list(clients)

@@ -51,6 +51,7 @@ batch; ``wait=False`` ends it with :class:`EmptyTableError` instead.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -256,7 +257,7 @@ class MergedLink:
             while not self._stopped and len(drawn) < most:
                 self._rejoin()
                 live = [s for s in self._rows if s not in self._down]
-                masses = {s: self._rows[s].mass for s in live if self._rows[s].mass is not None}
+                masses = {s: m for s in live if (m := self._rows[s].mass) is not None}
                 with self._rng_lock:
                     try:
                         counts = split(self._batch_size, masses, self._rng)
@@ -285,8 +286,7 @@ class MergedLink:
             whole = self._whole(pieces, q, missing)
             if whole is not None:  # handed over as it is: its chunk is freed when given back
                 ((rows, hold),) = [(self._rows[s], h) for s, (_, h) in taken.items()]
-                self._when_released(index + offset,
-                                    lambda rows=rows, hold=hold: self._done(rows, hold))
+                self._when_released(index + offset, functools.partial(self._done, rows, hold))
                 batches.append(whole)
             else:
                 batches.append(self._write(index + offset, pieces, q, masses, missing))
