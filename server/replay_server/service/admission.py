@@ -217,13 +217,7 @@ class Admission:
             refusal = exc
         except LimitExceededError as exc:
             await abort(context, exc)
-        remaining = context.time_remaining()
-        timeout = ADMISSION_WAIT_S if remaining is None else min(ADMISSION_WAIT_S, remaining)
-        try:
-            await asyncio.wait_for(self.budget.wait(nbytes, purpose, reservation),
-                                   max(0.0, timeout))
-        except TimeoutError:
-            await abort(context, refusal)
+        await self._grow_within(reservation, nbytes, purpose, context, refusal)
 
     def stream(self, name: str, behaviour: StreamBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving bidirectional RPC ``name`` with ``behaviour(requests, context, reservation)``.
@@ -263,15 +257,17 @@ class Admission:
         declared = declared_request_bytes(context.invocation_metadata(), default,
                                           self.limits.max_message_bytes)
         purpose = f"{name}: its request"
+        # The call's reservation, owned by its end: whatever the call reserves later is a
+        # part of it, released with it on every path (budget.py).
+        reservation = ended.reservation = Reservation(self.budget)
         try:
-            reservation = self.budget.reserve(declared, purpose)
+            reservation.resize(declared, purpose)
         except OverloadedError as exc:
             if not wait:
                 await abort(context, exc)
-            reservation = await self._wait(declared, purpose, context, exc)
+            await self._grow_within(reservation, declared, purpose, context, exc)
         except LimitExceededError as exc:
             await abort(context, exc)
-        ended.reservation = reservation
         return reservation
 
     def start_waiting(self, context: grpc.aio.ServicerContext) -> None:
@@ -315,16 +311,17 @@ class Admission:
                 f"again later")
         return None
 
-    async def _wait(self, nbytes: int, purpose: str, context: grpc.aio.ServicerContext,
-                    refusal: OverloadedError) -> Reservation:
-        """Wait up to ADMISSION_WAIT_S (within the deadline) for room, or end the call."""
+    async def _grow_within(self, reservation: Reservation, nbytes: int, purpose: str,
+                           context: grpc.aio.ServicerContext, refusal: OverloadedError) -> None:
+        """Grow ``reservation`` to ``nbytes``, waiting up to ADMISSION_WAIT_S (within the
+        deadline) for room, or end the call with ``refusal``."""
         remaining = context.time_remaining()
         timeout = ADMISSION_WAIT_S if remaining is None else min(ADMISSION_WAIT_S, remaining)
         try:
-            return await asyncio.wait_for(self.budget.wait(nbytes, purpose), max(0.0, timeout))
+            await asyncio.wait_for(self.budget.wait(nbytes, purpose, reservation),
+                                   max(0.0, timeout))
         except TimeoutError:
             await abort(context, refusal)
-        raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
     async def _check_size(self, name: str, raw: bytes, reservation: Reservation,
                           context: grpc.aio.ServicerContext) -> None:
