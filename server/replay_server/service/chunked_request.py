@@ -8,7 +8,10 @@ plus one message in hand (waiting up to a second for room, else
 RESOURCE_EXHAUSTED), so nothing read from then on is held unreserved. Each
 later message must fit what the call declared, and all of them together the
 size the first announced; anything else ends the call (INVALID_ARGUMENT,
-kind ``malformed_request``) with nothing run.
+kind ``malformed_request``) with nothing run. Each later message must come
+within ``server.request_timeout_s`` of the previous one (the progress
+deadline): a stalled upload is ended (DEADLINE_EXCEEDED) and its
+reservation freed, so it cannot hold the budget other callers wait for.
 
 What gRPC buffers before this code sees a message is bounded by the
 transport (one message of at most ``max_message_mb`` per call, plus its
@@ -31,10 +34,14 @@ from replay_server.service.status import abort
 
 Grow = Callable[[Reservation, int, str, grpc.aio.ServicerContext], Awaitable[None]]
 """``grow(reservation, nbytes, purpose, context)``: grow it to ``nbytes`` or end the call."""
+Read = Callable[[], Awaitable[bytes]]
+"""``read()``: the call's next message (or ``grpc.aio.EOF``), ending the call if it does not
+come within the progress deadline."""
 
 
 async def read_chunked(first: bytes, message_type: type, context: grpc.aio.ServicerContext,
-                       reservation: Reservation, grow: Grow, name: str) -> bytes | memoryview:
+                       reservation: Reservation, grow: Grow, name: str,
+                       read: Read) -> bytes | memoryview:
     """The one-message form of the transfer that starts with ``first``.
 
     Args:
@@ -46,6 +53,7 @@ async def read_chunked(first: bytes, message_type: type, context: grpc.aio.Servi
             one message.
         grow: grows the reservation, waiting for room (see :data:`Grow`).
         name: the RPC, for messages.
+        read: reads the next message within the progress deadline (see :data:`Read`).
     """
     declared = reservation.nbytes
     try:
@@ -61,7 +69,7 @@ async def read_chunked(first: bytes, message_type: type, context: grpc.aio.Servi
         transfer.allocate()
         del first
         while True:
-            raw = await context.read()
+            raw = await read()
             if raw is grpc.aio.EOF:
                 return transfer.message()
             if len(raw) > declared:
