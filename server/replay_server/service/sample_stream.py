@@ -54,7 +54,8 @@ before it is drawn, waiting for room when the budget is in use, and releases
 it once its last chunk was sent; each such reservation (and the ring's) is a
 part of the call's own, which gRPC's end-of-call callback releases however
 the call ends (a reset or cut while a group is sent included); a batch over ``max_batch_mb`` ends the
-stream with RESOURCE_EXHAUSTED (kind ``limit_exceeded``). A learner
+stream with RESOURCE_EXHAUSTED (kind ``limit_exceeded``), and so does a row
+over the message limit less its header (no message could carry it). A learner
 message larger than the call declared ends it with INVALID_ARGUMENT.
 """
 
@@ -225,9 +226,7 @@ class SampleStreamCall:
         request = first.request
         table = await calls.run(context, self._tables.__getitem__, request.table)
         self._table = table
-        batch_bytes = self._batch_bytes(table, request.batch_size)
-        if batch_bytes > self._limits.max_batch_bytes:
-            await calls.fail(context, self._too_large(table, request.batch_size, batch_bytes))
+        await self._check_sizes(table, request.batch_size)
         self._group = max(1, request.batches_per_message)
         self._stays = first.stays_until_closing
         try:
@@ -333,6 +332,24 @@ class SampleStreamCall:
     def _batch_bytes(table: Table, batch_size: int) -> int:
         return table.batch_nbytes(batch_size) if 1 <= batch_size <= MAX_BATCH_SIZE else 0
 
+    async def _check_sizes(self, table: Table, batch_size: int) -> int:
+        """The bytes of a batch of ``batch_size`` (0 while the table has no schema), or end the
+        call (RESOURCE_EXHAUSTED, ``limit_exceeded``) if the batch is over ``max_batch_mb`` or
+        one row over the message limit less its header: a batch travels in messages of whole
+        rows (the first over gRPC even with a ring), so such a row could never be sent."""
+        batch_bytes = self._batch_bytes(table, batch_size)
+        if batch_bytes > self._limits.max_batch_bytes:
+            await self._calls.fail(self._context, self._too_large(table, batch_size, batch_bytes))
+        row = table.batch_nbytes(1) if batch_bytes else 0
+        largest = self._limits.max_message_bytes - HEADROOM
+        if row > largest:
+            await self._calls.fail(self._context, LimitExceededError(
+                f"table {table.name!r}: one row (or slice) of a sample is about {row >> 10} KiB, "
+                f"over the {self._limits.max_message_bytes >> 20} MiB message limit less its "
+                f"header ({largest >> 10} KiB); raise server.max_message_mb (and the client's "
+                f"max_message_mb)"))
+        return batch_bytes
+
     def _too_large(self, table: Table, batch_size: int, nbytes: int) -> LimitExceededError:
         return LimitExceededError(
             f"table {table.name!r}: a batch of {batch_size} is about {nbytes >> 20} MiB, over "
@@ -352,10 +369,7 @@ class SampleStreamCall:
         weights and probabilities beside the ring; any other, the batches and
         their encoded chunks. ``None``: no room now (``wait`` False).
         """
-        batch_bytes = self._batch_bytes(table, request.batch_size)
-        if batch_bytes > self._limits.max_batch_bytes:  # the schema was fixed since the start
-            await self._calls.fail(self._context,
-                                   self._too_large(table, request.batch_size, batch_bytes))
+        batch_bytes = await self._check_sizes(table, request.batch_size)  # (a schema fixed since)
         # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT) when it draws.
         rows = request.batch_size if 1 <= request.batch_size <= MAX_BATCH_SIZE else 0
         extras = batch_nbytes(0, rows, table.config.slice_len, table.config.n_step)
