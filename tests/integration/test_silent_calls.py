@@ -86,6 +86,19 @@ def refused_as_overloaded(probe: ReplayClient) -> bool:
     return False
 
 
+def stream_refused(server: ServerProcess) -> bool:
+    """Whether a SampleStream opened now is refused as overloaded (the stream slots full)."""
+    with grpc.insecure_channel(server.address) as channel:
+        first = pb.SampleStreamRequest(request=pb.SampleRequest(
+            table="steps", batch_size=1, num_batches=1), credits=1).SerializeToString()
+        try:
+            for _ in channel.stream_stream(SERVICE + "SampleStream")(iter([first]), timeout=10):
+                pass
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    return False
+
+
 def assert_all_ended(opened: list[tuple[RawConnection, set]]) -> None:
     """The server ended every silent call (its trailers or a reset), within a deadline."""
     for raw, streams in opened:
@@ -122,10 +135,17 @@ def test_streams_that_never_send_a_first_message_lose_their_slot(
         server: ServerProcess, client: ReplayClient) -> None:
     idle = limits(client)
     opened = silent(server, "SampleStream", SILENT_STREAMS)
-    assert_all_ended(opened)  # within request_timeout_s, not when the client gives up
-    assert wait_for(lambda: limits(client)["streams_open"] == idle["streams_open"])
+    # Every stream slot is taken: a stream opened now is refused as overloaded ...
+    assert wait_for(lambda: stream_refused(server), timeout=LEGIT_TIMEOUT_S)
+    # ... and a learner's stream, which opens again when refused so, gets its batches.
+    start = time.monotonic()
     batches = [batch.ids.shape for batch in client.stream("steps", batch_size=8, num_batches=3)]
+    served_s = time.monotonic() - start
     assert batches == [(8,)] * 3
+    assert_all_ended(opened)  # within request_timeout_s, not when the client gives up
+    print(f"{SILENT_STREAMS} silent streams: a learner's first batches after {served_s:.2f} s "
+          f"(request_timeout_s = {REQUEST_TIMEOUT_S:g})")
+    assert wait_for(lambda: limits(client)["streams_open"] == idle["streams_open"])
     after = limits(client)
     assert (after["calls_waiting"], after["memory_in_use_bytes"]) == (
         idle["calls_waiting"], idle["memory_in_use_bytes"])
