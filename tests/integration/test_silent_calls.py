@@ -166,9 +166,11 @@ def test_a_silent_call_is_told_which_setting_ended_it(server: ServerProcess) -> 
     assert "server.request_timeout_s = 2 s" in caught.value.details()
 
 
+STALL_TIMEOUT_S = 5.0  # the default: room for the probe to see the reservation held
+
 STALL_CONFIG = f"""
 [server]
-request_timeout_s = {REQUEST_TIMEOUT_S}
+request_timeout_s = {STALL_TIMEOUT_S}
 memory_budget_mb = 256
 max_batch_mb = 64
 
@@ -204,10 +206,10 @@ def test_a_stalled_chunked_upload_loses_its_reservation_at_the_progress_deadline
             except grpc.RpcError as exc:
                 outcome.append(exc)
 
-    thread = threading.Thread(target=staller)
-    thread.start()
     with ReplayClient(stall_server.address, timeout=LEGIT_TIMEOUT_S) as legit:
         idle = legit.server_info().limits["memory_in_use_bytes"]
+        thread = threading.Thread(target=staller)
+        thread.start()
         assert stalled.wait(30)
         assert wait_for(lambda: legit.server_info().limits["memory_in_use_bytes"]
                         >= idle + STALLED_BYTES)  # the staller holds the large calls' share
@@ -218,10 +220,62 @@ def test_a_stalled_chunked_upload_loses_its_reservation_at_the_progress_deadline
         thread.join(30)
         release.set()
         print(f"a chunked upload stalled holding 190 of 192 MiB: a 4 MB insert answered after "
-              f"{inserted_s:.2f} s (request_timeout_s = {REQUEST_TIMEOUT_S:g})")
+              f"{inserted_s:.2f} s (request_timeout_s = {STALL_TIMEOUT_S:g})")
         assert not thread.is_alive()
         assert [e.code() for e in outcome] == [grpc.StatusCode.DEADLINE_EXCEEDED]
-        assert "chunked request did not arrive within server.request_timeout_s = 2 s" in (
+        assert "chunked request did not arrive within server.request_timeout_s = 5 s" in (
             outcome[0].details())
         assert legit.info()["frames"].size == 0  # nothing of the stalled upload is stored
         assert wait_for(lambda: legit.server_info().limits["memory_in_use_bytes"] == idle)
+
+
+def test_a_chunked_upload_that_trickles_loses_its_reservation_at_its_pace_deadline(
+        server_factory) -> None:
+    """A byte every 2.5 s keeps each message within the deadline of the previous one, but
+    not the pace of one message per request_timeout_s: the trickler is ended too."""
+    stall_server = server_factory(STALL_CONFIG)
+    spec = pb.TensorSpec(key="pixels", dtype="uint8", shape=[186, 1 << 20])
+    started = threading.Event()
+    stop = threading.Event()
+    outcome: list[grpc.RpcError] = []
+
+    def trickle() -> Iterator[bytes]:
+        yield pb.InsertRequest(table="frames", columns=[spec],
+                               payload_bytes=STALLED_BYTES).SerializeToString()
+        started.set()
+        for _ in range(120):  # bounded: two minutes at most
+            if stop.wait(STALL_TIMEOUT_S / 2):
+                return
+            yield pb.InsertRequest(payload=b"\0").SerializeToString()
+
+    def trickler() -> None:
+        with grpc.insecure_channel(stall_server.address) as channel:
+            try:
+                channel.stream_unary(SERVICE + "InsertChunks")(trickle(), timeout=150)
+            except grpc.RpcError as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=trickler)
+    try:
+        with ReplayClient(stall_server.address, timeout=LEGIT_TIMEOUT_S) as legit:
+            idle = legit.server_info().limits["memory_in_use_bytes"]
+            thread.start()
+            assert started.wait(30)
+            assert wait_for(lambda: legit.server_info().limits["memory_in_use_bytes"]
+                            >= idle + STALLED_BYTES)
+            start = time.monotonic()
+            legit.insert("steps", {"obs": torch.randn(1000, 1000)})  # 4 MB: waits, then fits
+            inserted_s = time.monotonic() - start
+            thread.join(30)
+            print(f"a chunked upload trickling a byte every {STALL_TIMEOUT_S / 2:g} s: a 4 MB "
+                  f"insert answered after {inserted_s:.2f} s (request_timeout_s = "
+                  f"{STALL_TIMEOUT_S:g})")
+            assert not thread.is_alive()
+            assert [e.code() for e in outcome] == [grpc.StatusCode.DEADLINE_EXCEEDED]
+            assert "per server.request_timeout_s = 5 s on average" in outcome[0].details()
+            assert legit.info()["frames"].size == 0
+            assert wait_for(lambda: legit.server_info().limits["memory_in_use_bytes"] == idle)
+    finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join(30)

@@ -41,7 +41,9 @@ read or run:
 **A call that does not speak in time loses its slot.** Every call's first
 message (a unary call's request, a stream's opening message) must arrive
 within ``request_timeout_s`` of the call's admission, and each next message
-of a chunked request within ``request_timeout_s`` of the previous one; else
+of a chunked request within ``request_timeout_s`` of the previous one, at
+a pace of one message per ``request_timeout_s`` on average
+(:mod:`replay_server.service.chunked_request`); else
 the call is ended (DEADLINE_EXCEEDED, :class:`~replay_server.service.status.RequestTimeoutError`)
 and its slot and reserved memory are free again. (256 unary calls that
 never sent their request held every working slot for minutes; 128 silent
@@ -186,12 +188,12 @@ class Admission:
                          context: grpc.aio.ServicerContext) -> None:
             raw, reservation = await self._request(name, context, keep=True)
 
-            def read_next() -> Awaitable[bytes]:
-                return self.in_time(context, context.read, f"{name}: the next message of a "
-                                    f"chunked request", "of the previous one")
+            def read_next(seconds: float, why: str) -> Awaitable[bytes]:
+                return self.in_time(context, context.read, seconds, why)
 
             message = await read_chunked(raw, message_type, context, reservation,
-                                         self._grow, name, read_next)
+                                         self._grow, name, read_next,
+                                         self.limits.request_timeout_s)
             answer = await behaviour(message, context, reservation)
             await self._answer(name, answer, context)
 
@@ -218,8 +220,8 @@ class Admission:
         # would keep the message alive after the call (7 MB for an Atari insert), so
         # each call's bytes landed in fresh pages (measured: 2.4x the page faults).
         try:
-            raw = await self.in_time(context, context.read, f"{name}: the request",
-                                     "of the call's start")
+            raw = await self.in_time(context, context.read, self.limits.request_timeout_s,
+                                     self._silent(f"{name}: the request"))
         except MemoryError as exc:  # gRPC could not hold the request (RLIMIT_AS, say)
             await abort(context, exc)
         if raw is grpc.aio.EOF:
@@ -229,23 +231,25 @@ class Admission:
             reservation.resize(len(raw), "")  # read: it holds exactly its request now
         return raw, reservation
 
+    def _silent(self, what: str) -> str:
+        return (f"{what} did not arrive within server.request_timeout_s = "
+                f"{self.limits.request_timeout_s:g} s of the call's start")
+
     async def in_time(self, context: grpc.aio.ServicerContext, read: Callable[[], Awaitable[T]],
-                      what: str, since: str) -> T:
-        """``await read()``, or (nothing within ``request_timeout_s``) end the call with
-        :class:`RequestTimeoutError` naming ``what`` was awaited ``since`` when; a timer, not a
-        task (microseconds a call)."""
-        timeout = self.limits.request_timeout_s
+                      seconds: float, why: str) -> T:
+        """``await read()``, or (nothing within ``seconds``) end the call with
+        :class:`RequestTimeoutError` saying ``why``; a timer, not a task (microseconds a
+        call)."""
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(seconds):
                 return await read()
         except TimeoutError:
             self.silent += 1
-            CLIENT_LOG.log(_peer(context), "silent", logging.INFO,
-                           "%s from %s did not arrive within server.request_timeout_s = %g s; "
-                           "the call was ended", what, _peer(context), timeout)
+            CLIENT_LOG.log(_peer(context), "silent", logging.INFO, "%s (from %s): the call was "
+                           "ended", why, _peer(context))
             await abort(context, RequestTimeoutError(
-                f"{what} did not arrive within server.request_timeout_s = {timeout:g} s {since}; "
-                f"the call was ended and its slot and memory freed (nothing of it was run)"))
+                f"{why}; the call was ended and its slot and memory freed (nothing of it was "
+                f"run)"))
         raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
     async def _grow(self, reservation: Reservation, nbytes: int, purpose: str,
@@ -276,7 +280,8 @@ class Admission:
             incoming = requests.__aiter__()
             try:
                 first = await self.in_time(context, incoming.__anext__,
-                                           f"{name}: the first message", "of the call's start")
+                                           self.limits.request_timeout_s,
+                                           self._silent(f"{name}: the first message"))
             except StopAsyncIteration:  # half-closed without a word: the behaviour sees that
                 first = None
             async for message in behaviour(_after(first, incoming), context, reservation):
