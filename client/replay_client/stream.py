@@ -33,7 +33,9 @@ updates of the batches the learner takes after that still reach the server
 to a window of batches before the learner had them).
 
 Restart policy: when the connection is lost (UNAVAILABLE: server restarted,
-draining or unreachable) the call raises :class:`~replay_feed.link.LinkLost`
+draining or unreachable), or the server refused the call as overloaded
+before sending a batch (its stream slots or memory in use; nothing ran), the
+call raises :class:`~replay_feed.link.LinkLost`
 and the stream's :class:`~replay_feed.link.LinkRunner` reconnects with
 backoff for up to the connection's ``max_retry_s`` and goes on with new
 batches (sampling has no position to resume from; the batch in flight is
@@ -65,7 +67,7 @@ import torch
 
 from replay_client import grouping
 from replay_client.connection import Connection
-from replay_client.errors import UnavailableError
+from replay_client.errors import OverloadedError, UnavailableError
 from replay_feed.core import FeedStats
 from replay_feed.credits import CreditFlow, Grant, PriorityUpdate
 from replay_feed.delivery import Delivery
@@ -300,6 +302,10 @@ class SampleLink:
             error = connection.error(exc)
             if isinstance(error, UnavailableError):
                 raise LinkLost(error, self._give_up(error)) from None
+            if isinstance(error, OverloadedError) and opened:
+                # Refused before it sent anything (the server's streams or memory were in
+                # use, by calls it ends at their deadlines): opened again with backoff.
+                raise LinkLost(error, lambda _window: error) from None
             raise error from None
         finally:
             if not last:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, SETTINGS, PING, GOAWAY = 0x0, 0x1, 0x4, 0x6, 0x7
+DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7
 END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 
 
@@ -87,6 +88,36 @@ class RawConnection:
         body = b"\x00" + struct.pack(">I", len(message)) + message
         self.sock.sendall(frame(HEADERS, END_HEADERS, stream, header_block(headers))
                           + frame(DATA, END_STREAM, stream, body))
+
+    def open_call(self, path: str, metadata: tuple[tuple[str, str], ...] = ()) -> int:
+        """Open one gRPC call (its HEADERS) and never send its request; the stream's id."""
+        stream = self._next_stream
+        self._next_stream += 2
+        headers = [(":method", "POST"), (":scheme", "http"), (":path", path),
+                   (":authority", f"127.0.0.1:{self.port}"), ("content-type", "application/grpc"),
+                   ("te", "trailers"), *metadata]
+        self.sock.sendall(frame(HEADERS, END_HEADERS, stream, header_block(headers)))
+        return stream
+
+    def ended_streams(self, seconds: float) -> set[int]:
+        """Streams the server ended (its trailers: HEADERS with END_STREAM, or RST_STREAM),
+        read for up to ``seconds``, answering the server's pings meanwhile."""
+        ended: set[int] = set()
+        timeout = self.sock.gettimeout()
+        deadline = time.monotonic() + seconds
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                self.sock.settimeout(left)
+                kind, flags, stream, payload = self._read_frame()
+                if kind == PING and not flags & ACK:
+                    self.sock.sendall(frame(PING, ACK, 0, payload))
+                if (kind == HEADERS and flags & END_STREAM) or kind == RST_STREAM:
+                    ended.add(stream)
+        except (OSError, ConnectionError, EOFError):
+            pass
+        finally:
+            self.sock.settimeout(timeout)
+        return ended
 
     def answered(self) -> bool:
         """Wait for the server's answer to the last call (its first HEADERS); False if the

@@ -38,6 +38,18 @@ read or run:
    unread answers once stayed reserved for good, refusing every sample.)
    The client sees an ordinary unary call.
 
+**A call that does not speak in time loses its slot.** Every call's first
+message (a unary call's request, a stream's opening message) must arrive
+within ``request_timeout_s`` of the call's admission, and each next message
+of a chunked request within ``request_timeout_s`` of the previous one, at
+a pace of one message per ``request_timeout_s`` on average
+(:mod:`replay_server.service.chunked_request`); else
+the call is ended (DEADLINE_EXCEEDED, :class:`~replay_server.service.status.RequestTimeoutError`)
+and its slot and reserved memory are free again. (256 unary calls that
+never sent their request held every working slot for minutes; 128 silent
+streams every stream slot; one stalled chunked upload 760 of 768 MiB of
+the budget.)
+
 A chunked request (``InsertChunks``, ``PublishChunks``) is admitted like a
 unary one for its first message, then reserves the whole request before
 the rest is read (:mod:`replay_server.service.chunked_request`); a
@@ -70,6 +82,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 
@@ -82,8 +95,11 @@ from replay_server.service.status import (
     CLIENT_LOG,
     LimitExceededError,
     OverloadedError,
+    RequestTimeoutError,
     abort,
 )
+
+T = TypeVar("T")
 
 ADMISSION_WAIT_S = 1.0
 """How long a unary call may wait for room in the budget to read its request."""
@@ -107,6 +123,8 @@ class Admission:
         streams: streams open (counted in ``waiting`` too).
         refused: calls refused for the caps on calls working or waiting.
         unread: unary calls ended because their client did not take the answer.
+        silent: calls ended because a message they owed did not come within
+            ``request_timeout_s`` (a first message, a chunked request's next one).
     """
 
     def __init__(self, limits: ServiceLimits, budget: MemoryBudget) -> None:
@@ -117,6 +135,7 @@ class Admission:
         self.streams = 0
         self.refused = 0
         self.unread = 0
+        self.silent = 0
         self._tickets: dict[int, _Ended] = {}  # id(context) -> its call, while it lasts
         self.on_call: Callable[[str], None] | None = None
         """Told the peer of every call admitted (the connection guard keeps its connection)."""
@@ -168,8 +187,13 @@ class Admission:
         async def handle(_requests: AsyncIterator[bytes],
                          context: grpc.aio.ServicerContext) -> None:
             raw, reservation = await self._request(name, context, keep=True)
+
+            def read_next(seconds: float, why: str) -> Awaitable[bytes]:
+                return self.in_time(context, context.read, seconds, why)
+
             message = await read_chunked(raw, message_type, context, reservation,
-                                         self._grow, name)
+                                         self._grow, name, read_next,
+                                         self.limits.request_timeout_s)
             answer = await behaviour(message, context, reservation)
             await self._answer(name, answer, context)
 
@@ -196,7 +220,8 @@ class Admission:
         # would keep the message alive after the call (7 MB for an Atari insert), so
         # each call's bytes landed in fresh pages (measured: 2.4x the page faults).
         try:
-            raw = await context.read()
+            raw = await self.in_time(context, context.read, self.limits.request_timeout_s,
+                                     self._silent(f"{name}: the request"))
         except MemoryError as exc:  # gRPC could not hold the request (RLIMIT_AS, say)
             await abort(context, exc)
         if raw is grpc.aio.EOF:
@@ -205,6 +230,27 @@ class Admission:
         if not keep and len(raw) != reservation.nbytes:
             reservation.resize(len(raw), "")  # read: it holds exactly its request now
         return raw, reservation
+
+    def _silent(self, what: str) -> str:
+        return (f"{what} did not arrive within server.request_timeout_s = "
+                f"{self.limits.request_timeout_s:g} s of the call's start")
+
+    async def in_time(self, context: grpc.aio.ServicerContext, read: Callable[[], Awaitable[T]],
+                      seconds: float, why: str) -> T:
+        """``await read()``, or (nothing within ``seconds``) end the call with
+        :class:`RequestTimeoutError` saying ``why``; a timer, not a task (microseconds a
+        call)."""
+        try:
+            async with asyncio.timeout(seconds):
+                return await read()
+        except TimeoutError:
+            self.silent += 1
+            CLIENT_LOG.log(_peer(context), "silent", logging.INFO, "%s (from %s): the call was "
+                           "ended", why, _peer(context))
+            await abort(context, RequestTimeoutError(
+                f"{why}; the call was ended and its slot and memory freed (nothing of it was "
+                f"run)"))
+        raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
     async def _grow(self, reservation: Reservation, nbytes: int, purpose: str,
                     context: grpc.aio.ServicerContext) -> None:
@@ -217,13 +263,7 @@ class Admission:
             refusal = exc
         except LimitExceededError as exc:
             await abort(context, exc)
-        remaining = context.time_remaining()
-        timeout = ADMISSION_WAIT_S if remaining is None else min(ADMISSION_WAIT_S, remaining)
-        try:
-            await asyncio.wait_for(self.budget.wait(nbytes, purpose, reservation),
-                                   max(0.0, timeout))
-        except TimeoutError:
-            await abort(context, refusal)
+        await self._grow_within(reservation, nbytes, purpose, context, refusal)
 
     def stream(self, name: str, behaviour: StreamBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving bidirectional RPC ``name`` with ``behaviour(requests, context, reservation)``.
@@ -237,7 +277,14 @@ class Admission:
                          context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             reservation = await self._admit(name, context, STREAM_MESSAGE_BYTES, wait=False,
                                             waiting=True, stream=True)
-            async for message in behaviour(requests, context, reservation):
+            incoming = requests.__aiter__()
+            try:
+                first = await self.in_time(context, incoming.__anext__,
+                                           self.limits.request_timeout_s,
+                                           self._silent(f"{name}: the first message"))
+            except StopAsyncIteration:  # half-closed without a word: the behaviour sees that
+                first = None
+            async for message in behaviour(_after(first, incoming), context, reservation):
                 yield message
 
         return grpc.stream_stream_rpc_method_handler(handle)
@@ -263,15 +310,17 @@ class Admission:
         declared = declared_request_bytes(context.invocation_metadata(), default,
                                           self.limits.max_message_bytes)
         purpose = f"{name}: its request"
+        # The call's reservation, owned by its end: whatever the call reserves later is a
+        # part of it, released with it on every path (budget.py).
+        reservation = ended.reservation = Reservation(self.budget)
         try:
-            reservation = self.budget.reserve(declared, purpose)
+            reservation.resize(declared, purpose)
         except OverloadedError as exc:
             if not wait:
                 await abort(context, exc)
-            reservation = await self._wait(declared, purpose, context, exc)
+            await self._grow_within(reservation, declared, purpose, context, exc)
         except LimitExceededError as exc:
             await abort(context, exc)
-        ended.reservation = reservation
         return reservation
 
     def start_waiting(self, context: grpc.aio.ServicerContext) -> None:
@@ -315,16 +364,17 @@ class Admission:
                 f"again later")
         return None
 
-    async def _wait(self, nbytes: int, purpose: str, context: grpc.aio.ServicerContext,
-                    refusal: OverloadedError) -> Reservation:
-        """Wait up to ADMISSION_WAIT_S (within the deadline) for room, or end the call."""
+    async def _grow_within(self, reservation: Reservation, nbytes: int, purpose: str,
+                           context: grpc.aio.ServicerContext, refusal: OverloadedError) -> None:
+        """Grow ``reservation`` to ``nbytes``, waiting up to ADMISSION_WAIT_S (within the
+        deadline) for room, or end the call with ``refusal``."""
         remaining = context.time_remaining()
         timeout = ADMISSION_WAIT_S if remaining is None else min(ADMISSION_WAIT_S, remaining)
         try:
-            return await asyncio.wait_for(self.budget.wait(nbytes, purpose), max(0.0, timeout))
+            await asyncio.wait_for(self.budget.wait(nbytes, purpose, reservation),
+                                   max(0.0, timeout))
         except TimeoutError:
             await abort(context, refusal)
-        raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
     async def _check_size(self, name: str, raw: bytes, reservation: Reservation,
                           context: grpc.aio.ServicerContext) -> None:
@@ -362,6 +412,15 @@ class _Ended:
             del admission._tickets[self._key]
         if self.reservation is not None:
             self.reservation.release()
+
+
+async def _after(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``first`` (if any), then ``rest``: a stream's messages once its first one was read."""
+    if first is None:
+        return
+    yield first
+    async for message in rest:
+        yield message
 
 
 def _peer(context: grpc.aio.ServicerContext) -> str:

@@ -8,6 +8,18 @@ reservation is released when the bytes are gone: a unary call's when gRPC
 has handed its whole response to the socket (a slow reader keeps it
 reserved), a stream group's when its last chunk was sent.
 
+**Every reservation has an owner.** A call's first reservation (made when it
+is admitted) is released by gRPC's end-of-call callback, which runs on every
+path: success, error, cancel, a reset stream, a cut connection, the server
+stopping. Everything else the call reserves (a stream's groups of batches,
+its shared-memory ring) is a *part* of that reservation
+(``Reservation(budget, owner=call_reservation)``): releasing the owner
+releases its parts, and a reservation released once is closed (it can never
+hold bytes again, so engine work finishing after its call ended cannot
+reserve what nobody would release). Before, a stream reset while a group
+was being sent left the group's bytes reserved for good (issue 34: 21
+resets left 762 MiB of 768 reserved).
+
 A reservation that does not fit *now* is refused with
 :class:`~replay_server.service.status.OverloadedError` (RESOURCE_EXHAUSTED,
 kind ``overloaded``: nothing ran, try again later); one that could never fit
@@ -64,26 +76,32 @@ class MemoryBudget:
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
-    def reserve(self, nbytes: int, purpose: str) -> Reservation:
-        """Reserve ``nbytes`` for ``purpose`` now, or refuse.
+    def reserve(self, nbytes: int, purpose: str,
+                owner: Reservation | None = None) -> Reservation:
+        """Reserve ``nbytes`` for ``purpose`` now (a part of ``owner``'s, if given), or refuse.
 
         Raises:
             LimitExceededError: ``nbytes`` could never fit.
-            OverloadedError: it does not fit now.
+            OverloadedError: it does not fit now, or ``owner`` was released (its call ended).
         """
-        reservation = Reservation(self)
-        reservation.resize(nbytes, purpose)
+        reservation = Reservation(self, owner)
+        try:
+            reservation.resize(nbytes, purpose)
+        except BaseException:
+            reservation.release()
+            raise
         return reservation
 
-    async def wait(self, nbytes: int, purpose: str,
-                   reservation: Reservation | None = None) -> Reservation:
-        """Reserve ``nbytes`` (or grow ``reservation`` to them), waiting (on the event loop)
-        until they fit.
+    async def wait(self, nbytes: int, purpose: str, reservation: Reservation | None = None,
+                   owner: Reservation | None = None) -> Reservation:
+        """Reserve ``nbytes`` (or grow ``reservation`` to them; a new one a part of
+        ``owner``'s, if given), waiting (on the event loop) until they fit.
 
         Raises:
             LimitExceededError: ``nbytes`` could never fit.
+            OverloadedError: the reservation (or its owner) was released: its call ended.
         """
-        reservation = reservation or Reservation(self)
+        reservation = reservation or Reservation(self, owner)
         loop = asyncio.get_running_loop()
         while True:
             event = asyncio.Event()
@@ -93,6 +111,8 @@ class MemoryBudget:
                 reservation.resize(nbytes, purpose)
                 return reservation
             except OverloadedError:
+                if reservation.closed:
+                    raise
                 await event.wait()
             finally:
                 with self._lock:
@@ -134,15 +154,29 @@ class MemoryBudget:
 class Reservation:
     """Bytes one call holds from a :class:`MemoryBudget`; :meth:`release` gives them back.
 
+    A reservation made with an ``owner`` is a part of it: releasing the owner
+    releases the part too (see the module docstring). A released reservation
+    is closed: growing it again raises :class:`OverloadedError`, and a part
+    made for a closed owner is closed from the start.
+
+    Args:
+        budget: where the bytes are reserved.
+        owner: the reservation (of any budget) whose release releases this one.
+
     Thread-safe; :meth:`release` is idempotent.
     """
 
-    __slots__ = ("_budget", "nbytes", "_lock")
+    __slots__ = ("_budget", "nbytes", "_lock", "_owner", "_parts", "closed")
 
-    def __init__(self, budget: MemoryBudget) -> None:
+    def __init__(self, budget: MemoryBudget, owner: Reservation | None = None) -> None:
         self._budget = budget
         self.nbytes = 0
         self._lock = threading.Lock()
+        self._parts: set[Reservation] = set()
+        self.closed = False
+        self._owner = owner
+        if owner is not None:
+            owner._adopt(self)
 
     def resize(self, nbytes: int, purpose: str) -> None:
         """Hold ``nbytes`` from now on (more: reserved now or refused; fewer: released).
@@ -150,14 +184,40 @@ class Reservation:
         Raises:
             LimitExceededError, OverloadedError: see :meth:`MemoryBudget.reserve`;
                 the reservation keeps its old size.
+            OverloadedError: the reservation was released (its call ended) and
+                ``nbytes`` is not 0.
         """
         with self._lock:
+            if self.closed:
+                if nbytes:
+                    raise OverloadedError(f"{purpose or 'a reservation'}: its call has ended; "
+                                          f"nothing more is reserved for it")
+                return
             self._budget._change(self.nbytes, nbytes, purpose)
             self.nbytes = nbytes
 
     def release(self, *_: object) -> None:
-        """Give everything back (accepts and ignores a done-callback's argument)."""
+        """Give everything back, this reservation's and its parts', and close it (accepts and
+        ignores a done-callback's argument)."""
         with self._lock:
+            self.closed = True
+            parts, self._parts = self._parts, set()
             if self.nbytes:
                 self._budget._change(self.nbytes, 0, "")
                 self.nbytes = 0
+        for part in parts:
+            part.release()
+        owner = self._owner
+        if owner is not None:
+            owner._disown(self)
+
+    def _adopt(self, part: Reservation) -> None:
+        with self._lock:
+            if not self.closed:
+                self._parts.add(part)
+                return
+        part.closed = True  # the call ended already: the part can never hold bytes
+
+    def _disown(self, part: Reservation) -> None:
+        with self._lock:
+            self._parts.discard(part)

@@ -23,6 +23,11 @@ options, and describes them for ``info`` and the start-up log.
   (:meth:`ServiceLimits.transport_bound_bytes`).
 * ``response_timeout_s``: how long a unary call's answer may wait for its
   client to take it (one nobody reads is dropped, its memory freed).
+* ``request_timeout_s``: how long the server waits for a message it needs to
+  go on: every call's first message (a unary call's request, a stream's
+  opening message) and each next message of a chunked request. A call that
+  does not send it in time is ended (DEADLINE_EXCEEDED), freeing its slot and
+  its memory: silent calls and stalled uploads cannot hold what others wait for.
 * ``max_connections``, ``idle_timeout_s``: open connections (more are closed
   at once, by gRPC), and how long one that made calls may stay without one.
 * ``handshake_timeout_s``, ``max_idle_connections_per_host``: how long a
@@ -58,7 +63,8 @@ DEFAULTS = {"memory_budget_mb": 1024, "max_concurrent_calls": 256, "max_connecti
             "idle_timeout_s": 300.0, "max_batch_mb": 256, "shared_memory_mb": 1024,
             "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
             "max_waiting_calls": 1024, "max_streams": 128, "default_wait_s": 300.0,
-            "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0}
+            "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0,
+            "request_timeout_s": 5.0}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
 
 WINDOW_BYTES = 64 << 10
@@ -128,6 +134,7 @@ def check_limits(settings: Any) -> None:
     wait = settings.default_wait_s
     if not is_real(wait) or not 0 < wait < math.inf:
         raise ConfigError(f"server.default_wait_s must be a number of seconds > 0, got {wait!r}")
+    _seconds("server.request_timeout_s", settings.request_timeout_s, 0.1, 3_600.0)
     answer = settings.response_timeout_s
     if not is_real(answer) or not 0 < answer < math.inf:
         raise ConfigError(
@@ -178,6 +185,7 @@ class ServiceLimits:
     response_timeout_s: float = DEFAULTS["response_timeout_s"]
     keepalive_s: float = DEFAULTS["keepalive_s"]
     keepalive_timeout_s: float = DEFAULTS["keepalive_timeout_s"]
+    request_timeout_s: float = DEFAULTS["request_timeout_s"]
 
     @classmethod
     def of(cls, settings: Any) -> ServiceLimits:
@@ -200,6 +208,7 @@ class ServiceLimits:
             response_timeout_s=float(settings.response_timeout_s),
             keepalive_s=float(settings.keepalive_s),
             keepalive_timeout_s=float(settings.keepalive_timeout_s),
+            request_timeout_s=float(settings.request_timeout_s),
         )
 
     @classmethod
@@ -350,4 +359,5 @@ class ServiceLimits:
             "max_streams": self.max_streams,
             "default_wait_s": self.default_wait_s,
             "response_timeout_s": self.response_timeout_s,
+            "request_timeout_s": self.request_timeout_s,
         }

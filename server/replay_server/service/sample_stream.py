@@ -51,8 +51,11 @@ first batch says why) and the stream uses gRPC.
 Memory: each group of batches reserves what it will hold (the batch and its
 encoded chunks) from the server's :class:`~replay_server.service.budget.MemoryBudget`
 before it is drawn, waiting for room when the budget is in use, and releases
-it once its last chunk was sent; a batch over ``max_batch_mb`` ends the
-stream with RESOURCE_EXHAUSTED (kind ``limit_exceeded``). A learner
+it once its last chunk was sent; each such reservation (and the ring's) is a
+part of the call's own, which gRPC's end-of-call callback releases however
+the call ends (a reset or cut while a group is sent included); a batch over ``max_batch_mb`` ends the
+stream with RESOURCE_EXHAUSTED (kind ``limit_exceeded``), and so does a row
+over the message limit less its header (no message could carry it). A learner
 message larger than the call declared ends it with INVALID_ARGUMENT.
 """
 
@@ -119,14 +122,17 @@ class SampleStreamCall:
         limits: message size and shared-memory policy.
         requests: the learner's messages (raw bytes).
         context: the call's context.
-        max_request_bytes: the largest learner message accepted (what the call declared).
+        owner: the call's reservation (its learner's message): every group's memory and
+            the ring's are parts of it, released with it when the call ends, however it
+            ends (:mod:`replay_server.service.budget`).
     """
 
     def __init__(self, calls: CallRunner, tables: TableSet, limits: StreamLimits,
                  requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext, *,
-                 max_request_bytes: int) -> None:
+                 owner: Reservation) -> None:
         self._calls = calls
-        self._max_request = max_request_bytes
+        self._owner = owner
+        self._max_request = owner.nbytes
         self._tables = tables
         self._limits = limits
         self._requests = requests
@@ -146,6 +152,7 @@ class SampleStreamCall:
         self._layout: RingLayout | None = None
         self._ring_accepted = False
         self._held: dict[asyncio.Future, Reservation] = {}  # each drawn group's memory
+        self._sending: Reservation | None = None  # the memory of the group being sent
         self._pending: asyncio.Future | None = None  # the group being drawn, if any
         self._leases: StreamLeases | None = None  # a queue table's, if the learner named a prefix
         self._stays = False  # the learner leaves with `closing`: wait for it after the last batch
@@ -190,7 +197,7 @@ class SampleStreamCall:
                 if not await self._drawn_unless_leaving(pending):
                     break  # the learner left while the draw waited: nothing more to send
                 chunks, count, ring_note = await calls.settle(context, pending)
-                sent = self._held.pop(pending, None)
+                self._sending = self._held.pop(pending, None)
                 index += count
                 self._pending = None
                 note = ring_note or note
@@ -198,10 +205,9 @@ class SampleStreamCall:
                     self._mark_first(chunks, note)
                 await self._draw_ahead(table, request, index)
                 for chunk in chunks:
-                    yield chunk
+                    yield chunk  # a reset or cut here ends the call: _end releases the group
                 del chunks
-                if sent is not None:
-                    sent.release()  # the group was handed to gRPC whole: its bytes are gone
+                self._release_sent()  # the group was handed to gRPC whole: its bytes are gone
             await self._finish(request)
         finally:
             self._end(reader)
@@ -220,9 +226,7 @@ class SampleStreamCall:
         request = first.request
         table = await calls.run(context, self._tables.__getitem__, request.table)
         self._table = table
-        batch_bytes = self._batch_bytes(table, request.batch_size)
-        if batch_bytes > self._limits.max_batch_bytes:
-            await calls.fail(context, self._too_large(table, request.batch_size, batch_bytes))
+        await self._check_sizes(table, request.batch_size)
         self._group = max(1, request.batches_per_message)
         self._stays = first.stays_until_closing
         try:
@@ -300,6 +304,7 @@ class SampleStreamCall:
             pending.exception()  # retrieved, so asyncio does not log it as lost
         for held in self._held.values():
             held.release()
+        self._release_sent()
         reader.cancel()
         if self._leaving_wait is not None:
             self._leaving_wait.cancel()
@@ -318,9 +323,32 @@ class SampleStreamCall:
 
     # ------------------------------------------------------------ memory
 
+    def _release_sent(self) -> None:
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            sending.release()
+
     @staticmethod
     def _batch_bytes(table: Table, batch_size: int) -> int:
         return table.batch_nbytes(batch_size) if 1 <= batch_size <= MAX_BATCH_SIZE else 0
+
+    async def _check_sizes(self, table: Table, batch_size: int) -> int:
+        """The bytes of a batch of ``batch_size`` (0 while the table has no schema), or end the
+        call (RESOURCE_EXHAUSTED, ``limit_exceeded``) if the batch is over ``max_batch_mb`` or
+        one row over the message limit less its header: a batch travels in messages of whole
+        rows (the first over gRPC even with a ring), so such a row could never be sent."""
+        batch_bytes = self._batch_bytes(table, batch_size)
+        if batch_bytes > self._limits.max_batch_bytes:
+            await self._calls.fail(self._context, self._too_large(table, batch_size, batch_bytes))
+        row = table.batch_nbytes(1) if batch_bytes else 0
+        largest = self._limits.max_message_bytes - HEADROOM
+        if row > largest:
+            await self._calls.fail(self._context, LimitExceededError(
+                f"table {table.name!r}: one row (or slice) of a sample is about {row >> 10} KiB, "
+                f"over the {self._limits.max_message_bytes >> 20} MiB message limit less its "
+                f"header ({largest >> 10} KiB); raise server.max_message_mb (and the client's "
+                f"max_message_mb)"))
+        return batch_bytes
 
     def _too_large(self, table: Table, batch_size: int, nbytes: int) -> LimitExceededError:
         return LimitExceededError(
@@ -341,18 +369,17 @@ class SampleStreamCall:
         weights and probabilities beside the ring; any other, the batches and
         their encoded chunks. ``None``: no room now (``wait`` False).
         """
-        batch_bytes = self._batch_bytes(table, request.batch_size)
-        if batch_bytes > self._limits.max_batch_bytes:  # the schema was fixed since the start
-            await self._calls.fail(self._context,
-                                   self._too_large(table, request.batch_size, batch_bytes))
+        batch_bytes = await self._check_sizes(table, request.batch_size)  # (a schema fixed since)
         # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT) when it draws.
         rows = request.batch_size if 1 <= request.batch_size <= MAX_BATCH_SIZE else 0
         extras = batch_nbytes(0, rows, table.config.slice_len, table.config.n_step)
         nbytes = extras if self._ring_accepted else 2 * count * batch_bytes + extras
         purpose = f"SampleStream: {count} batch(es) of {request.batch_size} from {table.name!r}"
         budget = self._limits.budget
+        owner = self._owner
         try:
-            return await budget.wait(nbytes, purpose) if wait else budget.reserve(nbytes, purpose)
+            return (await budget.wait(nbytes, purpose, owner=owner) if wait
+                    else budget.reserve(nbytes, purpose, owner=owner))
         except OverloadedError:
             return None
         except LimitExceededError as exc:
@@ -515,7 +542,7 @@ class SampleStreamCall:
         size = SharedRing.size_for(slots, layout.slot_bytes)
         try:
             reservation = self._limits.shared_memory_budget.reserve(
-                size, f"a shared-memory ring of {slots} batches")
+                size, f"a shared-memory ring of {slots} batches", owner=self._owner)
         except (OverloadedError, LimitExceededError) as exc:
             self._log("ring_over_budget", logging.INFO, f"no shared-memory ring ({exc}); using gRPC")
             return f"no shared-memory ring: {exc}"

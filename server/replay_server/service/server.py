@@ -239,13 +239,14 @@ class ReplayServer:
                  _tls_mode(self.settings), self.settings.shard, self.incarnations.current)
         limits = self.limits
         log.info("limits: calls may hold %s at once (%s at most with what gRPC holds before "
-                 "admission), %d calls, %d waiting (%d streams), %d connections (idle %.0f s, "
+                 "admission), %d calls, %d waiting (%d streams), %g s to send a request, "
+                 "%d connections (idle %.0f s, "
                  "%g s to a first call, %d without one per host, pinged every %g s, closed "
                  "%g s after an unanswered ping), batches up to %s, "
                  "shared-memory rings %s, tables %s",
                  format_bytes(limits.memory_budget_bytes),
                  format_bytes(limits.transport_bound_bytes), limits.max_concurrent_calls,
-                 limits.max_waiting_calls, limits.max_streams,
+                 limits.max_waiting_calls, limits.max_streams, limits.request_timeout_s,
                  limits.max_connections, limits.idle_timeout_s, limits.handshake_timeout_s,
                  limits.max_idle_connections_per_host, limits.keepalive_s,
                  limits.keepalive_timeout_s, format_bytes(limits.max_batch_bytes),

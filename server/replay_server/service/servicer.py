@@ -230,7 +230,7 @@ class ReplayServicer:
         reservation: Reservation,
     ) -> AsyncIterator[bytes]:
         call = SampleStreamCall(self.calls, self._tables, self._stream_limits, requests, context,
-                                max_request_bytes=reservation.nbytes)
+                                owner=reservation)
         self._streams.add(call)
         try:
             async for chunk in call.run():

@@ -73,6 +73,10 @@ class ServerSettings:
             limiter, an insert for its rate limiter).
         response_timeout_s: how long a unary call's answer may wait for its client
             to take it; one not taken is dropped (the call ends, its memory is freed).
+        request_timeout_s: how long a call may take to send its first message (a
+            unary call's request, a stream's opening message), and a chunked request
+            each next message; one that does not is ended (DEADLINE_EXCEEDED), its
+            slot and memory freed.
         max_connections: open client connections; more are closed at once.
         idle_timeout_s: a connection that made calls is closed after this long
             without one.
@@ -134,6 +138,7 @@ class ServerSettings:
     max_streams: int = LIMIT_DEFAULTS["max_streams"]
     default_wait_s: float = LIMIT_DEFAULTS["default_wait_s"]
     response_timeout_s: float = LIMIT_DEFAULTS["response_timeout_s"]
+    request_timeout_s: float = LIMIT_DEFAULTS["request_timeout_s"]
     keepalive_s: float = LIMIT_DEFAULTS["keepalive_s"]
     keepalive_timeout_s: float = LIMIT_DEFAULTS["keepalive_timeout_s"]
     max_batch_mb: int = LIMIT_DEFAULTS["max_batch_mb"]

@@ -39,6 +39,12 @@ class UnauthenticatedError(Exception):
     """The call carries no token, or the wrong one."""
 
 
+class RequestTimeoutError(Exception):
+    """A call did not send a message the server waited for within ``server.request_timeout_s``
+    (its first message, or a chunked request's next one): it was ended, its slot and memory
+    freed (DEADLINE_EXCEEDED)."""
+
+
 class OverloadedError(Exception):
     """The server's call limits are reached *now* (memory budget, concurrent calls);
     the call was not run, so it may be tried again later."""
@@ -57,6 +63,7 @@ _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, ErrorKind], ...] = (
     (errors.InsufficientMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED,
      ErrorKind.LIMIT_EXCEEDED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE, ErrorKind.UNAVAILABLE),
+    (RequestTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, ErrorKind.DEADLINE_EXCEEDED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, ErrorKind.UNAUTHENTICATED),
     (errors.SchemaMismatchError, grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.SCHEMA_MISMATCH),
     (errors.InvalidVariableError, grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.INVALID_VARIABLE),

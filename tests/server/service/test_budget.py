@@ -69,3 +69,30 @@ def test_a_waiter_gets_its_room_when_another_call_releases_it() -> None:
         return reservation.nbytes
 
     assert asyncio.run(scenario()) == 5 * MIB
+
+
+def test_releasing_an_owner_releases_its_parts_of_any_budget_and_closes_them() -> None:
+    budget, rings = MemoryBudget(100 * MIB), MemoryBudget(100 * MIB, bulk_share=1.0)
+    call = budget.reserve(MIB, "the call's request")
+    group = budget.reserve(10 * MIB, "a group of batches", owner=call)
+    ring = rings.reserve(20 * MIB, "a ring", owner=call)
+    group.release()  # a part released on its own leaves the owner holding the rest
+    assert budget.in_use == MIB and rings.in_use == 20 * MIB
+    budget.reserve(5 * MIB, "another group", owner=call)
+    call.release()  # the call ended (gRPC's done-callback), whatever the stream was doing
+    assert budget.in_use == 0 and rings.in_use == 0
+    assert call.closed and ring.closed
+
+
+def test_a_released_reservation_never_holds_bytes_again() -> None:
+    budget = MemoryBudget(100 * MIB)
+    call = budget.reserve(MIB, "the call's request")
+    call.release()
+    with pytest.raises(OverloadedError, match="its call has ended"):
+        call.resize(10 * MIB, "Sample: a batch")  # engine work finishing after the call ended
+    call.resize(0, "")  # shrinking is a no-op
+    with pytest.raises(OverloadedError, match="its call has ended"):
+        budget.reserve(MIB, "a group", owner=call)
+    with pytest.raises(OverloadedError, match="its call has ended"):
+        asyncio.run(budget.wait(MIB, "a group", owner=call))
+    assert budget.in_use == 0
