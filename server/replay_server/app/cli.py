@@ -93,8 +93,11 @@ def _serve(args: argparse.Namespace) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     from replay_server.app.config_file import load_settings
     from replay_server.app.config_report import config_report
+    from replay_server.service.credentials import server_credentials
 
-    report = config_report(load_settings(args.file))
+    settings = load_settings(args.file)
+    server_credentials(settings)  # TLS files read and checked as serve reads them
+    report = config_report(settings)
     print(f"{args.file}: valid\n{report}")
     return 0
 

@@ -45,7 +45,9 @@ field and the value; an unknown key is refused, never silently ignored.
 from __future__ import annotations
 
 import logging
+import os
 import re
+import stat
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import fields
@@ -76,16 +78,54 @@ def load_settings(path: str | Path) -> ServerSettings:
         ConfigError: the file cannot be read or parsed, or a value is invalid.
     """
     path = Path(path)
+    text = _read_config(path)
     try:
-        document = tomllib.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+        document = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {str(path)!r} nests arrays or tables too deeply to "
+                          f"be a config") from None
     try:
         return settings_from_dict(document)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: a value nests too deeply to be a config") from None
+
+
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file larger than this is refused unread (a config is a few KB)."""
+
+
+def _read_config(path: Path) -> str:
+    """The file's text: a regular file of at most :data:`MAX_CONFIG_BYTES` of UTF-8. Opened
+    without blocking, so a FIFO or a device is refused instead of waited on.
+
+    Raises:
+        ConfigError: the file cannot be opened (missing, unreadable, a symlink loop), is not
+            a regular file, is too large, or is not UTF-8 text; the message names it.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise ConfigError(f"config file {str(path)!r} is {kind}, not a regular file")
+    with os.fdopen(fd, "rb") as file:
+        data = file.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {str(path)!r} is over {MAX_CONFIG_BYTES >> 20} MiB: "
+                          f"not a config")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start} "
+                          f"is {data[exc.start]:#04x})") from None
 
 
 def settings_from_dict(document: Mapping[str, Any]) -> ServerSettings:
