@@ -56,6 +56,7 @@ _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, ErrorKind], ...] = (
     (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.LIMIT_EXCEEDED),
     (errors.InsufficientMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED,
      ErrorKind.LIMIT_EXCEEDED),
+    (errors.LogFullError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.LIMIT_EXCEEDED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE, ErrorKind.UNAVAILABLE),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, ErrorKind.UNAUTHENTICATED),
     (errors.SchemaMismatchError, grpc.StatusCode.INVALID_ARGUMENT, ErrorKind.SCHEMA_MISMATCH),
