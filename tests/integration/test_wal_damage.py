@@ -12,6 +12,8 @@ with RESOURCE_EXHAUSTED naming ``server.wal_max_mb`` while samples go on.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +174,10 @@ capacity = 100_000
 sampler = "uniform"
 """
     server = start_server(tmp_path, config)
+    assert "write-ahead log on in" in server.log() and "(wal_sync = fsync: " in server.log()
+    info = subprocess.run([sys.executable, "-m", "replay_server.app.cli", "info", "--address",
+                           server.address], capture_output=True, text=True, timeout=120)
+    assert "write-ahead log (wal_sync = fsync)" in info.stdout, info.stderr
     client = ReplayClient(server.address)
     ids, rows = [], []
     with pytest.raises(LimitExceededError, match="server.wal_max_mb") as refused:

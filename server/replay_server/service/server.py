@@ -529,7 +529,8 @@ def _server_info(settings: ServerSettings, token: str | None) -> pb.ServerInfo:
     return pb.ServerInfo(version=server_version(), tls=settings.tls,
                          mutual_tls=settings.tls_client_ca_file is not None, auth=bool(token),
                          checkpoint_dir=str(Path(settings.checkpoint_dir).resolve())
-                         if settings.checkpoint_dir else "")
+                         if settings.checkpoint_dir else "",
+                         wal=settings.wal_sync if settings.wal else "off")
 
 
 def _log_keeper(settings: ServerSettings) -> LogKeeper | None:
