@@ -125,8 +125,10 @@ class WriteAheadLog:
                 f"({why}{'' if self.checkpoint else '; no checkpoint_dir to truncate it'}); "
                 f"the change was refused and nothing of it is stored; samples keep working")
 
-    def append(self, buffers: list[Any]) -> int:
-        """Queue one record (its buffers, written in order); returns its number for :meth:`wait`.
+    def append(self, buffers: list[Any] | Callable[[], list[Any]]) -> int:
+        """Queue one record (its buffers, written in order, or what makes them: called by the
+        writer thread, so that checksums are computed outside the caller's locks); returns
+        its number for :meth:`wait`.
 
         Raises:
             LogWriteError: the log is broken or closed (nothing queued).
@@ -275,7 +277,7 @@ class WriteAheadLog:
                 if item is _ROTATE:
                     rotated[number] = self._index
                     continue
-            buffers.extend(item)
+            buffers.extend(item() if callable(item) else item)
         self._flush(buffers)
 
     def _flush(self, buffers: list[Any]) -> None:

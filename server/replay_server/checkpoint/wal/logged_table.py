@@ -134,9 +134,10 @@ class LoggedTable(Table):
 
     def _record(self, log: WriteAheadLog, kind: int, meta: dict[str, Any],
                 tensors: dict[str, Any]) -> int:
-        """Queue the record of a change just applied (under the order lock)."""
-        number = log.append(records.encode(kind, {"table": self.name, "seq": self.log_seq,
-                                                  **meta}, tensors))
+        """Queue the record of a change just applied (under the order lock; it is encoded and
+        checksummed by the log's writer thread, the tensors unchanged until then)."""
+        meta = {"table": self.name, "seq": self.log_seq, **meta}
+        number = log.append(lambda: records.encode(kind, meta, tensors))
         self.log_seq += 1
         return number
 
