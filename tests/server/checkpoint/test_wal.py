@@ -169,3 +169,15 @@ def test_the_bound_refuses_before_anything_is_applied(tmp_path) -> None:
     size = tables["plain"].size
     assert size == 4 * tables["plain"].log_seq  # the refused insert left nothing
     log.close()
+
+
+def test_a_segment_whose_creation_a_crash_cut_short_is_removed(tmp_path) -> None:
+    """The newest segment without a whole header (the server died creating it) held no change:
+    it is removed and reported, and the next run's segment takes its index (no gap)."""
+    _run(tmp_path, _tables(1), incarnation=1)
+    unborn = tmp_path / records.segment_name(1)
+    unborn.write_bytes(records.segment_header(0, 2, 1)[:7])
+    report = replay_log(tmp_path, _tables(3), start=None, start_incarnation=None, shard=0,
+                        last_incarnation=2)
+    assert not unborn.exists() and report.next_index == 1
+    assert any("header was never finished" in cut for cut in report.cut)

@@ -163,6 +163,8 @@ class WriteAheadLog:
             OSError: the new segment cannot be created (the log is then broken).
         """
         with self._cond:
+            if self._closing:
+                raise OSError(errno.EIO, "write-ahead log: closed")
             self._appended += 1
             ticket = self._appended
             self._pending.append((ticket, _ROTATE))

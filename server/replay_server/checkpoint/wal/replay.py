@@ -100,7 +100,9 @@ def replay_log(directory: Path, tables: TableSet, *, start: int | None,
     """
     began = time.perf_counter()
     found = find_segments(directory)
-    report = ReplayReport(next_index=max([*found, (start or 0) - 1]) + 1)
+    report = ReplayReport()
+    _drop_unborn_segment(found, report)
+    report.next_index = max([*found, (start or 0) - 1]) + 1
     first = start if start is not None else min(found, default=None)
     if first is None:
         return report
@@ -129,6 +131,23 @@ def replay_log(directory: Path, tables: TableSet, *, start: int | None,
         table.under_lock(lambda parts, _: parts.ids.resume(parts.ring.next_id), change=False)
     report.seconds = time.perf_counter() - began
     return report
+
+
+def _drop_unborn_segment(found: dict[int, Path], report: ReplayReport) -> None:
+    """The newest segment without a whole header was being created when the server died
+    (it never held a record): remove it (reported), so that the next one takes its index."""
+    if not found:
+        return
+    newest = max(found)
+    path = found[newest]
+    if path.stat().st_size >= records.SEGMENT_HEADER_BYTES:
+        return
+    message = (f"removed {path}: a write-ahead log segment whose header was never finished "
+               f"(the server died creating it; it held no change)")
+    log.warning("%s", message)
+    path.unlink()
+    del found[newest]
+    report.cut.append(message)
 
 
 def _check_contiguous(directory: Path, first: int, indexes: list[int], required: bool) -> None:
