@@ -104,8 +104,10 @@ class LogKeeper:
         Raises:
             CorruptLogError: see :func:`~replay_server.checkpoint.wal.replay.replay_log`.
         """
+        # A checkpoint written without a part had that part restored from an older one, whose
+        # log began earlier: it truncated nothing, so every segment kept is replayed.
         start, incarnation = (None, None) if manifest is None or manifest.wal is None \
-            else manifest.wal
+            or manifest.failed else manifest.wal
         self.report = replay_log(self.path, tables, start=start, start_incarnation=incarnation,
                                  shard=self.shard, last_incarnation=last_incarnation,
                                  cancel=cancel)
