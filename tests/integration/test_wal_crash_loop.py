@@ -2,11 +2,13 @@
 
 A real server process is killed with SIGKILL at random moments while writer
 threads (each with its own client) insert rows and update the priorities of
-their own rows, and timed checkpoints truncate the log in between. After
+their own rows, and publish variables, and timed checkpoints truncate the log in between. After
 each restart: every row whose insert was acknowledged is present, bit for
 bit, under the id it was given; no id was ever issued twice; every insert is
 there whole or not at all; each priority is the last one acknowledged (or
-the one an unanswered update was sending when the server died).
+the one an unanswered update was sending when the server died); each
+variable is at the version (and bytes) last acknowledged, or at a later one
+an unanswered publish was sending.
 
 ``make test`` runs a handful of kills (``test_wal_crash_loop``); ``make soak``
 (``-m slow``) at least 50 (``test_wal_crash_loop_long``).
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+import torch
 
 from replay_client import ReplayClient
 from replay_client.errors import ReplayError
@@ -39,6 +42,8 @@ class Ledger:
     rows: dict[int, bytes] = field(default_factory=dict)  # id -> the row's bytes
     priorities: dict[int, set[float]] = field(default_factory=dict)  # id -> allowed values
     issued: list[int] = field(default_factory=list)
+    variables: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # last acknowledged
+    unanswered: dict[str, list[bytes]] = field(default_factory=dict)  # publishes since
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -66,7 +71,9 @@ def _writer(address: str, writer: int, ledger: Ledger, stop: threading.Event,
         for call in range(base, base + 10_000):
             if stop.is_set():
                 break
-            if own and rng.random() < 0.3:
+            if rng.random() < 0.1:
+                _publish(client, writer, ledger, rng)
+            elif own and rng.random() < 0.3:
                 _update(client, own, ledger, rng)
             else:
                 _insert(client, writer, call, own, ledger, rng)
@@ -114,6 +121,31 @@ def _update(client: ReplayClient, own: list[int], ledger: Ledger, rng: random.Ra
             ledger.priorities[row_id] = {value}
 
 
+def _publish(client: ReplayClient, writer: int, ledger: Ledger, rng: random.Random) -> None:
+    name = f"policy-{writer}"
+    weights = np.frombuffer(rng.randbytes(4 * 32), dtype=np.float32).copy()
+    try:
+        version = client.publish(name, {"w": torch.from_numpy(weights)})
+    except ReplayError:  # unanswered: published (a later version) or not
+        with ledger.lock:
+            ledger.unanswered.setdefault(name, []).append(weights.tobytes())
+        time.sleep(0.01)
+        return
+    with ledger.lock:
+        ledger.variables[name] = (version, weights.tobytes())
+        ledger.unanswered.pop(name, None)
+
+
+def _check_variables(client: ReplayClient, ledger: Ledger) -> None:
+    """Each variable at its last acknowledged version and bytes, or a later unanswered one."""
+    for name, (version, data) in ledger.variables.items():
+        got = client.fetch(name)
+        got_bytes = got["w"].numpy().tobytes()
+        if (got.version, got_bytes) != (version, data):
+            assert got.version > version and got_bytes in ledger.unanswered.get(name, []), (
+                name, got.version, version)
+
+
 def _check(address: str, ledger: Ledger) -> int:
     """Every acknowledged row and priority as the ledger says; every insert whole. Returns rows."""
     client = ReplayClient(address, timeout=30)
@@ -132,6 +164,7 @@ def _check(address: str, ledger: Ledger) -> int:
                     got = float(read.priorities[k])  # stored as p**alpha: read back within 1e-9
                     assert any(math.isclose(got, p, rel_tol=1e-6) for p in allowed), (
                         row_id, got, allowed)
+        _check_variables(client, ledger)
         size = client.info()["replay"].size
         if size:  # every insert present is whole: k rows of one call, i = 0..k-1
             everything = client.read("replay", positions=np.arange(size)).columns["head"].numpy()
@@ -189,4 +222,4 @@ def test_wal_crash_loop(tmp_path) -> None:
 @pytest.mark.slow
 def test_wal_crash_loop_long(tmp_path) -> None:
     """make soak: at least 50 kill -9s."""
-    crash_loop(tmp_path, kills=50, writers=4, seed=2929, budget_s=900)
+    crash_loop(tmp_path, kills=50, writers=4, seed=2929, budget_s=1800)

@@ -28,6 +28,7 @@ from replay_server.checkpoint.incarnation import IncarnationFile
 from replay_server.checkpoint.reader import read_manifest
 from replay_server.checkpoint.wal.keeper import LogKeeper
 from replay_server.checkpoint.wal.logged_table import LoggedTable
+from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
 from replay_server.engine.id_space import IncarnationSource, RandomIncarnations
 from replay_server.engine.memory import MemoryLedger, format_bytes
 from replay_server.engine.table_set import TableSet
@@ -190,7 +191,7 @@ class ReplayServer:
         return TableSet(self.settings.table_configs, self.incarnations, memory, LoggedTable)
 
     def _make_variables(self) -> VariableStore:
-        return VariableStore(self.settings.variables_max_bytes)
+        return LoggedVariableStore(self.settings.variables_max_bytes)
 
     @property
     def variables(self) -> VariableStore:
@@ -313,14 +314,17 @@ class ReplayServer:
         assert self.wal is not None
         restored = self._info.restored_checkpoint
         manifest = read_manifest(Path(restored)) if restored else None
-        report = self.wal.replay(self.tables, manifest, self.incarnations.current - 1, cancel)
+        variables = self.variables
+        assert isinstance(variables, LoggedVariableStore)
+        report = self.wal.replay(self.tables, manifest, self.incarnations.current - 1, cancel,
+                                 variables)
         if report.segments:
             log.info("replayed the write-ahead log: %d change(s) from %d segment(s) (%.1f MB in "
                      "%.2f s; %d already in the checkpoint)%s", report.applied, report.segments,
                      report.nbytes / 1e6, report.seconds, report.skipped,
                      "".join(f"; {cut}" for cut in report.cut))
         wal = self.wal.start(self.tables, self.incarnations.current,
-                             None if self.checkpointer is None else self._checkpoint)
+                             None if self.checkpointer is None else self._checkpoint, variables)
         if self.checkpointer is not None:
             self.checkpointer.log = wal
 

@@ -2,6 +2,7 @@
 
 Modules: ``records`` (segment and record bytes, checksums, the scan that finds a
 torn tail), ``log`` (segment files, group commit, rotation, the size bound),
-``logged_table`` (the table that logs its changes before answering), ``replay``
+``logged_table`` and ``logged_variables`` (a table, and the named variables, that log their
+changes before answering), ``replay``
 (restore = checkpoint + log). docs/durability.md states the promise and the rules.
 """

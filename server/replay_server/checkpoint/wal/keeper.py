@@ -25,6 +25,7 @@ from typing import Any
 from replay_server.checkpoint.manifest import Manifest
 from replay_server.checkpoint.wal.log import WriteAheadLog
 from replay_server.checkpoint.wal.logged_table import LoggedTable
+from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
 from replay_server.checkpoint.wal.replay import ReplayReport, find_segments, replay_log
 from replay_server.engine.table_set import TableSet
 from replay_server.errors import ConfigError
@@ -98,8 +99,10 @@ class LogKeeper:
                 f"to start from the checkpoint alone")
 
     def replay(self, tables: TableSet, manifest: Manifest | None, last_incarnation: int,
-               cancel: threading.Event | None = None) -> ReplayReport:
-        """Replay the log after ``manifest``'s checkpoint (``None``: none) into ``tables``.
+               cancel: threading.Event | None = None,
+               variables: LoggedVariableStore | None = None) -> ReplayReport:
+        """Replay the log after ``manifest``'s checkpoint (``None``: none) into ``tables``
+        (and ``variables``).
 
         Raises:
             CorruptLogError: see :func:`~replay_server.checkpoint.wal.replay.replay_log`.
@@ -110,12 +113,13 @@ class LogKeeper:
             or manifest.failed else manifest.wal
         self.report = replay_log(self.path, tables, start=start, start_incarnation=incarnation,
                                  shard=self.shard, last_incarnation=last_incarnation,
-                                 cancel=cancel)
+                                 cancel=cancel, variables=variables)
         return self.report
 
-    def start(self, tables: TableSet, incarnation: int,
-              checkpoint: Callable[[str], Any] | None) -> WriteAheadLog | None:
-        """Open this run's log after the replay and attach it to every table (``wal`` on)."""
+    def start(self, tables: TableSet, incarnation: int, checkpoint: Callable[[str], Any] | None,
+              variables: LoggedVariableStore | None = None) -> WriteAheadLog | None:
+        """Open this run's log after the replay and attach it to every table and the
+        variables (``wal`` on)."""
         if not self.enabled:
             return None
         assert self.report is not None, "replay first"
@@ -126,6 +130,8 @@ class LogKeeper:
         for table in tables:
             assert isinstance(table, LoggedTable)
             table.attach(self.log)
+        if variables is not None:
+            variables.attach(self.log)
         log.info("write-ahead log on in %s (wal_sync = %s: %s; bound server.wal_max_mb = %d)",
                  self.path, self.sync, SYNC_PROMISES[self.sync], self.max_bytes >> 20)
         return self.log

@@ -13,7 +13,8 @@ order lock at its instant, so a restore replays exactly the records after it.
 
 Not logged (they come back as the last checkpoint had them after a crash):
 samples and their leases (queue takes and acknowledgements), draw settings,
-rows written by position. Without a log attached every method is
+rows written by position. Publishes of named variables are logged by
+:mod:`~replay_server.checkpoint.wal.logged_variables`. Without a log attached every method is
 :class:`Table`'s own.
 
 Inserts are logged as the columns the table was handed (after conversion,

@@ -46,6 +46,7 @@ from replay_proto.keys import unflatten
 from replay_server.checkpoint.fileio import RestoreCancelled
 from replay_server.checkpoint.wal import records
 from replay_server.checkpoint.wal.logged_table import LoggedTable
+from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
 from replay_server.engine.table_set import TableSet
 from replay_server.errors import CorruptLogError, ReplayServerError, UnknownTableError
 
@@ -84,7 +85,8 @@ def find_segments(directory: Path) -> dict[int, Path]:
 
 def replay_log(directory: Path, tables: TableSet, *, start: int | None,
                start_incarnation: int | None, shard: int, last_incarnation: int,
-               cancel: threading.Event | None = None) -> ReplayReport:
+               cancel: threading.Event | None = None,
+               variables: LoggedVariableStore | None = None) -> ReplayReport:
     """Replay the log in ``directory`` into ``tables`` (restored from a checkpoint, or fresh).
 
     Args:
@@ -92,6 +94,7 @@ def replay_log(directory: Path, tables: TableSet, *, start: int | None,
             (``None``: no checkpoint, or one written without a log: every segment).
         shard: this server's shard.
         last_incarnation: the last incarnation given out before this run's.
+        variables: the named variables (restored with the checkpoint), for logged publishes.
 
     Raises:
         CorruptLogError: a segment is missing, from another server or
@@ -125,7 +128,10 @@ def replay_log(directory: Path, tables: TableSet, *, start: int | None,
                     record = records.decode(payload, offset)
                 except records.LogFormatError as exc:
                     raise CorruptLogError(f"write-ahead log segment {found[index]}: {exc}") from None
-                _apply(tables, record, found[index], report)
+                if record.kind == records.PUBLISH:
+                    _publish(variables, record, found[index], report)
+                else:
+                    _apply(tables, record, found[index], report)
             report.segments += 1
     for table in tables:
         table.under_lock(lambda parts, _: parts.ids.resume(parts.ring.next_id), change=False)
@@ -250,6 +256,29 @@ def _apply(tables: TableSet, record: records.Record, path: Path, report: ReplayR
     except (ReplayServerError, ValueError) as exc:
         raise CorruptLogError(f"the {where} cannot be replayed: {exc}") from None
     table.log_seq += 1
+    report.applied += 1
+
+
+def _publish(store: LoggedVariableStore | None, record: records.Record, path: Path,
+             report: ReplayReport) -> None:
+    where = f"publish record at offset {record.offset} of {path}"
+    seq = record.meta.get("seq")
+    if store is None or not isinstance(seq, int):
+        raise CorruptLogError(f"the {where} cannot be replayed: no named variables to replay into")
+    if seq < store.log_seq:
+        report.skipped += 1
+        return
+    if seq > store.log_seq:
+        raise CorruptLogError(
+            f"the {where} is the variables' change {seq}, but the log lacks their changes "
+            f"{store.log_seq}..{seq - 1}: a record or segment is missing")
+    try:
+        store.replayed(int(record.meta["version"]), str(record.meta["name"]),
+                       record.tensors["layout"].numpy().tobytes(),
+                       record.tensors["data"].numpy().copy())
+    except (ReplayServerError, ValueError, KeyError) as exc:
+        raise CorruptLogError(f"the {where} cannot be replayed: {exc}") from None
+    store.log_seq += 1
     report.applied += 1
 
 
