@@ -125,3 +125,19 @@ class UnknownVariableError(ReplayServerError):
 
 class VariableBudgetError(ReplayServerError):
     """Storing a variable would exceed the server's budget for variables (nothing changed)."""
+
+
+class LogFullError(ReplayServerError):
+    """A change was refused because the write-ahead log is at ``server.wal_max_mb`` and a
+    checkpoint could not truncate it; nothing of the change was stored."""
+
+
+class LogWriteError(FailedPreconditionError):
+    """The write-ahead log cannot be written (a write failed, the disk is full); changes are
+    refused, or were not acknowledged, until a checkpoint succeeds."""
+
+
+class CorruptLogError(RestoreError):
+    """The write-ahead log cannot be replayed (a segment missing, from another server or
+    incarnation, damaged in the middle); the server does not start. The message names the
+    segment and offset."""

@@ -13,6 +13,9 @@
     checkpoint_dir = "checkpoints" # omitted: no persistence
     checkpoint_interval_s = 600    # 0: only on request and at shutdown
     keep_latest = 3                # complete checkpoints kept
+    wal = false                    # write-ahead log: acknowledged changes survive a crash
+    wal_sync = "fsync"             # fsync: survives power loss | os: a crash of the process
+    wal_max_mb = 1024              # the log's bound (wal_dir: where it goes; checkpoint_dir)
     metrics_address = "127.0.0.1:9100"  # Prometheus /metrics; omitted: off
     tls_cert_file = "server.crt"   # TLS: certificate chain and key (PEM); omitted: plaintext
     tls_key_file = "server.key"

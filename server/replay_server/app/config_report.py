@@ -12,6 +12,7 @@ allocated, bound or written.
 from __future__ import annotations
 
 from replay_server.checkpoint.directory import CheckpointDirectory
+from replay_server.checkpoint.wal.keeper import SYNC_PROMISES
 from replay_server.engine.config import TableConfig, layer_names, table_options
 from replay_server.engine.memory import MemoryLedger, format_bytes
 from replay_server.engine.table_parts import table_bytes
@@ -40,6 +41,7 @@ def config_report(settings: ServerSettings) -> str:
     lines = [f"listens on {settings.address}"
              + (f", metrics on {settings.metrics_address}" if settings.metrics_address else ""),
              _persistence(settings),
+             _log(settings),
              f"tables promise {format_bytes(ledger.committed)} at start (of "
              f"{format_bytes(ledger.limit)} allowed; rows of an undeclared schema come with "
              f"the first insert)",
@@ -59,6 +61,15 @@ def _persistence(settings: ServerSettings) -> str:
         return f"{text}: none yet (the server starts with empty tables)"
     return (f"{text}: {len(found)}; the newest, {found[-1].path.name}, is restored at start "
             f"and must fit these tables (a different config: another checkpoint_dir)")
+
+
+def _log(settings: ServerSettings) -> str:
+    if not settings.wal:
+        return ("write-ahead log off (wal = false): after a crash the tables come back as the "
+                "last checkpoint had them")
+    return (f"write-ahead log in {settings.wal_dir or settings.checkpoint_dir}, wal_sync = "
+            f"{settings.wal_sync}: {SYNC_PROMISES[settings.wal_sync]}; at most "
+            f"{settings.wal_max_mb} MB (server.wal_max_mb)")
 
 
 def _table(table: TableConfig) -> str:

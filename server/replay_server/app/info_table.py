@@ -74,6 +74,8 @@ def format_server(server: pb.ServerInfo, tables: Any) -> str:
     security += ", token" if server.auth else ""
     persistence = (f"checkpoints in {server.checkpoint_dir}" if server.checkpoint_dir
                    else "no checkpoint_dir: rows are lost at stop")
+    if server.wal and server.wal != "off":
+        persistence += f", write-ahead log (wal_sync = {server.wal})"
     return (f"replay-server {server.version}, up {duration(server.uptime_seconds)}; memory "
             f"{nbytes(server.rss_bytes)} resident, tables {nbytes(stored)}; {security}; "
             f"{persistence}")

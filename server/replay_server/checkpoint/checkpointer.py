@@ -20,6 +20,7 @@ from pathlib import Path
 
 from replay_server.checkpoint.directory import CheckpointDirectory
 from replay_server.checkpoint.reader import RestoreResult, restore_latest
+from replay_server.checkpoint.wal.log import WriteAheadLog
 from replay_server.checkpoint.writer import CheckpointResult, write_checkpoint
 from replay_server.errors import CheckpointWriteError
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
@@ -63,6 +64,8 @@ class Checkpointer:
         """Checkpoints written since the server started."""
         self.failed = 0
         """Checkpoint writes that failed since the server started."""
+        self.log: WriteAheadLog | None = None
+        """The write-ahead log each checkpoint truncates (set once it is replayed and open)."""
 
     @property
     def path(self) -> Path:
@@ -117,7 +120,7 @@ class Checkpointer:
             outcome = write_checkpoint(
                 tables, self.directory, keep_latest=self.keep_latest,
                 server_version=self._server_version, chunk_bytes=self._chunk_bytes,
-                variables=variables)
+                variables=variables, log=self.log)
         except CheckpointWriteError as exc:
             log.error("checkpoint (%s) failed: %s", reason, exc)
             outcome = exc

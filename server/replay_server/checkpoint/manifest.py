@@ -144,6 +144,9 @@ class Manifest:
     failed: tuple[FailedPart, ...] = ()
     """Parts that could not be written (the rest was): restore takes them from an older
     checkpoint (see :mod:`~replay_server.checkpoint.reader`)."""
+    wal: tuple[int, int] | None = None
+    """Where the write-ahead log after this checkpoint begins: (segment index, incarnation of
+    the run that wrote both); ``None``: written without a log."""
 
     @property
     def complete(self) -> bool:
@@ -163,6 +166,8 @@ class Manifest:
             "byteorder": "little", "tables": [t.to_json() for t in self.tables],
             **({} if self.variables is None else {"variables": self.variables.to_json()}),
             **({"failed_parts": [f.to_json() for f in self.failed]} if self.failed else {}),
+            **({} if self.wal is None else {
+                "wal": {"segment": self.wal[0], "incarnation": self.wal[1]}}),
         }, indent=1, allow_nan=False).encode()
 
     @classmethod
@@ -199,6 +204,7 @@ class Manifest:
             format_version=version,
             variables=_variables(doc["variables"]) if "variables" in doc else None,
             failed=_failed(doc.get("failed_parts", [])),
+            wal=_wal(doc["wal"]) if "wal" in doc else None,
         )
 
 
@@ -278,6 +284,12 @@ def _failed(doc: Any) -> tuple[FailedPart, ...]:
             raise CorruptCheckpointError(f"{MANIFEST}: {where}: unknown kind {part.kind!r}")
         parts.append(part)
     return tuple(parts)
+
+
+def _wal(doc: Any) -> tuple[int, int]:
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{MANIFEST}: wal must be an object, got {doc!r}")
+    return _get(doc, "segment", int, "wal"), _get(doc, "incarnation", int, "wal")
 
 
 def _file(doc: Any, where: str) -> FileEntry:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from replay_server.checkpoint.wal.logged_table import LOG_SEQ_KEY
+from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
 from replay_server.checkpoint.fileio import read_file, write_file
 from replay_server.checkpoint.manifest import (
     VARIABLES_FILE,
@@ -62,10 +64,18 @@ def write_variables(root: Path, store: VariableStore) -> VariablesEntry:
             offset += pad
         return ref
 
+    covered = None  # a logged store: the write-ahead log's publishes these hold
+    if isinstance(store, LoggedVariableStore):
+        variables, covered = store.snapshot()
+    else:
+        variables = store.variables()
     entries = [{"name": v.name, "version": v.version,
                 "layout": add(np.frombuffer(v.layout, dtype=np.uint8)), "data": add(v.data)}
-               for v in store.variables()]
-    return VariablesEntry(version=PACKED_VERSION, state={"variables": entries},
+               for v in variables]
+    state: dict[str, Any] = {"variables": entries}
+    if covered is not None:
+        state[LOG_SEQ_KEY] = covered
+    return VariablesEntry(version=PACKED_VERSION, state=state,
                           file=write_file(root, VARIABLES_FILE, *pieces))
 
 
@@ -87,6 +97,8 @@ def read_variables(path: Path, entry: VariablesEntry, store: VariableStore,
             store.load_state_dict(decode_state(entry.state, blob))
         else:
             store.load(_packed(entry.state, blob))
+            if isinstance(store, LoggedVariableStore):
+                store.log_seq = int(entry.state.get(LOG_SEQ_KEY, 0))
     except (StateFormatError, MalformedStateError) as exc:
         raise CorruptCheckpointError(f"variables: {exc}") from None
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from replay_server.checkpoint.directory import CheckpointDirectory
+from replay_server.checkpoint.wal.log import WriteAheadLog
 from replay_server.checkpoint.fileio import HashedWriter, write_file
 from replay_server.checkpoint.manifest import (
     COMPLETE,
@@ -99,8 +100,13 @@ def write_checkpoint(
     server_version: str,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     variables: VariableStore | None = None,
+    log: WriteAheadLog | None = None,
 ) -> CheckpointResult:
     """Write a checkpoint of ``tables`` (and ``variables``) into ``directory``, then prune old ones.
+
+    With a write-ahead ``log``: a new segment is begun before the first snapshot (the
+    manifest records it: the log after the checkpoint begins there), and once the
+    checkpoint is complete and read back, the segments before it are deleted.
 
     Raises:
         CheckpointWriteError: the checkpoint could not be written (nothing of
@@ -113,6 +119,10 @@ def write_checkpoint(
     failed: list[FailedPart] = []
     try:
         sequence, temp, final = directory.begin()
+        wal = None
+        if log is not None:
+            current[0] = f"the write-ahead log in {log.directory}"
+            wal = (log.rotate(), log.incarnation)
         entries, saved_variables = _write_parts(directory, temp, tables, variables,
                                                 chunk_bytes, current, failed)
         manifest = Manifest(
@@ -124,6 +134,7 @@ def write_checkpoint(
             tables=tuple(entries),
             variables=saved_variables,
             failed=tuple(failed),
+            wal=wal,
         )
         data = manifest.to_json()
         current[0] = str(temp / MANIFEST)
@@ -150,6 +161,8 @@ def write_checkpoint(
         if temp is not None:
             directory.discard(temp)
     removed = tuple(directory.prune(keep_latest))
+    if log is not None and wal is not None and not failed:  # a part missing: kept for it
+        log.truncate(wal[0])
     return CheckpointResult(
         path=final, sequence=sequence, created=manifest.created, nbytes=manifest.nbytes,
         seconds=time.perf_counter() - start, tables={t.name: t.rows for t in entries},

@@ -187,6 +187,46 @@ class IdSpace:
         self._first = position
         self._base = make_id(self.shard, incarnation, 0)
 
+    def follow(self, position: int, first_id: int) -> None:
+        """Replaying a write-ahead log: make ``position`` get ``first_id``, the id a run that
+        logged it gave it (:mod:`replay_server.checkpoint.wal.replay`), so replayed rows keep
+        their ids. A current segment with no row yet (the one a restore began) is dropped;
+        the logged run's segment is reopened (it ended there) or begun at ``position``.
+
+        Raises:
+            ValueError: ``first_id`` cannot be the id of ``position`` in any history of segments.
+        """
+        if self.id_of(position) == first_id:
+            return
+        incarnation = int(incarnation_of(first_id))
+        start = position - (first_id & SEQUENCE_MASK)
+        if self._first == position and len(self._incarnations) > 0:  # empty: drop it
+            del self._index[self._incarnations.pop()]
+            self._firsts.pop()
+            if self._incarnations:
+                self._ends.pop()
+                self._first = self._firsts[-1]
+                self._base = make_id(self.shard, self._incarnations[-1], 0)
+            if self._incarnations and self.id_of(position) == first_id:
+                return
+        if (start != position or shard_of(first_id) != self.shard
+                or incarnation in self._index
+                or (self._incarnations and incarnation < max(self._incarnations))):
+            raise ValueError(f"id {first_id} (incarnation {incarnation}) cannot be position "
+                             f"{position}'s; segments: {self.segments}")
+        if self._incarnations:
+            self._ends.append(position)
+        self._index[incarnation] = len(self._incarnations)
+        self._incarnations.append(incarnation)
+        self._firsts.append(position)
+        self._first = position
+        self._base = make_id(self.shard, incarnation, 0)
+
+    def resume(self, position: int) -> None:
+        """After a log replay: new rows from ``position`` get the source's current incarnation."""
+        if self._incarnations[-1] != self._source.current:
+            self.begin(position)
+
     def reserve(self, next_position: int, rows: int) -> None:
         """Make room for ``rows`` new rows from ``next_position``: a new segment if the current one is full.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IncarnationSource
@@ -19,6 +19,8 @@ class TableSet:
         incarnations: the server's shard and id incarnations (``None``: in-process).
         memory: the ledger all tables' memory is promised from (``None``: a new
             one over this machine's memory).
+        make_table: what makes each table (a :class:`Table` subclass: a server's log its
+            changes, :mod:`replay_server.checkpoint.wal.logged_table`).
 
     Raises:
         ConfigError: names repeat, no table is given, or a table cannot be made
@@ -30,13 +32,14 @@ class TableSet:
 
     def __init__(self, configs: Iterable[TableConfig],
                  incarnations: IncarnationSource | None = None,
-                 memory: MemoryLedger | None = None) -> None:
+                 memory: MemoryLedger | None = None,
+                 make_table: Callable[..., Table] = Table) -> None:
         self._tables: dict[str, Table] = {}
         self.memory = memory or MemoryLedger()
         for config in configs:
             if config.name in self._tables:
                 raise ConfigError(f"two tables are named {config.name!r}; table names must be unique")
-            self._tables[config.name] = Table(config, incarnations, self.memory)
+            self._tables[config.name] = make_table(config, incarnations, self.memory)
         if not self._tables:
             raise ConfigError("a server needs at least one table")
 

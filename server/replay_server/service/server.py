@@ -25,6 +25,10 @@ from replay_feed.shared_ring import sweep_stale_rings
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.checkpoint import Checkpointer, CheckpointResult, RestoreCancelled
 from replay_server.checkpoint.incarnation import IncarnationFile
+from replay_server.checkpoint.reader import read_manifest
+from replay_server.checkpoint.wal.keeper import LogKeeper
+from replay_server.checkpoint.wal.logged_table import LoggedTable
+from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
 from replay_server.engine.id_space import IncarnationSource, RandomIncarnations
 from replay_server.engine.memory import MemoryLedger, format_bytes
 from replay_server.engine.table_set import TableSet
@@ -127,6 +131,9 @@ class ReplayServer:
                 self.checkpointer.close()
                 raise ConfigError(f"server.checkpoint_dir: {exc}") from None
         try:
+            self.wal = _log_keeper(settings)
+            if self.wal is not None and self.checkpointer is None:
+                self.incarnations = IncarnationFile.claim(self.wal.path, settings.shard)
             self.tables = self._make_tables()
         except ConfigError:
             if self.checkpointer is not None:
@@ -181,10 +188,10 @@ class ReplayServer:
             memory = MemoryLedger(limit, "server.table_memory_mb")
         else:  # the address-space limit is the tighter one
             memory = MemoryLedger(limit, "the address space left by ulimit -v (RLIMIT_AS)")
-        return TableSet(self.settings.table_configs, self.incarnations, memory)
+        return TableSet(self.settings.table_configs, self.incarnations, memory, LoggedTable)
 
     def _make_variables(self) -> VariableStore:
-        return VariableStore(self.settings.variables_max_bytes)
+        return LoggedVariableStore(self.settings.variables_max_bytes)
 
     @property
     def variables(self) -> VariableStore:
@@ -230,7 +237,7 @@ class ReplayServer:
             self.metrics.start()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self._servicer.calls.restoring = self.checkpointer is not None
+        self._servicer.calls.restoring = self.checkpointer is not None or self.wal is not None
         await self._server.start()
         host = self.settings.address.rsplit(":", 1)[0]
         log.info("listening on %s:%d (event loop: %s, engine threads: %d, auth: %s, tls: %s, "
@@ -296,9 +303,34 @@ class ReplayServer:
             await self._health.set(service, status)
 
     async def _restore(self, cancel: threading.Event | None) -> None:
-        if self.checkpointer is None:
-            self._restored = True
-            return
+        if self.checkpointer is not None:
+            await self._restore_checkpoint(cancel)
+        if self.wal is not None:
+            await _cancellable(functools.partial(self._replay, cancel), cancel)
+        self._restored = True
+        self._servicer.calls.restoring = False
+
+    def _replay(self, cancel: threading.Event | None) -> None:
+        """Restore's second half: the write-ahead log after the checkpoint, then this run's log."""
+        assert self.wal is not None
+        restored = self._info.restored_checkpoint
+        manifest = read_manifest(Path(restored)) if restored else None
+        variables = self.variables
+        assert isinstance(variables, LoggedVariableStore)
+        report = self.wal.replay(self.tables, manifest, self.incarnations.current - 1, cancel,
+                                 variables)
+        if report.segments:
+            log.info("replayed the write-ahead log: %d change(s) from %d segment(s) (%.1f MB in "
+                     "%.2f s; %d already in the checkpoint)%s", report.applied, report.segments,
+                     report.nbytes / 1e6, report.seconds, report.skipped,
+                     "".join(f"; {cut}" for cut in report.cut))
+        wal = self.wal.start(self.tables, self.incarnations.current,
+                             None if self.checkpointer is None else self._checkpoint, variables)
+        if self.checkpointer is not None:
+            self.checkpointer.log = wal
+
+    async def _restore_checkpoint(self, cancel: threading.Event | None) -> None:
+        assert self.checkpointer is not None
         # The first attempt loads into the tables made at start, which hold no row yet, so
         # their storage is loaded into (no second copy: memmap tables fit a disk sized for
         # one); only a retry after a damaged checkpoint makes new ones.
@@ -327,8 +359,6 @@ class ReplayServer:
             log.info("restored %d table(s) from %s (%d rows, %.1f MB in %.2f s)",
                      len(result.manifest.tables), result.path, rows,
                      result.manifest.nbytes / 1e6, result.seconds)
-        self._restored = True
-        self._servicer.calls.restoring = False
 
     def _checkpoint(self, reason: str) -> CheckpointResult:
         assert self.checkpointer is not None
@@ -374,6 +404,8 @@ class ReplayServer:
                 # stop (logged at ERROR). Without a table: rows would be lost, exit 1.
                 self.exit_code = 1 if result.lost_tables else 0
         self._checkpoint_executor.shutdown(wait=True)
+        if self.wal is not None:
+            self.wal.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
         if self._health_server is not None:
@@ -502,7 +534,22 @@ def _server_info(settings: ServerSettings, token: str | None) -> pb.ServerInfo:
     return pb.ServerInfo(version=server_version(), tls=settings.tls,
                          mutual_tls=settings.tls_client_ca_file is not None, auth=bool(token),
                          checkpoint_dir=str(Path(settings.checkpoint_dir).resolve())
-                         if settings.checkpoint_dir else "")
+                         if settings.checkpoint_dir else "",
+                         wal=settings.wal_sync if settings.wal else "off")
+
+
+def _log_keeper(settings: ServerSettings) -> LogKeeper | None:
+    """The write-ahead log's keeper, its directory opened (``None``: no directory for one)."""
+    path = settings.wal_dir or settings.checkpoint_dir
+    if path is None:
+        return None
+    own = settings.wal_dir is not None and (
+        settings.checkpoint_dir is None
+        or Path(settings.wal_dir).resolve() != Path(settings.checkpoint_dir).resolve())
+    keeper = LogKeeper(Path(path), enabled=settings.wal, sync=settings.wal_sync,
+                       max_bytes=settings.wal_max_mb * MIB, shard=settings.shard, lock=own)
+    keeper.open()
+    return keeper
 
 
 def _tls_mode(settings: ServerSettings) -> str:

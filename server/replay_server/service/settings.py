@@ -112,6 +112,11 @@ class ServerSettings:
         health_address: ``host:port`` of an extra plaintext listener serving only
             ``grpc.health.v1.Health`` (for probes that cannot speak TLS, such as
             Kubernetes' gRPC probes); ``None``: health on ``address`` only.
+        wal: log every acknowledged change before answering (docs/durability.md).
+        wal_sync: ``"fsync"`` (on disk: survives power loss) or ``"os"`` (in the OS's
+            file cache: survives a crash of the process).
+        wal_dir: where the log goes; ``None``: ``checkpoint_dir``.
+        wal_max_mb: the log's bound; past it a checkpoint truncates it, or writes are refused.
     """
 
     address: str = DEFAULT_ADDRESS
@@ -150,6 +155,10 @@ class ServerSettings:
     tls_client_ca_file: str | None = None
     allow_plaintext_token: bool = False
     health_address: str | None = None
+    wal: bool = False
+    wal_sync: str = "fsync"
+    wal_dir: str | None = None
+    wal_max_mb: int = 1024
 
     def __post_init__(self) -> None:
         _check_address("server.address", self.address)
@@ -189,6 +198,7 @@ class ServerSettings:
         _check_int("server.variables_max_mb", self.variables_max_mb, 0, 1 << 20)
         object.__setattr__(self, "shard", resolve_shard(self.shard))
         check_limits(self)
+        _check_wal(self)
         names = [t.name for t in self.tables]
         if not names:
             raise ConfigError("the config declares no [[tables]]")
@@ -251,6 +261,21 @@ def _check_address(name: str, value: Any) -> None:
         0 <= int(value.rsplit(":", 1)[1]) <= 65535
     ):
         raise ConfigError(f"{name} must be 'host:port', got {value!r}")
+
+
+def _check_wal(settings: ServerSettings) -> None:
+    if not isinstance(settings.wal, bool):
+        raise ConfigError(f"server.wal must be true or false, got {settings.wal!r}")
+    if settings.wal_sync not in ("fsync", "os"):
+        raise ConfigError(f"server.wal_sync must be 'fsync' (survives power loss) or 'os' "
+                          f"(survives a crash of the process), got {settings.wal_sync!r}")
+    if settings.wal_dir is not None and (not isinstance(settings.wal_dir, str)
+                                         or not settings.wal_dir):
+        raise ConfigError(f"server.wal_dir must be a directory path, got {settings.wal_dir!r}")
+    _check_int("server.wal_max_mb", settings.wal_max_mb, 1, 1 << 30)
+    if settings.wal and settings.checkpoint_dir is None and settings.wal_dir is None:
+        raise ConfigError("server.wal = true needs a place for the log: set server.checkpoint_dir "
+                          "(the log goes there, and checkpoints truncate it) or server.wal_dir")
 
 
 def check_security(settings: ServerSettings) -> None:

@@ -62,6 +62,7 @@ _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, ErrorKind], ...] = (
     (LimitExceededError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.LIMIT_EXCEEDED),
     (errors.InsufficientMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED,
      ErrorKind.LIMIT_EXCEEDED),
+    (errors.LogFullError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.LIMIT_EXCEEDED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE, ErrorKind.UNAVAILABLE),
     (RequestTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, ErrorKind.DEADLINE_EXCEEDED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, ErrorKind.UNAUTHENTICATED),

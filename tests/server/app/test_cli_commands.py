@@ -64,6 +64,28 @@ def test_check_config_refuses_what_serve_would_naming_it(tmp_path, text, wanted)
     assert wanted in result.stderr
 
 
+def test_check_config_names_both_places_a_write_ahead_log_could_go(tmp_path):
+    result = _cli("check-config", str(_config(tmp_path, "[server]\nwal = true\n")))
+    assert result.returncode == 2 and result.stdout == ""
+    assert "server.wal = true needs a place for the log" in result.stderr
+    assert "server.checkpoint_dir" in result.stderr and "server.wal_dir" in result.stderr
+
+
+def test_check_config_says_which_sync_level_a_write_ahead_log_has(tmp_path):
+    fsync = _cli("check-config", str(_config(tmp_path, f'[server]\nwal = true\ncheckpoint_dir = '
+                                                       f'"{tmp_path / "c"}"\n')))
+    assert fsync.returncode == 0, fsync.stderr
+    assert "wal_sync = fsync: an acknowledged change survives a crash of the process or the " \
+           "machine" in fsync.stdout
+    os_level = _cli("check-config", str(_config(tmp_path, f'[server]\nwal = true\nwal_sync = '
+                                                          f'"os"\nwal_dir = "{tmp_path}"\n')))
+    assert "wal_sync = os: an acknowledged change survives a crash of the process" in \
+        os_level.stdout
+    bad = _cli("check-config", str(_config(tmp_path, '[server]\nwal = true\nwal_sync = "always"\n'
+                                                     'wal_dir = "w"\n')))
+    assert bad.returncode == 2 and "server.wal_sync must be 'fsync'" in bad.stderr
+
+
 def test_reset_with_schema_from_the_command_line(server):
     client = ReplayClient(server.address)
     client.insert("uniform", {"obs": torch.zeros(4, 3)})

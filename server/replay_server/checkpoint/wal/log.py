@@ -1,0 +1,319 @@
+"""The write-ahead log: segment files written by one thread, with group commit.
+
+A change is :meth:`~WriteAheadLog.append`\\ ed (its record queued, in the
+order its table applied it) and then :meth:`~WriteAheadLog.wait`\\ ed for:
+the answer to a client goes out only once its record is durable at the
+configured level. One writer thread takes everything queued since its last
+write and writes it with one ``writev`` and, at ``sync = "fsync"``, one
+``fdatasync``: concurrent callers share one disk round trip (group commit).
+
+Levels: ``"os"``: written into the operating system's file cache (survives
+a crash of the process: ``kill -9``, an OOM kill); ``"fsync"``: on disk
+(survives power loss too).
+
+Segments rotate at ``segment_bytes`` and when a checkpoint starts
+(:meth:`rotate`: every record queued before it lies in older segments, so a
+checkpoint whose snapshots start afterwards covers them); once the
+checkpoint is complete, :meth:`truncate` deletes the covered segments.
+
+**Bound.** :meth:`admit` is asked before a change is applied: past
+``max_bytes`` it runs an early checkpoint (the ``checkpoint`` callable) and
+refuses the change with :class:`~replay_server.errors.LogFullError` if the
+log is still too large; half-way there it starts one in the background.
+A write that fails (disk full, I/O error) fails every change waiting on it
+and *breaks* the log: changes are refused until a checkpoint succeeds (it
+holds what the failed records held, and the log starts again after it).
+
+Thread-safety: every method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from replay_server.checkpoint.wal.records import segment_header, segment_name
+from replay_server.errors import LogFullError, LogWriteError
+
+log = logging.getLogger("replay_server.wal")
+
+SYNC_LEVELS = ("fsync", "os")
+_IOV_MAX = 512
+_ROTATE = object()
+
+
+class WriteAheadLog:
+    """One server's log in ``directory`` (see the module docstring).
+
+    Args:
+        directory: where segments go (created and locked by the caller).
+        sync: ``"fsync"`` or ``"os"``.
+        max_bytes: the bound on the segments kept (``server.wal_max_mb``).
+        shard, incarnation: this run's, written into each segment header.
+        first_index: the index of the first segment this run writes.
+        segment_bytes: size at which a segment is closed and the next begun.
+    """
+
+    def __init__(self, directory: Path, *, sync: str, max_bytes: int, shard: int,
+                 incarnation: int, first_index: int, segment_bytes: int = 64 << 20) -> None:
+        assert sync in SYNC_LEVELS
+        self.directory = directory
+        self.sync = sync
+        self.max_bytes = max_bytes
+        self.checkpoint: Callable[[str], Any] | None = None
+        """Writes a checkpoint (given a reason), raising if it fails; set by the server."""
+        self._shard, self._incarnation = shard, incarnation
+        self._segment_bytes = segment_bytes
+        self._cond = threading.Condition()
+        self._pending: list[Any] = []
+        self._appended = 0  # records given a number
+        self._durable = 0  # every record numbered up to this one is durable
+        self._lost: list[tuple[int, int]] = []  # numbers whose write failed
+        self._broken: str | None = None
+        self._closing = False
+        self._early: threading.Thread | None = None
+        self._sizes: dict[int, int] = {}  # segment index -> bytes, segments kept
+        self._index = first_index
+        self._fd = self._create(first_index)
+        self._rotated: dict[int, int] = {}  # rotation ticket -> new index
+        self._thread = threading.Thread(target=self._run, name="replay-wal", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------- callers
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the segments kept (what the bound counts)."""
+        return sum(list(self._sizes.values()))
+
+    @property
+    def incarnation(self) -> int:
+        return self._incarnation
+
+    def admit(self, nbytes: int) -> None:
+        """Refuse a change of about ``nbytes`` the log cannot take (before it is applied).
+
+        Raises:
+            LogFullError: past ``max_bytes`` even after an early checkpoint.
+            LogWriteError: the log is broken (a write failed) and no checkpoint has mended it.
+        """
+        if self._broken is None and self.nbytes + nbytes <= self.max_bytes:
+            if self.nbytes > self.max_bytes // 2:
+                self._checkpoint_in_background()
+            return
+        why = self._broken or "it is full"
+        if self.checkpoint is not None and nbytes <= self.max_bytes:
+            try:
+                self.checkpoint("write-ahead log full" if self._broken is None
+                                else "write-ahead log broken")
+            except Exception as exc:  # logged by the checkpointer
+                why = f"{why}, and the early checkpoint failed: {exc}"
+        if self._broken is not None:
+            raise LogWriteError(
+                f"the write-ahead log cannot be written ({why}); the change was refused and "
+                f"nothing of it is stored; samples keep working, and writes resume after the "
+                f"next successful checkpoint")
+        if self.nbytes + nbytes > self.max_bytes:
+            raise LogFullError(
+                f"the write-ahead log holds {self.nbytes:,} bytes and this change needs "
+                f"{nbytes:,} more, past server.wal_max_mb = {self.max_bytes >> 20} MB "
+                f"({why}{'' if self.checkpoint else '; no checkpoint_dir to truncate it'}); "
+                f"the change was refused and nothing of it is stored; samples keep working")
+
+    def append(self, buffers: list[Any] | Callable[[], list[Any]]) -> int:
+        """Queue one record (its buffers, written in order, or what makes them: called by the
+        writer thread, so that checksums are computed outside the caller's locks); returns
+        its number for :meth:`wait`.
+
+        Raises:
+            LogWriteError: the log is broken or closed (nothing queued).
+        """
+        with self._cond:
+            if self._broken is not None or self._closing:
+                raise LogWriteError(f"the write-ahead log cannot be written "
+                                    f"({self._broken or 'closed'}); the change was not logged")
+            self._appended += 1
+            self._pending.append((self._appended, buffers))
+            self._cond.notify_all()
+            return self._appended
+
+    def wait(self, number: int) -> None:
+        """Block until record ``number`` is durable at the configured level.
+
+        Raises:
+            LogWriteError: its write failed (the change is applied but was never acknowledged).
+        """
+        with self._cond:
+            while number > self._durable and not self._failed(number):
+                self._cond.wait()
+            if self._failed(number):
+                raise LogWriteError(
+                    f"the write-ahead log could not be written ({self._broken or 'write failed'})"
+                    f"; the change was not acknowledged (it may or may not survive a crash)")
+
+    def rotate(self) -> int:
+        """Begin a new segment after everything queued so far; returns its index.
+
+        Raises:
+            OSError: the new segment cannot be created (the log is then broken).
+        """
+        with self._cond:
+            if self._closing:
+                raise OSError(errno.EIO, "write-ahead log: closed")
+            self._appended += 1
+            ticket = self._appended
+            self._pending.append((ticket, _ROTATE))
+            self._cond.notify_all()
+            while ticket not in self._rotated and not self._failed(ticket):
+                self._cond.wait()
+            if ticket not in self._rotated:
+                raise OSError(errno.EIO, f"write-ahead log: {self._broken}")
+            return self._rotated.pop(ticket)
+
+    def truncate(self, first_kept: int) -> None:
+        """A checkpoint covering every segment before ``first_kept`` is complete: delete them,
+        and mend a broken log (the checkpoint holds what its failed records held)."""
+        for index in sorted(i for i in list(self._sizes) if i < first_kept):
+            try:
+                (self.directory / segment_name(index)).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("write-ahead log: cannot delete %s: %s", segment_name(index), exc)
+                continue
+            self._sizes.pop(index, None)
+        with self._cond:
+            if self._broken is not None and first_kept <= self._index:
+                log.info("write-ahead log mended by a checkpoint: writes are accepted again")
+                self._broken = None
+
+    def close(self) -> None:
+        """Write what is queued, stop the writer, close the segment."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    # -------------------------------------------------------------- writer
+
+    def _failed(self, number: int) -> bool:
+        return any(low <= number <= high for low, high in self._lost)
+
+    def _checkpoint_in_background(self) -> None:
+        if self.checkpoint is None or (self._early is not None and self._early.is_alive()):
+            return
+        self._early = threading.Thread(target=self._quiet_checkpoint, daemon=True,
+                                       name="replay-wal-checkpoint")
+        self._early.start()
+
+    def _quiet_checkpoint(self) -> None:
+        try:
+            assert self.checkpoint is not None
+            self.checkpoint("write-ahead log half full")
+        except Exception:
+            pass  # logged by the checkpointer; admit() tries again when it must
+
+    def _create(self, index: int) -> int:
+        path = self.directory / segment_name(index)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+        try:
+            header = segment_header(self._shard, self._incarnation, index)
+            os.write(fd, header)
+            os.fsync(fd)
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            os.close(fd)
+            raise
+        self._sizes[index] = len(header)
+        return fd
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                batch, self._pending = self._pending, []
+                if not batch and self._closing:
+                    return
+                broken = self._broken
+            rotated: dict[int, int] = {}
+            try:
+                if broken is not None:
+                    self._rotate_only(batch, rotated)
+                    raise OSError(errno.EIO, broken)
+                self._write(batch, rotated)
+            except OSError as exc:
+                name = errno.errorcode.get(exc.errno or 0, "error")
+                with self._cond:
+                    if self._broken is None:
+                        self._broken = f"{exc.strerror or exc} ({name}) in {segment_name(self._index)}"
+                        log.error("write-ahead log write failed: %s; changes are refused until "
+                                  "a checkpoint succeeds", self._broken)
+                    self._lost.append((batch[0][0], batch[-1][0]))
+                    self._rotated.update(rotated)
+                    self._cond.notify_all()
+                continue
+            with self._cond:
+                self._durable = batch[-1][0]
+                self._rotated.update(rotated)
+                self._cond.notify_all()
+
+    def _write(self, batch: list[Any], rotated: dict[int, int]) -> None:
+        """Write a batch: its records, rotating where asked or where the segment is full."""
+        buffers: list[Any] = []
+        for number, item in batch:
+            if item is _ROTATE or self._sizes[self._index] > self._segment_bytes:
+                self._flush(buffers)
+                buffers = []
+                self._next_segment()
+                if item is _ROTATE:
+                    rotated[number] = self._index
+                    continue
+            buffers.extend(item() if callable(item) else item)
+        self._flush(buffers)
+
+    def _flush(self, buffers: list[Any]) -> None:
+        if not buffers:
+            return
+        assert self._fd is not None
+        total = 0
+        for start in range(0, len(buffers), _IOV_MAX):
+            chunk = buffers[start:start + _IOV_MAX]
+            want = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in chunk)
+            done = os.writev(self._fd, chunk)
+            while done < want:  # a short write: the rest, from where it stopped
+                rest = b"".join(bytes(b) for b in chunk)[done:]
+                done += os.write(self._fd, rest)
+            total += want
+        self._sizes[self._index] += total
+        if self.sync == "fsync":
+            os.fdatasync(self._fd)
+
+    def _rotate_only(self, batch: list[Any], rotated: dict[int, int]) -> None:
+        """A broken log still begins the segments checkpoints ask for (its records fail)."""
+        for number, item in batch:
+            if item is _ROTATE:
+                try:
+                    self._next_segment()
+                except OSError:
+                    continue
+                rotated[number] = self._index
+
+    def _next_segment(self) -> None:
+        if self._fd is not None:
+            os.fsync(self._fd)  # a segment is whole before the next one gets a record
+        fd = self._create(self._index + 1)  # the index is used only once its file exists
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = fd
+        self._index += 1

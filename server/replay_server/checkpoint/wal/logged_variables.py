@@ -1,0 +1,71 @@
+"""Named variables whose publishes are in the write-ahead log before they are answered.
+
+:class:`LoggedVariableStore` is a :class:`~replay_server.engine.variables.VariableStore`
+that, with a log attached, stores each publish and queues its record (the
+name, the version it got, its layout and bytes) under an order lock, then
+waits outside it for the record to be durable, as
+:mod:`~replay_server.checkpoint.wal.logged_table` does for tables. Its log
+sequence number :attr:`LoggedVariableStore.log_seq` is saved with the
+variables of a checkpoint (:meth:`LoggedVariableStore.snapshot`, under the
+order lock) and restored with them, so replay applies exactly the publishes
+after it, each to the version it had.
+
+Thread-safety: as :class:`VariableStore`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from replay_server.checkpoint.wal import records
+from replay_server.checkpoint.wal.log import WriteAheadLog
+from replay_server.engine.variables import Variable, VariableStore
+
+
+class LoggedVariableStore(VariableStore):
+    """A :class:`VariableStore` that logs its publishes once a log is attached."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes)
+        self._order = threading.Lock()
+        self._log: WriteAheadLog | None = None
+        self.log_seq = 0
+        """The sequence number of the next logged publish (restored with the variables)."""
+
+    def attach(self, log: WriteAheadLog | None) -> None:
+        with self._order:
+            self._log = log
+
+    def snapshot(self) -> tuple[list[Variable], int]:
+        """Every variable's newest version and the log sequence number they cover (one instant)."""
+        with self._order:
+            return self.variables(), self.log_seq
+
+    def replayed(self, version: int, name: str, layout: bytes, data: np.ndarray) -> None:
+        """Replay a logged publish: it must get the version it got then.
+
+        Raises:
+            ValueError: it would get another version (the log and the checkpoint disagree).
+        """
+        variable = super()._store(name, layout, data, 0)
+        if variable.version != version:
+            raise ValueError(f"variable {name!r} got version {variable.version} where the log "
+                             f"says {version}")
+
+    def _store(self, name: str, layout: bytes, data: np.ndarray, keys: int) -> Variable:
+        log = self._log
+        if log is None:
+            return super()._store(name, layout, data, keys)
+        log.admit(len(layout) + data.nbytes)
+        with self._order:
+            variable = super()._store(name, layout, data, keys)
+            meta: dict[str, Any] = {"variables": True, "seq": self.log_seq, "name": name,
+                                    "version": variable.version}
+            tensors = {"layout": np.frombuffer(layout, dtype=np.uint8), "data": data}
+            number = log.append(lambda: records.encode(records.PUBLISH, meta, tensors))
+            self.log_seq += 1
+        log.wait(number)
+        return variable

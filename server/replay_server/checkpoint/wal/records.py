@@ -1,0 +1,211 @@
+"""The write-ahead log's bytes: segment headers, checksummed records, and the scan that reads them.
+
+A segment file ``wal-<index:016d>.log`` begins with a header::
+
+    magic "RPLWAL01" | shard u16 | incarnation u32 | index u64 | crc32 of the above
+
+then holds records, each::
+
+    magic u32 | payload length u64 | crc32 of the payload | crc32 of the 16 bytes before
+
+The payload is ``kind u8 | meta length u32 | meta (JSON) | tensors``, each
+tensor ``name | dtype | shape | raw little-endian bytes`` (a compressed
+column stays the bytes it was given). Nothing is pickled: JSON, raw arrays
+and checksums only.
+
+:func:`scan` reads one segment's records and says where they stop: at the
+end of the file, or at the first record that is not whole (its header, its
+length or its checksum), and whether any whole record can still be found
+after that point (which tells a torn tail from damage in the middle; see
+:mod:`~replay_server.checkpoint.wal.replay`).
+
+Cost: encoding copies nothing (the tensors' own buffers are written); a
+checksum pass over each buffer. Thread-safety: pure functions.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+SEGMENT_MAGIC = b"RPLWAL01"
+_SEGMENT = struct.Struct("<8sHIQ")
+SEGMENT_HEADER_BYTES = _SEGMENT.size + 4
+RECORD_MAGIC = 0x31524C57  # "WLR1"
+_RECORD = struct.Struct("<IQI")
+RECORD_HEADER_BYTES = _RECORD.size + 4
+_RECORD_MAGIC_BYTES = struct.pack("<I", RECORD_MAGIC)
+_TENSOR = struct.Struct("<HBB")  # name length, dtype length, dims
+
+INSERT, PRIORITIES, RESET, DELETE, PUBLISH = 1, 2, 3, 4, 5
+KIND_NAMES = {INSERT: "insert", PRIORITIES: "priority update", RESET: "reset",
+              DELETE: "delete", PUBLISH: "publish"}
+
+
+class LogFormatError(ValueError):
+    """A segment header or a record payload is not what this server writes."""
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentHeader:
+    shard: int
+    incarnation: int
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One decoded record: its kind, its JSON meta and its named tensors (CPU)."""
+
+    kind: int
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    offset: int  # where it starts in its segment
+
+
+@dataclass(frozen=True, slots=True)
+class Scan:
+    """The whole records of a segment and where they stop.
+
+    ``end``: the offset after the last whole record; ``size``: the file's
+    size (``end < size``: something follows that is not a whole record);
+    ``resumes``: the offset of a whole record found after ``end`` (``None``:
+    none, so what follows ``end`` is a torn tail); ``problem``: what is wrong at ``end``.
+    """
+
+    records: list[tuple[int, bytes]]  # (offset, payload)
+    end: int
+    size: int
+    resumes: int | None
+    problem: str
+
+
+def segment_name(index: int) -> str:
+    return f"wal-{index:016d}.log"
+
+
+def segment_header(shard: int, incarnation: int, index: int) -> bytes:
+    head = _SEGMENT.pack(SEGMENT_MAGIC, shard, incarnation, index)
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+def read_segment_header(data: bytes) -> SegmentHeader:
+    """Raises LogFormatError: too short, another magic, or a checksum that does not match."""
+    if len(data) < SEGMENT_HEADER_BYTES:
+        raise LogFormatError(f"its header is cut short ({len(data)} of "
+                             f"{SEGMENT_HEADER_BYTES} bytes)")
+    head = data[:_SEGMENT.size]
+    magic, shard, incarnation, index = _SEGMENT.unpack(head)
+    if magic != SEGMENT_MAGIC:
+        raise LogFormatError(f"it is not a write-ahead log segment (magic {magic!r})")
+    (crc,) = struct.unpack_from("<I", data, _SEGMENT.size)
+    if crc != zlib.crc32(head):
+        raise LogFormatError("its header's checksum does not match")
+    return SegmentHeader(shard, incarnation, index)
+
+
+def encode(kind: int, meta: dict[str, Any], tensors: dict[str, Any] | None = None) -> list[Any]:
+    """A record as buffers to write in order (the tensors' own memory: keep them unchanged
+    until written). ``tensors``: name -> tensor or array (copied to the host if on a device)."""
+    body: list[Any] = []
+    for name, value in (tensors or {}).items():
+        tensor = _host(value)
+        dtype = str(tensor.dtype).removeprefix("torch.").encode()
+        key = name.encode()
+        body.append(_TENSOR.pack(len(key), len(dtype), tensor.dim()) + key + dtype
+                    + struct.pack(f"<{tensor.dim()}qQ", *tensor.shape, tensor.nbytes))
+        if tensor.nbytes:
+            body.append(memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+                        if tensor.dim() else tensor.reshape(1).view(torch.uint8).numpy().tobytes())
+    meta_bytes = json.dumps(meta, separators=(",", ":"), allow_nan=False).encode()
+    body.insert(0, struct.pack("<BI", kind, len(meta_bytes)) + meta_bytes)
+    length = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in body)
+    crc = 0
+    for buffer in body:
+        crc = zlib.crc32(buffer, crc)
+    head = _RECORD.pack(RECORD_MAGIC, length, crc)
+    return [head + struct.pack("<I", zlib.crc32(head)), *body]
+
+
+def _host(value: Any) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+    else:
+        array = np.ascontiguousarray(value)
+        tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+    return tensor.contiguous()
+
+
+def decode(payload: bytes, offset: int) -> Record:
+    """Raises LogFormatError: the payload (whose checksum matched) is not a record we write."""
+    try:
+        kind, meta_len = struct.unpack_from("<BI", payload, 0)
+        at = 5 + meta_len
+        meta = json.loads(payload[5:at])
+        tensors = {}
+        while at < len(payload):
+            name_len, dtype_len, dims = _TENSOR.unpack_from(payload, at)
+            at += _TENSOR.size
+            name = payload[at:at + name_len].decode()
+            at += name_len
+            dtype = getattr(torch, payload[at:at + dtype_len].decode())
+            at += dtype_len
+            *shape, nbytes = struct.unpack_from(f"<{dims}qQ", payload, at)
+            at += 8 * dims + 8
+            raw = bytearray(payload[at:at + nbytes])
+            at += nbytes
+            flat = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+            tensors[name] = flat.view(dtype).reshape(shape)
+    except (struct.error, ValueError, AttributeError, RuntimeError, UnicodeDecodeError) as exc:
+        raise LogFormatError(f"a record at offset {offset} cannot be decoded: {exc}") from None
+    if kind not in KIND_NAMES or not isinstance(meta, dict):
+        raise LogFormatError(f"a record at offset {offset} has unknown kind {kind}")
+    return Record(kind, meta, tensors, offset)
+
+
+def _record_at(data: bytes, at: int) -> tuple[bytes, int] | str:
+    """The payload of the record at ``at`` and the offset after it, or why there is none."""
+    if len(data) - at < RECORD_HEADER_BYTES:
+        return f"a record header cut short ({len(data) - at} bytes)"
+    magic, length, crc = _RECORD.unpack_from(data, at)
+    (head_crc,) = struct.unpack_from("<I", data, at + _RECORD.size)
+    if magic != RECORD_MAGIC or head_crc != zlib.crc32(data[at:at + _RECORD.size]):
+        return "a record header that does not check out (bad magic or checksum)"
+    start = at + RECORD_HEADER_BYTES
+    if start + length > len(data):
+        return f"a record cut short ({len(data) - start} of {length} bytes)"
+    payload = data[start:start + length]
+    if zlib.crc32(payload) != crc:
+        return "a record whose checksum does not match"
+    return payload, start + length
+
+
+def scan(data: bytes) -> Scan:
+    """Every whole record of a segment's bytes (header included), in order; see :class:`Scan`."""
+    records: list[tuple[int, bytes]] = []
+    at = SEGMENT_HEADER_BYTES
+    problem = ""
+    while at < len(data):
+        found = _record_at(data, at)
+        if isinstance(found, str):
+            problem = found
+            break
+        records.append((at, found[0]))
+        at = found[1]
+    resumes = None
+    if at < len(data):
+        probe = data.find(_RECORD_MAGIC_BYTES, at + 1)
+        while probe != -1:
+            if not isinstance(_record_at(data, probe), str):
+                resumes = probe
+                break
+            probe = data.find(_RECORD_MAGIC_BYTES, probe + 1)
+    return Scan(records, at, len(data), resumes, problem)
