@@ -394,7 +394,7 @@ class ServerLimits(_message.Message):
     def __init__(self, memory_budget_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., max_concurrent_calls: _Optional[int] = ..., calls_in_flight: _Optional[int] = ..., max_connections: _Optional[int] = ..., idle_timeout_s: _Optional[float] = ..., max_batch_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_bytes: _Optional[int] = ..., shared_memory_in_use_bytes: _Optional[int] = ..., table_memory_bytes: _Optional[int] = ..., table_memory_committed_bytes: _Optional[int] = ..., refused_calls: _Optional[int] = ..., max_waiting_calls: _Optional[int] = ..., calls_waiting: _Optional[int] = ..., default_wait_s: _Optional[float] = ..., handshake_timeout_s: _Optional[float] = ..., max_idle_connections_per_host: _Optional[int] = ..., connections_open: _Optional[int] = ..., connections_closed: _Optional[int] = ..., max_streams: _Optional[int] = ..., streams_open: _Optional[int] = ..., transport_bound_bytes: _Optional[int] = ..., keepalive_s: _Optional[float] = ..., keepalive_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("version", "rss_bytes", "uptime_seconds", "tls", "mutual_tls", "auth", "checkpoint_dir", "restored_checkpoint")
+    __slots__ = ("version", "rss_bytes", "uptime_seconds", "tls", "mutual_tls", "auth", "checkpoint_dir", "restored_checkpoint", "wal")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +403,7 @@ class ServerInfo(_message.Message):
     AUTH_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     RESTORED_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    WAL_FIELD_NUMBER: _ClassVar[int]
     version: str
     rss_bytes: int
     uptime_seconds: float
@@ -411,7 +412,8 @@ class ServerInfo(_message.Message):
     auth: bool
     checkpoint_dir: str
     restored_checkpoint: str
-    def __init__(self, version: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., auth: _Optional[bool] = ..., checkpoint_dir: _Optional[str] = ..., restored_checkpoint: _Optional[str] = ...) -> None: ...
+    wal: str
+    def __init__(self, version: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., tls: _Optional[bool] = ..., mutual_tls: _Optional[bool] = ..., auth: _Optional[bool] = ..., checkpoint_dir: _Optional[str] = ..., restored_checkpoint: _Optional[str] = ..., wal: _Optional[str] = ...) -> None: ...
 
 class ResetRequest(_message.Message):
     __slots__ = ("table", "schema")

@@ -79,7 +79,7 @@ class WriteAheadLog:
         self._early: threading.Thread | None = None
         self._sizes: dict[int, int] = {}  # segment index -> bytes, segments kept
         self._index = first_index
-        self._fd = self._create(first_index)
+        self._fd: int | None = self._create(first_index)
         self._rotated: dict[int, int] = {}  # rotation ticket -> new index
         self._thread = threading.Thread(target=self._run, name="replay-wal", daemon=True)
         self._thread.start()

@@ -238,7 +238,7 @@ def _apply(tables: TableSet, record: records.Record, path: Path, report: ReplayR
     where = f"{records.KIND_NAMES[record.kind]} record at offset {record.offset} of {path}"
     name, seq = record.meta.get("table"), record.meta.get("seq")
     try:
-        table = tables[name]
+        table = tables[str(name)]
     except UnknownTableError:
         raise CorruptLogError(f"the {where} changes table {name!r}, which the config does not "
                               f"declare (tables: {tables.names})") from None
