@@ -82,7 +82,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -106,8 +106,13 @@ ADMISSION_WAIT_S = 1.0
 
 UnaryBehaviour = Callable[[bytes, grpc.aio.ServicerContext, Reservation], Awaitable[bytes]]
 """``behaviour(raw request, context, reservation) -> raw answer``."""
+ChunkedBehaviour = Callable[[Any, grpc.aio.ServicerContext, Reservation], Awaitable[bytes]]
+"""As :data:`UnaryBehaviour`, given the whole request as bytes or a view of them."""
 StreamBehaviour = Callable[[AsyncIterator[bytes], grpc.aio.ServicerContext, Reservation],
                            AsyncIterator[bytes]]
+"""``behaviour(requests, context, reservation)``: the answers of a bidirectional stream."""
+AnswersBehaviour = Callable[[bytes, grpc.aio.ServicerContext, Reservation], AsyncIterator[bytes]]
+"""``behaviour(raw request, context, reservation)``: the answers of a server stream."""
 
 
 class Admission:
@@ -179,7 +184,7 @@ class Admission:
             timer.cancel()
 
     def chunked(self, name: str, message_type: type,
-                behaviour: UnaryBehaviour) -> grpc.RpcMethodHandler:
+                behaviour: ChunkedBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving client-streaming RPC ``name``: a chunked transfer of
         ``message_type`` (:mod:`replay_proto.chunks`), rebuilt in memory reserved from the
         budget, then served by ``behaviour`` exactly as the unary form would be."""
@@ -199,7 +204,7 @@ class Admission:
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
-    def unary_stream(self, name: str, behaviour: StreamBehaviour) -> grpc.RpcMethodHandler:
+    def unary_stream(self, name: str, behaviour: AnswersBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving server-streaming RPC ``name`` with
         ``behaviour(raw, context, reservation)``, an async iterator of answers."""
 

@@ -59,12 +59,13 @@ from replay_server.errors import ConfigError, TableSpaceError
 
 MIB = 1 << 20
 
-DEFAULTS = {"memory_budget_mb": 1024, "max_concurrent_calls": 256, "max_connections": 512,
-            "idle_timeout_s": 300.0, "max_batch_mb": 256, "shared_memory_mb": 1024,
-            "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
-            "max_waiting_calls": 1024, "max_streams": 128, "default_wait_s": 300.0,
-            "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0,
-            "request_timeout_s": 5.0}
+DEFAULTS: dict[str, Any] = {  # ints where the setting is a count or MiB, floats for seconds
+    "memory_budget_mb": 1024, "max_concurrent_calls": 256, "max_connections": 512,
+    "idle_timeout_s": 300.0, "max_batch_mb": 256, "shared_memory_mb": 1024,
+    "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
+    "max_waiting_calls": 1024, "max_streams": 128, "default_wait_s": 300.0,
+    "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0,
+    "request_timeout_s": 5.0}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
 
 WINDOW_BYTES = 64 << 10

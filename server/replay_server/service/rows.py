@@ -96,7 +96,7 @@ class RowService:
         return request.table, pb.SetSamplingResponse(alpha=alpha, beta=beta).SerializeToString()
 
 
-def _parse(message_type: type, raw: bytes) -> Any:
+def _parse(message_type: Any, raw: bytes) -> Any:  # a generated message class
     try:
         return message_type.FromString(raw)
     except Exception as exc:

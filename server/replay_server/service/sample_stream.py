@@ -146,7 +146,7 @@ class SampleStreamCall:
         # Set when the learner leaves: its closing message, or a leased stream's half-close.
         self._leaving = asyncio.Event()
         self._leaving_wait: asyncio.Future | None = None  # one waiter for every draw
-        self._refused: InvalidArgumentError | None = None  # a malformed learner message
+        self._refused: Exception | None = None  # a malformed learner message or update
         self._ring: SharedRing | None = None
         self._ring_reservation: Reservation | None = None
         self._layout: RingLayout | None = None

@@ -76,7 +76,7 @@ class _TokenAuth(grpc.aio.ServerInterceptor):
         self._refuse = grpc.stream_unary_rpc_method_handler(refuse)
         self._refuse_stream = grpc.stream_stream_rpc_method_handler(refuse)
 
-    async def intercept_service(self, continuation, details):  # type: ignore[no-untyped-def]
+    async def intercept_service(self, continuation, details):
         if details.method.startswith(f"/{HEALTH_SERVICE}/"):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
@@ -119,21 +119,21 @@ class ReplayServer:
         self.settings = settings
         self.limits = ServiceLimits.of(settings)
         self.checkpointer: Checkpointer | None = None
-        self.incarnations: IncarnationSource = RandomIncarnations(settings.shard)
+        self.incarnations: IncarnationSource = RandomIncarnations(settings.shard_index)
         if settings.checkpoint_dir is not None:
             self.checkpointer = Checkpointer(settings.checkpoint_dir,
                                              keep_latest=settings.keep_latest,
                                              server_version=server_version())
             try:
                 self.checkpointer.open()
-                self.incarnations = IncarnationFile.claim(self.checkpointer.path, settings.shard)
+                self.incarnations = IncarnationFile.claim(self.checkpointer.path, settings.shard_index)
             except ConfigError as exc:
                 self.checkpointer.close()
                 raise ConfigError(f"server.checkpoint_dir: {exc}") from None
         try:
             self.wal = _log_keeper(settings)
             if self.wal is not None and self.checkpointer is None:
-                self.incarnations = IncarnationFile.claim(self.wal.path, settings.shard)
+                self.incarnations = IncarnationFile.claim(self.wal.path, settings.shard_index)
             self.tables = self._make_tables()
         except ConfigError:
             if self.checkpointer is not None:
@@ -261,6 +261,7 @@ class ReplayServer:
                  format_bytes(self.tables.memory.limit))
         if self._health_server is not None:
             await self._health_server.start()
+            assert self.settings.health_address is not None  # the health server listens there
             log.info("health checks (plaintext, grpc.health.v1 only) on %s:%d",
                      self.settings.health_address.rsplit(":", 1)[0], health_port)
         await self._restore(cancel)
@@ -283,6 +284,7 @@ class ReplayServer:
         def on_full(full: bool) -> None:  # on the guard's thread
             asyncio.run_coroutine_threadsafe(self._set_health(), loop)
 
+        assert self.port is not None  # listening
         self.connections = ConnectionGuard(
             self.port, handshake_timeout_s=limits.handshake_timeout_s,
             max_idle_per_host=limits.max_idle_connections_per_host,
@@ -547,7 +549,7 @@ def _log_keeper(settings: ServerSettings) -> LogKeeper | None:
         settings.checkpoint_dir is None
         or Path(settings.wal_dir).resolve() != Path(settings.checkpoint_dir).resolve())
     keeper = LogKeeper(Path(path), enabled=settings.wal, sync=settings.wal_sync,
-                       max_bytes=settings.wal_max_mb * MIB, shard=settings.shard, lock=own)
+                       max_bytes=settings.wal_max_mb * MIB, shard=settings.shard_index, lock=own)
     keeper.open()
     return keeper
 

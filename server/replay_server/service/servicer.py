@@ -432,7 +432,7 @@ def _checkpoint_response(result: CheckpointResult) -> pb.CheckpointResponse:
     )
 
 
-def _parse(message_type: type, raw: bytes) -> Any:
+def _parse(message_type: Any, raw: bytes) -> Any:  # a generated message class
     try:
         return message_type.FromString(raw)
     except Exception as exc:

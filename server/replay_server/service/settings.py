@@ -160,6 +160,12 @@ class ServerSettings:
     wal_dir: str | None = None
     wal_max_mb: int = 1024
 
+    @property
+    def shard_index(self) -> int:
+        """``shard`` as the index it resolved to (``"auto"`` is resolved when made)."""
+        assert isinstance(self.shard, int), self.shard
+        return self.shard
+
     def __post_init__(self) -> None:
         _check_address("server.address", self.address)
         if self.pin_memory not in ("auto", "true", "false"):

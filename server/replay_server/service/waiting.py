@@ -36,7 +36,7 @@ Thread-safety: event-loop only (the attempt itself runs in the pool).
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -91,7 +91,7 @@ class BlockedCalls:
         self._wakeups: dict[str, asyncio.Event] = {}
         self._waiting: Counter[tuple[str, str]] = Counter()
         self._blocked_calls: Counter[tuple[str, str]] = Counter()
-        self._blocked_seconds: Counter[tuple[str, str]] = Counter()
+        self._blocked_seconds: defaultdict[tuple[str, str], float] = defaultdict(float)
 
     def changed(self, table: str | None = None) -> None:
         """``table`` (``None``: every table) changed: wake the calls waiting on it."""
