@@ -10,7 +10,7 @@ thread-safe; imports no torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -20,7 +20,7 @@ _REALS: tuple[type, ...] = (int, float)
 _NUMPY_REALS: tuple[type, ...] = (int, float, np.integer, np.floating)
 
 
-def is_int(value: Any, *, numpy: bool = False) -> bool:
+def is_int(value: Any, *, numpy: bool = False) -> TypeGuard[int]:
     """Whether ``value`` is an integer and not a bool (with ``numpy``: numpy's integers too)."""
     return isinstance(value, _NUMPY_INTS if numpy else _INTS) and not isinstance(value, bool)
 

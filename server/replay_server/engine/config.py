@@ -131,7 +131,7 @@ class TableConfig:
                                 "cpu, cuda or cuda:N")
     pin_memory: bool = field(default=False, metadata={"server": True})
     sampler_options: SamplerSpec = _spec("the sampler's")
-    inert: dict[str, Any] = field(default=None, hash=False,  # type: ignore[assignment]
+    inert: dict[str, Any] = field(default=None, hash=False,  # type: ignore[arg-type]
                                   metadata={"spec": "options kept without effect"})
     storage_options: dict[str, LayerSpec] = field(default=None, hash=False,  # type: ignore
                                                   metadata={"spec": "each backend used's"})

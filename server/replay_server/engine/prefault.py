@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+from typing import Any
 from collections.abc import Iterable
 
 import numpy as np
@@ -39,7 +40,7 @@ _PAGE = 4096
 _worker: threading.Thread | None = None  # the job in progress, if any
 _worker_lock = threading.Lock()
 _supported = sys.platform.startswith("linux")
-_madvise = None
+_madvise: Any = None  # libc madvise, where there is one
 if _supported:
     try:
         # The process' own symbols: libc's madvise, without find_library's ldconfig

@@ -287,9 +287,9 @@ class Table:
         with self._lock:
             parts = self._parts
             parts.settle_leases()
-            held = parts.leases.held(lease.name, parts.ring) if leased else None
+            held = parts.leases.held(lease.name, parts.ring) if lease and leased else None
             if held is not None:  # a retry of a sample whose answer was lost: the same rows
-                return parts.storage.place(self._read(parts, held.index, held.mass, out), out)
+                return parts.drawn_from.place(self._read(parts, held.index, held.mass, out), out)
             parts.limiter.check_sample(rows, self.name)
             retired = gone = 0
             mass = parts.sampler.mass()  # what this draw's probabilities are relative to
@@ -314,7 +314,7 @@ class Table:
             parts.limiter.deleted(gone)
             self.changes.tick()
             batch = self._read(parts, index, mass, out)
-            storage = parts.storage
+            storage = parts.drawn_from
         return storage.place(batch, out)
 
     @staticmethod

@@ -77,6 +77,12 @@ class TableParts:
         return self.ring.used
 
     @property
+    def drawn_from(self) -> ColumnStorage:
+        """The storage a draw reads from (a draw found rows, so the first insert made it)."""
+        assert self.storage is not None, "no storage before the first insert"
+        return self.storage
+
+    @property
     def top(self) -> Reader:
         """The reader a sample reads through."""
         return self.readers[-1]

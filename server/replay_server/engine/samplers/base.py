@@ -103,7 +103,7 @@ class Sampler(ABC):
     kind: ClassVar[str]
     """The name the config uses for it (``sampler = "..."``)."""
 
-    traits: ClassVar[SamplerTraits] = SamplerTraits()
+    traits: ClassVar[Any] = SamplerTraits()  # a SamplerTraits (made from replay.proto)
 
     options: ClassVar[type[SamplerSpec]] = SamplerSpec
     """Its options: the config keys a table with this sampler takes (with their defaults,

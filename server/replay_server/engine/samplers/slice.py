@@ -127,7 +127,11 @@ def _fresh(slots: np.ndarray, is_start: np.ndarray | None, starts: SlotSet | Non
     """``slots`` that are not starts yet, each once (partial slices: an episode's first
     step may come back as a start when it later has ``min_len`` steps)."""
     slots = np.unique(slots)
-    known = starts.contains(slots) if starts is not None else is_start[slots]
+    if starts is not None:
+        known = starts.contains(slots)
+    else:
+        assert is_start is not None, "a slot set or a start mask"
+        known = is_start[slots]
     return slots[~known]
 
 

@@ -157,7 +157,7 @@ class BatchDecoder:
 
 def _library() -> ctypes.CDLL | None:
     """lz4 with its frame API: the ``lz4`` package's own, else the system's (or ``None``)."""
-    candidates = [lz4.frame._frame.__file__, ctypes.util.find_library("lz4")]  # type: ignore[attr-defined]
+    candidates = [lz4.frame._frame.__file__, ctypes.util.find_library("lz4")]
     for path in candidates:
         if not path:
             continue
