@@ -179,6 +179,10 @@ class IdSpace:
         incarnation = self._source.current
         if self._incarnations and incarnation <= max(self._incarnations):
             incarnation = self._source.advance(max(self._incarnations))
+        self._open(incarnation, position)
+
+    def _open(self, incarnation: int, position: int) -> None:
+        """Begin the segment of ``incarnation`` at ``position`` (the last one ends there)."""
         if self._incarnations:
             self._ends.append(position)
         self._index[incarnation] = len(self._incarnations)
@@ -214,13 +218,7 @@ class IdSpace:
                 or (self._incarnations and incarnation < max(self._incarnations))):
             raise ValueError(f"id {first_id} (incarnation {incarnation}) cannot be position "
                              f"{position}'s; segments: {self.segments}")
-        if self._incarnations:
-            self._ends.append(position)
-        self._index[incarnation] = len(self._incarnations)
-        self._incarnations.append(incarnation)
-        self._firsts.append(position)
-        self._first = position
-        self._base = make_id(self.shard, incarnation, 0)
+        self._open(incarnation, position)
 
     def resume(self, position: int) -> None:
         """After a log replay: new rows from ``position`` get the source's current incarnation."""
