@@ -16,8 +16,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -25,7 +27,7 @@ import torch
 
 from replay_client import ReplayClient
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, request_bytes_metadata
-from replay_proto.sample_codec import split_sample
+from replay_proto.sample_codec import decode_sample, split_sample
 from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import ServerProcess, start_server, wait_for
 
@@ -259,3 +261,55 @@ def test_soak_learners_killed_again_and_again_lose_no_row(server) -> None:
             assert wait_for(lambda: client.info()["queue"].size == left)
         finished += drain_stream(client, rows - len(finished))
     assert sorted(finished) == list(range(rows))
+
+
+def _held_stream(server: ServerProcess, opening: pb.SampleStreamRequest,
+                 release: threading.Event) -> tuple[Any, list[int]]:
+    """A raw stream that stays open (its request side waits on ``release``) and the rows of
+    its first batch; the call is returned to be cancelled (the learner dies)."""
+    def requests() -> Iterator[bytes]:
+        yield opening.SerializeToString()
+        release.wait(30)
+
+    channel = grpc.insecure_channel(server.address)
+    call = channel.stream_stream("/replay.v1.ReplayService/SampleStream")(
+        requests(), timeout=30, metadata=request_bytes_metadata(STREAM_MESSAGE_BYTES))
+    raw = next(call)
+    assert split_sample(raw)[0].leased
+    return (call, channel), decode_sample(raw).columns["x"].tolist()
+
+
+def test_a_streams_leases_are_its_own_whatever_prefix_it_names(server) -> None:
+    """Issue 34, item 12: two live streams naming one prefix got the same rows, and another
+    client's Acknowledge of '<prefix>/0' took a live stream's rows for good (lost when the
+    stream's learner then died). A stream's lease names now carry a secret of the call."""
+    release = threading.Event()
+    with ReplayClient(server.address, timeout=30) as client:
+        fill(client, 0, 50)
+        opening = pb.SampleStreamRequest(
+            request=pb.SampleRequest(table="queue", batch_size=BATCH), credits=1,
+            lease="shared")
+        (first, first_channel), first_rows = _held_stream(server, opening, release)
+        (second, second_channel), second_rows = _held_stream(server, opening, release)
+        assert first_rows == list(range(BATCH))
+        assert second_rows == list(range(BATCH, 2 * BATCH))  # not the first stream's again
+        channel = grpc.insecure_channel(server.address)
+        try:
+            channel.unary_unary("/replay.v1.ReplayService/Acknowledge")(
+                pb.AcknowledgeRequest(table="queue", leases=["shared/0"]).SerializeToString(),
+                timeout=10)
+            raw = channel.unary_unary("/replay.v1.ReplayService/Sample")(
+                pb.SampleRequest(table="queue", batch_size=BATCH,
+                                 lease="shared/0").SerializeToString(), timeout=10)
+        finally:
+            channel.close()
+        taken = decode_sample(raw).columns["x"].tolist()
+        assert not set(taken) & set(first_rows + second_rows)  # never a live stream's rows
+        first.cancel()  # its learner dies: its batch goes back, none was acknowledged by name
+        first_channel.close()
+        # taken: each stream's batch and the Sample's; back: the first stream's
+        assert wait_for(lambda: client.info()["queue"].size == 50 - 3 * BATCH + BATCH)
+        release.set()
+        second.cancel()
+        second_channel.close()
+        assert wait_for(lambda: client.info()["queue"].size == 50 - BATCH)  # the Sample's

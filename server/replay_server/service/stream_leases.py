@@ -3,8 +3,11 @@
 On a table whose sampler consumes its rows (``fifo``/``lifo``), a learner
 that names a lease prefix in its first message (``SampleStreamRequest.lease``)
 gets every group of batches drawn together under one lease of the table,
-``<prefix>/<index>`` (``index``: the stream's index of the group's first
-batch; :mod:`replay_server.engine.leases`). The learner's later messages say
+``<prefix>/<nonce>/<index>`` (``index``: the stream's index of the group's first
+batch; :mod:`replay_server.engine.leases`). The nonce is a secret of the call (128
+random bits), so a stream's leases are its own: another stream naming the same prefix,
+a unary ``Sample`` or an ``Acknowledge`` naming ``<prefix>/<index>`` cannot take, be
+handed or acknowledge them. The learner's later messages say
 how many batches it *finished* since its previous one (``finished``, riding
 on its credits as priority updates do); batches finish in the order they
 were sent, so the groups are acknowledged in order, each once all its
@@ -36,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -48,8 +52,11 @@ from replay_server.service.stream_requests import messages_until
 
 log = logging.getLogger("replay_server.service")
 
-MAX_PREFIX = MAX_LEASE_NAME - 56
-"""Longest lease prefix a stream may name (room for ``/<index>``)."""
+NONCE_HEX = 32
+"""Hex digits of the secret each stream call adds to its lease names (128 bits)."""
+
+MAX_PREFIX = MAX_LEASE_NAME - 56 - NONCE_HEX - 1
+"""Longest lease prefix a stream may name (room for ``/<nonce>/<index>``)."""
 
 
 class StreamLeases:
@@ -70,7 +77,10 @@ class StreamLeases:
                 f"a SampleStream lease prefix must be 1-{MAX_PREFIX} characters, got "
                 f"{len(prefix)}")
         self._table = table
-        self._prefix = prefix
+        # The call's own leases, whatever prefix it named: no other call (a stream naming
+        # the same prefix, a unary Sample or an Acknowledge naming '<prefix>/0') can take,
+        # be handed or acknowledge them, since none can know this secret.
+        self._prefix = f"{prefix}/{secrets.token_hex(NONCE_HEX // 2)}"
         self._batch_size = batch_size
         self._lock = threading.Lock()
         self._groups: deque[tuple[str, int]] = deque()  # (lease name, batches), draw order
