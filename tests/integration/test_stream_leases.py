@@ -313,3 +313,16 @@ def test_a_streams_leases_are_its_own_whatever_prefix_it_names(server) -> None:
         second.cancel()
         second_channel.close()
         assert wait_for(lambda: client.info()["queue"].size == 50 - BATCH)  # the Sample's
+
+
+def test_a_first_message_that_leaves_draws_nothing(server) -> None:
+    """Issue 34, item 14: ``closing`` in a stream's first message was ignored (the stream
+    drew the batches its credits allowed). Leaving at once draws nothing and ends with OK."""
+    with ReplayClient(server.address, timeout=30) as client:
+        fill(client, 0, 50)
+        opening = pb.SampleStreamRequest(
+            request=pb.SampleRequest(table="queue", batch_size=BATCH), credits=3,
+            lease="leaving", closing=True)
+        assert list(_raw_stream(server, opening)) == []
+        info = client.info()["queue"]
+        assert info.size == 50 and info.counters["returned"] == 0

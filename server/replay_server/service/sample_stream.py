@@ -242,6 +242,8 @@ class SampleStreamCall:
                 await calls.fail(context, exc)
         self._credits = first.credits
         self._window = max(first.credits, first.window)  # a ring gets window + 1 slots
+        if first.closing:  # a learner leaving at once: its update applied, nothing drawn
+            self._leaving.set()
         return first
 
     def _ring_wanted(self, first: pb.SampleStreamRequest) -> tuple[bool, str]:
