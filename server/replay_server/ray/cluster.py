@@ -17,6 +17,9 @@ find them by ``ray://<namespace>/<name>``
 shard with its state, so a client never takes the shards serving for the whole
 replay. Ray restarts a shard that dies (``max_restarts``); it restores its
 last checkpoint and registers again, and open clients and streams take it back.
+:meth:`ReplayCluster.scale` grows a running replay: the new shards join the
+registry's expected count once they serve, and open clients and streams take
+them in at their next resolution (scaling down is refused, :class:`ScaleDownError`).
 
 Thread-safety: a ``ReplayCluster`` is a handle (names and actor handles); it
 may be used from any thread and pickled into tasks.

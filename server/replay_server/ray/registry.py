@@ -232,8 +232,9 @@ class ShardRegistry:
                                       namespace=self._namespace)
             except ValueError:
                 break  # no such shard: every added one is learned
+            ref: Any = actor.describe.remote()
             try:
-                said = ray.get(actor.describe.remote(), timeout=ASK_S)
+                said: dict[str, Any] = ray.get(ref, timeout=ASK_S)
             except ray.exceptions.ActorDiedError:
                 break
             except (ray.exceptions.RayError, TimeoutError):
