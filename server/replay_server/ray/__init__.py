@@ -16,6 +16,7 @@ from replay_server.ray.cluster import (
     ReplayCluster,
     ReplayExistsError,
     ReplayNotFoundError,
+    ScaleDownError,
 )
 
-__all__ = ["ReplayCluster", "ReplayExistsError", "ReplayNotFoundError"]
+__all__ = ["ReplayCluster", "ReplayExistsError", "ReplayNotFoundError", "ScaleDownError"]

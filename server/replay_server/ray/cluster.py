@@ -17,6 +17,9 @@ find them by ``ray://<namespace>/<name>``
 shard with its state, so a client never takes the shards serving for the whole
 replay. Ray restarts a shard that dies (``max_restarts``); it restores its
 last checkpoint and registers again, and open clients and streams take it back.
+:meth:`ReplayCluster.scale` grows a running replay: the new shards join the
+registry's expected count once they serve, and open clients and streams take
+them in at their next resolution (scaling down is refused, :class:`ScaleDownError`).
 
 Thread-safety: a ``ReplayCluster`` is a handle (names and actor handles); it
 may be used from any thread and pickled into tasks.
@@ -34,7 +37,7 @@ import ray
 
 from replay_client import ReplayClient
 from replay_server.errors import ConfigError
-from replay_server.ray.registry import ShardRegistry, ask, shard_actor_name
+from replay_server.ray.registry import MAX_SHARDS, ShardRegistry, ask, shard_actor_name
 from replay_server.ray.shard import ReplayShard, shard_settings
 
 DEFAULT_NAMESPACE = "replay"
@@ -43,12 +46,21 @@ DEFAULT_NAMESPACE = "replay"
 PLACEMENT = {"SPREAD": "SPREAD", "DEFAULT": "DEFAULT", "PACK": "DEFAULT"}
 """``placement_strategy`` -> the shard actors' Ray ``scheduling_strategy``."""
 
+RESOLVE_INTERVAL_S = 5.0
+"""How often a client made by :meth:`ReplayCluster.client` asks the registry for the shards
+again (unless ``resolve_interval_s=`` says otherwise): how soon added shards join it."""
+
 _GONE_WAIT_S = 30.0  # how long shutdown waits for Ray to release the actors' names
 
 
 class ReplayExistsError(ConfigError):
     """``create(..., get_if_exists=False)`` named a replay that exists, or an existing replay
     was asked for with another number of shards or other tables."""
+
+
+class ScaleDownError(ConfigError):
+    """``scale(n)`` asked for fewer shards than the replay has: not supported (its message
+    says why); nothing was changed."""
 
 
 class ReplayNotFoundError(ConfigError):
@@ -129,8 +141,11 @@ class ReplayCluster:
         server = {**(server or {}), "checkpoint_interval_s": checkpoint_interval_s}
         settings = shard_settings(0, bind_host="127.0.0.1", server=server,  # checked here
                                   tables=tables, checkpoint_dir=checkpoint_dir, replay=name)
-        spec = {"num_shards": num_shards, "namespace": namespace,
-                "tables": list(settings.tables)}
+        launch = {"server": server, "checkpoint_dir": checkpoint_dir,
+                  "max_restarts": max_restarts, "strategy": PLACEMENT[placement_strategy],
+                  "shard_options": per_shard}
+        spec = {"num_shards": num_shards, "created_shards": num_shards, "namespace": namespace,
+                "tables": list(settings.tables), "launch": launch}
         existing = _registry_of(name, namespace)
         if existing is not None and not get_if_exists:
             raise ReplayExistsError(f"a replay {name!r} exists in Ray namespace {namespace!r}; "
@@ -140,17 +155,12 @@ class ReplayCluster:
             "num_cpus": 0, **(registry_options or {}), "name": name, "namespace": namespace,
             "lifetime": "detached", "get_if_exists": True, "max_restarts": -1,
             "max_concurrency": 16}).remote(name, namespace, spec)
-        _check_same(name, ask(registry, "spec"), spec)
-        strategy = PLACEMENT[placement_strategy]
-        shard_class = ray.remote(ReplayShard)
-        for index in range(num_shards):
-            options = {"scheduling_strategy": strategy, **per_shard[index],
-                       "name": shard_actor_name(name, index), "namespace": namespace,
-                       "lifetime": "detached", "get_if_exists": True,
-                       "max_restarts": max_restarts, "max_concurrency": 4}
-            shard_class.options(**options).remote(name, namespace, index, server, list(tables),
-                                                  checkpoint_dir)
-        cluster = cls(name, namespace, registry, num_shards)
+        running = ask(registry, "spec")
+        _check_same(name, running, spec)
+        count = running["num_shards"]  # more than asked where a scale grew it since
+        _start_shards(name, namespace, range(count), {**launch, **running.get("launch", {}),
+                                                      "tables": spec["tables"]})
+        cluster = cls(name, namespace, registry, count)
         cluster.wait_serving(timeout_s)
         return cluster
 
@@ -176,7 +186,12 @@ class ReplayCluster:
     def client(self, **client_options: Any) -> Any:
         """An ordinary sharded ``ReplayClient`` over the shards (``allow_degraded``,
         ``wait_for_shards_s``, ``timeout``, ... as there); it pickles into Ray tasks and
-        actors, which find the shards through the registry."""
+        actors, which find the shards through the registry.
+
+        ``resolve_interval_s`` defaults to :data:`RESOLVE_INTERVAL_S` here (a
+        ``ray://`` resolution is one call to the registry): shards that
+        :meth:`scale` adds join the client, and its streams, within it."""
+        client_options.setdefault("resolve_interval_s", RESOLVE_INTERVAL_S)
         return ReplayClient(self.address, **client_options)
 
     @property
@@ -214,6 +229,95 @@ class ReplayCluster:
             time.sleep(pause)
             pause = min(2 * pause, 0.5)
 
+    # ------------------------------------------------------------ scale
+
+    def scale(self, num_shards: int, *,
+              shard_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+              timeout_s: float = 120.0) -> None:
+        """Grow the running replay to ``num_shards`` shards.
+
+        Shards ``n..num_shards-1`` (``n``: the shards now) start with the
+        tables and options the replay was created with; the registry expects
+        them only once every one of them serves, so no client ever counts a
+        shard it cannot reach yet. Open clients, their streams included, take
+        them in at their next resolution of ``ray://`` (every
+        ``resolve_interval_s``: :meth:`client` sets 5 s), and from then on
+        spread their inserts over every shard and sample from all of them.
+        Rows already stored stay on their shards (ids are never moved: each
+        shard has its own id space). A scale asked again (say, after a driver
+        failed in one) finishes it.
+
+        Scaling down is refused (:class:`ScaleDownError`, see there).
+
+        Args:
+            num_shards: the shard count wanted (1..128; the count now: nothing to do).
+            shard_options: the new shards' Ray options: one dict for all, or a list
+                with one per new shard. ``None``: those given at ``create`` (a list
+                there: entry ``i % len`` for shard ``i``).
+            timeout_s: how long to wait for the new shards to serve.
+
+        Raises:
+            ConfigError: ``num_shards`` or ``shard_options`` is bad (named); nothing started.
+            ScaleDownError: ``num_shards`` is below the shards now; nothing changed.
+            TimeoutError: the new shards did not all serve within ``timeout_s`` (their
+                states named); they are stopped and the replay keeps its shards.
+        """
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not (
+                1 <= num_shards <= MAX_SHARDS):
+            raise ConfigError(f"scale: num_shards must be an integer in 1..{MAX_SHARDS}, got "
+                              f"{num_shards!r}")
+        spec = ask(self._registry, "spec")
+        now = spec["num_shards"]
+        if num_shards < now:
+            raise ScaleDownError(
+                f"replay {self.name!r} has {now} shards; scale({num_shards}) would remove "
+                f"shards {num_shards}..{now - 1}, which is not supported: open clients and "
+                f"streams would keep calling them, and their rows would leave sampling. "
+                f"Checkpoint and create a replay of {num_shards} shards instead")
+        if "launch" not in spec:
+            raise ConfigError(f"replay {self.name!r} was started by a version that did not "
+                              f"keep its shards' options: it cannot be scaled")
+        launch = {**spec["launch"], "tables": spec["tables"]}
+        new = _new_shard_options(shard_options, launch["shard_options"], now, num_shards)
+        if num_shards > now:
+            indices = ask(self._registry, "add", num_shards, new)
+            _start_shards(self.name, self.namespace, indices,
+                          {**launch, "shard_options": [*launch["shard_options"][:now], *new]})
+            try:
+                self._wait_added(num_shards, timeout_s)
+            except TimeoutError:
+                self._abandon(indices)
+                raise
+            ask(self._registry, "admit", num_shards)
+        self.num_shards = num_shards
+
+    def _wait_added(self, num_shards: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        pause = 0.05
+        while True:
+            added = [s for s in ask(self._registry, "snapshot", True)["shards"]
+                     if s["index"] < num_shards]
+            if all(s["state"] == "serving" for s in added):
+                return
+            if time.monotonic() >= deadline:
+                late = [f"shard {s['index']}: {s['state']}" for s in added
+                        if s["state"] != "serving"]
+                raise TimeoutError(f"replay {self.name!r}: scale({num_shards}): not every new "
+                                   f"shard serves after {timeout_s:g} s ({'; '.join(late)}); "
+                                   f"they are stopped, the replay keeps its shards")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+    def _abandon(self, indices: Sequence[int]) -> None:
+        """Stop the shards a failed scale started and forget their entries."""
+        for index in indices:
+            try:
+                ray.kill(ray.get_actor(shard_actor_name(self.name, index),
+                                       namespace=self.namespace), no_restart=True)
+            except ValueError:
+                continue
+        ask(self._registry, "abandon")
+
     def checkpoint(self) -> dict[int, str]:
         """A checkpoint of every shard now: shard index -> the checkpoint's path."""
         with self.client() as client:
@@ -225,8 +329,14 @@ class ReplayCluster:
         """Drain every shard (in-flight calls finish within ``grace``, then its final
         checkpoint), then kill the shards and the registry: no actor, name or process of
         the replay is left. Idempotent."""
+        count = self.num_shards
+        try:  # a handle made before a scale: the registry knows every shard
+            listed = ask(self._registry, "snapshot", True, timeout_s=10.0)["shards"]
+            count = max([count, *(s["index"] + 1 for s in listed)])
+        except ray.exceptions.RayError:
+            pass  # the registry is gone: the shards this handle knows
         handles = {}
-        for index in range(self.num_shards):
+        for index in range(count):
             try:
                 handles[index] = ray.get_actor(shard_actor_name(self.name, index),
                                                namespace=self.namespace)
@@ -244,7 +354,7 @@ class ReplayCluster:
                 pass  # a shard that died meanwhile has nothing to drain
         for handle in [*handles.values(), self._registry]:
             ray.kill(handle, no_restart=True)
-        names = [self.name, *(shard_actor_name(self.name, i) for i in range(self.num_shards))]
+        names = [self.name, *(shard_actor_name(self.name, i) for i in range(count))]
         deadline = time.monotonic() + _GONE_WAIT_S
         while any(_exists(n, self.namespace) for n in names):
             if time.monotonic() >= deadline:
@@ -259,16 +369,21 @@ class ReplayCluster:
 
 def _check_same(name: str, running: Mapping[str, Any], asked: Mapping[str, Any]) -> None:
     """Refuse to hand back a running replay other than the one asked for: another shard
-    count, or tables that differ (each difference named, as ``table 'u': capacity 100
+    count (but the count it was created with, which ``scale`` grew since, is the same
+    replay: it is handed back with its shards now, never shrunk), or tables that differ (each difference named, as ``table 'u': capacity 100
     running, 200 asked``). A registry started before the spec held tables has none to
     compare.
 
     Raises:
         ReplayExistsError: the running replay differs.
     """
-    if running["num_shards"] != asked["num_shards"]:
+    grown = running.get("created_shards") == asked["num_shards"] < running["num_shards"]
+    if running["num_shards"] != asked["num_shards"] and not grown:  # grown: by scale()
+        scaled = (f" (created with {running['created_shards']}, then scaled)"
+                  if running.get("created_shards", running["num_shards"]) != running[
+                      "num_shards"] else "")
         raise ReplayExistsError(f"replay {name!r} exists with {running['num_shards']} "
-                                f"shards, not {asked['num_shards']}")
+                                f"shards{scaled}, not {asked['num_shards']}")
     if "tables" not in running:
         return
     had = {table.name: table for table in running["tables"]}
@@ -323,3 +438,31 @@ def _registry_of(name: str, namespace: str) -> Any | None:
 
 def _exists(name: str, namespace: str) -> bool:
     return _registry_of(name, namespace) is not None
+
+
+def _start_shards(name: str, namespace: str, indices: Sequence[int] | range,
+                  launch: Mapping[str, Any]) -> None:
+    """Start (or find: ``get_if_exists``) shard actors ``indices`` with ``launch``'s options
+    (``server``, ``tables``, ``checkpoint_dir``, ``max_restarts``, ``strategy``, and
+    ``shard_options``: one dict per shard, entry ``i % len`` past its end)."""
+    shard_class = ray.remote(ReplayShard)
+    listed = launch["shard_options"]
+    for index in indices:
+        options = {"scheduling_strategy": launch["strategy"], **listed[index % len(listed)],
+                   "name": shard_actor_name(name, index), "namespace": namespace,
+                   "lifetime": "detached", "get_if_exists": True,
+                   "max_restarts": launch["max_restarts"], "max_concurrency": 4}
+        shard_class.options(**options).remote(name, namespace, index, launch["server"],
+                                              list(launch["tables"]), launch["checkpoint_dir"])
+
+
+def _new_shard_options(options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+                       created: Sequence[Mapping[str, Any]], now: int,
+                       wanted: int) -> list[dict[str, Any]]:
+    """The Ray options of shards ``now..wanted-1`` (see ``ReplayCluster.scale``)."""
+    if options is None:
+        return [dict(created[i % len(created)]) for i in range(now, wanted)]
+    try:
+        return _per_shard(options, wanted - now)
+    except ConfigError as exc:
+        raise ConfigError(f"scale: {exc}") from None

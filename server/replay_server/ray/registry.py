@@ -1,7 +1,10 @@
 """``ShardRegistry``: one replay's every expected shard, its address, state and incarnation.
 
 One named Ray actor per replay (named as the replay, in its namespace)
-holds an entry per shard index ``0..num_shards-1``:
+holds an entry per shard index ``0..num_shards-1`` (the *expected* shards,
+what clients are told the replay is), and while the replay grows
+(``ReplayCluster.scale``) entries for the shards being added, which clients
+are not told of until every one of them serves (:meth:`admit`):
 
 * ``state``: ``starting`` (its actor is restoring or not placed yet),
   ``serving``, ``restarting`` (its actor died and Ray restarts it),
@@ -21,6 +24,12 @@ entries start empty, learns the shards back).
 
 Clients read :meth:`snapshot` (plain data: ``replay_client.sharded.ray_registry``
 turns it into a resolution; no server type crosses to the client).
+
+Ray restarts the registry with the arguments it was first made with, so a
+restarted registry expects the shard count of the replay's creation; one
+that a scale grew since is learned back: the restarted registry looks for
+the shard actors past that count (named ``<replay>.shard-<i>``, from the
+first index it lacks) and expects each one that says it serves.
 
 Thread-safety: a threaded actor (calls run concurrently); every entry is read
 and written under one lock.
@@ -62,6 +71,15 @@ def ask(actor: Any, method: str, *args: Any, timeout_s: float = 60.0, **kwargs: 
             pause = min(2 * pause, 1.0)
 
 
+MAX_SHARDS = 128
+"""The most shards a replay may have (the shard index takes 7 bits of every row id)."""
+
+
+def _new_entry(index: int) -> dict[str, Any]:
+    return {"index": index, "state": "starting", "address": None, "metrics_address": None,
+            "incarnation": 0, "pid": None, "node_id": None}
+
+
 def shard_actor_name(replay: str, index: int) -> str:
     """The Ray actor name of shard ``index`` of replay ``replay`` (in the replay's namespace)."""
     return f"{replay}.shard-{index}"
@@ -82,26 +100,77 @@ class ShardRegistry:
         self._namespace = namespace
         self._spec = dict(spec)
         self._lock = threading.Lock()
-        self._entries = {i: {"index": i, "state": "starting", "address": None,
-                             "metrics_address": None, "incarnation": 0, "pid": None,
-                             "node_id": None}
-                         for i in range(int(spec["num_shards"]))}
+        self._expected = int(spec["num_shards"])
+        self._entries = {i: _new_entry(i) for i in range(self._expected)}
         self._stopping = threading.Event()
+        self._looking = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        if self._looking:
+            self._learn_added()  # and again each watch until done
         self._watcher = threading.Thread(target=self._watch, name="replay-registry-watch",
                                          daemon=True)
         self._watcher.start()
 
     # ------------------------------------------------------------ reads
 
-    def snapshot(self) -> dict[str, Any]:
-        """``{"expected": n, "shards": [entry, ...]}`` in index order (plain data)."""
+    def snapshot(self, adding: bool = False) -> dict[str, Any]:
+        """``{"expected": n, "shards": [entry, ...]}`` in index order (plain data): the
+        expected shards (``adding``: and those a scale is adding, not yet expected)."""
         with self._lock:
-            return {"expected": len(self._entries),
-                    "shards": [dict(self._entries[i]) for i in sorted(self._entries)]}
+            listed = sorted(i for i in self._entries if adding or i < self._expected)
+            return {"expected": self._expected,
+                    "shards": [dict(self._entries[i]) for i in listed]}
 
     def spec(self) -> dict[str, Any]:
-        """How the replay was created (``num_shards``, ``namespace``, options)."""
-        return dict(self._spec)
+        """How the replay was created (``num_shards``: the expected shards now, after any
+        scale; ``created_shards``, ``namespace``, tables, the shards' launch options)."""
+        with self._lock:
+            return {**self._spec, "num_shards": self._expected}
+
+    # ------------------------------------------------------------ scale
+
+    def add(self, num_shards: int, shard_options: list[dict[str, Any]]) -> list[int]:
+        """Entries (``starting``) for shards ``expected..num_shards-1``, not yet expected,
+        with their Ray options (``shard_options``, one per shard added, kept in the spec's
+        ``launch`` for a later ``create`` that must start one again): the indices to start
+        (an entry already there is kept: a scale asked again)."""
+        with self._lock:
+            indices = list(range(self._expected, num_shards))
+            for index in indices:
+                self._entries.setdefault(index, _new_entry(index))
+            launch = self._spec.get("launch")
+            if launch is not None:
+                listed = list(launch["shard_options"])[:self._expected]
+                self._spec["launch"] = {**launch, "shard_options": listed + list(shard_options)}
+            return indices
+
+    def admit(self, num_shards: int) -> None:
+        """Expect ``num_shards`` shards from now on: clients resolving the replay take the
+        added ones in. Idempotent.
+
+        Raises:
+            ValueError: a shard below ``num_shards`` does not serve (named), or
+                ``num_shards`` is below the expected count.
+        """
+        with self._lock:
+            if num_shards < self._expected:
+                raise ValueError(f"replay {self._replay!r} expects {self._expected} shards; "
+                                 f"admit({num_shards}) would drop some")
+            late = [f"shard {i}: {self._entries[i]['state'] if i in self._entries else 'absent'}"
+                    for i in range(self._expected, num_shards)
+                    if self._entries.get(i, {}).get("state") != "serving"]
+            if late:
+                raise ValueError(f"replay {self._replay!r}: cannot expect {num_shards} shards "
+                                 f"before they serve ({'; '.join(late)})")
+            self._expected = num_shards
+
+    def abandon(self) -> list[int]:
+        """Forget the entries of shards added but not admitted (a scale that failed): their
+        indices."""
+        with self._lock:
+            dropped = sorted(i for i in self._entries if i >= self._expected)
+            for index in dropped:
+                del self._entries[index]
+            return dropped
 
     def describe(self) -> dict[str, Any]:
         """Where the registry runs: its process id and Ray node id."""
@@ -151,9 +220,39 @@ class ShardRegistry:
         with self._lock:
             self._entry(index)["state"] = state
 
+    def _learn_added(self) -> None:
+        """A restarted registry: expect the shards a scale added since the replay was
+        created (each serving shard actor past the count it was made with, in index order).
+        Done (``_looking`` cleared) at the first index with no actor, or one that says it
+        does not serve (draining, gone); one that cannot answer now is asked next watch."""
+        while self._expected < MAX_SHARDS:
+            index = self._expected
+            try:
+                actor = ray.get_actor(shard_actor_name(self._replay, index),
+                                      namespace=self._namespace)
+            except ValueError:
+                break  # no such shard: every added one is learned
+            ref: Any = actor.describe.remote()
+            try:
+                said: dict[str, Any] = ray.get(ref, timeout=ASK_S)
+            except ray.exceptions.ActorDiedError:
+                break
+            except (ray.exceptions.RayError, TimeoutError):
+                return  # restarting or busy: asked again at the next watch
+            if said["state"] != "serving":
+                break
+            with self._lock:
+                self._entries[index] = _new_entry(index)
+                self._expected = index + 1
+            self.serving(index, said["incarnation"], said["address"], said["metrics_address"],
+                         said["pid"], said["node_id"])
+        self._looking = False
+
     def _watch(self) -> None:
         """Every :data:`WATCH_S`: ask each shard how it is (see the module docstring)."""
         while not self._stopping.wait(WATCH_S):
+            if self._looking:
+                self._learn_added()
             with self._lock:
                 indices = [i for i, e in self._entries.items()
                            if e["state"] not in ("draining", "gone")]

@@ -24,6 +24,7 @@ Faults:
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -258,6 +259,10 @@ class Worker:
         stream.close()
         return self.seen
 
+    def seen_now(self) -> list[tuple[tuple[int, ...], list[int]]]:
+        """The learner's batches so far (missing shards, shards drawn from)."""
+        return list(getattr(self, "seen", []))
+
     def rejoined(self) -> bool:
         """Whether the learner had a batch without shard 1, then one with its rows again."""
         seen = list(getattr(self, "seen", []))
@@ -332,6 +337,108 @@ def test_a_client_made_while_a_shard_cannot_restart_knows_it_is_missing(
     assert sorted(strict.shards) == [0, 1]  # the strict client takes the whole replay now
     assert {s: i.tables["u"].size for s, i in strict.shard_info().items()} == sizes
     strict.close()
+
+
+# ------------------------------------------------------------------ scale
+
+
+GROWN = [{"name": "u", "capacity": 20_000, "sampler": "uniform"}]  # no row ages out here
+
+
+def _names_left(name: str, shards: int) -> list[str]:
+    names = [name, *(f"{name}.shard-{i}" for i in range(shards))]
+    left = []
+    for n in names:
+        try:
+            ray.get_actor(n, namespace="replay")
+            left.append(n)
+        except ValueError:
+            pass
+    return left
+
+
+def test_scale_up_under_a_writer_and_a_learner_adds_a_shard_that_they_take_in(
+        ray_cluster) -> None:
+    """1 -> 2 shards while a writer (strict client) and a learner (degraded client), both
+    made before, run: the new shard is expected only once it serves (the learner never
+    sees a missing shard), both take it in at their next resolution (1 s here), every
+    acknowledged row is stored once on the shard its id names, and the scaled count
+    outlives a registry restart and a second create."""
+    replay = ReplayCluster.create("grow", tables=GROWN, num_shards=1,
+                                  shard_options={"num_cpus": 0, "resources": NODE_A},
+                                  checkpoint_interval_s=0, get_if_exists=False,
+                                  registry_options={"resources": NODE_A})
+    stale = ReplayCluster.get("grow")  # a handle made before the scale: shutdown uses it
+    strict = replay.client(resolve_interval_s=1)
+    degraded = replay.client(allow_degraded=True, resolve_interval_s=1)
+    writer = Worker.options(resources=NODE_A, max_concurrency=2).remote(strict)
+    learner = Worker.options(resources=NODE_A, max_concurrency=2).remote(degraded)
+    try:
+        written, learned = writer.write.remote(2000), learner.learn.remote()
+        with replay.client() as looker:
+            assert wait_for(lambda: looker.info()["u"].size > 100, timeout=60)
+        replay.scale(2, shard_options={"num_cpus": 0, "resources": NODE_B})
+        assert replay.num_shards == 2 and ReplayCluster.get("grow").num_shards == 2
+        states = replay.states()
+        assert [(s["index"], s["state"]) for s in states] == [(0, "serving"), (1, "serving")]
+        assert len({s["node_id"] for s in states}) == 2  # the new one where its options say
+        assert wait_for(lambda: sorted(strict.shards) == [0, 1], timeout=30)  # resolved again
+        with replay.client() as looker:  # the writer's rows reach the new shard
+            assert wait_for(lambda: looker.shard_info()[1].tables["u"].size > 0, timeout=30)
+        assert wait_for(lambda: any(1 in shards for _, shards in ray.get(
+            learner.seen_now.remote())), timeout=30)  # and the stream draws from it
+        for worker in (writer, learner):
+            ray.get(worker.stop.remote())
+        ids, seen = np.array(ray.get(written, timeout=120)), ray.get(learned, timeout=120)
+    finally:
+        for worker in (writer, learner):
+            ray.kill(worker)
+    try:
+        assert len(set(ids.tolist())) == len(ids)  # each shard index has its own id space
+        on = {s: int(((ids >> 56) == s).sum()) for s in (0, 1)}
+        assert on[1] > 0
+        with replay.client() as after:  # every acknowledged row stored, once, where its id says
+            assert {s: i.tables["u"].size for s, i in after.shard_info().items()} == on
+            assert set((after.sample("u", 512).ids >> 56).tolist()) == {0, 1}
+        assert all(gone == () for gone, _ in seen), "a shard was missing for the learner"
+
+        registry = ray.get_actor("grow", namespace="replay")
+        pid = replay.registry()["pid"]
+        ray.kill(registry, no_restart=False)  # restarted with the arguments of the create
+        assert wait_for(lambda: replay.registry()["pid"] != pid, timeout=60)
+        assert wait_for(lambda: [s["state"] for s in replay.states()] == ["serving"] * 2,
+                        timeout=60)  # it learned the added shard back
+        again = ReplayCluster.create("grow", tables=GROWN, num_shards=1, checkpoint_interval_s=0,
+                                     shard_options={"num_cpus": 0, "resources": NODE_A})
+        assert again.num_shards == 2  # the same create after a scale: never shrunk back
+        with pytest.raises(ReplayExistsError, match=r"2 shards \(created with 1, then "
+                                                    r"scaled\), not 3"):
+            ReplayCluster.create("grow", tables=GROWN, num_shards=3)
+        with strict:
+            assert strict.info()["u"].size == len(ids)
+    finally:
+        stale.shutdown()  # its handle says 1 shard: the registry's 2 are stopped
+    assert _names_left("grow", 3) == []
+    degraded.close()
+
+
+def test_bad_scales_are_refused_naming_why_and_change_nothing(shared) -> None:
+    from replay_server.errors import ConfigError
+    from replay_server.ray import ScaleDownError
+
+    before = shared.states()
+    for bad in (0, 129, "3", 2.0, True, None):
+        with pytest.raises(ConfigError, match=rf"num_shards must be an integer in 1\.\.128, "
+                                              rf"got {re.escape(repr(bad))}"):
+            shared.scale(bad)
+    with pytest.raises(ScaleDownError, match=r"has 2 shards; scale\(1\) would remove shards "
+                                             r"1\.\.1"):
+        shared.scale(1)
+    with pytest.raises(ConfigError, match="shard_options is a list of 2 dicts for 1 shards"):
+        shared.scale(3, shard_options=ON_BOTH)
+    shared.scale(2)  # the count now: nothing to do
+    assert shared.states() == before and _names_left("shared", 3) == [
+        "shared", "shared.shard-0", "shared.shard-1"]
 
 
 # ------------------------------------------------------------------ shutdown (last)
