@@ -22,7 +22,8 @@ Partial slices (TorchRL's ``strict_length=False`` and ``span``; the table's
 the batch holds fewer steps than asked for, the slices' real steps one after
 the other, as TorchRL's; with ``pad_output`` it is kept (the last real step
 repeated, as TorchRL pads) and ``("collector", "mask")`` (bool ``[B * T]``)
-says which steps are real. The markers sit at each slice's last *real* step
+says which steps are real, in a batch that has a short slice (a batch of full
+slices has none, as TorchRL's has none while no stored trajectory is short). The markers sit at each slice's last *real* step
 and its first step either way.
 
 Thread-safety: immutable.
@@ -37,6 +38,7 @@ import torch
 from tensordict import TensorDictBase
 
 from replay_client.errors import InvalidArgumentError
+from replay_client.torchrl.positions import ID_KEY
 from replay_proto.slices import real_steps
 
 TRUNCATED_KEY = ("next", "truncated")
@@ -63,8 +65,9 @@ class SliceLayout:
         partial: the table's slices may be shorter than ``slice_len`` (its capabilities'
             ``partial_slices`` or a span): their padding is cut, or kept with a mask.
         pad_output: keep each slice ``slice_len`` long, padded with its last real step,
-            and put :data:`MASK_KEY` in every batch (TorchRL's ``pad_output``; TorchRL
-            leaves the mask out while no stored trajectory is short).
+            and put :data:`MASK_KEY` in a batch that has a short slice (TorchRL's
+            ``pad_output``: TorchRL puts it in while any *stored* trajectory is short,
+            which a sample cannot see; with every trajectory long enough, neither has it).
     """
 
     slice_len: int
@@ -105,7 +108,7 @@ class SliceLayout:
         """
         count, length = drawn.batch_size[0], drawn.batch_size[1]
         flat = drawn.reshape(-1)
-        real = real_steps(drawn.get("index")) if self.partial else None
+        real = real_steps(drawn.get(ID_KEY)) if self.partial else None
         if real is None:
             lengths = torch.full((count,), length, dtype=torch.int64)
         else:
@@ -113,7 +116,8 @@ class SliceLayout:
         markers: dict[Any, torch.Tensor] = {}
         if real is not None and self.pad_output:
             starts = torch.arange(count) * length
-            markers[MASK_KEY] = real.reshape(-1)
+            if not bool(real.all()):  # TorchRL leaves the mask out while nothing is short
+                markers[MASK_KEY] = real.reshape(-1)
         else:
             if real is not None and not bool(real.all()):
                 flat = flat[real.reshape(-1)]
