@@ -69,6 +69,7 @@ from replay_client.sharded.table_rows import with_table_rows
 from replay_client.sharded.tables import TableShape, summed_tables
 from replay_client.stream_options import stream_options
 from replay_client.table_info import tables_of
+from replay_client.vector_writer import vector_writer
 from replay_client.writer import Writer
 from replay_feed.credits import PriorityUpdate
 from replay_feed.eager import runs_eagerly
@@ -324,6 +325,8 @@ class ShardedClient:
             raise InvalidArgumentError("a sharded client's writer needs an episode_key: episodes "
                                        "are kept on one shard by their id")
         return Writer(self, table, **options)
+
+    vector_writer = vector_writer  # a vector env's steps, one episode per sub-env
 
     # ------------------------------------------------------------------ sample
 
