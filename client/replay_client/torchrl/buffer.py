@@ -94,7 +94,8 @@ class RemoteReplayBuffer:
 
     Args:
         client: a replay client (:class:`~replay_client.api.ReplayApi`: one server's; a
-            sharded one refuses reads and writes by position), or the server's ``host:port``.
+            sharded one's positions are its shards' rings end to end, so ``rb[index]`` reads
+            from each shard; it refuses writes by position), or the server's ``host:port``.
         table: the table's name (its config decides capacity and sampler).
         storage, sampler, writer: TorchRL's objects, checked against the table
             (:mod:`~replay_client.torchrl.components`); ``None``: the table's.

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
-from replay_client import RemoteReplayBuffer, ReplayClient
+from replay_client import RemoteReplayBuffer, ReplayClient, errors
 from tests.client.remote_buffer.data import rows
 from tests.conftest import start_server
 
@@ -145,6 +145,10 @@ def test_index_over_shards_lays_the_shards_rings_end_to_end(tmp_path) -> None:
         sample = rb.sample()
         by_x = dict(zip(data["x"].tolist(), index.tolist()))
         assert [by_x[x] for x in sample["x"].tolist()] == sample["index"].tolist()
+        assert torch.equal(rb[sample["index"]]["x"], sample["x"])  # read from each shard
+        assert torch.equal(rb[sample["replay_id"]]["x"], sample["x"])
+        with pytest.raises(errors.InvalidArgumentError, match="outside 0..15"):
+            rb[torch.tensor([16])]
         client.close()
     finally:
         for server in servers:
