@@ -378,6 +378,9 @@ class RemoteReplayBuffer:
 
     def _output(self, batch: SampleBatch,
                 include_info: bool | None = None) -> tuple[Any, dict[Any, torch.Tensor]]:
+        drawn_ids = batch.ids
+        if self.slice_layout is not None:
+            batch = self.slice_layout.steps(batch)
         td = batch.to_tensordict(self.weight_key)
         ids = td.get("index")
         td.set(ID_KEY, ids)
@@ -389,7 +392,7 @@ class RemoteReplayBuffer:
             del td[self.weight_key]  # TorchRL's uniform samplers give no weights
         markers: dict[Any, torch.Tensor] = {}
         if self.slice_layout is not None:
-            td, markers = self.slice_layout.flatten(td)
+            td, markers = self.slice_layout.flatten(td, drawn_ids)
         if self._episodes is not None:
             td = self._episodes.strip(td)
         info = {key: td.get(key) for key in info_keys}

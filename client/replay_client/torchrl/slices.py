@@ -38,7 +38,7 @@ import torch
 from tensordict import TensorDictBase
 
 from replay_client.errors import InvalidArgumentError
-from replay_client.torchrl.positions import ID_KEY
+from replay_proto.batch import SampleBatch
 from replay_proto.slices import real_steps
 
 TRUNCATED_KEY = ("next", "truncated")
@@ -96,8 +96,23 @@ class SliceLayout:
                 f"ask for a multiple of {length} (e.g. {max(1, batch_size // length) * length})")
         return batch_size // length
 
-    def flatten(self, drawn: TensorDictBase) -> tuple[TensorDictBase, dict[Any, torch.Tensor]]:
-        """A ``[num_slices, slice_len]`` sample as TorchRL's flat one, and its markers.
+    @staticmethod
+    def steps(drawn: SampleBatch) -> SampleBatch:
+        """A drawn ``[num_slices, slice_len]`` batch as ``num_slices * slice_len`` steps, each
+        with its slice's weight and probability: flat before it becomes a TensorDict (views
+        of the drawn tensors; reshaping a TensorDict costs more)."""
+        count, length = drawn.ids.shape[:2]
+        columns = {key: value.reshape(count * length, *value.shape[2:])
+                   for key, value in drawn.columns.items()}
+        return SampleBatch.from_columns(
+            columns, drawn.ids.reshape(-1), drawn.weights.repeat_interleave(length),
+            drawn.probabilities.repeat_interleave(length), mass=drawn.mass,
+            missing_shards=drawn.missing_shards)
+
+    def flatten(self, flat: TensorDictBase, ids: torch.Tensor
+                ) -> tuple[TensorDictBase, dict[Any, torch.Tensor]]:
+        """A sample's :meth:`steps` (``flat``, ``[num_slices * slice_len]``) as TorchRL's flat
+        batch, and its markers; ``ids``: the drawn ``[num_slices, slice_len]`` ids.
 
         Returns:
             ``(flat, markers)``: the slices' steps one after the other, as stored
@@ -106,9 +121,8 @@ class SliceLayout:
             by key (what TorchRL's sampler puts in ``info``, and its TensorDict buffers
             in the batch).
         """
-        count, length = drawn.batch_size[0], drawn.batch_size[1]
-        flat = drawn.reshape(-1)
-        real = real_steps(drawn.get(ID_KEY)) if self.partial else None
+        count, length = ids.shape[0], ids.shape[1]
+        real = real_steps(ids) if self.partial else None
         if real is None:
             lengths = torch.full((count,), length, dtype=torch.int64)
         else:
