@@ -20,6 +20,7 @@ import torch
 
 from replay_client.table_info import TableInfo
 from replay_client.variables import Variable
+from replay_client.vector_writer import END_KEYS, VectorWriter
 from replay_client.writer import Writer
 from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
@@ -89,6 +90,11 @@ class ReplayApi(Protocol):
 
     def writer(self, table: str, **options: Any) -> Writer:
         """An actor's per-step writer to ``table``."""
+
+    def vector_writer(self, table: str, num_envs: int | None = None, *, env: Any = None,
+                      autoreset_mode: Any = None, end_keys: tuple[str, ...] = END_KEYS,
+                      next_obs_key: str = "next_obs", **options: Any) -> VectorWriter:
+        """An actor's writer of a vector env's steps to ``table``, one episode per sub-env."""
 
     def close(self) -> None:
         """Send pending updates and close the connection(s); a later call reconnects."""

@@ -29,6 +29,7 @@ from replay_client.update_stream import StreamFallback, UpdateStream
 from replay_client.updates import PriorityUpdater
 from replay_client.variables import Variable
 from replay_client.writer import Writer
+from replay_client.vector_writer import vector_writer
 from replay_feed.eager import runs_eagerly
 from replay_feed.options import StreamOptions
 from replay_feed.source import LinkSource
@@ -454,6 +455,8 @@ class ServerClient:
                                         f"there: {', '.join(sorted(tables)) or 'none'}")
             options["episode_key"] = tables[table].writer_episode_key
         return Writer(self, table, **options)
+
+    vector_writer = vector_writer  # a vector env's steps, one episode per sub-env
 
     def stream(self, table: str, batch_size: int, options: StreamOptions | None = None,
                **keywords: Any) -> BatchStream:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from replay_client.id_positions import IdSegment
 from replay_proto.capabilities import TableCapabilities
 from replay_proto.mass import SamplingMass
 from replay_proto.v1 import replay_pb2 as pb
@@ -43,14 +44,17 @@ class TableInfo:
     mass: SamplingMass | None = None
     episode_key: str = "episode"
     capabilities: TableCapabilities = TableCapabilities()
+    id_segments: tuple[IdSegment, ...] = ()
+    """Where the stored rows of each id segment lie (:mod:`replay_client.id_positions`)."""
 
     @property
     def writer_episode_key(self) -> str | None:
         """The column a :class:`~replay_client.writer.Writer` puts its episode ids in: the
         table's ``episode_key`` where the table keeps episodes, or where its schema has
-        that column; ``None`` (no column added) elsewhere, since a table without episodes
-        would refuse the extra column."""
-        if self.capabilities.episodes or self.episode_key in self.schema:
+        that column, or reads n-step returns (which follow episodes); ``None`` (no column
+        added) elsewhere, since a table without episodes would refuse the extra column."""
+        if (self.capabilities.episodes or self.capabilities.n_step > 1
+                or self.episode_key in self.schema):
             return self.episode_key
         return None
 
@@ -74,6 +78,7 @@ class ServerInfo:
 
 def tables_of(response: pb.InfoResponse) -> dict[str, TableInfo]:
     """Every table of an ``InfoResponse``, by name."""
+    shard = response.shard
     return {
         t.name: TableInfo(
             name=t.name, sampler=t.sampler, capacity=t.capacity, size=t.size,
@@ -86,6 +91,8 @@ def tables_of(response: pb.InfoResponse) -> dict[str, TableInfo]:
             mass=SamplingMass.from_proto(t.mass) if t.HasField("mass") else None,
             episode_key=t.episode_key or "episode",
             capabilities=TableCapabilities.from_proto(t.capabilities),
+            id_segments=tuple(IdSegment(shard, s.incarnation, s.first_position, t.capacity)
+                              for s in t.id_segments),
         )
         for t in response.tables
     }

@@ -133,8 +133,11 @@ class Writer:
 
     # ------------------------------------------------------------- caller side
 
-    def append(self, step: Any) -> None:
+    def append(self, step: Any, episode: int | None = None) -> None:
         """Add one step (a mapping, possibly nested, or TensorDict; no row dim).
+
+        ``episode``: the step's episode id instead of the writer's current one (a
+        :class:`~replay_client.vector_writer.VectorWriter` keeps one per sub-env).
 
         The step's values are copied, so the caller may reuse its buffers.
         Blocks while ``max_pending_rows`` steps are buffered or in flight.
@@ -154,7 +157,7 @@ class Writer:
             for key, value in values.items():
                 self._rows[key][row] = numpy_view(value) if type(value) is torch.Tensor else value
             if self._episode_key is not None:
-                self._rows[self._episode_key][row] = self._episode
+                self._rows[self._episode_key][row] = self._episode if episode is None else episode
             self._filled = row + 1
             if row == 0:
                 self._oldest = time.monotonic()

@@ -31,6 +31,7 @@ import torch
 
 from examples.dqn_cartpole.actor import run_actor
 from examples.dqn_cartpole.learner import Learner, evaluate
+from examples.dqn_cartpole.model import GAMMA, N_STEP
 from replay_client import ReplayClient, errors
 
 TABLE = """
@@ -40,6 +41,8 @@ capacity = {capacity}
 sampler = "prioritized"
 alpha = 0.6
 beta = 0.4
+n_step = {n_step}
+gamma = {gamma}
 min_size_to_sample = {min_size}
 samples_per_insert = {spi}
 """
@@ -70,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def start_server(args: argparse.Namespace, workdir: Path) -> tuple[subprocess.Popen, str]:
     config = workdir / "server.toml"
     config.write_text(TABLE.format(capacity=args.capacity, min_size=args.min_size,
-                                   spi=args.samples_per_insert))
+                                   spi=args.samples_per_insert, n_step=N_STEP, gamma=GAMMA))
     port_file = workdir / "server.port"
     log = (workdir / "server.log").open("w")
     proc = subprocess.Popen(

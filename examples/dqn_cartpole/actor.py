@@ -1,14 +1,19 @@
-"""An actor process: CartPole-v1 envs, the newest published policy, transitions through a Writer.
+"""An actor process: a CartPole-v1 vector env, the newest published policy, steps through a
+vector writer.
 
-Each actor steps ``envs`` environments at once with one forward pass of its
-own copy of the Q-network, into which it loads the learner's newest weights
-(``client.fetch("policy", newer_than=version, timeout=0)``: only tensors
-travel, no pickled module). Each step of each env is one row (obs, action,
-reward, next_obs, terminated) appended through a Writer (as n-step transitions,
-see :class:`NStep`); the writer batches
-rows and sends them in the background. A ``samples_per_insert`` rate limiter
-on the table keeps actors from running ahead of the learner: the writer's
-inserts wait on the server when they would.
+Each actor steps ``envs`` environments at once (a Gymnasium ``SyncVectorEnv``,
+which resets an ended sub-env on the step after its end: ``next_step``
+autoreset) with one forward pass of its own copy of the Q-network, into which
+it loads the learner's newest weights (``client.fetch("policy",
+newer_than=version, timeout=0)``: only tensors travel, no pickled module).
+Each vector step goes through ``client.vector_writer`` as ``[envs]`` rows
+(obs, action, reward, next.obs, done = terminated, truncated): the writer
+gives each sub-env's episodes their own ids and drops the reset steps, and
+the table turns the steps into 3-step transitions (``n_step = 3``), never
+across an episode's end. The writer batches rows and sends them in the
+background. A ``samples_per_insert`` rate limiter on the table keeps actors
+from running ahead of the learner: the writer's inserts wait on the server
+when they would.
 """
 
 from __future__ import annotations
@@ -25,37 +30,6 @@ from replay_client import ReplayClient
 
 FETCH_EVERY_STEPS = 50
 """Env steps (per env) between checks for newer weights."""
-
-N_STEP = 3
-"""Steps summed into one transition's return (n-step returns learn CartPole far faster)."""
-
-GAMMA = 0.99
-
-
-class NStep:
-    """An env's last ``N_STEP`` steps, turned into n-step transitions.
-
-    A row is ``(obs, action, reward = sum_k gamma^k r_k, next_obs, terminated, discount)``:
-    the learner's target is ``reward + discount * (1 - terminated) * Q(next_obs)``.
-    """
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[np.ndarray, int, float]] = []
-
-    def push(self, obs: np.ndarray, action: int, reward: float) -> None:
-        self.steps.append((obs, action, reward))
-
-    def pop(self, next_obs: np.ndarray, terminated: bool, final: bool) -> list[dict]:
-        """Rows ready now: one when ``N_STEP`` steps are held, all of them when the episode ended."""
-        rows = []
-        while self.steps and (final or len(self.steps) >= N_STEP):
-            ret = sum(GAMMA ** k * r for k, (_, _, r) in enumerate(self.steps))
-            obs, action, _ = self.steps.pop(0)
-            rows.append({"obs": obs.astype(np.float32), "action": action,
-                         "reward": float(ret), "next_obs": next_obs.astype(np.float32),
-                         "terminated": bool(terminated),
-                         "discount": float(GAMMA ** (len(self.steps) + 1))})
-        return rows
 
 
 def run_actor(index: int, address: str, report: multiprocessing.Queue, stop: multiprocessing.Event,
@@ -77,27 +51,28 @@ def run_actor(index: int, address: str, report: multiprocessing.Queue, stop: mul
         net.load_state_dict(policy)
         versions.append(policy.version)
         report.put(("ready", index, 0, policy.version))
-        vec = [gym.make("CartPole-v1") for _ in range(envs)]
-        obs = np.stack([env.reset(seed=seed * 1000 + i)[0] for i, env in enumerate(vec)])
+        vec = gym.make_vec("CartPole-v1", num_envs=envs, vectorization_mode="sync")
+        obs, _ = vec.reset(seed=seed * 1000)
         returns = np.zeros(envs)
-        windows = [NStep() for _ in range(envs)]
-        with client.writer("replay", batch_rows=64, max_pending_rows=256, max_delay_s=0.05,
-                           episode_key=None) as writer:
+        resetting = np.zeros(envs, dtype=bool)  # next_step autoreset: this step only resets
+        with client.vector_writer("replay", env=vec, next_obs_key="next.obs", batch_rows=64,
+                                  max_pending_rows=256, max_delay_s=0.05) as writer:
             tick = 0
             while not stop.is_set():
                 epsilon = max(0.02, 1.0 - 0.98 * steps / epsilon_steps)
                 actions = act(net, torch.from_numpy(obs).float(), epsilon, generator).numpy()
-                for i, env in enumerate(vec):
-                    next_obs, reward, terminated, truncated, _ = env.step(int(actions[i]))
-                    windows[i].push(obs[i].copy(), int(actions[i]), float(reward))
-                    for row in windows[i].pop(next_obs, terminated, terminated or truncated):
-                        writer.append(row)
-                    returns[i] += reward
-                    if terminated or truncated:
-                        report.put(("episode", index, steps + i + 1, float(returns[i])))
-                        returns[i] = 0.0
-                        next_obs, _ = env.reset()
-                    obs[i] = next_obs
+                next_obs, reward, terminated, truncated, info = vec.step(actions)
+                writer.append({"obs": obs.astype(np.float32), "action": actions,
+                               "reward": reward.astype(np.float32),
+                               "next": {"obs": next_obs.astype(np.float32)},
+                               "done": terminated, "truncated": truncated}, info)
+                returns += np.where(resetting, 0.0, reward)
+                ended = terminated | truncated
+                for i in np.flatnonzero(ended).tolist():
+                    report.put(("episode", index, steps + i + 1, float(returns[i])))
+                    returns[i] = 0.0
+                resetting = ended
+                obs = next_obs
                 steps += envs
                 tick += 1
                 if tick % FETCH_EVERY_STEPS == 0:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from examples.dqn_cartpole.model import act, q_network
+from examples.dqn_cartpole.model import GAMMA, act, q_network
 from replay_client import ReplayClient, SampleBatch
 
 
@@ -50,10 +50,10 @@ class Learner:
     def update(self, batch: SampleBatch) -> float:
         """One gradient step on ``batch``; returns the loss."""
         data = batch.data
-        obs, next_obs = data["obs"], data["next_obs"]
+        obs, next_obs = data["obs"], data["next"]["obs"]
         action = data["action"].long().unsqueeze(1)
-        reward, terminated = data["reward"], data["terminated"].float()
-        discount = data["discount"]  # gamma ** n of each n-step transition
+        reward, terminated = data["reward"], data["done"].float()  # the table's n-step sums
+        discount = GAMMA ** data["steps_to_next_obs"].float()  # gamma ** m, m <= n steps
         q = self.net(obs).gather(1, action).squeeze(1)
         with torch.no_grad():
             best = self.net(next_obs).argmax(dim=1, keepdim=True)

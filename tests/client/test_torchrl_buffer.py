@@ -69,6 +69,10 @@ def compare(theirs: dict, mine: dict, prioritized: bool) -> None:
     # extend_sets_index differs between TorchRL releases (0.13 leaves the caller's TensorDict
     # alone); ours always sets it, which update_tensordict_priority after extend relies on.
     assert mine["extend_sets_index"]
+    # Our id key rides beside TorchRL's keys (docs/torchrl.md, "Key names"); the rest match.
+    assert "replay_id" in mine["sample_keys"] and "replay_id" in mine["info_keys"]
+    mine = {**mine, "info_keys": [k for k in mine["info_keys"] if k != "replay_id"],
+            "sample_keys": {k: v for k, v in mine["sample_keys"].items() if k != "replay_id"}}
     structural = ["extend_returns", "len", "add_returns_int",
                   "len_after_add", "sample_keys", "sample_batch_size", "index_names_extended_rows",
                   "sample_of_8", "info_keys", "iter_batch_size", "update_priority_warns"]

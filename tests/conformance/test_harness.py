@@ -29,8 +29,9 @@ def test_the_harness_reports_a_verdict_and_reason_per_test(tmp_path) -> None:
     assert line("test_extend_sample[16]").startswith("PASS")
     cursor = line("test_cursor_internals")
     assert cursor.startswith("N/A") and "_writer" in cursor  # it reads TorchRL's private state
-    index = line("test_index_is_a_position")
-    assert index.startswith("FAIL") and "assert" in index  # the reason is the failed assertion
+    assert line("test_index_is_a_position").startswith("PASS")  # issue 32: positions
+    keys = line("test_a_write_without_some_keys")
+    assert keys.startswith("FAIL") and "SchemaMismatchError" in keys  # the reason: the error
     assert line("test_plain_tensors").startswith("PASS") and "(other data)" in line(
         "test_plain_tensors")
     assert not [text for text in lines if "test_without_replacement" in text]  # out of scope
@@ -38,8 +39,8 @@ def test_the_harness_reports_a_verdict_and_reason_per_test(tmp_path) -> None:
     assert "1  uses SamplerWithoutReplacement" in out_of_scope
     assert "1  builds no replay buffer" in out_of_scope
     assert "1  skipped with TorchRL's own buffers" in out_of_scope
-    assert ("TensorDict data (the headline): 4 tests: 2 pass, 1 fail, 1 not applicable; "
-            "66.7% of the applicable ones pass") in result.stdout
+    assert ("TensorDict data (the headline): 5 tests: 3 pass, 1 fail, 1 not applicable; "
+            "75.0% of the applicable ones pass") in result.stdout
     assert (tmp_path / "report.txt").read_text().strip() == result.stdout.strip()
 
 

@@ -63,7 +63,7 @@ from replay_client.sharded.discovery import Resolver, addresses_of, is_sharded
 from replay_client.sharded.health import ShardStats, down_note
 from replay_client.sharded.merge import MassBook, merge, shares, split
 from replay_client.sharded.placement import RoundRobin, by_episode
-from replay_client.sharded.routing import by_owner
+from replay_client.sharded.routing import by_owner, calling
 from replay_client.sharded.settings import checked_settings
 from replay_client.sharded.shard_set import ShardSet
 from replay_client.sharded.stream import open_stream
@@ -71,6 +71,7 @@ from replay_client.sharded.table_rows import ShardedTableRows
 from replay_client.sharded.tables import TableShape, summed_tables
 from replay_client.stream_options import stream_options
 from replay_client.table_info import tables_of
+from replay_client.vector_writer import vector_writer
 from replay_client.writer import Writer
 from replay_feed.credits import PriorityUpdate
 from replay_feed.eager import runs_eagerly
@@ -326,6 +327,8 @@ class ShardedClient(ShardedTableRows):
                                        "are kept on one shard by their id")
         return Writer(self, table, **options)
 
+    vector_writer = vector_writer  # a vector env's steps, one episode per sub-env
+
     # ------------------------------------------------------------------ sample
 
     @runs_eagerly
@@ -479,7 +482,8 @@ class ShardedClient(ShardedTableRows):
         named rows present (summed). An id of no known shard deletes nothing (InvalidIdsError)."""
         array = id_array(ids).reshape(-1)
         groups = by_owner(array, self._connect(), "nothing was deleted")
-        results = self._each({s: _deleting(table, array[rows]) for s, rows in groups.items()})
+        results = self._each({s: calling("delete", table, array[rows])
+                              for s, rows in groups.items()})
         return sum(int(r) for r in results.values())
 
     def flush_updates(self, timeout: float | None = None) -> None:
@@ -593,7 +597,3 @@ def _has_key(data: Any, key: str) -> bool:
         return key in data.keys()
     except (AttributeError, TypeError):
         return False
-
-
-def _deleting(table: str, ids: np.ndarray) -> Callable[[Any], Any]:
-    return lambda client: client.delete(table, ids)

@@ -7,7 +7,8 @@ Pure functions over numpy arrays, shared by the sharded client's per-id calls
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -40,3 +41,9 @@ def by_owner(ids: np.ndarray, shards: Iterable[int], nothing_done: str) -> dict[
                f"belongs to shard {int(owners[first])}, which is not among this client's "
                f"shards {known_shards.tolist()}") + f"; {nothing_done}")
     return {int(s): np.flatnonzero(owners == s) for s in np.unique(owners).tolist()}
+
+
+def calling(method: str, *args: Any) -> Callable[[Any], Any]:
+    """``client -> client.<method>(*args)``: one shard's part of a call, its arguments bound
+    now (a lambda in a loop would see the loop's last ones)."""
+    return lambda client: getattr(client, method)(*args)

@@ -5,7 +5,8 @@ sharded client refuses shards that differ) and what merged sampling needs.
 In :func:`summed_tables`, settings (sampler, alpha, beta, schema, the rate limiter's configuration)
 are the lowest shard's (a sharded client checks that the sampling settings
 agree); sizes, capacities, bytes, counters, the limiters' counts and the
-sampling masses are summed; ``max_priority`` is the largest; ``can_insert``
+sampling masses are summed; the id segments are every shard's, their storage positions
+laid end to end in shard order (:mod:`replay_client.id_positions`); ``max_priority`` is the largest; ``can_insert``
 and ``can_sample`` hold if they hold on any shard. Pure functions.
 """
 
@@ -88,5 +89,6 @@ def _add(a: Any, b: Any) -> Any:
         pinned=a.pinned and b.pinned, storage_bytes=a.storage_bytes + b.storage_bytes,
         schema=a.schema or b.schema,
         counters={k: v + b.counters.get(k, 0) for k, v in a.counters.items()},
-        sampler_stats=stats, rate_limiter=limiter, mass=mass)
+        sampler_stats=stats, rate_limiter=limiter, mass=mass,
+        id_segments=(*a.id_segments, *(s.moved(a.capacity) for s in b.id_segments)))
 

@@ -16,8 +16,12 @@ TorchRL's names (``docs/torchrl.md`` has the conformance table):
 * ``batch_size`` counts steps, slices included: a slice table's sample is
   TorchRL's flat ``[batch_size]`` with its trajectory markers
   (:mod:`~replay_client.torchrl.slices`);
-* ``"index"`` holds ids; ``update_priority`` takes ids or storage positions
-  (:mod:`~replay_client.torchrl.positions`), and ``rb[index]`` reads rows;
+* ``"index"`` holds storage positions, as TorchRL's (``0 .. capacity - 1``:
+  arithmetic, histograms and ``rb[index]`` behave as there), and
+  :data:`ID_KEY` the never-reused row ids beside it, which
+  ``update_tensordict_priority`` uses, so an update for a row overwritten
+  since its sample is ignored (and counted); ``update_priority`` takes ids or
+  storage positions (:mod:`~replay_client.torchrl.positions`);
 * ``extend`` past capacity keeps the newest rows; an empty buffer raises
   :class:`~replay_client.errors.EmptyBufferError` (a ``RuntimeError``) at
   once unless ``wait=True``;
@@ -48,9 +52,11 @@ from replay_client.errors import (
     EmptyBufferError,
     EmptyTableError,
     InvalidArgumentError,
+    ReplayError,
     SchemaMismatchError,
     TableMismatchError,
 )
+from replay_client.id_positions import IdSegment, positions_of
 from replay_client.table_info import TableInfo
 from replay_client.torchrl import indexing, state
 from replay_client.torchrl.components import (
@@ -61,7 +67,7 @@ from replay_client.torchrl.components import (
 )
 from replay_client.torchrl.data_kinds import DataKind
 from replay_client.torchrl.episodes import DEFAULT_END_KEYS, EpisodeColumn
-from replay_client.torchrl.positions import as_index_array, split_index
+from replay_client.torchrl.positions import ID_KEY, as_index_array, split_index
 from replay_client.torchrl.row_shape import RowShape, expand_right
 from replay_client.torchrl.sampler_view import (
     RemoteSampler,
@@ -75,8 +81,9 @@ from replay_proto.batch import SampleBatch
 from replay_proto.rows import EpisodeTracker
 from replay_proto.scalars import is_int
 
-METADATA_KEYS = ("index", "_weight", "priority_weight")
-"""What a sample adds (ids, weights): never stored as data when a batch is extended again."""
+METADATA_KEYS = ("index", ID_KEY, "_weight", "priority_weight")
+"""What a sample adds (positions, ids, weights): never stored as data when a batch is
+extended again."""
 
 INSERT_BYTES = 16 << 20
 """Bytes of rows one insert call carries at most (``extend`` splits larger data)."""
@@ -87,7 +94,8 @@ class RemoteReplayBuffer:
 
     Args:
         client: a replay client (:class:`~replay_client.api.ReplayApi`: one server's; a
-            sharded one refuses reads and writes by position), or the server's ``host:port``.
+            sharded one's positions are its shards' rings end to end, so ``rb[index]`` reads
+            from each shard; it refuses writes by position), or the server's ``host:port``.
         table: the table's name (its config decides capacity and sampler).
         storage, sampler, writer: TorchRL's objects, checked against the table
             (:mod:`~replay_client.torchrl.components`); ``None``: the table's.
@@ -141,6 +149,8 @@ class RemoteReplayBuffer:
         self.pin_memory = pin_memory
         self.weight_key = weight_key
         self._info: TableInfo | None = None
+        self._segments: dict[tuple[int, int], IdSegment] = {}
+        self._seed: int | None = None  # the generator's seed, when one was given
         factory = options.pop("transform_factory", None)
         if factory is not None:
             transform = factory()
@@ -199,7 +209,28 @@ class RemoteReplayBuffer:
         """The table's info (settings cached; ``fresh``: sizes and counters as of now)."""
         if self._info is None or fresh:
             self._info = self.replay_client.info()[self.table]
+            self._segments.update({(s.shard, s.incarnation): s for s in self._info.id_segments})
         return self._info
+
+    def positions(self, ids: torch.Tensor) -> torch.Tensor:
+        """Storage positions (TorchRL's ``"index"``) of the stored rows ``ids`` name, shaped
+        like ``ids``: computed from the id segments ``info`` reports (asked again only when
+        an id is of a segment not seen yet: after a server restart). Over shards, the
+        shards' positions laid end to end (:mod:`replay_client.id_positions`).
+
+        Raises:
+            ReplayError: an id of no segment the table reports (not an id of this table).
+        """
+        segments = tuple(self._segments.values())
+        found = positions_of(ids.cpu().numpy(), segments)
+        if (found < 0).any():
+            self.table_info(fresh=True)
+            found = positions_of(ids.cpu().numpy(), tuple(self._segments.values()))
+            if (found < 0).any():
+                raise ReplayError(
+                    f"id {int(ids.reshape(-1)[torch.from_numpy(found.reshape(-1) < 0)][0])} "
+                    f"belongs to no id segment of table {self.table!r}: not an id of this table")
+        return torch.from_numpy(found).to(ids.device)
 
     @property
     def _prioritized(self) -> bool:
@@ -224,8 +255,10 @@ class RemoteReplayBuffer:
 
     def set_rng(self, generator: torch.Generator) -> None:
         """Seed the table's draws with ``generator.initial_seed()`` (draws happen on the server,
-        so the generator itself is not advanced)."""
-        self.replay_client.set_sampling(self.table, seed=int(generator.initial_seed()))
+        so the generator itself is not advanced); saving the buffer derives the seeds it sets
+        from this one (:mod:`~replay_client.torchrl.state`)."""
+        self._seed = int(generator.initial_seed())
+        self.replay_client.set_sampling(self.table, seed=self._seed)
 
     # ---------------------------------------------------------------- writing
 
@@ -233,8 +266,9 @@ class RemoteReplayBuffer:
     def extend(self, data: Any, *, update_priority: bool | None = None) -> torch.Tensor:
         """Insert the rows of ``data`` (a TensorDict's batch dims decide what a row is).
 
-        Returns the ids, flat; a TensorDict also gets them as ``"index"``
-        (shaped like its batch dims) unless ``include_info=False``. With
+        Returns the rows' storage positions, flat, as TorchRL's; a TensorDict
+        also gets them as ``"index"`` and the rows' ids as :data:`ID_KEY` (shaped
+        like its batch dims) unless ``include_info=False``. With
         ``priority_key`` present and a prioritized table, those priorities
         (``abs + eps``, reduced by max over trailing dims) go in with the rows.
         Data larger than the table keeps its newest rows, as TorchRL's ring does.
@@ -250,7 +284,7 @@ class RemoteReplayBuffer:
         """Insert one element, as TorchRL's ``add``: a transition (a TensorDict with batch
         size ``[]``), or one row of a buffer whose rows have their own batch dims; returns its id.
         A TensorDict with batch dims is one element too, with TorchRL's warning (``extend``
-        writes many)."""
+        writes many). Returns its storage position, as TorchRL's."""
         if (isinstance(data, TensorDictBase) and data.batch_dims
                 and os.environ.get("RL_WARNINGS", "1") != "0"):
             warnings.warn(f"Using `add()` with a TensorDict that has batch_size="
@@ -284,11 +318,13 @@ class RemoteReplayBuffer:
                 f"{exc}. A table's columns are fixed by its first write (TorchRL's storages "
                 f"take new keys later): write every key each time, or rb.empty() first (it "
                 f"forgets the schema)") from None
+        positions = self.positions(ids)
         target = data if isinstance(data, TensorDictBase) else None
         if self.include_info and target is not None and not target.is_locked:
             shaped = target.unsqueeze(0) if single else target
-            target.set("index", self._rows.index(ids, shaped).reshape(target.batch_size))
-        return ids
+            target.set("index", self._rows.index(positions, shaped).reshape(target.batch_size))
+            target.set(ID_KEY, self._rows.index(ids, shaped).reshape(target.batch_size))
+        return positions
 
     def _insert(self, columns: dict[str, torch.Tensor], priorities: torch.Tensor | None
                 ) -> torch.Tensor:
@@ -314,7 +350,8 @@ class RemoteReplayBuffer:
     @runs_eagerly
     def sample(self, batch_size: int | None = None, return_info: bool = False,
                include_info: bool | None = None) -> Any:
-        """One batch: the data and (``include_info``) ``"index"``, weights, slice markers.
+        """One batch: the data and (``include_info``) ``"index"`` (storage positions),
+        :data:`ID_KEY` (ids), weights, slice markers.
 
         ``return_info=True`` returns ``(batch, info)`` as TorchRL does;
         ``include_info`` overrides the buffer's for this call.
@@ -341,13 +378,21 @@ class RemoteReplayBuffer:
 
     def _output(self, batch: SampleBatch,
                 include_info: bool | None = None) -> tuple[Any, dict[Any, torch.Tensor]]:
+        drawn_ids = batch.ids
+        if self.slice_layout is not None:
+            batch = self.slice_layout.steps(batch)
         td = batch.to_tensordict(self.weight_key)
-        info_keys = ["index", self.weight_key] if self._prioritized else ["index"]
+        ids = td.get("index")
+        td.set(ID_KEY, ids)
+        td.set("index", self.positions(ids))
+        info_keys = ["index", ID_KEY]
+        if self._prioritized:
+            info_keys.append(self.weight_key)
         if not self._prioritized:
             del td[self.weight_key]  # TorchRL's uniform samplers give no weights
         markers: dict[Any, torch.Tensor] = {}
         if self.slice_layout is not None:
-            td, markers = self.slice_layout.flatten(td)
+            td, markers = self.slice_layout.flatten(td, drawn_ids)
         if self._episodes is not None:
             td = self._episodes.strip(td)
         info = {key: td.get(key) for key in info_keys}
@@ -408,14 +453,19 @@ class RemoteReplayBuffer:
 
     @runs_eagerly
     def update_tensordict_priority(self, data: TensorDictBase) -> None:
-        """Update priorities from ``data[priority_key]`` for the rows of ``data["index"]``.
+        """Update priorities from ``data[priority_key]`` for the rows ``data[ID_KEY]`` names
+        (the ids a sample carries beside ``"index"``; without them, ``data["index"]``'s
+        storage positions), so a row overwritten since it was sampled is left alone (the
+        server ignores and counts the update) where TorchRL's would update its newer row.
 
         Priorities with more dims than the batch (e.g. ``[B, 1]``) are reduced
         by max. Does nothing for a table without priorities, as TorchRL's buffer does.
         """
         if not self._prioritized:
             return
-        index = data.get("index")
+        index = data.get(ID_KEY, None)
+        if index is None:
+            index = data.get("index")
         while index.dim() > 1 and self._rows.dims:  # rows with their own dims: one id each
             index = index[..., 0]
         self.update_priority(index, data.get(self.priority_key))

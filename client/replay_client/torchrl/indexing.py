@@ -29,11 +29,11 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from replay_client.errors import InvalidArgumentError
-from replay_client.torchrl.positions import as_index_array, split_index
+from replay_client.torchrl.positions import ID_KEY, as_index_array, split_index
 from replay_proto.keys import unflatten
 from replay_proto.rows import rows_of
 
-_METADATA = ("index", "_weight", "priority_weight")
+_METADATA = ("index", ID_KEY, "_weight", "priority_weight")
 
 
 def _is_scalar(index: Any) -> bool:

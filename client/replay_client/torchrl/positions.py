@@ -1,9 +1,12 @@
-"""What TorchRL code passes as an ``index``: storage positions, or the ids samples returned.
+"""What TorchRL code passes as an ``index``: storage positions, or the ids samples carry.
 
 TorchRL's buffers name rows by *storage position* (``0 .. capacity - 1``):
-``rb[3]``, ``rb[:n]``, ``rb.update_priority(torch.arange(n), p)``. A replay
-server names them by id (int64, never reused); its samples' ``"index"`` holds
-ids. Both kinds reach :class:`~replay_client.torchrl.buffer.RemoteReplayBuffer`,
+``rb[3]``, ``rb[:n]``, ``rb.update_priority(torch.arange(n), p)``, and a
+sample's ``"index"``. A replay server names them by id (int64, never reused):
+a :class:`~replay_client.torchrl.buffer.RemoteReplayBuffer` sample holds the
+positions under ``"index"``, as TorchRL's, and the ids under :data:`ID_KEY`
+(``update_tensordict_priority`` uses them, so stale rows are left alone;
+:mod:`replay_client.id_positions` turns ids into positions). Both kinds reach :class:`~replay_client.torchrl.buffer.RemoteReplayBuffer`,
 and they cannot be confused: a server's ids carry its id incarnation (bits
 40..55, never 0 on a server), so every id is at least ``2**40``, and every
 position is below the capacity (at most ``2**40``). :func:`split_index`
@@ -25,6 +28,9 @@ import torch
 
 from replay_client.errors import InvalidArgumentError
 from replay_proto.id_layout import SEGMENT_ROWS
+
+ID_KEY = "replay_id"
+"""Where samples (and extended TensorDicts) carry the rows' ids, beside TorchRL's ``"index"``."""
 
 ID_FLOOR = SEGMENT_ROWS
 """Every id a server issues is at least this (``2**40``); every storage position is below it."""

@@ -22,7 +22,8 @@ Partial slices (TorchRL's ``strict_length=False`` and ``span``; the table's
 the batch holds fewer steps than asked for, the slices' real steps one after
 the other, as TorchRL's; with ``pad_output`` it is kept (the last real step
 repeated, as TorchRL pads) and ``("collector", "mask")`` (bool ``[B * T]``)
-says which steps are real. The markers sit at each slice's last *real* step
+says which steps are real, in a batch that has a short slice (a batch of full
+slices has none, as TorchRL's has none while no stored trajectory is short). The markers sit at each slice's last *real* step
 and its first step either way.
 
 Thread-safety: immutable.
@@ -37,6 +38,7 @@ import torch
 from tensordict import TensorDictBase
 
 from replay_client.errors import InvalidArgumentError
+from replay_proto.batch import SampleBatch
 from replay_proto.slices import real_steps
 
 TRUNCATED_KEY = ("next", "truncated")
@@ -63,8 +65,9 @@ class SliceLayout:
         partial: the table's slices may be shorter than ``slice_len`` (its capabilities'
             ``partial_slices`` or a span): their padding is cut, or kept with a mask.
         pad_output: keep each slice ``slice_len`` long, padded with its last real step,
-            and put :data:`MASK_KEY` in every batch (TorchRL's ``pad_output``; TorchRL
-            leaves the mask out while no stored trajectory is short).
+            and put :data:`MASK_KEY` in a batch that has a short slice (TorchRL's
+            ``pad_output``: TorchRL puts it in while any *stored* trajectory is short,
+            which a sample cannot see; with every trajectory long enough, neither has it).
     """
 
     slice_len: int
@@ -93,8 +96,23 @@ class SliceLayout:
                 f"ask for a multiple of {length} (e.g. {max(1, batch_size // length) * length})")
         return batch_size // length
 
-    def flatten(self, drawn: TensorDictBase) -> tuple[TensorDictBase, dict[Any, torch.Tensor]]:
-        """A ``[num_slices, slice_len]`` sample as TorchRL's flat one, and its markers.
+    @staticmethod
+    def steps(drawn: SampleBatch) -> SampleBatch:
+        """A drawn ``[num_slices, slice_len]`` batch as ``num_slices * slice_len`` steps, each
+        with its slice's weight and probability: flat before it becomes a TensorDict (views
+        of the drawn tensors; reshaping a TensorDict costs more)."""
+        count, length = drawn.ids.shape[:2]
+        columns = {key: value.reshape(count * length, *value.shape[2:])
+                   for key, value in drawn.columns.items()}
+        return SampleBatch.from_columns(
+            columns, drawn.ids.reshape(-1), drawn.weights.repeat_interleave(length),
+            drawn.probabilities.repeat_interleave(length), mass=drawn.mass,
+            missing_shards=drawn.missing_shards)
+
+    def flatten(self, flat: TensorDictBase, ids: torch.Tensor
+                ) -> tuple[TensorDictBase, dict[Any, torch.Tensor]]:
+        """A sample's :meth:`steps` (``flat``, ``[num_slices * slice_len]``) as TorchRL's flat
+        batch, and its markers; ``ids``: the drawn ``[num_slices, slice_len]`` ids.
 
         Returns:
             ``(flat, markers)``: the slices' steps one after the other, as stored
@@ -103,9 +121,8 @@ class SliceLayout:
             by key (what TorchRL's sampler puts in ``info``, and its TensorDict buffers
             in the batch).
         """
-        count, length = drawn.batch_size[0], drawn.batch_size[1]
-        flat = drawn.reshape(-1)
-        real = real_steps(drawn.get("index")) if self.partial else None
+        count, length = ids.shape[0], ids.shape[1]
+        real = real_steps(ids) if self.partial else None
         if real is None:
             lengths = torch.full((count,), length, dtype=torch.int64)
         else:
@@ -113,7 +130,8 @@ class SliceLayout:
         markers: dict[Any, torch.Tensor] = {}
         if real is not None and self.pad_output:
             starts = torch.arange(count) * length
-            markers[MASK_KEY] = real.reshape(-1)
+            if not bool(real.all()):  # TorchRL leaves the mask out while nothing is short
+                markers[MASK_KEY] = real.reshape(-1)
         else:
             if real is not None and not bool(real.all()):
                 flat = flat[real.reshape(-1)]

@@ -20,8 +20,22 @@ inserts into the table, emptied first (its schema forgotten, as
   neither side holds more than a chunk of rows. ``state_dict`` holds every
   row in memory, as TorchRL's does.
 
+**The sample stream.** TorchRL's buffers save their sampler's random
+state, so a buffer restored from a state continues the sample stream the
+saved buffer drew after it was saved. Draws happen on the server here, and a
+generator's state does not travel, so saving seeds instead: ``state_dict``
+and ``dumps`` set a fresh seed on the table (:func:`next_seed`) and keep it
+(``"_rng"``), and an import sets it again after its rows are in. Both
+buffers then draw the same batches from the same rows, as TorchRL's tests
+``test_rng_state_dict`` and ``test_replay_buffer_prefetch_*_roundtrip``
+expect. What does not come back: the exact stream for a table that had
+wrapped (its rows come back at other positions, so the same draws pick
+other rows), and batches a ``for batch in rb`` stream prefetched before the
+save (drawn with the old seed).
+
 Ids are not restored: imported rows get fresh ids (ids are never issued
-twice), so ids kept from before the import are stale.
+twice), so ids kept from before the import are stale. Storage positions
+(``"index"``) are restored wherever rows are.
 
 These functions are :class:`~replay_client.torchrl.buffer.RemoteReplayBuffer`'s
 methods; they take the buffer first. Thread-safety: as the client; writers
@@ -31,6 +45,7 @@ of the same table during an export or import interleave with it.
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +71,27 @@ CHUNK_ROWS = 65_536
 """Rows per file of ``dumps`` (and per read and insert of an export or import)."""
 
 
+SEED_BITS = 63
+"""Seeds set on save are below ``2**63`` (an int64, loadable with ``weights_only=True``)."""
+
+
+def next_seed(buffer: Any) -> int:
+    """A fresh seed for the table's generator, set on it now (see the module docstring).
+
+    Derived from the buffer's ``generator`` seed and a count of saves when it
+    was given one (a seeded run saves the same seeds again), else random.
+    """
+    base = getattr(buffer, "_seed", None)
+    if base is None:
+        seed = secrets.randbits(SEED_BITS)
+    else:
+        buffer._saves = getattr(buffer, "_saves", 0) + 1
+        state = np.random.SeedSequence([base, buffer._saves]).generate_state(2, np.uint64)
+        seed = int(state[0]) >> (64 - SEED_BITS)
+    buffer.replay_client.set_sampling(buffer.table, seed=seed)
+    return seed
+
+
 def _meta(buffer: Any, rows: int, chunks: int) -> dict[str, Any]:
     info = buffer.table_info(fresh=True)
     prioritized = info.capabilities.priorities
@@ -65,7 +101,7 @@ def _meta(buffer: Any, rows: int, chunks: int) -> dict[str, Any]:
             "capacity": info.capacity, "prioritized": prioritized,
             "exponents": [info.alpha, info.beta] if prioritized else None,
             "episode_added": bool(episodes is not None and episodes.added),
-            "kind": buffer._kind.name}
+            "kind": buffer._kind.name, "_rng": next_seed(buffer)}
 
 
 def _order(buffer: Any) -> np.ndarray:
@@ -88,6 +124,14 @@ def _import(buffer: Any, part: dict[str, Any]) -> None:
     columns = part["columns"]
     if columns:
         buffer.replay_client.insert(buffer.table, columns, priorities=part.get("priorities"))
+
+
+def _end_import(buffer: Any, meta: dict[str, Any]) -> None:
+    """The saved buffer's seed set on the table, once its rows are in (a state saved
+    before seeds were kept has none: the table's generator goes on)."""
+    seed = meta.get("_rng")
+    if seed is not None:
+        buffer.replay_client.set_sampling(buffer.table, seed=int(seed))
 
 
 def _begin_import(buffer: Any, meta: dict[str, Any]) -> None:
@@ -124,6 +168,7 @@ def load_state_dict(buffer: Any, state: dict[str, Any]) -> None:
         part = {k: v[start:start + CHUNK_ROWS] for k, v in columns.items()}
         _import(buffer, {"columns": part, "priorities": None if priorities is None
                          else priorities[start:start + CHUNK_ROWS]})
+    _end_import(buffer, state)
 
 
 def dumps(buffer: Any, path: str | Path) -> None:
@@ -149,3 +194,4 @@ def loads(buffer: Any, path: str | Path) -> None:
     _begin_import(buffer, meta)
     for chunk in range(meta["chunks"]):
         _import(buffer, torch.load(root / f"rows-{chunk:06d}.pt", weights_only=True))
+    _end_import(buffer, meta)

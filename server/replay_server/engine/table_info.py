@@ -44,6 +44,10 @@ class TableInfo:
     rate_limiter: RateLimiterInfo | None = None
     mass: SamplingMass | None = None
     capabilities: TableCapabilities = field(default_factory=TableCapabilities)
+    id_segments: tuple[tuple[int, int], ...] = ()
+    """``(incarnation, first_position)`` of each id segment holding stored rows, oldest
+    first: the row of sequence ``s`` in a segment lies at storage position
+    ``(first_position + s) % capacity``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -120,7 +120,16 @@ class TableParts:
                 partial_slices=not config.strict_length,
                 span_left=config.span_left,
                 span_right=config.span_right),
+            id_segments=self.live_segments(),
         )
+
+    def live_segments(self) -> tuple[tuple[int, int], ...]:
+        """``(incarnation, first_position)`` of the id segments that hold stored rows (the
+        current one always), oldest first: what a client turns ids into storage positions
+        with (``TableInfo.id_segments``)."""
+        first_live = self.ring.first_live
+        return tuple((incarnation, first) for incarnation, first, end in self.ids.segments
+                     if end is None or end > first_live)
 
     def stored(self, columns: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
         """An insert's columns as the readers have them stored (a frame stack keeps its

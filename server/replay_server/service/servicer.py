@@ -319,6 +319,8 @@ class ReplayServicer:
                 mass=None if info.mass is None else info.mass.to_proto(),
                 episode_key=info.config["episode_key"],
                 capabilities=info.capabilities.to_proto(),
+                id_segments=[pb.IdSegment(incarnation=i, first_position=f)
+                             for i, f in info.id_segments],
             ))
         response = pb.InfoResponse(tables=tables, shard=self._incarnations.shard,
                                    incarnation=self._incarnations.current,

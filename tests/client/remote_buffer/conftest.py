@@ -22,7 +22,7 @@ KINDS = {
     "spans": 'sampler = "slice"\nslice_len = 4\ndone_key = "next.done"\n'
              'span_left = 2\nspan_right = 2',
 }
-TABLES_PER_KIND = 24
+TABLES_PER_KIND = 32
 CAPACITY = {"rows": 10, "per": 100, "seq": 1000, "pseq": 1000, "short": 1000, "pshort": 1000,
             "span": 1000, "spans": 1000}
 

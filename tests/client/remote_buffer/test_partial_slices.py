@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
-from torchrl.data import PrioritizedSliceSampler, SliceSampler
+from torchrl.data import (
+    LazyTensorStorage,
+    PrioritizedSliceSampler,
+    SliceSampler,
+    TensorDictReplayBuffer,
+)
 
 from replay_client import RemoteReplayBuffer, errors
 
@@ -79,9 +84,13 @@ def test_pad_output_keeps_slice_len_steps_repeats_the_last_one_and_masks(client,
     rb = RemoteReplayBuffer(client, fresh("short"), batch_size=40, sampler=SliceSampler(
         slice_len=4, traj_key="traj", strict_length=False, pad_output=True))
     rb.extend(short_and_long())
-    batch = rb.sample()
+    for _ in range(50):  # a batch with a short slice (each batch has one with p > 0.98)
+        batch = rb.sample()
+        if MASK in batch.keys(include_nested=True):
+            break
     assert batch.batch_size == (40,)
     mask = batch[MASK].reshape(10, 4)
+    assert not mask.all()
     assert batch[MASK].dtype == torch.bool and batch[MASK].shape == (40,)
     obs, traj = batch["obs"].reshape(10, 4), batch["traj"].reshape(10, 4)
     truncated = batch["next", "truncated"].reshape(10, 4)
@@ -92,6 +101,24 @@ def test_pad_output_keeps_slice_len_steps_repeats_the_last_one_and_masks(client,
         assert n == min(4, {0: 2, 1: 7, 2: 3}[int(traj[row, 0])])
         assert (obs[row, n:] == obs[row, n - 1]).all()  # padded with the last real step
         assert truncated[row, n - 1] and truncated[row].sum() == 1
+
+
+def test_pad_output_leaves_the_mask_out_when_no_slice_is_short(client, fresh):
+    """TorchRL's test_slice_sampler_mask_all_long_trajs_no_mask: with every trajectory long
+    enough TorchRL's padded batches have no mask; ours had one (all True) in every batch."""
+    data = short_and_long((6, 9, 5))
+    theirs = TensorDictReplayBuffer(storage=LazyTensorStorage(100), batch_size=40,
+                                    sampler=SliceSampler(slice_len=4, traj_key="traj",
+                                                         strict_length=False, pad_output=True))
+    theirs.extend(data.clone())
+    ours = RemoteReplayBuffer(client, fresh("short"), batch_size=40, sampler=SliceSampler(
+        slice_len=4, traj_key="traj", strict_length=False, pad_output=True))
+    ours.extend(data.clone())
+    for rb in (theirs, ours):
+        for _ in range(5):
+            batch = rb.sample()
+            assert batch.batch_size == (40,)
+            assert MASK not in batch.keys(include_nested=True)
 
 
 def test_strict_samplers_on_a_partial_table_and_the_reverse_are_refused(client, fresh):

@@ -69,7 +69,9 @@ def test_the_sampler_object_passed_in_speaks_for_the_table(client, fresh) -> Non
 
 def test_indices_never_issued_are_refused(client, fresh) -> None:
     rb = RemoteReplayBuffer(client, fresh("per"))
-    ids = rb.extend(rows(5))
+    data = rows(5)
+    rb.extend(data)
+    ids = data["replay_id"]
     with pytest.raises(errors.InvalidArgumentError, match="position 7 holds no row"):
         rb.update_priority(torch.tensor([1, 7]), torch.ones(2))
     with pytest.raises(errors.InvalidIdsError, match="never issued"):

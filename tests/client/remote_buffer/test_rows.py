@@ -50,7 +50,9 @@ def test_tensors_tensorclasses_and_tuples_come_back_as_they_went_in(client, fres
 
 def test_rows_by_storage_position_and_by_id(client, fresh) -> None:
     rb = RemoteReplayBuffer(client, fresh("per"), batch_size=4)
-    ids = rb.extend(rows(6))
+    data = rows(6)
+    assert rb.extend(data).tolist() == list(range(6))  # storage positions, as TorchRL's
+    ids = data["replay_id"]
     assert rb[2]["x"].item() == 2 and rb[-1]["x"].item() == 5
     assert rb[:3]["x"].tolist() == [0, 1, 2]
     assert rb[torch.tensor([4, 0])]["x"].tolist() == [4, 0]
@@ -126,4 +128,4 @@ def test_empty_starts_over_schema_included(client, fresh) -> None:
     rb.empty()
     assert len(rb) == 0
     rb.extend(TensorDict({"other": torch.arange(3.0)}, batch_size=[3]))
-    assert rb[0]["other"].item() == 0.0 and set(rb.sample().keys()) == {"other", "index"}
+    assert rb[0]["other"].item() == 0.0 and set(rb.sample().keys()) == {"other", "index", "replay_id"}

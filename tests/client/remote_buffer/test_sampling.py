@@ -108,7 +108,7 @@ def test_plain_buffers_return_the_data_alone_and_info_apart(client, fresh) -> No
     assert "index" not in data.keys()  # TorchRL's ReplayBuffer leaves the data alone
     batch, info = rb.sample(return_info=True)
     assert set(batch.keys()) == {"x", "obs"}
-    assert set(info) == {"index", "priority_weight"} and info["index"].shape == (4,)
+    assert set(info) == {"index", "replay_id", "priority_weight"} and info["index"].shape == (4,)
 
 
 def test_plain_slice_buffers_keep_the_stored_flags_and_mark_slices_in_info(client, fresh) -> None:

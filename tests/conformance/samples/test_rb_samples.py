@@ -33,11 +33,19 @@ def test_cursor_internals():  # N/A: reads TorchRL's writer state
     assert rb._writer._cursor == 3
 
 
-def test_index_is_a_position():  # FAIL: a server's index holds ids, not storage positions
+def test_index_is_a_position():  # PASS: index holds storage positions, as TorchRL's
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=4)
     rb.extend(_data(8))
-    _, info = rb.sample(return_info=True)
+    sample, info = rb.sample(return_info=True)
     assert (info["index"] < 8).all()
+    assert torch.equal(rb[info["index"]]["obs"], sample["obs"])
+
+
+def test_a_write_without_some_keys():  # FAIL: a table's columns are fixed by its first write
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(8), batch_size=4)
+    rb.extend(_data(4))
+    rb.extend(_data(4).exclude("action"))
+    assert len(rb) == 8
 
 
 def test_plain_tensors():  # PASS, counted as other data

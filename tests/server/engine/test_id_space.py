@@ -8,6 +8,7 @@ import torch
 
 from replay_proto.id_layout import MAX_INCARNATION, make_id
 from replay_server import Table, TableConfig
+from replay_server.engine import row_access
 from replay_server.engine.id_space import IdSpace, LocalIncarnations, RandomIncarnations
 from replay_server.errors import ConfigError, InvalidIdsError
 from tests.proto.test_id_layout import split_id
@@ -175,3 +176,20 @@ def test_incarnations_run_out_with_a_clear_error() -> None:
 def test_a_non_persistent_server_draws_a_random_nonzero_incarnation() -> None:
     drawn = {RandomIncarnations(0).current for _ in range(50)}
     assert all(1 <= i <= MAX_INCARNATION for i in drawn) and len(drawn) > 40
+
+
+def test_info_lists_the_segments_that_hold_rows_and_where_they_lie(monkeypatch) -> None:
+    """What a client turns ids into storage positions with (TableInfo.id_segments): the row of
+    sequence s of a listed segment lies at (first_position + s) % capacity; a segment whose
+    rows were all overwritten is left out."""
+    monkeypatch.setattr(IdSpace.__init__, "__defaults__", (4,))  # 4 rows per segment
+    table = Table(TableConfig(name="t", capacity=6))
+    issued = torch.cat([table.insert({"row": torch.arange(k, k + 3)}) for k in range(0, 9, 3)])
+    segments = table.info().id_segments
+    assert segments == ((1, 3), (2, 6))  # rows 3..8 stored: segment 0 (rows 0..2) is gone
+    firsts = dict(segments)
+    live = issued[3:].numpy()
+    incarnations = (live >> 40) & 0xFFFF
+    positions = [(firsts[int(i)] + int(q)) % 6 for i, q in zip(incarnations, live & (2**40 - 1))]
+    read = row_access.read_rows(table, positions=np.asarray(positions))
+    assert read.ids.tolist() == live.tolist()
