@@ -13,7 +13,7 @@ the sharded one exists (``tests/test_layout.py``).
 from __future__ import annotations
 
 from abc import ABC
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replay_client.api import ReplayApi
 from replay_client.errors import InvalidArgumentError
@@ -22,7 +22,13 @@ from replay_client.sharded.client import ShardedClient
 from replay_client.sharded.discovery import is_sharded
 
 
-class ReplayClient(ABC):
+if TYPE_CHECKING:  # a type checker would take a subclass of the protocol for an abstract
+    _Front = ABC     # class that cannot be made; it reads ReplayClient(...) as a ReplayApi
+else:                # from __new__. At run time the class keeps the protocol's calls
+    _Front = ReplayApi  # (help(ReplayClient.sample), inspect.signature(ReplayClient.reset)).
+
+
+class ReplayClient(_Front):
     """A replay client for ``address`` (see the module docstring); returns the one it builds.
 
     Args:
@@ -41,10 +47,6 @@ class ReplayClient(ABC):
             keyword given for one server.
     """
 
-    # Not a subclass of the ReplayApi protocol itself (a type checker would then take the
-    # class for an abstract one that cannot be made): both clients are registered below, so
-    # isinstance(c, ReplayClient) holds, and a type checker reads ReplayClient(...) as a
-    # ReplayApi from __new__'s annotation.
     def __new__(cls, address: Any = "localhost:50051",  # type: ignore[misc]
                 **options: Any) -> ReplayApi:
         if is_sharded(address):
