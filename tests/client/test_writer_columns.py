@@ -5,7 +5,7 @@ episode ids filled by slice); the reference here is today's contract written the
 simple way: each step flattened, converted to tensors one by one, stamped with the
 episode id current at its ``append``, and cut into batches of ``batch_rows`` (and
 partial batches at ``flush``/``close``). Random step streams mix every dtype, 0-d to
-3-d shapes, Python numbers, numpy arrays, non-contiguous and grad-requiring tensors,
+3-d shapes (and rows past 500 elements), Python numbers, numpy arrays, non-contiguous and grad-requiring tensors,
 nested keys, reused buffers and random bit patterns (NaN payloads included).
 """
 
@@ -81,6 +81,8 @@ class _Stream:
         for i in range(rng.randint(1, 6)):
             dtype = rng.choice(list(DTYPES.values()))
             shape = tuple(rng.randint(1, 4) for _ in range(rng.choice([0, 0, 1, 2, 3])))
+            if rng.random() < 0.2:  # past 500 elements: copied with the GIL released
+                shape = (rng.randint(1, 3), rng.randint(501, 700))
             key = f"k{i}" if rng.random() < 0.7 else f"group/k{i}"
             self.layout[key] = (dtype, shape)
         self.buffers: dict[str, torch.Tensor] = {}
