@@ -54,6 +54,21 @@ def test_readme_has_client_examples():
 
 
 @pytest.mark.parametrize("code", PYTHON)
+def test_no_example_wipes_a_table_the_quickstart_filled(code):
+    """Issue 32, friction 10: docs/torchrl.md's blocks called ``rb.empty()`` on the default
+    tables of ``make serve``'s server, wiping the rows the README's blocks had put there. A
+    block that empties or resets a table uses a table of its own (an embedded server's)."""
+    from replay_server import default_table_configs
+
+    if not re.search(r"\.empty\(\)|\.reset\(", code):
+        return
+    defaults = {config.name for config in default_table_configs()}
+    named = set(re.findall(r'"localhost:50051",\s*"(\w+)"', code))
+    named |= set(re.findall(r'\.reset\(\s*"(\w+)"', code))
+    assert not named & defaults, f"this block empties or resets default table(s) {named}"
+
+
+@pytest.mark.parametrize("code", PYTHON)
 def test_python_example_runs(code, address):
     code = code.replace("localhost:50051", address)
     # dont_inherit: the example runs as a user's file would, without this module's
