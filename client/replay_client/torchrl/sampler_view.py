@@ -111,6 +111,17 @@ def _new_object(cls: type, *args: Any) -> Any:
     return cls.__new__(cls, *args)
 
 
+def _table_setting(name: str) -> property:
+    """``alpha``/``beta`` of the table the sampler speaks for (read and set there)."""
+    def get(self: Any) -> Any:
+        return getattr(self._table_buffer.sampler, name)
+
+    def set_(self: Any, value: Any) -> None:
+        setattr(self._table_buffer.sampler, name, value)
+
+    return property(get, set_)
+
+
 def _table_class(cls: type) -> type:
     if cls not in _table_classes:
         def update_priority(self: Any, index: Any, priority: Any, **_: Any) -> None:
@@ -122,8 +133,8 @@ def _table_class(cls: type) -> type:
             bound = self.__dict__.pop("_table_buffer", None)
             self.__class__ = cls
             try:
-                reduced = list(cls.__reduce_ex__(self, protocol))
-                if reduced[0] is copyreg.__newobj__:  # pickle checks that class: ours, now
+                reduced = list(cls.__reduce_ex__(self, protocol))  # type: ignore[call-arg]
+                if reduced[0] is copyreg.__newobj__:  # type: ignore[attr-defined]  # pickle checks that class: ours, now
                     reduced[0] = _new_object
                 if len(reduced) > 2 and reduced[2] is self.__dict__:
                     reduced[2] = dict(self.__dict__)
@@ -138,9 +149,7 @@ def _table_class(cls: type) -> type:
                                      "__reduce_ex__": __reduce_ex__}
         for name in ("alpha", "beta"):
             if isinstance(getattr(cls, name, None), property):
-                namespace[name] = property(
-                    lambda self, n=name: getattr(self._table_buffer.sampler, n),
-                    lambda self, value, n=name: setattr(self._table_buffer.sampler, n, value))
+                namespace[name] = _table_setting(name)
         bound_class = type(cls.__name__, (cls,), namespace)
         _table_classes[cls] = bound_class
     return _table_classes[cls]
