@@ -256,3 +256,55 @@ def test_the_reported_idle_connection_attack_at_full_size(tmp_path, addresses) -
     finally:
         probe.stop()
         assert server.stop() == 0
+
+
+ONE_CALL_CONNECTIONS = 200
+ONE_CALL = f"""
+[server]
+max_connections = {ONE_CALL_CONNECTIONS}
+
+[[tables]]
+name = "replay"
+capacity = 100
+"""
+
+
+def test_connections_of_one_call_each_from_one_address_lock_no_one_out(tmp_path) -> None:
+    """Issue 34, item 4: connections that each make one call count as clients, so the guard
+    left them to gRPC's idle timeout; 511 of them from one address, without a token (the
+    default), refused every other client and health for up to 300 s, renewably. Past
+    three quarters of the port the address holding the most now loses its oldest."""
+    from replay_proto.v1 import replay_pb2 as pb
+    from replay_server.service.connections import SHED
+
+    server = start_server(tmp_path, ONE_CALL, rlimits=USUAL_OPEN_FILE_LIMIT)
+    held: list[RawConnection] = []
+    probe = Probe(server.address, token=None)
+    try:
+        for _ in range(ONE_CALL_CONNECTIONS + 50):  # more than the port holds
+            try:
+                connection = RawConnection(server.port, source="127.0.0.3", timeout=5)
+                if not connection.handshake():
+                    connection.close()
+                    continue
+                connection.call("/replay.v1.ReplayService/Info",
+                                pb.InfoRequest().SerializeToString())
+                if connection.answered():  # admitted: the server counts it as a client's
+                    held.append(connection)
+                else:
+                    connection.close()
+            except OSError:
+                continue
+        assert len(held) >= SHED * ONE_CALL_CONNECTIONS, len(held)  # the attack did run
+        assert wait_for(lambda: sum(not c.closed_by_server() for c in held)
+                        <= SHED * ONE_CALL_CONNECTIONS, timeout=15)
+        calls = probe.calls
+        assert wait_for(lambda: probe.calls >= calls + 20, timeout=30)  # served after, too
+    finally:
+        probe.stop()
+        for connection in held:
+            connection.close()
+        server.stop()
+    print(f"{len(held)} connections of one call each from one address; {probe.calls} calls "
+          f"from another, {len(probe.failures)} failed, locked out {probe.lockout_s:.2f} s")
+    assert probe.failures == [], _full_log(server)

@@ -21,7 +21,10 @@ watches the main port's connections from outside gRPC and closes:
 A *call* is a replay call the server admitted, which with ``auth_token_env``
 means one carrying the token; health checks do not count (they need no
 token), so no one without the token holds a connection past the deadline.
-Connections that made a call are left to gRPC (``idle_timeout_s``).
+Connections that made a call are left to gRPC (``idle_timeout_s``), unless the port is
+more than :data:`SHED` full: then the address holding the most connections loses its oldest
+ones first, whatever they did, so that one flooding address (a call on each connection
+makes them count as clients) cannot keep the port from everyone else.
 
 How: a thread sweeps: it lists the process' socket descriptors
 (``/proc/self/fd``), learns each new socket's addresses once (through a
@@ -87,6 +90,14 @@ gains nothing from it: from :data:`PRESSURE` on, the caps apply at once.)"""
 
 PRESSURE = 0.25
 """Share of ``max_connections`` open from which the caps spare no young connection."""
+
+SHED = 0.75
+"""Share of ``max_connections`` past which connections that made a call are closed too, from
+the address holding the most (its oldest first, never below ``max_idle_connections_per_host``
+of an address) down to this share: one address that filled
+the port with connections of one call each (511 of 512, without a token) refused every
+other client and health for ``idle_timeout_s``, renewably; now it loses its own connections
+first and the last quarter of the port stays for everyone else."""
 
 CHECK_S = 0.005
 """Seconds between looks at how many descriptors the process has open (one ``stat``): any
@@ -304,7 +315,26 @@ class ConnectionGuard:
                 doomed.append(inode)
             else:
                 self._spared += 1
-        return doomed
+        return doomed + self._shed(called, set(doomed))
+
+    def _shed(self, called: set[tuple[str, int]], doomed: set[int]) -> list[int]:
+        """Connections that made a call to close while more than :data:`SHED` of the port
+        is open (after ``doomed``): the address holding the most loses its oldest first,
+        and no address goes below ``max_idle_per_host`` (a port full of many clients of a
+        few connections each is left to gRPC, as it was)."""
+        staying = [(inode, c) for inode, c in self._connections.items()
+                   if not c.shut and inode not in doomed]
+        excess = len(staying) - int(SHED * self.max_connections)
+        if excess <= 0:
+            return []
+        hosts: dict[str, list[tuple[float, int]]] = {}
+        for inode, connection in staying:
+            if connection.peer in called:
+                hosts.setdefault(connection.peer[0], []).append((connection.accepted, inode))
+        for host, connections in hosts.items():
+            connections.sort()  # oldest first; an address keeps its newest per-address share
+            hosts[host] = connections[:max(0, len(connections) - self.max_idle_per_host)]
+        return [inode for _, inode in _fair_cut(hosts, excess)]
 
     def _sockets(self) -> dict[int, int] | None:
         """Socket inode -> descriptor, for every socket this process has open now; ``None``
