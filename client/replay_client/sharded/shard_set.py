@@ -102,7 +102,7 @@ class ShardSet:
         self.spec = spec
         self.health = ShardHealth()
         self._deadline = shard_deadline_s
-        self._probes = ThreadPoolExecutor(max_workers=16, thread_name_prefix="replay-shard-probes")
+        self._probes: ThreadPoolExecutor | None = None  # made by the first probe, shut by close
         self._prober = ShardProber(self.health, self._ask)
         self._factory = factory
         self._options = dict(options)
@@ -417,7 +417,13 @@ class ShardSet:
     def _probe(self, client: Any) -> Future | None:
         """Start a probe of ``client``'s server (``None``: it cannot be probed)."""
         call = probe_call(client, self._deadline)
-        return None if call is None else self._probes.submit(call)
+        if call is None:
+            return None
+        with self._lock:
+            if self._probes is None:
+                self._probes = ThreadPoolExecutor(max_workers=16,
+                                                  thread_name_prefix="replay-shard-probes")
+            return self._probes.submit(call)
 
     def _ask(self, shard: int) -> str | None:
         """The background probe of a down shard: ``None`` if it answered (an error that is
@@ -446,14 +452,16 @@ class ShardSet:
             clients, self._clients = self._clients, None
             pending, self._pending = self._pending, {}
             pool, self._pool = self._pool, None
+            probes, self._probes = self._probes, None
         errors = []
         for client in [*(clients or {}).values(), *pending.values()]:
             try:
                 client.close()
             except ReplayError as exc:
                 errors.append(exc)
-        if pool is not None:
-            pool.shutdown(wait=False)
+        for executor in (pool, probes):
+            if executor is not None:
+                executor.shutdown(wait=False)  # a probe in flight ends at its deadline
         if errors:
             raise errors[0]
 
