@@ -7,6 +7,8 @@ EXAMPLES_STAMP := $(VENV)/.examples-stamp
 SETUP_LOG := $(VENV)/setup.log
 PIP    := $(BIN)/python -m pip install --disable-pip-version-check --progress-bar off -c constraints.txt
 PYTEST_ARGS ?=
+# make test's worker processes (pytest-xdist); 0 runs the suite in this process.
+TEST_WORKERS ?= 2
 
 .PHONY: install proto serve lint test soak demo bench bench-engine bench-service bench-learner \
         bench-scaleout bench-starvation bench-gpu-table clean image image-test conformance \
@@ -47,8 +49,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check --quiet --select F,E9 .
 	$(BIN)/mypy
 
+# A test file is one unit of work for a worker; everything that starts a Ray cluster is one
+# unit (tests/conftest.py, pytest_collection_modifyitems).
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)
