@@ -101,7 +101,10 @@ def _engine_row(record: dict) -> Row:
     else:
         raise KeyError(f"case {case!r}")
     key = f"{case} {record['rows']} {record['batch']}"
-    cells = (label, f"{record['rows']:,}", f"{record['batch']:,}", *shown, _x(ratio))
+    spread = [x for x in record.get("ratios", []) if x is not None]  # one per round (--repeat)
+    ratio_cell = _x(ratio) + (f" ({min(spread):.2f}-{max(spread):.2f})" if len(spread) > 1
+                              else "")
+    cells = (label, f"{record['rows']:,}", f"{record['batch']:,}", *shown, ratio_cell)
     return Row(key, cells, shown[0], shown[1], ratio)
 
 
@@ -182,13 +185,18 @@ def rows_of(run: Run, where: str = "") -> list[Row]:
                            f"(missing or wrong: {exc})") from exc
 
 
+def table(benchmark: str, rows: list[Row]) -> str:
+    """A benchmark's markdown table: what the benchmark prints and the page shows."""
+    bench = BENCHMARKS[benchmark]
+    lines = ["| " + " | ".join(bench.head) + " |", bench.align]
+    return "\n".join(lines + ["| " + " | ".join(row.cells) + " |" for row in rows])
+
+
 def render_run(run: Run) -> str:
     """A benchmark's block: command, machine and date, its table, and its note."""
-    bench = BENCHMARKS[run.benchmark]
     lines = [f"- **Command:** `{run.command}`", f"- **Machine:** {run.machine}",
              f"- **Date:** {run.date}" + (f", commit `{run.commit}`" if run.commit else ""),
-             "", "| " + " | ".join(bench.head) + " |", bench.align]
-    lines += ["| " + " | ".join(row.cells) + " |" for row in rows_of(run)]
+             "", table(run.benchmark, rows_of(run))]
     if run.note:
         lines += ["", run.note]
     return "\n".join(lines)
