@@ -132,12 +132,6 @@ PLAN = (
 )
 
 
-def _fmt_time(seconds: float | None) -> str:
-    if seconds is None:
-        return "n/a"
-    return f"{seconds * 1e3:.3f} ms" if seconds < 1 else f"{seconds:.2f} s"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--side", choices=["ours"], help="run one measurement (internal)")
@@ -213,35 +207,11 @@ def _ratio(ours: dict | None, theirs: dict | None, case: str) -> float | None:
 def _table(results: list[dict]) -> str:
     import torch
 
+    from report import BENCHMARKS, table  # the page's table (docs/benchmarks.md), one renderer
+
     head = (f"machine: {platform.machine()}, {os.cpu_count()} cores, "
             f"Python {platform.python_version()}, ours torch {torch.__version__}\n\n")
-    lines = ["| case | rows | batch | replay-server | TorchRL 0.14.1 | ratio (TorchRL / ours) |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for r in results:
-        ours, theirs = r["ours"] or {}, r["torchrl"] or {}
-        if r["case"] == "insert":
-            a, b = ours.get("rows_per_s"), theirs.get("rows_per_s")
-            cells = (f"{a:,.0f} rows/s" if a else "n/a", f"{b:,.0f} rows/s" if b else "n/a",
-                     f"{a / b:.2f}x" if a and b else "n/a")
-            label = "insert (extend)"
-        elif r["case"] == "memory":
-            a, b = ours.get("ratio"), theirs.get("ratio")
-            cells = (
-                f"{a:.3f}x raw ({ours['ratio_untrimmed']:.3f}x untrimmed)" if a else "n/a",
-                f"{b:.3f}x raw ({theirs['ratio_untrimmed']:.3f}x untrimmed)" if b else "n/a",
-                f"{b / a:.2f}x" if a and b else "n/a",
-            )
-            label = "memory: RSS growth / raw row bytes, after malloc_trim"
-        else:
-            a, b = ours.get("median_s"), theirs.get("median_s")
-            cells = (_fmt_time(a), _fmt_time(b), f"{b / a:.2f}x" if a and b else "n/a")
-            label = ("prioritized sample + update" if r["case"] == "prioritized"
-                     else "slice sample 256 x 32 (after 1,000-row insert)")
-        spread = [x for x in r.get("ratios", []) if x is not None]
-        if len(spread) > 1:
-            cells = (*cells[:2], f"{cells[2]} ({min(spread):.2f}-{max(spread):.2f})")
-        lines.append(f"| {label} | {r['rows']:,} | {r['batch']:,} | " + " | ".join(cells) + " |")
-    return head + "\n".join(lines)
+    return head + table("engine", BENCHMARKS["engine"].rows(results))
 
 
 if __name__ == "__main__":

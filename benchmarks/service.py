@@ -238,26 +238,12 @@ def main() -> None:
 def _table(results: list[dict]) -> str:
     import torch
 
+    from report import BENCHMARKS, table  # the page's table (docs/benchmarks.md), one renderer
+
     head = (f"machine: {platform.machine()}, {os.cpu_count()} cores, Python "
             f"{platform.python_version()}, torch {torch.__version__}; loopback, one client "
             f"process\n\n")
-    lines = ["| rows | operation | replay-server | Reverb 0.14.0 | ratio (ours / Reverb) |",
-             "|---|---|---:|---:|---:|"]
-    for r in results:
-        theirs = r["reverb"] or {}
-        metric, unit = {"update": ("ids_per_s", "ids/s"),
-                        "publish": ("calls_per_s", "calls/s")}.get(r["case"], ("rows_per_s", "rows/s"))
-        base = theirs.get(metric)
-        for record in r["ours"]:
-            value = record[metric]
-            mb = f", {record['mb_per_s']:,.1f} MB/s" if "mb_per_s" in record else ""
-            their_mb = f", {theirs['mb_per_s']:,.1f} MB/s" if theirs.get("mb_per_s") else ""
-            lines.append(
-                f"| {r['kind']} | {r['case']}: {record['api']} | {value:,.0f} {unit}{mb} | "
-                + (f"{base:,.0f} {unit}{their_mb} ({theirs.get('api', '')}) | {value / base:.2f}x |"
-                   if base else "n/a | n/a |")
-            )
-    return head + "\n".join(lines)
+    return head + table("service", BENCHMARKS["service"].rows(results))
 
 
 if __name__ == "__main__":
