@@ -18,6 +18,7 @@ from replay_server.checkpoint.wal.logged_table import LoggedTable
 from replay_server.checkpoint.wal.replay import replay_log
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import LocalIncarnations
+from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.table_set import TableSet
 from replay_server.errors import CorruptLogError, LogFullError
 
@@ -181,3 +182,34 @@ def test_a_segment_whose_creation_a_crash_cut_short_is_removed(tmp_path) -> None
                         last_incarnation=2)
     assert not unborn.exists() and report.next_index == 1
     assert any("header was never finished" in cut for cut in report.cut)
+
+
+def test_queue_takes_and_acknowledgements_replay_and_unacknowledged_leases_come_back(
+        tmp_path) -> None:
+    """A take for good (no lease) and an acknowledged lease (whole, or its first draws) are
+    logged: replayed, those rows stay taken; a lease never acknowledged is not, so its rows
+    are in the queue again, in their place. Replay over a checkpoint that saw some of them
+    is the same (idempotent)."""
+    configs = [TableConfig(name="queue", capacity=100, sampler="fifo")]
+    tables = TableSet(configs, LocalIncarnations(0, 1), make_table=LoggedTable)
+    log = _log(tmp_path, 1)
+    queue = tables["queue"]
+    queue.attach(log)
+    queue.insert({"x": torch.arange(10)})
+    assert queue.sample(2).data["x"].tolist() == [0, 1]  # no lease: taken for good
+    assert queue.sample(3, lease=LeaseRequest("a", 60)).data["x"].tolist() == [2, 3, 4]
+    assert queue.sample(2, lease=LeaseRequest("b", 60)).data["x"].tolist() == [5, 6]
+    checkpoint = queue.state_dict()  # saves leases a and b as given back
+    queue.settle_leases(acknowledge=["a"])
+    queue.settle_leases(acknowledge_first=("b", 1))  # 5 acknowledged; 6 still leased
+    assert queue.sample(1, lease=LeaseRequest("c", 60)).data["x"].tolist() == [7]
+    log.close()
+    for restored in (None, checkpoint):
+        again = TableSet(configs, LocalIncarnations(0, 2), make_table=LoggedTable)
+        if restored is not None:
+            again["queue"].load_state_dict(restored)
+        report = replay_log(tmp_path, again, start=None, start_incarnation=None, shard=0,
+                            last_incarnation=1)
+        assert report.applied + report.skipped == 4 and not report.cut
+        assert again["queue"].size == 4
+        assert again["queue"].sample(4).data["x"].tolist() == [6, 7, 8, 9]

@@ -43,9 +43,9 @@ RECORD_HEADER_BYTES = _RECORD.size + 4
 _RECORD_MAGIC_BYTES = struct.pack("<I", RECORD_MAGIC)
 _TENSOR = struct.Struct("<HBB")  # name length, dtype length, dims
 
-INSERT, PRIORITIES, RESET, DELETE, PUBLISH = 1, 2, 3, 4, 5
+INSERT, PRIORITIES, RESET, DELETE, PUBLISH, TAKE = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {INSERT: "insert", PRIORITIES: "priority update", RESET: "reset",
-              DELETE: "delete", PUBLISH: "publish"}
+              DELETE: "delete", PUBLISH: "publish", TAKE: "queue take"}
 
 
 class LogFormatError(ValueError):
