@@ -28,7 +28,12 @@ of named variables are logged by
 every method is :class:`Table`'s own.
 
 Inserts are logged as the columns the table was handed (after conversion,
-episode ids a TensorDict got included), so replay stores the same bytes.
+episode ids a TensorDict got included), so replay stores the same bytes; a
+compressed column (``compress_keys``, lz4) as the blocks the table stored
+(compressed once, before the table's lock; about a tenth of Atari frames'
+raw bytes), which replay decompresses into the rows it inserts again (lz4
+is lossless: the same bytes). A frame-stacked column is logged raw (the
+table stores only its newest frame).
 
 Thread-safety: as :class:`Table`; the order lock serializes a table's
 changes while a log is attached (a sample's draw is not under it: a take's
@@ -66,6 +71,7 @@ class LoggedTable(LoggedChanges, Table):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._start_logging()
+        self._compressed: dict[str, list[bytes]] = {}  # the last insert's (see _append)
 
     def _record_meta(self) -> dict[str, Any]:
         return {"table": self.name}
@@ -78,16 +84,38 @@ class LoggedTable(LoggedChanges, Table):
         given = None if priorities is None else _array(priorities)
 
         def record(ids: torch.Tensor) -> Made | None:
+            compressed, self._compressed = self._compressed, {}
             if len(ids) == 0:
                 return None
-            tensors: dict[str, Any] = {f"c:{key}": value for key, value in columns.items()}
+            tensors: dict[str, Any] = {}
+            shapes: dict[str, Any] = {}
+            for key, value in columns.items():
+                if key in compressed:  # the blocks the table stored, not the raw rows
+                    tensors[f"z:{key}"] = records.packed_blocks(compressed[key])
+                    shapes[key] = [str(value.dtype).removeprefix("torch."), list(value.shape[1:])]
+                else:
+                    tensors[f"c:{key}"] = value
             if given is not None:
                 tensors["priorities"] = given
-            return records.INSERT, {"first_id": int(ids[0])}, tensors
+            meta: dict[str, Any] = {"first_id": int(ids[0])}
+            if shapes:
+                meta.update(z=shapes, rows=len(ids))
+            return records.INSERT, meta, tensors
 
         return self._logged(
             log, sum(c.nbytes for c in columns.values()) + (0 if given is None else given.nbytes),
             lambda: Table.insert(self, unflatten(columns), given), record)
+
+    def _append(self, parts: TableParts, columns: Mapping[str, torch.Tensor],  # type: ignore[override]
+                encoded: Any, rows: int, priorities: Any, episodes: dict[str, Any]) -> int:
+        """:meth:`Table._append`, keeping the blocks of the insert's compressed columns (lz4)
+        that hold its rows as handed (not a frame stack's reduced ones) for the record: the
+        log holds what the table already compressed, never compressed twice. Under the
+        table's lock; read by :meth:`insert` under the order lock."""
+        stored = parts.stored(columns)
+        self._compressed = {key: value for key, value in encoded.items()
+                            if isinstance(value, list) and stored[key] is columns[key]}
+        return Table._append(parts, columns, encoded, rows, priorities, episodes)
 
     def update_priorities(self, ids: Any, priorities: Any, *,
                           blocking: bool = True) -> int | None:

@@ -280,6 +280,9 @@ def _change(table: LoggedTable, record: records.Record) -> None:
         table.under_lock(lambda parts, _: parts.ids.follow(parts.ring.next_id, first_id),
                          change=False)
         columns = {key[2:]: value for key, value in tensors.items() if key.startswith("c:")}
+        for key, (dtype, shape) in record.meta.get("z", {}).items():  # compressed columns
+            columns[key] = records.unpacked_rows(tensors[f"z:{key}"], dtype, shape,
+                                                 int(record.meta["rows"]))
         given = tensors.get("priorities")
         ids = table.insert(unflatten(columns), None if given is None else given.numpy())
         if int(ids[0]) != first_id:
