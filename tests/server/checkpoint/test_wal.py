@@ -20,7 +20,7 @@ from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import LocalIncarnations
 from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.table_set import TableSet
-from replay_server.errors import CorruptLogError, LogFullError
+from replay_server.errors import CorruptLogError, LogFullError, LogWriteError
 
 CONFIGS = [TableConfig(name="replay", capacity=1000, sampler="prioritized"),
            TableConfig(name="plain", capacity=100, sampler="uniform")]
@@ -272,3 +272,22 @@ def test_a_frame_stacked_compressed_table_replays_bit_exact(tmp_path) -> None:
     assert before["columns"].keys() == after["columns"].keys()
     for key in before["columns"]:
         assert torch.equal(before["columns"][key], after["columns"][key]), key
+
+
+def test_a_group_that_cannot_be_written_fails_its_callers_and_breaks_the_log(tmp_path) -> None:
+    """The caller that writes a group (group commit has no writer thread) reports a failure
+    to every caller of that group, never leaves them waiting, and the log refuses changes."""
+    log = _log(tmp_path, 1)
+    good = log.append([b"x"])
+    log.wait(good)
+
+    def broken() -> list:
+        raise RuntimeError("an encoding bug")
+
+    bad, after = log.append(broken), log.append([b"y"])
+    for number in (bad, after):
+        with pytest.raises(LogWriteError, match="an encoding bug"):
+            log.wait(number)
+    with pytest.raises(LogWriteError, match="cannot be written"):
+        log.append([b"z"])
+    log.close()
