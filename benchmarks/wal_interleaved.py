@@ -8,7 +8,10 @@ tree, ``--base``), and ``--writers`` client threads insert into one server at a
 time for ``--seconds``, server after server, for ``--rounds`` rounds: each
 setting sees the same moments of load. Prints one JSON object: rows/s per
 setting (sum over rounds), each level against "off" of its own tree, and,
-with ``--base``, each setting of this tree against the base's.
+with ``--base``, each setting of this tree against the base's. ``--ops``:
+what the clients do in their turn: insert (the default), sample, or read
+a stream (``--sample-batch`` rows a batch, from ``--fill`` rows inserted
+first): the read path, which the log should not slow.
 
 ``--base DIR``: a tree holding ``server/replay_server`` (e.g. ``git archive
 COMMIT server | tar -x -C DIR``); its servers import that package instead of
@@ -78,14 +81,25 @@ class Server:
         self.calls = 0
         self.seconds = 0.0
 
-    def turn(self, block: dict, seconds: float) -> None:
-        """Insert from every client at once for ``seconds``; count the calls answered."""
+    def turn(self, op: str, block: dict, seconds: float, batch: int) -> None:
+        """``op`` from every client at once for ``seconds``: inserts of ``block``, samples or
+        a stream's batches of ``batch`` rows; count the calls answered (the batches)."""
         stop = threading.Event()
         counts = [0] * len(self.clients)
 
         def writer(k: int) -> None:
+            client = self.clients[k]
+            if op == "stream":
+                with client.stream("bench", batch, prefetch=4) as stream:
+                    for _ in stream:
+                        counts[k] += 1
+                        if stop.is_set():
+                            return
             while not stop.is_set():
-                self.clients[k].insert("bench", block)
+                if op == "insert":
+                    client.insert("bench", block)
+                else:
+                    client.sample("bench", batch)
                 counts[k] += 1
 
         threads = [threading.Thread(target=writer, args=(k,)) for k in range(len(self.clients))]
@@ -110,23 +124,27 @@ class Server:
             self.process.wait()
 
 
-def measure(root: Path, kind: str, args: argparse.Namespace) -> dict:
+def measure(root: Path, kind: str, op: str, args: argparse.Namespace) -> dict:
     trees = [("this", None)] + ([("base", str(Path(args.base).resolve()))] if args.base else [])
-    servers = [Server(root / f"{kind}-{tree}-{level}", f"{tree}/{level}", kind, level, base, args)
+    servers = [Server(root / f"{kind}-{op}-{tree}-{level}", f"{tree}/{level}", kind, level, base, args)
                for tree, base in trees for level in args.levels.split(",")]
     block = rows(kind, args.batch, seed=1)
+    per_call = args.batch if op == "insert" else args.sample_batch
     try:
-        for server in servers:  # warm: the schema, the first segment
-            server.turn(block, 0.2)
+        for server in servers:  # warm: the schema, the first segment; rows to sample
+            if op != "insert":
+                for _ in range(max(1, args.fill // args.batch)):
+                    server.clients[0].insert("bench", block)
+            server.turn(op, block, 0.2, args.sample_batch)
             server.calls, server.seconds = 0, 0.0
         for round_ in range(args.rounds):
             order = servers[round_ % len(servers):] + servers[:round_ % len(servers)]
             for server in order:
-                server.turn(block, args.seconds)
+                server.turn(op, block, args.seconds, args.sample_batch)
     finally:
         for server in servers:
             server.close()
-    rate = {s.name: round(s.calls * args.batch / s.seconds) for s in servers}
+    rate = {s.name: round(s.calls * per_call / s.seconds) for s in servers}
     result: dict = {"rows_s": rate}
     for tree, _ in trees:
         off = rate.get(f"{tree}/off")
@@ -142,6 +160,10 @@ def measure(root: Path, kind: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", default="small", help="row kinds, comma-separated")
+    parser.add_argument("--ops", default="insert",
+                        help="insert, sample, stream (comma-separated): what the clients do")
+    parser.add_argument("--sample-batch", type=int, default=256, help="rows per sample/batch")
+    parser.add_argument("--fill", type=int, default=20_000, help="rows inserted before sampling")
     parser.add_argument("--levels", default="off,os,fsync")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seconds", type=float, default=1.0, help="one server's turn")
@@ -160,8 +182,9 @@ def main() -> None:
         result: dict = {"args": {k: v for k, v in vars(args).items() if k != "shim"},
                         "load_before": [round(x, 1) for x in load]}
         for kind in args.kinds.split(","):
-            result[kind] = measure(root, kind, args)
-            print(f"{kind}: {result[kind]}", file=sys.stderr)
+            for op in args.ops.split(","):
+                result[f"{kind}/{op}"] = measure(root, kind, op, args)
+                print(f"{kind}/{op}: {result[f'{kind}/{op}']}", file=sys.stderr)
         result["load_after"] = [round(x, 1) for x in os.getloadavg()]
     print(json.dumps(result, indent=1))
 
