@@ -109,9 +109,12 @@ def insert_rate(root: Path, kind: str, wal: str, args: argparse.Namespace) -> di
         elapsed = time.perf_counter() - start
         log_bytes = sum(p.stat().st_size for p in (root / "ckpt").glob("wal-*.log"))
     calls = sum(counts)
+    logged_rows = (calls + 3) * args.batch
     return {"rows_s": round(calls * args.batch / elapsed), "calls_s": round(calls / elapsed, 1),
             "mb_s": round(calls * nbytes / elapsed / 1e6, 1),
-            "log_mb": round(log_bytes / 1e6, 1)}
+            "log_mb": round(log_bytes / 1e6, 1),
+            "log_bytes_per_row": round(log_bytes / logged_rows, 1) if log_bytes else 0,
+            "row_bytes": nbytes // args.batch}
 
 
 def _serve(root: Path, config: Path, name: str) -> tuple[subprocess.Popen, str, float]:
@@ -170,20 +173,29 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the logs go (a tmp dir there)")
     parser.add_argument("--replay-mb", type=float, default=1000.0,
                         help="log replayed on restart (0: skip)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="row kinds, comma-separated")
+    parser.add_argument("--levels", default="off,os,fsync",
+                        help="log settings, comma-separated (ratios need off)")
+    parser.add_argument("--no-disk", action="store_true", help="skip the disk's own rates")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
-        result: dict = {"args": vars(args), "disk": disk_rates(root)}
-        for kind in KINDS:
+        result: dict = {"args": vars(args),
+                        "disk": {} if args.no_disk else disk_rates(root)}
+        levels = args.levels.split(",")
+        for kind in args.kinds.split(","):
             result[kind] = {}
-            for wal in ("off", "os", "fsync"):
+            for wal in levels:
                 run = root / f"{kind}-{wal}"
                 run.mkdir()
                 result[kind][wal] = insert_rate(run, kind, wal, args)
                 print(f"{kind} wal={wal}: {result[kind][wal]}", file=sys.stderr)
+            if "off" not in levels:
+                continue
             off = result[kind]["off"]["mb_s"]
-            for wal in ("os", "fsync"):
-                result[kind][f"{wal}_vs_off"] = round(result[kind][wal]["mb_s"] / off, 2)
+            for wal in levels:
+                if wal != "off":
+                    result[kind][f"{wal}_vs_off"] = round(result[kind][wal]["mb_s"] / off, 2)
         if args.replay_mb > 0:
             (root / "replay").mkdir()
             result["replay"] = replay_rate(root / "replay", args)

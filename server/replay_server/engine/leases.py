@@ -93,6 +93,13 @@ class Lease:
     def rows(self) -> int:
         return sum(removal.positions.size for removal in self.removals)
 
+    @property
+    def positions(self) -> np.ndarray:
+        """The positions of the rows it holds (int64; slice starts on a slice table)."""
+        if not self.removals:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([removal.positions for removal in self.removals])
+
 
 class Leases:
     """The leases of one table (see the module docstring)."""
@@ -113,6 +120,10 @@ class Leases:
     def rows(self) -> int:
         """Rows held by leases now."""
         return sum(lease.rows for lease in self._held.values())
+
+    def get(self, name: str) -> Lease | None:
+        """The lease ``name`` if it is held (its rows may have been overwritten since)."""
+        return self._held.get(name)
 
     def held(self, name: str, ring: IdRing) -> Lease | None:
         """The lease ``name`` if it is held and its rows are still stored.

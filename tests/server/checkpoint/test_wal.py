@@ -18,8 +18,9 @@ from replay_server.checkpoint.wal.logged_table import LoggedTable
 from replay_server.checkpoint.wal.replay import replay_log
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import LocalIncarnations
+from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.table_set import TableSet
-from replay_server.errors import CorruptLogError, LogFullError
+from replay_server.errors import CorruptLogError, LogFullError, LogWriteError
 
 CONFIGS = [TableConfig(name="replay", capacity=1000, sampler="prioritized"),
            TableConfig(name="plain", capacity=100, sampler="uniform")]
@@ -181,3 +182,112 @@ def test_a_segment_whose_creation_a_crash_cut_short_is_removed(tmp_path) -> None
                         last_incarnation=2)
     assert not unborn.exists() and report.next_index == 1
     assert any("header was never finished" in cut for cut in report.cut)
+
+
+def test_queue_takes_and_acknowledgements_replay_and_unacknowledged_leases_come_back(
+        tmp_path) -> None:
+    """A take for good (no lease) and an acknowledged lease (whole, or its first draws) are
+    logged: replayed, those rows stay taken; a lease never acknowledged is not, so its rows
+    are in the queue again, in their place. Replay over a checkpoint that saw some of them
+    is the same (idempotent)."""
+    configs = [TableConfig(name="queue", capacity=100, sampler="fifo")]
+    tables = TableSet(configs, LocalIncarnations(0, 1), make_table=LoggedTable)
+    log = _log(tmp_path, 1)
+    queue = tables["queue"]
+    queue.attach(log)
+    queue.insert({"x": torch.arange(10)})
+    assert queue.sample(2).data["x"].tolist() == [0, 1]  # no lease: taken for good
+    assert queue.sample(3, lease=LeaseRequest("a", 60)).data["x"].tolist() == [2, 3, 4]
+    assert queue.sample(2, lease=LeaseRequest("b", 60)).data["x"].tolist() == [5, 6]
+    checkpoint = queue.state_dict()  # saves leases a and b as given back
+    queue.settle_leases(acknowledge=["a"])
+    queue.settle_leases(acknowledge_first=("b", 1))  # 5 acknowledged; 6 still leased
+    assert queue.sample(1, lease=LeaseRequest("c", 60)).data["x"].tolist() == [7]
+    log.close()
+    for restored in (None, checkpoint):
+        again = TableSet(configs, LocalIncarnations(0, 2), make_table=LoggedTable)
+        if restored is not None:
+            again["queue"].load_state_dict(restored)
+        report = replay_log(tmp_path, again, start=None, start_incarnation=None, shard=0,
+                            last_incarnation=1)
+        assert report.applied + report.skipped == 4 and not report.cut
+        assert again["queue"].size == 4
+        assert again["queue"].sample(4).data["x"].tolist() == [6, 7, 8, 9]
+
+
+def _screens(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Atari-like frames: mostly flat, as screens are (lz4 gains)."""
+    frames = np.zeros((n, 84, 84, 4), dtype=np.uint8)
+    frames[:, 20:40, 10:70] = rng.integers(0, 255, (n, 20, 60, 4), dtype=np.uint8)
+    return frames
+
+
+def test_compressed_columns_are_logged_as_stored_and_replay_bit_exact(tmp_path) -> None:
+    """An lz4 column is logged as the blocks the table stored (a fraction of the raw frames),
+    a plain one raw; replay gives back the same bytes, bfloat16 included."""
+    configs = [TableConfig(name="atari", capacity=100, sampler="uniform",
+                           compress_keys=("frame", "value"))]
+    tables = TableSet(configs, LocalIncarnations(0, 1), make_table=LoggedTable)
+    log = _log(tmp_path, 1)
+    tables["atari"].attach(log)
+    rng = np.random.default_rng(7)
+    raw = 0
+    for n in (16, 1, 30):
+        frames = _screens(rng, n)
+        value = torch.from_numpy(rng.random((n, 3)).astype(np.float32)).to(torch.bfloat16)
+        tables["atari"].insert({"frame": frames, "value": value,
+                                "reward": rng.random(n).astype(np.float32)})
+        raw += frames.nbytes
+    log.close()
+    logged = (tmp_path / records.segment_name(0)).stat().st_size
+    assert logged < raw / 2, (logged, raw)  # the frames' blocks, not the frames
+    again = TableSet(configs, LocalIncarnations(0, 2), make_table=LoggedTable)
+    report = replay_log(tmp_path, again, start=None, start_incarnation=None, shard=0,
+                        last_incarnation=1)
+    assert report.applied == 3
+    before, after = tables["atari"].state_dict(), again["atari"].state_dict()
+    assert before["columns"].keys() == after["columns"].keys() == {"frame", "value", "reward"}
+    for key in before["columns"]:
+        assert before["columns"][key].dtype == after["columns"][key].dtype
+        assert torch.equal(before["columns"][key], after["columns"][key]), key
+
+
+def test_a_frame_stacked_compressed_table_replays_bit_exact(tmp_path) -> None:
+    """A frame-stacked column is logged raw (the table stores only its newest frame), the
+    other compressed ones as blocks: replay gives back the same storage."""
+    from tests.server.engine.composition import Actors, Combo
+
+    config, _ = Combo("uniform", "memory", True, True, 1).configs(tmp_path, 64, seed=3)
+    tables = TableSet([config], LocalIncarnations(0, 1), make_table=LoggedTable)
+    log = _log(tmp_path, 1)
+    tables["t"].attach(log)
+    actors = Actors(3, np.random.default_rng(5))
+    for n in (5, 9, 7):
+        tables["t"].insert(actors.steps(n))
+    log.close()
+    again = TableSet([config], LocalIncarnations(0, 2), make_table=LoggedTable)
+    assert replay_log(tmp_path, again, start=None, start_incarnation=None, shard=0,
+                      last_incarnation=1).applied == 3
+    before, after = tables["t"].state_dict(), again["t"].state_dict()
+    assert before["columns"].keys() == after["columns"].keys()
+    for key in before["columns"]:
+        assert torch.equal(before["columns"][key], after["columns"][key]), key
+
+
+def test_a_group_that_cannot_be_written_fails_its_callers_and_breaks_the_log(tmp_path) -> None:
+    """The caller that writes a group (group commit has no writer thread) reports a failure
+    to every caller of that group, never leaves them waiting, and the log refuses changes."""
+    log = _log(tmp_path, 1)
+    good = log.append([b"x"])
+    log.wait(good)
+
+    def broken() -> list:
+        raise RuntimeError("an encoding bug")
+
+    bad, after = log.append(broken), log.append([b"y"])
+    for number in (bad, after):
+        with pytest.raises(LogWriteError, match="an encoding bug"):
+            log.wait(number)
+    with pytest.raises(LogWriteError, match="cannot be written"):
+        log.append([b"z"])
+    log.close()

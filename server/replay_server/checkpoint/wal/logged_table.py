@@ -2,62 +2,79 @@
 
 :class:`LoggedTable` is a :class:`~replay_server.engine.table.Table` that,
 once a :class:`~replay_server.checkpoint.wal.log.WriteAheadLog` is attached
-(:meth:`LoggedTable.attach`), logs each insert, priority update, reset and
-delete: the change is applied and its record queued under the table's
-*order lock* (so the log holds a table's changes in the order they were
-applied, which replay repeats), then the call waits, outside that lock, for
-the record to be durable (group commit with every other waiting call). Each
-record carries the table's log sequence number :attr:`LoggedTable.log_seq`;
-a snapshot (a checkpoint) records the number it covers, taken under the
-order lock at its instant, so a restore replays exactly the records after it.
+(:meth:`LoggedTable.attach`), logs each insert, priority update, reset,
+delete and queue take the way every logged object does
+(:mod:`~replay_server.checkpoint.wal.logged`: applied and queued under the
+table's order lock, waited for outside it); a snapshot (a checkpoint)
+records the log sequence number it covers, taken under the order lock at
+its instant, so a restore replays exactly the records after it.
+
+**Queue takes** (tables whose sampler consumes its rows: ``fifo``/``lifo``)
+are logged when rows leave the queue for good: an unleased sample's rows
+when it is drawn, a leased sample's when its lease is acknowledged (in
+whole or in part). A ``TAKE`` record holds their ids (slice starts on a
+slice table); replay retires those rows again (:meth:`LoggedTable.retire`:
+idempotent, rows gone already are ignored). A lease taken and not
+acknowledged is not logged: after a crash its rows are in the queue again
+(the checkpoint saved them as given back). Draw counts below
+``max_times_sampled`` are not logged. A take or an acknowledgement is never
+refused for the log: if the log cannot be written it is made unlogged (after
+a crash those rows are delivered again, at least once).
 
 Not logged (they come back as the last checkpoint had them after a crash):
-samples and their leases (queue takes and acknowledgements), draw settings,
-rows written by position. Publishes of named variables are logged by
-:mod:`~replay_server.checkpoint.wal.logged_variables`. Without a log attached every method is
-:class:`Table`'s own.
+samples of other tables, draw settings, rows written by position. Publishes
+of named variables are logged by
+:mod:`~replay_server.checkpoint.wal.logged_variables`. Without a log attached
+every method is :class:`Table`'s own.
 
 Inserts are logged as the columns the table was handed (after conversion,
-episode ids a TensorDict got included), so replay stores the same bytes.
+episode ids a TensorDict got included), so replay stores the same bytes; a
+compressed column (``compress_keys``, lz4) as the blocks the table stored
+(compressed once, before the table's lock; about a tenth of Atari frames'
+raw bytes), which replay decompresses into the rows it inserts again (lz4
+is lossless: the same bytes). A frame-stacked column is logged raw (the
+table stores only its newest frame).
 
 Thread-safety: as :class:`Table`; the order lock serializes a table's
-changes (not its samples) while a log is attached.
+changes while a log is attached (a sample's draw is not under it: a take's
+record is queued right after, and replaying it is idempotent, so a
+checkpoint whose instant falls between the two holds the same queue).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
+from replay_proto.batch import SampleBatch
 from replay_proto.keys import unflatten
 from replay_server.checkpoint.wal import records
 from replay_server.checkpoint.wal.log import WriteAheadLog
+from replay_server.checkpoint.wal.logged import LoggedChanges, Made
 from replay_server.engine.inputs import columns_of
+from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
 from replay_server.engine.table import Table
+from replay_server.engine.table_parts import TableParts
+from replay_server.errors import LogWriteError
 
 LOG_SEQ_KEY = "wal_seq"
 """Where a table's state (a checkpoint's) holds the log sequence number it covers."""
 
 
-class LoggedTable(Table):
+class LoggedTable(LoggedChanges, Table):
     """A :class:`Table` that logs its changes once a log is attached (see the module docstring)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._order = threading.Lock()
-        self._log: WriteAheadLog | None = None
-        self.log_seq = 0
-        """The sequence number of this table's next logged change (restored with the table)."""
+        self._start_logging()
+        self._compressed: dict[str, list[bytes]] = {}  # the last insert's (see _append)
 
-    def attach(self, log: WriteAheadLog | None) -> None:
-        """Log every change from now on into ``log`` (``None``: stop logging)."""
-        with self._order:
-            self._log = log
+    def _record_meta(self) -> dict[str, Any]:
+        return {"table": self.name}
 
     def insert(self, data: Any, priorities: Any = None) -> torch.Tensor:
         log = self._log
@@ -65,17 +82,40 @@ class LoggedTable(Table):
             return super().insert(data, priorities)
         columns = columns_of(data, self.name, self.config.episode_key)
         given = None if priorities is None else _array(priorities)
-        log.admit(sum(c.nbytes for c in columns.values()) + (0 if given is None else given.nbytes))
-        with self._order:
-            ids = super().insert(unflatten(columns), given)
+
+        def record(ids: torch.Tensor) -> Made | None:
+            compressed, self._compressed = self._compressed, {}
             if len(ids) == 0:
-                return ids
-            tensors: dict[str, Any] = {f"c:{key}": value for key, value in columns.items()}
+                return None
+            tensors: dict[str, Any] = {}
+            shapes: dict[str, Any] = {}
+            for key, value in columns.items():
+                if key in compressed:  # the blocks the table stored, not the raw rows
+                    tensors[f"z:{key}"] = records.packed_blocks(compressed[key])
+                    shapes[key] = [str(value.dtype).removeprefix("torch."), list(value.shape[1:])]
+                else:
+                    tensors[f"c:{key}"] = value
             if given is not None:
                 tensors["priorities"] = given
-            number = self._record(log, records.INSERT, {"first_id": int(ids[0])}, tensors)
-        log.wait(number)
-        return ids
+            meta: dict[str, Any] = {"first_id": int(ids[0])}
+            if shapes:
+                meta.update(z=shapes, rows=len(ids))
+            return records.INSERT, meta, tensors
+
+        return self._logged(
+            log, sum(c.nbytes for c in columns.values()) + (0 if given is None else given.nbytes),
+            lambda: Table.insert(self, unflatten(columns), given), record)
+
+    def _append(self, parts: TableParts, columns: Mapping[str, torch.Tensor],  # type: ignore[override]
+                encoded: Any, rows: int, priorities: Any, episodes: dict[str, Any]) -> int:
+        """:meth:`Table._append`, keeping the blocks of the insert's compressed columns (lz4)
+        that hold its rows as handed (not a frame stack's reduced ones) for the record: the
+        log holds what the table already compressed, never compressed twice. Under the
+        table's lock; read by :meth:`insert` under the order lock."""
+        stored = parts.stored(columns)
+        self._compressed = {key: value for key, value in encoded.items()
+                            if isinstance(value, list) and stored[key] is columns[key]}
+        return Table._append(parts, columns, encoded, rows, priorities, episodes)
 
     def update_priorities(self, ids: Any, priorities: Any, *,
                           blocking: bool = True) -> int | None:
@@ -85,29 +125,53 @@ class LoggedTable(Table):
         if not blocking:
             return None  # waiting for the log is blocking: the caller goes off its loop
         id_array, values = _array(ids), _array(priorities)
-        log.admit(id_array.nbytes + values.nbytes)
-        with self._order:
-            applied = super().update_priorities(id_array, values)
-            number = self._record(log, records.PRIORITIES, {},
-                                  {"ids": id_array, "priorities": values})
-        log.wait(number)
-        return applied
+        return self._logged(log, id_array.nbytes + values.nbytes,
+                            lambda: Table.update_priorities(self, id_array, values),
+                            lambda _: (records.PRIORITIES, {},
+                                       {"ids": id_array, "priorities": values}))
 
     def reset(self, *, schema: bool = False) -> None:
-        self._logged(lambda: super(LoggedTable, self).reset(schema=schema), records.RESET,
-                     {"schema": bool(schema)})
+        log = self._log
+        if log is None:
+            return super().reset(schema=schema)
+        self._logged(log, 0, lambda: Table.reset(self, schema=schema),
+                     lambda _: (records.RESET, {"schema": bool(schema)}, {}))
 
     def delete(self, ids: Any) -> int:
         log = self._log
         if log is None:
             return super().delete(ids)
         id_array = _array(ids)
-        log.admit(id_array.nbytes)
-        with self._order:
-            deleted = super().delete(id_array)
-            number = self._record(log, records.DELETE, {}, {"ids": id_array})
-        log.wait(number)
-        return deleted
+        return self._logged(log, id_array.nbytes, lambda: Table.delete(self, id_array),
+                            lambda _: (records.DELETE, {}, {"ids": id_array}))
+
+    def sample(self, batch_size: int, *, out: Mapping[str, torch.Tensor] | None = None,
+               lease: LeaseRequest | None = None) -> SampleBatch:
+        batch = super().sample(batch_size, out=out, lease=lease)
+        log = self._log
+        if log is not None and lease is None and self.config.sampler.traits.consumes:
+            ids = batch.ids.detach().cpu().numpy()
+            heads = ids[:, 0] if ids.ndim == 2 else ids  # a slice is taken by its start
+            self._log_taken(log, lambda parts, _: _retired(parts, self.name, heads))
+        return batch
+
+    def settle_leases(self, acknowledge: Iterable[str] = (), give_back: Iterable[str] = (),
+                      acknowledge_first: tuple[str, int] | None = None) -> int:
+        log = self._log
+        acknowledge = list(acknowledge)
+        if log is None or (not acknowledge and acknowledge_first is None):
+            return super().settle_leases(acknowledge, give_back, acknowledge_first)
+        back = 0
+
+        def settle(parts: TableParts, _: Any) -> np.ndarray:
+            nonlocal back
+            ids, back = _acknowledged(parts, acknowledge, give_back, acknowledge_first)
+            return ids
+
+        self._log_taken(log, settle)
+        if back:
+            self.changes.tick()
+        return back
 
     def snapshot(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TableSnapshot:
         with self._order:  # the instant falls between two logged changes
@@ -122,25 +186,67 @@ class LoggedTable(Table):
         super().load_state_dict(state, read_rows)
         self.log_seq = seq
 
-    def _logged(self, change: Callable[[], Any], kind: int, meta: dict[str, Any]) -> Any:
-        log = self._log
-        if log is None:
-            return change()
-        log.admit(0)
-        with self._order:
-            result = change()
-            number = self._record(log, kind, meta, {})
-        log.wait(number)
-        return result
+    def retire(self, ids: np.ndarray) -> int:
+        """Replay a logged take: the rows ``ids`` (still present) leave the queue for good.
+        Returns how many left now (rows gone already are ignored: replay is idempotent)."""
+        def retire(parts: TableParts, _: Any) -> int:
+            assert parts.remover is not None
+            positions = parts.ids.positions_of(ids, parts.ring.next_id, self.name)
+            positions = np.unique(positions[parts.ring.live(positions)])
+            retired = parts.remover.delete(parts.sampler, positions)
+            parts.counters.retired += retired
+            parts.limiter.deleted(retired if parts.remover.removes_rows else 0)
+            return retired
 
-    def _record(self, log: WriteAheadLog, kind: int, meta: dict[str, Any],
-                tensors: dict[str, Any]) -> int:
-        """Queue the record of a change just applied (under the order lock; it is encoded and
-        checksummed by the log's writer thread, the tensors unchanged until then)."""
-        meta = {"table": self.name, "seq": self.log_seq, **meta}
-        number = log.append(lambda: records.encode(kind, meta, tensors))
-        self.log_seq += 1
-        return number
+        return int(self.under_lock(retire))
+
+    def _log_taken(self, log: WriteAheadLog, taken: Callable[[TableParts, Any], np.ndarray]) -> None:
+        """Log the rows a take or an acknowledgement made leave for good (``taken``, run under
+        the table's lock, applies it and returns their ids), and wait for it.
+
+        Takes and acknowledgements are never refused for the log: if it cannot be written
+        (full, broken) the change stays made and is not logged, so after a crash those rows
+        are delivered again (at least once, as without a log)."""
+        with self._order:
+            ids = self.under_lock(taken, change=False)
+            if ids.size == 0:
+                return
+            try:
+                number = self._queue_record(log, records.TAKE, {}, {"ids": ids})
+            except LogWriteError:
+                return
+        try:
+            log.wait(number)
+        except LogWriteError:
+            pass
+
+
+def _retired(parts: TableParts, table: str, heads: np.ndarray) -> np.ndarray:
+    """The ids among ``heads`` (a batch's rows, or its slices' starts) that no longer can be
+    drawn: the rows the batch took for good."""
+    if parts.remover is None or heads.size == 0:
+        return np.empty(0, dtype=np.int64)
+    positions = parts.ids.positions_of(heads, parts.ring.next_id, table)
+    live = parts.ring.live(positions)
+    positions, heads = positions[live], heads[live]
+    return np.unique(heads[~parts.remover.drawable(positions)])
+
+
+def _acknowledged(parts: TableParts, acknowledge: list[str], give_back: Iterable[str],
+                  first: tuple[str, int] | None) -> tuple[np.ndarray, int]:
+    """Settle leases as :meth:`TableParts.settle_leases` does; the ids of the rows the
+    acknowledgements made leave for good (those still stored), and the rows that came back."""
+    leases = parts.leases
+    held = {name: lease.positions for name in [*acknowledge, *([first[0]] if first else [])]
+            if (lease := leases.get(name)) is not None}
+    back = parts.settle_leases(acknowledge, give_back, first)
+    if first is not None and first[0] in held and (lease := leases.get(first[0])) is not None:
+        held[first[0]] = np.setdiff1d(held[first[0]], lease.positions)
+    if not held:
+        return np.empty(0, dtype=np.int64), back
+    positions = np.unique(np.concatenate(list(held.values())))
+    positions = positions[parts.ring.live(positions)]
+    return parts.ids.ids_of(positions, parts.ring.first_live), back
 
 
 def _array(value: Any) -> np.ndarray:

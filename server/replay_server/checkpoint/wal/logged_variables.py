@@ -15,29 +15,24 @@ Thread-safety: as :class:`VariableStore`.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
 from replay_server.checkpoint.wal import records
-from replay_server.checkpoint.wal.log import WriteAheadLog
+from replay_server.checkpoint.wal.logged import LoggedChanges
 from replay_server.engine.variables import Variable, VariableStore
 
 
-class LoggedVariableStore(VariableStore):
+class LoggedVariableStore(LoggedChanges, VariableStore):
     """A :class:`VariableStore` that logs its publishes once a log is attached."""
 
     def __init__(self, max_bytes: int) -> None:
         super().__init__(max_bytes)
-        self._order = threading.Lock()
-        self._log: WriteAheadLog | None = None
-        self.log_seq = 0
-        """The sequence number of the next logged publish (restored with the variables)."""
+        self._start_logging()
 
-    def attach(self, log: WriteAheadLog | None) -> None:
-        with self._order:
-            self._log = log
+    def _record_meta(self) -> dict[str, Any]:
+        return {"variables": True}
 
     def snapshot(self) -> tuple[list[Variable], int]:
         """Every variable's newest version and the log sequence number they cover (one instant)."""
@@ -50,7 +45,7 @@ class LoggedVariableStore(VariableStore):
         Raises:
             ValueError: it would get another version (the log and the checkpoint disagree).
         """
-        variable = super()._store(name, layout, data, 0)
+        variable = VariableStore._store(self, name, layout, data, 0)
         if variable.version != version:
             raise ValueError(f"variable {name!r} got version {variable.version} where the log "
                              f"says {version}")
@@ -59,13 +54,8 @@ class LoggedVariableStore(VariableStore):
         log = self._log
         if log is None:
             return super()._store(name, layout, data, keys)
-        log.admit(len(layout) + data.nbytes)
-        with self._order:
-            variable = super()._store(name, layout, data, keys)
-            meta: dict[str, Any] = {"variables": True, "seq": self.log_seq, "name": name,
-                                    "version": variable.version}
-            tensors = {"layout": np.frombuffer(layout, dtype=np.uint8), "data": data}
-            number = log.append(lambda: records.encode(records.PUBLISH, meta, tensors))
-            self.log_seq += 1
-        log.wait(number)
-        return variable
+        return self._logged(
+            log, len(layout) + data.nbytes,
+            lambda: VariableStore._store(self, name, layout, data, keys),
+            lambda variable: (records.PUBLISH, {"name": name, "version": variable.version},
+                              {"layout": np.frombuffer(layout, dtype=np.uint8), "data": data}))

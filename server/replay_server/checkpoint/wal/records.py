@@ -9,8 +9,9 @@ then holds records, each::
     magic u32 | payload length u64 | crc32 of the payload | crc32 of the 16 bytes before
 
 The payload is ``kind u8 | meta length u32 | meta (JSON) | tensors``, each
-tensor ``name | dtype | shape | raw little-endian bytes`` (a compressed
-column stays the bytes it was given). Nothing is pickled: JSON, raw arrays
+tensor ``name | dtype | shape | raw little-endian bytes``; an insert's
+compressed column (lz4) is its rows' blocks, each behind its 4-byte size, as
+the table stores them (:func:`packed_blocks`, :func:`unpacked_rows`). Nothing is pickled: JSON, raw arrays
 and checksums only.
 
 :func:`scan` reads one segment's records and says where they stop: at the
@@ -31,6 +32,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import lz4.block
 import numpy as np
 import torch
 
@@ -43,9 +45,9 @@ RECORD_HEADER_BYTES = _RECORD.size + 4
 _RECORD_MAGIC_BYTES = struct.pack("<I", RECORD_MAGIC)
 _TENSOR = struct.Struct("<HBB")  # name length, dtype length, dims
 
-INSERT, PRIORITIES, RESET, DELETE, PUBLISH = 1, 2, 3, 4, 5
+INSERT, PRIORITIES, RESET, DELETE, PUBLISH, TAKE = 1, 2, 3, 4, 5, 6
 KIND_NAMES = {INSERT: "insert", PRIORITIES: "priority update", RESET: "reset",
-              DELETE: "delete", PUBLISH: "publish"}
+              DELETE: "delete", PUBLISH: "publish", TAKE: "queue take"}
 
 
 class LogFormatError(ValueError):
@@ -169,6 +171,36 @@ def decode(payload: bytes, offset: int) -> Record:
     if kind not in KIND_NAMES or not isinstance(meta, dict):
         raise LogFormatError(f"a record at offset {offset} has unknown kind {kind}")
     return Record(kind, meta, tensors, offset)
+
+
+def packed_blocks(blocks: list[bytes]) -> np.ndarray:
+    """A compressed column's rows as one buffer: each row's block behind its 4-byte size, as
+    the table stores them (:func:`~replay_server.engine.storage.lz4_batch.prefixed`)."""
+    return np.frombuffer(b"".join(blocks), dtype=np.uint8)
+
+
+def unpacked_rows(packed: torch.Tensor, dtype: str, shape: list[int], rows: int) -> torch.Tensor:
+    """The rows of :func:`packed_blocks`' buffer, decompressed: ``[rows, *shape]`` of ``dtype``.
+
+    Raises:
+        LogFormatError: the buffer does not hold ``rows`` whole blocks of that size.
+    """
+    try:
+        torch_dtype = getattr(torch, dtype)
+        row_bytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=torch_dtype).element_size()
+        data = memoryview(packed.numpy())
+        out = np.empty((rows, row_bytes), dtype=np.uint8)
+        at = 0
+        for row in range(rows):
+            size = int.from_bytes(data[at:at + 4], "little")
+            out[row] = np.frombuffer(lz4.block.decompress(
+                data[at + 4:at + 4 + size], uncompressed_size=row_bytes), dtype=np.uint8)
+            at += 4 + size
+        if at != len(data):
+            raise ValueError(f"{len(data) - at} bytes follow the last block")
+    except (AttributeError, TypeError, ValueError, lz4.block.LZ4BlockError) as exc:
+        raise LogFormatError(f"compressed rows cannot be read: {exc}") from None
+    return torch.from_numpy(out).view(torch_dtype).reshape(rows, *shape)
 
 
 def _record_at(data: bytes, at: int) -> tuple[bytes, int] | str:

@@ -36,7 +36,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,7 @@ from typing import Any
 from replay_proto.keys import unflatten
 from replay_server.checkpoint.fileio import RestoreCancelled
 from replay_server.checkpoint.wal import records
+from replay_server.checkpoint.wal.logged import LoggedChanges
 from replay_server.checkpoint.wal.logged_table import LoggedTable
 from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
 from replay_server.engine.table_set import TableSet
@@ -236,49 +237,39 @@ def _check_records(path: Path, last_of_run: bool, next_index: int | None,
 
 def _apply(tables: TableSet, record: records.Record, path: Path, report: ReplayReport) -> None:
     where = f"{records.KIND_NAMES[record.kind]} record at offset {record.offset} of {path}"
-    name, seq = record.meta.get("table"), record.meta.get("seq")
+    name = record.meta.get("table")
     try:
         table = tables[str(name)]
     except UnknownTableError:
         raise CorruptLogError(f"the {where} changes table {name!r}, which the config does not "
                               f"declare (tables: {tables.names})") from None
-    if not isinstance(table, LoggedTable) or not isinstance(seq, int):
+    if not isinstance(table, LoggedTable):
         raise CorruptLogError(f"the {where} cannot be replayed into table {name!r}")
-    if seq < table.log_seq:
-        report.skipped += 1
-        return
-    if seq > table.log_seq:
-        raise CorruptLogError(
-            f"the {where} is table {name!r}'s change {seq}, but the log lacks its changes "
-            f"{table.log_seq}..{seq - 1}: a record or segment is missing")
-    try:
-        _change(table, record)
-    except (ReplayServerError, ValueError) as exc:
-        raise CorruptLogError(f"the {where} cannot be replayed: {exc}") from None
-    table.log_seq += 1
-    report.applied += 1
+    _in_order(table, record, where, f"table {name!r}", report, lambda: _change(table, record))
 
 
 def _publish(store: LoggedVariableStore | None, record: records.Record, path: Path,
              report: ReplayReport) -> None:
     where = f"publish record at offset {record.offset} of {path}"
-    seq = record.meta.get("seq")
-    if store is None or not isinstance(seq, int):
+    if store is None:
         raise CorruptLogError(f"the {where} cannot be replayed: no named variables to replay into")
-    if seq < store.log_seq:
+    _in_order(store, record, where, "the variables", report, lambda: store.replayed(
+        int(record.meta["version"]), str(record.meta["name"]),
+        record.tensors["layout"].numpy().tobytes(), record.tensors["data"].numpy().copy()))
+
+
+def _in_order(target: LoggedChanges, record: records.Record, where: str, what: str,
+              report: ReplayReport, apply: Callable[[], Any]) -> None:
+    """Apply ``record`` to ``target`` if it is the target's next change; skip it if the
+    checkpoint holds it already."""
+    if not target.replays(record.meta.get("seq"), where, what):
         report.skipped += 1
         return
-    if seq > store.log_seq:
-        raise CorruptLogError(
-            f"the {where} is the variables' change {seq}, but the log lacks their changes "
-            f"{store.log_seq}..{seq - 1}: a record or segment is missing")
     try:
-        store.replayed(int(record.meta["version"]), str(record.meta["name"]),
-                       record.tensors["layout"].numpy().tobytes(),
-                       record.tensors["data"].numpy().copy())
+        apply()
     except (ReplayServerError, ValueError, KeyError) as exc:
         raise CorruptLogError(f"the {where} cannot be replayed: {exc}") from None
-    store.log_seq += 1
+    target.replayed_one()
     report.applied += 1
 
 
@@ -289,6 +280,9 @@ def _change(table: LoggedTable, record: records.Record) -> None:
         table.under_lock(lambda parts, _: parts.ids.follow(parts.ring.next_id, first_id),
                          change=False)
         columns = {key[2:]: value for key, value in tensors.items() if key.startswith("c:")}
+        for key, (dtype, shape) in record.meta.get("z", {}).items():  # compressed columns
+            columns[key] = records.unpacked_rows(tensors[f"z:{key}"], dtype, shape,
+                                                 int(record.meta["rows"]))
         given = tensors.get("priorities")
         ids = table.insert(unflatten(columns), None if given is None else given.numpy())
         if int(ids[0]) != first_id:
@@ -299,6 +293,8 @@ def _change(table: LoggedTable, record: records.Record) -> None:
         table.reset(schema=bool(record.meta.get("schema")))
     elif record.kind == records.DELETE:
         table.delete(tensors["ids"].numpy())
+    elif record.kind == records.TAKE:
+        table.retire(tensors["ids"].numpy())
     else:
         raise ValueError(f"a record of kind {record.kind} belongs to no table")
 

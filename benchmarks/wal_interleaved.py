@@ -1,0 +1,193 @@
+"""Insert throughput with the write-ahead log, every setting interleaved in short turns.
+
+benchmarks/wal.py measures each setting once, one after another: on a shared,
+busy machine the load moves between them and the ratios swing (0.4x to 1.0x
+from run to run). Here every server runs at once (log off, ``"os"``,
+``"fsync"``; optionally each also with the ``replay_server`` of another source
+tree, ``--base``), and ``--writers`` client threads insert into one server at a
+time for ``--seconds``, server after server, for ``--rounds`` rounds: each
+setting sees the same moments of load. Prints one JSON object: rows/s per
+setting (sum over rounds), each level against "off" of its own tree, and,
+with ``--base``, each setting of this tree against the base's. ``--ops``:
+what the clients do in their turn: insert (the default), sample, or read
+a stream (``--sample-batch`` rows a batch, from ``--fill`` rows inserted
+first): the read path, which the log should not slow.
+
+``--base DIR``: a tree holding ``server/replay_server`` (e.g. ``git archive
+COMMIT server | tar -x -C DIR``); its servers import that package instead of
+the installed one (through a ``sitecustomize`` this script writes).
+
+    .venv/bin/python benchmarks/wal_interleaved.py [--kinds small] [--rounds 10]
+        [--seconds 1] [--base DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from wal import KINDS, rows  # benchmarks/ is on sys.path: this script's directory
+
+_SHIM = '''import os, sys
+base = os.environ.get("WAL_BENCH_BASE")
+if base:
+    for name, module in list(sys.modules.items()):
+        if name.startswith("__editable__") and hasattr(module, "MAPPING"):
+            module.MAPPING.pop("replay_server", None)
+    sys.path.insert(0, os.path.join(base, "server"))
+'''
+
+
+class Server:
+    """One replay-server process of one setting, and its writers' clients."""
+
+    def __init__(self, root: Path, name: str, kind: str, level: str, base: str | None,
+                 args: argparse.Namespace) -> None:
+        from replay_client import ReplayClient
+
+        self.name, self.level, self.base = name, level, base
+        root.mkdir(parents=True)
+        log_lines = "" if level == "off" else \
+            f'wal = true\nwal_sync = "{level}"\nwal_max_mb = 65536\n'
+        config = root / "config.toml"
+        config.write_text(
+            f'[server]\ncheckpoint_dir = "{root / "ckpt"}"\ncheckpoint_interval_s = 0\n'
+            f'{log_lines}[[tables]]\nname = "bench"\ncapacity = {args.capacity}\n'
+            f'sampler = "uniform"\n{KINDS[kind][1]}')
+        env = dict(os.environ)
+        if base is not None:
+            env.update(WAL_BENCH_BASE=base,
+                       PYTHONPATH=os.pathsep.join([args.shim, env.get("PYTHONPATH", "")]))
+        port_file = root / "port"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "replay_server.app.cli", "serve", "--config", str(config),
+             "--address", "127.0.0.1:0", "--port-file", str(port_file)],
+            stdout=open(root / "server.log", "w"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
+        deadline = time.monotonic() + 300
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError((root / "server.log").read_text()[-2000:])
+            time.sleep(0.05)
+        address = f"127.0.0.1:{port_file.read_text().strip()}"
+        self.clients = [ReplayClient(address, timeout=600) for _ in range(args.writers)]
+        self.calls = 0
+        self.seconds = 0.0
+
+    def turn(self, op: str, block: dict, seconds: float, batch: int) -> None:
+        """``op`` from every client at once for ``seconds``: inserts of ``block``, samples or
+        a stream's batches of ``batch`` rows; count the calls answered (the batches)."""
+        stop = threading.Event()
+        counts = [0] * len(self.clients)
+
+        def writer(k: int) -> None:
+            client = self.clients[k]
+            if op == "stream":
+                with client.stream("bench", batch, prefetch=4) as stream:
+                    for _ in stream:
+                        counts[k] += 1
+                        if stop.is_set():
+                            return
+            while not stop.is_set():
+                if op == "insert":
+                    client.insert("bench", block)
+                else:
+                    client.sample("bench", batch)
+                counts[k] += 1
+
+        threads = [threading.Thread(target=writer, args=(k,)) for k in range(len(self.clients))]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        time.sleep(seconds)
+        stop.set()
+        for thread in threads:
+            thread.join()
+        self.seconds += time.perf_counter() - start
+        self.calls += sum(counts)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def measure(root: Path, kind: str, op: str, args: argparse.Namespace) -> dict:
+    trees = [("this", None)] + ([("base", str(Path(args.base).resolve()))] if args.base else [])
+    servers = [Server(root / f"{kind}-{op}-{tree}-{level}", f"{tree}/{level}", kind, level, base, args)
+               for tree, base in trees for level in args.levels.split(",")]
+    block = rows(kind, args.batch, seed=1)
+    per_call = args.batch if op == "insert" else args.sample_batch
+    try:
+        for server in servers:  # warm: the schema, the first segment; rows to sample
+            if op != "insert":
+                for _ in range(max(1, args.fill // args.batch)):
+                    server.clients[0].insert("bench", block)
+            server.turn(op, block, 0.2, args.sample_batch)
+            server.calls, server.seconds = 0, 0.0
+        for round_ in range(args.rounds):
+            order = servers[round_ % len(servers):] + servers[:round_ % len(servers)]
+            for server in order:
+                server.turn(op, block, args.seconds, args.sample_batch)
+    finally:
+        for server in servers:
+            server.close()
+    rate = {s.name: round(s.calls * per_call / s.seconds) for s in servers}
+    result: dict = {"rows_s": rate}
+    for tree, _ in trees:
+        off = rate.get(f"{tree}/off")
+        for level in args.levels.split(","):
+            if off and level != "off":
+                result[f"{tree}/{level}_vs_off"] = round(rate[f"{tree}/{level}"] / off, 2)
+    if args.base:
+        for level in args.levels.split(","):
+            result[f"{level}_this_vs_base"] = round(rate[f"this/{level}"] / rate[f"base/{level}"], 2)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kinds", default="small", help="row kinds, comma-separated")
+    parser.add_argument("--ops", default="insert",
+                        help="insert, sample, stream (comma-separated): what the clients do")
+    parser.add_argument("--sample-batch", type=int, default=256, help="rows per sample/batch")
+    parser.add_argument("--fill", type=int, default=20_000, help="rows inserted before sampling")
+    parser.add_argument("--levels", default="off,os,fsync")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--seconds", type=float, default=1.0, help="one server's turn")
+    parser.add_argument("--writers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64, help="rows per insert call")
+    parser.add_argument("--capacity", type=int, default=1_000_000)
+    parser.add_argument("--base", default=None, help="a tree with server/replay_server")
+    parser.add_argument("--dir", default=None, help="where the logs go (a tmp dir there)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        args.shim = str(root / "shim")
+        os.makedirs(args.shim)
+        (Path(args.shim) / "sitecustomize.py").write_text(_SHIM)
+        load = os.getloadavg()
+        result: dict = {"args": {k: v for k, v in vars(args).items() if k != "shim"},
+                        "load_before": [round(x, 1) for x in load]}
+        for kind in args.kinds.split(","):
+            for op in args.ops.split(","):
+                result[f"{kind}/{op}"] = measure(root, kind, op, args)
+                print(f"{kind}/{op}: {result[f'{kind}/{op}']}", file=sys.stderr)
+        result["load_after"] = [round(x, 1) for x in os.getloadavg()]
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
