@@ -163,6 +163,22 @@ class ShardRegistry:
                                  f"before they serve ({'; '.join(late)})")
             self._expected = num_shards
 
+    def retire(self, num_shards: int) -> list[int]:
+        """Expect ``num_shards`` shards from now on, fewer than now (a scale down whose
+        removed shards have handed their rows over): their entries are dropped, so clients
+        resolving the replay drop them too. Idempotent: the indices dropped."""
+        with self._lock:
+            dropped = sorted(i for i in self._entries if i >= num_shards)
+            for index in dropped:
+                del self._entries[index]
+            self._expected = min(self._expected, num_shards)
+            launch = self._spec.get("launch")
+            if launch is not None:
+                self._spec["launch"] = {**launch,
+                                        "shard_options": list(launch["shard_options"])[
+                                            :num_shards]}
+            return dropped
+
     def abandon(self) -> list[int]:
         """Forget the entries of shards added but not admitted (a scale that failed): their
         indices."""
