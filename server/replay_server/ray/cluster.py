@@ -250,9 +250,10 @@ class ReplayCluster:
 
         Scaling down (``num_shards`` below the shards now) keeps every row in
         the replay. Shards ``num_shards..n-1`` drain (their registry entries say
-        ``draining``: strict clients wait for them as for a restart, degraded
-        ones list them in ``missing_shards``; no client samples the shards
-        that stay as the whole replay meanwhile), write their final
+        ``draining``: clients treat them as during a restart: a strict client's
+        calls that need them fail naming them, degraded ones list them in
+        ``missing_shards``; no client samples the shards that stay as the
+        whole replay meanwhile), write their final
         checkpoints, and insert their rows, with their priorities and in the
         order written (each episode to one shard), into the shards that stay
         (:mod:`~replay_server.ray.handover`). Then the registry expects
