@@ -281,7 +281,9 @@ class ReplayCluster:
 
         Raises:
             ConfigError: ``num_shards`` or ``shard_options`` is bad (named); nothing started.
-            ScaleDownError: a removed shard could not hand its rows over (named); the
+            ScaleDownError: a table whose rows leave when sampled (a queue,
+                ``max_times_sampled``) or a staying shard that does not serve: nothing
+                changed. Or a removed shard could not hand its rows over (named); the
                 replay still expects every shard, the shard's final checkpoint holds its
                 rows (those already inserted elsewhere are there too).
             TimeoutError: the new shards did not all serve within ``timeout_s`` (their
@@ -319,6 +321,13 @@ class ReplayCluster:
     def _shrink(self, num_shards: int, now: int, timeout_s: float) -> dict[int, dict[str, Any]]:
         """Scale down from ``now`` to ``num_shards`` shards (see :meth:`scale`): what each
         removed shard handed over."""
+        removing = [t.name for t in ask(self._registry, "spec").get("tables", [])
+                    if t.removal_limit]
+        if removing:
+            raise ScaleDownError(f"replay {self.name!r}: scale({num_shards}) cannot move the "
+                                 f"rows of {removing}: rows leave those tables when sampled "
+                                 f"(fifo/lifo, max_times_sampled), so they are not moved; "
+                                 f"nothing was changed")
         listed = {s["index"]: s for s in ask(self._registry, "snapshot")["shards"]}
         staying = [listed[i]["address"] for i in range(num_shards)]
         if any(listed[i]["state"] != "serving" for i in range(num_shards)):

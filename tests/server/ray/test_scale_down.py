@@ -119,3 +119,24 @@ def test_scale_down_moves_the_removed_shard_rows_and_clients_drop_it(
         strict.close()
         degraded.close()
         replay.shutdown()
+
+
+def test_a_replay_with_a_queue_is_not_scaled_down_and_nothing_changes(ray_cluster) -> None:
+    from replay_server.ray import ScaleDownError
+
+    replay = ReplayCluster.create(
+        "queue-shrink", tables=[{"name": "q", "capacity": 100, "sampler": "fifo"}],
+        num_shards=2, shard_options={"num_cpus": 0}, checkpoint_interval_s=0,
+        get_if_exists=False)
+    try:
+        with replay.client() as client:
+            client.insert("q", {"key": torch.arange(10)})
+        before = replay.states()
+        with pytest.raises(ScaleDownError, match=r"cannot move the rows of \['q'\]: rows leave "
+                                                 r"those tables when sampled"):
+            replay.scale(1)
+        assert replay.states() == before and replay.num_shards == 2
+        with replay.client() as client:
+            assert client.info()["q"].size == 10
+    finally:
+        replay.shutdown()
