@@ -38,7 +38,13 @@ import ray
 
 from replay_client import ReplayClient
 from replay_server.errors import ConfigError
-from replay_server.ray.registry import MAX_SHARDS, ShardRegistry, ask, shard_actor_name
+from replay_server.ray.registry import (
+    MAX_SHARDS,
+    ShardRegistry,
+    ask,
+    forget_count,
+    shard_actor_name,
+)
 from replay_server.ray.shard import ReplayShard, shard_settings
 
 DEFAULT_NAMESPACE = "replay"
@@ -421,6 +427,7 @@ class ReplayCluster:
                 pass  # a shard that died meanwhile has nothing to drain
         for handle in [*handles.values(), self._registry]:
             ray.kill(handle, no_restart=True)
+        forget_count(self.namespace, self.name)
         names = [self.name, *(shard_actor_name(self.name, i) for i in range(count))]
         deadline = time.monotonic() + _GONE_WAIT_S
         while any(_exists(n, self.namespace) for n in names):

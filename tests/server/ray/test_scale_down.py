@@ -6,9 +6,9 @@ scale go on after it. ``scale(2)`` drains shard 2, moves its rows with their
 priorities to shards 0 and 1 (each episode to one of them, in order), and
 the registry then expects two shards: the clients and the stream drop shard
 2 at their next resolution and draw exactly over every row again, a late
-update naming one of shard 2's ids is skipped and counted, and a shard 2
-started by a later scale up begins empty (its checkpoint folder was set
-aside).
+update naming one of shard 2's ids is skipped and counted, a registry that
+Ray restarts keeps the lowered count, and a shard 2 started by a later scale
+up begins empty (its checkpoint folder was set aside).
 """
 
 from __future__ import annotations
@@ -109,6 +109,13 @@ def test_scale_down_moves_the_removed_shard_rows_and_clients_drop_it(
         assert not any(2 in s for s in seen[-3:]), seen[-5:]
         assert batch.missing_shards == ()
         stream.close()
+
+        where = replay.registry()  # a registry Ray restarts keeps the lowered count
+        ray.kill(ray.get_actor("shrink", namespace="replay"), no_restart=False)
+        assert wait_for(lambda: replay.registry()["pid"] != where["pid"], timeout=60)
+        assert wait_for(lambda: [(s["index"], s["state"]) for s in replay.states()] == [
+            (0, "serving"), (1, "serving")], timeout=60), replay.states()
+        assert ReplayCluster.get("shrink").num_shards == 2
 
         replay.scale(3, shard_options={"num_cpus": 0, "resources": NODE_B})
         with replay.client() as grown:  # a new shard 2 starts empty: no row comes back twice
