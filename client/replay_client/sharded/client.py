@@ -463,7 +463,7 @@ class ShardedClient(ShardedTableRows):
             if not known.all():
                 self._health.count("skipped_updates", int((~known).sum()))
                 id_array, values = id_array[known], values[known]
-        groups = by_owner(id_array, clients, "nothing was updated")
+        groups = self._set.owners(id_array, clients, "nothing was updated")
         live = set(self._live(clients))
         for shard in [s for s in groups if s not in live]:  # degraded: that shard is down
             self._health.count("skipped_updates", len(groups.pop(shard)))

@@ -95,6 +95,15 @@ class ShardHealth:
                     self._delay.pop(shard, None)
                     self._stats.rejoins += 1
 
+    def retired(self, shards: Iterable[int]) -> None:
+        """``shards`` left the replay (a scale down): no longer down, and not rejoined."""
+        with self._lock:
+            for shard in shards:
+                self._probed.discard(shard)
+                self._stats.down.pop(shard, None)
+                self._retry_at.pop(shard, None)
+                self._delay.pop(shard, None)
+
     @property
     def any_down(self) -> bool:
         """Whether some shard is down now."""

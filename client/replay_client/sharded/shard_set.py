@@ -12,7 +12,12 @@ unavailable (at most once a second), so
   mode calls leave it out (as any unavailable shard); by default calls that
   need it fail naming it;
 * a shard that comes back on another address (a pod rescheduled) is
-  reached there.
+  reached there;
+* a shard the name no longer gives whose index is past the replay's
+  expected count (a ``ray://`` replay scaled down: its rows were moved to
+  the shards that stay) is *retired*: dropped from the set, not down, and
+  priority updates naming its ids are skipped and counted as stale ones
+  are (``skipped_updates``).
 
 With ``allow_degraded=True`` a client can be created, and used, while some
 of its servers do not answer yet: they are tried again at each resolution
@@ -54,6 +59,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Any
 
+import numpy as np
+
 from replay_client.errors import (
     DeadlineExceededError,
     ReplayError,
@@ -69,6 +76,8 @@ from replay_client.sharded.deadline import (
 from replay_client.sharded.discovery import Resolution, Resolver, named, resolve
 from replay_client.sharded.health import ShardHealth
 from replay_client.sharded.prober import ShardProber
+from replay_client.sharded.routing import by_owner
+from replay_proto.id_layout import shard_of
 
 RETRY_RESOLVE_S = 1.0
 """After a call found a shard unavailable, the name is resolved again at most this often."""
@@ -117,6 +126,7 @@ class ShardSet:
         self._pending: dict[str, Any] = {}  # addresses whose server has not answered yet
         self._background: threading.Thread | None = None  # a degraded client's resolution
         self._gone: set[int] = set()  # shards whose address the name no longer gives
+        self.retired: set[int] = set()  # shards a scale down removed (see the docstring)
         self._next_resolve = 0.0
         self._last_resolve = 0.0
         self._failures: dict[str, ReplayError] = {}
@@ -269,6 +279,8 @@ class ShardSet:
             self._forget(shard)
             if not first or shard in self._absent:
                 self.health.answered([shard])
+        if resolution is not None and resolution.expected is not None:
+            self._retire(clients, addresses, wanted, resolution.expected)
         gone = {shard for shard, address in addresses.items() if address not in wanted}
         for shard in gone - self._gone:
             said = resolution.why_missing(shard) if resolution is not None else None
@@ -293,6 +305,31 @@ class ShardSet:
                     max_workers=workers, thread_name_prefix="replay-shards")
                 if old_pool is not None:
                     old_pool.shutdown(wait=False)
+
+    def _retire(self, clients: dict[int, Any], addresses: dict[int, str], wanted: list[str],
+                expected: int) -> None:
+        """Drop the shards past ``expected`` that the name no longer gives (a scale down)."""
+        retired = [s for s in clients if s >= expected and addresses[s] not in wanted]
+        for shard in retired:
+            clients.pop(shard).close()
+            del addresses[shard]
+        for shard in retired and [*retired, *clients]:  # the others took the retired rows
+            self._forget(shard)
+        self.retired.update(retired)
+        self.retired.difference_update(clients)  # an index that serves again (scaled up)
+        self.health.retired(retired)
+
+    def owners(self, ids: Any, clients: Mapping[int, Any], nothing_done: str) -> dict[int, Any]:
+        """:func:`~replay_client.sharded.routing.by_owner` over ``clients``, ids of retired
+        shards skipped and counted (``skipped_updates``: their rows live on elsewhere under
+        new ids, as an overwritten row's update is stale)."""
+        if self.retired:
+            gone = np.isin(shard_of(ids), list(self.retired))
+            if gone.any():
+                self.health.count("skipped_updates", int(gone.sum()))
+                kept = by_owner(ids[~gone], clients, nothing_done)
+                return {s: np.flatnonzero(~gone)[rows] for s, rows in kept.items()}
+        return by_owner(ids, clients, nothing_done)
 
     def _absent_of(self, clients: Mapping[int, Any],
                    resolution: Resolution | None) -> dict[int, str]:

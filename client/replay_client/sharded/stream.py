@@ -238,6 +238,12 @@ class MergedLink:
         except ReplayError:
             return  # the set could not be resolved now: go on with the shards we have
         with self._cond:
+            for shard in [s for s in self._rows if s not in current]:  # retired: scaled down
+                retired = self._rows.pop(shard)
+                retired.stop()
+                for kept in (self._addresses, self._down, self._stalled):
+                    kept.pop(shard, None)
+                self._outages.discard(shard)
             self._addresses.update(current)
             for shard in current:
                 if shard not in self._rows and not self._stopped:

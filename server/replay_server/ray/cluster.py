@@ -19,7 +19,8 @@ replay. Ray restarts a shard that dies (``max_restarts``); it restores its
 last checkpoint and registers again, and open clients and streams take it back.
 :meth:`ReplayCluster.scale` grows a running replay: the new shards join the
 registry's expected count once they serve, and open clients and streams take
-them in at their next resolution (scaling down is refused, :class:`ScaleDownError`).
+them in at their next resolution. A scale down drains the shards removed and moves
+their rows to the shards that stay (:meth:`ReplayCluster.scale`).
 
 Thread-safety: a ``ReplayCluster`` is a handle (names and actor handles); it
 may be used from any thread and pickled into tasks.
@@ -37,7 +38,13 @@ import ray
 
 from replay_client import ReplayClient
 from replay_server.errors import ConfigError
-from replay_server.ray.registry import MAX_SHARDS, ShardRegistry, ask, shard_actor_name
+from replay_server.ray.registry import (
+    MAX_SHARDS,
+    ShardRegistry,
+    ask,
+    forget_count,
+    shard_actor_name,
+)
 from replay_server.ray.shard import ReplayShard, shard_settings
 
 DEFAULT_NAMESPACE = "replay"
@@ -59,8 +66,8 @@ class ReplayExistsError(ConfigError):
 
 
 class ScaleDownError(ConfigError):
-    """``scale(n)`` asked for fewer shards than the replay has: not supported (its message
-    says why); nothing was changed."""
+    """A scale down could not move a removed shard's rows to the shards that stay (the
+    message names the shard and why); see :meth:`ReplayCluster.scale`."""
 
 
 class ReplayNotFoundError(ConfigError):
@@ -233,8 +240,8 @@ class ReplayCluster:
 
     def scale(self, num_shards: int, *,
               shard_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-              timeout_s: float = 120.0) -> None:
-        """Grow the running replay to ``num_shards`` shards.
+              timeout_s: float = 120.0) -> dict[int, dict[str, Any]]:
+        """Grow (or shrink) the running replay to ``num_shards`` shards.
 
         Shards ``n..num_shards-1`` (``n``: the shards now) start with the
         tables and options the replay was created with; the registry expects
@@ -247,18 +254,44 @@ class ReplayCluster:
         shard has its own id space). A scale asked again (say, after a driver
         failed in one) finishes it.
 
-        Scaling down is refused (:class:`ScaleDownError`, see there).
+        Scaling down (``num_shards`` below the shards now) keeps every row in
+        the replay. Shards ``num_shards..n-1`` drain (their registry entries say
+        ``draining``: clients treat them as during a restart: a strict client's
+        calls that need them fail naming them, degraded ones list them in
+        ``missing_shards``; no client samples the shards that stay as the
+        whole replay meanwhile), write their final
+        checkpoints, and insert their rows, with their priorities and in the
+        order written (each episode to one shard), into the shards that stay
+        (:mod:`~replay_server.ray.handover`). Then the registry expects
+        ``num_shards``: clients and streams drop the removed shards at their
+        next resolution, and from then on their samples are exact over every
+        row, the moved ones included. The moved rows have new ids: a priority
+        update naming an old id is skipped and counted (``skipped_updates``), as
+        an update of an overwritten row is. An insert a client sends to a
+        removed shard after it stopped (before that client resolved again) gets
+        ``UnavailableError`` from a strict client (degraded ones resend it to
+        the shards that stay). The removed shards' checkpoint folders are set
+        aside (``shard-<i>.retired-<time>``), and their actors stopped.
 
         Args:
             num_shards: the shard count wanted (1..128; the count now: nothing to do).
             shard_options: the new shards' Ray options: one dict for all, or a list
                 with one per new shard. ``None``: those given at ``create`` (a list
                 there: entry ``i % len`` for shard ``i``).
-            timeout_s: how long to wait for the new shards to serve.
+            timeout_s: how long to wait for the new shards to serve (scaling down: for
+                each removed shard's hand-over).
+
+        Returns:
+            Scaling down: per removed shard, ``{"moved": {table: rows}, "retired_checkpoints":
+            path or None}``; otherwise ``{}``.
 
         Raises:
             ConfigError: ``num_shards`` or ``shard_options`` is bad (named); nothing started.
-            ScaleDownError: ``num_shards`` is below the shards now; nothing changed.
+            ScaleDownError: a table whose rows leave when sampled (a queue,
+                ``max_times_sampled``) or a staying shard that does not serve: nothing
+                changed. Or a removed shard could not hand its rows over (named); the
+                replay still expects every shard, the shard's final checkpoint holds its
+                rows (those already inserted elsewhere are there too).
             TimeoutError: the new shards did not all serve within ``timeout_s`` (their
                 states named); they are stopped and the replay keeps its shards.
         """
@@ -269,11 +302,10 @@ class ReplayCluster:
         spec = ask(self._registry, "spec")
         now = spec["num_shards"]
         if num_shards < now:
-            raise ScaleDownError(
-                f"replay {self.name!r} has {now} shards; scale({num_shards}) would remove "
-                f"shards {num_shards}..{now - 1}, which is not supported: open clients and "
-                f"streams would keep calling them, and their rows would leave sampling. "
-                f"Checkpoint and create a replay of {num_shards} shards instead")
+            if shard_options is not None:
+                raise ConfigError(f"scale({num_shards}) removes shards: shard_options has "
+                                  f"nothing to apply to")
+            return self._shrink(num_shards, now, timeout_s)
         if "launch" not in spec:
             raise ConfigError(f"replay {self.name!r} was started by a version that did not "
                               f"keep its shards' options: it cannot be scaled")
@@ -290,6 +322,47 @@ class ReplayCluster:
                 raise
             ask(self._registry, "admit", num_shards)
         self.num_shards = num_shards
+        return {}
+
+    def _shrink(self, num_shards: int, now: int, timeout_s: float) -> dict[int, dict[str, Any]]:
+        """Scale down from ``now`` to ``num_shards`` shards (see :meth:`scale`): what each
+        removed shard handed over."""
+        removing = [t.name for t in ask(self._registry, "spec").get("tables", [])
+                    if t.removal_limit]
+        if removing:
+            raise ScaleDownError(f"replay {self.name!r}: scale({num_shards}) cannot move the "
+                                 f"rows of {removing}: rows leave those tables when sampled "
+                                 f"(fifo/lifo, max_times_sampled), so they are not moved; "
+                                 f"nothing was changed")
+        listed = {s["index"]: s for s in ask(self._registry, "snapshot")["shards"]}
+        staying = [listed[i]["address"] for i in range(num_shards)]
+        if any(listed[i]["state"] != "serving" for i in range(num_shards)):
+            raise ScaleDownError(f"replay {self.name!r}: scale({num_shards}) needs shards "
+                                 f"0..{num_shards - 1} serving to take the rows; "
+                                 + "; ".join(f"shard {i}: {listed[i]['state']}"
+                                             for i in range(num_shards)))
+        removed = {i: ray.get_actor(shard_actor_name(self.name, i), namespace=self.namespace)
+                   for i in range(num_shards, now)}
+        grace = min(10.0, timeout_s)
+        handing: dict[int, Any] = {i: h.hand_over.remote(staying, grace)
+                                   for i, h in removed.items()}
+        handed: dict[int, dict[str, Any]] = {}
+        for index, ref in handing.items():
+            try:
+                handed[index] = ray.get(ref, timeout=timeout_s)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                raise ScaleDownError(f"replay {self.name!r}: shard {index} could not hand "
+                                     f"its rows over to shards 0..{num_shards - 1}: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+        ask(self._registry, "retire", num_shards)
+        for handle in removed.values():
+            ray.kill(handle, no_restart=True)
+        names = [shard_actor_name(self.name, i) for i in removed]
+        deadline = time.monotonic() + _GONE_WAIT_S
+        while any(_exists(n, self.namespace) for n in names) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.num_shards = num_shards
+        return handed
 
     def _wait_added(self, num_shards: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -354,6 +427,7 @@ class ReplayCluster:
                 pass  # a shard that died meanwhile has nothing to drain
         for handle in [*handles.values(), self._registry]:
             ray.kill(handle, no_restart=True)
+        forget_count(self.namespace, self.name)
         names = [self.name, *(shard_actor_name(self.name, i) for i in range(count))]
         deadline = time.monotonic() + _GONE_WAIT_S
         while any(_exists(n, self.namespace) for n in names):
@@ -369,21 +443,21 @@ class ReplayCluster:
 
 def _check_same(name: str, running: Mapping[str, Any], asked: Mapping[str, Any]) -> None:
     """Refuse to hand back a running replay other than the one asked for: another shard
-    count (but the count it was created with, which ``scale`` grew since, is the same
-    replay: it is handed back with its shards now, never shrunk), or tables that differ (each difference named, as ``table 'u': capacity 100
-    running, 200 asked``). A registry started before the spec held tables has none to
+    count (but the count it was created with, which ``scale`` changed since, is the same
+    replay: it is handed back with its shards now, never rescaled), or tables that
+    differ (each difference named, as ``table 'u': capacity 100 running, 200 asked``). A registry started before the spec held tables has none to
     compare.
 
     Raises:
         ReplayExistsError: the running replay differs.
     """
-    grown = running.get("created_shards") == asked["num_shards"] < running["num_shards"]
-    if running["num_shards"] != asked["num_shards"] and not grown:  # grown: by scale()
-        scaled = (f" (created with {running['created_shards']}, then scaled)"
-                  if running.get("created_shards", running["num_shards"]) != running[
-                      "num_shards"] else "")
+    scaled = running.get("created_shards") == asked["num_shards"]  # since grown or shrunk
+    if running["num_shards"] != asked["num_shards"] and not scaled:
+        note = (f" (created with {running['created_shards']}, then scaled)"
+                if running.get("created_shards", running["num_shards"]) != running[
+                    "num_shards"] else "")
         raise ReplayExistsError(f"replay {name!r} exists with {running['num_shards']} "
-                                f"shards{scaled}, not {asked['num_shards']}")
+                                f"shards{note}, not {asked['num_shards']}")
     if "tables" not in running:
         return
     had = {table.name: table for table in running["tables"]}

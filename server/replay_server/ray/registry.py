@@ -29,7 +29,11 @@ Ray restarts the registry with the arguments it was first made with, so a
 restarted registry expects the shard count of the replay's creation; one
 that a scale grew since is learned back: the restarted registry looks for
 the shard actors past that count (named ``<replay>.shard-<i>``, from the
-first index it lacks) and expects each one that says it serves.
+first index it lacks) and expects each one that says it serves. A count a
+scale down lowered cannot be learned from actors (a removed shard's absence
+looks like one not started yet), so the registry also keeps its count in
+Ray's key-value store (:func:`count_key`, in the GCS, which outlives the
+actor) and a restarted registry takes a lower one from there.
 
 Thread-safety: a threaded actor (calls run concurrently); every entry is read
 and written under one lock.
@@ -75,6 +79,26 @@ MAX_SHARDS = 128
 """The most shards a replay may have (the shard index takes 7 bits of every row id)."""
 
 
+KV_NAMESPACE = "replay-server"
+"""The namespace of the registries' keys in Ray's key-value store."""
+
+
+def count_key(namespace: str, replay: str) -> str:
+    """The key under which replay ``replay``'s registry keeps its expected shard count."""
+    return f"{namespace}/{replay}/expected_shards"
+
+
+def _kv() -> Any:
+    from ray.experimental import internal_kv  # the GCS's key-value store
+
+    return internal_kv
+
+
+def forget_count(namespace: str, replay: str) -> None:
+    """Drop the kept count (the replay is shut down: a new one of that name starts afresh)."""
+    _kv()._internal_kv_del(count_key(namespace, replay), namespace=KV_NAMESPACE)
+
+
 def _new_entry(index: int) -> dict[str, Any]:
     return {"index": index, "state": "starting", "address": None, "metrics_address": None,
             "incarnation": 0, "pid": None, "node_id": None}
@@ -105,7 +129,10 @@ class ShardRegistry:
         self._stopping = threading.Event()
         self._looking = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         if self._looking:
+            self._take_kept_count()
             self._learn_added()  # and again each watch until done
+        else:
+            self._keep_count()
         self._watcher = threading.Thread(target=self._watch, name="replay-registry-watch",
                                          daemon=True)
         self._watcher.start()
@@ -162,6 +189,24 @@ class ShardRegistry:
                 raise ValueError(f"replay {self._replay!r}: cannot expect {num_shards} shards "
                                  f"before they serve ({'; '.join(late)})")
             self._expected = num_shards
+            self._keep_count()
+
+    def retire(self, num_shards: int) -> list[int]:
+        """Expect ``num_shards`` shards from now on, fewer than now (a scale down whose
+        removed shards have handed their rows over): their entries are dropped, so clients
+        resolving the replay drop them too. Idempotent: the indices dropped."""
+        with self._lock:
+            dropped = sorted(i for i in self._entries if i >= num_shards)
+            for index in dropped:
+                del self._entries[index]
+            self._expected = min(self._expected, num_shards)
+            self._keep_count()
+            launch = self._spec.get("launch")
+            if launch is not None:
+                self._spec["launch"] = {**launch,
+                                        "shard_options": list(launch["shard_options"])[
+                                            :num_shards]}
+            return dropped
 
     def abandon(self) -> list[int]:
         """Forget the entries of shards added but not admitted (a scale that failed): their
@@ -219,6 +264,18 @@ class ShardRegistry:
     def _set_state(self, index: int, state: str) -> None:
         with self._lock:
             self._entry(index)["state"] = state
+
+    def _keep_count(self) -> None:
+        _kv()._internal_kv_put(count_key(self._namespace, self._replay), str(self._expected),
+                               namespace=KV_NAMESPACE)
+
+    def _take_kept_count(self) -> None:
+        """A restarted registry: a count a scale down lowered (see the module docstring)."""
+        kept = _kv()._internal_kv_get(count_key(self._namespace, self._replay),
+                                      namespace=KV_NAMESPACE)
+        if kept is None or int(kept) >= self._expected:
+            return
+        self.retire(int(kept))
 
     def _learn_added(self) -> None:
         """A restarted registry: expect the shards a scale added since the replay was

@@ -15,7 +15,12 @@ the actor). On start, and on every restart Ray makes (``max_restarts``), it
 
 A graceful stop (:meth:`drain`) reports ``draining``, stops the server (new
 calls refused, in-flight ones finished within ``grace``, then the final
-checkpoint) and reports ``gone``. A crash loses the rows inserted since the
+checkpoint) and reports ``gone``. A shard a scale down removes
+(:meth:`hand_over`) drains the same way, then inserts its rows into the
+shards that stay (:mod:`~replay_server.ray.handover`) and sets its
+checkpoint folder aside (``shard-<i>.retired-<time>``), so a shard of that
+index started later begins empty instead of restoring rows that now live
+elsewhere. A crash loses the rows inserted since the
 shard's last checkpoint (``checkpoint_interval_s``).
 
 Thread-safety: a threaded actor (``max_concurrency`` > 1): :meth:`describe`
@@ -26,16 +31,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from replay_client import ReplayClient
 from replay_server.app.config_file import settings_from_dict
 from replay_server.app.embedded import EmbeddedServer
 from replay_server.engine.config import TableConfig
 from replay_server.errors import ConfigError
+from replay_server.ray.handover import hand_over
 from replay_server.ray.registry import ask
 from replay_server.service.settings import ServerSettings
 
@@ -107,8 +115,33 @@ class ReplayShard:
         write the final checkpoint. Idempotent."""
         if self._state != "serving":
             return
+        self._stop(grace)
+        self._state = "gone"
+        ask(self._registry, "gone", self._index)
+
+    def _stop(self, grace: float) -> None:
         self._state = "draining"
         ask(self._registry, "draining", self._index)
         self._server.close(grace)
-        self._state = "gone"
-        ask(self._registry, "gone", self._index)
+
+    def hand_over(self, addresses: list[str], grace: float = 10.0) -> dict[str, Any]:
+        """Leave the replay (a scale down): drain (final checkpoint), insert every row into
+        the shards at ``addresses`` (those that stay), then set the checkpoint folder aside.
+
+        Returns:
+            ``{"moved": {table: rows}, "retired_checkpoints": path or None}``.
+
+        Raises:
+            ReplayError: an insert into the shards that stay failed (named); this shard's
+                final checkpoint still holds every row, its folder not set aside.
+        """
+        if self._state == "serving":
+            self._stop(grace)
+        with ReplayClient(list(addresses)) as client:
+            moved = hand_over(self._server.tables, client)
+        folder = self._server.settings.checkpoint_dir
+        retired = None
+        if folder is not None and os.path.isdir(folder):
+            retired = f"{folder}.retired-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+            os.rename(folder, retired)
+        return {"moved": moved, "retired_checkpoints": retired}
