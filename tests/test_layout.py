@@ -225,7 +225,8 @@ def test_samplers_know_positions_only_never_storage_readers_or_the_table(module:
     banned = ("replay_server.engine.storage", "replay_server.engine.readers",
               "replay_server.engine.remover",
               "replay_server.engine.config", "replay_server.engine.table",
-              "replay_server.engine.table_parts", "replay_server.engine.table_state")
+              "replay_server.engine.table_parts", "replay_server.engine.table_state",
+              "replay_server.engine.table_memory")
     reached = _reaches(module)
     assert not any(_in(m, *banned) for m in reached), (
         module, sorted(m for m in reached if _in(m, *banned)))
@@ -238,7 +239,7 @@ _LAYERS = {
     "readers": "replay_server.engine.readers",
 }
 _WIRING = ("replay_server.engine.table", "replay_server.engine.table_parts",
-           "replay_server.engine.table_state")
+           "replay_server.engine.table_state", "replay_server.engine.table_memory")
 _COMPOSED = (*_WIRING, "replay_server.engine.config")
 """The table's modules, and its config (the table's options plus each layer's spec)."""
 
@@ -268,7 +269,7 @@ def test_readers_read_through_one_another_never_samplers_storage_or_the_table(
 
 
 def test_the_table_is_the_only_place_that_wires_the_layers() -> None:
-    """Outside the table's three modules and its config (which holds each layer's spec), no
+    """Outside the table's four modules and its config (which holds each layer's spec), no
     module imports from two of the layers."""
     wiring = {m: _layers_imported(m) for m in _modules_in("replay_server")}
     assert {m for m, layers in wiring.items() if len(layers) > 1} <= set(_COMPOSED), {

@@ -15,7 +15,7 @@ from replay_server.checkpoint.directory import CheckpointDirectory
 from replay_server.checkpoint.wal.keeper import SYNC_PROMISES
 from replay_server.engine.config import TableConfig, layer_names, table_options
 from replay_server.engine.memory import MemoryLedger, format_bytes
-from replay_server.engine.table_parts import table_bytes
+from replay_server.engine.table_memory import table_bytes
 from replay_server.engine.schema import Schema
 from replay_server.errors import ConfigError, InsufficientMemoryError
 from replay_server.service.limits import MIB
