@@ -6,8 +6,9 @@ that are never issued twice, not even across crashes (see
 :mod:`replay_server.engine.ids`); samples come out as
 :class:`~replay_proto.batch.SampleBatch`; priorities are updated by id. The
 table is the only orchestrator: under its lock it writes storage and tells
-its sampler exactly once. What it is handed is checked and converted once,
-before the lock (:mod:`~replay_server.engine.insert_rows`,
+its sampler exactly once. It is also the only door: other modules and layers
+call its methods, never act on its parts. What it is handed is checked and
+converted once, before the lock (:mod:`~replay_server.engine.insert_rows`,
 :mod:`~replay_server.engine.priority_update`, :mod:`~replay_server.engine.inputs`);
 its state is saved and loaded by :mod:`~replay_server.engine.table_state`, its
 memory promised by :mod:`~replay_server.engine.table_memory`; everything it
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from replay_proto.batch import SampleBatch, batch_nbytes
+from replay_server.engine import draw_settings, row_access
 from replay_server.engine.change_clock import ChangeClock
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IncarnationSource
@@ -47,6 +49,7 @@ from replay_server.engine.inputs import (
     MAX_BATCH_SIZE,
     batch_size_of,
     check_sampler_columns,
+    columns_of,
     id_values,
 )
 from replay_server.engine.insert_rows import InsertRows
@@ -54,6 +57,7 @@ from replay_server.engine.memory import MemoryLedger
 from replay_server.engine.storage.placement import table_device
 from replay_proto.mass import SamplingMass
 from replay_server.engine.rate_limiter import RateLimiter
+from replay_server.engine.row_access import RowRead
 from replay_server.engine.insert_event import InsertEvent
 from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.priority_update import PriorityUpdate
@@ -165,10 +169,26 @@ class Table:
         Cost: one copy of the rows into storage plus the sampler's insert
         (O(rows * log capacity) at worst).
         """
-        return self._insert(data, priorities)
+        return self._insert(data, priorities, None)
 
-    def _insert(self, data: Any, priorities: Any) -> torch.Tensor:
-        """:meth:`insert`."""
+    def replay_insert(self, data: Any, priorities: Any, first_id: int) -> torch.Tensor:
+        """An insert replayed from a write-ahead log (:mod:`replay_server.checkpoint.wal.replay`):
+        as :meth:`insert`, its rows getting ids from ``first_id`` on (the ids the logged run
+        gave them), and not asking the rate limiter (the insert was admitted when logged).
+
+        Raises:
+            ValueError: ``first_id`` cannot be the next row's id in any history of id
+                segments. Otherwise as :meth:`insert`.
+        """
+        return self._insert(data, priorities, first_id)
+
+    def resume_ids(self) -> None:
+        """After a log replay: new rows get the ids of this run's incarnation."""
+        with self._lock:
+            self._parts.ids.resume(self._parts.ring.next_id)
+
+    def _insert(self, data: Any, priorities: Any, first_id: int | None) -> torch.Tensor:
+        """:meth:`insert`; ``first_id``: :meth:`replay_insert`'s."""
         batch = InsertRows.of(data, priorities, self.config, self._parts.sampler.alpha,
                               self._device)
         early = self._parts.encode_early(batch.columns, self.name)
@@ -184,7 +204,10 @@ class Table:
                     f"table {self.name!r}: an insert of {rows} rows exceeds the table's "
                     f"capacity of {ring.capacity} rows; split it"
                 )
-            parts.limiter.check_insert(rows, self.name)
+            if first_id is None:
+                parts.limiter.check_insert(rows, self.name)
+            else:
+                parts.ids.follow(ring.next_id, first_id)
             parts.ids.reserve(ring.next_id, rows)
             storage = self._storage_for(parts, schema)
             encoded = early[1] if early is not None and early[0] is storage else \
@@ -266,13 +289,9 @@ class Table:
         a lease of that name still held answers with its rows again.
 
         ``out`` (flat key -> contiguous tensor shaped like that column of the
-        batch) receives the rows instead of new tensors: a learner's pinned or
-        shared-memory staging buffer (see :meth:`batch_layout`).
-
-        A device table (``device = "cuda"``) gathers on its device: without
-        ``out`` the whole batch (ids, weights and probabilities too) is on
-        that device; host ``out`` tensors receive one copy of the rows, and
-        the extras stay on the host.
+        batch: :meth:`batch_layout`) receives the rows instead of new tensors: a
+        learner's staging buffer. A device table gathers on its device: without
+        ``out`` the whole batch is there; host ``out`` tensors get one copy of the rows.
 
         Raises:
             InvalidArgumentError: ``batch_size`` is not an integer in [1, MAX_BATCH_SIZE],
@@ -429,26 +448,42 @@ class Table:
             self.changes.tick()
         return applied
 
-    def under_lock(self, fn: Callable[..., Any], *args: Any, change: bool = True,
-                   **kwargs: Any) -> Any:
-        """``fn(parts, config, *args, **kwargs)`` under the lock, ticking :attr:`changes` if
-        ``change``: how engine modules act on the parts (:mod:`.row_access`, :mod:`.draw_settings`)."""
+    # ------------------------------------------------------------- rows in place
+
+    def read_rows(self, *, positions: Any = None, ids: Any = None, columns: bool = True,
+                  priorities: bool = False) -> RowRead:
+        """The stored rows at storage ``positions`` (TorchRL's ``rb[index]``) or named by
+        ``ids``, as stored; changes nothing (:func:`.row_access.read` says what it raises)."""
         with self._lock:
-            result = fn(self._parts, self.config, *args, **kwargs)
-            if change:
-                self.changes.tick()
-        return result
+            return row_access.read(self._parts, self.config, positions=positions, ids=ids,
+                                   columns=columns, priorities=priorities)
+
+    def write_rows(self, positions: Any, data: Any) -> None:
+        """Overwrite whole stored rows in place, by storage position (TorchRL's
+        ``rb[index] = data``; :func:`.row_access.write` says what it refuses). The data is
+        checked and converted before the lock."""
+        columns = columns_of(data, self.name, self.config.episode_key, self._device)
+        with self._lock:
+            row_access.write(self._parts, self.config, positions, columns)
+            self.changes.tick()
+
+    def set_sampling(self, alpha: float | None = None, beta: float | None = None,
+                     seed: int | None = None) -> tuple[float, float]:
+        """How the table draws from its next sample on (``None``: unchanged); returns the
+        ``(alpha, beta)`` in force. See :mod:`replay_server.engine.draw_settings`."""
+        draw_settings.check(self.config, alpha, beta, seed)
+        with self._lock:
+            in_force = draw_settings.set_sampling(self._parts, self.config, alpha, beta, seed)
+            self.changes.tick()
+        return in_force
 
     # ------------------------------------------------------------------- admin
 
     def delete(self, ids: Any) -> int:
-        """Remove the rows named by ``ids`` from sampling: they leave the table as if
-        handed out their last time. For tables whose rows leave when sampled (the
-        remover's: ``fifo``/``lifo``, or ``max_times_sampled``).
-
-        Ids of rows already taken, deleted, retired or overwritten are stale
-        and ignored (the ids not counted in the result). A repeated id counts
-        once. Inserts waiting for room under ``max_size`` may pass afterwards.
+        """Remove the rows named by ``ids`` from sampling, as if handed out their last time
+        (tables whose rows leave when sampled: ``fifo``/``lifo``, or ``max_times_sampled``).
+        Ids of rows already taken, deleted, retired or overwritten are stale and ignored;
+        a repeated id counts once. Inserts waiting for room under ``max_size`` may pass.
 
         Returns:
             How many of ``ids`` named rows present (and were removed).
