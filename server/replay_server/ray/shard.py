@@ -34,7 +34,7 @@ import ray
 
 from replay_server.app.config_file import settings_from_dict
 from replay_server.app.embedded import EmbeddedServer
-from replay_server.engine.config import TableConfig
+from replay_server.engine import TableConfig
 from replay_server.errors import ConfigError
 from replay_server.ray.registry import ask
 from replay_server.service.settings import ServerSettings

@@ -25,7 +25,7 @@ from replay_proto import row_codec
 from replay_proto.codec import CodecError
 from replay_proto.sample_codec import HEADROOM
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.engine.table_set import TableSet
+from replay_server.engine import TableSet
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.status import MessageTooLargeError

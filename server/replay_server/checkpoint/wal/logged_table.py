@@ -36,9 +36,7 @@ import torch
 from replay_proto.keys import unflatten
 from replay_server.checkpoint.wal import records
 from replay_server.checkpoint.wal.log import WriteAheadLog
-from replay_server.engine.inputs import columns_of
-from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
-from replay_server.engine.table import Table
+from replay_server.engine import DEFAULT_CHUNK_BYTES, Table, TableSnapshot, columns_of
 
 LOG_SEQ_KEY = "wal_seq"
 """Where a table's state (a checkpoint's) holds the log sequence number it covers."""

@@ -44,7 +44,7 @@ from replay_server.checkpoint.fileio import RestoreCancelled
 from replay_server.checkpoint.wal import records
 from replay_server.checkpoint.wal.logged_table import LoggedTable
 from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
-from replay_server.engine.table_set import TableSet
+from replay_server.engine import TableSet
 from replay_server.errors import CorruptLogError, ReplayServerError, UnknownTableError
 
 log = logging.getLogger("replay_server.wal")
