@@ -195,7 +195,9 @@ class Table:
         with self._lock:
             parts = self._parts
             batch.check_alpha(parts.sampler.alpha, self.name)  # draw_settings may change it
-            schema = self._schema_for(parts, batch)
+            checked = early is not None and early[0] is parts.storage and early[1] is parts.schema
+            schema = parts.schema if checked else self._schema_for(parts, batch)
+            assert schema is not None
             rows, ring = batch.rows, parts.ring
             if rows == 0:
                 return torch.empty(0, dtype=torch.int64)
@@ -210,7 +212,7 @@ class Table:
                 parts.ids.follow(ring.next_id, first_id)
             parts.ids.reserve(ring.next_id, rows)
             storage = self._storage_for(parts, schema)
-            encoded = early[1] if early is not None and early[0] is storage else \
+            encoded = early[2] if checked and early is not None else \
                 storage.encode(parts.stored(batch.columns))
             storage.reserve(ring.next_id % ring.capacity, encoded)  # may refuse: nothing changed
             first_row_id = self._append(parts, batch, encoded,

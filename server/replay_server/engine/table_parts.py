@@ -193,11 +193,12 @@ class TableParts:
                 self.retake(lease)
 
     def encode_early(self, columns: Mapping[str, torch.Tensor], table: str
-                     ) -> tuple[ColumnStorage, dict[str, Any]] | None:
+                     ) -> tuple[ColumnStorage, Schema, dict[str, Any]] | None:
         """The insert's rows as the storage keeps them (compressed, frames reduced), made
         before the table's lock when the schema is fixed and they match it; with the
-        storage they were made for (a load may swap the parts before the lock is taken).
-        Reads only what a load replaces whole, so it needs no lock."""
+        storage they were made for and the schema they were checked against (a load or a
+        reset may replace both before the lock is taken). Reads only what a load replaces
+        whole, so it needs no lock."""
         storage, schema = self.storage, self.schema
         if storage is None or schema is None:
             return None
@@ -205,7 +206,7 @@ class TableParts:
             schema.check(columns, table)
         except SchemaMismatchError:
             return None  # refused under the lock, with the same message
-        return storage, storage.encode(self.stored(columns))
+        return storage, schema, storage.encode(self.stored(columns))
 
     def allocate(self, schema: Schema, config: TableConfig,
                  grow: Callable[[int], None] | None = None,
