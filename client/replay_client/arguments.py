@@ -64,9 +64,10 @@ def insert_columns(data: Any, priorities: Any = None
     """An insert's columns and priorities as they cross the wire: the client's one
     normalisation of them (the server's is its engine's, ``engine/insert_rows.py``).
 
-    Columns: flat key -> contiguous CPU tensor of a dtype tables store, rows
-    along the leading dim (:func:`~replay_proto.rows.rows_of`: a TensorDict's
-    batch dims decide). Priorities: float64 ``[rows]``, contiguous. Tensors
+    Columns: flat key -> CPU tensor of a dtype tables store, rows along the
+    leading dim (:func:`~replay_proto.rows.rows_of`: a TensorDict's batch dims
+    decide); the wire encoder takes their bytes (a strided view's made
+    contiguous there, its one copy). Priorities: float64 ``[rows]``. Tensors
     that already are so pass through uncopied (a writer's batches).
 
     Raises:
@@ -85,7 +86,7 @@ def insert_columns(data: Any, priorities: Any = None
             dtype_name(tensor.dtype)
         except ValueError as exc:
             raise InvalidArgumentError(f"key {key!r}: {exc}") from None
-        columns[key] = tensor.contiguous()
+        columns[key] = tensor
     if priorities is None:
         return columns, None
     values = tensor_of(priorities, "priorities")
@@ -93,7 +94,7 @@ def insert_columns(data: Any, priorities: Any = None
     if tuple(values.shape) != (rows,):
         raise InvalidPriorityError(
             f"priorities must have shape [{rows}] (one per row), got {list(values.shape)}")
-    return columns, values.to(torch.float64).contiguous()
+    return columns, values.to(torch.float64)
 
 
 def tensor_of(value: Any, what: str) -> torch.Tensor:
