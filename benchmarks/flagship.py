@@ -51,7 +51,7 @@ import torch
 
 from replay_server.app.config_file import settings_from_dict
 from replay_server.engine.table import Table
-from replay_server.engine.table_parts import sampler_slot_bytes
+from replay_server.engine.table_memory import sampler_slot_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sides import run_side  # noqa: E402

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from replay_server.engine.config import TableConfig
-from replay_server.engine.table_parts import table_bytes
+from replay_server.engine.table_memory import table_bytes
 from replay_server.engine.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -164,6 +164,25 @@ def test_the_service_never_imports_the_app(module: str) -> None:
     assert not any(_in(m, "replay_server.app") for m in _reaches(module)), module
 
 
+ENGINE_FRONT = "replay_server.engine"
+"""What the layers above the engine import from it: the package itself, whose names are the
+engine's public face, never one of its modules (a storage backend, the table's parts)."""
+
+
+@pytest.mark.parametrize("module", _modules_in("replay_server.checkpoint", "replay_server.service",
+                                               "replay_server.app", "replay_server.ray"))
+def test_upper_layers_import_the_engines_front_module_not_its_insides(module: str) -> None:
+    insides = sorted(m for m in _imports(module) if _in(m, ENGINE_FRONT) and m != ENGINE_FRONT)
+    assert not insides, (module, insides)
+
+
+def test_the_front_door_check_would_see_an_inside_import() -> None:
+    """The resolver tells a name from the front (``from replay_server.engine import Table``)
+    from a module of the engine (``from replay_server.engine import table``)."""
+    assert ENGINE_FRONT in _imports("replay_server.service.servicer")
+    assert "replay_server.engine.table" in _imports("replay_server.engine.table_set")
+
+
 def test_the_server_packages_root_is_the_engine_and_the_errors() -> None:
     assert not set(NETWORK) & _reaches("replay_server"), "import replay_server must not load grpc"
     assert not any(_in(m, "replay_server.engine", "replay_server.checkpoint",
@@ -225,7 +244,8 @@ def test_samplers_know_positions_only_never_storage_readers_or_the_table(module:
     banned = ("replay_server.engine.storage", "replay_server.engine.readers",
               "replay_server.engine.remover",
               "replay_server.engine.config", "replay_server.engine.table",
-              "replay_server.engine.table_parts", "replay_server.engine.table_state")
+              "replay_server.engine.table_parts", "replay_server.engine.table_state",
+              "replay_server.engine.table_memory")
     reached = _reaches(module)
     assert not any(_in(m, *banned) for m in reached), (
         module, sorted(m for m in reached if _in(m, *banned)))
@@ -238,7 +258,7 @@ _LAYERS = {
     "readers": "replay_server.engine.readers",
 }
 _WIRING = ("replay_server.engine.table", "replay_server.engine.table_parts",
-           "replay_server.engine.table_state")
+           "replay_server.engine.table_state", "replay_server.engine.table_memory")
 _COMPOSED = (*_WIRING, "replay_server.engine.config")
 """The table's modules, and its config (the table's options plus each layer's spec)."""
 
@@ -268,7 +288,7 @@ def test_readers_read_through_one_another_never_samplers_storage_or_the_table(
 
 
 def test_the_table_is_the_only_place_that_wires_the_layers() -> None:
-    """Outside the table's three modules and its config (which holds each layer's spec), no
+    """Outside the table's four modules and its config (which holds each layer's spec), no
     module imports from two of the layers."""
     wiring = {m: _layers_imported(m) for m in _modules_in("replay_server")}
     assert {m for m, layers in wiring.items() if len(layers) > 1} <= set(_COMPOSED), {

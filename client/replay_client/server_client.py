@@ -11,11 +11,10 @@ import torch
 
 from replay_client import chunked, grouping, table_rows, variables
 from replay_client.arguments import check_int as _check_int
-from replay_client.arguments import id_array, priority_update, tensor_of, update_arrays
+from replay_client.arguments import id_array, insert_columns, priority_update, update_arrays
 from replay_client.connection import CLIENT_TIMEOUT, CONNECT_TIMEOUT_S, Connection
 from replay_client.errors import (
     InvalidArgumentError,
-    InvalidPriorityError,
     StreamEndedError,
     UnknownTableError,
 )
@@ -36,8 +35,6 @@ from replay_feed.source import LinkSource
 from replay_feed.stream import BatchStream
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
-from replay_proto.dtypes import dtype_name
-from replay_proto.rows import rows_of
 from replay_proto.v1 import replay_pb2 as pb
 
 class ServerClient:
@@ -177,15 +174,7 @@ class ServerClient:
             SchemaMismatchError, InvalidArgumentError, InvalidPriorityError,
             NoPrioritiesError, UnknownTableError, UnavailableError, ...
         """
-        columns = _columns(data)
-        prios = None
-        if priorities is not None:
-            prios = tensor_of(priorities, "priorities")
-            rows = next(iter(columns.values())).shape[0] if columns else 0
-            if tuple(prios.shape) != (rows,):
-                raise InvalidPriorityError(
-                    f"priorities must have shape [{rows}] (one per row), got {list(prios.shape)}"
-                )
+        columns, prios = insert_columns(data, priorities)
         return chunked.insert(self._connection, table, columns, prios)
 
     @runs_eagerly
@@ -538,19 +527,4 @@ class ServerClient:
                           shared_memory=shared_memory, wait=wait, wait_timeout=wait_timeout)
 
 
-
-def _columns(data: Any) -> dict[str, torch.Tensor]:
-    try:
-        flat = rows_of(data)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(str(exc)) from None
-    columns = {}
-    for key, value in flat.items():
-        tensor = tensor_of(value, f"key {key!r}")
-        try:
-            dtype_name(tensor.dtype)
-        except ValueError as exc:
-            raise InvalidArgumentError(f"key {key!r}: {exc}") from None
-        columns[key] = tensor
-    return columns
 

@@ -59,8 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from replay_proto.dtypes import dtype_from_name
-from replay_server.engine.config import TableConfig, table_options
-from replay_server.engine.schema import FieldSpec
+from replay_server.engine import FieldSpec, TableConfig, table_options
 from replay_server.errors import ConfigError
 from replay_server.service.settings import ServerSettings
 

@@ -13,10 +13,15 @@ from __future__ import annotations
 
 from replay_server.checkpoint.directory import CheckpointDirectory
 from replay_server.checkpoint.wal.keeper import SYNC_PROMISES
-from replay_server.engine.config import TableConfig, layer_names, table_options
-from replay_server.engine.memory import MemoryLedger, format_bytes
-from replay_server.engine.table_parts import table_bytes
-from replay_server.engine.schema import Schema
+from replay_server.engine import (
+    MemoryLedger,
+    Schema,
+    TableConfig,
+    format_bytes,
+    layer_names,
+    table_bytes,
+    table_options,
+)
 from replay_server.errors import ConfigError, InsufficientMemoryError
 from replay_server.service.limits import MIB
 from replay_server.service.settings import ServerSettings

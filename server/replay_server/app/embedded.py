@@ -40,9 +40,7 @@ from replay_feed.options import DEFAULT_PREFETCH, StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
 from replay_proto.scalars import is_int
-from replay_server.engine.inputs import update_values
-from replay_server.engine.table import Table
-from replay_server.engine.table_set import TableSet
+from replay_server.engine import Table, TableSet, update_values
 from replay_server.errors import (
     ConfigError,
     EmptyTableError,

@@ -23,10 +23,7 @@ from replay_server.checkpoint.reader import RestoreResult, restore_latest
 from replay_server.checkpoint.wal.log import WriteAheadLog
 from replay_server.checkpoint.writer import CheckpointResult, write_checkpoint
 from replay_server.errors import CheckpointWriteError
-from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
-from replay_server.engine.table import Table
-from replay_server.engine.table_set import TableSet
-from replay_server.engine.variables import VariableStore
+from replay_server.engine import DEFAULT_CHUNK_BYTES, Table, TableSet, VariableStore
 
 log = logging.getLogger("replay_server.checkpoint")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from replay_server.checkpoint.directory import fsync_dir
 from replay_proto.id_layout import MAX_INCARNATION
-from replay_server.engine.id_space import check_shard, exhausted_message
+from replay_server.engine import check_shard, exhausted_message
 from replay_server.errors import ConfigError
 
 INCARNATION_NAME = "INCARNATION"

@@ -79,11 +79,13 @@ from replay_server.errors import (
     MalformedStateError,
     RestoreError,
 )
-from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
-from replay_server.engine.table import Table
-from replay_server.engine.table_state import check_saved_config
-from replay_server.engine.table_set import TableSet
-from replay_server.engine.variables import VariableStore
+from replay_server.engine import (
+    DEFAULT_CHUNK_BYTES,
+    Table,
+    TableSet,
+    VariableStore,
+    check_saved_config,
+)
 
 log = logging.getLogger("replay_server.checkpoint")
 

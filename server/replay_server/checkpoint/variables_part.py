@@ -35,7 +35,7 @@ from replay_server.checkpoint.manifest import (
     VariablesEntry,
 )
 from replay_server.checkpoint.statecodec import StateFormatError, decode_state
-from replay_server.engine.variables import STATE_VERSION, Variable, VariableStore
+from replay_server.engine import VARIABLES_STATE_VERSION, Variable, VariableStore
 from replay_server.errors import MalformedStateError
 
 PACKED_VERSION = 2
@@ -87,13 +87,13 @@ def read_variables(path: Path, entry: VariablesEntry, store: VariableStore,
         CorruptCheckpointError: the file fails its checks, or the state is malformed
             or of a layout version this server cannot read.
     """
-    if entry.version not in (STATE_VERSION, PACKED_VERSION):
+    if entry.version not in (VARIABLES_STATE_VERSION, PACKED_VERSION):
         raise CorruptCheckpointError(
             f"variables: layout version {entry.version}, this server reads "
-            f"{STATE_VERSION} and {PACKED_VERSION}")
+            f"{VARIABLES_STATE_VERSION} and {PACKED_VERSION}")
     blob = read_file(path, entry.file, cancel)
     try:
-        if entry.version == STATE_VERSION:
+        if entry.version == VARIABLES_STATE_VERSION:
             store.load_state_dict(decode_state(entry.state, blob))
         else:
             store.load(_packed(entry.state, blob))

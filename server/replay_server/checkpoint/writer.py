@@ -55,9 +55,7 @@ from replay_server.checkpoint.manifest import (
 from replay_server.checkpoint.statecodec import encode_state
 from replay_server.checkpoint.variables_part import write_variables
 from replay_server.errors import CheckpointSpaceError, CheckpointWriteError
-from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES
-from replay_server.engine.table import Table
-from replay_server.engine.variables import VariableStore
+from replay_server.engine import DEFAULT_CHUNK_BYTES, Table, VariableStore
 
 _SPACE_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 

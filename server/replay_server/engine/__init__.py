@@ -1,20 +1,54 @@
 """The replay engine: tables, their storage, ids, samplers, rate limiting and state.
 
 In-process and network-free: no module here imports grpc, the service, the
-checkpoint layer or the app. ``Table`` is the orchestrator; everything else
-is one concept per module.
+checkpoint layer or the app. ``Table`` is the orchestrator and the only door
+to a table's rows; everything else is one concept per module.
+
+This module is the engine's front: the layers above it (checkpoint, service,
+app, ray) import what they use from here, never from the engine's modules
+(``tests/test_layout.py``), so the engine's insides can move without them.
 """
 
-from replay_server.engine.config import SamplerKind, TableConfig, default_table_configs
-from replay_server.engine.inputs import MAX_BATCH_SIZE
+from replay_server.engine import takes
+from replay_server.engine.config import (
+    SamplerKind,
+    TableConfig,
+    default_table_configs,
+    layer_names,
+    table_options,
+)
+from replay_server.engine.id_space import (
+    IncarnationSource,
+    LocalIncarnations,
+    RandomIncarnations,
+    check_shard,
+    exhausted_message,
+)
+from replay_server.engine.inputs import MAX_BATCH_SIZE, columns_of, update_values
+from replay_server.engine.leases import MAX_LEASE_NAME, LeaseRequest
+from replay_server.engine.memory import MemoryLedger, format_bytes
 from replay_server.engine.schema import FieldSpec, Schema
+from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
+from replay_server.engine.storage.device import host_batch
 from replay_server.engine.table import Table
 from replay_server.engine.table_info import TableCounters, TableInfo
+from replay_server.engine.table_memory import table_bytes
 from replay_server.engine.table_set import TableSet
+from replay_server.engine.table_state import check_saved_config
+from replay_server.engine.variables import STATE_VERSION as VARIABLES_STATE_VERSION
+from replay_server.engine.variables import Variable, VariableStore, check_name
 
 __all__ = [
+    "DEFAULT_CHUNK_BYTES",
     "MAX_BATCH_SIZE",
+    "MAX_LEASE_NAME",
+    "VARIABLES_STATE_VERSION",
     "FieldSpec",
+    "IncarnationSource",
+    "LeaseRequest",
+    "LocalIncarnations",
+    "MemoryLedger",
+    "RandomIncarnations",
     "SamplerKind",
     "Schema",
     "Table",
@@ -22,5 +56,20 @@ __all__ = [
     "TableCounters",
     "TableInfo",
     "TableSet",
+    "TableSnapshot",
+    "Variable",
+    "VariableStore",
+    "check_name",
+    "check_saved_config",
+    "check_shard",
+    "columns_of",
     "default_table_configs",
+    "exhausted_message",
+    "format_bytes",
+    "host_batch",
+    "layer_names",
+    "table_bytes",
+    "table_options",
+    "takes",
+    "update_values",
 ]

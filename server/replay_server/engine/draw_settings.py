@@ -12,16 +12,14 @@ with the new ``alpha`` (O(capacity), once), as TorchRL's
 the sampler's state and the generator's state is the table's, so snapshots
 and checkpoints keep both.
 
-:func:`apply` is the entry point: it checks the settings, then runs
-:func:`set_sampling` under the table's lock
-(:meth:`~replay_server.engine.table.Table.under_lock`).
+The table's :meth:`~replay_server.engine.table.Table.set_sampling` is the
+entry point: it checks the settings (:func:`check`), then runs
+:func:`set_sampling` under its lock.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
-
 import numpy as np
 
 from replay_proto.scalars import is_int, is_real
@@ -73,10 +71,3 @@ def set_sampling(parts: TableParts, config: TableConfig, alpha: float | None,
     if not parts.sampler.traits.priorities:
         return 0.0, 0.0
     return parts.sampler.set_exponents(alpha, beta)
-
-
-def apply(table: Any, alpha: float | None = None, beta: float | None = None,
-          seed: int | None = None) -> tuple[float, float]:
-    """How ``table`` draws from now on (see :func:`set_sampling`); returns ``(alpha, beta)``."""
-    check(table.config, alpha, beta, seed)
-    return table.under_lock(set_sampling, alpha, beta, seed)

@@ -29,7 +29,6 @@ from replay_server.errors import (
     InvalidArgumentError,
     InvalidIdsError,
     InvalidPriorityError,
-    NoPrioritiesError,
     SchemaMismatchError,
 )
 
@@ -122,69 +121,22 @@ def priority_values(priorities: Any, table: str, alpha: float) -> np.ndarray:
     """
     with _typed(table):
         values = inputs.priority_values(priorities)
+    check_bound(values, table, alpha)
+    return values
+
+
+def check_bound(values: np.ndarray, table: str, alpha: float) -> None:
+    """Refuse priorities whose sampling mass ``p ** alpha`` overflows float32.
+
+    Raises:
+        InvalidPriorityError: naming the largest priority and ``alpha``.
+    """
     top = float(values.max()) if values.size else 0.0
     if top > max_priority(alpha):
         raise InvalidPriorityError(
             f"table {table!r}: priority {top} is too large: its sampling mass p**alpha "
             f"(alpha={alpha}) exceeds float32's range"
         )
-    return values
-
-
-def insert_priorities(priorities: Any, rows: int, config: TableConfig,
-                      alpha: float | None = None) -> np.ndarray | None:
-    """An insert's ``[rows]`` priorities, checked (``None`` when none were given).
-    ``alpha``: the exponent in force (it may differ from the config's at run time).
-
-    Raises:
-        NoPrioritiesError: the table's sampler has no priorities.
-        InvalidPriorityError: see :func:`priority_values`, or the shape is not ``[rows]``.
-    """
-    if priorities is None:
-        return None
-    if not config.sampler.traits.priorities:
-        raise NoPrioritiesError(
-            f"table {config.name!r} uses sampler {config.sampler.value!r}, which has "
-            f"no priorities; insert without priorities"
-        )
-    values = priority_values(priorities, config.name, config.alpha if alpha is None else alpha)
-    if tuple(values.shape) != (rows,):
-        raise InvalidPriorityError(
-            f"table {config.name!r}: priorities must have shape [{rows}] (one per row), "
-            f"got {list(values.shape)}"
-        )
-    return values
-
-
-def slice_rows(ids: np.ndarray, values: np.ndarray, config: TableConfig, table: str
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """An update of whole slices as ``[B, slice_len]`` ids and priorities: given so (any
-    leading dims), or flat with ``slice_len`` per slice in order (a client that sends
-    updates flat). The sampler checks that each row is a slice as sampled and mixes it
-    (``priority_mixing``).
-
-    Raises:
-        InvalidPriorityError: the ids are not whole slices of ``slice_len`` steps.
-    """
-    length = config.slice_len
-    assert length is not None and config.priority_mixing is not None
-    if ids.shape[-1:] != (length,) and (ids.ndim > 1 or ids.size % length):
-        raise InvalidPriorityError(
-            f"table {table!r} mixes priorities per slice (priority_mixing): an update gives "
-            f"slice_len={length} priorities per slice (the batch's ids [B, {length}]), got "
-            f"ids {list(ids.shape)}")
-    return ids.reshape(-1, length), values.reshape(-1, length)
-
-
-def episode_values(columns: Mapping[str, torch.Tensor], rows: int,
-                   config: TableConfig) -> dict[str, np.ndarray]:
-    """An insert's episode ids (int64) and end flags (``done`` or ``truncated``), per row."""
-    ends = np.zeros(rows, dtype=bool)
-    for key in config.episode_end_keys:
-        if key in columns:
-            ends |= columns[key].detach().cpu().numpy().reshape(rows)
-    episodes = columns[config.episode_key].detach().cpu().numpy().astype(np.int64)
-    return {"episodes": episodes, "ends": ends}
 
 
 def id_values(ids: Any, table: str) -> np.ndarray:

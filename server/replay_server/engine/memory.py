@@ -5,7 +5,7 @@ storage keeps them (allocated when the schema is fixed: by the config at
 start, else by the first insert), plus the per-slot state its sampler,
 remover and readers declare (allocated at start): priority sum tree leaves,
 episode links, slice-start sets, draw counts.
-:func:`~replay_server.engine.table_parts.table_bytes` adds them up; a :class:`MemoryLedger`
+:func:`~replay_server.engine.table_memory.table_bytes` adds them up; a :class:`MemoryLedger`
 holds what the tables of one server have been promised and refuses a table
 whose memory would take the total past the limit, *before* anything is
 allocated, with an error naming the table, the bytes and the limit. (Storage

@@ -17,9 +17,9 @@ gets (the largest seen so far), as TorchRL's ``rb[index] = data`` does. Rows
 that other rows link to (episodes of slice tables, n-step windows, frame
 stacks) cannot be overwritten, nor rows of a queue.
 
-:func:`read_rows` and :func:`write_rows` are the entry points: they run
-:func:`read` and :func:`write` under the table's lock
-(:meth:`~replay_server.engine.table.Table.under_lock`); those two are not
+The table's :meth:`~replay_server.engine.table.Table.read_rows` and
+:meth:`~replay_server.engine.table.Table.write_rows` are the entry points:
+they run :func:`read` and :func:`write` under its lock; those two are not
 thread-safe on their own.
 """
 
@@ -34,8 +34,7 @@ import torch
 
 from replay_server.engine.config import TableConfig
 from replay_server.engine.ids import IdRing
-from replay_server.engine.inputs import columns_of, id_values, row_count
-from replay_server.engine.storage.placement import table_device
+from replay_server.engine.inputs import id_values, row_count
 from replay_server.engine.table_parts import TableParts
 from replay_server.errors import InvalidArgumentError, InvalidIdsError, NoPrioritiesError
 
@@ -195,16 +194,3 @@ def _where(ring: IdRing) -> str:
     if first <= last:
         return f" at positions {first}..{last}"
     return f" at positions {first}..{ring.capacity - 1} and 0..{last}"
-
-
-def read_rows(table: Any, **request: Any) -> RowRead:
-    """The stored rows of ``table`` by ``positions=`` or ``ids=`` (see :func:`read`)."""
-    return table.under_lock(read, change=False, **request)
-
-
-def write_rows(table: Any, positions: Any, data: Any) -> None:
-    """Overwrite stored rows of ``table`` in place, by position (see :func:`write`); the data
-    is checked and converted before the table's lock."""
-    config = table.config
-    columns = columns_of(data, config.name, config.episode_key, table_device(config))
-    table.under_lock(write, positions, columns)

@@ -6,10 +6,13 @@ that are never issued twice, not even across crashes (see
 :mod:`replay_server.engine.ids`); samples come out as
 :class:`~replay_proto.batch.SampleBatch`; priorities are updated by id. The
 table is the only orchestrator: under its lock it writes storage and tells
-its sampler exactly once. What it is handed is checked and converted before
-the lock (:mod:`~replay_server.engine.inputs`); its state is saved and loaded
-by :mod:`~replay_server.engine.table_state`; everything it mutates is one
-:class:`~replay_server.engine.table_parts.TableParts`.
+its sampler exactly once. It is also the only door: other modules and layers
+call its methods, never act on its parts. What it is handed is checked and
+converted once, before the lock (:mod:`~replay_server.engine.insert_rows`,
+:mod:`~replay_server.engine.priority_update`, :mod:`~replay_server.engine.inputs`);
+its state is saved and loaded by :mod:`~replay_server.engine.table_state`, its
+memory promised by :mod:`~replay_server.engine.table_memory`; everything it
+mutates is one :class:`~replay_server.engine.table_parts.TableParts`.
 
 Every method either succeeds or raises a
 :class:`~replay_server.errors.ReplayServerError` having changed nothing.
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from replay_proto.batch import SampleBatch, batch_nbytes
+from replay_server.engine import draw_settings, row_access
 from replay_server.engine.change_clock import ChangeClock
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IncarnationSource
@@ -46,28 +50,27 @@ from replay_server.engine.inputs import (
     batch_size_of,
     check_sampler_columns,
     columns_of,
-    episode_values,
     id_values,
-    insert_priorities,
-    priority_values,
-    row_count,
-    slice_rows,
 )
+from replay_server.engine.insert_rows import InsertRows
 from replay_server.engine.memory import MemoryLedger
-from replay_server.engine.readers.framestack import check_insert as check_stacks
 from replay_server.engine.storage.placement import table_device
+from replay_proto.mass import SamplingMass
 from replay_server.engine.rate_limiter import RateLimiter
+from replay_server.engine.row_access import RowRead
 from replay_server.engine.insert_event import InsertEvent
 from replay_server.engine.leases import LeaseRequest
+from replay_server.engine.priority_update import PriorityUpdate
+from replay_server.engine.samplers import Removal, SampleIndex
 from replay_server.engine.schema import Schema, schema_of
+from replay_server.engine.storage import ColumnStorage
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
+from replay_server.engine.table_memory import TableMemory
 from replay_server.engine.table_info import TableCounters, TableFigures, TableInfo
 from replay_server.engine.table_parts import (
     TableParts,
     fresh_parts,
-    memory_promise,
     schema_way_out,
-    table_bytes,
 )
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
@@ -105,13 +108,10 @@ class Table:
         self.config = config
         self._lock = threading.Lock()
         self._incarnations = incarnations
-        self._memory = memory or MemoryLedger()
-        declared = None if config.schema is None else Schema(config.schema)
+        self._memory = TableMemory(config, memory or MemoryLedger())
         try:
-            self._memory.require(config.name, table_bytes(config, declared),
-                                 f"capacity {config.capacity:,} (sampler state"
-                                 f"{'' if declared is None else ' and the declared schema'})")
-            self._parts = fresh_parts(config, incarnations, memory_promise(config, self._memory))
+            self._memory.promise_state(None if config.schema is None else Schema(config.schema))
+            self._parts = fresh_parts(config, incarnations, self._memory.growth)
         except InsufficientMemoryError as exc:
             raise TableSpaceError(str(exc)) from None
         self._instant_bytes = 0  # what the last snapshot's instant copied: the next one's arena
@@ -169,66 +169,100 @@ class Table:
         Cost: one copy of the rows into storage plus the sampler's insert
         (O(rows * log capacity) at worst).
         """
-        columns = columns_of(data, self.name, self.config.episode_key, self._device)
-        rows = row_count(columns, self.name)
-        if self.config.frame_stack_key is not None:
-            check_stacks(columns, self.config.frame_stack_key, self.name)
-        alpha = self._parts.sampler.alpha
-        checked_priorities = insert_priorities(priorities, rows, self.config, alpha)
-        early = self._parts.encode_early(columns, self.name)
+        return self._insert(data, priorities, None)
+
+    def replay_insert(self, data: Any, priorities: Any, first_id: int) -> torch.Tensor:
+        """An insert replayed from a write-ahead log (:mod:`replay_server.checkpoint.wal.replay`):
+        as :meth:`insert`, its rows getting ids from ``first_id`` on (the ids the logged run
+        gave them), and not asking the rate limiter (the insert was admitted when logged).
+
+        Raises:
+            ValueError: ``first_id`` cannot be the next row's id in any history of id
+                segments. Otherwise as :meth:`insert`.
+        """
+        return self._insert(data, priorities, first_id)
+
+    def resume_ids(self) -> None:
+        """After a log replay: new rows get the ids of this run's incarnation."""
+        with self._lock:
+            self._parts.ids.resume(self._parts.ring.next_id)
+
+    def _insert(self, data: Any, priorities: Any, first_id: int | None) -> torch.Tensor:
+        """:meth:`insert`; ``first_id``: :meth:`replay_insert`'s."""
+        batch = InsertRows.of(data, priorities, self.config, self._parts.sampler.alpha,
+                              self._device)
+        early = self._parts.encode_early(batch.columns, self.name)
         with self._lock:
             parts = self._parts
-            if checked_priorities is not None and parts.sampler.alpha != alpha:
-                # alpha changed meanwhile (draw_settings): the bound on priorities with it
-                insert_priorities(priorities, rows, self.config, parts.sampler.alpha)
-            schema = parts.schema
-            if schema is None:
-                schema = schema_of(columns, self.name)
-                check_sampler_columns(self.config, schema)
-            try:
-                schema.check(columns, self.name)
-            except SchemaMismatchError as exc:
-                raise SchemaMismatchError(f"{exc}; {schema_way_out(self.config)}") from None
+            batch.check_alpha(parts.sampler.alpha, self.name)  # draw_settings may change it
+            checked = early is not None and early[0] is parts.storage and early[1] is parts.schema
+            schema = parts.schema if checked else self._schema_for(parts, batch)
+            assert schema is not None
+            rows, ring = batch.rows, parts.ring
             if rows == 0:
                 return torch.empty(0, dtype=torch.int64)
-            ring = parts.ring
             if rows > ring.capacity:
                 raise InvalidArgumentError(
                     f"table {self.name!r}: an insert of {rows} rows exceeds the table's "
                     f"capacity of {ring.capacity} rows; split it"
                 )
-            parts.limiter.check_insert(rows, self.name)
+            if first_id is None:
+                parts.limiter.check_insert(rows, self.name)
+            else:
+                parts.ids.follow(ring.next_id, first_id)
             parts.ids.reserve(ring.next_id, rows)
-            if parts.storage is None:
-                self._memory.require(self.name, table_bytes(self.config, schema),
-                                     f"capacity {ring.capacity:,} x {schema.row_bytes:,} bytes "
-                                     f"per row ({schema.describe()})")
-                parts.allocate(schema, self.config, memory_promise(self.config, self._memory)(
-                    schema))
-            storage = parts.storage
-            assert storage is not None
-            encoded = early[1] if early is not None and early[0] is storage else \
-                storage.encode(parts.stored(columns))
+            storage = self._storage_for(parts, schema)
+            encoded = early[2] if checked and early is not None else \
+                storage.encode(parts.stored(batch.columns))
             storage.reserve(ring.next_id % ring.capacity, encoded)  # may refuse: nothing changed
-            episodes = episode_values(columns, rows, self.config) if self._episodes else {}
-            first_row_id = self._append(parts, columns, encoded, rows, checked_priorities,
-                                        episodes)
+            first_row_id = self._append(parts, batch, encoded,
+                                        batch.episodes(self.config) if self._episodes else {})
             self.changes.tick()
         return torch.from_numpy(ring.range(first_row_id, rows))
 
+    def _schema_for(self, parts: TableParts, batch: InsertRows) -> Schema:
+        """The schema ``batch`` must match (the one it fixes, if it is the first insert), having
+        checked that it does. Under the lock.
+
+        Raises:
+            SchemaMismatchError, InvalidArgumentError: naming the key, and the way out.
+        """
+        schema = parts.schema
+        if schema is None:
+            schema = schema_of(batch.columns, self.name)
+            check_sampler_columns(self.config, schema)
+        try:
+            schema.check(batch.columns, self.name)
+        except SchemaMismatchError as exc:
+            raise SchemaMismatchError(f"{exc}; {schema_way_out(self.config)}") from None
+        return schema
+
+    def _storage_for(self, parts: TableParts, schema: Schema) -> ColumnStorage:
+        """The table's storage, allocated for ``schema`` by the first insert. Under the lock.
+
+        Raises:
+            InsufficientMemoryError: the rows at the table's capacity need more memory
+                than the server may give it.
+        """
+        if parts.storage is None:
+            self._memory.promise_rows(schema)
+            parts.allocate(schema, self.config, self._memory.growth(schema))
+        assert parts.storage is not None
+        return parts.storage
+
     @staticmethod
-    def _append(parts: TableParts, columns: Mapping[str, torch.Tensor], encoded: Any,
-                rows: int, priorities: Any, episodes: dict[str, Any]) -> int:
+    def _append(parts: TableParts, batch: InsertRows, encoded: Any,
+                episodes: dict[str, Any]) -> int:
         """Append checked rows whose storage is reserved: the ring, then each layer told once,
         in order, then counters and rate limiter; the first new row's id. Under the lock;
         nothing here refuses."""
-        ring, storage = parts.ring, parts.storage
+        ring, storage, rows = parts.ring, parts.storage, batch.rows
         assert storage is not None
         evicted_first_id = ring.first_live
         first_id, evicted = ring.allocate(rows)
         first_row_id = parts.ids.id_of(first_id)
         event = InsertEvent(first_id=first_id, count=rows, evicted_first_id=evicted_first_id,
-                            evicted=evicted, priorities=priorities, **episodes)
+                            evicted=evicted, priorities=batch.priorities, **episodes)
         deleted = evicted
         if parts.remover is not None:  # rows retired before were deleted then
             deleted -= parts.remover.inserted(event.ids, event.evicted_ids)
@@ -236,7 +270,7 @@ class Table:
             reader.before_write(event)
         storage.write(first_id % ring.capacity, encoded)
         for reader in parts.readers:
-            reader.after_write(event, columns)
+            reader.after_write(event, batch.columns)
         parts.sampler.insert(event)
         parts.counters.inserted += rows
         parts.counters.evicted += evicted
@@ -257,13 +291,9 @@ class Table:
         a lease of that name still held answers with its rows again.
 
         ``out`` (flat key -> contiguous tensor shaped like that column of the
-        batch) receives the rows instead of new tensors: a learner's pinned or
-        shared-memory staging buffer (see :meth:`batch_layout`).
-
-        A device table (``device = "cuda"``) gathers on its device: without
-        ``out`` the whole batch (ids, weights and probabilities too) is on
-        that device; host ``out`` tensors receive one copy of the rows, and
-        the extras stay on the host.
+        batch: :meth:`batch_layout`) receives the rows instead of new tensors: a
+        learner's staging buffer. A device table gathers on its device: without
+        ``out`` the whole batch is there; host ``out`` tensors get one copy of the rows.
 
         Raises:
             InvalidArgumentError: ``batch_size`` is not an integer in [1, MAX_BATCH_SIZE],
@@ -291,31 +321,43 @@ class Table:
             if held is not None:  # a retry of a sample whose answer was lost: the same rows
                 return parts.drawn_from.place(self._read(parts, held.index, held.mass, out), out)
             parts.limiter.check_sample(rows, self.name)
-            retired = gone = 0
-            mass = parts.sampler.mass()  # what this draw's probabilities are relative to
-            try:
-                if parts.remover is None:
-                    index = parts.sampler.sample(batch_size, parts.generator)
-                else:
-                    index, removals = parts.remover.sample(
-                        parts.sampler, batch_size, parts.generator, self.name,
-                        can_wait=parts.limiter.enabled)
-                    retired = sum(removal.positions.size for removal in removals)
-                    gone = retired if parts.remover.removes_rows else 0
-            except EmptyTableError as exc:
-                raise EmptyTableError(f"table {self.name!r}: {exc}") from None
-            if leased:
-                assert lease is not None
-                parts.leases.hold(lease, index, removals, mass)
+            index, mass = self._draw(parts, batch_size, lease if leased else None)
             parts.counters.sample_calls += 1
             parts.counters.sampled += batch_size
             parts.limiter.sampled(rows)
-            parts.counters.retired += retired
-            parts.limiter.deleted(gone)
             self.changes.tick()
             batch = self._read(parts, index, mass, out)
             storage = parts.drawn_from
         return storage.place(batch, out)
+
+    def _draw(self, parts: TableParts, batch_size: int, lease: LeaseRequest | None
+              ) -> tuple[SampleIndex, SamplingMass | None]:
+        """Draw ``batch_size`` rows from the sampler, or through the remover where rows leave
+        when sampled (counting those retired), taken under ``lease`` if given; the draw and
+        the mass its probabilities are relative to. Under the lock.
+
+        Raises:
+            EmptyTableError: nothing can be drawn. RateLimitedError: the remover's rows are
+                all out on leases.
+        """
+        mass = parts.sampler.mass()
+        removals: list[Removal] = []
+        remover = parts.remover
+        try:
+            if remover is None:
+                index = parts.sampler.sample(batch_size, parts.generator)
+            else:
+                index, removals = remover.sample(parts.sampler, batch_size, parts.generator,
+                                                 self.name, can_wait=parts.limiter.enabled)
+        except EmptyTableError as exc:
+            raise EmptyTableError(f"table {self.name!r}: {exc}") from None
+        if remover is not None:
+            retired = sum(removal.positions.size for removal in removals)
+            parts.counters.retired += retired
+            parts.limiter.deleted(retired if remover.removes_rows else 0)
+        if lease is not None:
+            parts.leases.hold(lease, index, removals, mass)
+        return index, mass
 
     @staticmethod
     def _read(parts: TableParts, index: Any, mass: Any,
@@ -363,17 +405,10 @@ class Table:
     # -------------------------------------------------------------- priorities
 
     def update_priorities(self, ids: Any, priorities: Any, *, blocking: bool = True) -> int | None:
-        """Set the priorities of the rows named by ``ids``.
-
-        Ids whose rows have since been overwritten (or reset, or retired), and
-        ids of a run that crashed after its last checkpoint, are *stale*:
-        ignored and counted in ``stale_priority_updates``; they never touch
-        a newer row. For a repeated id, the last priority wins. With the
-        config's ``priority_mixing``, ids are a batch's slices (``[B, slice_len]``,
-        or flat, ``slice_len`` per slice in order), each checked to be a slice
-        as sampled, and each slice's start gets the mix of its steps'
-        priorities; a slice counts as applied (all its ids) when its start is
-        present.
+        """Set the priorities of the rows named by ``ids``; ids of rows no longer stored are
+        stale: ignored and counted in ``stale_priority_updates`` (for a repeated id, the last
+        priority wins; whole slices where the config mixes priorities per slice: see
+        :mod:`~replay_server.engine.priority_update`).
 
         Args:
             ids: int64 ids, any shape.
@@ -399,66 +434,58 @@ class Table:
                 f"table {self.name!r} uses sampler {self.config.sampler.value!r}, which has "
                 f"no priorities to update"
             )
-        id_array = id_values(ids, self.name)
-        values = priority_values(priorities, self.name, self._parts.sampler.alpha or 0.0)
-        if values.shape != id_array.shape:
-            raise InvalidPriorityError(
-                f"table {self.name!r}: priorities must have the same shape as ids "
-                f"{list(id_array.shape)}, got {list(values.shape)}"
-            )
-        mixing = self.config.priority_mixing is not None
-        if mixing:  # whole slices [B, slice_len], mixed into their starts by the sampler
-            id_array, values = slice_rows(id_array, values, self.config, self.name)
-        else:
-            id_array, values = id_array.reshape(-1), values.reshape(-1)
+        update = PriorityUpdate.of(ids, priorities, self.config, self._parts.sampler.alpha or 0.0)
         with _holding(self._lock, blocking) as held:
             if not held:
                 return None
             parts = self._parts
-            ring = parts.ring
-            positions = parts.ids.positions_of(id_array.reshape(-1), ring.next_id,
-                                               self.name).reshape(id_array.shape)
-            heads = positions[:, 0] if mixing else positions  # a slice stays while its start does
-            # Positions are issued in order, so when the lowest is live they all are.
-            lowest = int(heads.min()) if heads.size else ring.first_live
-            live = None if lowest >= ring.first_live else ring.live(heads)
-            if parts.remover is not None and parts.remover.removes_rows:  # retired: stays 0
-                drawable = parts.remover.drawable(heads)
-                live = drawable if live is None else live & drawable
-            present = heads.size if live is None else int(live.sum())
+            taken, applied = update.present(parts.ring, parts.ids, parts.remover, self.name)
             try:
-                if present == heads.size:
-                    parts.sampler.update(positions, values)
-                elif present:
-                    parts.sampler.update(positions[live], values[live])
+                if taken is not None:
+                    parts.sampler.update(*taken)
             except InvalidPriorityError as exc:  # a slice that is not one: nothing applied
                 raise InvalidPriorityError(f"table {self.name!r}: {exc}") from None
-            applied = present * (id_array.size // max(1, heads.size))
             parts.counters.priority_updates += applied
-            parts.counters.stale_priority_updates += id_array.size - applied
+            parts.counters.stale_priority_updates += update.size - applied
             self.changes.tick()
         return applied
 
-    def under_lock(self, fn: Callable[..., Any], *args: Any, change: bool = True,
-                   **kwargs: Any) -> Any:
-        """``fn(parts, config, *args, **kwargs)`` under the lock, ticking :attr:`changes` if
-        ``change``: how engine modules act on the parts (:mod:`.row_access`, :mod:`.draw_settings`)."""
+    # ------------------------------------------------------------- rows in place
+
+    def read_rows(self, *, positions: Any = None, ids: Any = None, columns: bool = True,
+                  priorities: bool = False) -> RowRead:
+        """The stored rows at storage ``positions`` (TorchRL's ``rb[index]``) or named by
+        ``ids``, as stored; changes nothing (:func:`.row_access.read` says what it raises)."""
         with self._lock:
-            result = fn(self._parts, self.config, *args, **kwargs)
-            if change:
-                self.changes.tick()
-        return result
+            return row_access.read(self._parts, self.config, positions=positions, ids=ids,
+                                   columns=columns, priorities=priorities)
+
+    def write_rows(self, positions: Any, data: Any) -> None:
+        """Overwrite whole stored rows in place, by storage position (TorchRL's
+        ``rb[index] = data``; :func:`.row_access.write` says what it refuses). The data is
+        checked and converted before the lock."""
+        columns = columns_of(data, self.name, self.config.episode_key, self._device)
+        with self._lock:
+            row_access.write(self._parts, self.config, positions, columns)
+            self.changes.tick()
+
+    def set_sampling(self, alpha: float | None = None, beta: float | None = None,
+                     seed: int | None = None) -> tuple[float, float]:
+        """How the table draws from its next sample on (``None``: unchanged); returns the
+        ``(alpha, beta)`` in force. See :mod:`replay_server.engine.draw_settings`."""
+        draw_settings.check(self.config, alpha, beta, seed)
+        with self._lock:
+            in_force = draw_settings.set_sampling(self._parts, self.config, alpha, beta, seed)
+            self.changes.tick()
+        return in_force
 
     # ------------------------------------------------------------------- admin
 
     def delete(self, ids: Any) -> int:
-        """Remove the rows named by ``ids`` from sampling: they leave the table as if
-        handed out their last time. For tables whose rows leave when sampled (the
-        remover's: ``fifo``/``lifo``, or ``max_times_sampled``).
-
-        Ids of rows already taken, deleted, retired or overwritten are stale
-        and ignored (the ids not counted in the result). A repeated id counts
-        once. Inserts waiting for room under ``max_size`` may pass afterwards.
+        """Remove the rows named by ``ids`` from sampling, as if handed out their last time
+        (tables whose rows leave when sampled: ``fifo``/``lifo``, or ``max_times_sampled``).
+        Ids of rows already taken, deleted, retired or overwritten are stale and ignored;
+        a repeated id counts once. Inserts waiting for room under ``max_size`` may pass.
 
         Returns:
             How many of ``ids`` named rows present (and were removed).
@@ -500,18 +527,8 @@ class Table:
             parts = self._parts
             if schema and self.config.schema is None and parts.schema is not None:
                 parts.forget_schema()
-                # smaller than the promise it replaces, so it is never refused
-                self._memory.require(self.name, table_bytes(self.config, None),
-                                     f"capacity {self.config.capacity:,} (sampler state)")
-            parts.ring.clear()
-            parts.leases.clear()
-            parts.sampler.clear()
-            parts.limiter.reset()
-            if parts.remover is not None:
-                parts.remover.clear()
-            for reader in parts.readers:
-                reader.clear()
-            parts.counters.resets += 1
+                self._memory.promise_state()  # smaller than the promise it replaces: never refused
+            parts.clear()
             self.changes.tick()
 
     def info(self) -> TableInfo:
@@ -557,33 +574,11 @@ class Table:
     def load_state_dict(
         self, state: Mapping[str, Any], read_rows: Callable[[dict], None] | None = None
     ) -> None:
-        """Replace this table's contents with a :meth:`state_dict`, all or nothing.
-
-        The state is loaded into fresh parts first and swapped in only once
-        it has loaded completely, so a malformed state changes nothing (the
-        cost: twice the table's memory while loading, except for a table that
-        never held a row, whose storage is loaded into). ``read_rows``, if
-        given, fills the rows instead of ``state["columns"]``: it is called
-        with numpy views of the fresh table's whole columns (bfloat16 as
-        int16), e.g. to read them from files; what it raises propagates as is.
-
-        Raises:
-            ConfigError: the state has another layout version, contradicts this
-                table's config (capacity, sampler, slice_len, alpha, keys) or
-                schema (the message names both values), or was saved by another shard.
-            MalformedStateError: the state is malformed.
-            InsufficientMemoryError: the saved schema at the table's capacity
-                needs more memory than the server may give it.
-        """
-        # A table that never held a row (one made to be restored) lends its storage: its
-        # contents do not matter, and a restore then needs no second copy (memmap: on disk).
-        reuse = self._parts.storage if self._parts.ring.next_id == 0 else None
-        parts: TableParts = load_parts(self.config, state, self._parts.schema, read_rows is None,
-                                       self._incarnations, self._memory, reuse)
-        if read_rows is not None and parts.storage is not None:
-            views = parts.storage.load_views()
-            read_rows(views)
-            parts.storage.loaded(views)
+        """Replace this table's contents with a :meth:`state_dict`, all or nothing; ``read_rows``:
+        what fills the rows instead of ``state["columns"]`` (see
+        :func:`~replay_server.engine.table_state.load_parts`, which says what it raises)."""
+        parts = load_parts(self.config, state, self._parts, read_rows, self._incarnations,
+                           self._memory.ledger)
         with self._lock:
             self._parts = parts
             self.changes.tick()

@@ -1,6 +1,5 @@
 """Everything a table mutates, held together so that a load can replace it whole; and the
-one place that wires the layers a config names (sampler, remover, storage, readers) and
-adds up their declared memory.
+one place that wires the layers a config names (sampler, remover, storage, readers).
 
 The layers never import one another (``tests/test_layout.py``): a sampler
 sees positions, the remover counts draws and asks the sampler to stop
@@ -24,10 +23,8 @@ from replay_server.engine.id_space import IdSpace, IncarnationSource, LocalIncar
 from replay_server.engine.ids import IdRing
 from replay_server.engine.inputs import check_sampler_columns
 from replay_server.engine.leases import Lease, Leases
-from replay_server.engine.memory import MemoryLedger, format_bytes
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.readers import FrameStacks, NStepReturns, Reader, StoredRows
-from replay_server.engine.readers.framestack import storage_schema
 from replay_server.engine.remover import Remover
 from replay_server.engine.samplers import SAMPLERS, Sampler
 from replay_server.engine.schema import Schema
@@ -35,7 +32,6 @@ from replay_server.engine.storage import (
     ColumnStorage,
     check_storage,
     make_storage,
-    storage_ram_bytes,
 )
 from replay_server.engine.table_info import TableCounters, TableInfo
 from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMismatchError
@@ -197,11 +193,12 @@ class TableParts:
                 self.retake(lease)
 
     def encode_early(self, columns: Mapping[str, torch.Tensor], table: str
-                     ) -> tuple[ColumnStorage, dict[str, Any]] | None:
+                     ) -> tuple[ColumnStorage, Schema, dict[str, Any]] | None:
         """The insert's rows as the storage keeps them (compressed, frames reduced), made
         before the table's lock when the schema is fixed and they match it; with the
-        storage they were made for (a load may swap the parts before the lock is taken).
-        Reads only what a load replaces whole, so it needs no lock."""
+        storage they were made for and the schema they were checked against (a load or a
+        reset may replace both before the lock is taken). Reads only what a load replaces
+        whole, so it needs no lock."""
         storage, schema = self.storage, self.schema
         if storage is None or schema is None:
             return None
@@ -209,7 +206,7 @@ class TableParts:
             schema.check(columns, table)
         except SchemaMismatchError:
             return None  # refused under the lock, with the same message
-        return storage, storage.encode(self.stored(columns))
+        return storage, schema, storage.encode(self.stored(columns))
 
     def allocate(self, schema: Schema, config: TableConfig,
                  grow: Callable[[int], None] | None = None,
@@ -238,6 +235,19 @@ class TableParts:
         bottom.attach(self.storage)
         self.readers = readers
         self.schema = schema
+
+    def clear(self) -> None:
+        """Every layer emptied (a reset): rows, leases, sampler, rate limiter, remover and
+        readers; ids keep counting. Counted in ``resets``."""
+        self.ring.clear()
+        self.leases.clear()
+        self.sampler.clear()
+        self.limiter.reset()
+        if self.remover is not None:
+            self.remover.clear()
+        for reader in self.readers:
+            reader.clear()
+        self.counters.resets += 1
 
     def forget_schema(self) -> None:
         """Drop the schema, its storage and the readers built for it: the next insert fixes
@@ -311,48 +321,3 @@ def fresh_parts(config: TableConfig, incarnations: IncarnationSource | None = No
             raise ConfigError(str(exc)) from None
         parts.allocate(schema, config, None if grow is None else grow(schema), reuse)
     return parts
-
-
-def sampler_slot_bytes(config: TableConfig) -> int:
-    """Bytes of per-slot state a table of ``config`` allocates: its sampler's, its remover's
-    and its readers' (each as the layer declares it)."""
-    limit = config.removal_limit
-    per_slot = SAMPLERS[config.sampler.value].slot_bytes(config.sampler_options, config.capacity,
-                                                         deletes=limit > 0)
-    per_slot += NStepReturns.SLOT_BYTES if config.n_step > 1 else 0
-    per_slot += FrameStacks.SLOT_BYTES if config.frame_stack_key else 0
-    return per_slot + (Remover.slot_bytes(limit) if limit else 0)
-
-
-def stored_schema(config: TableConfig, schema: Schema) -> Schema:
-    """What the storage of a table of ``config`` keeps for rows of ``schema``."""
-    if config.frame_stack_key is None:
-        return schema
-    return storage_schema(schema, config.frame_stack_key)
-
-
-def table_bytes(config: TableConfig, schema: Schema | None) -> int:
-    """Bytes of RAM a table of ``config`` is promised at its capacity (rows of ``schema``,
-    if fixed): each layer's declaration. ``memmap`` and device columns count none (their
-    disk and device memory are checked when allocated), compressed columns their
-    per-slot offsets (their blocks are promised as they are stored)."""
-    rows = 0 if schema is None else storage_ram_bytes(config, stored_schema(config, schema))
-    return rows + config.capacity * sampler_slot_bytes(config)
-
-
-def memory_promise(config: TableConfig, memory: MemoryLedger | None
-                   ) -> Callable[[Schema], Callable[[int], None] | None]:
-    """For a schema, what promises a table's compressed rows as their storage takes memory:
-    the table's :func:`table_bytes` plus the bytes taken, promised to ``memory`` (which
-    raises to refuse the insert that needs them)."""
-    def for_schema(schema: Schema) -> Callable[[int], None] | None:
-        if memory is None:
-            return None
-        base = table_bytes(config, schema)
-
-        def grow(nbytes: int) -> None:
-            memory.require(config.name, base + nbytes,
-                           f"capacity {config.capacity:,} of {schema.describe()} with "
-                           f"{format_bytes(nbytes)} of compressed rows")
-        return grow
-    return for_schema

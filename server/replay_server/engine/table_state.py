@@ -23,7 +23,7 @@ kept histories of a frame-stacked table; likewise).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -38,12 +38,8 @@ from replay_server.engine.schema import Schema
 from replay_server.engine.snapshot import Arena, TableSnapshot
 from replay_server.engine.storage import ColumnStorage
 from replay_server.engine.table_info import TableCounters
-from replay_server.engine.table_parts import (
-    TableParts,
-    fresh_parts,
-    memory_promise,
-    table_bytes,
-)
+from replay_server.engine.table_memory import memory_promise, table_bytes
+from replay_server.engine.table_parts import TableParts, fresh_parts
 from replay_server.errors import ConfigError, InsufficientMemoryError, MalformedStateError
 
 STATE_VERSION = 1
@@ -93,32 +89,46 @@ def snapshot_parts(config: TableConfig, parts: TableParts, lock: threading.Lock,
     return TableSnapshot(state, rows), arena.wanted
 
 
-def load_parts(config: TableConfig, state: Mapping[str, Any], schema_now: Schema | None,
-               with_columns: bool, incarnations: IncarnationSource | None = None,
-               memory: MemoryLedger | None = None,
-               reuse: ColumnStorage | None = None) -> TableParts:
-    """Fresh parts holding ``state`` (its rows too, if ``with_columns``); ``reuse``: an
-    empty table's storage to load into instead of a new one (see ``TableParts.allocate``).
+def load_parts(config: TableConfig, state: Mapping[str, Any], current: TableParts,
+               read_rows: Callable[[dict], None] | None = None,
+               incarnations: IncarnationSource | None = None,
+               memory: MemoryLedger | None = None) -> TableParts:
+    """Fresh parts holding ``state``, for a table whose parts are ``current`` (not changed:
+    the table swaps the new parts in once they loaded completely, so a malformed state
+    changes nothing; the cost is twice the table's memory while loading, except for a
+    table that never held a row, whose storage is loaded into: no second copy, for a
+    ``memmap`` table no second file).
 
+    The rows come from ``state["columns"]``, or from ``read_rows`` if given:
+    it is called with numpy views of the fresh table's whole columns (bfloat16
+    as int16), e.g. to read them from files; what it raises propagates as is.
     The restored ids keep their segments, and a new segment (of
     ``incarnations``) begins where the saved ring stopped, so no id the saved
     table (or a run that went on after it and crashed) issued is issued again.
 
     Raises:
-        ConfigError: another layout version, or the state contradicts the
-            config or ``schema_now`` (the message names both values).
+        ConfigError: another layout version, or the state contradicts the config
+            (capacity, sampler, slice_len, alpha, keys) or the table's schema (the
+            message names both values), or was saved by another shard.
         MalformedStateError: the state is malformed.
         InsufficientMemoryError: the saved schema needs more than ``memory`` allows.
         MemoryError, OSError: the machine failed (never taken for a malformed state).
     """
+    reuse = current.storage if current.ring.next_id == 0 else None
     try:
-        return _load(config, state, schema_now, with_columns, incarnations, memory, reuse)
+        parts = _load(config, state, current.schema, read_rows is None, incarnations, memory,
+                      reuse)
     except (ConfigError, InsufficientMemoryError, MemoryError, OSError):
         raise  # a contradiction, or the machine failing: not a malformed state
     except Exception as exc:
         raise MalformedStateError(
             f"table {config.name!r}: saved state is malformed ({type(exc).__name__}: {exc})"
         ) from exc
+    if read_rows is not None and parts.storage is not None:
+        views = parts.storage.load_views()
+        read_rows(views)
+        parts.storage.loaded(views)
+    return parts
 
 
 def check_saved_config(config: TableConfig, saved: Mapping[str, Any]) -> None:

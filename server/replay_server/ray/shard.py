@@ -41,7 +41,7 @@ import ray
 from replay_client import ReplayClient
 from replay_server.app.config_file import settings_from_dict
 from replay_server.app.embedded import EmbeddedServer
-from replay_server.engine.config import TableConfig
+from replay_server.engine import TableConfig
 from replay_server.errors import ConfigError
 from replay_server.ray.handover import hand_over
 from replay_server.ray.registry import ask

@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from replay_server.engine.memory import format_bytes
+from replay_server.engine import format_bytes
 from replay_server.service.status import LimitExceededError, OverloadedError
 
 SMALL_BYTES = 1 << 20

@@ -52,8 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from replay_proto.scalars import is_int, is_real
-from replay_server.engine.id_space import check_shard
-from replay_server.engine.memory import format_bytes
+from replay_server.engine import check_shard, format_bytes
 from replay_server.service.budget import BULK_SHARE
 from replay_server.errors import ConfigError, TableSpaceError
 

@@ -47,7 +47,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from replay_server.checkpoint import Checkpointer
-from replay_server.engine.table import Table
+from replay_server.engine import Table
 from replay_server.errors import ConfigError
 from replay_server.service.metrics_listener import MetricsListener
 from replay_server.service.rpc_metrics import RpcMetrics

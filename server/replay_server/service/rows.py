@@ -2,10 +2,10 @@
 
 Thin handlers (decode, call the table, encode) for what TorchRL's buffer API
 needs beyond insert and sample: ``rb[index]`` and checkpoints read stored
-rows (:func:`~replay_server.engine.row_access.read_rows`), ``rb[index] = data``
-overwrites them (:func:`~replay_server.engine.row_access.write_rows`), and
+rows (:meth:`~replay_server.engine.table.Table.read_rows`), ``rb[index] = data``
+overwrites them (:meth:`~replay_server.engine.table.Table.write_rows`), and
 ``rb.sampler.beta = x`` or a seeded generator change how a table draws
-(:func:`~replay_server.engine.draw_settings.apply`). Engine work runs
+(:meth:`~replay_server.engine.table.Table.set_sampling`). Engine work runs
 in the call runner's pool; a Read's answer is one message, so its size is
 checked against the message limit before the rows are gathered, and its
 memory is reserved while it is held.
@@ -25,8 +25,7 @@ from replay_proto import row_codec
 from replay_proto.codec import CodecError
 from replay_proto.sample_codec import HEADROOM
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.engine import draw_settings, row_access
-from replay_server.engine.table_set import TableSet
+from replay_server.engine import TableSet
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.status import MessageTooLargeError
@@ -70,8 +69,8 @@ class RowService:
                 f"call")
         reservation.resize(len(raw) + 2 * estimate, f"Read: {count} rows of {table.name!r}")
         array = np.fromiter(values, dtype=np.int64, count=count)
-        found = row_access.read_rows(table, **{"ids" if request.by_id else "positions": array},
-                                     columns=request.columns, priorities=request.priorities)
+        found = table.read_rows(**{"ids" if request.by_id else "positions": array},
+                                columns=request.columns, priorities=request.priorities)
         return row_codec.encode_read_response(found.columns, found.ids, found.priorities,
                                               found.size)
 
@@ -81,7 +80,7 @@ class RowService:
 
     def _write(self, raw: bytes) -> tuple[str, bytes]:
         call = row_codec.decode_write(raw)
-        row_access.write_rows(self._tables()[call.table], call.positions, call.columns)
+        self._tables()[call.table].write_rows(call.positions, call.columns)
         return call.table, pb.WriteResponse(count=call.positions.size).SerializeToString()
 
     async def set_sampling(self, raw: bytes, context: grpc.aio.ServicerContext,
@@ -92,7 +91,7 @@ class RowService:
         request = _parse(pb.SetSamplingRequest, raw)
         given = {name: getattr(request, name) for name in ("alpha", "beta", "seed")
                  if request.HasField(name)}
-        alpha, beta = draw_settings.apply(self._tables()[request.table], **given)
+        alpha, beta = self._tables()[request.table].set_sampling(**given)
         return request.table, pb.SetSamplingResponse(alpha=alpha, beta=beta).SerializeToString()
 
 

@@ -80,9 +80,7 @@ from replay_proto.sample_codec import (
     with_offer,
 )
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.engine.inputs import MAX_BATCH_SIZE
-from replay_server.engine.table import Table
-from replay_server.engine.table_set import TableSet
+from replay_server.engine import MAX_BATCH_SIZE, Table, TableSet
 from replay_server.errors import InvalidArgumentError, RateLimitedError
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.calls import CallRunner

@@ -29,10 +29,14 @@ from replay_server.checkpoint.reader import read_manifest
 from replay_server.checkpoint.wal.keeper import LogKeeper
 from replay_server.checkpoint.wal.logged_table import LoggedTable
 from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
-from replay_server.engine.id_space import IncarnationSource, RandomIncarnations
-from replay_server.engine.memory import MemoryLedger, format_bytes
-from replay_server.engine.table_set import TableSet
-from replay_server.engine.variables import VariableStore
+from replay_server.engine import (
+    IncarnationSource,
+    MemoryLedger,
+    RandomIncarnations,
+    TableSet,
+    VariableStore,
+    format_bytes,
+)
 from replay_server.errors import CheckpointWriteError, ConfigError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget

@@ -33,12 +33,15 @@ from replay_proto.sample_codec import HEADROOM, encode_sample
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.checkpoint import Checkpointer, CheckpointResult
 from replay_server.checkpoint.checkpointer import partial_message
-from replay_server.engine.id_space import IncarnationSource, LocalIncarnations
-from replay_server.engine.inputs import MAX_BATCH_SIZE
-from replay_server.engine.leases import LeaseRequest
-from replay_server.engine.table import Table
-from replay_server.engine.table_set import TableSet
-from replay_server.engine.variables import VariableStore
+from replay_server.engine import (
+    MAX_BATCH_SIZE,
+    IncarnationSource,
+    LeaseRequest,
+    LocalIncarnations,
+    Table,
+    TableSet,
+    VariableStore,
+)
 from replay_server.errors import CheckpointPartError, CheckpointsDisabledError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget, Reservation

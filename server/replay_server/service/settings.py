@@ -16,7 +16,7 @@ from typing import Any
 from replay_feed.accelerator import cuda_present
 from replay_proto.addresses import DEFAULT_ADDRESS, is_loopback
 from replay_proto.scalars import is_int, is_real
-from replay_server.engine.config import TableConfig, default_table_configs
+from replay_server.engine import TableConfig, default_table_configs
 from replay_server.errors import ConfigError
 from replay_server.service.limits import DEFAULTS as LIMIT_DEFAULTS
 from replay_server.service.limits import check_limits

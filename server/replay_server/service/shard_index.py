@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from replay_proto.id_layout import MAX_SHARD
-from replay_server.engine.id_space import check_shard
+from replay_server.engine import check_shard
 from replay_server.errors import ConfigError
 
 AUTO = "auto"

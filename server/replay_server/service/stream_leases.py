@@ -45,8 +45,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-from replay_server.engine.leases import MAX_LEASE_NAME, LeaseRequest
-from replay_server.engine.table import Table
+from replay_server.engine import MAX_LEASE_NAME, LeaseRequest, Table
 from replay_server.errors import InvalidArgumentError
 from replay_server.service.stream_requests import messages_until
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from replay_proto import messages
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.engine.table import Table
+from replay_server.engine import Table
 from replay_server.errors import InvalidArgumentError
 
 MAX_CREDITS = 1024

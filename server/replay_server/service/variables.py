@@ -27,7 +27,7 @@ from replay_proto import variable_codec
 from replay_proto.chunks import CHUNK_HEADROOM, chunk_bytes, frame_chunks
 from replay_proto.codec import CodecError
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.engine.variables import Variable, VariableStore, check_name
+from replay_server.engine import Variable, VariableStore, check_name
 from replay_server.errors import InvalidVariableError
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner

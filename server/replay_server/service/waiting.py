@@ -44,9 +44,7 @@ from typing import TypeVar
 import torch
 
 from replay_proto.batch import SampleBatch
-from replay_server.engine.storage.device import host_batch
-from replay_server.engine.leases import LeaseRequest
-from replay_server.engine.table import Table
+from replay_server.engine import LeaseRequest, Table, host_batch
 from replay_server.errors import EmptyTableError, RateLimitedError
 from replay_server.service.status import ShuttingDownError
 

@@ -8,7 +8,6 @@ import torch
 
 from replay_proto.id_layout import MAX_INCARNATION, make_id
 from replay_server import Table, TableConfig
-from replay_server.engine import row_access
 from replay_server.engine.id_space import IdSpace, LocalIncarnations, RandomIncarnations
 from replay_server.errors import ConfigError, InvalidIdsError
 from tests.proto.test_id_layout import split_id
@@ -191,5 +190,5 @@ def test_info_lists_the_segments_that_hold_rows_and_where_they_lie(monkeypatch) 
     live = issued[3:].numpy()
     incarnations = (live >> 40) & 0xFFFF
     positions = [(firsts[int(i)] + int(q)) % 6 for i, q in zip(incarnations, live & (2**40 - 1))]
-    read = row_access.read_rows(table, positions=np.asarray(positions))
+    read = table.read_rows(positions=np.asarray(positions))
     assert read.ids.tolist() == live.tolist()

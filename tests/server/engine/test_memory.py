@@ -7,7 +7,7 @@ import torch
 
 from replay_server import FieldSpec, Schema, Table, TableConfig, TableSet
 from replay_server.engine.memory import MemoryLedger, format_bytes, machine_memory
-from replay_server.engine.table_parts import sampler_slot_bytes, table_bytes
+from replay_server.engine.table_memory import sampler_slot_bytes, table_bytes
 from replay_server.errors import ConfigError, InsufficientMemoryError
 
 

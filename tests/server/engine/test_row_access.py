@@ -8,7 +8,6 @@ import torch
 
 from replay_server import Table, TableConfig
 from replay_server.engine.ids import IdRing
-from replay_server.engine.row_access import read_rows, write_rows
 from replay_server.errors import InvalidArgumentError
 
 from tests.server.engine.test_table_reset import _stacked_episode
@@ -18,7 +17,7 @@ def test_a_frame_stacked_table_reads_rows_with_their_stacks_rebuilt():
     table = Table(TableConfig(name="f", capacity=8, frame_stack_key="obs"))
     episode = _stacked_episode(5, 3, (2,))
     table.insert(episode)
-    found = read_rows(table, positions=[0, 3, 4])
+    found = table.read_rows(positions=[0, 3, 4])
     assert torch.equal(found.columns["obs"], episode["obs"][[0, 3, 4]])
     assert torch.equal(found.columns["next.obs"], episode["next"]["obs"][[0, 3, 4]])
 
@@ -30,11 +29,11 @@ def test_an_n_step_table_reads_rows_not_transitions():
             "episode": torch.zeros(4, dtype=torch.int64),
             "done": torch.zeros(4, dtype=torch.bool)}
     table.insert(rows)
-    found = read_rows(table, positions=[1, 2])
+    found = table.read_rows(positions=[1, 2])
     assert torch.equal(found.columns["reward"], torch.ones(2))  # not the 2-step return 1.5
     assert torch.equal(found.columns["next.x"], x[[1, 2]] + 1)
     with pytest.raises(InvalidArgumentError, match="n_step"):
-        write_rows(table, [1], {k: v[:1] if torch.is_tensor(v) else {"x": v["x"][:1]}
+        table.write_rows([1], {k: v[:1] if torch.is_tensor(v) else {"x": v["x"][:1]}
                                 for k, v in rows.items()})
 
 
@@ -43,8 +42,8 @@ def test_a_compressed_table_overwrites_rows_in_place():
     obs = torch.arange(6 * 16, dtype=torch.uint8).reshape(6, 16)
     table.insert({"obs": obs})
     new = torch.full((2, 16), 7, dtype=torch.uint8)
-    write_rows(table, [4, 1], {"obs": new})
-    found = read_rows(table, positions=list(range(6)))
+    table.write_rows([4, 1], {"obs": new})
+    found = table.read_rows(positions=list(range(6)))
     expected = obs.clone()
     expected[[4, 1]] = new
     assert torch.equal(found.columns["obs"], expected)
@@ -54,8 +53,8 @@ def test_a_refused_write_changes_nothing():
     table = Table(TableConfig(name="r", capacity=4))
     table.insert({"x": torch.arange(3.0)})
     with pytest.raises(InvalidArgumentError, match="holds no row"):
-        write_rows(table, [0, 3], {"x": torch.tensor([9.0, 9.0])})
-    assert torch.equal(read_rows(table, positions=[0, 1, 2]).columns["x"], torch.arange(3.0))
+        table.write_rows([0, 3], {"x": torch.tensor([9.0, 9.0])})
+    assert torch.equal(table.read_rows(positions=[0, 1, 2]).columns["x"], torch.arange(3.0))
 
 
 @pytest.mark.parametrize("sampler", ["uniform", "prioritized", "slice"])
@@ -73,11 +72,11 @@ def test_a_reset_table_saves_only_the_rows_written_since(sampler):
     table.insert({k: v[:3] for k, v in rows.items()})
     state = table.state_dict()
     assert state["columns"]["x"].shape[0] == 3
-    assert read_rows(table, positions=[0, 1, 2]).columns["x"].tolist() == [0.0, 1.0, 2.0]
+    assert table.read_rows(positions=[0, 1, 2]).columns["x"].tolist() == [0.0, 1.0, 2.0]
     restored = Table(config)
     restored.load_state_dict(state)
     assert restored.info().size == 3
-    assert read_rows(restored, positions=[2]).columns["x"].tolist() == [2.0]
+    assert restored.read_rows(positions=[2]).columns["x"].tolist() == [2.0]
 
 
 def test_id_counters_saved_before_the_reset_base_load_as_written_from_zero():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from replay_server import FieldSpec, Table, TableConfig
-from replay_server.errors import ReplayServerError
+from replay_server.errors import RateLimitedError, ReplayServerError
 
 KINDS = {
     "uniform": {},
@@ -235,3 +235,23 @@ def test_a_non_blocking_update_does_nothing_while_another_call_holds_the_table()
     assert table.info().counters.priority_updates == 0  # nothing was applied
     assert table.update_priorities(ids, torch.tensor([5.0, 1.0, 1.0]), blocking=False) == 3
     assert table.info().sampler_stats["max_priority"] == 5.0
+
+
+def test_a_replayed_insert_keeps_its_logged_ids_and_passes_the_rate_limiter() -> None:
+    """``replay_insert`` (a write-ahead log's replay) gives the rows the ids the log names and
+    does not ask the rate limiter, which admitted the insert when it was logged."""
+    table = Table(TableConfig(name="t", capacity=50, min_size_to_sample=1,
+                              samples_per_insert=1.0, error_buffer=2.0))
+    ids = []
+    for _ in range(20):  # bounded: the ratio holds inserts back after a few rows
+        try:
+            ids += table.insert({"x": torch.zeros(1)}).tolist()
+        except RateLimitedError:
+            break
+    else:
+        pytest.fail("the rate limiter never held an insert back")
+    replayed = table.replay_insert({"x": torch.ones(2)}, None, ids[-1] + 1)
+    assert replayed.tolist() == [ids[-1] + 1, ids[-1] + 2]
+    assert table.size == len(ids) + 2
+    with pytest.raises(RateLimitedError):
+        table.insert({"x": torch.zeros(1)})  # an ordinary insert is still held back

@@ -27,7 +27,7 @@ from replay_server.checkpoint.wal.log import WriteAheadLog
 from replay_server.checkpoint.wal.logged_table import LoggedTable
 from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
 from replay_server.checkpoint.wal.replay import ReplayReport, find_segments, replay_log
-from replay_server.engine.table_set import TableSet
+from replay_server.engine import TableSet
 from replay_server.errors import ConfigError
 
 log = logging.getLogger("replay_server.wal")

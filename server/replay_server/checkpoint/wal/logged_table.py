@@ -48,17 +48,20 @@ from typing import Any
 
 import numpy as np
 import torch
-
 from replay_proto.batch import SampleBatch
 from replay_proto.keys import unflatten
+
 from replay_server.checkpoint.wal import records
 from replay_server.checkpoint.wal.log import WriteAheadLog
 from replay_server.checkpoint.wal.logged import LoggedChanges, Made
-from replay_server.engine.inputs import columns_of
-from replay_server.engine.leases import LeaseRequest
-from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
-from replay_server.engine.table import Table
-from replay_server.engine.table_parts import TableParts
+from replay_server.engine import (
+    DEFAULT_CHUNK_BYTES,
+    LeaseRequest,
+    Table,
+    TableSnapshot,
+    columns_of,
+    takes,
+)
 from replay_server.errors import LogWriteError
 
 LOG_SEQ_KEY = "wal_seq"
@@ -106,16 +109,17 @@ class LoggedTable(LoggedChanges, Table):
             log, sum(c.nbytes for c in columns.values()) + (0 if given is None else given.nbytes),
             lambda: Table.insert(self, unflatten(columns), given), record)
 
-    def _append(self, parts: TableParts, columns: Mapping[str, torch.Tensor],  # type: ignore[override]
-                encoded: Any, rows: int, priorities: Any, episodes: dict[str, Any]) -> int:
+    def _append(self, parts: Any, batch: Any, encoded: Any,  # type: ignore[override]
+                episodes: dict[str, Any]) -> int:
         """:meth:`Table._append`, keeping the blocks of the insert's compressed columns (lz4)
         that hold its rows as handed (not a frame stack's reduced ones) for the record: the
         log holds what the table already compressed, never compressed twice. Under the
         table's lock; read by :meth:`insert` under the order lock."""
+        columns = batch.columns
         stored = parts.stored(columns)
         self._compressed = {key: value for key, value in encoded.items()
                             if isinstance(value, list) and stored[key] is columns[key]}
-        return Table._append(parts, columns, encoded, rows, priorities, episodes)
+        return Table._append(parts, batch, encoded, episodes)
 
     def update_priorities(self, ids: Any, priorities: Any, *,
                           blocking: bool = True) -> int | None:
@@ -152,7 +156,7 @@ class LoggedTable(LoggedChanges, Table):
         if log is not None and lease is None and self.config.sampler.traits.consumes:
             ids = batch.ids.detach().cpu().numpy()
             heads = ids[:, 0] if ids.ndim == 2 else ids  # a slice is taken by its start
-            self._log_taken(log, lambda parts, _: _retired(parts, self.name, heads))
+            self._log_taken(log, lambda parts: takes.retired_ids(parts, self.name, heads))
         return batch
 
     def settle_leases(self, acknowledge: Iterable[str] = (), give_back: Iterable[str] = (),
@@ -163,9 +167,9 @@ class LoggedTable(LoggedChanges, Table):
             return super().settle_leases(acknowledge, give_back, acknowledge_first)
         back = 0
 
-        def settle(parts: TableParts, _: Any) -> np.ndarray:
+        def settle(parts: Any) -> np.ndarray:
             nonlocal back
-            ids, back = _acknowledged(parts, acknowledge, give_back, acknowledge_first)
+            ids, back = takes.settle_taking(parts, acknowledge, give_back, acknowledge_first)
             return ids
 
         self._log_taken(log, settle)
@@ -189,18 +193,12 @@ class LoggedTable(LoggedChanges, Table):
     def retire(self, ids: np.ndarray) -> int:
         """Replay a logged take: the rows ``ids`` (still present) leave the queue for good.
         Returns how many left now (rows gone already are ignored: replay is idempotent)."""
-        def retire(parts: TableParts, _: Any) -> int:
-            assert parts.remover is not None
-            positions = parts.ids.positions_of(ids, parts.ring.next_id, self.name)
-            positions = np.unique(positions[parts.ring.live(positions)])
-            retired = parts.remover.delete(parts.sampler, positions)
-            parts.counters.retired += retired
-            parts.limiter.deleted(retired if parts.remover.removes_rows else 0)
-            return retired
+        with self._lock:
+            retired = takes.retire(self._parts, self.name, ids)
+            self.changes.tick()
+        return retired
 
-        return int(self.under_lock(retire))
-
-    def _log_taken(self, log: WriteAheadLog, taken: Callable[[TableParts, Any], np.ndarray]) -> None:
+    def _log_taken(self, log: WriteAheadLog, taken: Callable[[Any], np.ndarray]) -> None:
         """Log the rows a take or an acknowledgement made leave for good (``taken``, run under
         the table's lock, applies it and returns their ids), and wait for it.
 
@@ -208,7 +206,8 @@ class LoggedTable(LoggedChanges, Table):
         (full, broken) the change stays made and is not logged, so after a crash those rows
         are delivered again (at least once, as without a log)."""
         with self._order:
-            ids = self.under_lock(taken, change=False)
+            with self._lock:  # a Table's own parts, as Table's methods take them
+                ids = taken(self._parts)
             if ids.size == 0:
                 return
             try:
@@ -219,34 +218,6 @@ class LoggedTable(LoggedChanges, Table):
             log.wait(number)
         except LogWriteError:
             pass
-
-
-def _retired(parts: TableParts, table: str, heads: np.ndarray) -> np.ndarray:
-    """The ids among ``heads`` (a batch's rows, or its slices' starts) that no longer can be
-    drawn: the rows the batch took for good."""
-    if parts.remover is None or heads.size == 0:
-        return np.empty(0, dtype=np.int64)
-    positions = parts.ids.positions_of(heads, parts.ring.next_id, table)
-    live = parts.ring.live(positions)
-    positions, heads = positions[live], heads[live]
-    return np.unique(heads[~parts.remover.drawable(positions)])
-
-
-def _acknowledged(parts: TableParts, acknowledge: list[str], give_back: Iterable[str],
-                  first: tuple[str, int] | None) -> tuple[np.ndarray, int]:
-    """Settle leases as :meth:`TableParts.settle_leases` does; the ids of the rows the
-    acknowledgements made leave for good (those still stored), and the rows that came back."""
-    leases = parts.leases
-    held = {name: lease.positions for name in [*acknowledge, *([first[0]] if first else [])]
-            if (lease := leases.get(name)) is not None}
-    back = parts.settle_leases(acknowledge, give_back, first)
-    if first is not None and first[0] in held and (lease := leases.get(first[0])) is not None:
-        held[first[0]] = np.setdiff1d(held[first[0]], lease.positions)
-    if not held:
-        return np.empty(0, dtype=np.int64), back
-    positions = np.unique(np.concatenate(list(held.values())))
-    positions = positions[parts.ring.live(positions)]
-    return parts.ids.ids_of(positions, parts.ring.first_live), back
 
 
 def _array(value: Any) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 
 from replay_server.checkpoint.wal import records
 from replay_server.checkpoint.wal.logged import LoggedChanges
-from replay_server.engine.variables import Variable, VariableStore
+from replay_server.engine import Variable, VariableStore
 
 
 class LoggedVariableStore(LoggedChanges, VariableStore):

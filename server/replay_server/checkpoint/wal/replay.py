@@ -36,19 +36,19 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from replay_proto.keys import unflatten
+
 from replay_server.checkpoint.fileio import RestoreCancelled
 from replay_server.checkpoint.wal import records
 from replay_server.checkpoint.wal.logged import LoggedChanges
 from replay_server.checkpoint.wal.logged_table import LoggedTable
 from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
-from replay_server.engine.table_set import TableSet
+from replay_server.engine import TableSet
 from replay_server.errors import CorruptLogError, ReplayServerError, UnknownTableError
 
 log = logging.getLogger("replay_server.wal")
@@ -118,24 +118,23 @@ def replay_log(directory: Path, tables: TableSet, *, start: int | None,
         last_of_run = k == len(indexes) - 1 or headers[k + 1].incarnation != headers[k].incarnation
         _check_records(found[index], last_of_run, indexes[k + 1] if k + 1 < len(indexes) else None,
                        report)
-    with _admitting(tables):
-        for index in indexes:
-            data = found[index].read_bytes()
-            report.nbytes += len(data)
-            for offset, payload in records.scan(data).records:
-                if cancel is not None and cancel.is_set():
-                    raise RestoreCancelled("restore cancelled while replaying the log")
-                try:
-                    record = records.decode(payload, offset)
-                except records.LogFormatError as exc:
-                    raise CorruptLogError(f"write-ahead log segment {found[index]}: {exc}") from None
-                if record.kind == records.PUBLISH:
-                    _publish(variables, record, found[index], report)
-                else:
-                    _apply(tables, record, found[index], report)
-            report.segments += 1
+    for index in indexes:
+        data = found[index].read_bytes()
+        report.nbytes += len(data)
+        for offset, payload in records.scan(data).records:
+            if cancel is not None and cancel.is_set():
+                raise RestoreCancelled("restore cancelled while replaying the log")
+            try:
+                record = records.decode(payload, offset)
+            except records.LogFormatError as exc:
+                raise CorruptLogError(f"write-ahead log segment {found[index]}: {exc}") from None
+            if record.kind == records.PUBLISH:
+                _publish(variables, record, found[index], report)
+            else:
+                _apply(tables, record, found[index], report)
+        report.segments += 1
     for table in tables:
-        table.under_lock(lambda parts, _: parts.ids.resume(parts.ring.next_id), change=False)
+        table.resume_ids()
     report.seconds = time.perf_counter() - began
     return report
 
@@ -277,14 +276,13 @@ def _change(table: LoggedTable, record: records.Record) -> None:
     tensors = record.tensors
     if record.kind == records.INSERT:
         first_id = int(record.meta["first_id"])
-        table.under_lock(lambda parts, _: parts.ids.follow(parts.ring.next_id, first_id),
-                         change=False)
         columns = {key[2:]: value for key, value in tensors.items() if key.startswith("c:")}
         for key, (dtype, shape) in record.meta.get("z", {}).items():  # compressed columns
             columns[key] = records.unpacked_rows(tensors[f"z:{key}"], dtype, shape,
                                                  int(record.meta["rows"]))
         given = tensors.get("priorities")
-        ids = table.insert(unflatten(columns), None if given is None else given.numpy())
+        ids = table.replay_insert(unflatten(columns), None if given is None else given.numpy(),
+                                  first_id)
         if int(ids[0]) != first_id:
             raise ValueError(f"its rows got id {int(ids[0])}, the log says {first_id}")
     elif record.kind == records.PRIORITIES:
@@ -297,34 +295,3 @@ def _change(table: LoggedTable, record: records.Record) -> None:
         table.retire(tensors["ids"].numpy())
     else:
         raise ValueError(f"a record of kind {record.kind} belongs to no table")
-
-
-class _Admitting:
-    """A table's rate limiter that admits every insert (a replayed insert was admitted once)
-    and is the table's own limiter in everything else."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def check_insert(self, n: int, table: str) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-@contextmanager
-def _admitting(tables: TableSet) -> Iterator[None]:
-    def swap(parts: Any, _: Any) -> None:
-        parts.limiter = _Admitting(parts.limiter)
-
-    def back(parts: Any, _: Any) -> None:
-        parts.limiter = parts.limiter.inner
-
-    for table in tables:
-        table.under_lock(swap, change=False)
-    try:
-        yield
-    finally:
-        for table in tables:
-            table.under_lock(back, change=False)

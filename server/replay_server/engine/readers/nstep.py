@@ -152,7 +152,7 @@ class NStepReturns(Reader):
         assert event.episodes is not None and event.ends is not None
         if self._stale:
             self._rebuild()
-        cap, keep = self._ring.capacity, self.n_step - 1
+        cap = self._ring.capacity
         positions = event.ids
         self._next[positions % cap] = -1
         order = np.argsort(event.episodes, kind="stable")
@@ -171,26 +171,8 @@ class NStepReturns(Reader):
         after = np.searchsorted(stops, index)
         room = stops[after] - index  # rows after each one before its window's stop
         tail_from = np.concatenate(([-1], stops))[after[lasts]] + 1  # each episode's last run
-        first_live = self._ring.first_live
-        waiting: list[np.ndarray] = []  # steps whose windows this insert lengthens
-        waiting_at: list[int] = []  # where their episode's new rows begin in ``rows``
-        for episode, start, last, tail_start, ended in zip(
-                episodes[starts].tolist(), starts.tolist(), lasts.tolist(), tail_from.tolist(),
-                ends[lasts].tolist()):
-            pending = self._open.pop(episode, None)
-            if pending is not None:
-                pending = pending[pending >= first_live]  # ascending: a suffix stays
-                if pending.size:
-                    waiting.append(pending)
-                    waiting_at.append(start)
-            if not ended:
-                tail = rows[max(tail_start, last + 1 - keep):last + 1]
-                if tail.size < keep and tail_start == start and pending is not None:
-                    tail = np.concatenate((pending[max(0, pending.size - keep + tail.size):], tail))
-                self._open[episode] = tail
-        if len(self._open) > self._sweep_at:
-            self._open = {e: p for e, p in self._open.items() if p[-1] >= first_live}
-            self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
+        waiting, waiting_at = self._carry_open(rows, episodes[starts], starts, lasts, tail_from,
+                                               ends[lasts])
         new_slots = rows % cap
         slots, begins, summed, sums = new_slots, index + 1, np.ones(rows.size, np.int64), rewards
         if waiting:  # their windows continue at their episode's first new row
@@ -203,6 +185,37 @@ class NStepReturns(Reader):
             sums = np.concatenate((sums, self._sum[joined]))
             slots = np.concatenate((slots, joined))
         self._grow(slots, new_slots, begins, summed, room, sums, rewards)
+
+    def _carry_open(self, rows: np.ndarray, episodes: np.ndarray, starts: np.ndarray,
+                    lasts: np.ndarray, tail_from: np.ndarray, ended: np.ndarray
+                    ) -> tuple[list[np.ndarray], list[int]]:
+        """Carry each episode of an insert across it: the open steps an episode had before
+        (still stored) whose windows the new rows lengthen, with where its new rows begin in
+        ``rows``; and the steps left open after it (its last ``n_step - 1`` rows unless it
+        ended). ``rows`` are grouped by episode; ``episodes``, ``starts``, ``lasts``,
+        ``tail_from`` (each episode's last run's start) and ``ended`` are per episode.
+        O(episodes) Python steps; the open map is swept when it doubled."""
+        keep, first_live = self.n_step - 1, self._ring.first_live
+        waiting: list[np.ndarray] = []  # steps whose windows this insert lengthens
+        waiting_at: list[int] = []  # where their episode's new rows begin in ``rows``
+        for episode, start, last, tail_start, done in zip(
+                episodes.tolist(), starts.tolist(), lasts.tolist(), tail_from.tolist(),
+                ended.tolist()):
+            pending = self._open.pop(episode, None)
+            if pending is not None:
+                pending = pending[pending >= first_live]  # ascending: a suffix stays
+                if pending.size:
+                    waiting.append(pending)
+                    waiting_at.append(start)
+            if not done:
+                tail = rows[max(tail_start, last + 1 - keep):last + 1]
+                if tail.size < keep and tail_start == start and pending is not None:
+                    tail = np.concatenate((pending[max(0, pending.size - keep + tail.size):], tail))
+                self._open[episode] = tail
+        if len(self._open) > self._sweep_at:
+            self._open = {e: p for e, p in self._open.items() if p[-1] >= first_live}
+            self._sweep_at = max(_MIN_SWEEP, 2 * len(self._open))
+        return waiting, waiting_at
 
     def _grow(self, slots: np.ndarray, new_slots: np.ndarray, begins: np.ndarray,
               summed: np.ndarray, room: np.ndarray, sums: np.ndarray,

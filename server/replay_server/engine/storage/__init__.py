@@ -22,7 +22,7 @@ else asks which backend a column has.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,17 +86,9 @@ def make_storage(config: TableConfig, schema: Schema,
         InsufficientMemoryError: the allocation (or the disk, or the device's
             free memory) cannot hold the table.
     """
-    capacity, name = config.capacity, config.name
+    capacity = config.capacity
     backends = {key: _backend(config, key) for key in schema}
-    directory = None
-    on_disk = [key for key in schema if config.backend_of(key) == "memmap"]
-    if on_disk:
-        assert config.storage_dir is not None
-        directory = check_directory(config.storage_dir, name)
-        plain = sum(capacity * schema[k].row_bytes for k in on_disk
-                    if backends[k] is MemmapColumn)
-        check_disk(directory, plain, name, f"capacity {capacity:,} x "
-                   f"{plain // capacity if capacity else 0:,} bytes per row")
+    directory = _checked_directory(config, schema, backends)
     device = table_device(config)
     check = None
     on_device = sum(capacity * schema[k].row_bytes for k in schema if backends[k] is DeviceColumn)
@@ -113,24 +105,9 @@ def make_storage(config: TableConfig, schema: Schema,
             grow(sum({**taken, key: nbytes}.values()))
         taken[key] = nbytes
 
-    columns: dict[str, Column] = {}
-    for key, spec in schema.items():
-        backend = backends[key]
-        if backend is Lz4Column:
-            columns[key] = _compressed(config, key, spec, directory, partial(grown, key))
-        elif BACKENDS[config.backend_of(key)].column is not None:
-            kind = config.backend_of(key)
-            make = BACKENDS[kind].column
-            assert make is not None
-            columns[key] = make(spec, capacity, config.storage_options[kind])
-        elif backend is MemmapColumn:
-            assert directory is not None
-            columns[key] = MemmapColumn(spec, capacity, directory, name, key)
-        elif backend is DeviceColumn:
-            assert index is not None
-            columns[key] = DeviceColumn(spec, capacity, index)
-        else:
-            columns[key] = HostColumn(spec, capacity, pin_memory=config.pin_memory)
+    columns = {key: _column(config, key, spec, backends[key], directory, index,
+                            partial(grown, key))
+               for key, spec in schema.items()}
     mapped = [c for c in columns.values() if isinstance(c, MemmapColumn)]
     if sum(c.nbytes for c in mapped) > machine_memory():
         for column in mapped:
@@ -138,6 +115,47 @@ def make_storage(config: TableConfig, schema: Schema,
     prefault = [key for key, c in columns.items() if isinstance(c, HostColumn) and not c.pinned]
     return ColumnStorage(schema, capacity, columns, device=device, check=check,
                          prefault=prefault)
+
+
+def _checked_directory(config: TableConfig, schema: Schema,
+                       backends: Mapping[str, type[Column]]) -> Path | None:
+    """Where the table's ``memmap`` columns go, checked to be a writable directory whose
+    disk holds their plain columns (``None``: the table has none).
+
+    Raises:
+        ConfigError: a missing or unwritable ``storage_dir``.
+        InsufficientMemoryError: the disk cannot hold the columns.
+    """
+    on_disk = [key for key in schema if config.backend_of(key) == "memmap"]
+    if not on_disk:
+        return None
+    capacity, name = config.capacity, config.name
+    assert config.storage_dir is not None
+    directory = check_directory(config.storage_dir, name)
+    plain = sum(capacity * schema[k].row_bytes for k in on_disk if backends[k] is MemmapColumn)
+    check_disk(directory, plain, name, f"capacity {capacity:,} x "
+               f"{plain // capacity if capacity else 0:,} bytes per row")
+    return directory
+
+
+def _column(config: TableConfig, key: str, spec: FieldSpec, backend: type[Column],
+            directory: Path | None, index: DeviceIndex | None,
+            grow: Callable[[int], None]) -> Column:
+    """The column of ``key`` in its ``backend`` (``grow``: a compressed column's promise)."""
+    capacity = config.capacity
+    if backend is Lz4Column:
+        return _compressed(config, key, spec, directory, grow)
+    kind = config.backend_of(key)
+    make = BACKENDS[kind].column
+    if make is not None:  # a backend registered with its own column type
+        return make(spec, capacity, config.storage_options[kind])
+    if backend is MemmapColumn:
+        assert directory is not None
+        return MemmapColumn(spec, capacity, directory, config.name, key)
+    if backend is DeviceColumn:
+        assert index is not None
+        return DeviceColumn(spec, capacity, index)
+    return HostColumn(spec, capacity, pin_memory=config.pin_memory)
 
 
 def _compressed(config: TableConfig, key: str, spec: FieldSpec, directory: Path | None,

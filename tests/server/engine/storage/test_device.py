@@ -20,7 +20,7 @@ import torch
 from replay_server.engine.config import TableConfig
 from replay_server.engine.inputs import columns_of
 from replay_server.engine.memory import MemoryLedger
-from replay_server.engine.table_parts import table_bytes
+from replay_server.engine.table_memory import table_bytes
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.storage.device import DeviceColumn
 from replay_server.engine.storage.placement import cpu_stand_in

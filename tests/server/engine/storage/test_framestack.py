@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replay_server.engine.config import TableConfig
-from replay_server.engine.table_parts import table_bytes
+from replay_server.engine.table_memory import table_bytes
 from replay_server.engine.schema import FieldSpec, Schema
 from replay_server.engine.table import Table
 from replay_server.errors import ConfigError, InvalidArgumentError, SchemaMismatchError
