@@ -450,8 +450,6 @@ class Table:
             self.changes.tick()
         return applied
 
-    # ------------------------------------------------------------- rows in place
-
     def read_rows(self, *, positions: Any = None, ids: Any = None, columns: bool = True,
                   priorities: bool = False) -> RowRead:
         """The stored rows at storage ``positions`` (TorchRL's ``rb[index]``) or named by
@@ -459,6 +457,12 @@ class Table:
         with self._lock:
             return row_access.read(self._parts, self.config, positions=positions, ids=ids,
                                    columns=columns, priorities=priorities)
+
+    def live_positions(self) -> np.ndarray:
+        """The storage positions of the live rows, oldest first (a scale down's hand-over)."""
+        with self._lock:
+            ring = self._parts.ring
+            return ring.slots(ring.range(ring.first_live, ring.size))
 
     def write_rows(self, positions: Any, data: Any) -> None:
         """Overwrite whole stored rows in place, by storage position (TorchRL's

@@ -22,21 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 
-from replay_server.engine.row_access import read_rows
-from replay_server.engine.table_set import TableSet
+from replay_server.engine import TableSet
 
 CHUNK_ROWS = 4096
 """Rows read and inserted at a time."""
-
-
-def live_positions(table: Any) -> np.ndarray:
-    """The storage positions of ``table``'s live rows, oldest first."""
-    first, end, capacity = table.under_lock(
-        lambda parts, config: (parts.ring.first_live, parts.ring.next_id, config.capacity),
-        change=False)
-    return np.arange(first, end, dtype=np.int64) % capacity
 
 
 def hand_over(tables: TableSet, client: Any, chunk_rows: int = CHUNK_ROWS) -> dict[str, int]:
@@ -49,12 +39,11 @@ def hand_over(tables: TableSet, client: Any, chunk_rows: int = CHUNK_ROWS) -> di
     """
     moved = {}
     for table in tables:
-        positions = live_positions(table)
-        prioritized = bool(table.under_lock(
-            lambda parts, config: parts.sampler.traits.priorities, change=False))
+        positions = table.live_positions()
+        prioritized = table.config.sampler.traits.priorities
         for start in range(0, positions.size, chunk_rows):
-            rows = read_rows(table, positions=positions[start:start + chunk_rows],
-                             priorities=prioritized)
+            rows = table.read_rows(positions=positions[start:start + chunk_rows],
+                                   priorities=prioritized)
             client.insert(table.config.name, _nested(rows.columns or {}),
                           priorities=rows.priorities if prioritized else None)
         moved[table.config.name] = int(positions.size)
