@@ -39,6 +39,10 @@ from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
 from replay_server.engine.schema import Schema
 
+Region = tuple[Sequence[tuple[str, np.ndarray]], torch.Tensor]
+"""``(parts, into)``: ``into[:, j]`` is column ``parts[j][0]`` of the rows at positions
+``parts[j][1]`` (see :meth:`Reader.read_regions`)."""
+
 
 class Reader(ABC):
     """One layer of a table's read path (see the module docstring).
@@ -98,14 +102,28 @@ class Reader(ABC):
         with them ``positions`` may be ``None`` (a reader that needs the positions
         derives them: the stored rows need none)."""
 
-    def read_interleaved(self, parts: Sequence[tuple[str, np.ndarray]],
-                         into: torch.Tensor) -> None:
-        """``into[:, j]`` = column ``parts[j][0]`` of the rows at positions ``parts[j][1]``
-        (each ``[n]``, live rows; the columns share one spec): e.g. the next observation's
-        stack, three frames of one column and the newest of another. Part by part here;
-        the stored rows read them in one pass where their backend can."""
-        for j, (key, positions) in enumerate(parts):
-            self.read(positions, [key], {key: into[:, j]})
+    def read_regions(self, regions: Sequence[Region]) -> None:
+        """For every region ``(parts, into)``: ``into[:, j]`` = column ``parts[j][0]`` of the
+        rows at positions ``parts[j][1]`` (each ``[n]``, live rows; the columns share one
+        spec): e.g. an observation's stack, and the next observation's, three frames of one
+        column and the newest of another. Part by part here; the stored rows read them in
+        one pass where their backend can, each distinct stored row once."""
+        for parts, into in regions:
+            for j, (key, positions) in enumerate(parts):
+                self.read(positions, [key], {key: into[:, j]})
+
+    def read_steps(self, positions: np.ndarray | None, slots: np.ndarray, keys: list[str],
+                   last: np.ndarray, last_keys: list[str],
+                   out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Columns ``keys`` of the rows at ``slots`` (their ``positions``, or ``None``) and
+        ``last_keys`` of those at slots ``last`` (same shape): an n-step transition's
+        first and last steps, into ``out``'s where given. Two reads here; a reader whose
+        columns at the two share stored rows reads each of those once (a frame stack:
+        ``<key>`` at ``t`` and ``next.<key>`` at ``t + m - 1`` share ``4 - m`` frames)."""
+        columns = self.read(positions, keys, out, slots) if keys else {}
+        if last_keys:
+            columns.update(self.read(None, last_keys, out, last))
+        return columns
 
     def extra_layout(self, lead: tuple[int, ...]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Columns it adds to a batch with leading dims ``lead`` (none by default)."""
@@ -155,7 +173,7 @@ class StoredRows(Reader):
             slots = self._ring.slots(positions)
         return self.storage.gather(slots, out, keys)
 
-    def read_interleaved(self, parts: Sequence[tuple[str, np.ndarray]],
-                         into: torch.Tensor) -> None:
-        self.storage.gather_interleaved(
-            [(key, self._ring.slots(positions)) for key, positions in parts], into)
+    def read_regions(self, regions: Sequence[Region]) -> None:
+        ring = self._ring
+        self.storage.gather_regions([([(key, ring.slots(positions)) for key, positions in parts],
+                                      into) for parts, into in regions])

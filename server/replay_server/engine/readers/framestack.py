@@ -284,7 +284,7 @@ class FrameStacks(Reader):
             assert self.next_key is not None
             following = self._destination(self.next_key, out, shape, True, columns).view(-1, *frame)
             parts = [(self.key, walk.frames[:, j]) for j in range(1, self.stack)]
-            self.source.read_interleaved([*parts, (self.next_key, flat)], following)
+            self.source.read_regions([([*parts, (self.next_key, flat)], following)])
             walk.place(following, shift=1)
             return columns
         stacks = self._destination(self.key, out, shape, True, columns).view(-1, *frame)
@@ -297,6 +297,42 @@ class FrameStacks(Reader):
             _shift(stacks, following)
             self.source.read(flat, [self.next_key], {self.next_key: following[:, -1]},
                              None if slots is None else slots.reshape(-1))
+        return columns
+
+    def read_steps(self, positions: np.ndarray | None, slots: np.ndarray, keys: list[str],
+                   last: np.ndarray, last_keys: list[str],
+                   out: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """An n-step transition's ``<key>`` at its first step and ``next.<key>`` at its last
+        (with the other columns asked for), the frames they share read once.
+
+        The two stacks go straight into their destinations in one read through the
+        source (:meth:`Reader.read_regions`): ``<key>``'s frames, then ``next.<key>``'s
+        (``stack - 1`` frames of ``<key>`` and the next frame), which for a transition of
+        ``m`` steps repeat ``stack - m`` of the first; a source that can (lz4) decodes
+        each distinct stored frame of the batch once and copies it where it repeats.
+        Otherwise (``<key>`` or ``next.<key>`` not asked for at those steps) as
+        :meth:`Reader.read_steps`.
+        """
+        assert self.source is not None
+        if (self.next_key is None or self.key not in keys or self.next_key not in last_keys
+                or self.next_key in keys or self.key in last_keys):
+            return super().read_steps(positions, slots, keys, last, last_keys, out)
+        head = [k for k in keys if k != self.key]
+        tail = [k for k in last_keys if k != self.next_key]
+        columns = self.source.read_steps(positions, slots, head, last, tail, out)
+        if positions is None:
+            positions = self._ring.ids_of_slots(slots)
+        shape, frame = (*positions.shape, *self._spec.shape), self._spec.shape
+        first, ends = positions.reshape(-1), self._ring.ids_of_slots(last.reshape(-1))
+        stacks = self._destination(self.key, out, shape, True, columns).view(-1, *frame)
+        following = self._destination(self.next_key, out, shape, True, columns).view(-1, *frame)
+        walk, end_walk = self._walk(first), self._walk(ends)
+        self.source.read_regions([
+            ([(self.key, walk.frames[:, j]) for j in range(self.stack)], stacks),
+            ([*((self.key, end_walk.frames[:, j]) for j in range(1, self.stack)),
+              (self.next_key, ends)], following)])
+        walk.place(stacks)
+        end_walk.place(following, shift=1)
         return columns
 
     def _destination(self, name: str, out: Mapping[str, torch.Tensor] | None,

@@ -306,9 +306,8 @@ class NStepReturns(Reader):
         if slots is None:
             assert positions is not None
             slots = self._ring.slots(positions)
-        columns = self.source.read(positions, head, out, slots) if head else {}
-        if tail:  # at each window's last step (its positions: where a reader needs them)
-            columns.update(self.source.read(None, tail, out, self._last[slots]))
+        # tail: at each window's last step (in one read with the head: they may share rows)
+        columns = self.source.read_steps(positions, slots, head, self._last[slots], tail, out)
         device = self.device
         if self.reward_key in wanted:
             columns[self.reward_key] = self._reward(slots, out, device)

@@ -41,11 +41,16 @@ from replay_server.engine import buffers, workers
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.workers import take_rows
 
-__all__ = ["ArrayColumn", "Column", "copy_rows", "take_rows"]
+__all__ = ["ArrayColumn", "Column", "Region", "copy_rows", "take_rows"]
 
 
 HOST = torch.device("cpu")
 """The host, one object for every host column (compared by identity on the hot path)."""
+
+Region = tuple[Sequence[tuple["Column", np.ndarray]], torch.Tensor]
+"""``(parts, into)``: rows of several columns read into one destination, row by row:
+``into[i, j]`` is the row at ``parts[j]``'s ``slots[i]`` of its column (e.g. a frame stack,
+three frames of one column and the newest of another)."""
 
 
 class Column(ABC):
@@ -118,11 +123,11 @@ class Column(ABC):
         """``into[i] = row at slots[i]``: ``slots`` flat int64, ``into`` ``[n, *spec.shape]``
         contiguous on :attr:`device`."""
 
-    def take_interleaved(self, parts: Sequence[tuple[Column, np.ndarray]],
-                         into: torch.Tensor) -> bool:
-        """``into[i, j] = row at parts[j]'s slots[i] of parts[j]'s column`` in one pass, where
-        the backend has one (``into`` ``[n, len(parts), *spec.shape]`` contiguous); ``False``
-        (the default): the caller takes part by part."""
+    def take_regions(self, regions: Sequence[Region]) -> bool:
+        """For every region ``(parts, into)``: ``into[i, j] = row at parts[j]'s slots[i] of
+        parts[j]'s column`` (``into`` ``[n, len(parts), *spec.shape]`` contiguous), in one
+        pass where the backend has one, each distinct stored row read once however many
+        places want it; ``False`` (the default): the caller takes part by part."""
         return False
 
     def gather(self, slots: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -169,21 +169,26 @@ class ColumnStorage:
                 target.copy_(staging, non_blocking=self._pin)
         return result
 
-    def gather_interleaved(self, parts: Sequence[tuple[str, np.ndarray]],
-                           into: torch.Tensor) -> None:
-        """``into[:, j]`` = the rows of column ``parts[j][0]`` at slots ``parts[j][1]`` (each
-        ``[n]``; the columns share one spec), e.g. a stack of frames of which the last
-        comes from another column. One pass where the columns' backend has one (lz4:
-        one decode), else one gather per part.
+    def gather_regions(self, regions: Sequence[tuple[Sequence[tuple[str, np.ndarray]],
+                                                      torch.Tensor]]) -> None:
+        """For every region ``(parts, into)``: ``into[:, j]`` = the rows of column
+        ``parts[j][0]`` at slots ``parts[j][1]`` (each ``[n]``; the columns share one spec),
+        e.g. an observation's frame stack and the next observation's, three frames of one
+        column and the newest of another. One pass where the columns' backend has one
+        (lz4: one decode of each distinct stored row, see
+        :meth:`~replay_server.engine.storage.compressed.Lz4Column.take_regions`), else one
+        gather per part.
 
-        Cost: as :meth:`gather` of ``n * len(parts)`` rows.
+        Cost: at most as :meth:`gather` of every part's rows.
         """
-        columns = [(self.columns[key], slots) for key, slots in parts]
-        first = columns[0][0]
-        if first.device == into.device and first.take_interleaved(columns, into):
+        taken = [([(self.columns[key], slots) for key, slots in parts], into)
+                 for parts, into in regions]
+        first = taken[0][0][0][0]
+        if all(first.device == into.device for _, into in regions) and first.take_regions(taken):
             return
-        for j, (key, slots) in enumerate(parts):
-            self.gather(slots, {key: into[:, j]}, [key])
+        for parts, into in regions:
+            for j, (key, slots) in enumerate(parts):
+                self.gather(slots, {key: into[:, j]}, [key])
 
     def place(self, batch: SampleBatch, out: Mapping[str, torch.Tensor] | None) -> SampleBatch:
         """A device table's batch without ``out``: its ids, weights and probabilities join

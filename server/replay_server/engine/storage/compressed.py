@@ -36,13 +36,19 @@ from replay_server.engine import workers
 from replay_server.engine.options import LayerSpec, option
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.storage.arena import ByteArena
-from replay_server.engine.storage.base import Column
-from replay_server.engine.storage.lz4_batch import DECODER, PREFIX, prefixed, zero_block
+from replay_server.engine.storage.base import Column, Region
+from replay_server.engine.storage.lz4_batch import (
+    DECODER, PREFIX, prefixed, stand_in, zero_block)
 from replay_server.engine.storage.memmap import MappedFile
 from replay_server.errors import ConfigError
 
 _PARALLEL_BYTES = 1 << 20
 """Gathers of at least this many raw bytes decompress on several threads."""
+
+_COLUMN_SHIFT = 40
+"""A (column, slot) pair as one int64: ``column << _COLUMN_SHIFT | slot`` (slots < 2**40)."""
+
+_SLOT_MASK = (1 << _COLUMN_SHIFT) - 1
 
 _JOINED_BLOCK = 256
 """Gathers whose stored blocks are all at most this many bytes (compressed small rows)
@@ -101,6 +107,7 @@ class Lz4Column(Column):
         self._header = b"" if self._decoder is None else self._decoder.header(
             bound(spec.row_bytes))
         self._zeros = zero_block(spec.row_bytes)
+        self._stand_in = stand_in(spec.row_bytes)
 
     @staticmethod
     def ram_bytes(spec: FieldSpec, capacity: int) -> int:
@@ -139,19 +146,49 @@ class Lz4Column(Column):
         else:
             self._decode_joined(*joined, target)
 
-    def take_interleaved(self, parts: Sequence[tuple[Column, np.ndarray]],
-                         into: torch.Tensor) -> bool:
-        """Decode every part's blocks, row by row, in one pass (all lz4 columns of one
-        spec, as a frame-stacked key and its ``next.`` key are)."""
-        columns = [column for column, _ in parts]
-        if self._decoder is None or not into.is_contiguous() or not all(
-                isinstance(c, Lz4Column) and c._decoder is not None and c.spec == self.spec
-                for c in columns):
+    def take_regions(self, regions: Sequence[Region]) -> bool:
+        """Decode every region's rows straight into its destination (all lz4 columns of one
+        spec, as a frame-stacked key and its ``next.`` key are), each distinct stored row
+        once.
+
+        The first place that wants a row (in the regions' order, row by row) gets it
+        decoded; every other place gets a stand-in block (a row of zeros, a few bytes
+        that decode at memset speed) and then a copy of the first. All the regions'
+        blocks decode in one job, in parts across the worker pool (outside the GIL).
+        ``False`` where a column or destination does not allow it (the caller takes part
+        by part).
+
+        Cost: a sort of the regions' (column, slot) pairs, one decode per distinct stored
+        row, one copy per repeat.
+        """
+        columns = [column for parts, _ in regions for column, _ in parts]
+        if self._decoder is None or not all(
+                into.is_contiguous() and into.device.type == "cpu" for _, into in regions) \
+                or not all(isinstance(c, Lz4Column) and c._decoder is not None
+                           and c.spec == self.spec for c in columns):
             return False
-        blocks: list[Any] = [None] * (len(parts) * parts[0][1].size)
-        for j, (column, slots) in enumerate(parts):  # row by row: part j at j, j + k, ...
-            blocks[j::len(parts)] = column._blocks(slots)  # type: ignore[attr-defined]
-        self._decode(blocks, numpy_view(into).reshape(len(blocks), -1))
+        distinct = list(dict.fromkeys(columns))
+        number = {id(column): k for k, column in enumerate(distinct)}
+        keys, outs = [], []
+        for parts, into in regions:  # (column, slot) of every place, row by row
+            key = np.empty((parts[0][1].size, len(parts)), dtype=np.int64)
+            for j, (column, slots) in enumerate(parts):
+                key[:, j] = slots + (number[id(column)] << _COLUMN_SHIFT)
+            keys.append(key.reshape(-1))
+            outs.append(numpy_view(into).reshape(key.size, -1))
+        every = np.concatenate(keys)
+        rows, first, inverse = np.unique(every, return_index=True, return_inverse=True)
+        blocks = np.empty(every.size, dtype=object)
+        blocks.fill(self._stand_in)  # (np.full would take it for a string: trailing zeros go)
+        cuts = np.searchsorted(rows, np.arange(1, len(distinct)) << _COLUMN_SHIFT).tolist()
+        for column, wanted, at in zip(distinct, np.split(rows, cuts), np.split(first, cuts)):
+            mine = column._blocks(wanted & _SLOT_MASK)  # type: ignore[attr-defined]
+            blocks[at] = np.fromiter(mine, dtype=object, count=len(mine))  # views, as they are
+        self._decode_regions(blocks, outs)
+        home = first[inverse.reshape(-1)]
+        repeats = np.flatnonzero(home != np.arange(every.size))
+        if repeats.size:
+            _copy_repeats(outs, repeats, home[repeats])
         return True
 
     def _blocks(self, slots: np.ndarray) -> list[Any]:
@@ -178,6 +215,26 @@ class Lz4Column(Column):
             np.copyto(out, rows)
             return
         self._split(len(blocks), lambda a, b: decode(header, blocks[a:b], out[a:b]))
+
+    def _decode_regions(self, blocks: np.ndarray, outs: list[np.ndarray]) -> None:
+        """Decode ``blocks`` (an object array) into ``outs`` one after the other (each
+        contiguous ``[rows, row values]``): one job, each destination in parts across the
+        worker pool when the whole is large."""
+        assert self._decoder is not None
+        decode, header = self._decoder.decode, self._header
+        total = sum(len(out) for out in outs)
+        parts = min(workers.THREADS, max(1, total * self.row_bytes // _PARALLEL_BYTES))
+        tasks, at = [], 0
+        for out in outs:
+            bounds = np.linspace(0, len(out), parts + 1).astype(int).tolist()
+            tasks += [(blocks[at + a:at + b].tolist(), out[a:b])
+                      for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            at += len(out)
+        if parts < 2:
+            for mine, out in tasks:
+                decode(header, mine, out)
+            return
+        workers.run_split(lambda task: decode(header, *task), tasks, parts)
 
     def _decode_joined(self, body: np.ndarray, ends: np.ndarray, out: np.ndarray) -> None:
         """:meth:`_decode` of blocks joined in ``body`` (block ``i`` ends at ``ends[i]``)."""
@@ -248,3 +305,17 @@ class Lz4Column(Column):
     def stats(self) -> dict[str, Any]:
         arena = self.arena
         return {"raw_bytes": arena.blocks * self.row_bytes, "stored_bytes": arena.stored}
+
+
+def _copy_repeats(outs: list[np.ndarray], at: np.ndarray, home: np.ndarray) -> None:
+    """Rows ``at`` of the destinations ``outs`` joined are copies of rows ``home`` (indexes
+    into the joined rows; each home is decoded, no copy itself): one memory copy per row,
+    no gathered temporary."""
+    starts = np.cumsum([0] + [len(out) for out in outs])
+    to = np.searchsorted(starts, at, side="right") - 1
+    source = np.searchsorted(starts, home, side="right") - 1
+    views = [memoryview(out).cast("B") for out in outs]
+    size = outs[0].shape[1] * outs[0].itemsize
+    for r, d, h, row in zip(to.tolist(), ((at - starts[to]) * size).tolist(), source.tolist(),
+                            ((home - starts[source]) * size).tolist()):
+        views[r][d:d + size] = views[h][row:row + size]

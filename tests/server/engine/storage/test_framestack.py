@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from replay_server.engine.config import TableConfig
 from replay_server.engine.table_memory import table_bytes
 from replay_server.engine.schema import FieldSpec, Schema
+from replay_server.engine.storage import compressed
 from replay_server.engine.table import Table
 from replay_server.errors import ConfigError, InvalidArgumentError, SchemaMismatchError
+from tests.server.engine.storage.counting_decoder import CountingDecoder
 
 CAPACITY = 12
 
@@ -177,3 +179,46 @@ def test_batches_large_enough_to_split_across_workers_are_those_of_the_full_stac
     same(d, c)
     assert c.data["obs"].data_ptr() == out["obs"].data_ptr()
     assert c.data["next"]["obs"].data_ptr() == out["next.obs"].data_ptr()
+
+
+def noise_rows(first: int, n: int, actors: int = 3) -> dict:
+    """Like :func:`atari_rows` in episodes of 7 steps, every frame its own noise ([32, 32]: a stored lz4 block each,
+    no two alike), steps ``first, ...`` of ``actors`` interleaved actors."""
+    t = torch.arange(first, first + n)
+    step, actor = t // actors, t % actors
+
+    def frame(s: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.randint(0, 256, (32, 32), dtype=torch.uint8,
+                                          generator=torch.Generator().manual_seed(int(k)))
+                            for k in s * actors + actor])
+
+    start = step // 7 * 7  # episodes of 7 steps, stacks padded with their first frame
+    obs = torch.stack([frame(torch.maximum(step - (3 - k), start)) for k in range(4)], dim=1)
+    following = torch.cat([obs[:, 1:], frame(step + 1)[:, None]], dim=1)
+    return {"obs": obs, "next": {"obs": following}, "reward": t.float(),
+            "done": (step % 7 == 6), "episode": actor * 100 + step // 7}
+
+
+def test_an_nstep_batch_over_lz4_frames_decodes_each_distinct_frame_once(monkeypatch) -> None:
+    """The Ape-X read: ``obs`` at each transition's first step and ``next.obs`` at its last
+    share frames (and a batch of 96 from 45 rows repeats rows): the batch equals the plain
+    n-step table's, and each stored frame it needs reached the decoder once."""
+    counting = CountingDecoder(32 * 32)
+    monkeypatch.setattr(compressed, "DECODER", counting)
+    common = {"name": "t", "capacity": 48, "seed": 5, "sampler": "prioritized", "n_step": 3,
+              "gamma": 0.5}
+    plain = Table(TableConfig(**common))
+    apex = Table(TableConfig(**common, frame_stack_key="obs", compress_keys=["obs", "next.obs"]))
+    for first in (0, 20):
+        rows = noise_rows(first, 20 if first == 0 else 25)
+        assert torch.equal(plain.insert(rows), apex.insert(rows))
+    assert apex.info().sampler_stats["frame_history_rows"] == 0  # every frame is decoded
+    counting.blocks.clear()
+    expected, got = plain.sample(96), apex.sample(96)
+    same(expected, got)
+    stacks, following = expected.data["obs"], expected.data["next"]["obs"]
+    frames = {f.numpy().tobytes() for f in torch.cat([stacks, following[:, :-1]], 1).flatten(0, 1)}
+    newest = {f.numpy().tobytes() for f in following[:, -1]}
+    assert len(counting.blocks) == len(frames) + len(newest) < 96 * 8 // 2
+    # a frame stored in both columns (step t + 1's, and step t's next) is one block in each
+    assert len(set(counting.blocks)) == len(frames | newest)

@@ -13,6 +13,7 @@ from replay_server.engine.schema import FieldSpec
 from replay_server.engine.storage import compressed, lz4_batch
 from replay_server.engine.storage.compressed import Lz4Column, bound
 from replay_server.engine.storage.lz4_batch import DECODER, Lz4Error, prefixed, zero_block
+from tests.server.engine.storage.counting_decoder import CountingDecoder
 
 
 def frames(n: int, row_bytes: int, seed: int) -> np.ndarray:
@@ -100,7 +101,7 @@ def test_columns_gather_the_same_rows_with_and_without_the_batch_decoder(contigu
     assert np.array_equal(fast[0:301], slow[0:301])
 
 
-def test_an_interleaved_take_equals_one_take_per_part_and_declines_other_columns() -> None:
+def test_a_region_take_equals_one_take_per_part_and_declines_other_columns() -> None:
     """Stacks of three frames of one column and the newest of another: one pass of lz4 columns
     of one spec; a column of another spec or without the decoder is left to the caller."""
     a, b = frames(50, 7056, seed=4), frames(50, 7056, seed=5)
@@ -109,15 +110,41 @@ def test_an_interleaved_take_equals_one_take_per_part_and_declines_other_columns
     parts = [(first, rng.integers(0, 51, 40)) for _ in range(3)] + [(second,
                                                                      rng.integers(0, 51, 40))]
     into = torch.empty((40, 4, 7056), dtype=torch.uint8)
-    assert first.take_interleaved(parts, into)
+    assert first.take_regions([(parts, into)])
     for j, (column, slots) in enumerate(parts):
         alone = torch.empty((40, 7056), dtype=torch.uint8)
         column.take(slots, alone)
         assert torch.equal(into[:, j], alone)
     slow = column_with(b, None)
-    assert not first.take_interleaved([*parts[:3], (slow, parts[3][1])], into)
+    assert not first.take_regions([([*parts[:3], (slow, parts[3][1])], into)])
     other = column_with(frames(50, 100, seed=7), DECODER)
-    assert not first.take_interleaved([parts[0], (other, parts[3][1])], into)
+    assert not first.take_regions([([parts[0], (other, parts[3][1])], into)])
+
+
+def test_regions_that_repeat_rows_decode_each_distinct_row_once_and_copy_it() -> None:
+    """Two destinations (an observation's stacks and the next one's) whose rows repeat within
+    and across them: every place holds its row, and each distinct (column, slot) reached
+    the decoder once."""
+    a, b = frames(60, 7056, seed=8), frames(60, 7056, seed=9)
+    counting = CountingDecoder(7056)
+    first, second = column_with(a, counting), column_with(b, counting)
+    rng = np.random.default_rng(10)
+    n = 200  # 200 x 7 places from 61 slots per column: most rows repeat
+    stacks = [(first, rng.integers(0, 60, n)) for _ in range(4)]
+    following = [(first, stacks[j + 1][1]) for j in range(3)] + [(second, rng.integers(0, 61, n))]
+    obs = torch.empty((n, 4, 7056), dtype=torch.uint8)
+    nxt = torch.empty((n, 4, 7056), dtype=torch.uint8)
+    assert first.take_regions([(stacks, obs), (following, nxt)])
+    decoded = counting.blocks[:]
+    for into, parts in ((obs, stacks), (nxt, following)):
+        for j, (column, slots) in enumerate(parts):
+            alone = torch.empty((n, 7056), dtype=torch.uint8)
+            column.take(slots, alone)
+            assert torch.equal(into[:, j], alone)
+    distinct = {(id(column), int(slot)) for parts in (stacks, following)
+                for column, slots in parts for slot in slots}
+    assert len(decoded) == len(distinct)  # slot 60 of ``second`` (never written) too
+    assert len(set(decoded)) == len(decoded)
 
 
 def test_where_no_library_offers_the_frame_api_there_is_no_decoder(monkeypatch) -> None:
