@@ -15,6 +15,11 @@ floats) on a server of its own on 127.0.0.1 and counts batches of 256
 delivered to host memory per second by ``client.stream(...)`` as a user calls
 it (default prefetch; gRPC with ``shared_memory=False``, and the same-host
 shared-memory ring), and with ``prefetch=2`` over gRPC.
+
+``--cpu`` counts instead the CPU time per batch of both processes together
+(the learner's and its server's, user + system, microseconds; lower is
+better) over the batches of ``--seconds``: on a machine shared with other
+work, a figure that moves far less with the load than a rate does.
 """
 
 from __future__ import annotations
@@ -43,8 +48,10 @@ PATHS = {
 }
 
 
-def measure(kinds: list[str], seconds: float) -> dict[str, float]:
-    """Batches/s of each (kind, path) with this process's packages (one server per kind)."""
+def measure(kinds: list[str], seconds: float, cpu: bool = False) -> dict[str, float]:
+    """Batches/s (``cpu``: CPU microseconds per batch, learner and server together) of each
+    (kind, path) with this process's packages (one server per kind)."""
+    import psutil
     import torch
 
     from replay_client import ReplayClient
@@ -57,25 +64,34 @@ def measure(kinds: list[str], seconds: float) -> dict[str, float]:
                 replay_server(Path(tmp), _config(kind, 0)) as address:
             client = ReplayClient(address, timeout=120)
             _fill(client, kind, PREFILL[kind])
+            processes = [psutil.Process(), *psutil.Process().children()]
             for name, options in PATHS.items():
                 with client.stream(kind, w.SAMPLE_BATCH, **options) as stream:
                     for _ in range(WARMUP_BATCHES):
                         next(stream)
+                    used = _cpu_s(processes)
                     batches, start = 0, time.perf_counter()
                     while time.perf_counter() - start < seconds:
                         next(stream)
                         batches += 1
-                    out[f"{kind} | {name}"] = batches / (time.perf_counter() - start)
+                    elapsed = time.perf_counter() - start
+                    out[f"{kind} | {name}"] = ((_cpu_s(processes) - used) / batches * 1e6
+                                               if cpu else batches / elapsed)
             client.close()
     return out
 
 
-def side(tree: Path, kinds: list[str], seconds: float) -> dict[str, float]:
+def _cpu_s(processes: list) -> float:
+    """User + system CPU seconds of ``processes`` so far."""
+    return sum(t.user + t.system for t in (p.cpu_times() for p in processes))
+
+
+def side(tree: Path, kinds: list[str], seconds: float, cpu: bool) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(tree / p) for p in PACKAGES))
     done = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--measure", "--kinds", ",".join(kinds),
-         "--seconds", str(seconds)], env=env, check=True, capture_output=True, text=True,
-        timeout=900)
+         "--seconds", str(seconds), *(["--cpu"] if cpu else [])],
+        env=env, check=True, capture_output=True, text=True, timeout=900)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -85,11 +101,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--kinds", default=",".join(w.ROW_KINDS))
+    parser.add_argument("--cpu", action="store_true",
+                        help="CPU microseconds per batch (learner + server) instead of batches/s")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     if args.measure:
-        print(json.dumps(measure(kinds, args.seconds)))
+        print(json.dumps(measure(kinds, args.seconds, args.cpu)))
         return
     if args.base is None:
         parser.error("--base DIR is required")
@@ -98,11 +116,12 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = ("base", "new") if round_ % 2 == 0 else ("new", "base")
         for name in order:
-            for key, rate in side(trees[name], kinds, args.seconds).items():
+            for key, rate in side(trees[name], kinds, args.seconds, args.cpu).items():
                 runs[name].setdefault(key, []).append(rate)
             print(f"round {round_ + 1} {name} done (load {os.getloadavg()[0]:.1f})",
                   file=sys.stderr)
-    print("| rows | path | base (median) | new (median) | new / base | rounds base; new |")
+    unit = "CPU us per batch" if args.cpu else "batches/s"
+    print(f"| rows | path | base, {unit} (median) | new (median) | new / base | rounds base; new |")
     print("|---|---|---:|---:|---:|---|")
     for key in runs["base"]:
         base, new = runs["base"][key], runs["new"][key]

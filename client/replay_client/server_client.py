@@ -504,7 +504,7 @@ class ServerClient:
                          shared_memory=shared_memory, wait=opts.wait,
                          wait_timeout=opts.wait_timeout)
         if opts.prefetch is None:  # the stream's own window: widened over a slow link
-            core.grow_window(opts.memory_mb * 2**20, lambda: link.transport == "grpc")
+            core.grow_window(opts.memory_mb * 2**20, lambda: link.window_grows)
         source = LinkSource(link, check_update=priority_update, num_batches=opts.num_batches,
                             reconnect=opts.reconnect,
                             retry_window_s=reconnect_window(opts, self._connection),

@@ -1,4 +1,4 @@
-"""The learner's network link: SampleStream over gRPC, or a same-host shared-memory ring.
+"""The learner's network link: SampleStream's credits and updates, its batches from a source.
 
 :class:`SampleLink` is the :class:`~replay_feed.link.Link` behind
 ``ReplayClient.stream`` (and behind each shard of a sharded stream). One
@@ -9,9 +9,11 @@ learner's :class:`~replay_feed.credits.CreditFlow` (credits, window growth,
 priority updates, which the server applies before those credits count).
 Each message received becomes batches in the feed's staging buffers
 (payload chunks decoded in place by the wire package's one
-:class:`~replay_proto.sample_codec.SampleDecoder`), views of the
-shared-memory ring the server offered (nothing to copy), or, for a sharded
-stream's merge, views of the message itself.
+:class:`~replay_proto.sample_codec.SampleDecoder`) or, for a sharded
+stream's merge, views of the message itself; once the learner accepted
+another transport's offer, the messages that locate batches there are its
+*source*'s to read (the same-host shared-memory ring: views of the ring,
+nothing to copy; :mod:`replay_client.batch_source`, :mod:`replay_client.sources`).
 
 Queue tables: every call names a lease prefix of its own; when the
 server's first batch says the call is leased (``SampleResponse.leased``),
@@ -65,7 +67,8 @@ import grpc
 import numpy as np
 import torch
 
-from replay_client import grouping
+from replay_client import grouping, sources
+from replay_client.batch_source import BatchSource, SourceContext, SourceKind
 from replay_client.connection import Connection
 from replay_client.errors import OverloadedError, UnavailableError
 from replay_feed.core import FeedStats
@@ -73,7 +76,6 @@ from replay_feed.credits import CreditFlow, Grant, PriorityUpdate
 from replay_feed.delivery import Delivery
 from replay_feed.link import LinkLost
 from replay_feed.options import RECONNECT_S
-from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_proto import messages
 from replay_proto.batch import SampleBatch
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, request_bytes_metadata
@@ -110,7 +112,7 @@ class StagingTarget:
         allocate: the buffers batch ``k`` is decoded into (``None``: views, no copy).
         copy: writes decoded rows into those buffers.
         stats: the stream's stats (transport notes).
-        delivery: the stream's device and pinning (a ring is pinned in place for it).
+        delivery: the stream's device and pinning (a source may pin its memory in place).
     """
 
     def __init__(self, allocate: Allocate | None, copy: Callable[..., None] | None,
@@ -122,7 +124,7 @@ class StagingTarget:
 
 
 class _Outgoing:
-    """One call's request iterator: the first message, then grants and shared-memory answers.
+    """One call's request iterator: the first message, then grants and answers to offers.
 
     ``start``: the stream's index of the call's first batch. Once the server said
     the call is leased (``leased``), each grant also reports the call's batches
@@ -179,10 +181,6 @@ class _Outgoing:
         self.ended.set()
         self.finished.set()
 
-    def answer(self, accepted: bool, reason: str = "") -> None:
-        self.send(pb.SampleStreamRequest(shared_memory_answer=pb.SharedMemoryAnswer(
-            accepted=accepted, reason=reason)))
-
     def send(self, message: pb.SampleStreamRequest) -> None:
         """A message of the client's own (an answer, a new grouping), before the next grant."""
         self.answers.put(message.SerializeToString())
@@ -203,9 +201,9 @@ class SampleLink:
             within ``prefetch`` if the learner gave one, else widening the window
             to hold two groups.
         prefetch: the window the learner asked for (``None``: the stream's own).
-        shared_memory: offer to read a same-host ring (falls back to gRPC when
-            the server cannot or the ring cannot be mapped; ``REPLAY_SHARED_MEMORY=0``
-            in the environment turns it off).
+        shared_memory: ask for same-host transports, the shared-memory ring (falls back
+            to gRPC when the server cannot or the ring cannot be mapped;
+            ``REPLAY_SHARED_MEMORY=0`` in the environment turns it off).
         wait: the server waits while the table cannot serve a batch (also after a reconnect).
         wait_timeout: seconds a batch may wait (``None``: no limit).
     """
@@ -226,14 +224,21 @@ class SampleLink:
         self.wait_timeout = wait_timeout
         self._call: Any = None
         self._outgoing: _Outgoing | None = None
-        self._ring: SharedRing | None = None
-        self._registered = False
+        self._source: BatchSource | None = None  # the accepted transport's reader
+        self._asked: list[SourceKind] = []  # the kinds the current call asked for
         self._stopped = threading.Event()
         self._lock = threading.Lock()
 
     @property
     def transport(self) -> str:
-        return "shared_memory" if self._ring is not None else "grpc"
+        source = self._source
+        return "grpc" if source is None else source.name
+
+    @property
+    def window_grows(self) -> bool:
+        """Whether the learner's window may widen now (not while a ring's fixed slots are read)."""
+        source = self._source
+        return source is None or source.window_grows
 
     @property
     def leased(self) -> bool:
@@ -246,19 +251,8 @@ class SampleLink:
 
     def call(self, flow: CreditFlow, credits: int, updates: list[PriorityUpdate],
              remaining: int, first: int) -> Iterator[SampleBatch]:
-        request = pb.SampleRequest(table=self.table, batch_size=self.batch_size,
-                                   num_batches=remaining,
-                                   batches_per_message=self.batches_per_message,
-                                   wait_for_data=self.wait,
-                                   wait_timeout_s=self.wait_timeout or 0.0)
-        opening = pb.SampleStreamRequest(request=request, credits=credits, window=flow.window,
-                                         shared_memory=self.shared_memory, host_id=host_id(),
-                                         lease=f"{uuid.uuid4().hex}-{first}",
-                                         stays_until_closing=True)
-        head = (self._first_with_updates(opening, updates) if updates
-                else [opening.SerializeToString()])
-        outgoing = _Outgoing(self, flow, head, first, updated=bool(updates))
-        self._release_ring()
+        outgoing = _Outgoing(self, flow, self._opening(flow, credits, updates, remaining, first),
+                             first, updated=bool(updates))
         connection = self.connection
         with self._lock:
             if self._stopped.is_set():
@@ -276,8 +270,7 @@ class SampleLink:
             return target.allocate(first + index, layout)
 
         decoder = SampleDecoder(self.batch_size, allocate=None if views else staging,
-                                ring_view=self._ring_view, copy=target.copy or _no_copy,
-                                views=views)
+                                copy=target.copy or _no_copy, views=views)
         opened = True
         received = 0
         last = False  # the call's last batch came: the call stays open for the learner
@@ -288,7 +281,9 @@ class SampleLink:
                     opened = False
                     connection.answered = True
                     self._on_first(header, outgoing, flow)
-                for batch in decoder.add(header, payload):
+                source = self._source
+                batches = None if source is None else source.batches(header, payload)
+                for batch in decoder.add(header, payload) if batches is None else batches:
                     received += 1
                     yield batch
                 if remaining and received >= remaining:
@@ -311,6 +306,24 @@ class SampleLink:
             if not last:
                 outgoing.done = True
             flow.wake()
+
+    def _opening(self, flow: CreditFlow, credits: int, updates: list[PriorityUpdate],
+                 remaining: int, first: int) -> list[bytes]:
+        """A call's first messages: the request, its credits, the updates still waiting, and
+        the transports the registered source kinds ask for (the previous call's source let go)."""
+        request = pb.SampleRequest(table=self.table, batch_size=self.batch_size,
+                                   num_batches=remaining,
+                                   batches_per_message=self.batches_per_message,
+                                   wait_for_data=self.wait,
+                                   wait_timeout_s=self.wait_timeout or 0.0)
+        opening = pb.SampleStreamRequest(request=request, credits=credits, window=flow.window,
+                                         lease=f"{uuid.uuid4().hex}-{first}",
+                                         stays_until_closing=True)
+        self._close_source()
+        self._asked = [kind for kind in sources.SOURCES.values()
+                       if kind.ask(opening, self.shared_memory)]
+        return (self._first_with_updates(opening, updates) if updates
+                else [opening.SerializeToString()])
 
     def _first_with_updates(self, opening: pb.SampleStreamRequest,
                             updates: list[PriorityUpdate]) -> list[bytes]:
@@ -379,14 +392,14 @@ class SampleLink:
         call.cancel()
 
     def close(self) -> None:
-        """Release the ring (after the runner ended)."""
-        self._release_ring()
+        """Release the source (after the runner ended)."""
+        self._close_source()
 
     def after_last(self, flow: CreditFlow) -> None:
         """Nothing: the call stays open after its last batch (``stays_until_closing``), and
         its request iterator forwards the learner's updates until it leaves."""
 
-    # ------------------------------------------------------------ shared memory
+    # ------------------------------------------------------------ the first batch
 
     def _choose_grouping(self, header: pb.SampleResponse, outgoing: _Outgoing,
                          flow: CreditFlow) -> bool:
@@ -405,73 +418,32 @@ class SampleLink:
         return True
 
     def _on_first(self, header: pb.SampleResponse, outgoing: _Outgoing, flow: CreditFlow) -> None:
+        """The first batch: its lease, the grouping of small batches, and the offer of a
+        transport the call asked for (taken, or refused with the reason)."""
         outgoing.leased = header.leased
         notes = self.target.stats.notes
         grouped = not self._grouping_chosen and self._choose_grouping(header, outgoing, flow)
-        if grouped and header.HasField("shared_memory_offer"):
-            reason = (f"small batches are grouped over gRPC (batches_per_message="
-                      f"{self.batches_per_message})")
-            outgoing.answer(False, reason)  # the server unlinks the ring it offered
-            notes.append(f"gRPC: {reason}")
-        elif header.HasField("shared_memory_offer"):
-            offer = header.shared_memory_offer
-            try:
-                ring = SharedRing.open(offer.name, offer.token, offer.slots, offer.slot_bytes,
-                                       offer.header_bytes)
-            except SharedMemoryError as exc:
-                outgoing.answer(False, str(exc))
-                notes.append(f"gRPC: could not map the server's ring ({exc})")
-                return
-            if ring.slots != flow.window + 1:
-                ring.unlink()
-                ring.close()
-                reason = f"the ring has {offer.slots} slots, this stream needs {flow.window + 1}"
-                outgoing.answer(False, reason)
-                notes.append(f"gRPC: {reason}")
-                return
-            ring.unlink()  # mapped on both sides: the name can go (the server unlinks too)
-            self._ring = ring
-            self._register(ring)
-            outgoing.answer(True)
-            pin = self.target.delivery is not None and self.target.delivery.pin
-            notes.append(
-                f"shared memory: {ring.slots} slots of {ring.slot_bytes / 2**20:.1f} MiB"
-                + ("" if not pin else
-                   ", pinned in place" if self._registered else ", copied to pinned staging"))
-        elif header.transport_note:
-            notes.append(f"gRPC: {header.transport_note}")
-        elif self.shared_memory:
-            notes.append("gRPC: the server offered no shared-memory ring")
-
-    def _ring_view(self, slot: int, offset: int, dtype: torch.dtype,
-                   shape: tuple[int, ...]) -> torch.Tensor:
-        ring = self._ring
-        if ring is None:
-            raise SharedMemoryError("no shared-memory ring is mapped")
-        return ring.view(slot, offset, dtype, shape)
-
-    def _register(self, ring: SharedRing) -> None:
-        delivery = self.target.delivery
-        accel = None if delivery is None else delivery.accelerator
-        if delivery is not None and delivery.pin and accel is not None:
-            try:
-                self._registered = accel.register(ring.whole())
-            except Exception as exc:  # a driver refusing is not fatal: staging copies instead
-                log.info("could not pin the shared-memory ring (%s); copying to pinned staging", exc)
-                self._registered = False
-
-    def _release_ring(self) -> None:
-        ring, self._ring = self._ring, None
-        if ring is None:
+        refusal = (f"small batches are grouped over gRPC (batches_per_message="
+                   f"{self.batches_per_message})" if grouped else "")
+        context = SourceContext(flow.window, self.target.delivery, refusal)
+        for kind in self._asked:
+            opened = kind.open(header, context)
+            if opened is None:
+                continue
+            outgoing.send(opened.answer)
+            notes.append(opened.note)
+            self._source = opened.source
             return
-        delivery = self.target.delivery
-        if self._registered and delivery is not None and delivery.accelerator is not None:
-            try:
-                delivery.accelerator.unregister(ring.whole())
-            except Exception:  # pragma: no cover - driver teardown
-                pass
-        self._registered = False
-        ring.close()
+        if header.transport_note:
+            notes.append(f"gRPC: {header.transport_note}")
+        elif self._asked:
+            offered = " or ".join(kind.title for kind in self._asked)
+            notes.append(f"gRPC: the server offered no {offered}")
+
+    def _close_source(self) -> None:
+        source, self._source = self._source, None
+        if source is not None:
+            source.close()
 
 
 def _no_copy(dest: torch.Tensor, start: int, src: torch.Tensor) -> None:  # pragma: no cover

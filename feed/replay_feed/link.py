@@ -19,9 +19,11 @@ Whatever the transport, one *call* runs like this:
 :class:`LinkRunner` is the loop around calls that every stream shares: it
 opens calls, counts batches (``num_batches``), reconnects after a lost call
 with the one backoff schedule (:class:`~replay_feed.backoff.Backoff`) within
-the retry window, and gives up with the transport's own error. A new
-transport is one :class:`Link` and its registration in the entry that builds
-streams (``docs/learner.md``).
+the retry window, and gives up with the transport's own error. A new kind
+of stream is one :class:`Link` built in the entry that opens its streams; a
+new way to move a server's ``SampleStream`` batches is not a link but a
+sink/source pair under the one ``SampleLink`` (``docs/learner.md``, "A new
+transport").
 
 Thread-safety: a runner's :meth:`~LinkRunner.batches` runs on one thread;
 :meth:`~LinkRunner.stop` may be called from any.

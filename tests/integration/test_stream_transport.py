@@ -140,7 +140,7 @@ def test_learner_that_cannot_map_the_ring_falls_back_and_nothing_leaks(server_fa
 
 
 def test_learner_on_another_host_is_not_offered_a_ring(server_factory, monkeypatch):
-    import replay_client.stream as stream_module
+    import replay_client.ring_source as stream_module
 
     client = ReplayClient(server_factory(CONFIG).address)
     _fill(client)

@@ -62,7 +62,7 @@ class SampleRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., batches_per_message: _Optional[int] = ..., wait_for_data: _Optional[bool] = ..., wait_timeout_s: _Optional[float] = ..., never_wait: _Optional[bool] = ..., lease: _Optional[str] = ..., acknowledge: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampleStreamRequest(_message.Message):
-    __slots__ = ("request", "credits", "shared_memory", "host_id", "shared_memory_answer", "update", "batches_per_message", "window", "lease", "finished", "closing", "stays_until_closing")
+    __slots__ = ("request", "credits", "shared_memory", "host_id", "shared_memory_answer", "update", "batches_per_message", "window", "lease", "finished", "closing", "stays_until_closing", "transports", "transport_answer")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,8 @@ class SampleStreamRequest(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     CLOSING_FIELD_NUMBER: _ClassVar[int]
     STAYS_UNTIL_CLOSING_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_ANSWER_FIELD_NUMBER: _ClassVar[int]
     request: SampleRequest
     credits: int
     shared_memory: bool
@@ -87,7 +89,27 @@ class SampleStreamRequest(_message.Message):
     finished: int
     closing: bool
     stays_until_closing: bool
-    def __init__(self, request: _Optional[_Union[SampleRequest, _Mapping]] = ..., credits: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., host_id: _Optional[str] = ..., shared_memory_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., update: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., batches_per_message: _Optional[int] = ..., window: _Optional[int] = ..., lease: _Optional[str] = ..., finished: _Optional[int] = ..., closing: _Optional[bool] = ..., stays_until_closing: _Optional[bool] = ...) -> None: ...
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    transport_answer: TransportAnswer
+    def __init__(self, request: _Optional[_Union[SampleRequest, _Mapping]] = ..., credits: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., host_id: _Optional[str] = ..., shared_memory_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., update: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., batches_per_message: _Optional[int] = ..., window: _Optional[int] = ..., lease: _Optional[str] = ..., finished: _Optional[int] = ..., closing: _Optional[bool] = ..., stays_until_closing: _Optional[bool] = ..., transports: _Optional[_Iterable[str]] = ..., transport_answer: _Optional[_Union[TransportAnswer, _Mapping]] = ...) -> None: ...
+
+class TransportOffer(_message.Message):
+    __slots__ = ("name", "params")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params: bytes
+    def __init__(self, name: _Optional[str] = ..., params: _Optional[bytes] = ...) -> None: ...
+
+class TransportAnswer(_message.Message):
+    __slots__ = ("name", "accepted", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    accepted: bool
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SharedMemoryAnswer(_message.Message):
     __slots__ = ("accepted", "reason")
@@ -120,7 +142,7 @@ class SharedMemoryBatch(_message.Message):
     def __init__(self, slot: _Optional[int] = ..., offsets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SampleResponse(_message.Message):
-    __slots__ = ("columns", "ids", "weights", "probabilities", "batch_index", "row_start", "batch_rows", "last_chunk", "batch_count", "shared_memory_offer", "shared_memory", "transport_note", "payload", "mass", "leased")
+    __slots__ = ("columns", "ids", "weights", "probabilities", "batch_index", "row_start", "batch_rows", "last_chunk", "batch_count", "shared_memory_offer", "shared_memory", "transport_note", "payload", "mass", "leased", "transport_offer", "transport_batch")
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +158,8 @@ class SampleResponse(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     MASS_FIELD_NUMBER: _ClassVar[int]
     LEASED_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_OFFER_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_BATCH_FIELD_NUMBER: _ClassVar[int]
     columns: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     ids: TensorSpec
     weights: TensorSpec
@@ -151,7 +175,9 @@ class SampleResponse(_message.Message):
     payload: bytes
     mass: SamplingMass
     leased: bool
-    def __init__(self, columns: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., ids: _Optional[_Union[TensorSpec, _Mapping]] = ..., weights: _Optional[_Union[TensorSpec, _Mapping]] = ..., probabilities: _Optional[_Union[TensorSpec, _Mapping]] = ..., batch_index: _Optional[int] = ..., row_start: _Optional[int] = ..., batch_rows: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., batch_count: _Optional[int] = ..., shared_memory_offer: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryBatch, _Mapping]] = ..., transport_note: _Optional[str] = ..., payload: _Optional[bytes] = ..., mass: _Optional[_Union[SamplingMass, _Mapping]] = ..., leased: _Optional[bool] = ...) -> None: ...
+    transport_offer: TransportOffer
+    transport_batch: bytes
+    def __init__(self, columns: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., ids: _Optional[_Union[TensorSpec, _Mapping]] = ..., weights: _Optional[_Union[TensorSpec, _Mapping]] = ..., probabilities: _Optional[_Union[TensorSpec, _Mapping]] = ..., batch_index: _Optional[int] = ..., row_start: _Optional[int] = ..., batch_rows: _Optional[int] = ..., last_chunk: _Optional[bool] = ..., batch_count: _Optional[int] = ..., shared_memory_offer: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., shared_memory: _Optional[_Union[SharedMemoryBatch, _Mapping]] = ..., transport_note: _Optional[str] = ..., payload: _Optional[bytes] = ..., mass: _Optional[_Union[SamplingMass, _Mapping]] = ..., leased: _Optional[bool] = ..., transport_offer: _Optional[_Union[TransportOffer, _Mapping]] = ..., transport_batch: _Optional[bytes] = ...) -> None: ...
 
 class SamplingMass(_message.Message):
     __slots__ = ("total", "min_positive", "count")

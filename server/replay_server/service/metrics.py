@@ -16,7 +16,7 @@ Three sources, one registry per server:
       replay_table_deleted_rows_total{table}, replay_queue_depth_rows{table} (fifo/lifo tables)
       replay_rate_limiter_blocked_calls_total / _blocked_seconds_total{table, operation}
       replay_rate_limiter_waiting_calls{table, operation}
-      replay_sample_streams_open{transport}                     grpc | shared_memory
+      replay_sample_streams_open{transport}                     grpc | each registered sink (shared_memory)
       replay_checkpoints_total{outcome}                         written | failed
       replay_checkpoint_last_duration_seconds / _last_size_bytes
       replay_checkpoint_last_timestamp_seconds / _age_seconds
@@ -51,6 +51,7 @@ from replay_server.engine import Table
 from replay_server.errors import ConfigError
 from replay_server.service.metrics_listener import MetricsListener
 from replay_server.service.rpc_metrics import RpcMetrics
+from replay_server.service import sinks
 from replay_server.service.waiting import BlockedTotals
 
 log = logging.getLogger("replay_server")
@@ -140,7 +141,7 @@ class EngineCollector(Collector):
                                     "SampleStream calls open now, by transport.",
                                     labels=["transport"])
         open_streams = self._source.streams()
-        for transport in ("grpc", "shared_memory"):
+        for transport in ("grpc", *sinks.SINKS):
             streams.add_metric([transport], open_streams.get(transport, 0))
         yield streams
         yield from self._checkpoints()

@@ -1,4 +1,4 @@
-"""``SampleStream``: batches to a learner, flow-controlled by its credits, over gRPC or shared memory.
+"""``SampleStream``: batches to a learner, flow-controlled by its credits, through a batch sink.
 
 One :class:`SampleStreamCall` per call. The learner's first message names the
 table and batch size and grants ``credits`` (its prefetch window); each later
@@ -35,18 +35,14 @@ drawing once the learner half-closes (or leaves), and after its last batch (``nu
 waits for the learner to finish them (at most the table's ``lease_timeout_s``)
 before it ends.
 
-Same host: if the learner asked for shared memory and runs on this host
-(same boot id), the server creates a ring of ``credits + 1`` slots in
-/dev/shm sized for one batch each and offers it with the first batch. Once
-the learner accepts, batches are gathered straight from table storage into
-the ring (no serialization, no copy through gRPC) and messages carry only
-offsets. Batch ``k`` goes into slot ``k % slots``; the credit rule guarantees
-the learner has given that slot back. The ring's name is unlinked as soon as
-the learner answers (the learner unlinks it too, once mapped), and a server
-removes rings that dead servers left behind when it starts
-(:func:`~replay_feed.shared_ring.sweep_stale_rings`). All rings together may
-take ``shared_memory_mb``; a ring that would not fit is not offered (the
-first batch says why) and the stream uses gRPC.
+Transports: batches leave through the call's *sink*: gRPC messages first,
+and from the learner's acceptance on, the transport a registered sink kind
+offered with the first batch when the learner asked for it (the same-host
+shared-memory ring: :mod:`replay_server.service.ring_sink`). The call keeps
+the credits, the draws and the memory; the sink says how many batches it
+takes at once, what a group holds while sent, and makes the messages
+(:mod:`replay_server.service.batch_sink`, :mod:`replay_server.service.sinks`).
+A sink that cannot be made says why in the first batch (``transport_note``).
 
 Memory: each group of batches reserves what it will hold (the batch and its
 encoded chunks) from the server's :class:`~replay_server.service.budget.MemoryBudget`
@@ -62,31 +58,28 @@ message larger than the call declared ends it with INVALID_ARGUMENT.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
+import torch
 
-from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_proto.batch import SampleBatch, batch_nbytes
-from replay_proto.sample_codec import (
-    HEADROOM,
-    STREAM_CHUNK_BYTES,
-    encode_ring_batch,
-    encode_sample,
-    with_leased,
-    with_note,
-    with_offer,
-)
+from replay_proto.sample_codec import HEADROOM, with_leased, with_note
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.engine import MAX_BATCH_SIZE, Table, TableSet
 from replay_server.errors import InvalidArgumentError, RateLimitedError
-from replay_server.service.budget import MemoryBudget, Reservation
+from replay_server.service.batch_sink import (
+    BatchSink,
+    Draw,
+    MessageSink,
+    SinkContext,
+    StreamLimits,
+)
+from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
+from replay_server.service import sinks
 from replay_server.service.stream_leases import StreamLeases
 from replay_server.service.stream_requests import messages_until, parse_first, update_table
-from replay_server.service.stream_ring import RingLayout
 from replay_server.service.status import (
     CLIENT_LOG,
     LimitExceededError,
@@ -96,32 +89,17 @@ from replay_server.service.status import (
 from replay_server.service.waiting import draw
 
 
-@dataclass(frozen=True, slots=True)
-class StreamLimits:
-    """What the server allows a stream: message size, whether it offers shared memory, the
-    largest batch, and the budgets its batches and rings are reserved from."""
-
-    max_message_bytes: int
-    shared_memory: bool
-    max_batch_bytes: int
-    budget: MemoryBudget
-    shared_memory_budget: MemoryBudget
-    closing_wait_s: float
-    """How long a stream that had its ``num_batches`` waits for a learner that said it
-    leaves with ``closing`` (``server.response_timeout_s``)."""
-
-
 class SampleStreamCall:
     """One SampleStream call: reads credits, draws batches, sends them.
 
     Args:
         calls: runs engine work and ends the call with an error's status.
         tables: the tables served when the call started.
-        limits: message size and shared-memory policy.
+        limits: message size, budgets and shared-memory policy.
         requests: the learner's messages (raw bytes).
         context: the call's context.
         owner: the call's reservation (its learner's message): every group's memory and
-            the ring's are parts of it, released with it when the call ends, however it
+            a sink's are parts of it, released with it when the call ends, however it
             ends (:mod:`replay_server.service.budget`).
     """
 
@@ -145,10 +123,8 @@ class SampleStreamCall:
         self._leaving = asyncio.Event()
         self._leaving_wait: asyncio.Future | None = None  # one waiter for every draw
         self._refused: Exception | None = None  # a malformed learner message or update
-        self._ring: SharedRing | None = None
-        self._ring_reservation: Reservation | None = None
-        self._layout: RingLayout | None = None
-        self._ring_accepted = False
+        self._sink: BatchSink = MessageSink(limits.max_message_bytes)  # how batches leave
+        self._offered: BatchSink | None = None  # offered with the first batch, not yet answered
         self._held: dict[asyncio.Future, Reservation] = {}  # each drawn group's memory
         self._sending: Reservation | None = None  # the memory of the group being sent
         self._pending: asyncio.Future | None = None  # the group being drawn, if any
@@ -163,9 +139,9 @@ class SampleStreamCall:
 
     @property
     def transport(self) -> str:
-        """How batches travel now: ``shared_memory`` once the learner took the ring, else
-        ``grpc``."""
-        return "shared_memory" if self._ring_accepted else "grpc"
+        """How batches travel now: the sink's name (``grpc`` until the learner accepts another
+        transport's offer, such as ``shared_memory``)."""
+        return self._sink.name
 
     async def run(self) -> AsyncIterator[bytes]:
         """The call: open it from the learner's first message, then draw and send groups of
@@ -177,7 +153,7 @@ class SampleStreamCall:
             return
         request, table = first.request, self._table
         reader = asyncio.create_task(self._read())
-        want_ring, note = self._ring_wanted(first)
+        note = self._choose_sink(first)
         index = 0
         try:
             while True:
@@ -187,18 +163,18 @@ class SampleStreamCall:
                         break
                     reservation = await self._reserve(table, request, count, wait=True)
                     self._pending = self._start_draw(table, request, index, count,
-                                                     index == 0 and want_ring, reservation)
+                                                     index == 0, reservation)
                 pending = self._pending
                 if calls.draining:
                     pending.cancel()
                     await calls.fail(context, ShuttingDownError("the server is shutting down"))
                 if not await self._drawn_unless_leaving(pending):
                     break  # the learner left while the draw waited: nothing more to send
-                chunks, count, ring_note = await calls.settle(context, pending)
+                chunks, count, sink_note = await calls.settle(context, pending)
                 self._sending = self._held.pop(pending, None)
                 index += count
                 self._pending = None
-                note = ring_note or note
+                note = sink_note or note
                 if index == count:
                     self._mark_first(chunks, note)
                 await self._draw_ahead(table, request, index)
@@ -244,18 +220,23 @@ class SampleStreamCall:
             self._leaving.set()
         return first
 
-    def _ring_wanted(self, first: pb.SampleStreamRequest) -> tuple[bool, str]:
-        """Whether to offer a shared-memory ring with the first batch, and why not (a note the
-        first batch carries; "" when nothing was asked or the ring is offered)."""
-        want_ring = first.shared_memory and self._limits.shared_memory
-        if first.shared_memory and not self._limits.shared_memory:
-            return want_ring, "the server has shared_memory = false"
-        if want_ring and first.host_id != host_id():
-            return False, "the learner runs on another host"
-        return want_ring, ""
+    def _choose_sink(self, first: pb.SampleStreamRequest) -> str:
+        """Ask the registered sink kinds (:data:`~replay_server.service.sinks.SINKS`, in order)
+        for a transport the first batch offers; why none (a note the first batch carries;
+        "" when none was asked for, or one is offered)."""
+        context = SinkContext(first, self._limits, self._owner, self._window, self._log)
+        notes = []
+        for kind in sinks.SINKS.values():
+            sink, note = kind.open(context)
+            if sink is not None:
+                self._offered = sink
+                return ""
+            if note:
+                notes.append(note)
+        return "; ".join(notes)
 
     def _mark_first(self, chunks: list[bytes], note: str) -> None:
-        """Mark the first group's first chunk: why there is no ring (``note``), and that its
+        """Mark the first group's first chunk: why no transport is offered (``note``), and that its
         rows are leased."""
         if note:
             chunks[0] = with_note(chunks[0], note)
@@ -294,7 +275,7 @@ class SampleStreamCall:
 
     def _end(self, reader: asyncio.Task) -> None:
         """Let go of everything the call holds, however it ended: its leases (soon), a draw
-        under way, reserved memory, the reader of the learner's messages, the ring."""
+        under way, reserved memory, the reader of the learner's messages, the sinks."""
         if self._leases is not None:
             self._leases.end_soon(self._calls.executor)
         pending = self._pending
@@ -308,7 +289,10 @@ class SampleStreamCall:
         reader.cancel()
         if self._leaving_wait is not None:
             self._leaving_wait.cancel()
-        self._close_ring()
+        offered, self._offered = self._offered, None
+        if offered is not None:
+            offered.close()
+        self._sink.close()
 
     async def _drawn_unless_leaving(self, pending: asyncio.Future) -> bool:
         """Wait for the draw ``pending`` unless the learner leaves first (a draw may wait long
@@ -365,15 +349,15 @@ class SampleStreamCall:
                        wait: bool) -> Reservation | None:
         """The memory the next group will hold, reserved (waiting for room if ``wait``).
 
-        A group drawn into the accepted shared-memory ring holds only its ids,
-        weights and probabilities beside the ring; any other, the batches and
-        their encoded chunks. ``None``: no room now (``wait`` False).
+        What a group holds is the sink's to say (gRPC messages: the batches
+        and their encoded chunks; a ring: only ids, weights and probabilities
+        beside it). ``None``: no room now (``wait`` False).
         """
         batch_bytes = await self._check_sizes(table, request.batch_size)  # (a schema fixed since)
         # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT) when it draws.
         rows = request.batch_size if 1 <= request.batch_size <= MAX_BATCH_SIZE else 0
         extras = batch_nbytes(0, rows, table.config.slice_len, table.config.n_step)
-        nbytes = extras if self._ring_accepted else 2 * count * batch_bytes + extras
+        nbytes = self._sink.held_bytes(count, batch_bytes, extras)
         purpose = f"SampleStream: {count} batch(es) of {request.batch_size} from {table.name!r}"
         budget = self._limits.budget
         owner = self._owner
@@ -388,7 +372,7 @@ class SampleStreamCall:
     # ------------------------------------------------------------ credits
 
     async def _read(self) -> None:
-        """Take credits and the shared-memory answer from the learner's messages.
+        """Take credits and the answer to a transport's offer from the learner's messages.
 
         A malformed message ends the stream with INVALID_ARGUMENT (after the
         batch being drawn, if any): the learner speaks another protocol.
@@ -429,8 +413,8 @@ class SampleStreamCall:
                 if message.batches_per_message:
                     self._group = message.batches_per_message
                 self._credits += message.credits
-                if message.HasField("shared_memory_answer"):
-                    self._on_answer(message.shared_memory_answer)
+                if self._offered is not None:
+                    self._on_answer(message)
                 if message.closing:
                     self._leaving.set()
                 self._credit_event.set()
@@ -451,17 +435,16 @@ class SampleStreamCall:
                 f"{update.table!r}; update other tables with UpdatePriorities")
         await self._calls.change(self._context, update_table, table, update, aborting=False)
 
-    def _on_answer(self, answer: pb.SharedMemoryAnswer) -> None:
-        ring = self._ring
-        if ring is None:
+    def _on_answer(self, message: pb.SampleStreamRequest) -> None:
+        """The learner's answer to the offered transport, if ``message`` holds it: from now
+        on batches go through it (accepted), or stay on gRPC messages (the sink closed)."""
+        offered = self._offered
+        accepted = None if offered is None else offered.answered(message)
+        if accepted is None:
             return
-        ring.unlink()  # both sides hold a mapping now (or never will): the name can go
-        if answer.accepted:
-            self._ring_accepted = True
-        else:
-            self._log("ring_refused", logging.INFO, f"the learner refused the shared-memory ring "
-                      f"({answer.reason}); using gRPC")
-            self._close_ring()
+        self._offered = None
+        if accepted:
+            self._sink = offered  # type: ignore[assignment]  # (not None: answered)
 
     async def _next_count(self, request: pb.SampleRequest, table: Table, index: int,
                           wait: bool = True) -> int:
@@ -481,111 +464,68 @@ class SampleStreamCall:
             await self._credit_event.wait()
         if self._refused is not None:
             return 0
-        if self._ring_accepted:
-            return 1
-        count = min(self._group, remaining, self._credits - index)
-        batch_bytes = table.batch_nbytes(request.batch_size) if (
-            1 <= request.batch_size <= MAX_BATCH_SIZE) else 0
-        if batch_bytes:
-            count = max(1, min(count, STREAM_CHUNK_BYTES // batch_bytes))
-        if count > 1 and request.batch_size * count > MAX_BATCH_SIZE:
-            count = 1
-        return count
+        wanted = min(self._group, remaining, self._credits - index)
+        return self._sink.group(wanted, request.batch_size,
+                                self._batch_bytes(table, request.batch_size))
 
     # ------------------------------------------------------------ drawing (engine threads)
 
     def _start_draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
-                    offer_ring: bool, reservation: Reservation | None) -> asyncio.Future:
+                    offer: bool, reservation: Reservation | None) -> asyncio.Future:
         """Draw in the engine's pool, waiting (without a thread) while the rate limiter holds
         it (or, with ``wait_for_data``, while the table is empty; at most ``wait_timeout_s``);
         ``reservation`` (the group's memory) is released once the group was sent."""
         limit = request.wait_timeout_s if request.wait_timeout_s > 0 else None
         future = asyncio.ensure_future(self._calls.change(
-            self._context, self._draw, table, request, index, count, offer_ring, aborting=False,
+            self._context, self._draw, table, request, index, count, offer, aborting=False,
             time_remaining=None if limit is None else lambda: limit))
         if reservation is not None:
             self._held[future] = reservation
         return future
 
     def _draw(self, table: Table, request: pb.SampleRequest, index: int, count: int,
-              offer_ring: bool) -> tuple[str, tuple[list[bytes], int, str]]:
-        if self._ring_accepted and self._ring is not None and self._layout is not None:
-            return table.name, ([self._draw_into_ring(table, request, index)], 1, "")
-        wait, leases = request.wait_for_data, self._leases
-        lease = None if leases is None else leases.request(index)
-        if leases is not None:
-            leases.settle()  # acknowledge the groups the learner finished
-        try:
-            batch = draw(table, request.batch_size * count, wait_for_data=wait, lease=lease)
-        except RateLimitedError:
-            if count == 1:
-                raise
-            count = 1  # a group the limiter holds back is drawn as a single batch
-            batch = draw(table, request.batch_size, wait_for_data=wait, lease=lease)
-        if leases is not None and lease is not None:
-            leases.drawn(lease, count)
-        chunk_bytes = max(1, min(STREAM_CHUNK_BYTES, self._limits.max_message_bytes - HEADROOM))
-        chunks = encode_sample(batch, index, chunk_bytes, batch_count=count)
+              offer: bool) -> tuple[str, tuple[list[bytes], int, str]]:
+        """The group at ``index`` through the current sink; the first one (``offer``) also
+        offers the transport chosen when the stream opened (or says why it cannot)."""
+        chunks, count, batch = self._sink.send(self._drawer(table, request, index), index, count)
         note = ""
-        if offer_ring:
-            note = self._create_ring(batch, request.batch_size)
-            ring = self._ring
-            if ring is not None:
-                chunks[0] = with_offer(chunks[0], pb.SharedMemoryOffer(
-                    name=ring.name, token=ring.token, slots=ring.slots,
-                    slot_bytes=ring.slot_bytes, header_bytes=ring.header_bytes))
+        offered = self._offered
+        if offer and offered is not None:
+            head, note = offered.offer(batch, request.batch_size)
+            if head:
+                chunks[0] = head + chunks[0]
+            else:
+                self._offered = None
+                offered.close()
         return table.name, (chunks, count, note)
 
-    def _create_ring(self, batch: SampleBatch, batch_size: int) -> str:
-        layout = RingLayout(batch, batch_size)
-        slots = self._window + 1
-        size = SharedRing.size_for(slots, layout.slot_bytes)
-        try:
-            reservation = self._limits.shared_memory_budget.reserve(
-                size, f"a shared-memory ring of {slots} batches", owner=self._owner)
-        except (OverloadedError, LimitExceededError) as exc:
-            self._log("ring_over_budget", logging.INFO, f"no shared-memory ring ({exc}); using gRPC")
-            return f"no shared-memory ring: {exc}"
-        try:
-            self._ring = SharedRing.create(slots, layout.slot_bytes)
-        except SharedMemoryError as exc:
-            reservation.release()
-            self._log("ring_failed", logging.WARNING, f"no shared-memory ring ({exc}); using gRPC")
-            return f"the server could not create a shared-memory ring: {exc}"
-        self._ring_reservation = reservation
-        self._layout = layout
-        return ""
+    def _drawer(self, table: Table, request: pb.SampleRequest, index: int) -> Draw:
+        """The draw of the group at ``index`` a sink calls: under the stream's lease (a queue
+        table's), waiting for data if asked; a group the rate limiter holds back is drawn as
+        a single batch."""
+        wait, leases = request.wait_for_data, self._leases
 
-    def _draw_into_ring(self, table: Table, request: pb.SampleRequest, index: int) -> bytes:
-        ring, layout = self._ring, self._layout
-        assert ring is not None and layout is not None
-        slot = index % ring.slots
-        views = layout.views(ring, slot)
-        n = len(layout.keys)
-        columns = dict(zip(layout.keys, views[:n]))
-        leases = self._leases
-        lease = None if leases is None else leases.request(index)
-        if leases is not None:
-            leases.settle()
-        batch = draw(table, request.batch_size, wait_for_data=request.wait_for_data, out=columns,
-                     lease=lease)
-        if leases is not None and lease is not None:
-            leases.drawn(lease, 1)
-        for dest, src in zip(views[n:], batch.extras):
-            dest.copy_(src)
-        return encode_ring_batch(columns, views[n:], index, slot, layout.offsets, batch.mass)
+        def draw_group(count: int, out: dict[str, torch.Tensor] | None = None
+                       ) -> tuple[SampleBatch, int]:
+            lease = None if leases is None else leases.request(index)
+            if leases is not None:
+                leases.settle()  # acknowledge the groups the learner finished
+            try:
+                batch = draw(table, request.batch_size * count, wait_for_data=wait, out=out,
+                             lease=lease)
+            except RateLimitedError:
+                if count == 1:
+                    raise
+                count = 1
+                batch = draw(table, request.batch_size, wait_for_data=wait, out=out,
+                             lease=lease)
+            if leases is not None and lease is not None:
+                leases.drawn(lease, count)
+            return batch, count
+
+        return draw_group
 
     def _log(self, topic: str, level: int, what: str) -> None:
         """A line about this stream's client (rate-limited per client: see ``peer_log``)."""
         peer = self._context.peer()
         CLIENT_LOG.log(peer, topic, level, "SampleStream from %s: %s", peer, what)
-
-    def _close_ring(self) -> None:
-        ring, self._ring = self._ring, None
-        reservation, self._ring_reservation = self._ring_reservation, None
-        self._ring_accepted = False
-        if ring is not None:
-            ring.unlink()
-            ring.close()
-        if reservation is not None:
-            reservation.release()

@@ -21,7 +21,6 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from replay_feed.shared_ring import sweep_stale_rings
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.checkpoint import Checkpointer, CheckpointResult, RestoreCancelled
 from replay_server.checkpoint.incarnation import IncarnationFile
@@ -46,6 +45,7 @@ from replay_server.service.credentials import server_credentials
 from replay_server.service.loop import loop_name
 from replay_server.service.metrics import MetricsSource, ServerMetrics
 from replay_server.service.servicer import SERVICE_NAME, ReplayServicer
+from replay_server.service import sinks
 from replay_server.service.settings import ServerSettings
 from replay_server.service.status import UnauthenticatedError, abort
 
@@ -215,9 +215,8 @@ class ReplayServer:
                 be restored (see :mod:`replay_server.checkpoint.reader`).
         """
         self.limits.ensure_open_files()
-        if self.settings.shared_memory:
-            for name in sweep_stale_rings():
-                log.warning("removed shared-memory ring %s left by a server that is gone", name)
+        for sink in sinks.SINKS.values():
+            sink.prepare(self.settings)  # e.g. rings that servers gone left in /dev/shm
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.metrics is not None:  # first: it sees the token check's refusals too
             interceptors.append(self.metrics.rpc)

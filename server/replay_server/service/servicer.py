@@ -49,7 +49,8 @@ from replay_server.service.calls import CallRunner
 from replay_server.service.limits import ServiceLimits
 from replay_server.service.process import rss_bytes
 from replay_server.service.rows import RowService
-from replay_server.service.sample_stream import SampleStreamCall, StreamLimits
+from replay_server.service.batch_sink import StreamLimits
+from replay_server.service.sample_stream import SampleStreamCall
 from replay_server.service.status import LimitExceededError, MessageTooLargeError
 from replay_server.service.update_stream import INLINE_MAX_IDS, UpdateStreamHandler
 from replay_server.service.variables import VariableService
