@@ -9,7 +9,6 @@ app, ray) import what they use from here, never from the engine's modules
 (``tests/test_layout.py``), so the engine's insides can move without them.
 """
 
-from replay_server.engine import takes
 from replay_server.engine.config import (
     SamplerKind,
     TableConfig,
@@ -35,6 +34,7 @@ from replay_server.engine.table_info import TableCounters, TableInfo
 from replay_server.engine.table_memory import table_bytes
 from replay_server.engine.table_set import TableSet
 from replay_server.engine.table_state import check_saved_config
+from replay_server.engine.takes import retire_rows, retired_ids, settle_taking
 from replay_server.engine.variables import STATE_VERSION as VARIABLES_STATE_VERSION
 from replay_server.engine.variables import Variable, VariableStore, check_name
 
@@ -68,8 +68,10 @@ __all__ = [
     "format_bytes",
     "host_batch",
     "layer_names",
+    "retire_rows",
+    "retired_ids",
+    "settle_taking",
     "table_bytes",
     "table_options",
-    "takes",
     "update_values",
 ]

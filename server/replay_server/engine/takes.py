@@ -4,7 +4,7 @@ A table whose rows leave when sampled (``fifo``/``lifo``, ``max_times_sampled``)
 changes on a take or a lease's acknowledgement, not only on inserts: the
 write-ahead log (:mod:`replay_server.checkpoint.wal.logged_table`) records the
 ids of the rows such a change made leave for good, and replays them with
-:func:`retire`. These functions act on a table's parts and are called under the
+:func:`retire_rows`. These functions act on a table's parts and are called under the
 table's lock by the table (or a subclass of it); cost O(rows named).
 """
 
@@ -47,7 +47,7 @@ def settle_taking(parts: TableParts, acknowledge: list[str], give_back: Iterable
     return parts.ids.ids_of(positions, parts.ring.first_live), back
 
 
-def retire(parts: TableParts, table: str, ids: np.ndarray) -> int:
+def retire_rows(parts: TableParts, table: str, ids: np.ndarray) -> int:
     """A logged take replayed: the rows ``ids`` (still present) leave the queue for good.
     Returns how many left now (rows gone already are ignored: replay is idempotent)."""
     assert parts.remover is not None

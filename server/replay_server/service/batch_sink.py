@@ -29,7 +29,7 @@ import torch
 from replay_proto.batch import SampleBatch
 from replay_proto.sample_codec import HEADROOM, STREAM_CHUNK_BYTES, encode_sample
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.engine.inputs import MAX_BATCH_SIZE
+from replay_server.engine import MAX_BATCH_SIZE
 from replay_server.service.budget import MemoryBudget, Reservation
 
 if TYPE_CHECKING:

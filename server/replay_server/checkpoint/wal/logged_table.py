@@ -60,7 +60,9 @@ from replay_server.engine import (
     Table,
     TableSnapshot,
     columns_of,
-    takes,
+    retire_rows,
+    retired_ids,
+    settle_taking,
 )
 from replay_server.errors import LogWriteError
 
@@ -156,7 +158,7 @@ class LoggedTable(LoggedChanges, Table):
         if log is not None and lease is None and self.config.sampler.traits.consumes:
             ids = batch.ids.detach().cpu().numpy()
             heads = ids[:, 0] if ids.ndim == 2 else ids  # a slice is taken by its start
-            self._log_taken(log, lambda parts: takes.retired_ids(parts, self.name, heads))
+            self._log_taken(log, lambda parts: retired_ids(parts, self.name, heads))
         return batch
 
     def settle_leases(self, acknowledge: Iterable[str] = (), give_back: Iterable[str] = (),
@@ -169,7 +171,7 @@ class LoggedTable(LoggedChanges, Table):
 
         def settle(parts: Any) -> np.ndarray:
             nonlocal back
-            ids, back = takes.settle_taking(parts, acknowledge, give_back, acknowledge_first)
+            ids, back = settle_taking(parts, acknowledge, give_back, acknowledge_first)
             return ids
 
         self._log_taken(log, settle)
@@ -194,7 +196,7 @@ class LoggedTable(LoggedChanges, Table):
         """Replay a logged take: the rows ``ids`` (still present) leave the queue for good.
         Returns how many left now (rows gone already are ignored: replay is idempotent)."""
         with self._lock:
-            retired = takes.retire(self._parts, self.name, ids)
+            retired = retire_rows(self._parts, self.name, ids)
             self.changes.tick()
         return retired
 
