@@ -91,6 +91,7 @@ from replay_proto.codec import CodecError
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.chunked_request import read_chunked
 from replay_server.service.limits import ServiceLimits
+from replay_server.service.peer_log import peer_host
 from replay_server.service.status import (
     CLIENT_LOG,
     LimitExceededError,
@@ -376,7 +377,8 @@ class Admission:
         remaining = context.time_remaining()
         timeout = ADMISSION_WAIT_S if remaining is None else min(ADMISSION_WAIT_S, remaining)
         try:
-            await asyncio.wait_for(self.budget.wait(nbytes, purpose, reservation),
+            await asyncio.wait_for(self.budget.wait(nbytes, purpose, reservation,
+                                                    peer=peer_host(_peer(context))),
                                    max(0.0, timeout))
         except TimeoutError:
             await abort(context, refusal)
