@@ -145,6 +145,9 @@ class Admission:
         self._tickets: dict[int, _Ended] = {}  # id(context) -> its call, while it lasts
         self.on_call: Callable[[str], None] | None = None
         """Told the peer of every call admitted (the connection guard keeps its connection)."""
+        self.on_silent_end: Callable[[str], None] | None = None
+        """Told the peer of every call that ended before its first message arrived (a reset:
+        :mod:`~replay_server.service.reset_meter`)."""
 
     def unary(self, name: str, behaviour: UnaryBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving unary RPC ``name`` with ``behaviour(raw, context, reservation)``."""
@@ -232,6 +235,7 @@ class Admission:
             await abort(context, exc)
         if raw is grpc.aio.EOF:
             await abort(context, CodecError(f"{name}: the call carried no request"))
+        self._spoke(context)
         await self._check_size(name, raw, reservation, context)
         if not keep and len(raw) != reservation.nbytes:
             reservation.resize(len(raw), "")  # read: it holds exactly its request now
@@ -298,6 +302,7 @@ class Admission:
                                            self._silent(f"{name}: the first message"))
             except StopAsyncIteration:  # half-closed without a word: the behaviour sees that
                 first = None
+            self._spoke(context)
             async for message in behaviour(_after(first, incoming), context, reservation):
                 yield message
 
@@ -336,6 +341,12 @@ class Admission:
         except LimitExceededError as exc:
             await abort(context, exc)
         return reservation
+
+    def _spoke(self, context: grpc.aio.ServicerContext) -> None:
+        """The call of ``context`` sent its first message (or half-closed): it was no reset."""
+        ticket = self._tickets.get(id(context))
+        if ticket is not None:
+            ticket.spoke = True
 
     def start_waiting(self, context: grpc.aio.ServicerContext) -> None:
         """The call of ``context`` is about to wait: it moves to the waiting pool (no-op if
@@ -406,7 +417,7 @@ class Admission:
 class _Ended:
     """A call's done-callback: it is no longer in flight (or waiting), and its memory is free."""
 
-    __slots__ = ("_admission", "reservation", "waiting", "_key", "_stream")
+    __slots__ = ("_admission", "reservation", "waiting", "_key", "_stream", "spoke")
 
     def __init__(self, admission: Admission, waiting: bool, key: int,
                  stream: bool = False) -> None:
@@ -415,9 +426,12 @@ class _Ended:
         self.waiting = waiting
         self._key = key
         self._stream = stream
+        self.spoke = False
 
-    def __call__(self, _context: object) -> None:
+    def __call__(self, context: grpc.aio.ServicerContext) -> None:
         admission = self._admission
+        if not self.spoke and admission.on_silent_end is not None:
+            admission.on_silent_end(_peer(context))
         admission.streams -= self._stream
         if self.waiting:
             admission.waiting -= 1
