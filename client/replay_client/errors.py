@@ -56,8 +56,8 @@ class EmptyTableError(FailedPreconditionError):
 
 class StreamEndedError(FailedPreconditionError, _feed_stream.StreamEndedError):
     """``stream.ack()`` after the stream ended holding a queue batch not finished: that
-    batch went back to the queue, unacknowledged (leaving a ``for`` loop ends a stream:
-    ack inside the loop, before ``break``)."""
+    batch went back to the queue, unacknowledged (ack before ``close()``, and within
+    ``replay_feed.stream.LATE_ACK_S`` of leaving a ``for`` loop holding the batch)."""
 
 
 class NoPrioritiesError(FailedPreconditionError):

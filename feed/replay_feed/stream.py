@@ -27,6 +27,10 @@ log = logging.getLogger("replay.feed")
 EXIT_CLOSE_S = 2.0
 """How long the exit hook waits for each open stream's thread to end."""
 
+LATE_ACK_S = 5.0
+"""How long a stream left (``break``) holding a leased batch not finished waits for a
+late :meth:`BatchStream.ack` before it ends, giving that batch back."""
+
 _open: weakref.WeakSet[BatchStream] = weakref.WeakSet()
 _hook_lock = threading.Lock()
 _hooked = False
@@ -53,8 +57,8 @@ def _track(stream: BatchStream) -> None:
 
 class StreamEndedError(RuntimeError):
     """:meth:`BatchStream.ack` after the stream ended holding a leased batch not finished:
-    that batch went back to the queue when the stream ended (leaving a ``for`` loop ends
-    it), so it was not acknowledged and will be handed out again."""
+    that batch went back to the queue when the stream ended (closed, broken, or left
+    :data:`LATE_ACK_S` earlier), so it was not acknowledged and will be handed out again."""
 
 
 class BatchStream:
@@ -82,6 +86,9 @@ class BatchStream:
         self._thread = threading.Thread(
             target=_produce, args=(core, source), name=f"replay-stream-{name}", daemon=True)
         self._closed = False
+        self._left = False  # a for loop over it was left holding a leased batch (see _leave)
+        self._close_lock = threading.Lock()
+        self._late_ack: threading.Timer | None = None
         _track(self)
         self._thread.start()
 
@@ -113,11 +120,26 @@ class BatchStream:
         except StopIteration:
             return
         finally:
+            self._leave()
+
+    def _leave(self) -> None:
+        """A ``for`` loop over the stream ended: the stream ends, unless it holds a leased
+        batch not finished. Then it ends :data:`LATE_ACK_S` later (or at :meth:`close`),
+        so that the ``ack()`` a learner writes after ``break`` still acknowledges that
+        batch; it hands out nothing more meanwhile."""
+        if self._closed or self._left:
+            return
+        if not (self._core.holds_unfinished() and getattr(self._source, "leased", False)):
             self.close()
+            return
+        self._left = True
+        timer = self._late_ack = threading.Timer(LATE_ACK_S, _close_left, (weakref.ref(self),))
+        timer.daemon = True
+        timer.start()
 
     @runs_eagerly
     def __next__(self) -> Any:
-        if self._closed:
+        if self._closed or self._left:
             raise StopIteration
         try:
             batch = self._core.take()
@@ -165,8 +187,10 @@ class BatchStream:
         acknowledgement travels with the next message); a no-op when no
         batch is held or on other tables.
 
-        Leaving a ``for`` loop over the stream (``break``) ends the stream, so
-        call it inside the loop, before ``break``.
+        After leaving a ``for`` loop (``break``) holding a leased batch, the
+        stream waits :data:`LATE_ACK_S` for this call before it ends: an
+        ``ack()`` then acknowledges that batch and ends the stream (it hands
+        out nothing more once the loop was left).
 
         Raises:
             StreamEndedError: (the entry's typed subclass) the stream had ended
@@ -175,20 +199,25 @@ class BatchStream:
         """
         if not self._closed:
             self._core.ack()
+            if self._left:
+                self.close()  # the learner is done with it: the acknowledgement goes now
         elif self._gave_back:
             raise self._ended_error(
                 f"stream {self._name}: ack() after the stream ended: the batch it held was "
                 f"not finished then and went back to the queue (it will be handed out again). "
-                f"Leaving a for loop over the stream (break) ends it: call stream.ack() inside "
-                f"the loop, before break, or before close()")
+                f"Call stream.ack() before close(), and within {LATE_ACK_S:g} s of leaving a "
+                f"for loop over the stream (a stream left holding a batch ends then)")
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the background work and release buffers; idempotent. On a queue table the
         batches not finished (prefetched, and the one held unless :meth:`ack` finished it)
         return to the queue."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._late_ack is not None:
+            self._late_ack.cancel()
         self._gave_back = self._core.holds_unfinished() and bool(
             getattr(self._source, "leased", False))
         _open.discard(self)
@@ -211,6 +240,15 @@ class BatchStream:
             self.close(timeout=2.0)
         except Exception:  # pragma: no cover - interpreter shutdown
             pass
+
+
+def _close_left(ref: weakref.ref[BatchStream]) -> None:
+    """A left stream's late ack did not come in time: it ends, giving its batches back."""
+    stream = ref()
+    if stream is not None and not stream._closed:
+        log.info("stream %s: left holding a batch not acknowledged within %g s: it ends, "
+                 "and the batch goes back to the queue", stream._name, LATE_ACK_S)
+        stream.close()
 
 
 def _produce(core: FeedCore, source: Source) -> None:

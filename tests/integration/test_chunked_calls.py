@@ -7,6 +7,7 @@ malformed chunk streams. Every row and tensor is compared exactly.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import grpc
@@ -14,9 +15,9 @@ import pytest
 import torch
 
 from replay_client import ReplayClient, errors
-from replay_proto import messages
+from replay_proto import messages, variable_codec
 from replay_proto.chunks import frame_chunks
-from replay_proto.codec import frame
+from replay_proto.codec import frame, split_payload
 from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import ServerProcess, module_server, wait_for
 
@@ -151,24 +152,74 @@ def good_parts(n: int = 200) -> list[bytes]:
     return frame_chunks(header, buffers, 900_000)
 
 
-@pytest.mark.parametrize("damage", ["header in a later message", "more than announced",
-                                    "ends early", "a message over what was declared"])
-def test_a_malformed_chunk_stream_is_refused_storing_nothing(channel, client, damage) -> None:
-    parts = good_parts()
-    declared = None
+def later(offset: int, payload: bytes, **fields) -> bytes:
+    """A later message of a transfer, said to start at ``offset`` of the payload."""
+    return frame(pb.InsertRequest(payload_offset=offset, **fields), [payload])
+
+
+def payload_of(part: bytes) -> bytes:
+    return bytes(split_payload(part, pb.InsertRequest)[1])
+
+
+def damaged(parts: list[bytes], damage: str) -> tuple[list[bytes], str]:
+    """``parts`` damaged as ``damage`` says, and what the refusal must say."""
+    start = pb.InsertRequest.FromString(parts[2]).payload_offset
+    total = pb.InsertRequest.FromString(parts[0]).payload_bytes
     if damage == "header in a later message":
-        parts[2] = frame(pb.InsertRequest(table="frames"), [b"\0" * 10])
-    elif damage == "more than announced":
-        parts.append(frame(pb.InsertRequest(), [b"\0" * 10]))
-    elif damage == "ends early":
-        parts = parts[:-1]
-    else:
-        declared = 1000
+        parts[2] = later(start, b"\0" * 10, table="frames")
+        return parts, "message 3 of a chunked transfer may carry only payload"
+    if damage == "more than announced":
+        return [*parts, later(total, b"\0" * 10)], "more payload than"
+    if damage == "ends early":
+        return parts[:-1], "ended after"
+    if damage == "reordered":
+        parts[1], parts[2] = parts[2], parts[1]
+        return parts, "message 2 of a chunked transfer says payload_offset = %d" % start
+    if damage == "duplicated":
+        return [*parts[:3], parts[2], *parts[3:]], "message 4 .* repeats or overlaps"
+    if damage == "missing":
+        return [*parts[:2], *parts[3:]], "message 3 .* leaves bytes %d-" % start
+    if damage == "overlapping":
+        parts[2] = later(start - 100, payload_of(parts[1])[-100:] + payload_of(parts[2]))
+        return parts, "message 3 .* repeats or overlaps"
+    if damage == "no offset (an old client)":
+        parts[1] = frame(pb.InsertRequest(), [payload_of(parts[1])])
+        return parts, "message 2 of a chunked transfer has no payload_offset"
+    return parts, "declared 1000"
+
+
+@pytest.mark.parametrize("damage", ["header in a later message", "more than announced",
+                                    "ends early", "a message over what was declared",
+                                    "reordered", "duplicated", "missing", "overlapping",
+                                    "no offset (an old client)"])
+def test_a_malformed_chunk_stream_is_refused_storing_nothing(channel, client, damage) -> None:
+    """Raw InsertChunks calls whose messages are damaged, reordered, repeated or lost: each
+    is refused naming the message at fault, and the table is as it was (the offsets make
+    the order checked: before them a reordered stream was stored, its rows scrambled)."""
+    parts, says = damaged(good_parts(), damage)
+    declared = 1000 if damage == "a message over what was declared" else None
     before = client.info()["frames"]
     error = rpc_error(lambda: chunked_call(channel, parts, declared))
     assert isinstance(error, errors.MalformedRequestError), error
+    assert re.search(says, str(error)), error
     after = client.info()["frames"]
     assert (after.size, after.counters["inserted"]) == (before.size, before.counters["inserted"])
+    assert wait_for(lambda: client.server_info().limits["memory_in_use_bytes"] == 0)
+
+
+def test_a_reordered_chunked_publish_is_refused_keeping_the_variable(channel, client) -> None:
+    state = {"w": torch.arange(800_000, dtype=torch.float32)}  # 3.2 MB: four messages
+    version = client.publish("ordered", state)
+    header, buffers = variable_codec.publish_parts("ordered", {"w": -state["w"]})
+    parts = frame_chunks(header, buffers, 900_000)
+    parts[1], parts[2] = parts[2], parts[1]
+    publish = channel.stream_unary("/replay.v1.ReplayService/PublishChunks")
+    error = rpc_error(lambda: publish(iter(parts), timeout=30, metadata=(
+        ("replay-request-bytes", str(max(map(len, parts)))),)))
+    assert isinstance(error, errors.MalformedRequestError), error
+    assert "message 2 of a chunked transfer" in str(error)
+    fetched = client.fetch("ordered")
+    assert fetched.version == version and torch.equal(fetched["w"], state["w"])
 
 
 def test_a_chunked_insert_larger_than_the_budget_is_refused_naming_it(client) -> None:

@@ -243,10 +243,10 @@ def test_a_chunked_upload_that_trickles_loses_its_reservation_at_its_pace_deadli
         yield pb.InsertRequest(table="frames", columns=[spec],
                                payload_bytes=STALLED_BYTES).SerializeToString()
         started.set()
-        for _ in range(120):  # bounded: two minutes at most
+        for sent in range(120):  # bounded: two minutes at most
             if stop.wait(STALL_TIMEOUT_S / 2):
                 return
-            yield pb.InsertRequest(payload=b"\0").SerializeToString()
+            yield pb.InsertRequest(payload_offset=sent, payload=b"\0").SerializeToString()
 
     def trickler() -> None:
         with grpc.insecure_channel(stall_server.address) as channel:

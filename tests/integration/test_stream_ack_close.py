@@ -1,9 +1,13 @@
 """``stream.ack()`` and ending a stream on a queue table (issue 34, item 5): real server, real clients.
 
-An acknowledged batch never comes back, however the stream then ends; a batch
-acknowledged too late (after leaving a ``for`` loop, which ends the stream and
-gives back the batch held) is said so with ``StreamEndedError`` instead of being
-handed out again in silence, as it was 9 times of 9.
+An acknowledged batch never comes back, however the stream then ends. A
+learner that leaves a ``for`` loop (``break``) and then acknowledges, as
+``ack()`` then ``close()`` reads, keeps the batch: the stream left holding it
+waits ``LATE_ACK_S`` for that ack (before, leaving the loop ended the stream
+and gave the batch back, and the ack that followed was lost: the batch was
+handed out again 9 times of 9). An ack that comes after the stream really
+ended (closed, or left and not acknowledged in time) cannot be kept: it raises
+``StreamEndedError`` instead of being lost in silence.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import pytest
 import torch
 from replay_client import ReplayClient, errors
 
+from replay_feed.stream import LATE_ACK_S
 from tests.conftest import ServerProcess, start_server, wait_for
 
 BATCH = 10
@@ -75,16 +80,44 @@ def test_ack_inside_the_loop_before_break_keeps_the_batch(client):
     assert sorted(got + rest) == list(range(ROWS))
 
 
-def test_ack_after_leaving_the_loop_is_refused_not_lost(client):
+@pytest.mark.parametrize("shared_memory", [False, True], ids=["grpc", "shared_memory"])
+def test_ack_after_leaving_the_loop_keeps_the_batch(client, shared_memory):
+    stream = client.stream("queue", BATCH, prefetch=4, shared_memory=shared_memory,
+                           batches_per_message=1)
+    got: list[int] = []
+    for batch in stream:
+        got += batch.data["x"].tolist()
+        if len(got) == 2 * BATCH:
+            break  # the learner leaves the loop, then acknowledges: ack() then close()
+    assert list(stream) == []  # a left stream hands out nothing more
+    stream.ack()
+    stream.close()
+    rest = _rest(client, ROWS - 2 * BATCH)
+    assert not set(rest) & set(got), "an acknowledged row was handed out again"
+    assert sorted(got + rest) == list(range(ROWS))
+
+
+def test_a_left_stream_not_acknowledged_in_time_gives_its_batch_back_and_says_so(client):
     stream = client.stream("queue", BATCH, prefetch=4)
     for batch in stream:
         held = batch.data["x"].tolist()
-        break  # leaving the loop ends the stream: the batch held goes back
+        break
+    # The batch held and those prefetched come back once LATE_ACK_S has passed.
+    assert wait_for(lambda: client.info()["queue"].size == ROWS, timeout=LATE_ACK_S + 30)
     with pytest.raises(errors.StreamEndedError, match="ack\\(\\) after the stream ended"):
         stream.ack()
     stream.close()
     rest = _rest(client, ROWS)
     assert rest[:BATCH] == held  # handed out again, as the error said
+
+
+def test_ack_after_close_holding_a_batch_is_refused_not_lost(client):
+    stream = client.stream("queue", BATCH, prefetch=4)
+    held = next(stream).data["x"].tolist()
+    stream.close()
+    with pytest.raises(errors.StreamEndedError, match="before close\\(\\)"):
+        stream.ack()
+    assert _rest(client, ROWS)[:BATCH] == held
 
 
 def test_ack_after_close_without_a_batch_held_or_on_other_tables_is_a_no_op(client):

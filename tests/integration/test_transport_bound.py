@@ -137,20 +137,22 @@ def unary_lie(size: int) -> Callable[[grpc.Channel], None]:
 def chunked_lie(kind: str) -> Callable[[grpc.Channel], None]:
     """InsertChunks calls that lie: more payload than announced, messages over what the
     call declared, or chunks pushed while the server waits for room in its budget."""
-    chunk = pb.InsertRequest(payload=b"\0" * CHUNK).SerializeToString()
+    def chunk(number: int) -> bytes:  # the number-th later message, in its place
+        return pb.InsertRequest(payload_offset=number * CHUNK,
+                                payload=b"\0" * CHUNK).SerializeToString()
 
     def messages() -> Iterator[bytes]:
         if kind == "push":  # a request the budget cannot hold now: chunks pushed meanwhile
             spec = pb.TensorSpec(key="pixels", dtype="uint8", shape=[60, 1_000_000])
             yield pb.InsertRequest(table="frames", columns=[spec],
                                    payload_bytes=60_000_000).SerializeToString()
-            for _ in range(15):
-                yield chunk
+            for number in range(15):
+                yield chunk(number)
             return
         yield pb.InsertRequest(table="frames", columns=[FRAMES],
                                payload_bytes=3_000_000).SerializeToString()
-        for _ in range(12):  # 48 MB against the 3 MB announced
-            yield chunk if kind == "overflow" else b"\0" * CHUNK
+        for number in range(12):  # 48 MB against the 3 MB announced
+            yield chunk(number) if kind == "overflow" else b"\0" * CHUNK
 
     def attack(channel: grpc.Channel) -> None:
         declared = 100 if kind == "undeclared" else CHUNK + 1024

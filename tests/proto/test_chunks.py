@@ -34,6 +34,15 @@ def encode_fetch(name: str, version: int, tensors: dict[str, torch.Tensor]) -> b
     return frame(pb.FetchResponse(found=True, name=name, version=version, tensors=specs), buffers)
 
 
+def later(offset: int, payload: bytes, **fields) -> bytes:
+    """A later message of a transfer: ``payload`` said to start at ``offset``."""
+    return frame(pb.InsertRequest(payload_offset=offset, **fields), [payload])
+
+
+def total(parts: list[bytes]) -> int:
+    return pb.InsertRequest.FromString(parts[0]).payload_bytes
+
+
 def reassembled(parts: list[bytes], message_type: type) -> bytes:
     transfer = Reassembly(parts[0], message_type)
     for part in parts[1:]:
@@ -95,7 +104,7 @@ def test_a_later_message_with_header_fields_is_malformed() -> None:
     parts = frame_chunks(header, buffers, 5000)
     transfer = Reassembly(parts[0], pb.InsertRequest)
     with pytest.raises(CodecError, match="only payload"):
-        transfer.add(frame(pb.InsertRequest(table="other"), [b"x"]))
+        transfer.add(later(transfer.received, b"x", table="other"))
 
 
 def test_more_payload_than_announced_is_malformed() -> None:
@@ -105,9 +114,9 @@ def test_more_payload_than_announced_is_malformed() -> None:
     for part in parts[1:]:
         transfer.add(part)
     with pytest.raises(CodecError, match="more payload than"):
-        transfer.add(frame(pb.InsertRequest(), [b"x"]))
+        transfer.add(later(total(parts), b"x"))
     with pytest.raises(CodecError, match="payload_bytes"):
-        payload_parts([*parts, frame(pb.InsertRequest(), [b"x"])], pb.InsertRequest)
+        payload_parts([*parts, later(total(parts), b"x")], pb.InsertRequest)
 
 
 def test_a_transfer_that_ends_early_is_malformed() -> None:
@@ -152,3 +161,55 @@ def test_released_transfers_hold_no_buffer() -> None:
 def test_chunk_bytes_leave_room_for_the_header() -> None:
     assert chunk_bytes(4 << 20) == (4 << 20) - 64 * 1024
     assert chunk_bytes(1) == 1
+
+
+def chunked_columns() -> list[bytes]:
+    header, buffers = messages.insert_parts("replay", columns(40))
+    return frame_chunks(header, buffers, 5000)
+
+
+def offset(part: bytes) -> int:
+    return pb.InsertRequest.FromString(part).payload_offset
+
+
+def test_every_later_message_says_where_its_payload_starts() -> None:
+    parts = chunked_columns()
+    received = len(split_payload(parts[0], pb.InsertRequest)[1])
+    for part in parts[1:]:
+        assert offset(part) == received
+        received += len(split_payload(part, pb.InsertRequest)[1])
+    assert received == total(parts)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("reordered", "message 2 .* leaves bytes"),
+    ("duplicated", "message 3 .* repeats or overlaps"),
+    ("missing", "message 2 .* leaves bytes"),
+    ("overlapping", "message 3 .* repeats or overlaps"),
+    ("no offset", "message 2 .* has no payload_offset"),
+])
+def test_a_message_out_of_place_is_refused_naming_it(damage: str, says: str) -> None:
+    parts = chunked_columns()
+    if damage == "reordered":
+        parts[1], parts[2] = parts[2], parts[1]
+    elif damage == "duplicated":
+        parts.insert(2, parts[1])
+    elif damage == "missing":
+        del parts[1]
+    elif damage == "overlapping":
+        start = offset(parts[2])
+        parts[2] = later(start - 10, b"\0" * 10 + bytes(split_payload(parts[2], pb.InsertRequest)[1]))
+    else:
+        parts[1] = frame(pb.InsertRequest(), [split_payload(parts[1], pb.InsertRequest)[1]])
+    with pytest.raises(CodecError, match=says):
+        reassembled(parts, pb.InsertRequest)
+    with pytest.raises(CodecError, match=says):
+        payload_parts(parts, pb.InsertRequest)
+
+
+def test_a_first_message_that_does_not_start_at_zero_is_refused() -> None:
+    parts = chunked_columns()
+    moved = pb.InsertRequest.FromString(parts[0])
+    moved.payload_offset = 7
+    with pytest.raises(CodecError, match="payload_offset = 7"):
+        Reassembly(moved.SerializeToString(), pb.InsertRequest)

@@ -50,13 +50,17 @@ class LinkProxy:
         target: ``host:port`` to forward to.
         delay_s: one-way delay added in each direction (the round trip grows by twice it).
         bandwidth: bytes per second each direction may carry (``None``: no cap).
+        source: the loopback address its connections to ``target`` come from (e.g.
+            ``"127.0.0.3"``: the server sees another client host); ``None``: the system's.
     """
 
-    def __init__(self, target: str, *, delay_s: float = 0.0, bandwidth: float | None = None) -> None:
+    def __init__(self, target: str, *, delay_s: float = 0.0, bandwidth: float | None = None,
+                 source: str | None = None) -> None:
         host, _, port = target.rpartition(":")
         self._target = (host.strip("[]"), int(port))
         self.delay_s = delay_s
         self.bandwidth = bandwidth
+        self._source = None if source is None else (source, 0)
         self.stats = ProxyStats()
         self._loop = asyncio.new_event_loop()
         self._flowing: asyncio.Event | None = None
@@ -136,7 +140,8 @@ class LinkProxy:
     async def _accept(self, client_reader: asyncio.StreamReader,
                       client_writer: asyncio.StreamWriter) -> None:
         try:
-            server_reader, server_writer = await asyncio.open_connection(*self._target)
+            server_reader, server_writer = await asyncio.open_connection(
+                *self._target, local_addr=self._source)
         except OSError:
             client_writer.transport.abort()
             return

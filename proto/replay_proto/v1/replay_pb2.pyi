@@ -18,18 +18,20 @@ class TensorSpec(_message.Message):
     def __init__(self, key: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class InsertRequest(_message.Message):
-    __slots__ = ("table", "columns", "has_priorities", "payload_bytes", "payload")
+    __slots__ = ("table", "columns", "has_priorities", "payload_offset", "payload_bytes", "payload")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
     HAS_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     table: str
     columns: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     has_priorities: bool
+    payload_offset: int
     payload_bytes: int
     payload: bytes
-    def __init__(self, table: _Optional[str] = ..., columns: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., has_priorities: _Optional[bool] = ..., payload_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., columns: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., has_priorities: _Optional[bool] = ..., payload_offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class InsertResponse(_message.Message):
     __slots__ = ("first_id", "count")
@@ -491,16 +493,18 @@ class CheckpointResponse(_message.Message):
     def __init__(self, path: _Optional[str] = ..., sequence: _Optional[int] = ..., created: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., table_rows: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("name", "tensors", "payload_bytes", "payload")
+    __slots__ = ("name", "tensors", "payload_offset", "payload_bytes", "payload")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     name: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    payload_offset: int
     payload_bytes: int
     payload: bytes
-    def __init__(self, name: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ("version", "bytes")
@@ -521,20 +525,22 @@ class FetchRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., newer_than: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class FetchResponse(_message.Message):
-    __slots__ = ("found", "name", "version", "tensors", "payload_bytes", "payload")
+    __slots__ = ("found", "name", "version", "tensors", "payload_offset", "payload_bytes", "payload")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_OFFSET_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     found: bool
     name: str
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    payload_offset: int
     payload_bytes: int
     payload: bytes
-    def __init__(self, found: _Optional[bool] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, found: _Optional[bool] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class UpdateStreamRequest(_message.Message):
     __slots__ = ("sequence", "update_priorities")

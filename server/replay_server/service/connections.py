@@ -187,6 +187,7 @@ class ConnectionGuard:
         self._on_full = on_full
         self._lock = threading.Lock()
         self._called: set[tuple[str, int]] = set()
+        self._cuts: set[tuple[str, int]] = set()  # peers to close at the next sweep
         self._connections: dict[int, _Connection] = {}  # socket inode -> connection
         self._other: set[int] = set()  # inodes of sockets that are not the port's connections
         self._stop = threading.Event()
@@ -207,6 +208,14 @@ class ConnectionGuard:
         if address is not None:
             with self._lock:
                 self._called.add(address)
+
+    def cut(self, peer: str) -> None:
+        """Close the connection of gRPC peer ``peer`` at the next sweep (soon: a cut wakes
+        the guard), whatever it did (it abused HTTP/2: see ``reset_meter``). Any thread."""
+        address = peer_address(peer)
+        if address is not None:
+            with self._lock:
+                self._cuts.add(address)
 
     def start(self) -> None:
         """Sweep on a daemon thread until :meth:`stop`."""
@@ -234,7 +243,7 @@ class ConnectionGuard:
         swept_with = 0  # descriptors open at the last sweep
         while not self._stop.wait(CHECK_S):
             now = time.monotonic()
-            if not (_descriptor_count() > swept_with or now >= next_sweep):
+            if not (_descriptor_count() > swept_with or now >= next_sweep or self._cuts):
                 continue
             try:
                 busy = bool(self.sweep() or self._spared)
@@ -290,6 +299,9 @@ class ConnectionGuard:
         """
         with self._lock:
             called = set(self._called)
+            cuts, self._cuts = self._cuts, set()
+        abusers = [inode for inode, c in self._connections.items()
+                   if c.peer in cuts and not c.shut]
         self._spared = 0  # over a cap, but young: looked at again soon
         pressed = len(self._connections) >= PRESSURE * self.max_connections
         doomed: list[int] = []
@@ -315,6 +327,7 @@ class ConnectionGuard:
                 doomed.append(inode)
             else:
                 self._spared += 1
+        doomed += abusers
         return doomed + self._shed(called, set(doomed))
 
     def _shed(self, called: set[tuple[str, int]], doomed: set[int]) -> list[int]:

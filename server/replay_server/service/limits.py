@@ -40,6 +40,9 @@ options, and describes them for ``info`` and the start-up log.
   its calls held (a stream's leased rows) within their sum, not after TCP's
   retransmissions give up (~15 min). Clients may ping as often as every
   :func:`client_ping_floor_s` (faster: GOAWAY ``too_many_pings``).
+* ``max_call_resets_per_s``: calls one connection may end before their first
+  message (HTTP/2 rapid reset: HEADERS then RST_STREAM) within a second;
+  past it the connection is cut (:mod:`~replay_server.service.reset_meter`).
 * ``max_batch_mb``: the largest batch (or group) one draw may take.
 * ``shared_memory_mb``: /dev/shm all same-host rings together may take.
 """
@@ -64,7 +67,7 @@ DEFAULTS: dict[str, Any] = {  # ints where the setting is a count or MiB, floats
     "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
     "max_waiting_calls": 1024, "max_streams": 128, "default_wait_s": 300.0,
     "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0,
-    "request_timeout_s": 5.0}
+    "request_timeout_s": 5.0, "max_call_resets_per_s": 200.0}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
 
 WINDOW_BYTES = 64 << 10
@@ -135,6 +138,10 @@ def check_limits(settings: Any) -> None:
     if not is_real(wait) or not 0 < wait < math.inf:
         raise ConfigError(f"server.default_wait_s must be a number of seconds > 0, got {wait!r}")
     _seconds("server.request_timeout_s", settings.request_timeout_s, 0.1, 3_600.0)
+    rate = settings.max_call_resets_per_s
+    if not is_real(rate) or not 1 <= rate <= 1e6:
+        raise ConfigError(f"server.max_call_resets_per_s must be a number of calls per second "
+                          f"in [1, 1e6], got {rate!r}")
     answer = settings.response_timeout_s
     if not is_real(answer) or not 0 < answer < math.inf:
         raise ConfigError(
@@ -186,6 +193,7 @@ class ServiceLimits:
     keepalive_s: float = DEFAULTS["keepalive_s"]
     keepalive_timeout_s: float = DEFAULTS["keepalive_timeout_s"]
     request_timeout_s: float = DEFAULTS["request_timeout_s"]
+    max_call_resets_per_s: float = DEFAULTS["max_call_resets_per_s"]
 
     @classmethod
     def of(cls, settings: Any) -> ServiceLimits:
@@ -209,6 +217,7 @@ class ServiceLimits:
             keepalive_s=float(settings.keepalive_s),
             keepalive_timeout_s=float(settings.keepalive_timeout_s),
             request_timeout_s=float(settings.request_timeout_s),
+            max_call_resets_per_s=float(settings.max_call_resets_per_s),
         )
 
     @classmethod
@@ -360,4 +369,5 @@ class ServiceLimits:
             "default_wait_s": self.default_wait_s,
             "response_timeout_s": self.response_timeout_s,
             "request_timeout_s": self.request_timeout_s,
+            "max_call_resets_per_s": self.max_call_resets_per_s,
         }

@@ -78,6 +78,7 @@ from replay_server.service.batch_sink import (
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service import sinks
+from replay_server.service.peer_log import peer_host
 from replay_server.service.stream_leases import StreamLeases
 from replay_server.service.stream_requests import messages_until, parse_first, update_table
 from replay_server.service.status import (
@@ -362,7 +363,9 @@ class SampleStreamCall:
         budget = self._limits.budget
         owner = self._owner
         try:
-            return (await budget.wait(nbytes, purpose, owner=owner) if wait
+            return (await budget.wait(nbytes, purpose, owner=owner,
+                                      peer=peer_host(self._context.peer()),
+                                      bounded=False) if wait
                     else budget.reserve(nbytes, purpose, owner=owner))
         except OverloadedError:
             return None

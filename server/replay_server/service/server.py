@@ -44,10 +44,11 @@ from replay_server.service.limits import MIB, ServiceLimits
 from replay_server.service.credentials import server_credentials
 from replay_server.service.loop import loop_name
 from replay_server.service.metrics import MetricsSource, ServerMetrics
+from replay_server.service.reset_meter import ResetMeter
 from replay_server.service.servicer import SERVICE_NAME, ReplayServicer
 from replay_server.service import sinks
 from replay_server.service.settings import ServerSettings
-from replay_server.service.status import UnauthenticatedError, abort
+from replay_server.service.status import CLIENT_LOG, UnauthenticatedError, abort
 
 log = logging.getLogger("replay_server")
 
@@ -294,6 +295,17 @@ class ReplayServer:
             max_idle=limits.max_idle_connections, max_connections=limits.max_connections,
             on_full=on_full)
         self.admission.on_call = self.connections.called
+        meter = ResetMeter(limits.max_call_resets_per_s)
+
+        def on_silent_end(peer: str) -> None:  # on the event loop
+            if meter.ended_silent(peer):
+                CLIENT_LOG.log(peer, "resets", logging.WARNING, "%s ended more than "
+                               "server.max_call_resets_per_s = %g calls within a second before "
+                               "their first message (HTTP/2 rapid reset?): its connection is "
+                               "closed", peer, limits.max_call_resets_per_s)
+                guard.cut(peer)
+
+        self.admission.on_silent_end = on_silent_end
         guard = self.connections
         self._servicer.connection_figures = lambda: (guard.open, guard.closed)
         self.connections.start()

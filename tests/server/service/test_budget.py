@@ -96,3 +96,54 @@ def test_a_released_reservation_never_holds_bytes_again() -> None:
     with pytest.raises(OverloadedError, match="its call has ended"):
         asyncio.run(budget.wait(MIB, "a group", owner=call))
     assert budget.in_use == 0
+
+
+def test_room_goes_to_each_address_in_turn_however_many_calls_one_queues() -> None:
+    """Ten waiters of one address and one of another: the first room that frees goes to one
+    of each (before, every waiter raced for it and the crowded address took it all)."""
+
+    async def scenario() -> list[str]:
+        budget = MemoryBudget(100 * MIB, bulk_share=1.0)
+        held = budget.reserve(100 * MIB, "held")
+        granted: list[str] = []
+
+        async def waiter(peer: str, i: int) -> None:
+            await budget.wait(40 * MIB, f"{peer} {i}", peer=peer)
+            granted.append(peer)
+
+        tasks = [asyncio.ensure_future(waiter("ipv4:127.0.0.3", i)) for i in range(10)]
+        await asyncio.sleep(0)  # the crowd queues first
+        tasks.append(asyncio.ensure_future(waiter("ipv4:127.0.0.1", 0)))
+        await asyncio.sleep(0.05)
+        assert granted == []
+        held.release()  # room for two
+        while len(granted) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return granted
+
+    assert sorted(asyncio.run(scenario())) == ["ipv4:127.0.0.1", "ipv4:127.0.0.3"]
+
+
+def test_a_large_call_does_not_overtake_the_waiters_and_a_cancelled_waiter_leaves() -> None:
+    async def scenario() -> None:
+        budget = MemoryBudget(100 * MIB, bulk_share=1.0)
+        held = budget.reserve(90 * MIB, "held")
+        waiting = asyncio.ensure_future(budget.wait(30 * MIB, "waiting", peer="a"))
+        gone = asyncio.ensure_future(budget.wait(30 * MIB, "gone", peer="b"))
+        await asyncio.sleep(0.02)
+        held.resize(40 * MIB, "held")  # 60 MiB free: enough for both, not for a third
+        gone.cancel()
+        with pytest.raises(OverloadedError, match="wait for room"):
+            budget.reserve(5 * MIB, "a newcomer")  # the waiter is served first
+        small = budget.reserve(SMALL_BYTES, "a small call")  # small calls never wait
+        assert (await asyncio.wait_for(waiting, 5)).nbytes == 30 * MIB
+        await asyncio.gather(gone, return_exceptions=True)
+        assert budget.in_use == 70 * MIB + SMALL_BYTES and not budget._queued
+        assert budget.reserve(5 * MIB, "after the waiters").nbytes == 5 * MIB  # no one waits
+        small.release()
+
+    asyncio.run(scenario())
