@@ -49,10 +49,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check --quiet --select F,E9 .
 	$(BIN)/mypy
 
-# A test file is one unit of work for a worker; everything that starts a Ray cluster is one
-# unit (tests/conftest.py, pytest_collection_modifyitems).
+# A test file is one unit of work for a worker (--dist loadfile): a module's tests run in order
+# in one process, against the server its module fixture starts once.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)

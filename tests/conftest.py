@@ -308,22 +308,3 @@ def server_factory(tmp_path: Path) -> Iterator:
     for proc in started:
         proc.stop()
 
-
-def _work_unit(item: pytest.Item) -> str:
-    """The unit of work an item runs in under pytest-xdist (see below)."""
-    if "ray_cluster" in getattr(item, "fixturenames", ()) or "ray.md" in item.nodeid:
-        return "ray"
-    return item.nodeid.split("::", 1)[0]
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) a test file is one
-    unit of work, so a module's fixtures (the server it starts once) start in one worker only;
-    everything that starts a Ray cluster is one unit, so two clusters never run at once.
-    Runs before xdist's own hook, which reads these marks."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_work_unit(item)))

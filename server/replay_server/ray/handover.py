@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from replay_proto.keys import unflatten
 
 from replay_server.engine import TableSet
 
@@ -44,19 +45,8 @@ def hand_over(tables: TableSet, client: Any, chunk_rows: int = CHUNK_ROWS) -> di
         for start in range(0, positions.size, chunk_rows):
             rows = table.read_rows(positions=positions[start:start + chunk_rows],
                                    priorities=prioritized)
-            client.insert(table.config.name, _nested(rows.columns or {}),
+            client.insert(table.config.name, unflatten(rows.columns or {}),
                           priorities=rows.priorities if prioritized else None)
         moved[table.config.name] = int(positions.size)
     return moved
 
-
-def _nested(columns: dict[str, Any]) -> dict[str, Any]:
-    """Flat keys (``next.obs``) as the nested mapping an insert takes."""
-    nested: dict[str, Any] = {}
-    for key, value in columns.items():
-        *path, last = key.split(".")
-        level = nested
-        for part in path:
-            level = level.setdefault(part, {})
-        level[last] = value
-    return nested
