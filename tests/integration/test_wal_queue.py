@@ -13,11 +13,12 @@ from pathlib import Path
 
 import grpc
 import torch
-
-from replay_client import ReplayClient, errors
+from replay_client import ReplayClient
 from replay_proto.sample_codec import decode_sample
 from replay_proto.v1 import replay_pb2 as pb
+
 from tests.conftest import start_server
+from tests.integration.test_queue_delivery import drain
 
 
 def _config(directory: Path) -> str:
@@ -34,21 +35,6 @@ capacity = 10000
 sampler = "fifo"
 lease_timeout_s = 60
 """
-
-
-def _drain(client: ReplayClient) -> list[int]:
-    """Every row the queue hands out, one batch after another, then acknowledged."""
-    got: list[int] = []
-    batch = 10
-    while True:
-        try:
-            got += client.sample("queue", batch).data["x"].tolist()
-        except errors.EmptyTableError:
-            if batch == 1:
-                break
-            batch = 1
-    client.ack("queue")
-    return got
 
 
 def test_kill_9_redelivers_only_the_rows_never_acknowledged(tmp_path) -> None:
@@ -70,7 +56,7 @@ def test_kill_9_redelivers_only_the_rows_never_acknowledged(tmp_path) -> None:
     server = start_server(tmp_path, cfg, name="restarted")
     try:
         with ReplayClient(server.address, timeout=30) as d:
-            again = _drain(d)
+            again = drain(d, batch=10)
     finally:
         server.stop()
     assert acked_after == list(range(50, 65)) and leased_after == list(range(65, 75))
@@ -94,7 +80,7 @@ def test_a_take_without_a_lease_is_logged_when_drawn(tmp_path) -> None:
     try:
         with ReplayClient(server.address, timeout=30) as client:
             assert client.info()["queue"].size == 6
-            again = _drain(client)
+            again = drain(client, batch=10)
     finally:
         server.stop()
     assert taken == [0, 1, 2, 3] and again == [4, 5, 6, 7, 8, 9]
