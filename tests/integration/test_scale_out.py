@@ -103,8 +103,9 @@ def drawn(client: ShardedClient, table: str, batch_size: int, via: str) -> list:
                                     b.ids.clone(), b.weights.clone(), b.probabilities.clone())
            for b in stream]
     transports = "; ".join(stream.stats.notes)
-    if via == "grouped":  # as the plain stream: 8 per pass, a window of two passes
-        assert "8 merged batches per pass" in transports and stream.window == 16, transports
+    if via == "grouped":  # as the plain stream: 8 per pass, a window of (at least) two passes:
+        # a learner that starves on a loaded machine widens it further by itself (replay_feed.window)
+        assert "8 merged batches per pass" in transports and stream.window >= 16, transports
         return out
     assert transports.count("shared memory:") == 2, transports  # shards 0 and 1
     assert "shared_memory = false" in transports  # shard 2's note: gRPC
