@@ -52,7 +52,7 @@ lint: $(STAMP)
 # A test file is one unit of work for a worker (--dist loadfile): a module's tests run in order
 # in one process, against the server its module fixture starts once.
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -m slow $(PYTEST_ARGS)

@@ -30,6 +30,29 @@ os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
 
 START_TIMEOUT_S = 60
 
+# `make test` hands whole files to its workers (--dist loadfile, --no-loadscope-reorder), each
+# taking the next file in collection order when it finishes one. The files that take minutes
+# (few tests, each a cluster or a server's life) go first: left to the end, one of them kept a
+# worker busy for minutes after the other had run out of files. Within a group files keep
+# their order, and each file's tests stay together and in order.
+LONG_FILES_FIRST = (
+    "tests/server/ray/",
+    "tests/test_docs.py",
+    "tests/examples/",
+    "tests/integration/",
+    "tests/deploy/",
+    "tests/conformance/",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def group(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((rank for rank, prefix in enumerate(LONG_FILES_FIRST)
+                     if path.startswith(prefix)), len(LONG_FILES_FIRST))
+
+    items.sort(key=group)  # stable: the order within a group is pytest's
+
 
 @dataclass
 class ServerProcess:

@@ -69,8 +69,12 @@ def test_no_example_wipes_a_table_the_quickstart_filled(code):
 
 
 @pytest.mark.parametrize("code", PYTHON)
-def test_python_example_runs(code, address):
+def test_python_example_runs(code, address, monkeypatch):
     code = code.replace("localhost:50051", address)
+    # A doc's ray.init() starts a Ray of its own, as on a user's machine: without this it joins
+    # the newest cluster started here (Ray's /tmp/ray/ray_current_cluster), which can be a Ray
+    # test's in the other worker, and refuses the doc's num_cpus there.
+    monkeypatch.setenv("RAY_ADDRESS", "local")
     # dont_inherit: the example runs as a user's file would, without this module's
     # ``from __future__ import annotations`` (a dataclass in it needs real annotations)
     exec(compile(code, "<doc example>", "exec", dont_inherit=True),
