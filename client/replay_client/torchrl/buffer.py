@@ -381,30 +381,27 @@ class RemoteReplayBuffer:
         drawn_ids = batch.ids
         if self.slice_layout is not None:
             batch = self.slice_layout.steps(batch)
-        td = batch.to_tensordict(self.weight_key)
-        ids = td.get("index")
-        td.set(ID_KEY, ids)
-        td.set("index", self.positions(ids))
-        info_keys = ["index", ID_KEY]
-        if self._prioritized:
-            info_keys.append(self.weight_key)
-        if not self._prioritized:
-            del td[self.weight_key]  # TorchRL's uniform samplers give no weights
+        # Each TensorDict operation costs about as much as a leaf's copy: the batch becomes one
+        # once, the extras ride along through the slices' cut, and leave it in one exclude.
+        td = batch.to_tensordict(self.weight_key)  # "index" holds the ids until the info is made
         markers: dict[Any, torch.Tensor] = {}
         if self.slice_layout is not None:
             td, markers = self.slice_layout.flatten(td, drawn_ids)
+        ids = td.get("index")
+        info = {"index": self.positions(ids), ID_KEY: ids}
+        if self._prioritized:  # TorchRL's uniform samplers give no weights
+            info[self.weight_key] = td.get(self.weight_key)
+        info.update(markers)
+        td = td.exclude("index", self.weight_key)
         if self._episodes is not None:
             td = self._episodes.strip(td)
-        info = {key: td.get(key) for key in info_keys}
-        info.update(markers)
-        data = self._rows.restore(td.exclude(*info_keys))  # stored flags as stored
+        data = self._rows.restore(td)  # stored flags as stored
         if self._collate is not None:
             data = self._collate(data)
         data = self._transforms.forward(data)
         with_info = self.include_info if include_info is None else include_info
         if self._kind.name in (None, "tensordict") and with_info:
-            for key, value in info.items():
-                data.set(key, expand_right(value, data.batch_size))
+            data.update({key: expand_right(value, data.batch_size) for key, value in info.items()})
         out = self._kind.decode(data)
         if self.pin_memory and torch.cuda.is_available():
             out = out.pin_memory()
