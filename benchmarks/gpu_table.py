@@ -35,6 +35,7 @@ both sides, so an op's time includes its device work. Figures taken with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -82,22 +83,21 @@ def _ours(device: str, rows: int, seconds: float, stand_in: bool) -> dict:
     import torch
 
     from replay_server import Table, TableConfig
-    from replay_server.engine.storage.placement import activate_cpu_stand_in
+    from replay_server.engine.storage.placement import cpu_stand_in
 
-    if stand_in:
-        activate_cpu_stand_in()
-    table = Table(TableConfig(name="b", capacity=rows, sampler="prioritized", alpha=w.ALPHA,
-                              beta=w.BETA, seed=0, device="cuda" if stand_in else device))
-    for first in range(0, rows, FILL):
-        table.insert({k: torch.from_numpy(v) for k, v in w.make_rows(KIND, first, FILL).items()})
-    where = "cpu" if stand_in else device
+    with cpu_stand_in() if stand_in else contextlib.nullcontext():
+        table = Table(TableConfig(name="b", capacity=rows, sampler="prioritized", alpha=w.ALPHA,
+                                  beta=w.BETA, seed=0, device="cuda" if stand_in else device))
+        for first in range(0, rows, FILL):
+            table.insert({k: torch.from_numpy(v) for k, v in w.make_rows(KIND, first, FILL).items()})
+        where = "cpu" if stand_in else device
 
-    def op(i: int) -> None:
-        batch = table.sample(BATCH)
-        table.update_priorities(batch.ids, _priorities(i, where))
+        def op(i: int) -> None:
+            batch = table.sample(BATCH)
+            table.update_priorities(batch.ids, _priorities(i, where))
 
-    return {**_timed(op, where, seconds), "torch": torch.__version__,
-            "storage": type(table._parts.storage).__name__}
+        return {**_timed(op, where, seconds), "torch": torch.__version__,
+                "storage": type(table._parts.storage).__name__}
 
 
 def _torchrl(device: str, rows: int, seconds: float) -> dict:

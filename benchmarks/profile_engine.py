@@ -71,10 +71,11 @@ def atari_insert(capacity: int, calls: int) -> None:
     import service_workload as sw
 
     from replay_proto import messages
+    from replay_proto.codec import frame
     from replay_server import Table, TableConfig
 
     rows = {k: torch.from_numpy(v) for k, v in sw.make_rows("atari", 0, 256).items()}
-    raw = messages.encode_insert("atari", rows)
+    raw = frame(*messages.insert_parts("atari", rows))
     table = Table(TableConfig(name="atari", capacity=capacity, sampler="prioritized"))
     decode, insert = [], []
     for _ in range(calls):
@@ -85,7 +86,7 @@ def atari_insert(capacity: int, calls: int) -> None:
         decode.append(middle - start)
         insert.append(time.perf_counter() - middle)
         time.sleep(0.005)
-    print(f"encode (client, 7.2 MB)  {_median_us(lambda: messages.encode_insert('atari', rows), 20):9.1f} us")
+    print(f"encode (client, 7.2 MB)  {_median_us(lambda: frame(*messages.insert_parts('atari', rows)), 20):9.1f} us")
     print(f"decode (server)          {statistics.median(decode) * 1e6:9.1f} us")
     print(f"Table.insert             {statistics.median(insert) * 1e6:9.1f} us")
 

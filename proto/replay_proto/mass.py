@@ -12,6 +12,7 @@ shard's local probabilities into the probabilities of the union (see
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from replay_proto.v1 import replay_pb2 as pb
@@ -42,3 +43,12 @@ class SamplingMass:
 def uniform_mass(count: int) -> SamplingMass:
     """The mass of ``count`` units of mass 1 each (uniform and slice samplers)."""
     return SamplingMass(float(count), 1.0 if count else math.inf, int(count))
+
+
+def union_mass(masses: Iterable[SamplingMass]) -> SamplingMass:
+    """The mass of tables drawn from as one (a table's shards): totals and counts summed, the
+    smallest positive unit the least of theirs."""
+    masses = list(masses)
+    return SamplingMass(math.fsum(m.total for m in masses),
+                        min((m.min_positive for m in masses), default=math.inf),
+                        sum(m.count for m in masses))

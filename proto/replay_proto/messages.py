@@ -42,12 +42,6 @@ class InsertCall:
     priorities: torch.Tensor | None
 
 
-def encode_insert(
-    table: str, columns: Mapping[str, torch.Tensor], priorities: torch.Tensor | None = None
-) -> bytes:
-    return frame(*insert_parts(table, columns, priorities))
-
-
 def insert_parts(
     table: str, columns: Mapping[str, torch.Tensor], priorities: torch.Tensor | None = None
 ) -> tuple[pb.InsertRequest, list[memoryview]]:

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from replay_client import ReplayClient, errors
-from replay_proto import messages
 from replay_proto.codec import frame
 from replay_proto.error_kinds import ERROR_KIND_KEY
 from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import ServerProcess, module_server
+from tests.wire import encode_insert
 
 CONFIG = """
 [[tables]]
@@ -63,7 +63,7 @@ def assert_takes_a_good_insert(client: ReplayClient, table: str) -> None:
 def test_keys_colliding_as_paths_are_refused_whatever_sorts_between(server) -> None:
     client = ReplayClient(server.address)
     columns = {"a": torch.zeros(2), "a-b": torch.ones(2), "a.b": torch.full((2,), 2.0)}
-    error = raw_insert(server, messages.encode_insert("keys", columns))
+    error = raw_insert(server, encode_insert("keys", columns))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and kind(error) == "invalid_argument"
     assert "key 'a' is both a value and the parent of 'a.b'" in error.details()
     with pytest.raises(errors.InvalidArgumentError, match="both a value and the parent"):
@@ -81,7 +81,7 @@ def test_a_zero_size_or_absurd_row_shape_cannot_fix_the_schema(server) -> None:
     assert "key 'obs' cannot fix the table's schema" in error.details()
     assert "every dimension of a row must be an integer >= 1, got shape [0, 1099511627776]" \
         in error.details()
-    error = raw_insert(server, messages.encode_insert("shapes", {"x": torch.zeros(2, 0)}))
+    error = raw_insert(server, encode_insert("shapes", {"x": torch.zeros(2, 0)}))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "got shape [0]" in error.details()
     assert client.info()["shapes"].schema == {}
     assert_takes_a_good_insert(client, "shapes")

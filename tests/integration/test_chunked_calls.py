@@ -20,6 +20,7 @@ from replay_proto.chunks import frame_chunks
 from replay_proto.codec import frame, split_payload
 from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import ServerProcess, module_server, wait_for
+from tests.wire import encode_insert
 
 ROW = (64, 64, 4)  # uint8: 16 KiB per row
 WIDE_ROW = (1024, 1024, 2)  # uint8: 2 MiB per row, over the message limit
@@ -109,7 +110,7 @@ def test_a_variable_over_the_message_limit_is_published_and_fetched_exact(client
 
 def test_old_one_message_calls_under_the_limit_are_served(channel, client) -> None:
     insert = channel.unary_unary("/replay.v1.ReplayService/Insert")
-    raw = messages.encode_insert("frames", frames(1000, 10))
+    raw = encode_insert("frames", frames(1000, 10))
     ids = messages.decode_insert_response(insert(raw, timeout=30))
     assert ids.shape == (10,)
     sample = channel.unary_unary("/replay.v1.ReplayService/Sample")
@@ -129,7 +130,7 @@ def test_a_unary_sample_over_the_limit_is_refused_naming_the_chunked_call(channe
 def test_a_unary_insert_over_the_limit_is_refused_by_the_transport(channel, client) -> None:
     before = client.info()["frames"].counters["inserted"]
     insert = channel.unary_unary("/replay.v1.ReplayService/Insert")
-    error = rpc_error(lambda: insert(messages.encode_insert("frames", frames(0, 80)), timeout=30))
+    error = rpc_error(lambda: insert(encode_insert("frames", frames(0, 80)), timeout=30))
     assert isinstance(error, errors.MessageTooLargeError)
     assert client.info()["frames"].counters["inserted"] == before
 

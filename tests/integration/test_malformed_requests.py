@@ -32,6 +32,7 @@ from replay_proto.codec import frame
 from replay_proto.v1 import replay_pb2 as pb
 from replay_proto.v1 import replay_pb2_grpc
 from tests.conftest import ServerProcess, start_server
+from tests.wire import encode_insert
 
 SERVICE = "/replay.v1.ReplayService/"
 KIND_KEY = "replay-error-kind"
@@ -348,11 +349,11 @@ FUZZED_METHODS = ("Insert", "UpdatePriorities", "Sample")
 NEVER = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
 
 SEEDS: tuple[tuple[str, bytes], ...] = (
-    ("Insert", messages.encode_insert("u", {"obs": torch.arange(6.0).reshape(2, 3)})),
-    ("Insert", messages.encode_insert("p", {"obs": torch.ones(2, 3)}, torch.tensor([1.0, 2.0]))),
-    ("Insert", messages.encode_insert("open", {"a": torch.arange(3),
+    ("Insert", encode_insert("u", {"obs": torch.arange(6.0).reshape(2, 3)})),
+    ("Insert", encode_insert("p", {"obs": torch.ones(2, 3)}, torch.tensor([1.0, 2.0]))),
+    ("Insert", encode_insert("open", {"a": torch.arange(3),
                                                "b": torch.ones(3, 2).bool()})),
-    ("Insert", messages.encode_insert("slices", {"episode": torch.tensor([1, 1, 2]),
+    ("Insert", encode_insert("slices", {"episode": torch.tensor([1, 1, 2]),
                                                  "done": torch.tensor([False, True, False]),
                                                  "x": torch.ones(3, 2, dtype=torch.float16)})),
     ("UpdatePriorities", messages.encode_update("p", np.array([0, 1, 2]),
@@ -360,7 +361,7 @@ SEEDS: tuple[tuple[str, bytes], ...] = (
     ("Sample", pb.SampleRequest(table="u", batch_size=4).SerializeToString()),
     ("Sample", pb.SampleRequest(table="p", batch_size=4).SerializeToString()),
     ("Sample", pb.SampleRequest(table="slices", batch_size=2).SerializeToString()),
-    ("Insert", messages.encode_insert("limited", {"obs": torch.ones(2, 3)})),
+    ("Insert", encode_insert("limited", {"obs": torch.ones(2, 3)})),
     ("Sample", pb.SampleRequest(table="limited", batch_size=4).SerializeToString()),
     ("UpdatePriorities", messages.encode_update("limited", np.array([0, 1]),
                                                 np.array([2.0, 0.5]))),

@@ -21,8 +21,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from replay_client import ReplayClient, errors
-from replay_proto import messages
 from tests.conftest import ServerProcess, start_server, wait_for
+from tests.wire import encode_insert
 
 SERVICE = "replay.v1.ReplayService"
 CONFIG = """
@@ -153,7 +153,7 @@ def test_counters_move_by_exactly_the_load_scraped_while_it_runs(server) -> None
     assert delta(before, after, "grpc_server_msg_received_total", **updates) == 2 * ROUNDS
     assert delta(before, after, "grpc_server_msg_sent_total", **updates) == 2 * ROUNDS
     assert delta(before, after, "grpc_server_started_total", **rpc("UpdatePriorities")) == 0
-    insert_bytes = len(messages.encode_insert("replay", rows))
+    insert_bytes = len(encode_insert("replay", rows))
     assert delta(before, after, "replay_rpc_received_bytes_total", grpc_service=SERVICE,
                  grpc_method="Insert") == ROUNDS * insert_bytes
     assert delta(before, after, "replay_rpc_sent_bytes_total", grpc_service=SERVICE,

@@ -130,7 +130,7 @@ def one_table(sampler: SamplerKind, rows: dict[str, torch.Tensor],
               priorities: torch.Tensor | None) -> Table:
     """An in-process table holding every row of every shard (the reference)."""
     table = Table(TableConfig(name="all", capacity=2000, sampler=sampler, alpha=ALPHA, beta=BETA,
-                              slice_len=SLICE if sampler.is_slice else None, seed=1))
+                              slice_len=SLICE if sampler.traits.slices else None, seed=1))
     table.insert(rows, priorities)
     return table
 

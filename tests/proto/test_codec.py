@@ -24,6 +24,7 @@ from replay_proto.dtypes import DTYPES
 from replay_proto.keys import flatten, unflatten
 from replay_proto.sample_codec import decode_sample, encode_sample
 from replay_proto.v1 import replay_pb2 as pb
+from tests.wire import encode_insert
 
 PAYLOAD_TAG = bytes([(15 << 3) | 2])
 
@@ -102,7 +103,7 @@ def test_every_dtype_round_trips_bit_exactly(name: str) -> None:
 @pytest.mark.parametrize("name", list(DTYPES))
 def test_every_dtype_round_trips_through_an_insert_request(name: str) -> None:
     original = column(DTYPES[name], (4, 2), seed=1)
-    call = messages.decode_insert(messages.encode_insert("replay", {"x": original}))
+    call = messages.decode_insert(encode_insert("replay", {"x": original}))
     assert call.table == "replay"
     assert torch.equal(call.columns["x"], original)
 
@@ -131,7 +132,7 @@ def test_nested_keys_round_trip_as_flat_keys_and_back() -> None:
     nested = {"obs": {"pixels": column(torch.uint8, (2, 4, 4)),
                       "state": {"pos": column(torch.float32, (2, 3))}},
               "action": column(torch.int64, (2,))}
-    call = messages.decode_insert(messages.encode_insert("t", flatten(nested)))
+    call = messages.decode_insert(encode_insert("t", flatten(nested)))
     assert set(call.columns) == {"obs.pixels", "obs.state.pos", "action"}
     rebuilt = unflatten(call.columns)
     assert torch.equal(rebuilt["obs"]["state"]["pos"], nested["obs"]["state"]["pos"])
@@ -162,26 +163,26 @@ def test_zero_row_columns_decode_with_their_row_shape() -> None:
 
 
 def test_zero_row_insert_with_priorities_decodes_to_empty_priorities() -> None:
-    raw = messages.encode_insert("t", {"x": torch.empty(0)}, torch.empty(0))
+    raw = encode_insert("t", {"x": torch.empty(0)}, torch.empty(0))
     call = messages.decode_insert(raw)
     assert call.priorities is not None and call.priorities.shape == (0,)
 
 
 def test_insert_priorities_round_trip_as_float64() -> None:
     priorities = torch.tensor([0.5, 2.0, 0.0], dtype=torch.float32)
-    call = messages.decode_insert(messages.encode_insert("t", {"x": torch.zeros(3, 1)}, priorities))
+    call = messages.decode_insert(encode_insert("t", {"x": torch.zeros(3, 1)}, priorities))
     assert call.priorities is not None and call.priorities.dtype == torch.float64
     assert torch.equal(call.priorities, priorities.double())
 
 
 def test_insert_without_priorities_decodes_to_none() -> None:
-    call = messages.decode_insert(messages.encode_insert("t", {"x": torch.zeros(2)}))
+    call = messages.decode_insert(encode_insert("t", {"x": torch.zeros(2)}))
     assert call.priorities is None
 
 
 def test_an_encoded_insert_is_an_ordinary_protobuf_message() -> None:
     x, y = column(torch.float32, (2, 3)), column(torch.int64, (2,))
-    parsed = pb.InsertRequest.FromString(messages.encode_insert("t", {"x": x, "y": y}))
+    parsed = pb.InsertRequest.FromString(encode_insert("t", {"x": x, "y": y}))
     assert parsed.table == "t"
     assert [(c.key, c.dtype, list(c.shape)) for c in parsed.columns] == [
         ("x", "float32", [2, 3]), ("y", "int64", [2])]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -64,7 +65,7 @@ from replay_client.sharded.health import ShardStats, down_note
 from replay_client.sharded.merge import MassBook, merge, shares, split
 from replay_client.sharded.placement import RoundRobin, by_episode
 from replay_client.sharded.routing import by_owner, calling
-from replay_client.sharded.settings import checked_settings
+from replay_client.sharded.settings import ShardedSettings
 from replay_client.sharded.shard_set import ShardSet
 from replay_client.sharded.stream import open_stream
 from replay_client.sharded.table_rows import ShardedTableRows
@@ -78,7 +79,6 @@ from replay_feed.eager import runs_eagerly
 from replay_feed.options import StreamOptions
 from replay_feed.stream import BatchStream
 from replay_proto.batch import SampleBatch
-from replay_proto.id_layout import shard_of
 from replay_proto.keys import unflatten
 from replay_proto.mass import SamplingMass
 from replay_proto.rows import rows_of
@@ -91,7 +91,6 @@ DEFAULT_RESOLVE_INTERVAL_S = 30.0
 
 _MASS_CHECK_S = 1.0  # how long a stream's check of a shard's mass may take
 _EMPTY_WAIT_S = (0.01, 0.5)  # polling interval of a sample waiting for data on any shard
-_DEGRADED_RETRY_S = 0.5  # a shard client's retry window in degraded mode, unless given
 _RACES = 3  # splits a sample retries when a shard it drew from turned out empty
 
 
@@ -138,27 +137,23 @@ class ShardedClient(ShardedTableRows):
         if isinstance(address, (list, tuple)):
             address = list(address)
             addresses_of(address)  # bad lists fail here, before any connection
-        checked_settings(allow_degraded=allow_degraded, resolve_interval_s=resolve_interval_s,
-                         wait_for_shards_s=wait_for_shards_s, shard_deadline_s=shard_deadline_s)
-        self._wait_for_shards = wait_for_shards_s
-        self._shard_deadline = shard_deadline_s
-        self._factory = client
-        self._resolver = resolver
-        self._seed = seed
-        self._options = options
-        self._degraded = allow_degraded
-        self._interval = resolve_interval_s
-        shard_options = ({"max_retry_s": _DEGRADED_RETRY_S, **options} if allow_degraded
-                         else options)
+        self._start(ShardedSettings(address, client, resolver, seed, allow_degraded,
+                                    resolve_interval_s, wait_for_shards_s, shard_deadline_s,
+                                    options))
+
+    def _start(self, settings: ShardedSettings) -> None:
+        self._settings = settings
+        self._degraded = settings.allow_degraded
         self._masses = MassBook()
-        self._set = ShardSet(address, client, shard_options, resolver=resolver,
-                             degraded=allow_degraded, resolve_interval_s=resolve_interval_s,
+        self._set = ShardSet(settings.address, settings.client, settings.shard_options,
+                             resolver=settings.resolver, degraded=settings.allow_degraded,
+                             resolve_interval_s=settings.resolve_interval_s,
                              forget=lambda shard: self._masses.forget(shard=shard),
-                             wait_for_shards_s=wait_for_shards_s,
-                             shard_deadline_s=shard_deadline_s)
+                             wait_for_shards_s=settings.wait_for_shards_s,
+                             shard_deadline_s=settings.shard_deadline_s)
         self._health = self._set.health
         self._tables: dict[str, TableShape] = {}
-        self._rng = np.random.default_rng(seed)
+        self._rng = np.random.default_rng(settings.seed)
         self._rng_lock = threading.Lock()
         self._turns = RoundRobin()
 
@@ -171,7 +166,7 @@ class ShardedClient(ShardedTableRows):
 
     @property
     def timeout(self) -> float | None:
-        return self._options.get("timeout", 30.0)
+        return self._settings.options.get("timeout", 30.0)
 
     @property
     def shards(self) -> dict[int, str]:
@@ -179,20 +174,10 @@ class ShardedClient(ShardedTableRows):
         return self._set.addresses
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"address": self._set.spec, "resolver": self._resolver, "seed": self._seed,
-                "options": self._options, "client": self._factory,
-                "allow_degraded": self._degraded, "resolve_interval_s": self._interval,
-                "wait_for_shards_s": self._wait_for_shards,
-                "shard_deadline_s": self._shard_deadline}
+        return {"settings": replace(self._settings, address=self._set.spec)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["address"], client=state["client"],  # type: ignore[misc]
-                      resolver=state["resolver"], seed=state["seed"],
-                      allow_degraded=state["allow_degraded"],
-                      resolve_interval_s=state["resolve_interval_s"],
-                      wait_for_shards_s=state.get("wait_for_shards_s", 10.0),
-                      shard_deadline_s=state.get("shard_deadline_s", DEFAULT_SHARD_DEADLINE_S),
-                      **state["options"])
+        self._start(state["settings"])
 
     def close(self) -> None:
         """Send pending ``wait=False`` updates and close every shard's connection."""
@@ -454,15 +439,9 @@ class ShardedClient(ShardedTableRows):
         """
         id_array, values = (a.reshape(-1) for a in update_arrays(ids, priorities))  # slices whole
         clients = self._connect()
-        if self._degraded and (self._set.unidentified or self._set.absent):
-            # Some server has not answered yet, or an expected shard is missing: an id of
-            # no known shard may be one of its (skipped and counted, as a down shard's).
-            owners = shard_of(id_array)
-            known = ((np.isin(owners, list(clients)) & (id_array >= 0)) if self._set.unidentified
-                     else ~np.isin(owners, self._set.absent))
-            if not known.all():
-                self._health.count("skipped_updates", int((~known).sum()))
-                id_array, values = id_array[known], values[known]
+        sendable = self._set.sendable(id_array, clients)
+        if sendable is not None:
+            id_array, values = id_array[sendable], values[sendable]
         groups = self._set.owners(id_array, clients, "nothing was updated")
         live = set(self._live(clients))
         for shard in [s for s in groups if s not in live]:  # degraded: that shard is down

@@ -36,6 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 from replay_client.errors import DeadlineExceededError, ReplayError, UnavailableError
+from replay_proto.scalars import is_real
 from replay_proto.v1 import replay_pb2 as pb
 
 DEFAULT_SHARD_DEADLINE_S = 2.0
@@ -53,8 +54,7 @@ def check_deadline(value: Any) -> float:
     Raises:
         ValueError: anything else (the caller raises its typed error).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or (
-            value == float("inf")):
+    if not is_real(value) or not 0 < value < float("inf"):
         raise ValueError(f"shard_deadline_s must be a finite number of seconds > 0, got {value!r}")
     return float(value)
 

@@ -56,7 +56,7 @@ import torch
 
 from replay_client.errors import ShardingError
 from replay_proto.batch import SampleBatch
-from replay_proto.mass import SamplingMass
+from replay_proto.mass import SamplingMass, union_mass
 
 
 def checked_mass(shard: int, mass: SamplingMass) -> SamplingMass:
@@ -162,6 +162,16 @@ def merge(parts: Mapping[int, SampleBatch], q: Mapping[int, float],
     return merge_into(out, list(first.columns), pieces, q, fresh, beta, generator, missing)
 
 
+def _in_union(piece: SampleBatch, q_s: float, low: float, beta: float | None
+              ) -> list[torch.Tensor]:
+    """A piece's tensors as rows of the union: probabilities ``q_s * p_local`` and, where
+    prioritized, weights ``(min_P / P(i)) ** beta`` (``low``: ``min_P``)."""
+    prob = piece.probabilities.numpy().astype(np.float64) * q_s
+    weight = (torch.from_numpy(np.power(low / prob, beta).astype(np.float32))
+              if beta is not None else piece.weights)
+    return [*piece.columns.values(), piece.ids, weight, torch.from_numpy(prob)]
+
+
 def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
                q: Mapping[int, float], fresh: Mapping[int, SamplingMass], beta: float | None,
                generator: np.random.Generator, missing: tuple[int, ...] = (),
@@ -201,13 +211,7 @@ def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
     for shard in sorted(sizes):
         for piece in pieces[shard]:
             rows = piece.batch_size
-            if as_drawn:
-                sources = piece.tensors()
-            else:
-                prob = piece.probabilities.numpy().astype(np.float64) * q[shard]
-                weight = (torch.from_numpy(np.power(low / prob, beta).astype(np.float32))
-                          if beta is not None else piece.weights)
-                sources = [*piece.columns.values(), piece.ids, weight, torch.from_numpy(prob)]
+            sources = piece.tensors() if as_drawn else _in_union(piece, q[shard], low, beta)
             if order is None:
                 for dest, src in zip(out, sources):
                     if copy is not None and dest.device.type == "cpu":
@@ -221,8 +225,6 @@ def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
             start += rows
     return SampleBatch.from_flat(
         dict(zip(keys, out[:n])), out[n:],
-        SamplingMass(math.fsum(m.total for m in fresh.values()),
-                     min((m.min_positive for m in fresh.values()), default=math.inf),
-                     sum(m.count for m in fresh.values())),
+        union_mass(fresh.values()),
         missing_shards=missing,
     )

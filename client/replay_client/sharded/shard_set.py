@@ -331,6 +331,21 @@ class ShardSet:
                 return {s: np.flatnonzero(~gone)[rows] for s, rows in kept.items()}
         return by_owner(ids, clients, nothing_done)
 
+    def sendable(self, ids: Any, clients: Mapping[int, Any]) -> Any:
+        """In degraded mode, while some server has not answered yet or an expected shard is
+        missing, an id of no known shard may be one of its: the mask of ``ids`` that can be
+        sent, the others skipped and counted (``skipped_updates``, as a down shard's).
+        ``None``: every id can be sent."""
+        if not self._degraded or not (self.unidentified or self.absent):
+            return None
+        owners = shard_of(ids)
+        known = ((np.isin(owners, list(clients)) & (ids >= 0)) if self.unidentified
+                 else ~np.isin(owners, self.absent))
+        if known.all():
+            return None
+        self.health.count("skipped_updates", int((~known).sum()))
+        return known
+
     def _absent_of(self, clients: Mapping[int, Any],
                    resolution: Resolution | None) -> dict[int, str]:
         """Expected shards without a server (index -> why), newly absent ones marked down."""

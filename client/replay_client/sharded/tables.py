@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from replay_client.table_info import TableCapabilities, TableInfo
-from replay_proto.mass import SamplingMass
+from replay_proto.mass import union_mass
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +81,7 @@ def _add(a: Any, b: Any) -> Any:
             limiter[key] = limiter[key] or b.rate_limiter[key]
     mass = a.mass
     if a.mass is not None and b.mass is not None:
-        mass = SamplingMass(a.mass.total + b.mass.total,
-                            min(a.mass.min_positive, b.mass.min_positive),
-                            a.mass.count + b.mass.count)
+        mass = union_mass((a.mass, b.mass))
     return replace(
         a, capacity=a.capacity + b.capacity, size=a.size + b.size,
         pinned=a.pinned and b.pinned, storage_bytes=a.storage_bytes + b.storage_bytes,

@@ -66,7 +66,6 @@ from replay_client.torchrl.components import (
     row_priorities,
 )
 from replay_client.torchrl.data_kinds import DataKind
-from replay_client.torchrl.episodes import DEFAULT_END_KEYS, EpisodeColumn
 from replay_client.torchrl.positions import ID_KEY, as_index_array, split_index
 from replay_client.torchrl.row_shape import RowShape, expand_right
 from replay_client.torchrl.sampler_view import (
@@ -74,7 +73,6 @@ from replay_client.torchrl.sampler_view import (
     bind_to_table,
     register_with_torchrl,
 )
-from replay_client.torchrl.slices import INIT_KEY, TRUNCATED_KEY, SliceLayout
 from replay_client.torchrl.transforms import Transforms
 from replay_feed.eager import runs_eagerly
 from replay_proto.batch import SampleBatch
@@ -169,17 +167,7 @@ class RemoteReplayBuffer:
                 raise TableMismatchError("; ".join(problems))
         if caps.priorities and (request.alpha is not None or request.beta is not None):
             self.replay_client.set_sampling(table, alpha=request.alpha, beta=request.beta)
-        slices = request.slices
-        self.slice_layout = None if not caps.slices else SliceLayout(
-            info.slice_len or 1, slices.num_slices if slices else None,
-            slices.truncated_key if slices else TRUNCATED_KEY,
-            slices.init_key if slices else INIT_KEY,
-            partial=bool(caps.partial_slices or caps.span_left or caps.span_right),
-            pad_output=slices.pad_output if slices else False)
-        self._episodes = None if not caps.episodes else EpisodeColumn(
-            info.episode_key, slices.traj_key if slices else None,
-            slices.end_keys if slices else DEFAULT_END_KEYS,
-            find_traj_key=slices.find_traj_key if slices else True)
+        self.slice_layout, self._episodes = request.read_shape(info)
         self._tracker = EpisodeTracker()
         self._kind = DataKind()
         self._rows = RowShape(steps=caps.episodes)

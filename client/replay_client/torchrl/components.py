@@ -27,6 +27,8 @@ from replay_client.errors import (
     UnsupportedComponentError,
 )
 from replay_client.table_info import TableInfo
+from replay_client.torchrl.episodes import DEFAULT_END_KEYS, EpisodeColumn
+from replay_client.torchrl.slices import INIT_KEY, TRUNCATED_KEY, SliceLayout
 
 DEFAULT_CAPACITY = 1000
 """TorchRL's buffer without a storage gets ``ListStorage(max_size=1000)``."""
@@ -72,7 +74,7 @@ class SliceRequest:
     end_keys: tuple[str, ...]
     truncated_key: Any
     find_traj_key: bool = False
-    init_key: Any = "is_init"
+    init_key: Any = INIT_KEY
     strict_length: bool = True
     pad_output: bool = False
     span_left: bool | int = 0
@@ -124,6 +126,23 @@ class TableRequest:
                 if value is not None:
                     out[name] = float(value)
         return out
+
+    def read_shape(self, info: TableInfo) -> tuple[SliceLayout | None, EpisodeColumn | None]:
+        """How a buffer reads the table's samples: its slice layout (a slice table) and its
+        episode column (a table that keeps episodes), from its ``info`` and the slice
+        sampler asked for (TorchRL's defaults where none was)."""
+        caps, slices = info.capabilities, self.slices
+        layout = None if not caps.slices else SliceLayout(
+            info.slice_len or 1, slices.num_slices if slices else None,
+            slices.truncated_key if slices else TRUNCATED_KEY,
+            slices.init_key if slices else INIT_KEY,
+            partial=bool(caps.partial_slices or caps.span_left or caps.span_right),
+            pad_output=slices.pad_output if slices else False)
+        episodes = None if not caps.episodes else EpisodeColumn(
+            info.episode_key, slices.traj_key if slices else None,
+            slices.end_keys if slices else DEFAULT_END_KEYS,
+            find_traj_key=slices.find_traj_key if slices else True)
+        return layout, episodes
 
     def problems(self, info: TableInfo) -> list[str]:
         """What table ``info`` lacks for this request, each naming the config line to change."""
@@ -283,7 +302,7 @@ def _slice_request(sampler: Any, batch_size: int | None) -> SliceRequest:
     end_keys = getattr(sampler, "end_keys", None) or [
         getattr(sampler, "end_key", None) or ("next", "done")]
     traj_key = getattr(sampler, "traj_key", None)
-    truncated_key = getattr(sampler, "truncated_key", ("next", "truncated"))
+    truncated_key = getattr(sampler, "truncated_key", TRUNCATED_KEY)
     return SliceRequest(
         slice_len=slice_len, num_slices=num_slices,
         traj_key=None if traj_key is None else flat_key(traj_key),

@@ -134,11 +134,7 @@ def write_checkpoint(
             failed=tuple(failed),
             wal=wal,
         )
-        data = manifest.to_json()
-        current[0] = str(temp / MANIFEST)
-        write_file(temp, MANIFEST, np.frombuffer(data, dtype=np.uint8))
-        current[0] = str(temp / COMPLETE)
-        write_file(temp, COMPLETE, np.frombuffer(complete_marker(data), dtype=np.uint8))
+        data = _write_manifest(temp, manifest, current)
         current[0] = str(final)
         directory.commit(temp, final)
         temp = final  # removed again if it does not read back as written
@@ -166,6 +162,18 @@ def write_checkpoint(
         seconds=time.perf_counter() - start, tables={t.name: t.rows for t in entries},
         removed=removed, failed=tuple(failed),
     )
+
+
+def _write_manifest(temp: Path, manifest: Manifest, current: list[str]) -> bytes:
+    """Write ``manifest`` into ``temp``, then the marker that completes the checkpoint (the
+    manifest's digest: a checkpoint without it, or whose marker does not match, is never
+    loaded); the manifest's bytes. ``current[0]``: the file being written."""
+    data = manifest.to_json()
+    current[0] = str(temp / MANIFEST)
+    write_file(temp, MANIFEST, np.frombuffer(data, dtype=np.uint8))
+    current[0] = str(temp / COMPLETE)
+    write_file(temp, COMPLETE, np.frombuffer(complete_marker(data), dtype=np.uint8))
+    return data
 
 
 def _write_parts(directory: CheckpointDirectory, temp: Path, tables: Iterable[Table],

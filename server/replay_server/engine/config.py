@@ -78,10 +78,6 @@ class SamplerKind(RegisteredName):
     def is_prioritized(self) -> bool:
         return self.traits.priorities
 
-    @property
-    def is_slice(self) -> bool:
-        return self.traits.slices
-
 
 _GROUPS: tuple[tuple[str, str, type[LayerSpec]], ...] = (
     ("flow", "rate limiter", FlowControl),

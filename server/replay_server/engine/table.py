@@ -10,6 +10,7 @@ its sampler exactly once. It is also the only door: other modules and layers
 call its methods, never act on its parts. What it is handed is checked and
 converted once, before the lock (:mod:`~replay_server.engine.insert_rows`,
 :mod:`~replay_server.engine.priority_update`, :mod:`~replay_server.engine.inputs`);
+a sample's rows are drawn and read by :mod:`~replay_server.engine.draw`;
 its state is saved and loaded by :mod:`~replay_server.engine.table_state`, its
 memory promised by :mod:`~replay_server.engine.table_memory`; everything it
 mutates is one :class:`~replay_server.engine.table_parts.TableParts`.
@@ -43,6 +44,7 @@ import torch
 from replay_proto.batch import SampleBatch, batch_nbytes
 from replay_server.engine import draw_settings, row_access
 from replay_server.engine.change_clock import ChangeClock
+from replay_server.engine.draw import batch_of, draw
 from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import IncarnationSource
 from replay_server.engine.inputs import (
@@ -55,13 +57,11 @@ from replay_server.engine.inputs import (
 from replay_server.engine.insert_rows import InsertRows
 from replay_server.engine.memory import MemoryLedger
 from replay_server.engine.storage.placement import table_device
-from replay_proto.mass import SamplingMass
 from replay_server.engine.rate_limiter import RateLimiter
 from replay_server.engine.row_access import RowRead
 from replay_server.engine.insert_event import InsertEvent
 from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.priority_update import PriorityUpdate
-from replay_server.engine.samplers import Removal, SampleIndex
 from replay_server.engine.schema import Schema, schema_of
 from replay_server.engine.storage import ColumnStorage
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
@@ -74,7 +74,6 @@ from replay_server.engine.table_parts import (
 )
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
-    EmptyTableError,
     InsufficientMemoryError,
     InvalidArgumentError,
     InvalidPriorityError,
@@ -319,56 +318,16 @@ class Table:
             parts.settle_leases()
             held = parts.leases.held(lease.name, parts.ring) if lease and leased else None
             if held is not None:  # a retry of a sample whose answer was lost: the same rows
-                return parts.drawn_from.place(self._read(parts, held.index, held.mass, out), out)
+                return parts.drawn_from.place(batch_of(parts, held.index, held.mass, out), out)
             parts.limiter.check_sample(rows, self.name)
-            index, mass = self._draw(parts, batch_size, lease if leased else None)
+            index, mass = draw(parts, batch_size, lease if leased else None, self.name)
             parts.counters.sample_calls += 1
             parts.counters.sampled += batch_size
             parts.limiter.sampled(rows)
             self.changes.tick()
-            batch = self._read(parts, index, mass, out)
+            batch = batch_of(parts, index, mass, out)
             storage = parts.drawn_from
         return storage.place(batch, out)
-
-    def _draw(self, parts: TableParts, batch_size: int, lease: LeaseRequest | None
-              ) -> tuple[SampleIndex, SamplingMass | None]:
-        """Draw ``batch_size`` rows from the sampler, or through the remover where rows leave
-        when sampled (counting those retired), taken under ``lease`` if given; the draw and
-        the mass its probabilities are relative to. Under the lock.
-
-        Raises:
-            EmptyTableError: nothing can be drawn. RateLimitedError: the remover's rows are
-                all out on leases.
-        """
-        mass = parts.sampler.mass()
-        removals: list[Removal] = []
-        remover = parts.remover
-        try:
-            if remover is None:
-                index = parts.sampler.sample(batch_size, parts.generator)
-            else:
-                index, removals = remover.sample(parts.sampler, batch_size, parts.generator,
-                                                 self.name, can_wait=parts.limiter.enabled)
-        except EmptyTableError as exc:
-            raise EmptyTableError(f"table {self.name!r}: {exc}") from None
-        if remover is not None:
-            retired = sum(removal.positions.size for removal in removals)
-            parts.counters.retired += retired
-            parts.limiter.deleted(retired if remover.removes_rows else 0)
-        if lease is not None:
-            parts.leases.hold(lease, index, removals, mass)
-        return index, mass
-
-    @staticmethod
-    def _read(parts: TableParts, index: Any, mass: Any,
-              out: Mapping[str, torch.Tensor] | None) -> SampleBatch:
-        """The batch of a drawn ``index``, not yet placed (under the lock)."""
-        assert parts.storage is not None
-        columns = parts.top.read(index.ids, None, out, index.slots)
-        ids = parts.ids.ids_of(index.ids, parts.ring.first_live)
-        return SampleBatch.from_columns(columns, torch.from_numpy(ids),
-                                        torch.from_numpy(index.weights),
-                                        torch.from_numpy(index.probabilities), mass)
 
     def settle_leases(self, acknowledge: Iterable[str] = (), give_back: Iterable[str] = (),
                       acknowledge_first: tuple[str, int] | None = None) -> int:

@@ -37,6 +37,7 @@ from typing import Any
 import ray
 
 from replay_client import ReplayClient
+from replay_proto.scalars import is_int
 from replay_server.errors import ConfigError
 from replay_server.ray.registry import (
     MAX_SHARDS,
@@ -135,15 +136,7 @@ class ReplayCluster:
                 difference named).
             TimeoutError: the shards did not all serve within ``timeout_s``.
         """
-        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not (
-                1 <= num_shards <= 128):
-            raise ConfigError(f"num_shards must be an integer in 1..128, got {num_shards!r}")
-        if placement_strategy not in PLACEMENT:
-            raise ConfigError(f"placement_strategy must be one of {sorted(PLACEMENT)}, got "
-                              f"{placement_strategy!r}")
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or (
-                max_restarts < -1):
-            raise ConfigError(f"max_restarts must be an integer >= -1, got {max_restarts!r}")
+        _check_launch(num_shards, placement_strategy, max_restarts)
         per_shard = _per_shard(shard_options, num_shards)
         server = {**(server or {}), "checkpoint_interval_s": checkpoint_interval_s}
         settings = shard_settings(0, bind_host="127.0.0.1", server=server,  # checked here
@@ -295,10 +288,7 @@ class ReplayCluster:
             TimeoutError: the new shards did not all serve within ``timeout_s`` (their
                 states named); they are stopped and the replay keeps its shards.
         """
-        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not (
-                1 <= num_shards <= MAX_SHARDS):
-            raise ConfigError(f"scale: num_shards must be an integer in 1..{MAX_SHARDS}, got "
-                              f"{num_shards!r}")
+        _check_shard_count(num_shards, "scale: ")
         spec = ask(self._registry, "spec")
         now = spec["num_shards"]
         if num_shards < now:
@@ -306,23 +296,32 @@ class ReplayCluster:
                 raise ConfigError(f"scale({num_shards}) removes shards: shard_options has "
                                   f"nothing to apply to")
             return self._shrink(num_shards, now, timeout_s)
+        self._grow(spec, num_shards, now, shard_options, timeout_s)
+        self.num_shards = num_shards
+        return {}
+
+    def _grow(self, spec: dict[str, Any], num_shards: int, now: int,
+              shard_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+              timeout_s: float) -> None:
+        """Scale up from ``now`` to ``num_shards`` shards (see :meth:`scale`): start the new
+        shards with the replay's launch options, and admit them once every one serves (the
+        count now: the options are checked, nothing starts)."""
         if "launch" not in spec:
             raise ConfigError(f"replay {self.name!r} was started by a version that did not "
                               f"keep its shards' options: it cannot be scaled")
         launch = {**spec["launch"], "tables": spec["tables"]}
         new = _new_shard_options(shard_options, launch["shard_options"], now, num_shards)
-        if num_shards > now:
-            indices = ask(self._registry, "add", num_shards, new)
-            _start_shards(self.name, self.namespace, indices,
-                          {**launch, "shard_options": [*launch["shard_options"][:now], *new]})
-            try:
-                self._wait_added(num_shards, timeout_s)
-            except TimeoutError:
-                self._abandon(indices)
-                raise
-            ask(self._registry, "admit", num_shards)
-        self.num_shards = num_shards
-        return {}
+        if num_shards == now:
+            return
+        indices = ask(self._registry, "add", num_shards, new)
+        _start_shards(self.name, self.namespace, indices,
+                      {**launch, "shard_options": [*launch["shard_options"][:now], *new]})
+        try:
+            self._wait_added(num_shards, timeout_s)
+        except TimeoutError:
+            self._abandon(indices)
+            raise
+        ask(self._registry, "admit", num_shards)
 
     def _shrink(self, num_shards: int, now: int, timeout_s: float) -> dict[int, dict[str, Any]]:
         """Scale down from ``now`` to ``num_shards`` shards (see :meth:`scale`): what each
@@ -439,6 +438,23 @@ class ReplayCluster:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ReplayCluster, (self.name, self.namespace, self._registry, self.num_shards))
+
+
+def _check_shard_count(num_shards: Any, call: str = "") -> None:
+    """Refuse a shard count that is not an integer in 1..MAX_SHARDS (what ids can tell apart)."""
+    if not is_int(num_shards) or not 1 <= num_shards <= MAX_SHARDS:
+        raise ConfigError(f"{call}num_shards must be an integer in 1..{MAX_SHARDS}, got "
+                          f"{num_shards!r}")
+
+
+def _check_launch(num_shards: Any, placement_strategy: Any, max_restarts: Any) -> None:
+    """Refuse :meth:`ReplayCluster.create`'s bad shard count, placement or restart count."""
+    _check_shard_count(num_shards)
+    if placement_strategy not in PLACEMENT:
+        raise ConfigError(f"placement_strategy must be one of {sorted(PLACEMENT)}, got "
+                          f"{placement_strategy!r}")
+    if not is_int(max_restarts) or max_restarts < -1:
+        raise ConfigError(f"max_restarts must be an integer >= -1, got {max_restarts!r}")
 
 
 def _check_same(name: str, running: Mapping[str, Any], asked: Mapping[str, Any]) -> None:

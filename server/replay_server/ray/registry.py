@@ -48,6 +48,8 @@ from typing import Any
 
 import ray
 
+from replay_proto.id_layout import MAX_SHARDS  # the shard index's bits in every row id
+
 WATCH_S = 0.5
 """How often the registry asks every shard how it is."""
 
@@ -73,10 +75,6 @@ def ask(actor: Any, method: str, *args: Any, timeout_s: float = 60.0, **kwargs: 
                 raise
             time.sleep(pause)
             pause = min(2 * pause, 1.0)
-
-
-MAX_SHARDS = 128
-"""The most shards a replay may have (the shard index takes 7 bits of every row id)."""
 
 
 KV_NAMESPACE = "replay-server"

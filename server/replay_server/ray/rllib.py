@@ -65,11 +65,10 @@ from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
 )
 
 from replay_client import ReplayClient
+from replay_proto.batch import STEPS_KEY  # the column an n-step table adds
+from replay_proto.scalars import is_int
 from replay_server.errors import ConfigError
 from replay_server.ray.cluster import DEFAULT_NAMESPACE, ReplayCluster
-
-STEPS_KEY = "steps_to_next_obs"
-"""The column an n-step table adds: how many steps each row's return covers."""
 
 _EPISODE_BITS = (1 << 63) - 1
 
@@ -125,7 +124,7 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         if batch_length_T not in (0, 1):
             raise ConfigError(f"ShardedEpisodeReplayBuffer samples rows: batch_length_T must "
                               f"be 1, got {batch_length_T!r}")
-        if isinstance(n_step, bool) or not isinstance(n_step, int) or n_step < 1:
+        if not is_int(n_step) or n_step < 1:
             raise ConfigError(f"n_step must be an int >= 1 (the table's n-step return), got "
                               f"{n_step!r}")
         self._alpha, self._beta = float(alpha), float(beta)

@@ -58,7 +58,7 @@ class Combo:
 
     @property
     def slices(self) -> bool:
-        return self.kind.is_slice
+        return self.kind.traits.slices
 
     def __str__(self) -> str:
         return (f"{self.sampler}-{self.storage}{'-lz4' if self.compressed else ''}"

@@ -81,7 +81,7 @@ def test_unknown_sampler_raises_config_error_listing_the_kinds(sampler: Any) -> 
 
 @pytest.mark.parametrize("kind", list(SamplerKind), ids=lambda k: k.value)
 def test_sampler_string_is_coerced_to_sampler_kind(kind: SamplerKind) -> None:
-    slice_len = 4 if kind.is_slice else None
+    slice_len = 4 if kind.traits.slices else None
     made = config(sampler=kind.value, slice_len=slice_len)
     assert made.sampler is kind
 

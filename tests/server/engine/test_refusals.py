@@ -17,7 +17,7 @@ from replay_server.errors import ConfigError
 SAMPLERS = {kind.value for kind in SamplerKind}  # every registered sampler
 
 FEATURES: dict[str, dict] = {
-    **{kind.value: {"sampler": kind.value, **({"slice_len": 2} if kind.is_slice else {})}
+    **{kind.value: {"sampler": kind.value, **({"slice_len": 2} if kind.traits.slices else {})}
        for kind in SamplerKind},
     "memmap": {"storage": "memmap", "storage_dir": "/tmp"},
     "mixed storage": {"storage": "memmap", "storage_dir": "/tmp",

@@ -38,7 +38,7 @@ from replay_server.engine.table import MAX_BATCH_SIZE, STATE_VERSION, Table, Tab
 KINDS = tuple(k.value for k in SamplerKind if not k.traits.consumes)  # the registry's
 PRIORITIZED = tuple(k for k in KINDS if SamplerKind(k).is_prioritized)
 UNPRIORITIZED = tuple(k for k in KINDS if not SamplerKind(k).is_prioritized)
-SLICED = tuple(k for k in KINDS if SamplerKind(k).is_slice)
+SLICED = tuple(k for k in KINDS if SamplerKind(k).traits.slices)
 CAPACITY = 8
 SLICE_LEN = 3
 STORED = 5  # rows in a filled table
@@ -50,7 +50,7 @@ PRIORITIES = [1.0, 2.0, 3.0, 4.0, 5.0]
 
 def make_config(kind: str, **overrides: Any) -> TableConfig:
     fields: dict[str, Any] = {"name": kind, "capacity": CAPACITY, "sampler": kind, "seed": 7}
-    if SamplerKind(kind).is_slice:
+    if SamplerKind(kind).traits.slices:
         fields["slice_len"] = SLICE_LEN
     fields.update(overrides)
     return TableConfig(**fields)
@@ -66,7 +66,7 @@ def rows(kind: str, n: int, first: int = 0) -> dict[str, torch.Tensor]:
         "obs": values.to(torch.float32).unsqueeze(1) * 10 + torch.arange(3, dtype=torch.float32),
         "action": values.clone(),
     }
-    if SamplerKind(kind).is_slice:
+    if SamplerKind(kind).traits.slices:
         data["episode"] = torch.zeros(n, dtype=torch.int64)
         data["done"] = torch.zeros(n, dtype=torch.bool)
     return data

@@ -81,12 +81,6 @@ def cpu_stand_in(devices: int = 1, free_bytes: int = 1 << 40) -> Iterator[CpuSta
         _STAND_IN = previous
 
 
-def activate_cpu_stand_in(devices: int = 1, free_bytes: int = 1 << 40) -> None:
-    """Turn the stand-in on for the rest of this process (a test's server process)."""
-    global _STAND_IN
-    _STAND_IN = CpuStandIn(devices, free_bytes)
-
-
 def stand_in() -> CpuStandIn | None:
     """The active stand-in, if any."""
     return _STAND_IN
