@@ -40,9 +40,14 @@ def add_node_b(cluster):
     return cluster.add_node(num_cpus=1, resources={"node_b": 1}, wait=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ray_cluster() -> Iterator:
-    """Two nodes of one CPU each (``node_a``, ``node_b``), this process connected as a driver."""
+    """Two nodes of one CPU each (``node_a``, ``node_b``), this process connected as a driver.
+
+    One for the package: the modules that run one after another in a process share it
+    (a start is 10-30 s on a loaded 2-core machine), and it stops before any test outside
+    this package runs (``tests/test_docs.py`` starts Ray its own way). Each test leaves
+    it as it found it: its replays shut down, a removed node added back."""
     import ray
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster

@@ -1,11 +1,12 @@
 """A sharded replay on a real two-node Ray cluster (loopback): placed, fed, sampled, killed,
 restarted, stopped.
 
-One cluster for the module (``conftest.ray_cluster``, started once: about ten
-seconds) and two replays for most tests: ``shared`` (no persistence) and
-``durable`` (checkpointed), in the order the tests need them: the fault tests
-take ``durable`` through a crash and a lost node, and the last test shuts it
-down.
+One cluster for the package (``conftest.ray_cluster``, started once: about ten
+seconds), one checkpointed replay of two shards for most tests (``replay``: its
+shards start once) and one worker actor for the writers and learners that run
+beside a fault or a scale (``worker``), in the order the tests need them: the
+fault tests take ``replay`` through a crash and a lost node, and the last test
+shuts it down.
 
 Faults:
 
@@ -47,7 +48,8 @@ from replay_server.ray import ReplayCluster, ReplayExistsError, ReplayNotFoundEr
 
 ALPHA = 0.6
 TABLES = [{"name": "p", "capacity": 4000, "sampler": "prioritized", "alpha": ALPHA, "beta": 0.4},
-          {"name": "u", "capacity": 4000, "sampler": "uniform"}]
+          {"name": "u", "capacity": 4000, "sampler": "uniform"},
+          {"name": "q", "capacity": 100, "sampler": "fifo"}]  # rows leave it: never scaled down
 ON_BOTH = [{"num_cpus": 0, "resources": NODE_A}, {"num_cpus": 0, "resources": NODE_B}]
 INCARNATION = lambda ids: (np.asarray(ids) >> 40) & 0xFFFF  # noqa: E731 (id bits 40..55)
 
@@ -60,20 +62,13 @@ def start(name: str, tmp_path: Path | None = None, **options) -> ReplayCluster:
 
 
 @pytest.fixture(scope="module")
-def shared(ray_cluster):
-    replay = start("shared")
-    yield replay
-    replay.shutdown()
-
-
-@pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")
 
 
 @pytest.fixture(scope="module")
-def durable(ray_cluster, checkpoints):
-    replay = start("durable", checkpoints)
+def replay(ray_cluster, checkpoints):
+    replay = start("shared", checkpoints)
     yield replay
     replay.shutdown()  # idempotent: the last test has shut it down
 
@@ -102,8 +97,7 @@ def learn(client, table: str, batches: int) -> dict[int, float]:
     return set_to
 
 
-def test_shards_spread_over_both_nodes_on_loopback_with_their_metrics(shared) -> None:
-    replay = shared
+def test_shards_spread_over_both_nodes_on_loopback_with_their_metrics(replay) -> None:
     states = replay.states()
     assert [s["state"] for s in states] == ["serving", "serving"]
     assert [s["incarnation"] for s in states] == [1, 1]
@@ -118,13 +112,12 @@ def test_shards_spread_over_both_nodes_on_loopback_with_their_metrics(shared) ->
     assert loopback_addresses() == {"127.0.0.1"}
     with replay.client() as client:
         assert client.shards == {s["index"]: s["address"] for s in states}
-        assert sorted(client.info()) == ["p", "u"]
+        assert sorted(client.info()) == ["p", "q", "u"]
     assert ReplayCluster.get("shared").states() == states
 
 
 def test_writers_on_both_nodes_and_a_streaming_learner_sample_the_whole_replay_exactly(
-        shared) -> None:
-    replay = shared
+        replay) -> None:
     client = replay.client(seed=3)
     a = write.options(resources=NODE_A).remote(client, "p", 0, 300)
     b = write.options(resources=NODE_B).remote(client, "p", 300, 300)
@@ -149,13 +142,13 @@ def test_writers_on_both_nodes_and_a_streaming_learner_sample_the_whole_replay_e
     client.close()
 
 
-def test_a_restarted_registry_learns_the_shards_back_from_them(shared) -> None:
-    before, where = shared.states(), shared.registry()
+def test_a_restarted_registry_learns_the_shards_back_from_them(replay) -> None:
+    before, where = replay.states(), replay.registry()
     assert ray.get_actor("shared", namespace="replay") is not None
     ray.kill(ray.get_actor("shared", namespace="replay"), no_restart=False)  # entries lost
-    assert wait_for(lambda: shared.registry()["pid"] != where["pid"], timeout=60)
-    assert wait_for(lambda: shared.states() == before, timeout=60)  # told by the shards
-    with shared.client(wait_for_shards_s=30) as client:  # made while it may still learn
+    assert wait_for(lambda: replay.registry()["pid"] != where["pid"], timeout=60)
+    assert wait_for(lambda: replay.states() == before, timeout=60)  # told by the shards
+    with replay.client(wait_for_shards_s=30) as client:  # made while it may still learn
         assert sorted(client.shards) == [0, 1]
         client.insert("u", {"key": torch.arange(8)})
         assert client.sample("u", 4).missing_shards == ()
@@ -232,31 +225,39 @@ def _filled(replay: ReplayCluster) -> tuple[dict[int, int], dict[int, int]]:
 
 @ray.remote(num_cpus=0.5)
 class Worker:
-    """A writer or a learner on the head node, running until told to stop (bounded)."""
+    """A writer and a learner on the head node (each call its own client: Ray unpickles
+    the argument per call; both run at once, in threads), until told to stop (bounded)."""
 
-    def __init__(self, client) -> None:
-        self.client = client
+    def __init__(self) -> None:
         self.stopping = False
+        self.seen: list[tuple[tuple[int, ...], list[int]]] = []
 
-    def write(self, most: int = 3000) -> list[int]:
+    def reset(self) -> None:
+        """Ready for the next test: not stopping, no batches seen."""
+        self.stopping = False
+        self.seen = []
+
+    def write(self, client, most: int = 3000) -> list[int]:
         ids: list[int] = []
         for k in range(most):
             if self.stopping:
                 break
-            ids += self.client.insert("u", {"key": torch.arange(8)}).tolist()
+            ids += client.insert("u", {"key": torch.arange(8)}).tolist()
             time.sleep(0.01)
+        client.close()
         return ids
 
-    def learn(self, most: int = 20_000) -> list[tuple[tuple[int, ...], list[int]]]:
+    def learn(self, client, most: int = 20_000) -> list[tuple[tuple[int, ...], list[int]]]:
         """Each batch's missing shards and the shards its rows came from."""
-        self.seen: list[tuple[tuple[int, ...], list[int]]] = []
-        stream = self.client.stream("u", 16)
+        self.seen = []
+        stream = client.stream("u", 16)
         for _, batch in zip(range(most), stream):
             self.seen.append((batch.missing_shards, sorted(set((batch.ids >> 56).tolist()))))
             if self.stopping:
                 break
             time.sleep(0.005)
         stream.close()
+        client.close()
         return self.seen
 
     def seen_now(self) -> list[tuple[tuple[int, ...], list[int]]]:
@@ -273,14 +274,28 @@ class Worker:
         self.stopping = True
 
 
-def test_a_killed_shard_restarts_restores_and_rejoins_a_learner_and_a_writer(durable) -> None:
-    replay = durable
+@pytest.fixture(scope="module")
+def worker(ray_cluster):
+    """The module's writer and learner (one actor: one process start for every test)."""
+    worker = Worker.options(resources=NODE_A, max_concurrency=4).remote()
+    yield worker
+    ray.kill(worker)
+
+
+@pytest.fixture()
+def running(worker):
+    """``worker``, reset for this test and stopped after it, whatever happened."""
+    ray.get(worker.reset.remote())
+    yield worker
+    ray.get(worker.stop.remote())
+
+
+def test_a_killed_shard_restarts_restores_and_rejoins_a_learner_and_a_writer(
+        replay, running) -> None:
     sizes, incarnations = _filled(replay)
     before = replay.states()[1]
     client = replay.client(allow_degraded=True)
-    writer = Worker.options(resources=NODE_A, max_concurrency=2).remote(client)
-    learner = Worker.options(resources=NODE_A, max_concurrency=2).remote(client)
-    written, learned = writer.write.remote(), learner.learn.remote()
+    written, learned = running.write.remote(client), running.learn.remote(client)
     with replay.client() as strict:
         assert wait_for(lambda: sum(i.tables["u"].size for i in strict.shard_info().values())
                         > 400, timeout=60)
@@ -292,9 +307,8 @@ def test_a_killed_shard_restarts_restores_and_rejoins_a_learner_and_a_writer(dur
     assert after["address"].startswith("127.0.0.1:")
     with replay.client() as strict:  # the writer's rows reach the restarted shard again
         assert wait_for(lambda: strict.shard_info()[1].tables["u"].size > sizes[1], timeout=60)
-    assert wait_for(lambda: ray.get(learner.rejoined.remote()), timeout=60)  # so does the stream
-    for worker in (writer, learner):
-        ray.get(worker.stop.remote())
+    assert wait_for(lambda: ray.get(running.rejoined.remote()), timeout=60)  # so does the stream
+    ray.get(running.stop.remote())
     ids, seen = np.array(ray.get(written, timeout=120)), ray.get(learned, timeout=120)
 
     on0, on1 = ids[(ids >> 56) == 0], ids[(ids >> 56) == 1]
@@ -311,8 +325,7 @@ def test_a_killed_shard_restarts_restores_and_rejoins_a_learner_and_a_writer(dur
 
 
 def test_a_client_made_while_a_shard_cannot_restart_knows_it_is_missing(
-        ray_cluster, durable) -> None:
-    replay = durable
+        ray_cluster, replay) -> None:
     sizes, _ = _filled(replay)
     incarnation = replay.states()[1]["incarnation"]
     node_b = next(n for n in ray_cluster.worker_nodes if n.node_id == replay.states()[1][
@@ -358,7 +371,7 @@ def _names_left(name: str, shards: int) -> list[str]:
 
 
 def test_scale_up_under_a_writer_and_a_learner_adds_a_shard_that_they_take_in(
-        ray_cluster) -> None:
+        running) -> None:
     """1 -> 2 shards while a writer (strict client) and a learner (degraded client), both
     made before, run: the new shard is expected only once it serves (the learner never
     sees a missing shard), both take it in at their next resolution (1 s here), every
@@ -371,10 +384,8 @@ def test_scale_up_under_a_writer_and_a_learner_adds_a_shard_that_they_take_in(
     stale = ReplayCluster.get("grow")  # a handle made before the scale: shutdown uses it
     strict = replay.client(resolve_interval_s=1)
     degraded = replay.client(allow_degraded=True, resolve_interval_s=1)
-    writer = Worker.options(resources=NODE_A, max_concurrency=2).remote(strict)
-    learner = Worker.options(resources=NODE_A, max_concurrency=2).remote(degraded)
     try:
-        written, learned = writer.write.remote(2000), learner.learn.remote()
+        written, learned = running.write.remote(strict, 2000), running.learn.remote(degraded)
         with replay.client() as looker:
             assert wait_for(lambda: looker.info()["u"].size > 100, timeout=60)
         replay.scale(2, shard_options={"num_cpus": 0, "resources": NODE_B})
@@ -386,13 +397,10 @@ def test_scale_up_under_a_writer_and_a_learner_adds_a_shard_that_they_take_in(
         with replay.client() as looker:  # the writer's rows reach the new shard
             assert wait_for(lambda: looker.shard_info()[1].tables["u"].size > 0, timeout=30)
         assert wait_for(lambda: any(1 in shards for _, shards in ray.get(
-            learner.seen_now.remote())), timeout=30)  # and the stream draws from it
-        for worker in (writer, learner):
-            ray.get(worker.stop.remote())
-        ids, seen = np.array(ray.get(written, timeout=120)), ray.get(learned, timeout=120)
+            running.seen_now.remote())), timeout=30)  # and the stream draws from it
     finally:
-        for worker in (writer, learner):
-            ray.kill(worker)
+        ray.get(running.stop.remote())
+    ids, seen = np.array(ray.get(written, timeout=120)), ray.get(learned, timeout=120)
     try:
         assert len(set(ids.tolist())) == len(ids)  # each shard index has its own id space
         on = {s: int(((ids >> 56) == s).sum()) for s in (0, 1)}
@@ -422,21 +430,36 @@ def test_scale_up_under_a_writer_and_a_learner_adds_a_shard_that_they_take_in(
     degraded.close()
 
 
-def test_bad_scales_are_refused_naming_why_and_change_nothing(shared) -> None:
+def test_a_replay_with_a_queue_is_not_scaled_down_and_nothing_changes(replay) -> None:
+    from replay_server.ray import ScaleDownError
+
+    with replay.client() as client:
+        client.insert("q", {"key": torch.arange(10)})
+        held = client.info()["q"].size
+    before = replay.states()
+    with pytest.raises(ScaleDownError, match=r"cannot move the rows of \['q'\]: rows leave "
+                                             r"those tables when sampled"):
+        replay.scale(1)
+    assert replay.states() == before and replay.num_shards == 2
+    with replay.client() as client:
+        assert client.info()["q"].size == held
+
+
+def test_bad_scales_are_refused_naming_why_and_change_nothing(replay) -> None:
     from replay_server.errors import ConfigError
 
-    before = shared.states()
+    before = replay.states()
     for bad in (0, 129, "3", 2.0, True, None):
         with pytest.raises(ConfigError, match=rf"num_shards must be an integer in 1\.\.128, "
                                               rf"got {re.escape(repr(bad))}"):
-            shared.scale(bad)
+            replay.scale(bad)
     with pytest.raises(ConfigError, match=r"scale\(1\) removes shards: shard_options has "
                                           r"nothing to apply to"):
-        shared.scale(1, shard_options={"num_cpus": 0})  # a scale down is test_scale_down's
+        replay.scale(1, shard_options={"num_cpus": 0})  # a scale down is test_scale_down's
     with pytest.raises(ConfigError, match="shard_options is a list of 2 dicts for 1 shards"):
-        shared.scale(3, shard_options=ON_BOTH)
-    shared.scale(2)  # the count now: nothing to do
-    assert shared.states() == before and _names_left("shared", 3) == [
+        replay.scale(3, shard_options=ON_BOTH)
+    replay.scale(2)  # the count now: nothing to do
+    assert replay.states() == before and _names_left("shared", 3) == [
         "shared", "shared.shard-0", "shared.shard-1"]
 
 
@@ -449,8 +472,7 @@ def _shm_of(pids: list[int]) -> list[str]:
 
 
 def test_shutdown_checkpoints_then_leaves_no_actor_name_process_or_segment(
-        durable, checkpoints) -> None:
-    replay = durable
+        replay, checkpoints) -> None:
     client = replay.client()
     client.insert("u", {"key": torch.arange(50, dtype=torch.int64)})
     sizes = {s: info.tables["u"].size for s, info in client.shard_info().items()}
@@ -460,17 +482,17 @@ def test_shutdown_checkpoints_then_leaves_no_actor_name_process_or_segment(
     stream.close()
     client.close()
     replay.shutdown()
-    for name in ("durable", "durable.shard-0", "durable.shard-1"):
+    for name in ("shared", "shared.shard-0", "shared.shard-1"):
         with pytest.raises(ValueError):
             ray.get_actor(name, namespace="replay")
     assert wait_for(lambda: not any(_alive(p) for p in pids), timeout=30), pids
     assert _shm_of(pids) == []
-    with pytest.raises(ReplayNotFoundError, match="durable"):
-        ReplayCluster.get("durable")
+    with pytest.raises(ReplayNotFoundError, match="shared"):
+        ReplayCluster.get("shared")
     for shard, size in sizes.items():  # the drain's final checkpoints hold every row
         server = EmbeddedServer(settings_from_dict({"server": {
             "address": "127.0.0.1:0", "shard": shard, "shared_memory": False,
-            "checkpoint_dir": str(checkpoints / "durable" / f"shard-{shard}")},
+            "checkpoint_dir": str(checkpoints / "shared" / f"shard-{shard}")},
             "tables": TABLES}))
         try:
             assert server.tables["u"].size == size

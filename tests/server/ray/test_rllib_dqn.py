@@ -58,8 +58,7 @@ def test_dqn_trains_on_two_shards_and_its_priorities_reach_them(ray_cluster) -> 
     try:
         buffer = algo.local_replay_buffer
         assert type(buffer).__module__ + "." + type(buffer).__name__ == BUFFER
-        for _ in range(2):  # 400 steps, 6 updates
-            result = algo.train()
+        result = algo.train()  # 200 steps, an update per 50 from the 100th: 2-3 updates
         assert len({s["node_id"] for s in replay.states()}) == 2  # one shard per node
         assert all(s["address"].startswith("127.0.0.1:") for s in replay.states())
         assert loopback_addresses() == {"127.0.0.1"}
@@ -69,7 +68,7 @@ def test_dqn_trains_on_two_shards_and_its_priorities_reach_them(ray_cluster) -> 
             updates = {i: info.tables["rllib"].counters["priority_updates"]
                        for i, info in shards.items()}
             assert sum(sizes.values()) == result["env_runners"][
-                "num_env_steps_sampled_lifetime"] >= 400
+                "num_env_steps_sampled_lifetime"] >= 200
             assert min(sizes.values()) > 0 and min(updates.values()) > 0, (sizes, updates)
             batch = client.sample("rllib", 512)  # TD errors differ: the draw is not uniform
             assert np.ptp(batch.probabilities.numpy()) > 0

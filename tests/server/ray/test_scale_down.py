@@ -8,7 +8,8 @@ the registry then expects two shards: the clients and the stream drop shard
 2 at their next resolution and draw exactly over every row again, a late
 update naming one of shard 2's ids is skipped and counted, a registry that
 Ray restarts keeps the lowered count, and a shard 2 started by a later scale
-up begins empty (its checkpoint folder was set aside).
+up begins empty (its checkpoint folder was set aside). (A replay with a queue
+is refused a scale down: test_replay_cluster.py, on its replay of two shards.)
 """
 
 from __future__ import annotations
@@ -127,23 +128,3 @@ def test_scale_down_moves_the_removed_shard_rows_and_clients_drop_it(
         degraded.close()
         replay.shutdown()
 
-
-def test_a_replay_with_a_queue_is_not_scaled_down_and_nothing_changes(ray_cluster) -> None:
-    from replay_server.ray import ScaleDownError
-
-    replay = ReplayCluster.create(
-        "queue-shrink", tables=[{"name": "q", "capacity": 100, "sampler": "fifo"}],
-        num_shards=2, shard_options={"num_cpus": 0}, checkpoint_interval_s=0,
-        get_if_exists=False)
-    try:
-        with replay.client() as client:
-            client.insert("q", {"key": torch.arange(10)})
-        before = replay.states()
-        with pytest.raises(ScaleDownError, match=r"cannot move the rows of \['q'\]: rows leave "
-                                                 r"those tables when sampled"):
-            replay.scale(1)
-        assert replay.states() == before and replay.num_shards == 2
-        with replay.client() as client:
-            assert client.info()["q"].size == 10
-    finally:
-        replay.shutdown()
