@@ -11,6 +11,10 @@ reset, or silence), and a connection past ``server.max_call_resets_per_s``
 of them within one second is cut (the connection guard shuts its socket:
 :meth:`~replay_server.service.connections.ConnectionGuard.cut`). A client
 cancelling calls it has sent, or a learner closing its stream, never counts.
+On a server requiring the token, every call refused for its token counts
+too (:mod:`~replay_server.service.token_auth`): such calls never reach
+admission, and a reset flood without the token otherwise lasted until the
+connection's handshake deadline.
 
 Cost: a dictionary update per such call; the table is emptied each second,
 so it holds at most the connections that ended a call without a word in

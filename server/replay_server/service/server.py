@@ -116,6 +116,7 @@ class ReplayServer:
                     f"server.auth_token_env is {settings.auth_token_env!r} but that environment "
                     f"variable is unset or empty"
                 )
+        self._auth = TokenAuth(self._token) if self._token else None
         self.exit_code = 0  # 1 when the final checkpoint failed
         self._executor = ThreadPoolExecutor(settings.workers, thread_name_prefix="replay-engine")
         # Checkpoints block their thread for seconds: never on the engine's workers.
@@ -185,8 +186,8 @@ class ReplayServer:
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.metrics is not None:  # first: it sees the token check's refusals too
             interceptors.append(self.metrics.rpc)
-        if self._token:
-            interceptors.append(TokenAuth(self._token))
+        if self._auth is not None:
+            interceptors.append(self._auth)
         self._server = grpc.aio.server(
             interceptors=interceptors,
             options=[*self.limits.grpc_options(), ("grpc.so_reuseport", 0)],
@@ -269,7 +270,17 @@ class ReplayServer:
                                "closed", peer, limits.max_call_resets_per_s)
                 guard.cut(peer)
 
+        def on_refused(peer: str) -> None:  # on the event loop
+            if meter.ended_silent(peer):
+                CLIENT_LOG.log(peer, "resets", logging.WARNING, "%s made more than "
+                               "server.max_call_resets_per_s = %g calls without the token within "
+                               "a second: its connection is closed", peer,
+                               limits.max_call_resets_per_s)
+                guard.cut(peer)
+
         self.admission.on_silent_end = on_silent_end
+        if self._auth is not None:
+            self._auth.on_refused = on_refused
         guard = self.connections
         self._servicer.connection_figures = lambda: (guard.open, guard.closed)
         self.connections.start()
