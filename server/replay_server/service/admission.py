@@ -333,9 +333,11 @@ class Admission:
             reservation.resize(declared, purpose)
         except OverloadedError as exc:
             if not wait:
+                self._spoke(context)  # refused by the server: no reset (reset_meter)
                 await abort(context, exc)
             await self._grow_within(reservation, declared, purpose, context, exc)
         except LimitExceededError as exc:
+            self._spoke(context)
             await abort(context, exc)
         return reservation
 
@@ -398,6 +400,7 @@ class Admission:
                                                     peer=peer_host(_peer(context))),
                                    max(0.0, timeout))
         except TimeoutError:
+            self._spoke(context)  # the server refused it: no reset (reset_meter)
             await abort(context, refusal)
 
     async def _check_size(self, name: str, raw: bytes, reservation: Reservation,
