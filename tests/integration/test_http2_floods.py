@@ -52,7 +52,7 @@ from tests.integration.raw_http2 import (
 
 CONFIG = """
 [server]
-max_call_resets_per_s = 200
+max_call_resets_per_s = 20
 
 [[tables]]
 name = "t"

@@ -252,6 +252,7 @@ class Admission:
                 return await read()
         except TimeoutError:
             self.silent += 1
+            self._spoke(context)  # the server ends it (request_timeout_s): no reset
             CLIENT_LOG.log(_peer(context), "silent", logging.INFO, "%s (from %s): the call was "
                            "ended", why, _peer(context))
             await abort(context, RequestTimeoutError(

@@ -70,7 +70,7 @@ DEFAULTS: dict[str, Any] = {  # ints where the setting is a count or MiB, floats
     "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
     "max_waiting_calls": 1024, "max_streams": 128, "default_wait_s": 300.0,
     "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0,
-    "request_timeout_s": 5.0, "max_call_resets_per_s": 200.0, "memory_wait_s": 1.0}
+    "request_timeout_s": 5.0, "max_call_resets_per_s": 20.0, "memory_wait_s": 1.0}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
 
 WINDOW_BYTES = 64 << 10
