@@ -15,7 +15,8 @@ import struct
 import time
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY = 0x0, 0x1, 0x3, 0x4, 0x6, 0x7
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = (
+    0x0, 0x1, 0x2, 0x3, 0x4, 0x6, 0x7, 0x8)
 END_STREAM, ACK, END_HEADERS = 0x1, 0x1, 0x4
 
 
@@ -53,12 +54,17 @@ class RawConnection:
         port: the server's port.
         source: the local address to connect from (any of 127.0.0.0/8).
         timeout: seconds for connecting and for each read.
+        receive_buffer: the socket's receive buffer in bytes (``SO_RCVBUF``, set before
+            connecting), for a client that reads nothing and must not absorb much.
     """
 
-    def __init__(self, port: int, source: str = "127.0.0.1", timeout: float = 5.0) -> None:
+    def __init__(self, port: int, source: str = "127.0.0.1", timeout: float = 5.0,
+                 receive_buffer: int | None = None) -> None:
         self.port = port
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
+        if receive_buffer is not None:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
         self.sock.bind((source, 0))
         self.sock.connect(("127.0.0.1", port))
         self._next_stream = 1
@@ -88,6 +94,15 @@ class RawConnection:
         body = b"\x00" + struct.pack(">I", len(message)) + message
         self.sock.sendall(frame(HEADERS, END_HEADERS, stream, header_block(headers))
                           + frame(DATA, END_STREAM, stream, body))
+
+    def send_first(self, path: str, message: bytes,
+                   metadata: tuple[tuple[str, str], ...] = ()) -> int:
+        """Open one gRPC call and send its first message without ending the request (a
+        streaming request that stalls there); the stream's id."""
+        stream = self.open_call(path, metadata)
+        body = b"\x00" + struct.pack(">I", len(message)) + message
+        self.sock.sendall(frame(DATA, 0, stream, body))
+        return stream
 
     def open_call(self, path: str, metadata: tuple[tuple[str, str], ...] = ()) -> int:
         """Open one gRPC call (its HEADERS) and never send its request; the stream's id."""

@@ -2,90 +2,94 @@
 cannot starve another address's calls (issue 34, "reservations are granted fairly").
 
 A real server with a 64 MiB budget (48 MiB for calls over 1 MiB: two 20 MiB inserts at
-once); a crowd of real clients inserting 20 MiB at a time from 127.0.0.3 (through a
-loopback proxy whose connections to the server come from that address), each call waiting
-for room; a legitimate client on 127.0.0.1 inserting 20 MiB with no retries of its own,
-so every refusal counts. A waiting call is refused after a second (``ADMISSION_WAIT_S``): served
-first come first served, the legitimate call waits behind the crowd's fourteen waiters
-(seven rounds of two) and is refused; served in turn per address, it waits for one release.
-A chunked call waiting to grow to its whole size holds nothing meanwhile: else the crowd's
-calls, each holding its first message while it waited, filled the large calls' share and
-none could grow.
+once) and 1 MiB messages (a chunked call's first message is a small reservation, taken
+at once: the call queues once, to grow to its whole size). Every step waits for the server's own figures (``memory_in_use_bytes``,
+``memory_waiting_calls``), never for time, so the outcome is fixed by construction:
+
+1. two chunked inserts from 127.0.0.3 announce 20 MiB each and stall (raw HTTP/2): they
+   hold the large calls' share;
+2. four more from 127.0.0.3 queue for room, then a legitimate client on 127.0.0.1 inserts
+   20 MiB with no retries of its own (``memory_wait_s`` is long: it waits, never times out);
+3. one holder goes: the room fits one insert, and 127.0.0.3's oldest waiter takes it (its
+   line came first) and stalls in turn;
+4. the other holder goes: served in turn per address, the room is the legitimate
+   client's. Served first come first served, 127.0.0.3's next waiter would take it, and the
+   legitimate insert would wait behind every staller until refused.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
-from replay_client import ReplayClient, errors
+from replay_client import ReplayClient
+from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import wait_for
-from tests.tools.proxy import LinkProxy
+from tests.integration.raw_http2 import RawConnection
 
 CONFIG = """
 [server]
 memory_budget_mb = 64
 max_batch_mb = 24
+max_message_mb = 1        # a chunked call's first message is small: it never queues
+memory_wait_s = 600       # a waiter waits for its turn, however long the test's steps take
+request_timeout_s = 600   # the stallers hold what they were granted until closed
+keepalive_s = 3600        # and are not closed for leaving the server's pings unanswered
 
 [[tables]]
 name = "frames"
 capacity = 64
 """
-ROWS, ROW = 20, (1 << 20,)  # 20 MiB per insert: chunked, 20 MiB + a message reserved
-CROWD = 16                  # concurrent inserters from the crowded address
-LEGIT_CALLS = 12
+MIB = 1 << 20
+ROWS, ROW_BYTES = 20, 1 << 20  # 20 MiB per insert: chunked
+CROWD = 4
+MESSAGE_BYTES = 1 << 10  # what each staller declares per message: it holds 20 MiB + 1 KiB
 
 
-def payload(n: int = ROWS) -> dict[str, torch.Tensor]:
-    return {"pixels": torch.zeros(n, *ROW, dtype=torch.uint8)}
+def stall(port: int) -> RawConnection:
+    """A chunked insert of 20 MiB from 127.0.0.3 that announces itself and sends no more."""
+    connection = RawConnection(port, source="127.0.0.3")
+    assert connection.handshake()
+    spec = pb.TensorSpec(key="pixels", dtype="uint8", shape=[ROWS, ROW_BYTES])
+    first = pb.InsertRequest(table="frames", columns=[spec], payload_bytes=ROWS * ROW_BYTES)
+    connection.send_first("/replay.v1.ReplayService/InsertChunks", first.SerializeToString(),
+                          (("replay-request-bytes", str(MESSAGE_BYTES)),))
+    return connection
 
 
 def test_a_crowd_of_large_waiters_from_one_address_does_not_starve_another(
         server_factory) -> None:
     server = server_factory(CONFIG)
-    stop = threading.Event()
-    crowd_done = [0] * CROWD
+    stallers: list[RawConnection] = []
+    with ReplayClient(server.address, timeout=600, max_retry_s=0, max_message_mb=1) as legit:
+        def limits() -> dict[str, int]:
+            return legit.server_info().limits
 
-    def inserter(index: int, address: str) -> None:
-        with ReplayClient(address, timeout=60, max_retry_s=0) as client:
-            for _ in range(200):  # bounded: the test stops the crowd long before
-                if stop.is_set():
-                    return
-                try:
-                    client.insert("frames", payload())
-                    crowd_done[index] += 1
-                except errors.OverloadedError:
-                    pass
-
-    with LinkProxy(server.address, source="127.0.0.3") as proxy:
-        threads = [threading.Thread(target=inserter, args=(i, proxy.address))
-                   for i in range(CROWD)]
-        for thread in threads:
-            thread.start()
         try:
-            with ReplayClient(server.address, timeout=60, max_retry_s=0) as legit:
-                assert wait_for(lambda: sum(crowd_done) >= CROWD, timeout=120)  # the crowd runs
-                refused, waited = 0, []
-                for _ in range(LEGIT_CALLS):
-                    start = time.monotonic()
-                    try:
-                        legit.insert("frames", payload())
-                    except errors.OverloadedError:
-                        refused += 1
-                    waited.append(time.monotonic() - start)
-                crowd_calls = sum(crowd_done)
-                stop.set()
-                print(f"\n{CROWD} inserters of 20 MiB from 127.0.0.3 ({crowd_calls} stored); "
-                      f"a client on 127.0.0.1: {refused} of {LEGIT_CALLS} inserts refused, "
-                      f"answered after {min(waited):.2f} to {max(waited):.2f} s")
-                # Measured (2 shared cores): 0 of 12 refused alone, 3 of 12 with another
-                # test file running beside it; first come first served, 8 of 12 alone.
-                assert refused * 4 <= LEGIT_CALLS
-                assert wait_for(lambda: legit.server_info().limits["memory_in_use_bytes"] == 0,
-                                timeout=60)
+            holders = [stall(server.port) for _ in range(2)]
+            stallers += holders
+            assert wait_for(lambda: limits()["memory_in_use_bytes"] >= 40 * MIB, timeout=60)
+            stallers += [stall(server.port) for _ in range(CROWD)]
+            assert wait_for(lambda: limits()["memory_waiting_calls"] == CROWD, timeout=60)
+
+            outcome: list[object] = []
+            thread = threading.Thread(target=lambda: outcome.append(
+                legit.insert("frames", {"pixels": torch.zeros(ROWS, ROW_BYTES,
+                                                              dtype=torch.uint8)})))
+            thread.start()
+            assert wait_for(lambda: limits()["memory_waiting_calls"] == CROWD + 1, timeout=60)
+
+            holders[0].close()  # room for one: 127.0.0.3's line came first
+            assert wait_for(lambda: limits()["memory_waiting_calls"] == CROWD, timeout=60)
+            assert thread.is_alive()  # the legitimate insert still waits for its turn
+            holders[1].close()  # room for one more: 127.0.0.1's turn
+            thread.join(60)  # served first come first served, it would still wait
+            assert not thread.is_alive()
+            assert len(outcome) == 1 and len(outcome[0]) == ROWS  # stored, never refused
+            assert legit.info()["frames"].size == ROWS
         finally:
-            stop.set()
-            for thread in threads:
-                thread.join(120)
+            for connection in stallers:
+                connection.close()
+        assert wait_for(lambda: limits()["memory_in_use_bytes"] == 0, timeout=60)
+        assert limits()["memory_waiting_calls"] == 0

@@ -22,7 +22,7 @@ read or run:
 2. The memory its request will take is reserved from the
    :class:`~replay_server.service.budget.MemoryBudget`: the size the client
    declared (``replay_proto.call_metadata``), else the message-size limit.
-   A unary call waits up to :data:`ADMISSION_WAIT_S` (within its deadline)
+   A unary call waits up to ``server.memory_wait_s`` (within its deadline)
    for room, then is refused (RESOURCE_EXHAUSTED, kind ``overloaded``).
    Only then is the request read, and the reservation shrinks to its real
    size. A request larger than declared is refused.
@@ -101,9 +101,6 @@ from replay_server.service.status import (
 )
 
 T = TypeVar("T")
-
-ADMISSION_WAIT_S = 1.0
-"""How long a unary call may wait for room in the budget to read its request."""
 
 UnaryBehaviour = Callable[[bytes, grpc.aio.ServicerContext, Reservation], Awaitable[bytes]]
 """``behaviour(raw request, context, reservation) -> raw answer``."""
@@ -255,6 +252,7 @@ class Admission:
                 return await read()
         except TimeoutError:
             self.silent += 1
+            self._spoke(context)  # the server ends it (request_timeout_s): no reset
             CLIENT_LOG.log(_peer(context), "silent", logging.INFO, "%s (from %s): the call was "
                            "ended", why, _peer(context))
             await abort(context, RequestTimeoutError(
@@ -264,11 +262,11 @@ class Admission:
 
     async def _grow(self, reservation: Reservation, nbytes: int, purpose: str,
                     context: grpc.aio.ServicerContext) -> None:
-        """Grow ``reservation`` to ``nbytes``, waiting up to ADMISSION_WAIT_S (within the
+        """Grow ``reservation`` to ``nbytes``, waiting up to ``memory_wait_s`` (within the
         deadline) for room, or end the call with RESOURCE_EXHAUSTED.
 
         A call that must wait gives back what it holds meanwhile (its first message, read
-        already: one message, which the transport bounds, for a second at most). Else
+        already: one message, which the transport bounds, for ``memory_wait_s`` at most). Else
         calls holding a message each while they wait to grow could fill the share of large
         calls between them, so that none could ever grow (measured: 16 chunked inserts of
         20 MiB from one address against 48 MiB stored 30 in a minute, the rest refused
@@ -336,9 +334,11 @@ class Admission:
             reservation.resize(declared, purpose)
         except OverloadedError as exc:
             if not wait:
+                self._spoke(context)  # refused by the server: no reset (reset_meter)
                 await abort(context, exc)
             await self._grow_within(reservation, declared, purpose, context, exc)
         except LimitExceededError as exc:
+            self._spoke(context)
             await abort(context, exc)
         return reservation
 
@@ -391,15 +391,17 @@ class Admission:
 
     async def _grow_within(self, reservation: Reservation, nbytes: int, purpose: str,
                            context: grpc.aio.ServicerContext, refusal: OverloadedError) -> None:
-        """Grow ``reservation`` to ``nbytes``, waiting up to ADMISSION_WAIT_S (within the
+        """Grow ``reservation`` to ``nbytes``, waiting up to ``memory_wait_s`` (within the
         deadline) for room, or end the call with ``refusal``."""
         remaining = context.time_remaining()
-        timeout = ADMISSION_WAIT_S if remaining is None else min(ADMISSION_WAIT_S, remaining)
+        wait = self.limits.memory_wait_s
+        timeout = wait if remaining is None else min(wait, remaining)
         try:
             await asyncio.wait_for(self.budget.wait(nbytes, purpose, reservation,
                                                     peer=peer_host(_peer(context))),
                                    max(0.0, timeout))
         except TimeoutError:
+            self._spoke(context)  # the server refused it: no reset (reset_meter)
             await abort(context, refusal)
 
     async def _check_size(self, name: str, raw: bytes, reservation: Reservation,

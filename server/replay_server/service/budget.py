@@ -35,7 +35,7 @@ granted room first: else calls wanting a few MiB would take every piece
 that frees and starve one wanting 20). Only a stream's next group of
 batches, a wait with no end of its own, is passed over while it does not
 fit, so it never holds up the calls behind it; every other waiter gives up
-within a second (``admission.ADMISSION_WAIT_S``), so its turn is short. While anyone waits, a new reservation above
+within ``server.memory_wait_s`` (a second), so its turn is short. While anyone waits, a new reservation above
 :data:`SMALL_BYTES` that would take room without waiting is refused, so its
 caller queues behind those already waiting instead of overtaking them.
 Before, every release woke every waiter to race for it, so one address
@@ -202,7 +202,12 @@ class MemoryBudget:
 
     def describe(self) -> dict[str, int]:
         return {"memory_in_use_bytes": self.in_use, "memory_peak_bytes": self.peak,
-                "memory_refused_calls": self.refused}
+                "memory_refused_calls": self.refused, "memory_waiting_calls": self.waiting}
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for room now (:meth:`wait`)."""
+        return self._queued
 
     # ------------------------------------------------------------ reservations
 

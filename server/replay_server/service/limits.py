@@ -40,6 +40,9 @@ options, and describes them for ``info`` and the start-up log.
   its calls held (a stream's leased rows) within their sum, not after TCP's
   retransmissions give up (~15 min). Clients may ping as often as every
   :func:`client_ping_floor_s` (faster: GOAWAY ``too_many_pings``).
+* ``memory_wait_s``: how long a unary or chunked call waits for room in the
+  memory budget (served in turn per address) before it is refused as
+  overloaded.
 * ``max_call_resets_per_s``: calls one connection may end before their first
   message (HTTP/2 rapid reset: HEADERS then RST_STREAM) within a second;
   past it the connection is cut (:mod:`~replay_server.service.reset_meter`).
@@ -67,7 +70,7 @@ DEFAULTS: dict[str, Any] = {  # ints where the setting is a count or MiB, floats
     "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
     "max_waiting_calls": 1024, "max_streams": 128, "default_wait_s": 300.0,
     "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0,
-    "request_timeout_s": 5.0, "max_call_resets_per_s": 200.0}
+    "request_timeout_s": 5.0, "max_call_resets_per_s": 20.0, "memory_wait_s": 1.0}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
 
 WINDOW_BYTES = 64 << 10
@@ -138,6 +141,7 @@ def check_limits(settings: Any) -> None:
     if not is_real(wait) or not 0 < wait < math.inf:
         raise ConfigError(f"server.default_wait_s must be a number of seconds > 0, got {wait!r}")
     _seconds("server.request_timeout_s", settings.request_timeout_s, 0.1, 3_600.0)
+    _seconds("server.memory_wait_s", settings.memory_wait_s, 0.01, 3_600.0)
     rate = settings.max_call_resets_per_s
     if not is_real(rate) or not 1 <= rate <= 1e6:
         raise ConfigError(f"server.max_call_resets_per_s must be a number of calls per second "
@@ -194,6 +198,7 @@ class ServiceLimits:
     keepalive_timeout_s: float = DEFAULTS["keepalive_timeout_s"]
     request_timeout_s: float = DEFAULTS["request_timeout_s"]
     max_call_resets_per_s: float = DEFAULTS["max_call_resets_per_s"]
+    memory_wait_s: float = DEFAULTS["memory_wait_s"]
 
     @classmethod
     def of(cls, settings: Any) -> ServiceLimits:
@@ -218,6 +223,7 @@ class ServiceLimits:
             keepalive_timeout_s=float(settings.keepalive_timeout_s),
             request_timeout_s=float(settings.request_timeout_s),
             max_call_resets_per_s=float(settings.max_call_resets_per_s),
+            memory_wait_s=float(settings.memory_wait_s),
         )
 
     @classmethod
@@ -370,4 +376,5 @@ class ServiceLimits:
             "response_timeout_s": self.response_timeout_s,
             "request_timeout_s": self.request_timeout_s,
             "max_call_resets_per_s": self.max_call_resets_per_s,
+            "memory_wait_s": self.memory_wait_s,
         }

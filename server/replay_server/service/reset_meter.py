@@ -6,11 +6,18 @@ attack (CVE-2023-44487). gRPC core (1.85) bounds the streams open at once,
 not the rate, and each such stream still starts a handler here: 100,000
 resets on one connection took legitimate calls' median from 1.5 ms to
 225 ms, with errors. gRPC offers no limit on the rate, so the server counts
-per connection the calls that end before their first message arrived (a
-reset, or silence), and a connection past ``server.max_call_resets_per_s``
+per connection the calls their client ends before their first message
+arrived (a reset), and a connection past ``server.max_call_resets_per_s``
 of them within one second is cut (the connection guard shuts its socket:
 :meth:`~replay_server.service.connections.ConnectionGuard.cut`). A client
-cancelling calls it has sent, or a learner closing its stream, never counts.
+cancelling calls it has sent, or a learner closing its stream, never counts,
+nor does a call the server ends itself (refused for memory, or past
+``request_timeout_s``: :class:`~replay_server.service.admission.Admission`
+marks those as spoken).
+On a server requiring the token, every call refused for its token counts
+too (:mod:`~replay_server.service.token_auth`): such calls never reach
+admission, and a reset flood without the token otherwise lasted until the
+connection's handshake deadline.
 
 Cost: a dictionary update per such call; the table is emptied each second,
 so it holds at most the connections that ended a call without a word in

@@ -6,7 +6,6 @@ import asyncio
 import errno
 import functools
 import gc
-import hmac
 import logging
 import os
 import signal
@@ -48,50 +47,15 @@ from replay_server.service.reset_meter import ResetMeter
 from replay_server.service.servicer import SERVICE_NAME, ReplayServicer
 from replay_server.service import sinks
 from replay_server.service.settings import ServerSettings
-from replay_server.service.status import CLIENT_LOG, UnauthenticatedError, abort
+from replay_server.service.token_auth import TokenAuth
+from replay_server.service.status import CLIENT_LOG
 
 log = logging.getLogger("replay_server")
-
-HEALTH_SERVICE = "grpc.health.v1.Health"
 
 LEASE_CLOCK_S = 0.5
 """How often the rows of expired leases are returned to their queues (without a sample)."""
 
 T = TypeVar("T")
-
-
-class _TokenAuth(grpc.aio.ServerInterceptor):
-    """Refuses calls without ``authorization: Bearer <token>`` (health checks excepted).
-
-    The refusal never reads the request: it is served by a *stream* handler
-    (a unary one would have gRPC read the whole message first), so a flood
-    of large calls without the token costs no memory.
-
-    The token is compared in constant time (``hmac.compare_digest``), so the
-    time a refusal takes says nothing about how much of a guess was right.
-    """
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-        async def refuse(requests: object, context: grpc.aio.ServicerContext) -> bytes:
-            await abort(context, UnauthenticatedError(
-                "missing or wrong token: send metadata 'authorization: Bearer <token>'"))
-
-        self._refuse = grpc.stream_unary_rpc_method_handler(refuse)
-        self._refuse_stream = grpc.stream_stream_rpc_method_handler(refuse)
-
-    async def intercept_service(self, continuation, details):
-        if details.method.startswith(f"/{HEALTH_SERVICE}/"):
-            return await continuation(details)
-        metadata = dict(details.invocation_metadata or ())
-        sent = metadata.get("authorization", "")
-        sent = sent.encode() if isinstance(sent, str) else bytes(sent)
-        handler = await continuation(details)
-        if handler is None or hmac.compare_digest(sent, self._expected):
-            return handler
-        # Refuse with a handler of the same shape, whatever the RPC (no request is read).
-        return self._refuse_stream if handler.response_streaming else self._refuse
 
 
 class ReplayServer:
@@ -152,6 +116,7 @@ class ReplayServer:
                     f"server.auth_token_env is {settings.auth_token_env!r} but that environment "
                     f"variable is unset or empty"
                 )
+        self._auth = TokenAuth(self._token) if self._token else None
         self.exit_code = 0  # 1 when the final checkpoint failed
         self._executor = ThreadPoolExecutor(settings.workers, thread_name_prefix="replay-engine")
         # Checkpoints block their thread for seconds: never on the engine's workers.
@@ -221,8 +186,8 @@ class ReplayServer:
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if self.metrics is not None:  # first: it sees the token check's refusals too
             interceptors.append(self.metrics.rpc)
-        if self._token:
-            interceptors.append(_TokenAuth(self._token))
+        if self._auth is not None:
+            interceptors.append(self._auth)
         self._server = grpc.aio.server(
             interceptors=interceptors,
             options=[*self.limits.grpc_options(), ("grpc.so_reuseport", 0)],
@@ -305,7 +270,17 @@ class ReplayServer:
                                "closed", peer, limits.max_call_resets_per_s)
                 guard.cut(peer)
 
+        def on_refused(peer: str) -> None:  # on the event loop
+            if meter.ended_silent(peer):
+                CLIENT_LOG.log(peer, "resets", logging.WARNING, "%s made more than "
+                               "server.max_call_resets_per_s = %g calls without the token within "
+                               "a second: its connection is closed", peer,
+                               limits.max_call_resets_per_s)
+                guard.cut(peer)
+
         self.admission.on_silent_end = on_silent_end
+        if self._auth is not None:
+            self._auth.on_refused = on_refused
         guard = self.connections
         self._servicer.connection_figures = lambda: (guard.open, guard.closed)
         self.connections.start()

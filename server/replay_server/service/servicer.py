@@ -420,6 +420,7 @@ class ReplayServicer:
             max_streams=limits.max_streams, streams_open=self._admission.streams,
             transport_bound_bytes=limits.transport_bound_bytes,
             keepalive_s=limits.keepalive_s, keepalive_timeout_s=limits.keepalive_timeout_s,
+            memory_waiting_calls=budget.waiting, memory_wait_s=limits.memory_wait_s,
         )
 
     def _may_pass(self, table: str, operation: str, count: int) -> bool:

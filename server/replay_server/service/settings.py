@@ -77,6 +77,9 @@ class ServerSettings:
             unary call's request, a stream's opening message), and a chunked request
             each next message; one that does not is ended (DEADLINE_EXCEEDED), its
             slot and memory freed.
+        memory_wait_s: how long a unary or chunked call may wait for room in the
+            memory budget (served in turn per address) before it is refused as
+            overloaded.
         max_call_resets_per_s: calls one connection may end before their first
             message (a reset: HTTP/2 rapid reset) within a second; past it the
             connection is cut.
@@ -148,6 +151,7 @@ class ServerSettings:
     response_timeout_s: float = LIMIT_DEFAULTS["response_timeout_s"]
     request_timeout_s: float = LIMIT_DEFAULTS["request_timeout_s"]
     max_call_resets_per_s: float = LIMIT_DEFAULTS["max_call_resets_per_s"]
+    memory_wait_s: float = LIMIT_DEFAULTS["memory_wait_s"]
     keepalive_s: float = LIMIT_DEFAULTS["keepalive_s"]
     keepalive_timeout_s: float = LIMIT_DEFAULTS["keepalive_timeout_s"]
     max_batch_mb: int = LIMIT_DEFAULTS["max_batch_mb"]
