@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from sides import replay_server  # benchmarks/ is on sys.path: this script's directory
+from wal_restore import log_replay
 
 KINDS = {"small": ({"obs": ("float32", (17,))}, ""),
          "atari": ({"frame": ("uint8", (84, 84, 4))}, 'compress_keys = ["frame"]\n')}
@@ -117,53 +115,6 @@ def insert_rate(root: Path, kind: str, wal: str, args: argparse.Namespace) -> di
             "row_bytes": nbytes // args.batch}
 
 
-def _serve(root: Path, config: Path, name: str) -> tuple[subprocess.Popen, str, float]:
-    port_file = root / f"{name}.port"
-    start = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "replay_server.app.cli", "serve", "--config", str(config),
-         "--address", "127.0.0.1:0", "--port-file", str(port_file)],
-        stdout=open(root / f"{name}.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
-    while not (port_file.exists() and port_file.read_text().strip()):
-        if process.poll() is not None or time.perf_counter() - start > 600:
-            raise RuntimeError((root / f"{name}.log").read_text()[-2000:])
-        time.sleep(0.01)
-    return process, f"127.0.0.1:{port_file.read_text().strip()}", time.perf_counter() - start
-
-
-def replay_rate(root: Path, args: argparse.Namespace) -> dict:
-    """kill -9 with ``--replay-mb`` logged after the last checkpoint; the restart's figures."""
-    from replay_client import ReplayClient
-
-    block = rows("atari", 256, seed=2)
-    calls = max(1, int(args.replay_mb * 1e6) // sum(v.nbytes for v in block.values()))
-    config = root / "replay.toml"
-    config.write_text(f'[server]\ncheckpoint_dir = "{root / "ckpt"}"\ncheckpoint_interval_s = 0\n'
-                      f'wal = true\nwal_sync = "os"\nwal_max_mb = 65536\n[[tables]]\n'
-                      f'name = "bench"\ncapacity = {calls * 256}\nsampler = "uniform"\n'
-                      f'{KINDS["atari"][1]}')
-    process, address, _ = _serve(root, config, "first")
-    client = ReplayClient(address, timeout=600)
-    client.insert("bench", block)
-    client.checkpoint()
-    for _ in range(calls):
-        client.insert("bench", block)
-    client.close()
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    log_bytes = sum(p.stat().st_size for p in (root / "ckpt").glob("wal-*.log"))
-    process, _, serving_s = _serve(root, config, "second")
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    line = re.search(r"replayed the write-ahead log: (\d+) change.*?\(([\d.]+) MB in ([\d.]+) s",
-                     (root / "second.log").read_text())
-    assert line is not None, "the restart replayed nothing"
-    mb, seconds = float(line.group(2)), float(line.group(3))
-    return {"log_mb": round(log_bytes / 1e6, 1), "changes": int(line.group(1)),
-            "replay_s": seconds, "replay_gb_s": round(mb / 1e3 / max(seconds, 1e-9), 2),
-            "kill_to_serving_s": round(serving_s, 2)}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=5.0)
@@ -172,7 +123,7 @@ def main() -> None:
     parser.add_argument("--capacity", type=int, default=200_000)
     parser.add_argument("--dir", default=None, help="where the logs go (a tmp dir there)")
     parser.add_argument("--replay-mb", type=float, default=1000.0,
-                        help="log replayed on restart (0: skip)")
+                        help="log replayed on restart (0: skip; benchmarks/wal_restore.py)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="row kinds, comma-separated")
     parser.add_argument("--levels", default="off,os,fsync",
                         help="log settings, comma-separated (ratios need off)")
@@ -198,7 +149,7 @@ def main() -> None:
                     result[kind][f"{wal}_vs_off"] = round(result[kind][wal]["mb_s"] / off, 2)
         if args.replay_mb > 0:
             (root / "replay").mkdir()
-            result["replay"] = replay_rate(root / "replay", args)
+            result["replay"] = log_replay(root / "replay", args.replay_mb, lz4=False)
             print(f"replay: {result['replay']}", file=sys.stderr)
     print(json.dumps(result, indent=1))
 

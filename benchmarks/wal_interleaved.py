@@ -17,6 +17,16 @@ first): the read path, which the log should not slow.
 COMMIT server | tar -x -C DIR``); its servers import that package instead of
 the installed one (through a ``sitecustomize`` this script writes).
 
+Inserts also measure, in turns of their own between the servers' (same
+rounds, same load), the disk's own synced sequential write rate where the
+logs are: ``dd conv=fdatasync`` in Python (sequential writes of one insert's
+log record, the size the log writes per call, measured from the ``"fsync"``
+server's log after the warm-up; one ``fdatasync`` at the end of the turn),
+and the log's own pattern at best (writes of ``--writers`` records, each
+followed by ``fdatasync``: one group of every writer). The issue's bound for
+``"fsync"`` is the lower of 0.7x of "off" and 80% of the ``dd`` rate in rows
+(bytes over the log's bytes per row); the result says which applied.
+
     .venv/bin/python benchmarks/wal_interleaved.py [--kinds small] [--rounds 10]
         [--seconds 1] [--base DIR]
 """
@@ -34,6 +44,7 @@ import threading
 import time
 from pathlib import Path
 
+from replay_server.checkpoint.wal.records import SEGMENT_HEADER_BYTES
 from wal import KINDS, rows  # benchmarks/ is on sys.path: this script's directory
 
 _SHIM = '''import os, sys
@@ -78,7 +89,9 @@ class Server:
             time.sleep(0.05)
         address = f"127.0.0.1:{port_file.read_text().strip()}"
         self.clients = [ReplayClient(address, timeout=600) for _ in range(args.writers)]
+        self.log_dir = root / "ckpt"
         self.calls = 0
+        self.inserts = 0  # insert calls answered since the start (warm-up included)
         self.seconds = 0.0
 
     def turn(self, op: str, block: dict, seconds: float, batch: int) -> None:
@@ -112,6 +125,13 @@ class Server:
             thread.join()
         self.seconds += time.perf_counter() - start
         self.calls += sum(counts)
+        self.inserts += sum(counts) if op == "insert" else 0
+
+    def log_bytes_per_call(self) -> float:
+        """The log's bytes per insert call so far (segment headers left out)."""
+        segments = list(self.log_dir.glob("wal-*.log"))
+        nbytes = sum(p.stat().st_size - SEGMENT_HEADER_BYTES for p in segments)
+        return nbytes / max(self.inserts, 1)
 
     def close(self) -> None:
         for client in self.clients:
@@ -122,6 +142,59 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+class Disk:
+    """The disk's own synced sequential write rate, in turns like a server's: writes of
+    ``write_bytes`` into one file, ``fdatasync`` after each (``per_write``) or once at the
+    end of the turn (``dd conv=fdatasync``); ``calls`` counts bytes."""
+
+    def __init__(self, root: Path, name: str, per_write: bool) -> None:
+        self.name, self.per_write = name, per_write
+        self.path = root / f"{name.replace('/', '-')}.bin"
+        self.write_bytes = 0
+        self.calls = 0
+        self.seconds = 0.0
+
+    def turn(self, op: str, block: dict, seconds: float, batch: int) -> None:
+        data = os.urandom(self.write_bytes)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        written = 0
+        start = time.perf_counter()
+        try:
+            while time.perf_counter() - start < seconds:
+                written += os.write(fd, data)
+                if self.per_write:
+                    os.fdatasync(fd)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        self.seconds += time.perf_counter() - start
+        self.calls += written
+        self.path.unlink()
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _bound(result: dict, rate: dict, bytes_per_row: float, disks: list[Disk]) -> None:
+    """The issue's bound for "fsync" (see the module docstring), and whether it was met."""
+    disk = {d.name: d.calls / d.seconds for d in disks}
+    rows_by_dd = disk["disk/dd"] / bytes_per_row
+    bounds = {"0.7x of off": 0.7 * rate["this/off"], "80% of dd": 0.8 * rows_by_dd}
+    applied = min(bounds, key=bounds.__getitem__)
+    result["disk"] = {"write_bytes": disks[0].write_bytes,
+                      "dd_fdatasync_mb_s": round(disk["disk/dd"] / 1e6, 1),
+                      "synced_groups_mb_s": round(disk["disk/synced"] / 1e6, 1),
+                      "log_bytes_per_row": round(bytes_per_row, 1)}
+    for level in ("os", "fsync"):
+        if f"this/{level}" in rate:
+            log_mb_s = rate[f"this/{level}"] * bytes_per_row / 1e6
+            result["disk"][f"{level}_log_mb_s"] = round(log_mb_s, 1)
+    result["bound"] = {"applied": applied, "rows_s": round(bounds[applied]),
+                       "other": {k: round(v) for k, v in bounds.items() if k != applied},
+                       "fsync_rows_s": rate["this/fsync"],
+                       "met": rate["this/fsync"] >= bounds[applied]}
 
 
 def measure(root: Path, kind: str, op: str, args: argparse.Namespace) -> dict:
@@ -137,15 +210,29 @@ def measure(root: Path, kind: str, op: str, args: argparse.Namespace) -> dict:
                     server.clients[0].insert("bench", block)
             server.turn(op, block, 0.2, args.sample_batch)
             server.calls, server.seconds = 0, 0.0
+        disks: list[Disk] = []
+        synced = next((s for s in servers if s.name == "this/fsync"), None)
+        if op == "insert" and synced is not None and "this/off" in [s.name for s in servers]:
+            record = synced.log_bytes_per_call()
+            disks = [Disk(root, "disk/dd", per_write=False), Disk(root, "disk/synced", True)]
+            disks[0].write_bytes = max(1, round(record))
+            disks[1].write_bytes = max(1, round(record * args.writers))
+            servers = [*servers, *disks]  # type: ignore[list-item]
         for round_ in range(args.rounds):
             order = servers[round_ % len(servers):] + servers[:round_ % len(servers)]
             for server in order:
                 server.turn(op, block, args.seconds, args.sample_batch)
+        if disks:  # before the servers stop: a stop's checkpoint truncates the log
+            assert synced is not None
+            record = synced.log_bytes_per_call()
     finally:
         for server in servers:
             server.close()
-    rate = {s.name: round(s.calls * per_call / s.seconds) for s in servers}
+    rate = {s.name: round(s.calls * per_call / s.seconds) for s in servers
+            if not isinstance(s, Disk)}
     result: dict = {"rows_s": rate}
+    if disks:
+        _bound(result, rate, record / args.batch, disks)
     for tree, _ in trees:
         off = rate.get(f"{tree}/off")
         for level in args.levels.split(","):

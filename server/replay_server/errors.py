@@ -137,6 +137,12 @@ class LogWriteError(FailedPreconditionError):
     refused, or were not acknowledged, until a checkpoint succeeds."""
 
 
+class LogSpaceError(LogWriteError):
+    """The write-ahead log's disk has no room for a change (disk full, quota, file size
+    limit): refused before it was applied (nothing stored), or, when its write failed, not
+    acknowledged. The message names the log's directory."""
+
+
 class CorruptLogError(RestoreError):
     """The write-ahead log cannot be replayed (a segment missing, from another server or
     incarnation, damaged in the middle); the server does not start. The message names the

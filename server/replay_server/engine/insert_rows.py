@@ -43,12 +43,18 @@ class InsertRows:
         rows: how many rows.
         priorities: float64 ``[rows]``, or ``None`` when none were given.
         alpha: the exponent :attr:`priorities` were checked against.
+        early: the rows as the storage keeps them, made before the table's lock
+            (:meth:`~replay_server.engine.table_parts.TableParts.encode_early`, e.g. lz4
+            blocks), or ``None``: the table makes them. A caller that orders its inserts
+            with a lock of its own (the write-ahead log's) makes them before taking it,
+            so that concurrent inserts still compress at once.
     """
 
     columns: dict[str, torch.Tensor]
     rows: int
     priorities: np.ndarray | None = None
     alpha: float | None = None
+    early: Any = None
 
     @classmethod
     def of(cls, data: Any, priorities: Any, config: TableConfig, alpha: float | None,

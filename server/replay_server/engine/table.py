@@ -67,11 +67,7 @@ from replay_server.engine.storage import ColumnStorage
 from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
 from replay_server.engine.table_memory import TableMemory
 from replay_server.engine.table_info import TableCounters, TableFigures, TableInfo
-from replay_server.engine.table_parts import (
-    TableParts,
-    fresh_parts,
-    schema_way_out,
-)
+from replay_server.engine.table_parts import TableParts, fresh_parts, schema_way_out
 from replay_server.engine.table_state import STATE_VERSION, load_parts, snapshot_parts
 from replay_server.errors import (
     InsufficientMemoryError,
@@ -186,11 +182,18 @@ class Table:
         with self._lock:
             self._parts.ids.resume(self._parts.ring.next_id)
 
+    def prepare_insert(self, data: Any, priorities: Any = None) -> InsertRows:
+        """What :meth:`insert` does before its lock (check, convert, compress), for a caller
+        ordering inserts under a lock of its own (the log's): pass it to :meth:`insert`."""
+        parts = self._parts
+        batch = InsertRows.of(data, priorities, self.config, parts.sampler.alpha, self._device)
+        return replace(batch, early=parts.encode_early(batch.columns, self.name))
+
     def _insert(self, data: Any, priorities: Any, first_id: int | None) -> torch.Tensor:
-        """:meth:`insert`; ``first_id``: :meth:`replay_insert`'s."""
-        batch = InsertRows.of(data, priorities, self.config, self._parts.sampler.alpha,
-                              self._device)
-        early = self._parts.encode_early(batch.columns, self.name)
+        """:meth:`insert` (``data``: rows, or :meth:`prepare_insert`'s); ``first_id``:
+        :meth:`replay_insert`'s."""
+        batch = data if isinstance(data, InsertRows) else self.prepare_insert(data, priorities)
+        early = batch.early
         with self._lock:
             parts = self._parts
             batch.check_alpha(parts.sampler.alpha, self.name)  # draw_settings may change it

@@ -63,6 +63,7 @@ _MAPPING: tuple[tuple[type[BaseException], grpc.StatusCode, ErrorKind], ...] = (
     (errors.InsufficientMemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED,
      ErrorKind.LIMIT_EXCEEDED),
     (errors.LogFullError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.LIMIT_EXCEEDED),
+    (errors.LogSpaceError, grpc.StatusCode.RESOURCE_EXHAUSTED, ErrorKind.LIMIT_EXCEEDED),
     (ShuttingDownError, grpc.StatusCode.UNAVAILABLE, ErrorKind.UNAVAILABLE),
     (RequestTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED, ErrorKind.DEADLINE_EXCEEDED),
     (UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED, ErrorKind.UNAUTHENTICATED),

@@ -20,7 +20,8 @@ from replay_server.engine.config import TableConfig
 from replay_server.engine.id_space import LocalIncarnations
 from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.table_set import TableSet
-from replay_server.errors import CorruptLogError, LogFullError, LogWriteError
+from replay_server.errors import CorruptLogError, LogFullError, LogSpaceError, LogWriteError
+from tests.small_disk import small_disk
 
 CONFIGS = [TableConfig(name="replay", capacity=1000, sampler="prioritized"),
            TableConfig(name="plain", capacity=100, sampler="uniform")]
@@ -291,3 +292,55 @@ def test_a_group_that_cannot_be_written_fails_its_callers_and_breaks_the_log(tmp
     with pytest.raises(LogWriteError, match="cannot be written"):
         log.append([b"z"])
     log.close()
+
+
+def test_a_write_past_the_disk_is_cut_off_and_refuses_changes_until_a_checkpoint(
+        tmp_path) -> None:
+    """A write that finds the disk full (here: a record larger than the tmpfs, queued past
+    the space check) is cut off the segment again, so the log holds no torn record; it fails
+    with LogSpaceError naming the log's disk, and further changes are refused (RESOURCE_EXHAUSTED
+    in the service) with nothing applied. Replay finds every acknowledged change and no
+    damage; a checkpoint (truncate) mends the log."""
+    with small_disk(tmp_path / "disk", 1 << 20) as disk:
+        tables = _tables(1)
+        log = _log(disk, 1)
+        tables["replay"].attach(log)
+        ids = tables["replay"].insert({"obs": torch.ones(3, 5)})
+        segment = disk / records.segment_name(0)
+        whole = segment.stat().st_size
+        number = log.append([b"\1" * (2 << 20)])  # more than the disk holds
+        with pytest.raises(LogSpaceError, match=r"disk is full \(.*disk\): No space left on device"):
+            log.wait(number)
+        assert segment.stat().st_size == whole  # cut off again: no torn record
+        with pytest.raises(LogSpaceError, match="nothing of it is stored"):
+            tables["replay"].insert({"obs": torch.zeros(2, 5)})
+        assert tables["replay"].size == 3
+        log.close()
+        replayed = _tables(2)
+        report = replay_log(disk, replayed, start=None, start_incarnation=None, shard=0,
+                            last_incarnation=2)
+        assert not report.cut and replayed["replay"].size == 3
+        assert replayed["replay"].read_rows(ids=ids).columns["obs"].tolist() == [[1.0] * 5] * 3
+
+        mended = _log(disk, 2, first_index=1)
+        with pytest.raises(LogSpaceError):
+            mended.wait(mended.append([b"\1" * (2 << 20)]))
+        first_kept = mended.rotate()  # what a checkpoint does, then truncates after it
+        mended.truncate(first_kept)
+        mended.admit(64)  # writes are accepted again
+        mended.close()
+
+
+def test_the_disk_check_refuses_a_change_with_no_room_before_it_is_applied(tmp_path) -> None:
+    configs = [TableConfig(name="big", capacity=100_000, sampler="uniform")]
+    with small_disk(tmp_path / "disk", 1 << 20) as disk:
+        tables = TableSet(configs, LocalIncarnations(0, 1), make_table=LoggedTable)
+        log = _log(disk, 1)
+        tables["big"].attach(log)
+        with pytest.raises(LogSpaceError, match=f"no space left on the write-ahead log's disk "
+                                                f"\\({disk}"):
+            for _ in range(100):  # 20 KB each through a 1 MB disk
+                tables["big"].insert({"obs": torch.zeros(1000, 5)})
+        assert 10 < tables["big"].log_seq < 100
+        assert tables["big"].size == 1000 * tables["big"].log_seq  # the refused: nothing
+        log.close()

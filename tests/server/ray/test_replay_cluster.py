@@ -16,6 +16,9 @@ Faults:
   either; Ray restarts shard 1, which restores its checkpoint (exactly the
   rows it held then) and registers again; both take it back. Counts are
   checked from the ids (bits 40..55: the id incarnation, new after a restart).
+* A shard with the write-ahead log on (a replay of its own), killed: it restarts,
+  replays its log from the directory every node reads and rejoins with every
+  acknowledged row, those after its last checkpoint too (issue 29).
 * Its node lost: Ray cannot place it again, so the registry says
   ``restarting`` for as long as the test wants; a client made then knows
   (strict: refused naming shard 1; degraded: ``missing_shards``). A new node
@@ -322,6 +325,32 @@ def test_a_killed_shard_restarts_restores_and_rejoins_a_learner_and_a_writer(
     assert missing, "the learner never saw shard 1 missing"
     assert all(shards == [0] for gone, shards in seen if gone == (1,))
     assert any(gone == () and 1 in shards for gone, shards in seen[missing[-1]:])  # rejoined
+
+
+def test_a_killed_logged_shard_rejoins_with_every_acknowledged_row(ray_cluster,
+                                                                   tmp_path) -> None:
+    replay = start("logged", tmp_path, server={"wal": True, "wal_sync": "os"})
+    try:
+        with replay.client() as client:
+            ids = [client.insert("u", {"key": torch.arange(k, k + 20)}).numpy()
+                   for k in range(0, 200, 20)]
+            replay.checkpoint()
+            ids += [client.insert("u", {"key": torch.arange(k, k + 20)}).numpy()
+                    for k in range(200, 400, 20)]  # acknowledged, in no checkpoint
+        stored = np.concatenate(ids)
+        on1 = stored[(stored >> 56) == 1]
+        assert 0 < len(on1) < len(stored)
+        before = replay.states()[1]
+        ray.kill(replay.shards[1], no_restart=False)  # a crash: no drain, no final checkpoint
+        assert wait_for(lambda: replay.states()[1]["incarnation"] > before["incarnation"]
+                        and replay.states()[1]["state"] == "serving", timeout=90)
+        with replay.client() as client:
+            sizes = {s: info.tables["u"].size for s, info in client.shard_info().items()}
+            assert sizes[1] == len(on1) and sum(sizes.values()) == len(stored)
+            read = client.read("u", ids=stored)
+            assert read.columns["key"].tolist() == list(range(400))  # each row by its id
+    finally:
+        replay.shutdown()
 
 
 def test_a_client_made_while_a_shard_cannot_restart_knows_it_is_missing(

@@ -27,9 +27,15 @@ checkpoint is complete, :meth:`truncate` deletes the covered segments.
 ``max_bytes`` it runs an early checkpoint (the ``checkpoint`` callable) and
 refuses the change with :class:`~replay_server.errors.LogFullError` if the
 log is still too large; half-way there it starts one in the background.
-A write that fails (disk full, I/O error) fails every change waiting on it
-and *breaks* the log: changes are refused until a checkpoint succeeds (it
-holds what the failed records held, and the log starts again after it).
+**Disk space.** :meth:`admit` also refuses a change the log's disk has no
+room for (:class:`~replay_server.errors.LogSpaceError`, nothing applied): it
+keeps an estimate of the free space, read with ``statvfs`` again whenever
+the estimate comes within :data:`DISK_SLACK` of the change. A write that
+fails all the same (another process took the space meanwhile, an I/O error)
+is cut off the segment again (``ftruncate`` to its last whole record, so the
+log holds no torn record), fails every change waiting on it and *breaks*
+the log: changes are refused until a checkpoint succeeds (it holds what the
+failed records held, and the log starts again after it).
 
 Thread-safety: every method may be called from any thread.
 """
@@ -45,13 +51,19 @@ from pathlib import Path
 from typing import Any
 
 from replay_server.checkpoint.wal.records import segment_header, segment_name
-from replay_server.errors import LogFullError, LogWriteError
+from replay_server.errors import LogFullError, LogSpaceError, LogWriteError
 
 log = logging.getLogger("replay_server.wal")
 
 SYNC_LEVELS = ("fsync", "os")
 _IOV_MAX = 512
 _ROTATE = object()
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+DISK_SLACK = 16 << 20
+"""Free bytes (estimated) above a change's size under which :meth:`WriteAheadLog.admit`
+reads the disk's free space again (``statvfs``) rather than trust its estimate."""
+DISK_HEADROOM = 64 << 10
+"""Free bytes a change must leave on the log's disk (a segment's next header, a page)."""
 
 
 class WriteAheadLog:
@@ -82,6 +94,8 @@ class WriteAheadLog:
         self._durable = 0  # every record numbered up to this one is durable
         self._lost: list[tuple[int, int]] = []  # numbers whose write failed
         self._broken: str | None = None
+        self._out_of_space = False  # the write that broke the log found no space
+        self._free = -1  # estimated free bytes on the log's disk (-1: read it)
         self._closing = False
         self._early: threading.Thread | None = None
         self._sizes: dict[int, int] = {}  # segment index -> bytes, segments kept
@@ -111,6 +125,7 @@ class WriteAheadLog:
         if self._broken is None and self.nbytes + nbytes <= self.max_bytes:
             if self.nbytes > self.max_bytes // 2:
                 self._checkpoint_in_background()
+            self._check_space(nbytes)
             return
         why = self._broken or "it is full"
         if self.checkpoint is not None and nbytes <= self.max_bytes:
@@ -120,7 +135,8 @@ class WriteAheadLog:
             except Exception as exc:  # logged by the checkpointer
                 why = f"{why}, and the early checkpoint failed: {exc}"
         if self._broken is not None:
-            raise LogWriteError(
+            error = LogSpaceError if self._out_of_space else LogWriteError
+            raise error(
                 f"the write-ahead log cannot be written ({why}); the change was refused and "
                 f"nothing of it is stored; samples keep working, and writes resume after the "
                 f"next successful checkpoint")
@@ -156,7 +172,8 @@ class WriteAheadLog:
         with self._cond:
             self._until(lambda: number <= self._durable or self._failed(number))
             if self._failed(number):
-                raise LogWriteError(
+                error = LogSpaceError if self._out_of_space else LogWriteError
+                raise error(
                     f"the write-ahead log could not be written ({self._broken or 'write failed'})"
                     f"; the change was not acknowledged (it may or may not survive a crash)")
 
@@ -191,6 +208,8 @@ class WriteAheadLog:
             if self._broken is not None and first_kept <= self._index:
                 log.info("write-ahead log mended by a checkpoint: writes are accepted again")
                 self._broken = None
+                self._out_of_space = False
+                self._free = -1
 
     def close(self) -> None:
         """Write what is queued, stop the writer, close the segment."""
@@ -202,6 +221,24 @@ class WriteAheadLog:
             self._fd = None
 
     # -------------------------------------------------------------- writer
+
+    def _check_space(self, nbytes: int) -> None:
+        """Refuse a change the log's disk has no room for (see the module docstring)."""
+        free = self._free - nbytes  # an estimate: concurrent callers may race on it
+        if free > DISK_SLACK:
+            self._free = free
+            return
+        try:
+            stat = os.statvfs(self.directory)
+        except OSError:
+            return  # the write itself will tell
+        self._free = stat.f_bavail * stat.f_frsize - nbytes
+        if self._free < DISK_HEADROOM:
+            raise LogSpaceError(
+                f"no space left on the write-ahead log's disk ({self.directory}: "
+                f"{max(self._free + nbytes, 0):,} bytes free, this change needs about "
+                f"{nbytes:,}); the change was refused and nothing of it is stored; samples "
+                f"keep working, and writes resume once there is space")
 
     def _failed(self, number: int) -> bool:
         return any(low <= number <= high for low, high in self._lost)
@@ -234,6 +271,7 @@ class WriteAheadLog:
                 os.close(dir_fd)
         except OSError:
             os.close(fd)
+            path.unlink(missing_ok=True)  # never a segment without a whole header
             raise
         self._sizes[index] = len(header)
         return fd
@@ -264,6 +302,8 @@ class WriteAheadLog:
         except OSError as exc:
             name = errno.errorcode.get(exc.errno or 0, "error")
             failure = f"{exc.strerror or exc} ({name}) in {segment_name(self._index)}"
+            if exc.errno in _SPACE_ERRNOS:
+                failure = f"the log's disk is full ({self.directory}): {failure}"
         except Exception as exc:  # a bug: fail this group and break the log, never hang
             log.exception("write-ahead log: writing a group failed")
             failure = f"{type(exc).__name__}: {exc} in {segment_name(self._index)}"
@@ -276,6 +316,8 @@ class WriteAheadLog:
         else:
             if self._broken is None:
                 self._broken = failure
+                self._out_of_space = failure.startswith("the log's disk is full")
+                self._free = -1
                 log.error("write-ahead log write failed: %s; changes are refused until "
                           "a checkpoint succeeds", failure)
             self._lost.append((batch[0][0], batch[-1][0]))
@@ -299,18 +341,27 @@ class WriteAheadLog:
         if not buffers:
             return
         assert self._fd is not None
+        whole = self._sizes[self._index]  # the segment's bytes up to its last whole record
         total = 0
-        for start in range(0, len(buffers), _IOV_MAX):
-            chunk = buffers[start:start + _IOV_MAX]
-            want = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in chunk)
-            done = os.writev(self._fd, chunk)
-            while done < want:  # a short write: the rest, from where it stopped
-                rest = b"".join(bytes(b) for b in chunk)[done:]
-                done += os.write(self._fd, rest)
-            total += want
-        self._sizes[self._index] += total
-        if self.sync == "fsync":
-            os.fdatasync(self._fd)
+        try:
+            for start in range(0, len(buffers), _IOV_MAX):
+                chunk = buffers[start:start + _IOV_MAX]
+                want = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in chunk)
+                done = os.writev(self._fd, chunk)
+                while done < want:  # a short write: the rest, from where it stopped
+                    rest = b"".join(bytes(b) for b in chunk)[done:]
+                    done += os.write(self._fd, rest)
+                total += want
+            if self.sync == "fsync":
+                os.fdatasync(self._fd)
+        except OSError:
+            try:  # none of these records is acknowledged: leave no torn one behind
+                os.ftruncate(self._fd, whole)
+            except OSError as exc:
+                log.error("write-ahead log: cannot cut a failed write off %s: %s (a restart "
+                          "cuts it as a torn tail)", segment_name(self._index), exc)
+            raise
+        self._sizes[self._index] = whole + total
 
     def _rotate_only(self, batch: list[Any], rotated: dict[int, int]) -> None:
         """A broken log still begins the segments checkpoints ask for (its records fail)."""

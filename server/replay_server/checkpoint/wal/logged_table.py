@@ -107,9 +107,12 @@ class LoggedTable(LoggedChanges, Table):
                 meta.update(z=shapes, rows=len(ids))
             return records.INSERT, meta, tensors
 
+        # Checked, converted and compressed before the order lock, as Table.insert does before
+        # its own: concurrent inserts of a table compress at once (lz4 releases the GIL).
+        batch = self.prepare_insert(unflatten(columns), given)
         return self._logged(
             log, sum(c.nbytes for c in columns.values()) + (0 if given is None else given.nbytes),
-            lambda: Table.insert(self, unflatten(columns), given), record)
+            lambda: Table.insert(self, batch), record)
 
     def _append(self, parts: Any, batch: Any, encoded: Any,  # type: ignore[override]
                 episodes: dict[str, Any]) -> int:

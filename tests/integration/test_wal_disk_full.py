@@ -1,0 +1,84 @@
+"""The write-ahead log's disk fills up: writes are refused, samples go on, nothing is lost.
+
+A real server process logs into a small tmpfs (``wal_dir``) that a filler
+file nearly fills. Inserts past the space are refused with RESOURCE_EXHAUSTED
+naming the log's disk, nothing of them stored, while samples keep being
+served; once the filler is removed writes resume by themselves. After a
+``kill -9`` the restarted server has every acknowledged row, bit for bit,
+with its id, and issues none of those ids again.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from replay_client import ReplayClient
+from replay_client.errors import LimitExceededError
+from tests.conftest import start_server
+from tests.small_disk import fill, small_disk
+
+
+def _config(tmp_path: Path, disk: Path) -> str:
+    return f"""
+[server]
+checkpoint_dir = "{tmp_path / 'ckpt'}"
+checkpoint_interval_s = 0
+wal = true
+wal_dir = "{disk / 'wal'}"
+wal_max_mb = 64
+
+[[tables]]
+name = "replay"
+capacity = 100_000
+sampler = "uniform"
+"""
+
+
+def _rows(k: int) -> np.ndarray:
+    return np.random.default_rng(k).random((1024, 16)).astype(np.float32)  # 64 KiB
+
+
+def test_a_full_disk_refuses_writes_keeps_samples_and_loses_nothing(tmp_path) -> None:
+    with small_disk(tmp_path / "disk", 8 << 20) as disk:
+        filler = fill(disk, leave=1 << 20)
+        config = _config(tmp_path, disk)
+        server = start_server(tmp_path, config)
+        client = ReplayClient(server.address)
+        ids, rows = [], []
+        try:
+            with pytest.raises(LimitExceededError) as refused:
+                for k in range(40):  # 64 KiB each through about 1 MB of free space
+                    ids.append(client.insert("replay", {"obs": _rows(k)}).numpy())
+                    rows.append(_rows(k))
+            message = str(refused.value)
+            assert "no space left on the write-ahead log's disk" in message
+            assert str(disk / "wal") in message and "nothing of it is stored" in message
+            assert 4 <= len(ids) < 17
+            assert client.info()["replay"].size == 1024 * len(ids)  # the refused: nothing
+            assert client.sample("replay", batch_size=8).ids.numel() == 8  # samples go on
+            with pytest.raises(LimitExceededError, match="no space left"):
+                client.insert("replay", {"obs": _rows(99)})
+
+            filler.unlink()  # the operator makes room: writes resume by themselves
+            ids.append(client.insert("replay", {"obs": _rows(100)}).numpy())
+            rows.append(_rows(100))
+        finally:
+            client.close()
+            server.stop(signal.SIGKILL)
+
+        server = start_server(tmp_path, config, name="second")
+        client = ReplayClient(server.address)
+        try:
+            stored = np.concatenate(ids)
+            read = client.read("replay", ids=stored)
+            assert read.columns["obs"].numpy().tobytes() == np.concatenate(rows).tobytes()
+            assert client.info()["replay"].size == len(stored)
+            new = client.insert("replay", {"obs": _rows(101)}).numpy()
+            assert not set(new.tolist()) & set(stored.tolist())  # no id issued twice
+        finally:
+            client.close()
+            server.stop(signal.SIGKILL)
