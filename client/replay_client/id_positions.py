@@ -57,14 +57,14 @@ def positions_of(ids: Any, segments: tuple[IdSegment, ...]) -> np.ndarray:
     Cost: one vectorized pass over the ids per segment (usually one or two).
     """
     values = np.asarray(ids, dtype=np.int64)
-    out = np.full(values.shape, -1, dtype=np.int64)
-    if not values.size:
-        return out
     prefix = values >> INCARNATION_SHIFT  # shard, then incarnation
     sequences = values & SEQUENCE_MASK
+    out = None
     for segment in segments:
         mine = prefix == ((segment.shard << INCARNATION_BITS) | segment.incarnation)
-        if len(segments) == 1 and mine.all():
+        if out is None and mine.all():  # every id of one segment (a sample, usually)
             return segment.offset + (segment.first_position + sequences) % segment.capacity
+        if out is None:
+            out = np.full(values.shape, -1, dtype=np.int64)
         out[mine] = segment.offset + (segment.first_position + sequences[mine]) % segment.capacity
-    return out
+    return np.full(values.shape, -1, dtype=np.int64) if out is None else out

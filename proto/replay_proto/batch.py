@@ -146,10 +146,7 @@ class SampleBatch:
         """
         from tensordict import TensorDict
 
-        for key, what in (("index", "ids"), (weight_key, "importance weights")):
-            if key in self.columns:
-                raise ValueError(f"the batch has a column named {key!r}, which to_tensordict "
-                                 f"uses for the {what}; rename that column")
+        check_extras_names(self.columns, weight_key)
         lead = self.ids.shape
         weights = self.weights
         if len(lead) > 1:
@@ -162,6 +159,19 @@ class SampleBatch:
     def __repr__(self) -> str:
         shapes = ", ".join(f"{key}: {list(t.shape)}" for key, t in self.columns.items())
         return f"SampleBatch({self.batch_size} rows; {shapes})"
+
+
+def check_extras_names(columns: Mapping[str, Any], weight_key: str) -> None:
+    """Raise unless ``columns`` leave free the names a sample's TensorDict gives its extras
+    (``"index"`` and ``weight_key``: :meth:`SampleBatch.to_tensordict`).
+
+    Raises:
+        ValueError: naming the column to rename.
+    """
+    for key, what in (("index", "ids"), (weight_key, "importance weights")):
+        if key in columns:
+            raise ValueError(f"the batch has a column named {key!r}, which to_tensordict "
+                             f"uses for the {what}; rename that column")
 
 
 def _set(batch: SampleBatch, columns: dict[str, torch.Tensor], ids: torch.Tensor,

@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from replay_client.api import ReplayApi
 from replay_client.client import ReplayClient
@@ -75,7 +75,8 @@ from replay_client.torchrl.sampler_view import (
 )
 from replay_client.torchrl.transforms import Transforms
 from replay_feed.eager import runs_eagerly
-from replay_proto.batch import SampleBatch
+from replay_proto.batch import SampleBatch, check_extras_names
+from replay_proto.keys import unflatten
 from replay_proto.rows import EpisodeTracker
 from replay_proto.scalars import is_int
 
@@ -366,30 +367,37 @@ class RemoteReplayBuffer:
 
     def _output(self, batch: SampleBatch,
                 include_info: bool | None = None) -> tuple[Any, dict[Any, torch.Tensor]]:
-        drawn_ids = batch.ids
-        if self.slice_layout is not None:
-            batch = self.slice_layout.steps(batch)
-        # Each TensorDict operation costs about as much as a leaf's copy: the batch becomes one
-        # once, the extras ride along through the slices' cut, and leave it in one exclude.
-        td = batch.to_tensordict(self.weight_key)  # "index" holds the ids until the info is made
-        markers: dict[Any, torch.Tensor] = {}
-        if self.slice_layout is not None:
-            td, markers = self.slice_layout.flatten(td, drawn_ids)
-        ids = td.get("index")
-        info = {"index": self.positions(ids), ID_KEY: ids}
-        if self._prioritized:  # TorchRL's uniform samplers give no weights
-            info[self.weight_key] = td.get(self.weight_key)
-        info.update(markers)
-        td = td.exclude("index", self.weight_key)
+        prioritized = self._prioritized
+        if self.slice_layout is None:
+            columns, ids, weights, markers = batch.columns, batch.ids, batch.weights, {}
+        else:
+            steps = self.slice_layout.cut(batch, weights=prioritized)
+            columns, ids, weights, markers = steps.columns, steps.ids, steps.weights, steps.markers
+        check_extras_names(columns, self.weight_key)
         if self._episodes is not None:
-            td = self._episodes.strip(td)
-        data = self._rows.restore(td)  # stored flags as stored
-        if self._collate is not None:
-            data = self._collate(data)
-        data = self._transforms.forward(data)
+            columns = self._episodes.strip(columns)
+        info: dict[Any, torch.Tensor] = {"index": self.positions(ids), ID_KEY: ids}
+        if prioritized:  # TorchRL's uniform samplers give no weights
+            info[self.weight_key] = weights
+        info.update(markers)
         with_info = self.include_info if include_info is None else include_info
-        if self._kind.name in (None, "tensordict") and with_info:
-            data.update({key: expand_right(value, data.batch_size) for key, value in info.items()})
+        # Each TensorDict operation costs about as much as a small tensor's copy: the sample
+        # is made once, from plain dicts, its info in it unless something comes in between.
+        nested = unflatten(columns)
+        direct = (with_info and self._kind.name in (None, "tensordict") and not self._rows.restores
+                  and self._collate is None and not self._transforms.items)
+        if direct:
+            for key, value in info.items():
+                _put(nested, key, value)
+        data = TensorDict(nested, batch_size=ids.shape, device=ids.device)
+        if not direct:
+            data = self._rows.restore(data)  # stored flags as stored
+            if self._collate is not None:
+                data = self._collate(data)
+            data = self._transforms.forward(data)
+            if self._kind.name in (None, "tensordict") and with_info:
+                data.update({key: expand_right(value, data.batch_size)
+                             for key, value in info.items()})
         out = self._kind.decode(data)
         if self.pin_memory and torch.cuda.is_available():
             out = out.pin_memory()
@@ -561,4 +569,12 @@ class RemoteReplayBuffer:
     def __repr__(self) -> str:
         return (f"RemoteReplayBuffer({self.replay_client.address!r}, table={self.table!r}, "
                 f"batch_size={self._batch_size})")
+
+
+def _put(nested: dict[str, Any], key: Any, value: torch.Tensor) -> None:
+    """Set the (nested) TensorDict ``key`` of the nested dict ``nested`` to ``value``."""
+    *parents, leaf = key if isinstance(key, tuple) else (key,)
+    for part in parents:
+        nested = nested.setdefault(part, {})
+    nested[leaf] = value
 

@@ -62,6 +62,8 @@ class EpisodeColumn:
     def __init__(self, episode_key: str, traj_key: str | None = None,
                  end_keys: Sequence[Any] = DEFAULT_END_KEYS, find_traj_key: bool = False
                  ) -> None:
+        self.column = episode_key
+        """The column's flat name (as samples' columns name it)."""
         self.key = _key(episode_key)
         self.traj_key = None if traj_key is None else _key(traj_key)
         self._find_traj_key = find_traj_key and traj_key is None
@@ -98,8 +100,9 @@ class EpisodeColumn:
         out.set(self.key, ids)
         return out
 
-    def strip(self, sample: TensorDictBase) -> TensorDictBase:
-        """A sample without the column, when the buffer added it."""
-        if self.added and self.key in sample.keys(include_nested=True):
-            return sample.exclude(self.key)
-        return sample
+    def strip(self, columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A sample's columns (by flat name) without the episode column, when the buffer
+        added it (before they become a TensorDict: a plain dict costs less to cut)."""
+        if self.added and self.column in columns:
+            return {name: value for name, value in columns.items() if name != self.column}
+        return columns

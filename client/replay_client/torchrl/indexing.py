@@ -47,10 +47,9 @@ def read_rows(buffer: Any, index: Any) -> TensorDictBase:
     values = as_index_array(index, size)
     kind = split_index(values)
     got = buffer.replay_client.read(buffer.table, **{kind: values})
-    td = TensorDict(unflatten(got.columns), batch_size=[values.size])
     episodes = buffer._episodes
-    td = td if episodes is None else episodes.strip(td)
-    return buffer._rows.restore(td)
+    columns = got.columns if episodes is None else episodes.strip(got.columns)
+    return buffer._rows.restore(TensorDict(unflatten(columns), batch_size=[values.size]))
 
 
 def _is_key(index: Any) -> bool:

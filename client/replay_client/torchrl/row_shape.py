@@ -74,9 +74,14 @@ class RowShape:
             return ids.reshape(td.batch_size)
         return expand_right(ids, td.batch_size)
 
+    @property
+    def restores(self) -> bool:
+        """Whether :meth:`restore` changes a sample's batch size (rows with dims of their own)."""
+        return not self.steps and bool(self.dims)
+
     def restore(self, sample: TensorDictBase) -> TensorDictBase:
         """A sample ``[B]`` of rows as ``[B, *row dims]``."""
-        if self.steps or not self.dims:
+        if not self.restores:
             return sample
         sample.batch_size = torch.Size([sample.batch_size[0], *self.dims])
         return sample

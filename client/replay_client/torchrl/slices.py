@@ -26,19 +26,20 @@ says which steps are real, in a batch that has a short slice (a batch of full
 slices has none, as TorchRL's has none while no stored trajectory is short). The markers sit at each slice's last *real* step
 and its first step either way.
 
-Thread-safety: immutable.
+Thread-safety: immutable (the masks cached for full slices are never written).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase
 
 from replay_client.errors import InvalidArgumentError
 from replay_proto.batch import SampleBatch
+from replay_proto.keys import KEY_SEPARATOR
 from replay_proto.slices import real_steps
 
 TRUNCATED_KEY = ("next", "truncated")
@@ -96,72 +97,109 @@ class SliceLayout:
                 f"ask for a multiple of {length} (e.g. {max(1, batch_size // length) * length})")
         return batch_size // length
 
-    @staticmethod
-    def steps(drawn: SampleBatch) -> SampleBatch:
-        """A drawn ``[num_slices, slice_len]`` batch as ``num_slices * slice_len`` steps, each
-        with its slice's weight and probability: flat before it becomes a TensorDict (views
-        of the drawn tensors; reshaping a TensorDict costs more)."""
-        count, length = drawn.ids.shape[:2]
-        columns = {key: value.reshape(count * length, *value.shape[2:])
-                   for key, value in drawn.columns.items()}
-        return SampleBatch.from_columns(
-            columns, drawn.ids.reshape(-1), drawn.weights.repeat_interleave(length),
-            drawn.probabilities.repeat_interleave(length), mass=drawn.mass,
-            missing_shards=drawn.missing_shards)
+    def cut(self, drawn: SampleBatch, weights: bool = True) -> FlatSlices:
+        """A drawn ``[num_slices, slice_len]`` batch as TorchRL's flat batch (see
+        :class:`FlatSlices`): the slices' steps one after the other, as stored
+        (``num_slices * slice_len`` of them, fewer when partial slices are cut; their flags
+        untouched, as TorchRL's storage returns them), and the markers by key (what
+        TorchRL's sampler puts in ``info``, and its TensorDict buffers in the batch).
 
-    def flatten(self, flat: TensorDictBase, ids: torch.Tensor
-                ) -> tuple[TensorDictBase, dict[Any, torch.Tensor]]:
-        """A sample's :meth:`steps` (``flat``, ``[num_slices * slice_len]``) as TorchRL's flat
-        batch, and its markers; ``ids``: the drawn ``[num_slices, slice_len]`` ids.
+        Plain tensors throughout (a TensorDict operation costs as much as a small
+        tensor's copy); a batch of full slices takes its markers from masks made once per
+        ``(num_slices, slice_len)`` (:func:`_slice_marks`), copied where handed out.
 
-        Returns:
-            ``(flat, markers)``: the slices' steps one after the other, as stored
-            (``num_slices * slice_len`` of them, fewer when partial slices are cut;
-            their flags untouched, as TorchRL's storage returns them) and the markers
-            by key (what TorchRL's sampler puts in ``info``, and its TensorDict buffers
-            in the batch).
+        Args:
+            drawn: the sample as the table drew it.
+            weights: also give each step its slice's weight (prioritized tables).
         """
-        count, length = ids.shape[0], ids.shape[1]
-        real = real_steps(ids) if self.partial else None
-        if real is None:
-            lengths = torch.full((count,), length, dtype=torch.int64)
+        count, length = drawn.ids.shape[:2]
+        size = count * length
+        columns = {key: value.reshape(size, *value.shape[2:])
+                   for key, value in drawn.columns.items()}
+        out = FlatSlices(columns, drawn.ids.reshape(size),
+                         drawn.weights.repeat_interleave(length) if weights else None)
+        real = real_steps(drawn.ids) if self.partial else None
+        if real is None or bool(real.all()):
+            ends, starts = _slice_marks(count, length)
+            self._mark(out, ends.clone(), starts)
+            return out
+        lengths = real.sum(-1)
+        if self.pad_output:  # TorchRL leaves the mask out while nothing is short
+            starts_at = torch.arange(count) * length
+            out.markers[MASK_KEY] = real.reshape(-1)
         else:
-            lengths = real.sum(-1)
-        markers: dict[Any, torch.Tensor] = {}
-        if real is not None and self.pad_output:
-            starts = torch.arange(count) * length
-            if not bool(real.all()):  # TorchRL leaves the mask out while nothing is short
-                markers[MASK_KEY] = real.reshape(-1)
-        else:
-            if real is not None and not bool(real.all()):
-                flat = flat[real.reshape(-1)]
-            starts = lengths.cumsum(0) - lengths
-        self._mark(flat, markers, starts, starts + lengths - 1)
-        return flat, markers
+            keep = real.reshape(-1)
+            out.columns = {key: value[keep] for key, value in columns.items()}
+            out.ids = out.ids[keep]
+            out.weights = None if out.weights is None else out.weights[keep]
+            starts_at = lengths.cumsum(0) - lengths
+        steps = out.ids.shape[0]
+        self._mark(out, _mask(steps, starts_at + lengths - 1), _mask(steps, starts_at))
+        return out
 
-    def _mark(self, flat: TensorDictBase, markers: dict[Any, torch.Tensor],
-              starts: torch.Tensor, ends: torch.Tensor) -> None:
-        """TorchRL's markers: slice ends truncated (and done), slice starts ``is_init``."""
-        steps = flat.batch_size[0]
+    def _mark(self, out: FlatSlices, ends: torch.Tensor, starts: torch.Tensor) -> None:
+        """TorchRL's markers: slice ends truncated (and done), slice starts ``is_init``.
+
+        ``ends`` becomes the truncated marker (this sample's own tensor); ``starts`` is only
+        read."""
         if self.truncated_key is not None:
-            mark = torch.zeros(steps, dtype=torch.bool)
-            mark[ends] = True
             key = self.truncated_key
-            markers[key] = _shaped(mark, flat.get(key, None))
+            out.markers[key] = _shaped(ends, out.stored(key))
             done_key = _sibling(key, "done")
-            done = flat.get(done_key, None)
-            markers[done_key] = (_shaped(mark, None) if done is None
-                                 else done | _shaped(mark, done))
+            done = out.stored(done_key)
+            out.markers[done_key] = (_shaped(ends, None) if done is None
+                                     else done | _shaped(ends, done))
             terminated_key = _sibling(key, "terminated")
-            terminated = flat.get(terminated_key, None)
-            markers[terminated_key] = (torch.zeros_like(markers[key]) if terminated is None
-                                       else terminated)
+            terminated = out.stored(terminated_key)
+            out.markers[terminated_key] = (torch.zeros_like(out.markers[key])
+                                           if terminated is None else terminated)
         if self.init_key is not None:
-            stored = flat.get(self.init_key, None)
+            stored = out.stored(self.init_key)
             if stored is not None:
-                mark = torch.zeros(steps, dtype=torch.bool)
-                mark[starts] = True
-                markers[self.init_key] = stored | _shaped(mark, stored)
+                out.markers[self.init_key] = stored | _shaped(starts, stored)
+
+
+@dataclass(slots=True)
+class FlatSlices:
+    """A slice sample as TorchRL's flat batch of steps, in plain tensors.
+
+    Attributes:
+        columns: the steps' columns by flat key (``"next.done"``), ``[steps, ...]``.
+        ids: int64 ``[steps]``, each step's row id.
+        weights: float32 ``[steps]``, each step's slice weight (``None``: not asked for).
+        markers: TorchRL's trajectory markers by (nested) key, each a tensor of this sample's
+            own (never one a later sample shares) or a stored column.
+    """
+
+    columns: dict[str, torch.Tensor]
+    ids: torch.Tensor
+    weights: torch.Tensor | None
+    markers: dict[Any, torch.Tensor] = field(default_factory=dict)
+
+    def stored(self, key: Any) -> torch.Tensor | None:
+        """The stored column at the (nested) TensorDict ``key``, or ``None``."""
+        parts = key if isinstance(key, tuple) else (key,)
+        if any(KEY_SEPARATOR in part for part in parts):
+            return None  # a TensorDict key, not a path: no stored column has that name
+        return self.columns.get(KEY_SEPARATOR.join(parts))
+
+
+@functools.lru_cache(maxsize=64)
+def _slice_marks(count: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bool ``[count * length]`` masks of full slices' last and first steps (cached: read,
+    or copied before handed out, never written)."""
+    ends = torch.zeros(count, length, dtype=torch.bool)
+    ends[:, -1] = True
+    starts = torch.zeros(count, length, dtype=torch.bool)
+    starts[:, 0] = True
+    return ends.reshape(-1), starts.reshape(-1)
+
+
+def _mask(steps: int, at: torch.Tensor) -> torch.Tensor:
+    """Bool ``[steps]``, True at the positions ``at``."""
+    mask = torch.zeros(steps, dtype=torch.bool)
+    mask[at] = True
+    return mask
 
 
 def _shaped(mark: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:

@@ -218,3 +218,24 @@ def test_torchrl_service_calls_and_shared_transforms(client, fresh) -> None:
     assert not rb.is_alive
     with pytest.raises(RuntimeError, match="shut down"):
         rb.sample()
+
+
+def test_a_sample_s_markers_are_its_own_when_written_in_place(client, fresh) -> None:
+    """A batch of full slices takes its markers from masks made once per batch shape: a
+    learner that writes into a sample's markers (or its info's) in place must leave the
+    next sample's markers as TorchRL's."""
+    rb = RemoteReplayBuffer(client, fresh("seq"), batch_size=8)
+    data = trajectories(3, 10)
+    data["is_init"] = (data["step"] % 10 == 0)[:, None]
+    rb.extend(data)
+    keys = [("next", "truncated"), ("next", "done"), ("next", "terminated"), "is_init"]
+    for _ in range(3):
+        batch, info = rb.sample(return_info=True)
+        ends = torch.tensor([False, False, False, True] * 2)[:, None]
+        for key in keys[:2]:
+            assert torch.equal(batch[key], ends), key
+        assert not batch["next", "terminated"].any()
+        assert torch.equal(batch["is_init"], torch.tensor([True, False, False, False] * 2)[:, None])
+        for key in keys:
+            batch[key].fill_(True)
+            info[key].logical_not_()
