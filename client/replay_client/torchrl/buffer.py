@@ -368,6 +368,7 @@ class RemoteReplayBuffer:
     def _output(self, batch: SampleBatch,
                 include_info: bool | None = None) -> tuple[Any, dict[Any, torch.Tensor]]:
         prioritized = self._prioritized
+        weights: torch.Tensor | None
         if self.slice_layout is None:
             columns, ids, weights, markers = batch.columns, batch.ids, batch.weights, {}
         else:
@@ -377,7 +378,7 @@ class RemoteReplayBuffer:
         if self._episodes is not None:
             columns = self._episodes.strip(columns)
         info: dict[Any, torch.Tensor] = {"index": self.positions(ids), ID_KEY: ids}
-        if prioritized:  # TorchRL's uniform samplers give no weights
+        if prioritized and weights is not None:  # TorchRL's uniform samplers give no weights
             info[self.weight_key] = weights
         info.update(markers)
         with_info = self.include_info if include_info is None else include_info
