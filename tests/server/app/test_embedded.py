@@ -20,7 +20,17 @@ SETTINGS = {
 }
 
 
+def _replay_threads() -> set[threading.Thread]:
+    """The replay's threads alive now, but the process-wide copy pools of the engine and the
+    feed (replay-split, replay-feed-copy), which live on by design."""
+    return {t for t in threading.enumerate() if t.name.startswith("replay-")
+            and not t.name.startswith(("replay-split", "replay-feed-copy"))}
+
+
 def test_actors_insert_over_grpc_and_the_learner_samples_in_process():
+    # Threads an earlier test in this process left winding down (a sharded client's pool ends
+    # its threads after close) are not this server's.
+    earlier = _replay_threads()
     with EmbeddedServer(settings_from_dict(SETTINGS)) as server:
         actor = ReplayClient(server.address)
         ids = actor.insert("replay", {"row": torch.arange(300), "obs": torch.randn(300, 4)})
@@ -33,10 +43,8 @@ def test_actors_insert_over_grpc_and_the_learner_samples_in_process():
         # The learner's priority updates go straight to the table, too.
         assert server.tables["replay"].update_priorities(batch.ids, torch.full((32,), 5.0)) == 32
         actor.close()
-    # The stream's and the server's threads are gone (the process-wide copy pools of the
-    # engine and the feed, replay-split and replay-feed-copy, live on by design).
-    assert not [t for t in threading.enumerate() if t.name.startswith("replay-")
-                and not t.name.startswith(("replay-split", "replay-feed-copy"))]
+    # The stream's and the server's threads are gone.
+    assert not _replay_threads() - earlier
 
 
 def test_slices_and_a_transform_in_process():
