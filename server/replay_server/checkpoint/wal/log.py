@@ -293,6 +293,7 @@ class WriteAheadLog:
         broken, self._leading = self._broken, True
         rotated: dict[int, int] = {}
         failure: str | None = None
+        out_of_space = False
         self._cond.release()
         try:
             if broken is not None:
@@ -302,7 +303,8 @@ class WriteAheadLog:
         except OSError as exc:
             name = errno.errorcode.get(exc.errno or 0, "error")
             failure = f"{exc.strerror or exc} ({name}) in {segment_name(self._index)}"
-            if exc.errno in _SPACE_ERRNOS:
+            out_of_space = exc.errno in _SPACE_ERRNOS
+            if out_of_space:
                 failure = f"the log's disk is full ({self.directory}): {failure}"
         except Exception as exc:  # a bug: fail this group and break the log, never hang
             log.exception("write-ahead log: writing a group failed")
@@ -316,7 +318,7 @@ class WriteAheadLog:
         else:
             if self._broken is None:
                 self._broken = failure
-                self._out_of_space = failure.startswith("the log's disk is full")
+                self._out_of_space = out_of_space
                 self._free = -1
                 log.error("write-ahead log write failed: %s; changes are refused until "
                           "a checkpoint succeeds", failure)
