@@ -282,6 +282,17 @@ def wait_for(predicate, timeout: float = 20.0, interval: float = 0.02) -> bool:
     return bool(predicate())
 
 
+def run_threads(target, count: int, timeout: float) -> None:
+    """Run ``target`` on ``count`` threads at once and wait for all of them (bounded)."""
+    threads = [threading.Thread(target=target) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
+
+
 def stays(predicate, seconds: float = 0.5, interval: float = 0.02) -> bool:
     """Whether ``predicate`` holds throughout ``seconds`` (False the moment it fails).
 

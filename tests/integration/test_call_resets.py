@@ -10,12 +10,11 @@ checks the client saw no ``UnavailableError`` and the server logged no cut.
 
 from __future__ import annotations
 
-import threading
 
 import torch
 
 from replay_client import ReplayClient, errors
-from tests.conftest import ServerProcess, module_server
+from tests.conftest import ServerProcess, module_server, run_threads
 
 CONFIG = """
 [server]
@@ -66,11 +65,7 @@ def test_calls_whose_deadlines_run_out_on_the_server_are_not_cut(server: ServerP
             except errors.ReplayError as exc:
                 outcomes.append(exc)
 
-        threads = [threading.Thread(target=waiter) for _ in range(16)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        run_threads(waiter, 16, timeout=60)
         assert len(outcomes) == 16
         assert all(isinstance(exc, errors.DeadlineExceededError) for exc in outcomes), outcomes
         client.info()
@@ -90,11 +85,7 @@ def test_calls_the_server_refuses_for_memory_are_not_cut(server: ServerProcess) 
                 except errors.ReplayError as exc:
                     failed.append(exc)
 
-        threads = [threading.Thread(target=inserter) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(120)
+        run_threads(inserter, 8, timeout=120)
         print(f"\n{len(refused)} of 32 inserts refused for memory; other errors: {failed}")
         assert failed == []
         assert len(refused) >= 2  # enough to be cut at 1 a second, had they counted

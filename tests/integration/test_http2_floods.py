@@ -30,12 +30,11 @@ import statistics
 import struct
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from replay_client import ReplayClient
-from tests.conftest import ServerProcess, start_server
+from tests.conftest import ServerProcess, module_server
 from tests.integration.raw_http2 import (
     DATA,
     END_HEADERS,
@@ -77,19 +76,8 @@ capacity = 10
 """
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("server"), CONFIG)
-    yield proc
-    proc.stop()
-
-
-@pytest.fixture(scope="module")
-def token_server(tmp_path_factory) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("token_server"), TOKEN_CONFIG,
-                        env={TOKEN_ENV: TOKEN})
-    yield proc
-    proc.stop()
+server = module_server(CONFIG)
+token_server = module_server(TOKEN_CONFIG, env={TOKEN_ENV: TOKEN})
 
 
 def rss_mib(pid: int) -> int:

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replay_client import ReplayClient, errors
 from replay_proto.v1 import replay_pb2 as pb
-from tests.conftest import ServerProcess, module_server, start_server, wait_for
+from tests.conftest import ServerProcess, module_server, run_threads, start_server, wait_for
 
 TOKEN = "budget-test-token"
 BUDGET_MIB = 256
@@ -124,15 +124,6 @@ class Watch:
         assert self.slowest_s < FAST_S, f"a health check + small sample took {self.slowest_s:.2f} s"
 
 
-def run_threads(target, count: int, timeout: float) -> None:
-    """Run ``target`` on ``count`` threads at once and wait for all of them (bounded)."""
-    threads = [threading.Thread(target=target) for _ in range(count)]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout} s"
 
 
 def in_use(client: ReplayClient) -> int:
