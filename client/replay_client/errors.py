@@ -213,7 +213,8 @@ def from_status(code: grpc.StatusCode, kind: ErrorKind | None, details: str,
     """The typed error for a status ``code`` with error ``kind`` (``None``: unknown)."""
     cls = _BY_KIND[kind] if kind is not None else _BY_CODE.get(code, InternalError)
     if cls is UnavailableError and code == grpc.StatusCode.CANCELLED:
-        return cls(f"replay server at {address} cancelled the call (it is shutting down?)")
+        return cls(f"replay server at {address} cancelled the call (it is shutting down?): "
+                   f"{details}")
     if cls is UnavailableError:
         return cls(f"replay server at {address} is unavailable: {details}")
     if cls is DeadlineExceededError:
