@@ -13,8 +13,11 @@ kept):
 * ``plain``: ``ReplayClient(address).stream(...)``;
 * ``sharded x1``: ``ReplayClient([address]).stream(...)`` (the sharded stream
   over that one server: its per-shard SampleStream and its merge);
-* ``sharded x3``: the sharded stream over three local servers holding the
-  same number of rows each;
+* ``sharded x2`` / ``sharded x3``: the sharded stream over two or three
+  local servers holding the same number of rows each (``sharded x2 /
+  plain``: what splitting one server's table over two shards costs a
+  learner on this host, issue 28: each shard's rows are merged, copied once,
+  into the learner's batch where one server's shared-memory batch is a view);
 * ``plain 5 ms`` / ``plain 5 ms, prefetch 2``: the plain stream through the
   test proxy adding 5 ms each way (``tests/tools/proxy.py``), with the window
   left to the stream (it widens) and fixed at 2; ``plain proxy 0 ms``: the
@@ -24,8 +27,8 @@ kept):
   does not take the learner's interpreter (on this 2-core machine it still
   takes a core's share from the learner and the servers).
 
-Each over gRPC (``shared_memory=False``) and, for ``plain`` and
-``sharded x1``, through the same-host shared-memory ring; ``prefetch`` is
+Each over gRPC (``shared_memory=False``) and, for ``plain``, ``sharded x1``
+and ``sharded x2``, through the same-host shared-memory ring; ``prefetch`` is
 left to the stream except where named. Prints batches/s, GB/s and the ratios
 the issue asks for.
 """
@@ -144,12 +147,13 @@ def measure(kind: str, seconds: float, rounds: int, only: list[str] | None = Non
             _fill(ReplayClient(address, timeout=120), kind, PREFILL[kind])
         one = ReplayClient(addresses[0], timeout=120)
         trio = ReplayClient(addresses, timeout=120, seed=1)
+        duo = ReplayClient(addresses[:2], timeout=120, seed=1)
         far = ReplayClient(stack.enter_context(proxy_process(addresses[0], 0.005, proxy_chunk)),
                            timeout=120)
         near = ReplayClient(stack.enter_context(proxy_process(addresses[0], 0.0, proxy_chunk)),
                             timeout=120)
         single = ReplayClient([addresses[0]], timeout=120, seed=1)
-        clients = [one, trio, far, near, single]
+        clients = [one, trio, far, near, single, duo]
         if in_process_proxy:  # the earlier set-up: the proxy in a thread of the learner's process
             from tests.tools.proxy import LinkProxy
 
@@ -163,6 +167,9 @@ def measure(kind: str, seconds: float, rounds: int, only: list[str] | None = Non
                                                        batches_per_message=1),
             "sharded x1, shared memory": lambda: single.stream(kind, w.SAMPLE_BATCH,
                                                                batches_per_message=1),
+            "sharded x2, gRPC": lambda: duo.stream(kind, w.SAMPLE_BATCH, shared_memory=False),
+            "sharded x2, shared memory": lambda: duo.stream(kind, w.SAMPLE_BATCH,
+                                                            batches_per_message=1),
             "sharded x3, gRPC": lambda: trio.stream(kind, w.SAMPLE_BATCH, shared_memory=False),
             "plain proxy 0 ms, gRPC": lambda: near.stream(kind, w.SAMPLE_BATCH,
                                                           shared_memory=False),
@@ -210,6 +217,10 @@ def table(results: dict[str, dict[str, dict]], rounds: int) -> str:
             f"| {kind} | sharded x1 / plain, gRPC | {rate('sharded x1, gRPC') / rate('plain, gRPC'):.2f}x |",
             f"| {kind} | sharded x1 / plain, shared memory | "
             f"{rate('sharded x1, shared memory') / rate('plain, shared memory'):.2f}x |",
+            f"| {kind} | sharded x2 / plain, gRPC | "
+            f"{rate('sharded x2, gRPC') / rate('plain, gRPC'):.2f}x |",
+            f"| {kind} | sharded x2 / plain, shared memory | "
+            f"{rate('sharded x2, shared memory') / rate('plain, shared memory'):.2f}x |",
             f"| {kind} | sharded x3 / sharded x1, gRPC | "
             f"{rate('sharded x3, gRPC') / rate('sharded x1, gRPC'):.2f}x |",
             f"| {kind} | plain 5 ms / plain loopback, gRPC | "
