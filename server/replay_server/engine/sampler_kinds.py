@@ -76,7 +76,7 @@ class PriorityOptions(SamplerSpec):
 @dataclass(frozen=True, kw_only=True)
 class SliceShape(SamplerSpec):
     """The options of the slice samplers: how long a slice is, and how it may be cut
-    (partial slices, see the module docstring)."""
+    (partial slices: :mod:`replay_server.engine.samplers.slice`)."""
 
     slice_len: int | None = option(None, "steps per sampled slice", required=True)
     strict_length: bool = option(
