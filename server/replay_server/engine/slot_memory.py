@@ -3,13 +3,11 @@
 The ledger promises a table its layers' per-slot state at capacity before
 anything is allocated (:mod:`replay_server.engine.table_memory`), and
 ``check-config`` reports the same promise without building a table, so the
-sizes live here, beside nothing heavier than numpy's dtypes; the layers
-allocate with the same dtypes (:func:`index_dtype`, :func:`count_dtype`).
+sizes live here, in plain Python (no numpy either); the layers allocate with
+the dtypes named here (:func:`index_dtype`, :func:`count_dtype`).
 """
 
 from __future__ import annotations
-
-import numpy as np
 
 SUMTREE_SLOT_BYTES = 7
 """Bytes per slot a sum tree is promised: float32 leaves, float64 nodes per block, minima."""
@@ -23,22 +21,29 @@ COMPRESSED_SLOT_BYTES = 12
 FRAMESTACK_SLOT_BYTES = 16
 """Bytes per slot of the frame-stack reader: each slot's episode links."""
 
+_COUNTS = (("uint8", 1), ("uint16", 2), ("uint32", 4))
+"""The unsigned dtypes a count may have, narrowest first, with their sizes."""
 
-def index_dtype(capacity: int) -> type[np.integer]:
-    """The narrowest integer dtype that holds any slot of ``capacity``."""
-    return np.int32 if capacity < 2**31 else np.int64
+
+def index_dtype(capacity: int) -> str:
+    """The narrowest integer dtype (numpy's name) that holds any slot of ``capacity``."""
+    return "int32" if capacity < 2**31 else "int64"
 
 
 def index_bytes(capacity: int) -> int:
     """Bytes of one :func:`index_dtype` value."""
-    return np.dtype(index_dtype(capacity)).itemsize
+    return 4 if index_dtype(capacity) == "int32" else 8
 
 
-def count_dtype(limit: int) -> type[np.unsignedinteger]:
-    """The narrowest unsigned dtype that holds counts up to ``limit``."""
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if limit <= np.iinfo(dtype).max:
-            return dtype
+def count_dtype(limit: int) -> str:
+    """The narrowest unsigned dtype (numpy's name) that holds counts up to ``limit``."""
+    return _count(limit)[0]
+
+
+def _count(limit: int) -> tuple[str, int]:
+    for name, size in _COUNTS:
+        if limit < 1 << (8 * size):
+            return name, size
     raise ValueError(f"limit {limit} exceeds uint32")
 
 
@@ -54,4 +59,4 @@ def heads_bytes(capacity: int) -> int:
 
 def remover_slot_bytes(limit: int) -> int:
     """Bytes per slot of a remover that retires rows after ``limit`` draws (one count)."""
-    return np.dtype(count_dtype(limit)).itemsize
+    return _count(limit)[1]

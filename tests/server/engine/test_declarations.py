@@ -74,3 +74,22 @@ def test_a_field_spec_is_the_same_given_a_name_or_a_dtype() -> None:
         FieldSpec("complex64")
     with pytest.raises(ValueError, match="dtype torch.complex64 is not supported"):
         FieldSpec(torch.complex64)
+
+
+@pytest.mark.parametrize("capacity", [1, 2**31 - 1, 2**31])
+def test_the_declared_index_and_count_sizes_are_numpys(capacity: int) -> None:
+    import numpy as np
+
+    from replay_server.engine.slot_memory import (
+        count_dtype,
+        index_bytes,
+        index_dtype,
+        remover_slot_bytes,
+    )
+
+    assert index_bytes(capacity) == np.dtype(index_dtype(capacity)).itemsize
+    for limit in (1, 255, 256, 65_535, 65_536, 2**32 - 1):
+        assert remover_slot_bytes(limit) == np.dtype(count_dtype(limit)).itemsize
+        assert np.iinfo(count_dtype(limit)).max >= limit
+    with pytest.raises(ValueError, match="exceeds uint32"):
+        count_dtype(2**32)
