@@ -152,6 +152,49 @@ def test_the_engine_reaches_no_network_and_no_layer_above_it(module: str) -> Non
         module, sorted(m for m in reached if _in(m, *above)))
 
 
+DECLARATIONS = ("replay_proto.dtype_names", "replay_server.engine.options",
+                "replay_server.engine.slot_memory", "replay_server.engine.sampler_kinds",
+                "replay_server.engine.reader_options", "replay_server.engine.storage_kinds",
+                "replay_server.engine.rate_limiter", "replay_server.engine.schema",
+                "replay_server.engine.config", "replay_server.engine.table_memory")
+"""What a config means (its layers' names, options, checks and memory): read by
+``check-config``, which must answer without loading torch (issue 32, friction 7)."""
+
+
+@cache
+def _loaded_by(module: str) -> frozenset[str]:
+    """What importing ``module`` runs: its parent packages and the imports at its top level
+    (not those in functions or under ``TYPE_CHECKING``), resolved as :func:`_imports` does."""
+    tree = ast.parse(_modules()[module].read_text())
+    package = module if _modules()[module].name == "__init__.py" else module.rpartition(".")[0]
+    found = {p for p in (package.rsplit(".", n)[0] for n in range(package.count(".") + 1))
+             if p != module}
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            found.update(_resolve(alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            base = node.module or ""
+            found.update(_resolve(f"{base}.{alias.name}") for alias in node.names)
+    return frozenset(found)
+
+
+@pytest.mark.parametrize("module", DECLARATIONS)
+def test_the_config_declarations_load_neither_torch_nor_grpc(module: str) -> None:
+    loaded, todo = set(), [module]
+    while todo:
+        for name in _loaded_by(todo.pop()) - loaded:
+            loaded.add(name)
+            if name in _modules():
+                todo.append(name)
+    heavy = {"torch", "tensordict", *NETWORK} & loaded
+    assert not heavy, f"importing {module} loads {sorted(heavy)}"
+
+
+def test_the_declarations_check_would_see_torch() -> None:
+    assert "torch" in _loaded_by("replay_server.engine.sumtree")
+    assert "torch" not in _loaded_by("replay_server.engine.schema")  # under TYPE_CHECKING
+
+
 @pytest.mark.parametrize("module", _modules_in("replay_server.checkpoint"))
 def test_checkpoints_reach_no_network_service_or_app(module: str) -> None:
     reached = _reaches(module)

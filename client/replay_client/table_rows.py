@@ -28,7 +28,7 @@ from replay_client.connection import Connection
 from replay_client.errors import InvalidArgumentError
 from replay_proto import row_codec
 from replay_proto.batch import batch_nbytes
-from replay_proto.dtypes import DTYPES
+from replay_proto.dtype_names import ITEMSIZES
 from replay_proto.row_codec import RowsRead
 from replay_proto.rows import rows_of
 from replay_proto.sample_codec import HEADROOM
@@ -117,7 +117,7 @@ def _row_bytes(schema: dict[str, str]) -> int:
     total = 0
     for spec in schema.values():
         dtype, _, dims = spec.partition("[")
-        size = DTYPES[dtype].itemsize if dtype in DTYPES else 8
+        size = ITEMSIZES.get(dtype, 8)
         for dim in dims.rstrip("]").split(","):
             if dim.strip():
                 size *= int(dim)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from replay_proto.dtype_names import ITEMSIZES
 from replay_proto.dtypes import DTYPES, dtype_name, numpy_view
 from replay_proto.v1 import replay_pb2 as pb
 
@@ -39,7 +40,6 @@ becomes an object when parsed, so a few bytes on the wire must not become a mill
 MAX_DIMS = 64
 """Most dimensions a tensor on the wire may have (numpy's limit: every tensor is read
 through numpy views); more is a :class:`CodecError`, refused before anything is built."""
-_ITEMSIZE = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 
 
 class CodecError(ValueError):
@@ -166,7 +166,7 @@ def split_payload(raw: bytes, message_type: Any) -> tuple[Any, memoryview]:
 
 def spec_nbytes(spec: pb.TensorSpec) -> int:
     """Bytes a tensor of ``spec`` occupies; validates dtype and shape."""
-    if spec.dtype not in _ITEMSIZE:
+    if spec.dtype not in ITEMSIZES:
         raise CodecError(
             f"key {spec.key!r}: unknown dtype {spec.dtype!r}; supported: {', '.join(DTYPES)}"
         )
@@ -180,7 +180,7 @@ def spec_nbytes(spec: pb.TensorSpec) -> int:
         elements *= max(dim, 1)
         if elements > _MAX_ELEMENTS:
             raise CodecError(f"key {spec.key!r}: shape {list(spec.shape)} is impossibly large")
-    return _ITEMSIZE[spec.dtype] * (0 if 0 in spec.shape else elements)
+    return ITEMSIZES[spec.dtype] * (0 if 0 in spec.shape else elements)
 
 
 def decode_tensor_list(
@@ -232,7 +232,7 @@ def _view(payload: memoryview, offset: int, nbytes: int, spec: pb.TensorSpec) ->
     with warnings.catch_warnings():
         # A view of an immutable request: read here, copied by whoever keeps it.
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(payload, dtype=dtype, count=nbytes // _ITEMSIZE[spec.dtype],
+        flat = torch.frombuffer(payload, dtype=dtype, count=nbytes // ITEMSIZES[spec.dtype],
                                 offset=offset)
     return flat.view(shape)
 

@@ -9,18 +9,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
+from replay_proto.dtype_names import ITEMSIZES, check_dtype_name
+
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZES}
+"""Every storable dtype by its name (:data:`~replay_proto.dtype_names.ITEMSIZES` declares the
+names and their sizes, torch-free)."""
 
 _NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -45,12 +38,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     Raises:
         ValueError: no supported dtype has that name.
     """
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown dtype name {name!r}; supported dtypes: {', '.join(DTYPES)}"
-        ) from None
+    return DTYPES[check_dtype_name(name)]
 
 
 _BITS: dict[torch.dtype, torch.dtype] = {torch.bfloat16: torch.int16}

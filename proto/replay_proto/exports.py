@@ -15,13 +15,15 @@ from typing import Any
 
 def lazy_exports(package: str, homes: Mapping[str, str]) -> Callable[[str], Any]:
     """A module ``__getattr__`` for ``package`` that imports each name in ``homes`` (name ->
-    the module defining it) when it is first asked for, and keeps it in the package."""
+    the module defining it, or ``"module:attribute"`` for a name exported under another)
+    when it is first asked for, and keeps it in the package."""
 
     def __getattr__(name: str) -> Any:
         home = homes.get(name)
         if home is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(import_module(home), name)
+        module, _, attribute = home.partition(":")
+        value = getattr(import_module(module), attribute or name)
         setattr(import_module(package), name, value)
         return value
 

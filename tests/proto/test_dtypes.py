@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from replay_proto.dtype_names import ITEMSIZES, check_dtype_name
 from replay_proto.dtypes import (
     DTYPES,
     bits_dtype,
@@ -67,3 +68,17 @@ def test_bfloat16_is_int16_bits_for_numpy() -> None:
     assert bits_dtype(torch.bfloat16) is torch.int16 and bits_dtype(torch.float16) is torch.float16
     value = torch.tensor([1.5], dtype=torch.bfloat16)
     assert numpy_view(value).tolist() == [value.view(torch.int16).item()]
+
+
+@pytest.mark.parametrize("name", list(DTYPES))
+def test_each_declared_itemsize_is_torchs(name: str) -> None:
+    # ITEMSIZES (torch-free: check-config's promised bytes come from it) states what torch
+    # allocates per element, for every dtype a table may store, and lists no other dtype.
+    assert ITEMSIZES[name] == torch.empty((), dtype=DTYPES[name]).element_size()
+    assert list(ITEMSIZES) == list(DTYPES)
+
+
+def test_an_unknown_dtype_name_is_refused_listing_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown dtype name 'float8'; supported dtypes: "
+                                         r"bool, uint8, .*float64"):
+        check_dtype_name("float8")

@@ -17,9 +17,11 @@ that rows are lost at stop. ``check-config`` validates a config file the way
 ``--address`` says otherwise (a missing port is 50051; TLS and token flags:
 :mod:`replay_server.app.channel`).
 
-Only ``serve`` and ``check-config`` load the engine (and torch): this module
-imports nothing heavy at the top, so ``--version`` and the operator's
-commands start in a fraction of a second. Every error goes to stderr as one
+Only ``serve`` loads the engine's tables (and torch): this module imports
+nothing heavy at the top, so ``--version`` and the operator's commands start
+in a fraction of a second, and ``check-config`` reads the config's torch-free
+declarations (:mod:`replay_server.engine.sampler_kinds` and its siblings),
+neither torch nor grpc. Every error goes to stderr as one
 line, ``replay-server: error: ...`` (``configuration error`` for a bad
 config). Exit status: 0 done, 1 the server refused or could not be reached
 (``health``: not SERVING), 2 a usage or configuration error.
@@ -93,10 +95,10 @@ def _serve(args: argparse.Namespace) -> int:
 def _check_config(args: argparse.Namespace) -> int:
     from replay_server.app.config_file import load_settings
     from replay_server.app.config_report import config_report
-    from replay_server.service.credentials import server_credentials
+    from replay_server.service.tls_files import tls_files
 
     settings = load_settings(args.file)
-    server_credentials(settings)  # TLS files read and checked as serve reads them
+    tls_files(settings)  # TLS files read and checked as serve reads them
     report = config_report(settings)
     print(f"{args.file}: valid\n{report}")
     return 0
@@ -109,7 +111,11 @@ def _operator(name: str):
         from replay_server.app import commands
 
         args.address = _address(args.address, "--address")
-        return getattr(commands, name)(args)
+        try:
+            return getattr(commands, name)(args)
+        except commands.CommandError as exc:  # exit 1: the server refused, or is not there
+            commands.print_error(str(exc))
+            return 1
 
     return run
 
@@ -208,16 +214,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from replay_server.app.commands import CommandError, print_error
-
     try:
         return int(args.run(args))
     except ConfigError as exc:  # exit 2: the server does not start; say what kind of problem
         print(f"replay-server: {_heading(exc)}: {exc}", file=sys.stderr)
         return 2
-    except CommandError as exc:
-        print_error(str(exc))
-        return 1
 
 
 def _heading(exc: ConfigError) -> str:

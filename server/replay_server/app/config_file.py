@@ -58,7 +58,6 @@ from difflib import get_close_matches
 from pathlib import Path
 from typing import Any
 
-from replay_proto.dtypes import dtype_from_name
 from replay_server.engine import FieldSpec, TableConfig, table_options
 from replay_server.errors import ConfigError
 from replay_server.service.settings import ServerSettings
@@ -193,7 +192,7 @@ def parse_field_spec(text: str) -> FieldSpec:
     if not match:
         raise ValueError(f"expected 'dtype[dims]' like 'float32[17]' or 'int64[]', got {text!r}")
     dims = [d.strip() for d in match.group(2).split(",") if d.strip()]
-    return FieldSpec(dtype_from_name(match.group(1)), tuple(int(d) for d in dims))
+    return FieldSpec(match.group(1), tuple(int(d) for d in dims))
 
 
 def _schema(where: str, raw: Any) -> dict[str, FieldSpec]:

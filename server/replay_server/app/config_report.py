@@ -12,7 +12,7 @@ allocated, bound or written.
 from __future__ import annotations
 
 from replay_server.checkpoint.directory import CheckpointDirectory
-from replay_server.checkpoint.wal.keeper import SYNC_PROMISES
+from replay_server.checkpoint.wal.sync_modes import SYNC_PROMISES
 from replay_server.engine import (
     MemoryLedger,
     Schema,
@@ -36,7 +36,11 @@ def config_report(settings: ServerSettings) -> str:
     """
     mb = settings.table_memory_mb
     ledger = MemoryLedger(mb * MIB, "server.table_memory_mb") if mb else MemoryLedger()
-    for table in settings.table_configs:
+    # Pinning promises no byte more. "true" is resolved here as serve resolves it (a table
+    # that cannot be pinned is refused); "auto" at start, where it asks the accelerator
+    # (torch), and it never refuses a table.
+    tables = settings.table_configs if settings.pin_memory == "true" else settings.tables
+    for table in tables:
         declared = None if table.schema is None else Schema(table.schema)
         try:
             ledger.require(table.name, table_bytes(table, declared),

@@ -7,14 +7,38 @@ locking, atomic commit, pruning), ``writer`` (one checkpoint), ``reader``
 (restore rules), ``checkpointer`` (one at a time, shared by concurrent
 requests). The consistent snapshot itself is :mod:`replay_server.engine.snapshot`.
 No grpc here: the service calls in.
+
+Names are imported on first use (:mod:`replay_proto.exports`): ``check-config``
+reads a checkpoint directory without loading the writer, the reader or torch.
 """
 
-from replay_server.checkpoint.checkpointer import Checkpointer
-from replay_server.checkpoint.directory import CheckpointDirectory
-from replay_server.checkpoint.fileio import RestoreCancelled
-from replay_server.checkpoint.manifest import FORMAT_VERSION, CorruptCheckpointError, Manifest
-from replay_server.checkpoint.reader import RestoreResult, load_checkpoint, read_manifest
-from replay_server.checkpoint.writer import CheckpointResult, write_checkpoint
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from replay_proto.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from replay_server.checkpoint.checkpointer import Checkpointer
+    from replay_server.checkpoint.directory import CheckpointDirectory
+    from replay_server.checkpoint.fileio import RestoreCancelled
+    from replay_server.checkpoint.manifest import FORMAT_VERSION, CorruptCheckpointError, Manifest
+    from replay_server.checkpoint.reader import RestoreResult, load_checkpoint, read_manifest
+    from replay_server.checkpoint.writer import CheckpointResult, write_checkpoint
+
+_HOMES = {
+    "Checkpointer": "replay_server.checkpoint.checkpointer",
+    "CheckpointDirectory": "replay_server.checkpoint.directory",
+    "RestoreCancelled": "replay_server.checkpoint.fileio",
+    "FORMAT_VERSION": "replay_server.checkpoint.manifest",
+    "CorruptCheckpointError": "replay_server.checkpoint.manifest",
+    "Manifest": "replay_server.checkpoint.manifest",
+    "RestoreResult": "replay_server.checkpoint.reader",
+    "load_checkpoint": "replay_server.checkpoint.reader",
+    "read_manifest": "replay_server.checkpoint.reader",
+    "CheckpointResult": "replay_server.checkpoint.writer",
+    "write_checkpoint": "replay_server.checkpoint.writer",
+}
 
 __all__ = [
     "FORMAT_VERSION",
@@ -29,3 +53,6 @@ __all__ = [
     "read_manifest",
     "write_checkpoint",
 ]
+
+
+__getattr__ = lazy_exports(__name__, _HOMES)

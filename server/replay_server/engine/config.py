@@ -33,13 +33,16 @@ from replay_server.engine.options import (
     option,
 )
 from replay_server.engine.rate_limiter import DEFAULT_ERROR_ROWS, MAX_TIMES_SAMPLED, FlowControl
-from replay_server.engine.readers.framestack import FrameStackOptions
-from replay_server.engine.readers.nstep import NStepOptions
-from replay_server.engine.samplers import SAMPLERS, SamplerSpec, SamplerTraits
-from replay_server.engine.samplers.queue import DEFAULT_LEASE_TIMEOUT_S, MAX_LEASE_TIMEOUT_S
+from replay_server.engine.reader_options import FrameStackOptions, NStepOptions
+from replay_server.engine.sampler_kinds import (
+    DEFAULT_LEASE_TIMEOUT_S,
+    MAX_LEASE_TIMEOUT_S,
+    SAMPLERS,
+    SamplerSpec,
+    SamplerTraits,
+)
 from replay_server.engine.schema import FieldSpec
-from replay_server.engine.storage.backends import BACKENDS, StorageKind
-from replay_server.engine.storage.compressed import CompressionOptions
+from replay_server.engine.storage_kinds import BACKENDS, CompressionOptions, StorageKind
 from replay_server.errors import ConfigError
 
 __all__ = ["DEFAULT_ERROR_ROWS", "DEFAULT_LEASE_TIMEOUT_S", "MAX_CAPACITY",

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from replay_server.engine.ids import IdRing
+from replay_server.engine.slot_memory import count_dtype, remover_slot_bytes
 from replay_server.engine.samplers import Removal, Sampler, SampleIndex
 from replay_server.errors import (
     ConfigError,
@@ -55,14 +56,6 @@ from replay_server.errors import (
     InvalidArgumentError,
     RateLimitedError,
 )
-
-
-def count_dtype(limit: int) -> type[np.unsignedinteger]:
-    """The narrowest unsigned dtype that holds counts up to ``limit``."""
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if limit <= np.iinfo(dtype).max:
-            return dtype
-    raise ValueError(f"limit {limit} exceeds uint32")
 
 
 class Remover:
@@ -90,7 +83,7 @@ class Remover:
     @staticmethod
     def slot_bytes(limit: int) -> int:
         """Bytes per slot of a remover of ``limit``."""
-        return np.dtype(count_dtype(limit)).itemsize
+        return remover_slot_bytes(limit)
 
     @property
     def rows_gone(self) -> int:

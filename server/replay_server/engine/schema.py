@@ -6,16 +6,17 @@ insert must match it exactly (no implicit casts), or it is refused as a whole.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from replay_proto.dtypes import dtype_from_name, dtype_name
+from replay_proto.dtype_names import ITEMSIZES, check_dtype_name
 from replay_proto.keys import check_prefixes
 from replay_proto.scalars import is_int
 from replay_server.errors import InvalidArgumentError, SchemaMismatchError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_ROW_BYTES = 2**31 - 1
 """Largest row of one column, in bytes (a row must fit a gRPC message, which is below 2 GiB)."""
@@ -24,9 +25,13 @@ MAX_ROW_DIMS = 32
 """Most dimensions of one row (a batch adds up to two: batch and slice, within the wire's 64)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class FieldSpec:
     """dtype and per-row shape of one column (the shape excludes the row dim).
+
+    Holds the dtype's stable name (:mod:`replay_proto.dtype_names`), given as a
+    name or a ``torch.dtype``; :attr:`dtype` is the ``torch.dtype``. A config's
+    schema is read, checked and sized with no torch loaded (``check-config``).
 
     Every dimension is at least 1 (a column of zero-size rows stores nothing
     and would fix a table's schema to nonsense) and one row is at most
@@ -36,15 +41,20 @@ class FieldSpec:
         ValueError: an unsupported dtype, a dimension below 1, or a row too large.
     """
 
-    dtype: torch.dtype
-    shape: tuple[int, ...] = ()
+    dtype_name: str
+    shape: tuple[int, ...]
 
-    def __post_init__(self) -> None:
-        dtype_name(self.dtype)  # raises ValueError for unsupported dtypes
-        if any(not is_int(d) or d < 1 for d in self.shape):
+    def __init__(self, dtype: str | torch.dtype, shape: Iterable[int] = ()) -> None:
+        if not isinstance(dtype, str):  # a torch.dtype: given only where torch is loaded
+            from replay_proto.dtypes import dtype_name
+
+            dtype = dtype_name(dtype)
+        object.__setattr__(self, "dtype_name", check_dtype_name(dtype))
+        shape = tuple(shape)
+        if any(not is_int(d) or d < 1 for d in shape):
             raise ValueError(f"every dimension of a row must be an integer >= 1, got shape "
-                             f"{list(self.shape)}")
-        object.__setattr__(self, "shape", tuple(self.shape))
+                             f"{list(shape)}")
+        object.__setattr__(self, "shape", shape)
         if len(self.shape) > MAX_ROW_DIMS:
             raise ValueError(f"a row has {len(self.shape)} dimensions, at most {MAX_ROW_DIMS} "
                              f"are allowed")
@@ -53,15 +63,22 @@ class FieldSpec:
                              f"{self.row_bytes:,} bytes, over the limit of {MAX_ROW_BYTES:,}")
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The column's ``torch.dtype`` (asking for it loads torch)."""
+        from replay_proto.dtypes import DTYPES
+
+        return DTYPES[self.dtype_name]
+
+    @property
     def row_bytes(self) -> int:
         """Bytes one row of this column occupies."""
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * ITEMSIZES[self.dtype_name]
 
     def describe(self) -> str:
-        return f"{dtype_name(self.dtype)}{list(self.shape)}"
+        return f"{self.dtype_name}{list(self.shape)}"
 
     @classmethod
     def of_column(cls, column: torch.Tensor) -> FieldSpec:
@@ -147,7 +164,7 @@ class Schema(Mapping[str, FieldSpec]):
     def state_dict(self) -> dict[str, Any]:
         """Plain values only (loadable without code execution)."""
         return {
-            key: {"dtype": dtype_name(spec.dtype), "shape": list(spec.shape)}
+            key: {"dtype": spec.dtype_name, "shape": list(spec.shape)}
             for key, spec in self._fields.items()
         }
 
@@ -161,7 +178,7 @@ class Schema(Mapping[str, FieldSpec]):
         check_prefixes(state)
         return cls(
             {
-                key: FieldSpec(dtype_from_name(value["dtype"]), tuple(value["shape"]))
+                key: FieldSpec(check_dtype_name(value["dtype"]), tuple(value["shape"]))
                 for key, value in state.items()
             }
         )

@@ -41,13 +41,14 @@ import numpy as np
 import torch
 
 from replay_server.engine import workers
+from replay_server.engine.slot_memory import SUMTREE_SLOT_BYTES
 from replay_server.engine.snapshot import saved_copy
 
 BLOCK = 16
 """Leaves per block (the fan-in of the bottom level)."""
 
-SLOT_BYTES = 7
-"""Bytes per slot a sum tree is promised: float32 leaves, float64 nodes per block, minima."""
+SLOT_BYTES = SUMTREE_SLOT_BYTES
+"""Bytes per slot a sum tree is promised (declared in :mod:`replay_server.engine.slot_memory`)."""
 
 _LARGE_BATCH = 8
 """``find`` switches to the prefix-sum path when ``batch * _LARGE_BATCH >= blocks``."""

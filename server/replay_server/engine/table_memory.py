@@ -8,6 +8,10 @@ compressed table's blocks as they are stored (:func:`memory_promise`).
 it is promised before anything is allocated); :class:`TableMemory` makes one
 table's promises, each with a message naming what it is for.
 
+Every size comes from the layers' declarations (:mod:`replay_server.engine.slot_memory`,
+:mod:`replay_server.engine.sampler_kinds`, :mod:`replay_server.engine.storage_kinds`), so
+``check-config`` promises the same bytes without loading torch.
+
 Thread-safety: the ledger is thread-safe; the functions are pure.
 """
 
@@ -17,12 +21,15 @@ from collections.abc import Callable
 
 from replay_server.engine.config import TableConfig
 from replay_server.engine.memory import MemoryLedger, format_bytes
-from replay_server.engine.readers import FrameStacks, NStepReturns
-from replay_server.engine.readers.framestack import storage_schema
-from replay_server.engine.remover import Remover
-from replay_server.engine.samplers import SAMPLERS
+from replay_server.engine.reader_options import storage_schema
+from replay_server.engine.sampler_kinds import SAMPLERS
 from replay_server.engine.schema import Schema
-from replay_server.engine.storage import storage_ram_bytes
+from replay_server.engine.slot_memory import (
+    FRAMESTACK_SLOT_BYTES,
+    NSTEP_SLOT_BYTES,
+    remover_slot_bytes,
+)
+from replay_server.engine.storage_kinds import BACKENDS, column_ram_bytes
 
 
 class TableMemory:
@@ -68,9 +75,9 @@ def sampler_slot_bytes(config: TableConfig) -> int:
     limit = config.removal_limit
     per_slot = SAMPLERS[config.sampler.value].slot_bytes(config.sampler_options, config.capacity,
                                                          deletes=limit > 0)
-    per_slot += NStepReturns.SLOT_BYTES if config.n_step > 1 else 0
-    per_slot += FrameStacks.SLOT_BYTES if config.frame_stack_key else 0
-    return per_slot + (Remover.slot_bytes(limit) if limit else 0)
+    per_slot += NSTEP_SLOT_BYTES if config.n_step > 1 else 0
+    per_slot += FRAMESTACK_SLOT_BYTES if config.frame_stack_key else 0
+    return per_slot + (remover_slot_bytes(limit) if limit else 0)
 
 
 def stored_schema(config: TableConfig, schema: Schema) -> Schema:
@@ -78,6 +85,15 @@ def stored_schema(config: TableConfig, schema: Schema) -> Schema:
     if config.frame_stack_key is None:
         return schema
     return storage_schema(schema, config.frame_stack_key)
+
+
+def storage_ram_bytes(config: TableConfig, schema: Schema) -> int:
+    """Bytes of RAM the columns of ``schema`` (as stored) are promised at the table's capacity,
+    each as its backend declares it (compressed rows are promised as they are stored)."""
+    compressed = set(config.compress_keys or ())
+    return sum(column_ram_bytes(BACKENDS[config.backend_of(key)], key in compressed, spec,
+                                config.capacity, on_device=config.on_device)
+               for key, spec in schema.items())
 
 
 def table_bytes(config: TableConfig, schema: Schema | None) -> int:

@@ -1,8 +1,25 @@
 """The gRPC service: a thin adapter over the engine (decode, call, encode).
 
 Import direction: ``replay_proto`` <- engine <- ``service`` <- ``cli``.
+
+Names are imported on first use (:mod:`replay_proto.exports`), so that a module of
+this package (the settings a config file is read into) loads without grpc.
 """
 
-from replay_server.service.server import ReplayServer
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from replay_proto.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from replay_server.service.server import ReplayServer
+
+_HOMES = {
+    "ReplayServer": "replay_server.service.server",
+}
 
 __all__ = ["ReplayServer"]
+
+
+__getattr__ = lazy_exports(__name__, _HOMES)

@@ -58,14 +58,11 @@ import threading
 
 from replay_server.engine import format_bytes
 from replay_server.service.fair_queue import FairQueue
+from replay_server.service.limits import BULK_SHARE
 from replay_server.service.status import LimitExceededError, OverloadedError
 
 SMALL_BYTES = 1 << 20
 """Reservations up to this size may use the whole budget."""
-
-BULK_SHARE = 0.75
-"""Share of the budget larger reservations may take together."""
-
 
 class MemoryBudget:
     """Bytes calls may hold at once (see the module docstring).

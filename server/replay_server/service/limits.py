@@ -59,10 +59,13 @@ from typing import Any
 
 from replay_proto.scalars import is_int, is_real
 from replay_server.engine import check_shard, format_bytes
-from replay_server.service.budget import BULK_SHARE
 from replay_server.errors import ConfigError, TableSpaceError
 
 MIB = 1 << 20
+
+BULK_SHARE = 0.75
+"""Share of the memory budget larger reservations may take together
+(:class:`~replay_server.service.budget.MemoryBudget`)."""
 
 DEFAULTS: dict[str, Any] = {  # ints where the setting is a count or MiB, floats for seconds
     "memory_budget_mb": 1024, "max_concurrent_calls": 256, "max_connections": 512,

@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from replay_feed.accelerator import cuda_present
 from replay_proto.addresses import DEFAULT_ADDRESS, is_loopback
 from replay_proto.scalars import is_int, is_real
 from replay_server.engine import TableConfig, default_table_configs
@@ -23,6 +22,15 @@ from replay_server.service.limits import check_limits
 from replay_server.service.shard_index import resolve_shard
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.\-]+):(\d{1,5})$")
+
+
+def cuda_present() -> bool:
+    """Whether this machine has a CUDA device (:func:`replay_feed.accelerator.cuda_present`),
+    imported when asked: only ``pin_memory = "true"`` at load and ``"auto"`` at start ask,
+    so reading any other config loads no torch."""
+    from replay_feed.accelerator import cuda_present as present
+
+    return present()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from replay_server.errors import ConfigError
-from replay_server.service.credentials import check_valid_now, validity
+from replay_server.service.tls_files import check_valid_now, validity
 
 UTC = datetime.timezone.utc
 

@@ -27,17 +27,13 @@ from replay_server.checkpoint.wal.log import WriteAheadLog
 from replay_server.checkpoint.wal.logged_table import LoggedTable
 from replay_server.checkpoint.wal.logged_variables import LoggedVariableStore
 from replay_server.checkpoint.wal.replay import ReplayReport, find_segments, replay_log
+from replay_server.checkpoint.wal.sync_modes import SYNC_PROMISES
 from replay_server.engine import TableSet
 from replay_server.errors import ConfigError
 
 log = logging.getLogger("replay_server.wal")
 
 LOCK_NAME = "WAL.LOCK"
-
-SYNC_PROMISES = {"fsync": "an acknowledged change survives a crash of the process or the machine",
-                 "os": "an acknowledged change survives a crash of the process (not of the "
-                       "machine: power loss can lose the last ones)"}
-
 
 class LogKeeper:
     """The log of one server (see the module docstring).

@@ -49,7 +49,6 @@ table's lock.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -59,19 +58,16 @@ from replay_proto.dtypes import numpy_view
 from replay_server.engine import buffers
 from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
-from replay_server.engine.options import LayerSpec, option
+from replay_server.engine.reader_options import next_key, storage_schema
 from replay_server.engine.readers.base import Reader
 from replay_server.engine.schema import FieldSpec, Schema
+from replay_server.engine.slot_memory import FRAMESTACK_SLOT_BYTES
 from replay_server.engine.snapshot import saved_copy
 from replay_server.engine.workers import take_rows
-from replay_server.errors import ConfigError, InvalidArgumentError, SchemaMismatchError
+from replay_server.errors import InvalidArgumentError, SchemaMismatchError
 
 _MIN_SWEEP = 1024
 """Open episodes kept before those whose newest step left the ring are forgotten."""
-
-
-def next_key(key: str) -> str:
-    return f"next.{key}"
 
 
 def check_stack_columns(table: str, key: str, schema: Mapping[str, FieldSpec]) -> None:
@@ -95,15 +91,6 @@ def check_stack_columns(table: str, key: str, schema: Mapping[str, FieldSpec]) -
             f"{'' if following is None else f' and {following.describe()}'}")
 
 
-def storage_schema(schema: Schema, key: str) -> Schema:
-    """What is stored of rows of ``schema``: the stacked keys hold one frame per row."""
-    fields = dict(schema.items())
-    for name in (key, next_key(key)):
-        if name in fields:
-            fields[name] = FieldSpec(fields[name].dtype, fields[name].shape[1:])
-    return Schema(fields)
-
-
 def check_insert(columns: Mapping[str, torch.Tensor], key: str, table: str) -> None:
     """Refuse an insert whose ``next.<key>`` is not ``<key>`` shifted by one frame.
 
@@ -122,26 +109,6 @@ def check_insert(columns: Mapping[str, torch.Tensor], key: str, table: str) -> N
             f"observation shifted by one frame")
 
 
-@dataclass(frozen=True, kw_only=True)
-class FrameStackOptions(LayerSpec):
-    """The frame-stack reader's options (:class:`FrameStacks`; no key: no reader)."""
-
-    frame_stack_key: str | None = option(
-        None, "a stacked observation [stack, ...] stored one frame per step (with "
-              "next.<key> when present), its stacks rebuilt at sample time; unset: off")
-    frame_stack_fill: str = option(
-        "repeat", "the frames before an episode's first step: repeat its first frame, or zero")
-
-    def check(self, where: str, capacity: int) -> None:
-        if self.frame_stack_fill not in ("repeat", "zero"):
-            raise ConfigError(f"{where}: frame_stack_fill must be 'repeat' or 'zero', got "
-                              f"{self.frame_stack_fill!r}")
-        key = self.frame_stack_key
-        if key is not None and (not isinstance(key, str) or not key or key.startswith("next.")):
-            raise ConfigError(f"{where}: frame_stack_key must name the stacked observation "
-                              f"(e.g. 'obs'; 'next.<key>' is stacked with it), got {key!r}")
-
-
 class FrameStacks(Reader):
     """Links, kept histories and the stack rebuild of one table (see the module docstring).
 
@@ -154,7 +121,7 @@ class FrameStacks(Reader):
     """
 
     STATE_KEY = "frames"
-    SLOT_BYTES = 16
+    SLOT_BYTES = FRAMESTACK_SLOT_BYTES
     """Per slot: the previous and the next step's positions (int64 each)."""
 
     def __init__(self, ring: IdRing, source: Reader, key: str, schema: Schema,

@@ -52,7 +52,6 @@ Not thread-safe: called under the table's lock.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,12 +61,10 @@ from replay_proto.batch import STEPS_DTYPE, STEPS_KEY
 from replay_proto.dtypes import numpy_dtype
 from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
-from replay_proto.scalars import is_int, is_real
-from replay_server.engine.options import LayerSpec, option
 from replay_server.engine.readers.base import Reader
 from replay_server.engine.schema import Schema
+from replay_server.engine.slot_memory import NSTEP_SLOT_BYTES
 from replay_server.engine.snapshot import saved_copy
-from replay_server.errors import ConfigError
 
 NEXT_PREFIX = "next."
 """Columns under ``next`` (``next.obs``...) come from the window's last step."""
@@ -76,27 +73,6 @@ _MIN_SWEEP = 1024
 
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 """The reward dtypes numpy has (the others go through torch)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class NStepOptions(LayerSpec):
-    """The n-step reader's options (:class:`NStepReturns`; ``n_step = 1``: no reader)."""
-
-    n_step: int = option(1, "samples return n-step transitions built from each row's "
-                            "episode (any sampler but fifo/lifo); 1: plain rows")
-    gamma: float = option(0.99, "the discount of the n-step return, in [0, 1]")
-    reward_key: str = option("reward", "the column summed into the n-step return")
-
-    def check(self, where: str, capacity: int) -> None:
-        if not is_int(self.n_step) or not 1 <= self.n_step <= min(capacity, 1000):
-            raise ConfigError(f"{where}: n_step must be an integer in [1, min(capacity, 1000)] "
-                              f"(1: plain rows), got {self.n_step!r}")
-        if not is_real(self.gamma) or not 0.0 <= self.gamma <= 1.0:
-            raise ConfigError(f"{where}: gamma must be a number in [0, 1], got {self.gamma!r}")
-        self._set("gamma", float(self.gamma))
-        if not isinstance(self.reward_key, str) or not self.reward_key:
-            raise ConfigError(f"{where}: reward_key must be a non-empty string, got "
-                              f"{self.reward_key!r}")
 
 
 class NStepReturns(Reader):
@@ -112,7 +88,7 @@ class NStepReturns(Reader):
     """
 
     STATE_KEY = "nstep"
-    SLOT_BYTES = 26
+    SLOT_BYTES = NSTEP_SLOT_BYTES
     """Per slot: the next step's slot, the window's sum and last slot (int64, float64,
     int64) and its length (uint16)."""
 

@@ -1,17 +1,19 @@
 """Samplers: how a table picks the rows of a sample.
 
 All implement :class:`~replay_server.engine.samplers.base.Sampler`; each
-declares its ``kind`` (the name a config gives it), its options (a
-:class:`SamplerSpec`), traits, memory and cost. :data:`SAMPLERS` is the
-registry the config's ``sampler`` names and keys are checked against and the
-table builds from: a new sampler is one module, one :func:`register_sampler`
-call, and its tests (docs/engine.md, "Adding a sampler").
+takes its ``kind`` (the name a config gives it), its options (a
+:class:`SamplerSpec`), traits and memory from its declaration in
+:mod:`replay_server.engine.sampler_kinds` (torch-free: configs are checked
+against it without loading this package), and states its cost.
+:data:`SAMPLERS` is the registry the config's ``sampler`` names and keys are
+checked against and the table builds from: a plug-in's sampler is one module,
+one :func:`register_sampler` call, and its tests (docs/engine.md, "Adding a
+sampler").
 """
 
 from __future__ import annotations
 
-from replay_server.engine.options import Registry
-
+from replay_server.engine.sampler_kinds import SAMPLERS
 from replay_server.engine.samplers.base import (
     InsertEvent,
     Removal,
@@ -43,12 +45,10 @@ __all__ = [
     "register_sampler",
 ]
 
-SAMPLERS: Registry[type[Sampler]] = Registry("sampler")
-"""Every sampler by the name a config gives it, in the order ``info`` and errors list them."""
-
 
 def register_sampler(cls: type[Sampler]) -> type[Sampler]:
-    """Make ``cls`` a sampler configs can name (``sampler = cls.kind``), with its options.
+    """Make ``cls`` a sampler configs can name (``sampler = cls.kind``), with its options (a
+    plug-in's: the class is its own declaration, see :mod:`replay_server.engine.sampler_kinds`).
 
     Usable as a class decorator; a kind already registered is refused (ValueError).
     ``SAMPLERS.registered(cls.kind, cls)`` registers one for a block (a test's).
@@ -56,7 +56,3 @@ def register_sampler(cls: type[Sampler]) -> type[Sampler]:
     SAMPLERS.register(cls.kind, cls)
     return cls
 
-
-for _sampler in (UniformSampler, PrioritizedSampler, SliceSampler, PrioritizedSliceSampler,
-                 FifoSampler, LifoSampler):
-    register_sampler(_sampler)

@@ -36,31 +36,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from replay_proto.capabilities import TableCapabilities
 from replay_proto.mass import SamplingMass
 from replay_server.engine.ids import IdRing
 from replay_server.engine.insert_event import InsertEvent
-from replay_server.engine.options import LayerSpec
+from replay_server.engine.sampler_kinds import SamplerSpec, SamplerTraits
 from replay_server.errors import NoPrioritiesError
 
 __all__ = ["InsertEvent", "Removal", "SampleIndex", "Sampler", "SamplerSpec", "SamplerTraits"]
-
-
-SamplerTraits = TableCapabilities
-"""What a sampler does, declared once on its class (``traits``), so that nothing else (the
-table, the service, clients) needs to match sampler names: its share of its table's
-capabilities (:mod:`replay_proto.capabilities`), ``priorities``, ``slices``, ``episodes``,
-``consumes`` (a draw takes its rows: the table gives it a remover of limit 1, see
-:mod:`replay_server.engine.remover`), ``ordered`` and ``mergeable``; the table fills in
-the rest from its readers and options."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SamplerSpec(LayerSpec):
-    """A sampler's options (none here: ``uniform``'s, ``fifo``'s). A sampler with options
-    subclasses it in its own module and names it as its class's :attr:`Sampler.options`;
-    the table's config then takes exactly those keys with that sampler (see
-    :mod:`replay_server.engine.options`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ import torch
 
 from replay_server.engine.ids import IdRing
 from replay_server.engine.samplers.base import InsertEvent
+from replay_server.engine.slot_memory import index_dtype
 from replay_server.engine.snapshot import saved_copy
 
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -64,11 +65,6 @@ _MIN_SWEEP = 1024
 class _OpenEpisode:
     tail: np.ndarray  # ids of its last min(len, min_len - 1) steps, ascending
     last_id: int
-
-
-def index_dtype(capacity: int) -> type[np.integer]:
-    """The narrowest integer dtype that holds any slot of ``capacity``."""
-    return np.int32 if capacity < 2**31 else np.int64
 
 
 class EpisodeIndex:

@@ -22,13 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from replay_server.engine.samplers.slotset import SlotSet, slotset_bytes
+from replay_server.engine.samplers.slotset import SlotSet
 from replay_server.engine.snapshot import saved_copy
-
-
-def heads_bytes(capacity: int) -> int:
-    """Bytes per slot of an :class:`EpisodeHeads` of ``capacity`` slots."""
-    return 1 + slotset_bytes(capacity)
 
 
 class EpisodeHeads:

@@ -2,45 +2,23 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from replay_proto.mass import SamplingMass
-from replay_server.errors import ConfigError, EmptyTableError
+from replay_server.errors import EmptyTableError
 from replay_server.engine.ids import IdRing
-from replay_proto.scalars import is_real
-from replay_server.engine.options import option
 from replay_server.engine.samplers.base import (
     InsertEvent,
     Removal,
     Sampler,
     SampleIndex,
-    SamplerSpec,
-    SamplerTraits,
     importance_weights,
     sorted_unit_draws,
 )
-from replay_server.engine.sumtree import SLOT_BYTES, SumTree
-
-
-@dataclass(frozen=True, kw_only=True)
-class PriorityOptions(SamplerSpec):
-    """The options of the prioritized samplers (proportional PER)."""
-
-    alpha: float = option(0.6, "priority exponent: P(i) = p_i^alpha / sum_k p_k^alpha",
-                          inert=True)
-    beta: float = option(0.4, "importance-weight exponent: w_i = (N * P(i))^-beta / max_j w_j",
-                         inert=True)
-
-    def check(self, where: str, capacity: int) -> None:
-        for name in ("alpha", "beta"):
-            value = getattr(self, name)
-            if not is_real(value) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
-            self._set(name, float(value))
+from replay_server.engine.sampler_kinds import PRIORITIZED, PriorityOptions
+from replay_server.engine.sumtree import SumTree
 
 
 class PriorityState:
@@ -158,9 +136,8 @@ class PrioritizedSampler(HoldsPriorities, Sampler):
     plus under 3 bytes of inner nodes and minima.
     """
 
-    kind = "prioritized"
-    traits = SamplerTraits(priorities=True)
-    options = PriorityOptions
+    kind, traits, options = PRIORITIZED.kind, PRIORITIZED.traits, PRIORITIZED.options
+    slot_bytes = staticmethod(PRIORITIZED.slot_bytes)
 
     def __init__(self, ring: IdRing, alpha: float, beta: float) -> None:
         super().__init__(ring)
@@ -171,10 +148,6 @@ class PrioritizedSampler(HoldsPriorities, Sampler):
     def build(cls, ring: IdRing, options: PriorityOptions, *,
               deletes: bool) -> PrioritizedSampler:
         return cls(ring, options.alpha, options.beta)
-
-    @classmethod
-    def slot_bytes(cls, options: PriorityOptions, capacity: int, *, deletes: bool) -> int:
-        return SLOT_BYTES
 
     def insert(self, event: InsertEvent) -> None:
         priorities = self._prio.given(event.priorities, event.count)

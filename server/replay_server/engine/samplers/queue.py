@@ -29,61 +29,26 @@ under the table's lock.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from replay_proto.mass import SamplingMass, uniform_mass
-from replay_proto.scalars import is_real
-from replay_server.engine.options import option
 from replay_server.engine.samplers.base import (
     InsertEvent,
     Removal,
     Sampler,
     SampleIndex,
-    SamplerSpec,
-    SamplerTraits,
 )
-from replay_server.errors import ConfigError, EmptyTableError
-
-
-DEFAULT_LEASE_TIMEOUT_S = 60.0
-"""How long a queue's rows taken under a lease wait for their acknowledgement by default."""
-
-MAX_LEASE_TIMEOUT_S = 86_400.0
-"""The longest ``lease_timeout_s`` (a day)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class QueueOptions(SamplerSpec):
-    """The options of the samplers that take their rows (``fifo``/``lifo``)."""
-
-    lease_timeout_s: float | None = option(
-        None, "seconds a sample's rows stay its taker's (a lease) before they return to the "
-              "queue unless acknowledged; unset: 60")
-
-    def check(self, where: str, capacity: int) -> None:
-        timeout = self.lease_timeout_s
-        if timeout is None:
-            return
-        if not is_real(timeout) or not 0 < timeout <= MAX_LEASE_TIMEOUT_S:
-            raise ConfigError(f"{where}: lease_timeout_s must be a number of seconds in "
-                              f"(0, {MAX_LEASE_TIMEOUT_S:g}] or omitted, got {timeout!r}")
-        self._set("lease_timeout_s", float(timeout))
-
-    @property
-    def effective_lease_timeout_s(self) -> float:
-        """``lease_timeout_s`` with its default resolved."""
-        return DEFAULT_LEASE_TIMEOUT_S if self.lease_timeout_s is None else self.lease_timeout_s
-
+from replay_server.engine.sampler_kinds import FIFO, LIFO
+from replay_server.errors import EmptyTableError
 
 class OrderedSampler(Sampler):
     """The drawable rows in insertion order (``lifo``: reverse order). See the module docstring."""
 
-    traits = SamplerTraits(consumes=True, ordered=True, mergeable=False)
-    options = QueueOptions
+    traits, options = FIFO.traits, FIFO.options  # lifo's are the same
+    slot_bytes = staticmethod(FIFO.slot_bytes)
     lifo: ClassVar[bool] = False
 
     def __init__(self, ring: Any) -> None:
@@ -92,10 +57,6 @@ class OrderedSampler(Sampler):
         self._ends: list[int] = []
         self.depth = 0
         """Rows drawable (inserted, not yet taken, deleted or overwritten)."""
-
-    @classmethod
-    def slot_bytes(cls, options: SamplerSpec, capacity: int, *, deletes: bool) -> int:
-        return 0
 
     def insert(self, event: InsertEvent) -> None:
         if event.evicted:
@@ -235,11 +196,11 @@ class OrderedSampler(Sampler):
 class FifoSampler(OrderedSampler):
     """The oldest rows first (a queue)."""
 
-    kind = "fifo"
+    kind = FIFO.kind
 
 
 class LifoSampler(OrderedSampler):
     """The newest rows first (a stack)."""
 
-    kind = "lifo"
+    kind = LIFO.kind
     lifo = True

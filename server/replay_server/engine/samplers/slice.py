@@ -19,97 +19,37 @@ cut or pad, see ``replay_proto.slices``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from replay_proto.mass import SamplingMass, uniform_mass
-from replay_server.errors import ConfigError, EmptyTableError, InvalidPriorityError
+from replay_server.errors import EmptyTableError, InvalidPriorityError
 from replay_server.engine.ids import IdRing
-from replay_proto.scalars import is_int, is_real
-from replay_server.engine.options import option
 from replay_server.engine.samplers.base import (
     InsertEvent,
     Removal,
     Sampler,
     SampleIndex,
-    SamplerSpec,
-    SamplerTraits,
     uniform_draws,
 )
-from replay_server.engine.samplers.episodes import EpisodeIndex, index_dtype
-from replay_server.engine.samplers.heads import EpisodeHeads, heads_bytes
+from replay_server.engine.sampler_kinds import (
+    PRIORITIZED_SLICE,
+    SLICE,
+    PrioritizedSliceOptions,
+    SliceOptions,
+)
+from replay_server.engine.samplers.episodes import EpisodeIndex
+from replay_server.engine.samplers.heads import EpisodeHeads
 from replay_server.engine.samplers.prioritized import (
     HoldsPriorities,
-    PriorityOptions,
     PriorityState,
     draw_by_priority,
 )
-from replay_server.engine.samplers.slotset import SlotSet, slotset_bytes
+from replay_server.engine.samplers.slotset import SlotSet
 from replay_server.engine.snapshot import saved_copy
-from replay_server.engine.sumtree import SLOT_BYTES, SumTree
-
-
-@dataclass(frozen=True, kw_only=True)
-class SliceShape(SamplerSpec):
-    """The options of the slice samplers: how long a slice is, and how it may be cut
-    (partial slices, see the module docstring)."""
-
-    slice_len: int | None = option(None, "steps per sampled slice", required=True)
-    strict_length: bool = option(
-        True, "false: a slice may also start at an episode's first stored step however "
-              "short the episode, cut at its last stored step")
-    span_right: int = option(
-        0, "windows may end up to this many steps past an episode's last stored step "
-           "(a slice keeps at least slice_len - span_right steps); in [0, slice_len - 1]")
-
-    def check(self, where: str, capacity: int) -> None:
-        if not is_int(self.slice_len) or not 1 <= self.slice_len <= capacity:
-            raise ConfigError(f"{where}: slice_len must be an integer in [1, capacity="
-                              f"{capacity}], got {self.slice_len!r}")
-        if not isinstance(self.strict_length, bool):
-            raise ConfigError(f"{where}: strict_length must be true or false, got "
-                              f"{self.strict_length!r}")
-        for name in ("span_left", "span_right"):
-            value = getattr(self, name, 0)
-            if not is_int(value) or value < 0:
-                raise ConfigError(f"{where}: {name} must be an integer >= 0, got {value!r}")
-            if value >= self.slice_len:
-                raise ConfigError(
-                    f"{where}: {name} must be in [0, slice_len - 1 = {self.slice_len - 1}] (a "
-                    f"slice keeps at least one step), got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SliceOptions(SliceShape):
-    """The options of sampler ``slice``."""
-
-    span_left: int = option(
-        0, "windows may also begin up to this many steps before an episode's first stored "
-           "step, the steps before it cut; in [0, slice_len - 1]")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PrioritizedSliceOptions(SliceShape, PriorityOptions):
-    """The options of sampler ``prioritized_slice``: a slice's shape and priorities (no
-    ``span_left``: a slice is drawn by the priority of its first stored step)."""
-
-    priority_mixing: float | None = option(
-        None, "eta: a priority update is of whole slices, each slice's start getting "
-              "eta * max + (1 - eta) * mean of its steps' priorities (R2D2); unset: per row")
-
-    def check(self, where: str, capacity: int) -> None:
-        PriorityOptions.check(self, where, capacity)
-        SliceShape.check(self, where, capacity)
-        eta = self.priority_mixing
-        if eta is None:
-            return
-        if not is_real(eta) or not 0.0 <= eta <= 1.0:
-            raise ConfigError(f"{where}: priority_mixing must be a number in [0, 1] or "
-                              f"omitted, got {eta!r}")
-        self._set("priority_mixing", float(eta))
+from replay_server.engine.sumtree import SumTree
 
 
 def _no_slices(ring: IdRing, episodes: EpisodeIndex) -> EmptyTableError:
@@ -164,9 +104,8 @@ class SliceSampler(Sampler):
     9 (17) more with ``span_left``.
     """
 
-    kind = "slice"
-    traits = SamplerTraits(slices=True, episodes=True)
-    options = SliceOptions
+    kind, traits, options = SLICE.kind, SLICE.traits, SLICE.options
+    slot_bytes = staticmethod(SLICE.slot_bytes)
 
     def __init__(self, ring: IdRing, slice_len: int, *, strict_length: bool = True,
                  span_left: int = 0, span_right: int = 0) -> None:
@@ -183,11 +122,6 @@ class SliceSampler(Sampler):
         assert options.slice_len is not None
         return cls(ring, options.slice_len, strict_length=options.strict_length,
                    span_left=options.span_left, span_right=options.span_right)
-
-    @classmethod
-    def slot_bytes(cls, options: SliceOptions, capacity: int, *, deletes: bool) -> int:
-        heads = heads_bytes(capacity) if options.span_left else 0
-        return np.dtype(index_dtype(capacity)).itemsize + slotset_bytes(capacity) + heads
 
     def insert(self, event: InsertEvent) -> None:
         cap = self._ring.capacity
@@ -306,9 +240,9 @@ class PrioritizedSliceSampler(HoldsPriorities, Sampler):
     bytes per slot (20 when capacity >= 2**31).
     """
 
-    kind = "prioritized_slice"
-    traits = SamplerTraits(priorities=True, slices=True, episodes=True)
-    options = PrioritizedSliceOptions
+    kind, traits = PRIORITIZED_SLICE.kind, PRIORITIZED_SLICE.traits
+    options = PRIORITIZED_SLICE.options
+    slot_bytes = staticmethod(PRIORITIZED_SLICE.slot_bytes)
 
     @classmethod
     def build(cls, ring: IdRing, options: PrioritizedSliceOptions, *,
@@ -317,12 +251,6 @@ class PrioritizedSliceSampler(HoldsPriorities, Sampler):
         return cls(ring, options.slice_len, options.alpha, options.beta,
                    options.priority_mixing, strict_length=options.strict_length,
                    span_right=options.span_right)
-
-    @classmethod
-    def slot_bytes(cls, options: PrioritizedSliceOptions, capacity: int, *,
-                   deletes: bool) -> int:
-        # links, the tree, each row's mass (float32) and whether it starts a slice (bool)
-        return np.dtype(index_dtype(capacity)).itemsize + SLOT_BYTES + 4 + 1
 
     def __init__(self, ring: IdRing, slice_len: int, alpha: float, beta: float,
                  mixing: float | None = None, *, strict_length: bool = True,

@@ -11,12 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from replay_server.engine.samplers.base import uniform_draws
-from replay_server.engine.samplers.episodes import index_dtype
-
-
-def slotset_bytes(capacity: int) -> int:
-    """Bytes per slot of a :class:`SlotSet` of ``capacity`` slots."""
-    return 2 * np.dtype(index_dtype(capacity)).itemsize
+from replay_server.engine.slot_memory import index_dtype
 
 
 class SlotSet:

@@ -16,10 +16,10 @@ from replay_server.engine.samplers.base import (
     Sampler,
     SampleIndex,
     SamplerSpec,
-    SamplerTraits,
     uniform_draws,
 )
-from replay_server.engine.samplers.slotset import SlotSet, slotset_bytes
+from replay_server.engine.samplers.slotset import SlotSet
+from replay_server.engine.sampler_kinds import UNIFORM
 
 
 class UniformSampler(Sampler):
@@ -38,8 +38,8 @@ class UniformSampler(Sampler):
     8 bytes per slot in a table that deletes (16 past 2**31 slots).
     """
 
-    kind = "uniform"
-    traits = SamplerTraits()
+    kind, traits, options = UNIFORM.kind, UNIFORM.traits, UNIFORM.options
+    slot_bytes = staticmethod(UNIFORM.slot_bytes)
 
     def __init__(self, ring: IdRing) -> None:
         super().__init__(ring)
@@ -51,10 +51,6 @@ class UniformSampler(Sampler):
         if deletes:
             sampler._member_set()
         return sampler
-
-    @classmethod
-    def slot_bytes(cls, options: SamplerSpec, capacity: int, *, deletes: bool) -> int:
-        return slotset_bytes(capacity) if deletes else 0
 
     def _member_set(self) -> SlotSet:
         """The drawable rows as a set, made from the live range when first needed."""

@@ -50,7 +50,7 @@ from replay_server.engine.storage.placement import (
 if TYPE_CHECKING:
     from replay_server.engine.config import TableConfig
 
-__all__ = ["Column", "ColumnStorage", "check_storage", "make_storage", "storage_ram_bytes"]
+__all__ = ["Column", "ColumnStorage", "check_storage", "make_storage"]
 
 
 def _backend(config: TableConfig, key: str) -> type[Column]:
@@ -64,13 +64,6 @@ def _backend(config: TableConfig, key: str) -> type[Column]:
     if registered.column_class is not None:
         return registered.column_class
     return DeviceColumn if config.on_device else HostColumn
-
-
-def storage_ram_bytes(config: TableConfig, schema: Schema) -> int:
-    """Bytes of RAM the columns of ``schema`` (as stored) are promised at the table's capacity,
-    each as its backend declares it (compressed rows are promised as they are stored)."""
-    return sum(_backend(config, key).ram_bytes(spec, config.capacity)
-               for key, spec in schema.items())
 
 
 def make_storage(config: TableConfig, schema: Schema,

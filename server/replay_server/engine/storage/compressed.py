@@ -24,7 +24,6 @@ Not thread-safe: the owning table serializes access under its lock.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import lz4.block
@@ -33,14 +32,13 @@ import torch
 
 from replay_proto.dtypes import numpy_view
 from replay_server.engine import workers
-from replay_server.engine.options import LayerSpec, option
 from replay_server.engine.schema import FieldSpec
+from replay_server.engine.slot_memory import COMPRESSED_SLOT_BYTES
 from replay_server.engine.storage.arena import ByteArena
 from replay_server.engine.storage.base import Column, Region
 from replay_server.engine.storage.lz4_batch import (
     DECODER, PREFIX, prefixed, stand_in, zero_block)
 from replay_server.engine.storage.memmap import MappedFile
-from replay_server.errors import ConfigError
 
 _PARALLEL_BYTES = 1 << 20
 """Gathers of at least this many raw bytes decompress on several threads."""
@@ -64,24 +62,6 @@ def bound(row_bytes: int) -> int:
 def stored_bound(row_bytes: int) -> int:
     """The most bytes a row of ``row_bytes`` takes in the arena (its block and the block's size)."""
     return PREFIX + bound(row_bytes)
-
-
-@dataclass(frozen=True, kw_only=True)
-class CompressionOptions(LayerSpec):
-    """The lz4 codec's options: which columns it stores compressed, over their backend."""
-
-    compress_keys: tuple[str, ...] | None = option(
-        None, "columns whose rows are stored lz4-compressed, over their backend; unset: none")
-
-    def check(self, where: str, capacity: int) -> None:
-        keys = self.compress_keys
-        if keys is None:
-            return
-        if (not isinstance(keys, (list, tuple)) or not keys
-                or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys)):
-            raise ConfigError(f"{where}: compress_keys must be a non-empty list of distinct "
-                              f"column names, got {keys!r}")
-        self._set("compress_keys", tuple(keys))
 
 
 class Lz4Column(Column):
@@ -112,7 +92,7 @@ class Lz4Column(Column):
     @staticmethod
     def ram_bytes(spec: FieldSpec, capacity: int) -> int:
         """The per-slot offsets; the segments are promised as they are taken."""
-        return 12 * capacity
+        return COMPRESSED_SLOT_BYTES * capacity
 
     @staticmethod
     def file_bytes(spec: FieldSpec, capacity: int) -> int:

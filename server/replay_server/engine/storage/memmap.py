@@ -43,13 +43,11 @@ import mmap
 import os
 import tempfile
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from replay_server.engine.memory import format_bytes
-from replay_server.engine.options import LayerSpec, option
 from replay_server.engine.schema import FieldSpec
 from replay_server.engine.storage.base import ArrayColumn, take_rows
 from replay_server.errors import ConfigError, InsufficientMemoryError
@@ -77,19 +75,6 @@ def free_bytes(directory: Path) -> int:
     """Bytes the disk under ``directory`` has free for this process."""
     stats = os.statvfs(directory)
     return stats.f_bavail * stats.f_frsize
-
-
-@dataclass(frozen=True, kw_only=True)
-class MemmapOptions(LayerSpec):
-    """The ``memmap`` backend's options."""
-
-    storage_dir: str | None = option(
-        None, "the existing directory memmap columns keep their files in", required=True)
-
-    def check(self, where: str, capacity: int) -> None:
-        if not isinstance(self.storage_dir, str) or not self.storage_dir:
-            raise ConfigError(f"{where}: storage 'memmap' needs storage_dir, the directory "
-                              f"its files go in; got {self.storage_dir!r}")
 
 
 class MappedFile:
