@@ -61,7 +61,6 @@ runs on the guard's own thread.
 from __future__ import annotations
 
 import heapq
-import ipaddress
 import logging
 import os
 import socket
@@ -70,6 +69,8 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from replay_server.service.peer_address import normal, peer_address
 
 log = logging.getLogger("replay_server")
 
@@ -135,28 +136,6 @@ class _Connection:
     deadline: float  # accepted + handshake_timeout_s: closed from then on without a call
     fd: int
     shut: bool = False  # shut down by the guard; gRPC has yet to close its descriptor
-
-
-def peer_address(peer: str) -> tuple[str, int] | None:
-    """``(ip, port)`` of a gRPC peer string (``ipv4:10.0.0.7:53412``, ``ipv6:[::1]:5``)."""
-    kind, _, rest = peer.partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        return None
-    host, _, port = rest.rpartition(":")
-    if not port.isdigit():
-        return None
-    return _normal(host.strip("[]")), int(port)
-
-
-def _normal(host: str) -> str:
-    """An IPv4 address mapped into IPv6 (``::ffff:1.2.3.4``) as plain IPv4."""
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
-    return str(address)
 
 
 class ConnectionGuard:
@@ -383,7 +362,7 @@ class ConnectionGuard:
                 host, port = sock.getpeername()[:2]
             except OSError:  # not connected (a listener), or gone
                 return None
-            return _normal(host), int(port)
+            return normal(host), int(port)
 
     def _shut(self, inode: int) -> bool:
         """Shut the connection down (gRPC then closes its own descriptor); whether it was."""
