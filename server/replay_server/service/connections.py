@@ -70,6 +70,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from replay_server.service.control_meter import LOOK_S, ControlMeter, tcp_bytes
 from replay_server.service.peer_address import normal, peer_address
 
 log = logging.getLogger("replay_server")
@@ -149,6 +150,9 @@ class ConnectionGuard:
         max_connections: what gRPC admits on the port (full at this many).
         on_full: called with True when the port becomes full, False when it is not
             any more (on the guard's thread).
+        control: the control-frame meter (:mod:`~replay_server.service.control_meter`):
+            every :data:`~replay_server.service.control_meter.LOOK_S` each connection's
+            socket byte counts are read and judged, and a connection over it is cut.
 
     Attributes:
         closed: connections closed so far.
@@ -157,13 +161,16 @@ class ConnectionGuard:
 
     def __init__(self, port: int, *, handshake_timeout_s: float, max_idle_per_host: int,
                  max_idle: int, max_connections: int,
-                 on_full: Callable[[bool], None] | None = None) -> None:
+                 on_full: Callable[[bool], None] | None = None,
+                 control: ControlMeter | None = None) -> None:
         self.port = port
         self.handshake_timeout_s = handshake_timeout_s
         self.max_idle_per_host = max_idle_per_host
         self.max_idle = max_idle
         self.max_connections = max_connections
         self._on_full = on_full
+        self.control = control
+        self._next_look: float | None = None  # when the control meter looks next
         self._lock = threading.Lock()
         self._called: set[tuple[str, int]] = set()
         self._cuts: set[tuple[str, int]] = set()  # peers to close at the next sweep
@@ -254,7 +261,7 @@ class ConnectionGuard:
                 else:
                     self._connections[inode] = _Connection(
                         peer, now, now + GRACE_S, now + self.handshake_timeout_s, fd)
-        doomed = self._doomed(now)
+        doomed = list(dict.fromkeys(self._doomed(now) + self._over_control(now)))
         closed = sum(self._shut(inode) for inode in doomed)
         self.closed += closed
         self.open = sum(not c.shut for c in self._connections.values())
@@ -308,6 +315,30 @@ class ConnectionGuard:
                 self._spared += 1
         doomed += abusers
         return doomed + self._shed(called, set(doomed))
+
+    def _over_control(self, now: float) -> list[int]:
+        """Inodes of connections over the control meter's limit, judged every
+        :data:`~replay_server.service.control_meter.LOOK_S` (one ``getsockopt`` each)."""
+        meter = self.control
+        if meter is None or self._slot is None:
+            return []
+        if self._next_look is not None and now < self._next_look:
+            return []
+        self._next_look = now + LOOK_S
+        over: list[int] = []
+        live: set[tuple[str, int]] = set()
+        for inode, connection in self._connections.items():
+            if connection.shut:
+                continue
+            live.add(connection.peer)
+            with self._slot.holding(connection.fd, inode) as sock:
+                counts = None if sock is None else tcp_bytes(sock)
+            if counts is None:
+                continue
+            if meter.over(connection.peer, counts[0], counts[1], now):
+                over.append(inode)
+        meter.keep(live)
+        return over
 
     def _shed(self, called: set[tuple[str, int]], doomed: set[int]) -> list[int]:
         """Connections that made a call to close while more than :data:`SHED` of the port
