@@ -19,7 +19,7 @@ the flooder its connection.
   and PRIORITY flooders, took all 200,000 frames).
 
 A learner taking large batches over gRPC and an actor inserting small rows, both at full
-speed, are not cut by the meter (``test_a_learner_and_an_actor_at_full_speed_are_not_cut``).
+speed, are not cut by the meter (``test_a_learner_and_actors_at_full_speed_are_not_cut``).
 
 Against a server requiring the token, every flood from a flooder without it is cut (at the
 handshake deadline, which no frame of it extends), costing no reserved memory, no replay
@@ -41,6 +41,7 @@ import torch
 from replay_client import ReplayClient
 from replay_client.errors import LimitExceededError, UnavailableError
 from tests.conftest import ServerProcess, module_server
+from tests.tools.proxy import LinkProxy
 from tests.integration.raw_http2 import (
     DATA,
     END_HEADERS,
@@ -298,29 +299,34 @@ INSERTS = 20_000     # at most, for the actor
 CUT = "max_control_bytes_per_s"
 
 
-def test_a_learner_and_an_actor_at_full_speed_are_not_cut(server):
+def test_a_learner_and_actors_at_full_speed_are_not_cut(server):
     """A learner streaming Atari-sized batches (64 rows of 4x84x84 bytes: 1.8 MB) over gRPC,
-    and an actor inserting one small row per call, each as fast as it can on its own
-    connection for the same few seconds: the control-frame meter cuts neither (their
-    WINDOW_UPDATEs, PINGs and HEADERS stay within what their calls and the bytes they take
-    allow), and neither sees an error."""
+    an actor inserting one small row per call and another inserting 128 Atari rows (3.6 MB)
+    per call, each as fast as it can on its own connection for the same few seconds: the
+    control-frame meter cuts none of them (their WINDOW_UPDATEs, PINGs and HEADERS stay
+    within what their calls and the bytes they take allow, and a 3.6 MB request on its way
+    when the guard looks is allowed as declared), and none sees an error."""
     with ReplayClient(server.address, timeout=30, max_retry_s=0) as learner, \
-            ReplayClient(server.address, timeout=30, max_retry_s=0) as actor:
-        learner.insert("atari", {"obs": torch.zeros((128, 4, 84, 84), dtype=torch.uint8)})
+            ReplayClient(server.address, timeout=30, max_retry_s=0) as actor, \
+            ReplayClient(server.address, timeout=30, max_retry_s=0) as big_actor:
+        frames = torch.zeros((128, 4, 84, 84), dtype=torch.uint8)
+        learner.insert("atari", {"obs": frames})
         closed = learner.server_info().limits["connections_closed"]
         log_lines = len(server.log().splitlines())
         deadline = time.monotonic() + FULL_SPEED_S
-        inserted: list[int] = []
+        inserted: dict[str, int] = {}
 
-        def act() -> None:
+        def act(client: ReplayClient, table: str, rows: dict, name: str) -> None:
             count = 0
             while count < INSERTS and time.monotonic() < deadline:
-                actor.insert("t", {"x": torch.zeros(1)})
+                client.insert(table, rows)
                 count += 1
-            inserted.append(count)
+            inserted[name] = count
 
-        thread = threading.Thread(target=act)
-        thread.start()
+        threads = [threading.Thread(target=act, args=(actor, "t", {"x": torch.zeros(1)}, "small")),
+                   threading.Thread(target=act, args=(big_actor, "atari", {"obs": frames}, "big"))]
+        for thread in threads:
+            thread.start()
         batches = 0
         stream = learner.stream("atari", 64, prefetch=4, shared_memory=False, reconnect=False)
         try:
@@ -331,14 +337,33 @@ def test_a_learner_and_an_actor_at_full_speed_are_not_cut(server):
                     break
         finally:
             stream.close()
-            thread.join(FULL_SPEED_S + 30)
-        assert not thread.is_alive() and inserted  # the actor saw no error
+            for thread in threads:
+                thread.join(FULL_SPEED_S + 30)
+        assert not any(t.is_alive() for t in threads) and len(inserted) == 2  # no errors
         print(f"\nat full speed for {FULL_SPEED_S:g} s: {batches} batches of 1.8 MB streamed, "
-              f"{inserted[0]} one-row inserts")
-        assert batches > 1 and inserted[0] > 1
+              f"{inserted['small']} one-row inserts, {inserted['big']} inserts of 3.6 MB")
+        assert batches > 1 and inserted["small"] > 1 and inserted["big"] > 1
         assert learner.server_info().limits["connections_closed"] == closed
         assert CUT not in "\n".join(server.log().splitlines()[log_lines:])
-        learner.info(), actor.info()  # both connections still served
+        learner.info(), actor.info(), big_actor.info()  # every connection still served
+
+
+SLOW_LINK = 2_000_000  # bytes a second
+
+
+def test_a_large_insert_over_a_slow_link_is_not_cut(server):
+    """A 3.6 MB insert through a link of 2 MB/s arrives over about two seconds, read (and
+    counted as a message) only once whole: meanwhile its bytes are allowed as the call
+    declared them. Without that, the guard's looks found a few hundred KB more than the
+    call's counted bytes, look after look, and cut the connection."""
+    frames = {"obs": torch.zeros((128, 4, 84, 84), dtype=torch.uint8)}
+    with LinkProxy(server.address, bandwidth=SLOW_LINK) as link, \
+            ReplayClient(link.address, timeout=60, max_retry_s=0) as client:
+        closed = client.server_info().limits["connections_closed"]
+        log_lines = len(server.log().splitlines())
+        assert len(client.insert("atari", frames)) == 128
+        assert client.server_info().limits["connections_closed"] == closed
+        assert CUT not in "\n".join(server.log().splitlines()[log_lines:])
 
 
 REFUSALS = 200  # at most

@@ -43,8 +43,10 @@ actor inserting small rows, each at full speed, stay below 1 KiB a second of
 control, far under the default of 64 KiB a second.
 
 The windows start at the connection's first look and follow each other; a
-window's control is the growth of (received - allowed) over it, so neither
-credit nor debt carries from one window to the next.
+window's control is the growth of (received - allowed) over it, less the
+request bytes expected now (those may have arrived, in part, before the
+window began), so neither credit nor debt carries from one window to the
+next.
 
 Calls that never reach admission (health checks, calls refused for their
 token) earn no allowance: their bytes count as control.
@@ -218,12 +220,12 @@ class ControlMeter:
                 account = self._accounts[address] = _Account()
             account.gone = False
             control = received - (account.message_bytes + CALL_BYTES * account.calls
-                                  + MESSAGE_BYTES * account.messages + sent // SENT_SHARE
-                                  + account.expected)
+                                  + MESSAGE_BYTES * account.messages + sent // SENT_SHARE)
             if account.cut:
                 return 0
             if account.suspect is not None:  # over at the last look: still over from there?
-                growth = control - account.suspect[0] - (account.refused - account.suspect[1])
+                growth = (control - account.suspect[0] - (account.refused - account.suspect[1])
+                          - account.expected)
                 account.suspect = None
                 if growth > self.allowed:
                     account.cut = True
@@ -245,7 +247,8 @@ class ControlMeter:
 
     def _growth(self, account: _Account, control: int) -> int:
         """The control of ``account`` within its window, ``control`` being its count now."""
-        return control - account.base - (account.refused - account.refused_base)
+        return (control - account.base - (account.refused - account.refused_base)
+                - account.expected)
 
     def _say(self, address: tuple[str, int], nbytes: int) -> None:
         """The log line for a connection cut (rate-limited per host, like the reset meter's)."""

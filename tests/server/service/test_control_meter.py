@@ -115,6 +115,19 @@ def test_request_bytes_expected_are_no_control_until_the_call_is_read() -> None:
     assert m.over(ADDRESS, over, 0, T0 + 1.0)
 
 
+def test_request_bytes_expected_are_allowed_in_a_window_that_began_after_the_call() -> None:
+    """The guard's first look came after the call was admitted (a slow link: 3.6 MB over two
+    seconds): what the call declared is allowed whenever it arrives."""
+    m = meter()
+    m.called(PEER)
+    m.expect(PEER, 3_600_000)
+    received = 0
+    for look in range(10):
+        received += 360_000
+        assert not m.over(ADDRESS, received, 0, T0 + look * 0.2), look
+    assert m.cut == 0
+
+
 def test_calls_refused_unread_allow_what_their_clients_had_sent() -> None:
     m = meter()
     m.over(ADDRESS, 0, 0, T0)
