@@ -91,20 +91,29 @@ def main() -> None:
             with ReplayClient(server.address, timeout=60) as client:
                 client.info()  # connected
                 meter.peak = 0
-                seen.clear()
+                time.sleep(0.5)  # the guard's look at this connection before
+                before = figures(meter, seen)
                 did = run(args.seconds, workload, client)
-                time.sleep(0.5)  # the guard's last look at this connection
-                with meter._lock:  # the busiest connection: this client's
-                    address, account = max(meter._accounts.items(), key=lambda a: a[1].calls)
-                received, sent = seen[address]
-                raw = received - account.message_bytes
-                print(f"{workload:>14}: {did}; {account.calls} calls, {account.messages} "
-                      f"messages, {account.message_bytes / 1e6:.1f} MB in, {sent / 1e6:.1f} MB "
-                      f"out; overhead {raw} B ({raw / max(account.calls, 1):.0f} B a call, "
-                      f"{raw / max(account.messages, 1):.0f} B a message, "
-                      f"{raw / max(sent / 1e6, 1e-9):.0f} B per MB out); peak control "
-                      f"{meter.peak} B per window (cut: {meter.cut})")
+                time.sleep(0.5)  # ... and after (gRPC may reuse one connection for all)
+                after = figures(meter, seen)
+                address = max(after, key=lambda a: after[a][2] - before.get(a, (0,) * 5)[2])
+                received, sent, calls, messages, nbytes = (
+                    x - y for x, y in zip(after[address], before.get(address, (0,) * 5)))
+                raw = received - nbytes
+                print(f"{workload:>14}: {did}; {calls} calls, {messages} messages, "
+                      f"{nbytes / 1e6:.1f} MB in, {sent / 1e6:.1f} MB out; overhead {raw} B "
+                      f"({raw / max(calls, 1):.0f} B a call, {raw / max(messages, 1):.0f} B a "
+                      f"message, {raw / max(sent / 1e6, 1e-9):.0f} B per MB out, "
+                      f"{raw / args.seconds:.0f} B/s); peak control {meter.peak} B per window "
+                      f"(cut: {meter.cut})")
 
+
+def figures(meter, seen) -> dict:
+    """Per connection: (received, sent, calls, messages, message bytes) at the last look."""
+    with meter._lock:
+        return {address: (*seen[address], account.calls, account.messages,
+                          account.message_bytes)
+                for address, account in meter._accounts.items() if address in seen}
 
 if __name__ == "__main__":
     main()
