@@ -302,7 +302,8 @@ CUT = "max_control_bytes_per_s"
 def test_a_learner_and_actors_at_full_speed_are_not_cut(server):
     """A learner streaming Atari-sized batches (64 rows of 4x84x84 bytes: 1.8 MB) over gRPC,
     an actor inserting one small row per call and another inserting 128 Atari rows (3.6 MB)
-    per call, each as fast as it can on its own connection for the same few seconds: the
+    per call, each as fast as it can for the same few seconds (three clients of this process:
+    gRPC may carry them on one connection, which then takes all three loads): the
     control-frame meter cuts none of them (their WINDOW_UPDATEs, PINGs and HEADERS stay
     within what their calls and the bytes they take allow, and a 3.6 MB request on its way
     when the guard looks is allowed as declared), and none sees an error."""

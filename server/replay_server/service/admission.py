@@ -74,6 +74,11 @@ reads it when asked, and writes its answer when told, so the handler can
 time the write (the bytes on the wire are the same). A refused call's
 request is never read: it costs a few kilobytes of HTTP/2 window at most.
 
+Admission also tells the control-frame meter
+(:mod:`~replay_server.service.control_meter`) what each connection's calls
+account for: each call admitted, the bytes it declared while they are on their
+way, each message read, and each call refused before its request was read.
+
 Thread-safety: event-loop only (reservations themselves are thread-safe).
 """
 

@@ -50,6 +50,12 @@ anyone. Cost when idle: a ``stat`` every :data:`CHECK_S` and one
 ``readlink`` per open descriptor per sweep. Linux only; elsewhere it does
 nothing (said once in the log).
 
+With a :class:`~replay_server.service.control_meter.ControlMeter`, each sweep
+at most every :data:`~replay_server.service.control_meter.LOOK_S` also reads
+every connection's byte counts (``TCP_INFO``, through the same slot) and cuts
+the connections sending bytes that carry no call faster than it allows
+(HTTP/2 SETTINGS, WINDOW_UPDATE and PRIORITY floods, which gRPC does not limit).
+
 It also reports whether the port is *full* (as many connections as gRPC
 admits): new clients are refused then, and health says NOT_SERVING, on
 every listener, so that health reflects what clients see.

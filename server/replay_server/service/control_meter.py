@@ -37,10 +37,12 @@ and within each window of :data:`WINDOW_S` at most
 more. A connection over it at two looks in a row (bytes that arrived just
 before the call they belong to was admitted are counted by the next look) is
 cut (the connection guard shuts its socket:
-:meth:`~replay_server.service.connections.ConnectionGuard.cut`). Measured
-(``test_http2_floods.py``): a learner taking 7 MB Atari-sized batches and an
-actor inserting small rows, each at full speed, stay below 1 KiB a second of
-control, far under the default of 64 KiB a second.
+:meth:`~replay_server.service.connections.ConnectionGuard.cut`) and one line
+logged (rate-limited per host). Measured (``benchmarks/control_bytes.py``,
+2026-11-28): a learner taking 1.8 MB and 7.2 MB batches at 290 and 490 MB/s
+sent 22 and 9 bytes of control per MB it took, actors 83 to 89 bytes per
+call; after the allowances none came within 17 bytes of a window's limit
+(131,072 bytes at the default of 64 KiB a second).
 
 The windows start at the connection's first look and follow each other; a
 window's control is the growth of (received - allowed) over it, less the
