@@ -336,14 +336,15 @@ class Admission:
         """Count the call (in the waiting pool if ``waiting``; a ``stream`` there and against
         ``max_streams``) and reserve its request's memory (what it declared, else
         ``default``; waiting for room if ``wait``), or end it with RESOURCE_EXHAUSTED."""
+        peer = _peer(context)  # asked while the call lives (its end's callback must not ask)
         if self.on_call is not None:
-            self.on_call(context.peer())
+            self.on_call(peer)
         refusal = self._full(name, waiting, stream)
         if refusal is not None:
             if self.on_unread is not None:
-                self.on_unread(_peer(context), 0)
+                self.on_unread(peer, 0)
             await abort(context, refusal)
-        ended = _Ended(self, waiting, id(context), stream)
+        ended = _Ended(self, waiting, id(context), peer, stream)
         self.streams += stream
         if waiting:
             self.waiting += 1
@@ -369,7 +370,7 @@ class Admission:
             await abort(context, exc)
         if self.on_expect is not None:
             ended.expected = reservation.nbytes
-            self.on_expect(_peer(context), ended.expected)
+            self.on_expect(peer, ended.expected)
         return reservation
 
     def _read(self, context: grpc.aio.ServicerContext, settled: bool = True) -> None:
@@ -380,7 +381,7 @@ class Admission:
         if ticket is not None:
             ticket.read = True
             if settled:
-                ticket.settle(context)
+                ticket.settle()
 
     def _heard(self, context: grpc.aio.ServicerContext, message: object) -> None:
         """A request message of the call of ``context`` was read: tell ``on_message``."""
@@ -474,9 +475,9 @@ class _Ended:
     """A call's done-callback: it is no longer in flight (or waiting), and its memory is free."""
 
     __slots__ = ("_admission", "reservation", "waiting", "_key", "_stream", "spoke", "read",
-                 "expected")
+                 "expected", "peer")
 
-    def __init__(self, admission: Admission, waiting: bool, key: int,
+    def __init__(self, admission: Admission, waiting: bool, key: int, peer: str,
                  stream: bool = False) -> None:
         self._admission = admission
         self.reservation: Reservation | None = None
@@ -486,20 +487,21 @@ class _Ended:
         self.spoke = False
         self.read = False
         self.expected = 0  # request bytes declared and not read yet (told to on_expect)
+        self.peer = peer  # gRPC's peer string, asked while the call lived
 
-    def settle(self, context: grpc.aio.ServicerContext) -> None:
+    def settle(self) -> None:
         """No request bytes of this call are on their way any more: take back the expected."""
         if self.expected and self._admission.on_expect is not None:
-            self._admission.on_expect(_peer(context), -self.expected)
+            self._admission.on_expect(self.peer, -self.expected)
         self.expected = 0
 
     def __call__(self, context: grpc.aio.ServicerContext) -> None:
         admission = self._admission
         if not self.spoke and admission.on_silent_end is not None:
-            admission.on_silent_end(_peer(context))
+            admission.on_silent_end(self.peer)
         elif self.spoke and not self.read and admission.on_unread is not None:
-            admission.on_unread(_peer(context), self.expected)
-        self.settle(context)
+            admission.on_unread(self.peer, self.expected)
+        self.settle()
         admission.streams -= self._stream
         if self.waiting:
             admission.waiting -= 1
