@@ -267,7 +267,9 @@ class ConnectionGuard:
                 else:
                     self._connections[inode] = _Connection(
                         peer, now, now + GRACE_S, now + self.handshake_timeout_s, fd)
-        doomed = list(dict.fromkeys(self._doomed(now) + self._over_control(now)))
+        doomed = self._doomed(now)
+        if not doomed and not self._spared:  # trimming a burst of connections comes first
+            doomed = self._over_control(now)
         closed = sum(self._shut(inode) for inode in doomed)
         self.closed += closed
         self.open = sum(not c.shut for c in self._connections.values())
@@ -324,7 +326,9 @@ class ConnectionGuard:
 
     def _over_control(self, now: float) -> list[int]:
         """Inodes of connections over the control meter's limit, judged every
-        :data:`~replay_server.service.control_meter.LOOK_S` (one ``getsockopt`` each)."""
+        :data:`~replay_server.service.control_meter.LOOK_S` (one ``getsockopt`` each), in
+        sweeps that close nothing else: while a burst of connections is being trimmed, every
+        sweep is for that (a look at 500 connections takes a few milliseconds)."""
         meter = self.control
         if meter is None or self._slot is None:
             return []
