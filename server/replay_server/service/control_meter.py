@@ -201,8 +201,11 @@ class ControlMeter:
                 account.refused += max(REFUSED_BYTES, declared)
 
     def _account(self, peer: str) -> _Account | None:
-        address = self._addresses.get(peer, ())
-        if address == ():
+        """The account of gRPC peer ``peer``'s connection (``None``: not a TCP one); the
+        caller holds the lock."""
+        if peer in self._addresses:
+            address = self._addresses[peer]
+        else:
             address = self._addresses[peer] = peer_address(peer)
         if address is None:
             return None
