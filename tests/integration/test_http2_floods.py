@@ -11,11 +11,15 @@ the flooder its connection.
   ``too_many_pings``).
 * Empty DATA frames on a call: gRPC closes the connection.
 * SETTINGS, WINDOW_UPDATE, PRIORITY: gRPC's C core parses each and has no rate limit (no
-  channel argument for one). A SETTINGS flooder that does not read its acknowledgements is
-  stalled by gRPC (it stops reading a connection owing more than 10,000 of them); one that
-  reads them, and WINDOW_UPDATE and PRIORITY flooders (nothing to acknowledge), are not cut
-  while their connection has made a call: each frame costs a parse and no memory, which the
-  legitimate client's figures show (docs/service.md, "Measured under attack").
+  channel argument for one), so the connection guard meters them: bytes a connection's
+  socket received beyond its calls' messages (and an allowance per call, message and byte
+  sent) past ``server.max_control_bytes_per_s`` cost it the connection (``control_meter``),
+  whether the flooder reads its SETTINGS acknowledgements or not (before the meter: one that
+  did not was stalled by gRPC, owing more than 10,000 of them; one that did, and WINDOW_UPDATE
+  and PRIORITY flooders, took all 200,000 frames).
+
+A learner taking large batches over gRPC and an actor inserting small rows, both at full
+speed, are not cut by the meter (``test_a_learner_and_actors_at_full_speed_are_not_cut``).
 
 Against a server requiring the token, every flood from a flooder without it is cut (at the
 handshake deadline, which no frame of it extends), costing no reserved memory, no replay
@@ -32,10 +36,12 @@ import threading
 import time
 
 import pytest
+import torch
 
 from replay_client import ReplayClient
-from replay_client.errors import UnavailableError
+from replay_client.errors import LimitExceededError, UnavailableError
 from tests.conftest import ServerProcess, module_server
+from tests.tools.proxy import LinkProxy
 from tests.integration.raw_http2 import (
     DATA,
     END_HEADERS,
@@ -57,13 +63,19 @@ max_call_resets_per_s = 20
 [[tables]]
 name = "t"
 capacity = 10
+
+[[tables]]
+name = "atari"
+capacity = 128
 """
 FRAMES = 200_000     # at most, per flood
-STALL_FRAMES = 3_000_000  # at most, for the flooder that reads nothing: the socket buffers on
-                          # both sides take ~1M acknowledged SETTINGS before gRPC stops reading
+STALL_FRAMES = 3_000_000  # at most, for the floods the control meter cuts (see METERED)
 FLOOD_S = 20.0       # at most, per flood
 RSS_BOUND_MIB = 128  # what a flood may add to the server's resident memory at its peak
 CANCEL = 8
+METERED = ("settings", "settings_read", "window_update", "priority")  # by the control meter,
+# which looks every 0.2 s and cuts at its second look over the limit: a loopback flooder may
+# send 200,000 frames before that, so these floods go on until cut (within FLOOD_S)
 KINDS = ["reset", "ping", "data", "settings", "settings_read", "window_update", "priority"]
 TOKEN_ENV, TOKEN = "REPLAY_FLOOD_TOKEN", "flood-test-token"
 TOKEN_CONFIG = f"""
@@ -77,7 +89,19 @@ capacity = 10
 """
 
 
+SMALL_BUDGET_CONFIG = """
+[server]
+memory_budget_mb = 8
+max_batch_mb = 2
+max_message_mb = 16
+
+[[tables]]
+name = "t"
+capacity = 10
+"""
+
 server = module_server(CONFIG)
+small_budget_server = module_server(SMALL_BUDGET_CONFIG)
 token_server = module_server(TOKEN_CONFIG, env={TOKEN_ENV: TOKEN})
 
 
@@ -231,13 +255,13 @@ def served_after_the_flood(legit: ReplayClient, server: ServerProcess) -> None:
 
 
 @pytest.mark.parametrize("kind, outcome", [
-    ("reset", "cut"), ("ping", "cut"), ("data", "cut"), ("settings", "stalled"),
-    ("settings_read", "taken"), ("window_update", "taken"), ("priority", "taken")])
+    ("reset", "cut"), ("ping", "cut"), ("data", "cut"), ("settings", "cut"),
+    ("settings_read", "cut"), ("window_update", "cut"), ("priority", "cut")])
 def test_a_frame_flood_on_one_connection_leaves_other_clients_served(server, kind, outcome):
     with ReplayClient(server.address, timeout=30, max_retry_s=0) as legit:
         idle = legit.server_info().limits["memory_in_use_bytes"]
         seen = run_flood(server, legit, kind, calls_first=True,
-                         frames=STALL_FRAMES if kind == "settings" else FRAMES)
+                         frames=STALL_FRAMES if kind in METERED else FRAMES)
         assert seen["errors"] == []
         assert seen["outcome"] == outcome
         assert seen["rss"] < RSS_BOUND_MIB
@@ -267,3 +291,104 @@ def test_a_frame_flood_without_the_token_costs_the_server_nothing(token_server, 
         assert after["refused_calls"] == before["refused_calls"]  # none reached admission
         # the token check's lines and the meter's, each 5 a minute per host at most
         assert len(logged) <= 10
+
+
+FULL_SPEED_S = 3.0   # how long the learner and the actor run (at most)
+BATCHES = 2_000      # at most, for the learner
+INSERTS = 20_000     # at most, for the actor
+CUT = "max_control_bytes_per_s"
+
+
+def test_a_learner_and_actors_at_full_speed_are_not_cut(server):
+    """A learner streaming Atari-sized batches (64 rows of 4x84x84 bytes: 1.8 MB) over gRPC,
+    an actor inserting one small row per call and another inserting 128 Atari rows (3.6 MB)
+    per call, each as fast as it can for the same few seconds (three clients of this process:
+    gRPC may carry them on one connection, which then takes all three loads): the
+    control-frame meter cuts none of them (their WINDOW_UPDATEs, PINGs and HEADERS stay
+    within what their calls and the bytes they take allow, and a 3.6 MB request on its way
+    when the guard looks is allowed as declared), and none sees an error."""
+    with ReplayClient(server.address, timeout=30, max_retry_s=0) as learner, \
+            ReplayClient(server.address, timeout=30, max_retry_s=0) as actor, \
+            ReplayClient(server.address, timeout=30, max_retry_s=0) as big_actor:
+        frames = torch.zeros((128, 4, 84, 84), dtype=torch.uint8)
+        learner.insert("atari", {"obs": frames})
+        closed = learner.server_info().limits["connections_closed"]
+        log_lines = len(server.log().splitlines())
+        deadline = time.monotonic() + FULL_SPEED_S
+        inserted: dict[str, int] = {}
+
+        def act(client: ReplayClient, table: str, rows: dict, name: str) -> None:
+            count = 0
+            while count < INSERTS and time.monotonic() < deadline:
+                client.insert(table, rows)
+                count += 1
+            inserted[name] = count
+
+        threads = [threading.Thread(target=act, args=(actor, "t", {"x": torch.zeros(1)}, "small")),
+                   threading.Thread(target=act, args=(big_actor, "atari", {"obs": frames}, "big"))]
+        for thread in threads:
+            thread.start()
+        batches = 0
+        stream = learner.stream("atari", 64, prefetch=4, shared_memory=False, reconnect=False)
+        try:
+            for batch in stream:
+                assert batch.data["obs"].shape == (64, 4, 84, 84)
+                batches += 1
+                if batches >= BATCHES or time.monotonic() >= deadline:
+                    break
+        finally:
+            stream.close()
+            for thread in threads:
+                thread.join(FULL_SPEED_S + 30)
+        assert not any(t.is_alive() for t in threads) and len(inserted) == 2  # no errors
+        print(f"\nat full speed for {FULL_SPEED_S:g} s: {batches} batches of 1.8 MB streamed, "
+              f"{inserted['small']} one-row inserts, {inserted['big']} inserts of 3.6 MB")
+        assert batches > 1 and inserted["small"] > 1 and inserted["big"] > 1
+        assert learner.server_info().limits["connections_closed"] == closed
+        assert CUT not in "\n".join(server.log().splitlines()[log_lines:])
+        learner.info(), actor.info(), big_actor.info()  # every connection still served
+
+
+SLOW_LINK = 2_000_000  # bytes a second
+
+
+def test_a_large_insert_over_a_slow_link_is_not_cut(server):
+    """A 3.6 MB insert through a link of 2 MB/s arrives over about two seconds, read (and
+    counted as a message) only once whole: meanwhile its bytes are allowed as the call
+    declared them. Without that, the guard's looks found a few hundred KB more than the
+    call's counted bytes, look after look, and cut the connection."""
+    frames = {"obs": torch.zeros((128, 4, 84, 84), dtype=torch.uint8)}
+    with LinkProxy(server.address, bandwidth=SLOW_LINK) as link, \
+            ReplayClient(link.address, timeout=60, max_retry_s=0) as client:
+        closed = client.server_info().limits["connections_closed"]
+        log_lines = len(server.log().splitlines())
+        assert len(client.insert("atari", frames)) == 128
+        assert client.server_info().limits["connections_closed"] == closed
+        assert CUT not in "\n".join(server.log().splitlines()[log_lines:])
+
+
+REFUSALS = 200  # at most
+REFUSALS_S = 3.0  # at most
+
+
+def test_a_client_whose_inserts_are_refused_unread_is_not_cut(small_budget_server):
+    """A client inserting 7 MB at a time into an 8 MiB budget (6 MiB for large calls) is
+    refused each time before its request is read, and tries again at once: each try sends up
+    to a stream's window (64 KiB) of the request that nobody reads, bytes of no call. The meter
+    allows them (a window per call refused unread), so the client keeps its connection.
+    Without that allowance, 3 refusals within a second cut it."""
+    server = small_budget_server
+    rows = {"x": torch.zeros((7 << 20) // 4)}
+    with ReplayClient(server.address, timeout=30, max_retry_s=0) as client:
+        closed = client.server_info().limits["connections_closed"]
+        log_lines = len(server.log().splitlines())
+        refused = 0
+        deadline = time.monotonic() + REFUSALS_S
+        while refused < REFUSALS and time.monotonic() < deadline:
+            with pytest.raises(LimitExceededError):
+                client.insert("t", {"x": rows["x"][None]})
+            refused += 1
+        print(f"\n{refused} inserts refused unread in {REFUSALS_S:g} s at most")
+        assert refused > 3
+        assert client.server_info().limits["connections_closed"] == closed
+        assert CUT not in "\n".join(server.log().splitlines()[log_lines:])

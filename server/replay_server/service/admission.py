@@ -74,6 +74,11 @@ reads it when asked, and writes its answer when told, so the handler can
 time the write (the bytes on the wire are the same). A refused call's
 request is never read: it costs a few kilobytes of HTTP/2 window at most.
 
+Admission also tells the control-frame meter
+(:mod:`~replay_server.service.control_meter`) what each connection's calls
+account for: each call admitted, the bytes it declared while they are on their
+way, each message read, and each call refused before its request was read.
+
 Thread-safety: event-loop only (reservations themselves are thread-safe).
 """
 
@@ -145,6 +150,17 @@ class Admission:
         self.on_silent_end: Callable[[str], None] | None = None
         """Told the peer of every call that ended before its first message arrived (a reset:
         :mod:`~replay_server.service.reset_meter`)."""
+        self.on_message: Callable[[str, int], None] | None = None
+        """Told the peer and size of every request message read (the control-frame meter
+        allows a connection that much: :mod:`~replay_server.service.control_meter`)."""
+        self.on_expect: Callable[[str, int], None] | None = None
+        """Told the peer of a call and the request bytes it declared when it is admitted (to
+        come), and their negative once it was read whole or ended (the control-frame meter
+        allows bytes on their way)."""
+        self.on_unread: Callable[[str, int], None] | None = None
+        """Told the peer of every call refused, or ended after it spoke, before its request
+        was read, and the bytes it had declared (0: none yet): what its client sent of it
+        was never read (the control-frame meter allows it)."""
 
     def unary(self, name: str, behaviour: UnaryBehaviour) -> grpc.RpcMethodHandler:
         """A handler serving unary RPC ``name`` with ``behaviour(raw, context, reservation)``."""
@@ -194,12 +210,15 @@ class Admission:
                          context: grpc.aio.ServicerContext) -> None:
             raw, reservation = await self._request(name, context, keep=True)
 
-            def read_next(seconds: float, why: str) -> Awaitable[bytes]:
-                return self.in_time(context, context.read, seconds, why)
+            async def read_next(seconds: float, why: str) -> bytes:
+                message = await self.in_time(context, context.read, seconds, why)
+                self._heard(context, message)
+                return message
 
             message = await read_chunked(raw, message_type, context, reservation,
                                          self._grow, name, read_next,
                                          self.limits.request_timeout_s)
+            self._read(context)
             answer = await behaviour(message, context, reservation)
             await self._answer(name, answer, context)
 
@@ -233,9 +252,12 @@ class Admission:
         if raw is grpc.aio.EOF:
             await abort(context, CodecError(f"{name}: the call carried no request"))
         self._spoke(context)
+        self._heard(context, raw)
         await self._check_size(name, raw, reservation, context)
-        if not keep and len(raw) != reservation.nbytes:
-            reservation.resize(len(raw), "")  # read: it holds exactly its request now
+        if not keep:
+            self._read(context)
+            if len(raw) != reservation.nbytes:
+                reservation.resize(len(raw), "")  # read: it holds exactly its request now
         return raw, reservation
 
     def _silent(self, what: str) -> str:
@@ -253,6 +275,7 @@ class Admission:
         except TimeoutError:
             self.silent += 1
             self._spoke(context)  # the server ends it (request_timeout_s): no reset
+            self._read(context)  # ... and what it did not send is no allowance
             CLIENT_LOG.log(_peer(context), "silent", logging.INFO, "%s (from %s): the call was "
                            "ended", why, _peer(context))
             await abort(context, RequestTimeoutError(
@@ -293,6 +316,7 @@ class Admission:
                          context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             reservation = await self._admit(name, context, STREAM_MESSAGE_BYTES, wait=False,
                                             waiting=True, stream=True)
+            self._read(context, settled=False)  # its messages are counted as they come
             incoming = requests.__aiter__()
             try:
                 first = await self.in_time(context, incoming.__anext__,
@@ -301,7 +325,8 @@ class Admission:
             except StopAsyncIteration:  # half-closed without a word: the behaviour sees that
                 first = None
             self._spoke(context)
-            async for message in behaviour(_after(first, incoming), context, reservation):
+            async for message in behaviour(self._counted(context, first, incoming), context,
+                                           reservation):
                 yield message
 
         return grpc.stream_stream_rpc_method_handler(handle)
@@ -311,12 +336,15 @@ class Admission:
         """Count the call (in the waiting pool if ``waiting``; a ``stream`` there and against
         ``max_streams``) and reserve its request's memory (what it declared, else
         ``default``; waiting for room if ``wait``), or end it with RESOURCE_EXHAUSTED."""
+        peer = _peer(context)  # asked while the call lives (its end's callback must not ask)
         if self.on_call is not None:
-            self.on_call(context.peer())
+            self.on_call(peer)
         refusal = self._full(name, waiting, stream)
         if refusal is not None:
+            if self.on_unread is not None:
+                self.on_unread(peer, 0)
             await abort(context, refusal)
-        ended = _Ended(self, waiting, id(context), stream)
+        ended = _Ended(self, waiting, id(context), peer, stream)
         self.streams += stream
         if waiting:
             self.waiting += 1
@@ -340,7 +368,34 @@ class Admission:
         except LimitExceededError as exc:
             self._spoke(context)
             await abort(context, exc)
+        if self.on_expect is not None:
+            ended.expected = reservation.nbytes
+            self.on_expect(peer, ended.expected)
         return reservation
+
+    def _read(self, context: grpc.aio.ServicerContext, settled: bool = True) -> None:
+        """The request of the call of ``context`` was read whole, or (a stream, not
+        ``settled``) is counted as it comes: its end is no call ended unread, and (``settled``)
+        no bytes of it are on their way any more."""
+        ticket = self._tickets.get(id(context))
+        if ticket is not None:
+            ticket.read = True
+            if settled:
+                ticket.settle()
+
+    def _heard(self, context: grpc.aio.ServicerContext, message: object) -> None:
+        """A request message of the call of ``context`` was read: tell ``on_message``."""
+        if self.on_message is not None and isinstance(message, bytes):
+            self.on_message(_peer(context), len(message))
+
+    async def _counted(self, context: grpc.aio.ServicerContext, first: bytes | None,
+                       rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A stream's messages (:func:`_after`), each told to ``on_message``."""
+        on_message, peer = self.on_message, _peer(context)
+        async for message in _after(first, rest):
+            if on_message is not None:
+                on_message(peer, len(message))
+            yield message
 
     def _spoke(self, context: grpc.aio.ServicerContext) -> None:
         """The call of ``context`` sent its first message (or half-closed): it was no reset."""
@@ -419,9 +474,10 @@ class Admission:
 class _Ended:
     """A call's done-callback: it is no longer in flight (or waiting), and its memory is free."""
 
-    __slots__ = ("_admission", "reservation", "waiting", "_key", "_stream", "spoke")
+    __slots__ = ("_admission", "reservation", "waiting", "_key", "_stream", "spoke", "read",
+                 "expected", "peer")
 
-    def __init__(self, admission: Admission, waiting: bool, key: int,
+    def __init__(self, admission: Admission, waiting: bool, key: int, peer: str,
                  stream: bool = False) -> None:
         self._admission = admission
         self.reservation: Reservation | None = None
@@ -429,11 +485,23 @@ class _Ended:
         self._key = key
         self._stream = stream
         self.spoke = False
+        self.read = False
+        self.expected = 0  # request bytes declared and not read yet (told to on_expect)
+        self.peer = peer  # gRPC's peer string, asked while the call lived
+
+    def settle(self) -> None:
+        """No request bytes of this call are on their way any more: take back the expected."""
+        if self.expected and self._admission.on_expect is not None:
+            self._admission.on_expect(self.peer, -self.expected)
+        self.expected = 0
 
     def __call__(self, context: grpc.aio.ServicerContext) -> None:
         admission = self._admission
         if not self.spoke and admission.on_silent_end is not None:
-            admission.on_silent_end(_peer(context))
+            admission.on_silent_end(self.peer)
+        elif self.spoke and not self.read and admission.on_unread is not None:
+            admission.on_unread(self.peer, self.expected)
+        self.settle()
         admission.streams -= self._stream
         if self.waiting:
             admission.waiting -= 1

@@ -50,6 +50,12 @@ anyone. Cost when idle: a ``stat`` every :data:`CHECK_S` and one
 ``readlink`` per open descriptor per sweep. Linux only; elsewhere it does
 nothing (said once in the log).
 
+With a :class:`~replay_server.service.control_meter.ControlMeter`, each sweep
+at most every :data:`~replay_server.service.control_meter.LOOK_S` also reads
+every connection's byte counts (``TCP_INFO``, through the same slot) and cuts
+the connections sending bytes that carry no call faster than it allows
+(HTTP/2 SETTINGS, WINDOW_UPDATE and PRIORITY floods, which gRPC does not limit).
+
 It also reports whether the port is *full* (as many connections as gRPC
 admits): new clients are refused then, and health says NOT_SERVING, on
 every listener, so that health reflects what clients see.
@@ -61,7 +67,6 @@ runs on the guard's own thread.
 from __future__ import annotations
 
 import heapq
-import ipaddress
 import logging
 import os
 import socket
@@ -70,6 +75,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from replay_server.service.control_meter import LOOK_S, ControlMeter, tcp_bytes
+from replay_server.service.peer_address import normal, peer_address
 
 log = logging.getLogger("replay_server")
 
@@ -137,28 +145,6 @@ class _Connection:
     shut: bool = False  # shut down by the guard; gRPC has yet to close its descriptor
 
 
-def peer_address(peer: str) -> tuple[str, int] | None:
-    """``(ip, port)`` of a gRPC peer string (``ipv4:10.0.0.7:53412``, ``ipv6:[::1]:5``)."""
-    kind, _, rest = peer.partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        return None
-    host, _, port = rest.rpartition(":")
-    if not port.isdigit():
-        return None
-    return _normal(host.strip("[]")), int(port)
-
-
-def _normal(host: str) -> str:
-    """An IPv4 address mapped into IPv6 (``::ffff:1.2.3.4``) as plain IPv4."""
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return host
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return str(address.ipv4_mapped)
-    return str(address)
-
-
 class ConnectionGuard:
     """Closes a port's connections that make no call (see the module docstring).
 
@@ -170,6 +156,9 @@ class ConnectionGuard:
         max_connections: what gRPC admits on the port (full at this many).
         on_full: called with True when the port becomes full, False when it is not
             any more (on the guard's thread).
+        control: the control-frame meter (:mod:`~replay_server.service.control_meter`):
+            every :data:`~replay_server.service.control_meter.LOOK_S` each connection's
+            socket byte counts are read and judged, and a connection over it is cut.
 
     Attributes:
         closed: connections closed so far.
@@ -178,13 +167,16 @@ class ConnectionGuard:
 
     def __init__(self, port: int, *, handshake_timeout_s: float, max_idle_per_host: int,
                  max_idle: int, max_connections: int,
-                 on_full: Callable[[bool], None] | None = None) -> None:
+                 on_full: Callable[[bool], None] | None = None,
+                 control: ControlMeter | None = None) -> None:
         self.port = port
         self.handshake_timeout_s = handshake_timeout_s
         self.max_idle_per_host = max_idle_per_host
         self.max_idle = max_idle
         self.max_connections = max_connections
         self._on_full = on_full
+        self.control = control
+        self._next_look: float | None = None  # when the control meter looks next
         self._lock = threading.Lock()
         self._called: set[tuple[str, int]] = set()
         self._cuts: set[tuple[str, int]] = set()  # peers to close at the next sweep
@@ -276,6 +268,8 @@ class ConnectionGuard:
                     self._connections[inode] = _Connection(
                         peer, now, now + GRACE_S, now + self.handshake_timeout_s, fd)
         doomed = self._doomed(now)
+        if not doomed and not self._spared:  # trimming a burst of connections comes first
+            doomed = self._over_control(now)
         closed = sum(self._shut(inode) for inode in doomed)
         self.closed += closed
         self.open = sum(not c.shut for c in self._connections.values())
@@ -330,6 +324,32 @@ class ConnectionGuard:
         doomed += abusers
         return doomed + self._shed(called, set(doomed))
 
+    def _over_control(self, now: float) -> list[int]:
+        """Inodes of connections over the control meter's limit, judged every
+        :data:`~replay_server.service.control_meter.LOOK_S` (one ``getsockopt`` each), in
+        sweeps that close nothing else: while a burst of connections is being trimmed, every
+        sweep is for that (a look at 500 connections takes a few milliseconds)."""
+        meter = self.control
+        if meter is None or self._slot is None:
+            return []
+        if self._next_look is not None and now < self._next_look:
+            return []
+        self._next_look = now + LOOK_S
+        over: list[int] = []
+        live: set[tuple[str, int]] = set()
+        for inode, connection in self._connections.items():
+            if connection.shut:
+                continue
+            live.add(connection.peer)
+            with self._slot.holding(connection.fd, inode) as sock:
+                counts = None if sock is None else tcp_bytes(sock)
+            if counts is None:
+                continue
+            if meter.over(connection.peer, counts[0], counts[1], now):
+                over.append(inode)
+        meter.keep(live)
+        return over
+
     def _shed(self, called: set[tuple[str, int]], doomed: set[int]) -> list[int]:
         """Connections that made a call to close while more than :data:`SHED` of the port
         is open (after ``doomed``): the address holding the most loses its oldest first,
@@ -383,7 +403,7 @@ class ConnectionGuard:
                 host, port = sock.getpeername()[:2]
             except OSError:  # not connected (a listener), or gone
                 return None
-            return _normal(host), int(port)
+            return normal(host), int(port)
 
     def _shut(self, inode: int) -> bool:
         """Shut the connection down (gRPC then closes its own descriptor); whether it was."""

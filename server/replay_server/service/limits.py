@@ -46,6 +46,10 @@ options, and describes them for ``info`` and the start-up log.
 * ``max_call_resets_per_s``: calls one connection may end before their first
   message (HTTP/2 rapid reset: HEADERS then RST_STREAM) within a second;
   past it the connection is cut (:mod:`~replay_server.service.reset_meter`).
+* ``max_control_bytes_per_s``: bytes a connection may send a second that carry
+  no call (SETTINGS, WINDOW_UPDATE, PRIORITY, PING frames, beyond an allowance
+  per call, message and byte sent); past it the connection is cut
+  (:mod:`~replay_server.service.control_meter`).
 * ``max_batch_mb``: the largest batch (or group) one draw may take.
 * ``shared_memory_mb``: /dev/shm all same-host rings together may take.
 """
@@ -73,7 +77,8 @@ DEFAULTS: dict[str, Any] = {  # ints where the setting is a count or MiB, floats
     "handshake_timeout_s": 5.0, "max_idle_connections_per_host": 16,
     "max_waiting_calls": 1024, "max_streams": 128, "default_wait_s": 300.0,
     "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0,
-    "request_timeout_s": 5.0, "max_call_resets_per_s": 20.0, "memory_wait_s": 1.0}
+    "request_timeout_s": 5.0, "max_call_resets_per_s": 20.0, "memory_wait_s": 1.0,
+    "max_control_bytes_per_s": 65536}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
 
 WINDOW_BYTES = 64 << 10
@@ -149,6 +154,10 @@ def check_limits(settings: Any) -> None:
     if not is_real(rate) or not 1 <= rate <= 1e6:
         raise ConfigError(f"server.max_call_resets_per_s must be a number of calls per second "
                           f"in [1, 1e6], got {rate!r}")
+    control = settings.max_control_bytes_per_s
+    if not is_int(control) or not 1024 <= control <= 1 << 40:
+        raise ConfigError(f"server.max_control_bytes_per_s must be an integer number of bytes "
+                          f"per second in [1024, 2**40], got {control!r}")
     answer = settings.response_timeout_s
     if not is_real(answer) or not 0 < answer < math.inf:
         raise ConfigError(
@@ -202,6 +211,7 @@ class ServiceLimits:
     request_timeout_s: float = DEFAULTS["request_timeout_s"]
     max_call_resets_per_s: float = DEFAULTS["max_call_resets_per_s"]
     memory_wait_s: float = DEFAULTS["memory_wait_s"]
+    max_control_bytes_per_s: int = DEFAULTS["max_control_bytes_per_s"]
 
     @classmethod
     def of(cls, settings: Any) -> ServiceLimits:
@@ -227,6 +237,7 @@ class ServiceLimits:
             request_timeout_s=float(settings.request_timeout_s),
             max_call_resets_per_s=float(settings.max_call_resets_per_s),
             memory_wait_s=float(settings.memory_wait_s),
+            max_control_bytes_per_s=int(settings.max_control_bytes_per_s),
         )
 
     @classmethod
@@ -380,4 +391,5 @@ class ServiceLimits:
             "request_timeout_s": self.request_timeout_s,
             "max_call_resets_per_s": self.max_call_resets_per_s,
             "memory_wait_s": self.memory_wait_s,
+            "max_control_bytes_per_s": self.max_control_bytes_per_s,
         }

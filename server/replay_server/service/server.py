@@ -38,7 +38,9 @@ from replay_server.engine import (
 from replay_server.errors import CheckpointWriteError, ConfigError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget
+from replay_server.service import control_meter
 from replay_server.service.connections import ConnectionGuard
+from replay_server.service.control_meter import ControlMeter
 from replay_server.service.limits import MIB, ServiceLimits
 from replay_server.service.credentials import server_credentials
 from replay_server.service.loop import loop_name
@@ -254,12 +256,24 @@ class ReplayServer:
             asyncio.run_coroutine_threadsafe(self._set_health(), loop)
 
         assert self.port is not None  # listening
+        control = self._control_meter()
         self.connections = ConnectionGuard(
             self.port, handshake_timeout_s=limits.handshake_timeout_s,
             max_idle_per_host=limits.max_idle_connections_per_host,
             max_idle=limits.max_idle_connections, max_connections=limits.max_connections,
-            on_full=on_full)
-        self.admission.on_call = self.connections.called
+            on_full=on_full, control=control)
+        called = self.connections.called
+        if control is None:
+            self.admission.on_call = called
+        else:
+            def on_call(peer: str) -> None:  # on the event loop
+                called(peer)
+                control.called(peer)
+
+            self.admission.on_call = on_call
+            self.admission.on_message = control.message
+            self.admission.on_unread = control.refused
+            self.admission.on_expect = control.expect
         meter = ResetMeter(limits.max_call_resets_per_s)
 
         def on_silent_end(peer: str) -> None:  # on the event loop
@@ -284,6 +298,16 @@ class ReplayServer:
         guard = self.connections
         self._servicer.connection_figures = lambda: (guard.open, guard.closed)
         self.connections.start()
+
+    def _control_meter(self) -> ControlMeter | None:
+        """The control-frame meter (:mod:`~replay_server.service.control_meter`), or ``None``
+        (said in the log) where the kernel does not count a socket's bytes."""
+        if not (ConnectionGuard.supported() and control_meter.supported()):
+            log.info("HTTP/2 control frames (SETTINGS, WINDOW_UPDATE, PRIORITY) are not "
+                     "metered on this platform (no TCP_INFO byte counts): "
+                     "server.max_control_bytes_per_s does not apply")
+            return None
+        return ControlMeter(self.limits.max_control_bytes_per_s)
 
     async def _set_health(self) -> None:
         """SERVING once restored, unless draining or the port is full (new clients refused)."""

@@ -91,6 +91,10 @@ class ServerSettings:
         max_call_resets_per_s: calls one connection may end before their first
             message (a reset: HTTP/2 rapid reset) within a second; past it the
             connection is cut.
+        max_control_bytes_per_s: bytes one connection may send within a second that
+            carry no call (HTTP/2 control frames: SETTINGS, WINDOW_UPDATE, PRIORITY,
+            PING; beyond an allowance per call, message and byte received); past it
+            the connection is cut.
         max_connections: open client connections; more are closed at once.
         idle_timeout_s: a connection that made calls is closed after this long
             without one.
@@ -160,6 +164,7 @@ class ServerSettings:
     request_timeout_s: float = LIMIT_DEFAULTS["request_timeout_s"]
     max_call_resets_per_s: float = LIMIT_DEFAULTS["max_call_resets_per_s"]
     memory_wait_s: float = LIMIT_DEFAULTS["memory_wait_s"]
+    max_control_bytes_per_s: int = LIMIT_DEFAULTS["max_control_bytes_per_s"]
     keepalive_s: float = LIMIT_DEFAULTS["keepalive_s"]
     keepalive_timeout_s: float = LIMIT_DEFAULTS["keepalive_timeout_s"]
     max_batch_mb: int = LIMIT_DEFAULTS["max_batch_mb"]

@@ -165,6 +165,9 @@ def test_port_zero_means_any_free_port_and_is_accepted(tmp_path: Path) -> None:
     ("request_timeout_s = 0", ("server.request_timeout_s", "[0.1, 3600]", "0")),
     ("request_timeout_s = inf", ("server.request_timeout_s", "inf")),
     ("max_call_resets_per_s = 0", ("server.max_call_resets_per_s", "[1, 1e6]", "0")),
+    ("max_control_bytes_per_s = 100", ("server.max_control_bytes_per_s", "[1024, 2**40]", "100")),
+    ("max_control_bytes_per_s = 65536.5", ("server.max_control_bytes_per_s", "65536.5")),
+    ("max_control_bytes_per_s = true", ("server.max_control_bytes_per_s", "True")),
 ], ids=["address-without-port", "port-70000", "address-without-host", "pin-memory-maybe",
         "workers-0", "workers-float", "max-message-0", "log-format-xml", "empty-token-env",
         "empty-checkpoint-dir", "checkpoint-dir-number", "interval-negative", "interval-inf",
@@ -172,7 +175,8 @@ def test_port_zero_means_any_free_port_and_is_accepted(tmp_path: Path) -> None:
         "start-empty-string", "budget-0", "calls-0", "connections-float", "idle-0", "idle-inf",
         "batch-over-budget", "rings-negative", "table-memory-bool", "keepalive-0",
         "keepalive-inf", "keepalive-bool", "keepalive-timeout-half-second",
-        "keepalive-timeout-string", "request-timeout-0", "request-timeout-inf", "resets-0"])
+        "keepalive-timeout-string", "request-timeout-0", "request-timeout-inf", "resets-0",
+        "control-bytes-100", "control-bytes-float", "control-bytes-bool"])
 def test_bad_server_value_names_the_field_and_value(
     tmp_path: Path, line: str, fragments: tuple[str, ...]
 ) -> None:

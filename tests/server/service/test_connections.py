@@ -8,7 +8,8 @@ import time
 import pytest
 
 from replay_server.service import connections
-from replay_server.service.connections import ConnectionGuard, peer_address
+from replay_server.service.connections import ConnectionGuard
+from replay_server.service.peer_address import peer_address
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.skipif(not ConnectionGuard.supported(), reason="needs /proc/self/fd")
