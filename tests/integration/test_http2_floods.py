@@ -30,6 +30,7 @@ Every flood is bounded in frames and in time; every figure is printed (``pytest 
 
 from __future__ import annotations
 
+import os
 import statistics
 import struct
 import threading
@@ -392,3 +393,36 @@ def test_a_client_whose_inserts_are_refused_unread_is_not_cut(small_budget_serve
         assert refused > 3
         assert client.server_info().limits["connections_closed"] == closed
         assert CUT not in "\n".join(server.log().splitlines()[log_lines:])
+
+
+SOAK_S = float(os.environ.get("REPLAY_FLOOD_SOAK_S", 120))
+"""How long the returning attacker of ``make soak`` floods, per frame kind."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_attacker_coming_back_after_every_cut_leaves_other_clients_served(server, kind):
+    """``make soak``'s long variant: for ``REPLAY_FLOOD_SOAK_S`` seconds (default 120) the
+    flooder reconnects and floods again each time it is cut, while a legitimate client calls
+    throughout: no error reaches that client, the server's memory comes back to idle, and its
+    resident memory at the end is within the one-flood bound of what it was after the first
+    flood (nothing accumulates from one cut connection to the next)."""
+    with ReplayClient(server.address, timeout=30, max_retry_s=0) as legit:
+        idle = legit.server_info().limits["memory_in_use_bytes"]
+        deadline = time.monotonic() + SOAK_S
+        floods, errors, outcomes = 0, [], set()
+        settled = None  # RSS after the first flood
+        while time.monotonic() < deadline and floods < 1_000:  # each flood within FLOOD_S
+            seen = run_flood(server, legit, kind, calls_first=True,
+                             frames=STALL_FRAMES if kind in METERED else FRAMES)
+            floods += 1
+            errors += seen["errors"]
+            outcomes.add(seen["outcome"])
+            settled = settled if settled is not None else rss_mib(server.process.pid)
+        print(f"{kind}: {floods} floods in {SOAK_S:g} s, outcomes {sorted(outcomes)}")
+        assert errors == []
+        assert outcomes == {"cut"}
+        served_after_the_flood(legit, server)
+        assert legit.server_info().limits["memory_in_use_bytes"] == idle
+        assert server.process.poll() is None
+        assert rss_mib(server.process.pid) - settled < RSS_BOUND_MIB

@@ -209,25 +209,29 @@ def assert_nothing_stored(client: ReplayClient) -> None:
     assert wait_for(lambda: client.server_info().limits["memory_in_use_bytes"] == 0)
 
 
+CUT = grpc.StatusCode.UNAVAILABLE
+"""A liar's connection cut by the control meter: what it sends past what its calls declared
+and the server read is bytes no call accounts for (``server.max_control_bytes_per_s``)."""
+
 ATTACKS = {
     # name: (attack, clients, the codes every call may end with)
     "unary inserts of 24 MiB declared as 100 bytes": (
-        unary_lie(24 << 20), 24, {grpc.StatusCode.RESOURCE_EXHAUSTED}),
+        unary_lie(24 << 20), 24, {grpc.StatusCode.RESOURCE_EXHAUSTED, CUT}),
     "unary inserts just under the message limit declared as 100 bytes": (
         unary_lie(CHUNK), 48, {grpc.StatusCode.INVALID_ARGUMENT,
-                               grpc.StatusCode.RESOURCE_EXHAUSTED}),
+                               grpc.StatusCode.RESOURCE_EXHAUSTED, CUT}),
     "chunked inserts sending more than they announce": (
         chunked_lie("overflow"), 48, {grpc.StatusCode.INVALID_ARGUMENT,
-                                      grpc.StatusCode.RESOURCE_EXHAUSTED}),
+                                      grpc.StatusCode.RESOURCE_EXHAUSTED, CUT}),
     "chunked inserts whose messages exceed what they declared": (
         chunked_lie("undeclared"), 48, {grpc.StatusCode.INVALID_ARGUMENT,
-                                        grpc.StatusCode.RESOURCE_EXHAUSTED}),
+                                        grpc.StatusCode.RESOURCE_EXHAUSTED, CUT}),
     "sample streams whose first message is over what they declared": (
         stream_lie, 48, {grpc.StatusCode.INVALID_ARGUMENT,
-                         grpc.StatusCode.RESOURCE_EXHAUSTED}),
+                         grpc.StatusCode.RESOURCE_EXHAUSTED, CUT}),
     "chunked inserts pushing chunks while the budget makes them wait": (
         chunked_lie("push"), 48, {grpc.StatusCode.INVALID_ARGUMENT,
-                                  grpc.StatusCode.RESOURCE_EXHAUSTED}),
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED, CUT}),
 }
 
 

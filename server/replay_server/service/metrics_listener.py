@@ -213,8 +213,8 @@ class MetricsListener:
             self._selector.unregister(sock)
         except (KeyError, ValueError):
             pass
+        self.shed += shed  # before the close: whoever sees the close sees it counted
         _close(sock)
-        self.shed += shed
 
     # ------------------------------------------------------------ the pool
 
