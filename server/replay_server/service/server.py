@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import gc
 import logging
 import os
 import signal
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +40,7 @@ from replay_server.service import control_meter
 from replay_server.service.connections import ConnectionGuard
 from replay_server.service.control_meter import ControlMeter
 from replay_server.service.limits import MIB, ServiceLimits
+from replay_server.service.listener import listen
 from replay_server.service.credentials import server_credentials
 from replay_server.service.loop import loop_name
 from replay_server.service.metrics import MetricsSource, ServerMetrics
@@ -196,13 +195,13 @@ class ReplayServer:
         )
         self._server.add_generic_rpc_handlers((self._servicer.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = _listen(self._server, self.settings.address, self._credentials)
+        self.port = listen(self._server, self.settings.address, self._credentials)
         self._start_guard(asyncio.get_running_loop())
         health_port = None
         if self.settings.health_address is not None:
             self._health_server = grpc.aio.server(options=self.limits.side_listener_options())
             health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-            health_port = _listen(self._health_server, self.settings.health_address, None,
+            health_port = listen(self._health_server, self.settings.health_address, None,
                                   "server.health_address: ")
         if self.metrics is not None:
             self.metrics.start()
@@ -502,48 +501,6 @@ async def _cancellable(restore: Callable[[], T], cancel: threading.Event | None)
                             "reading the checkpoint?): leaving it behind", RESTORE_STOP_S)
                 raise RestoreCancelled("restore cancelled (it did not stop in time)")
     return future.result()
-
-
-def _listen(server: grpc.aio.Server, address: str,
-            credentials: grpc.ServerCredentials | None, prefix: str = "") -> int:
-    """Bind ``address`` (with TLS when ``credentials``); returns the port.
-
-    Raises:
-        ConfigError: the address cannot be bound.
-    """
-    in_use = ConfigError(
-        f"{prefix}cannot listen on {address}: the port is in use (another replay-server?); "
-        f"stop what holds it, or choose another port (port 0: any free one)")
-    if _in_use(address):  # asked first: gRPC would print its own raw line before failing
-        raise in_use
-    try:
-        if credentials is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, credentials)
-    except RuntimeError as exc:
-        if _in_use(address):
-            raise in_use from None
-        raise ConfigError(f"{prefix}cannot listen on {address}: {exc}") from None
-
-
-def _in_use(address: str) -> bool:
-    """Whether binding ``host:port`` fails because something else listens on the port (bound
-    with ``SO_REUSEADDR``, as gRPC binds, so a restarted server's old connections in
-    TIME_WAIT do not count). Port 0 never is."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        if int(port) == 0:
-            return False
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, int(port)))
-    except OSError as exc:
-        return exc.errno == errno.EADDRINUSE
-    except ValueError:
-        return False
-    return False
 
 
 def _server_info(settings: ServerSettings, token: str | None) -> pb.ServerInfo:
