@@ -29,7 +29,7 @@ if TYPE_CHECKING:
         layer_names,
         table_options,
     )
-    from replay_server.engine.id_space import (
+    from replay_server.engine.incarnations import (
         IncarnationSource,
         LocalIncarnations,
         RandomIncarnations,
