@@ -1,5 +1,7 @@
 """Generate ``replay_proto/v1/*_pb2*.py`` (and the messages' ``.pyi`` types) from
-``replay/v1/*.proto``.
+``replay/v1/*.proto``, and ``capability_fields.py``: the ``TableCapabilities``
+message's fields as plain Python, so that reading a config (which declares each
+sampler's capabilities) needs no protobuf (``replay_proto.capabilities``).
 
 Run by the build (``make proto``, also part of ``make install``); a test
 regenerates into a temporary folder and checks the committed files are fresh.
@@ -32,6 +34,7 @@ def generate(out_dir: Path) -> list[Path]:
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",  # types of the messages, for the type checker
             f"--grpc_python_out={tmp}",
+            f"--descriptor_set_out={tmp}/descriptors.pb",
             *map(str, PROTOS),
         ]
         if protoc.main(args) != 0:
@@ -46,9 +49,32 @@ def generate(out_dir: Path) -> list[Path]:
             target = out_dir / source.name
             target.write_text(HEADER + text)
             written.append(target)
+        fields = out_dir / "capability_fields.py"
+        fields.write_text(HEADER + _capability_fields(Path(tmp) / "descriptors.pb"))
+        written.append(fields)
         init = out_dir / "__init__.py"
         init.write_text(HEADER + '"""Generated protobuf and gRPC modules of replay.v1."""\n')
         return [init, *written]
+
+
+CAPABILITIES = "TableCapabilities"
+"""The message whose fields :mod:`replay_proto.capabilities` declares capabilities with."""
+
+
+def _capability_fields(descriptor_set: Path) -> str:
+    """The source of ``capability_fields.py``: each field of :data:`CAPABILITIES`, in order,
+    with its proto3 zero value."""
+    from google.protobuf import descriptor_pb2
+
+    files = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file
+    message = next(m for f in files for m in f.message_type if m.name == CAPABILITIES)
+    field = descriptor_pb2.FieldDescriptorProto
+    zero = {field.TYPE_BOOL: False, field.TYPE_INT64: 0, field.TYPE_INT32: 0,
+            field.TYPE_DOUBLE: 0.0, field.TYPE_FLOAT: 0.0, field.TYPE_STRING: ""}
+    rows = "".join(f"    ({f.name!r}, {zero[f.type]!r}),\n" for f in message.field)
+    return (f'"""The fields of replay.v1.{CAPABILITIES}, in order, with their zero values '
+            f'(read without protobuf)."""\n\nFIELDS: tuple[tuple[str, bool | int | float | str], '
+            f'...] = (\n{rows})\n')
 
 
 if __name__ == "__main__":

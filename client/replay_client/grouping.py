@@ -68,3 +68,21 @@ def choose(batch_bytes: int | None, prefetch: int | None) -> Grouping:
         return Grouping(window, 1)
     return Grouping(window, k, f"batches_per_message={k} chosen for {batch_bytes / 1024:.0f} KiB "
                                f"batches (prefetch {window}; see replay_client.grouping)")
+
+
+def given(batches_per_message: int | None, prefetch: int | None) -> Grouping:
+    """The grouping of a learner that gave ``batches_per_message`` (``None``: left to
+    :func:`choose`, at the first batch) and ``prefetch`` (``None``: the default window).
+
+    A group of more than one batch travels in gRPC messages (a shared-memory
+    descriptor per batch would cost more than the small rows grouping is for),
+    and the window holds two groups, so the server draws one while the learner
+    consumes the other; a ``prefetch`` raised for that is said in the note.
+    """
+    window = prefetch or DEFAULT_PREFETCH
+    if batches_per_message is None or batches_per_message <= 1:
+        return Grouping(window, 1)
+    wide = max(window, 2 * batches_per_message)
+    note = (f"prefetch raised to {wide}: two groups of batches_per_message={batches_per_message} "
+            f"fit the window" if prefetch is not None and wide > prefetch else "")
+    return Grouping(wide, batches_per_message, note)

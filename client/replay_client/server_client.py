@@ -488,21 +488,13 @@ class ServerClient:
         """
         _check_int("batch_size", batch_size, 1)
         opts = stream_options(options, keywords)
-        group = opts.batches_per_message
-        window = opts.prefetch or grouping.DEFAULT_PREFETCH
-        shared_memory = opts.shared_memory
-        if group is not None and group > 1:
-            # Groups travel in gRPC messages (one shared-memory descriptor per batch would
-            # cost more for the small rows grouping is for), and the window holds two groups
-            # so the server draws one while the learner consumes the other.
-            shared_memory = False
-            window = max(window, 2 * group)
-        core = feed_core(window, opts)
+        grouped = grouping.given(opts.batches_per_message, opts.prefetch)
+        core = feed_core(grouped.prefetch, opts)
         link = self.link(table, batch_size,
                          StagingTarget(core.staging, core.copy_rows, core.stats, core.delivery),
-                         batches_per_message=group, prefetch=opts.prefetch,
-                         shared_memory=shared_memory, wait=opts.wait,
-                         wait_timeout=opts.wait_timeout)
+                         batches_per_message=opts.batches_per_message, prefetch=opts.prefetch,
+                         shared_memory=opts.shared_memory and grouped.batches_per_message == 1,
+                         wait=opts.wait, wait_timeout=opts.wait_timeout)
         if opts.prefetch is None:  # the stream's own window: widened over a slow link
             core.grow_window(opts.memory_mb * 2**20, lambda: link.window_grows)
         source = LinkSource(link, check_update=priority_update, num_batches=opts.num_batches,
@@ -510,9 +502,8 @@ class ServerClient:
                             retry_window_s=reconnect_window(opts, self._connection),
                             name=self._connection.address)
         stream = BatchStream(core, source, table, ended_error=StreamEndedError)
-        if group is not None and window > (opts.prefetch or window):
-            stream.stats.notes.append(f"prefetch raised to {window}: two groups of "
-                                      f"batches_per_message={group} fit the window")
+        if grouped.note:
+            stream.stats.notes.append(grouped.note)
         return stream
 
     def link(self, table: str, batch_size: int, target: StagingTarget, *,

@@ -11,6 +11,8 @@ server's operator commands) never loads torch.
 
 from __future__ import annotations
 
+# ruff: noqa: F401 - the imports under TYPE_CHECKING are this package's exports
+
 from typing import TYPE_CHECKING
 
 from replay_proto.exports import lazy_exports
@@ -20,32 +22,5 @@ if TYPE_CHECKING:
     from replay_proto.dtypes import DTYPES, dtype_from_name, dtype_name
     from replay_proto.error_kinds import ERROR_KIND_KEY, ErrorKind
     from replay_proto.keys import KEY_SEPARATOR, flatten, unflatten
-
-_HOMES = {
-    "EXTRAS": "replay_proto.batch",
-    "SampleBatch": "replay_proto.batch",
-    "DTYPES": "replay_proto.dtypes",
-    "dtype_from_name": "replay_proto.dtypes",
-    "dtype_name": "replay_proto.dtypes",
-    "ERROR_KIND_KEY": "replay_proto.error_kinds",
-    "ErrorKind": "replay_proto.error_kinds",
-    "KEY_SEPARATOR": "replay_proto.keys",
-    "flatten": "replay_proto.keys",
-    "unflatten": "replay_proto.keys",
-}
-
-__all__ = [
-    "DTYPES",
-    "ERROR_KIND_KEY",
-    "EXTRAS",
-    "KEY_SEPARATOR",
-    "ErrorKind",
-    "SampleBatch",
-    "dtype_from_name",
-    "dtype_name",
-    "flatten",
-    "unflatten",
-]
-
-
-__getattr__ = lazy_exports(__name__, _HOMES)
+else:
+    __getattr__, __dir__ = lazy_exports(__name__)

@@ -2,7 +2,9 @@
 
 The message is the one declaration of the capabilities (each field's meaning
 is commented there). :class:`TableCapabilities` takes its fields, their order
-and their types from the message's descriptor, so a field added to the
+and their types from the message (through ``replay_proto.v1.capability_fields``,
+which ``proto/generate.py`` writes beside the protobuf code, so that declaring
+capabilities, as reading a config does, loads no protobuf), so a field added to the
 message appears here, on the server (whose parts fill it: the sampler class
 declares its share, the table the rest) and on the client (which decides on
 it, never on a sampler's name) with no other edit. Only two defaults differ
@@ -17,9 +19,12 @@ a changed copy. Thread-safe.
 from __future__ import annotations
 
 from dataclasses import asdict, field, make_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from replay_proto.v1 import replay_pb2 as pb
+from replay_proto.v1.capability_fields import FIELDS
+
+if TYPE_CHECKING:
+    from replay_proto.v1 import replay_pb2 as pb
 
 __all__ = ["TableCapabilities"]
 
@@ -29,20 +34,21 @@ _DEFAULTS: dict[str, Any] = {"mergeable": True, "n_step": 1}
 
 def _from_proto(cls: type, message: pb.TableCapabilities) -> Any:
     """The capabilities a ``TableCapabilities`` message carries."""
-    return cls(**{f.name: getattr(message, f.name) for f in pb.TableCapabilities.DESCRIPTOR.fields})
+    return cls(**{name: getattr(message, name) for name, _ in FIELDS})
 
 
 def _to_proto(self: Any) -> pb.TableCapabilities:
     """These capabilities as the ``TableCapabilities`` message."""
+    from replay_proto.v1 import replay_pb2 as pb  # here: declaring capabilities needs none
+
     return pb.TableCapabilities(**asdict(self))
 
 
 def _fields() -> list[tuple[str, type, Any]]:
-    blank = pb.TableCapabilities()
     fields = []
-    for descriptor in pb.TableCapabilities.DESCRIPTOR.fields:
-        default = _DEFAULTS.get(descriptor.name, getattr(blank, descriptor.name))
-        fields.append((descriptor.name, type(default), field(default=default)))
+    for name, zero in FIELDS:
+        default = _DEFAULTS.get(name, zero)
+        fields.append((name, type(default), field(default=default)))
     return fields
 
 

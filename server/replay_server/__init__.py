@@ -15,6 +15,8 @@ this package loads nothing (the ``replay-server`` command's light commands,
 
 from __future__ import annotations
 
+# ruff: noqa: F401 - the imports under TYPE_CHECKING are this package's exports
+
 from typing import TYPE_CHECKING
 
 from replay_proto.exports import lazy_exports
@@ -32,26 +34,5 @@ if TYPE_CHECKING:
         default_table_configs,
     )
     from replay_server.errors import ReplayServerError
-
-_HOMES = {
-    "SampleBatch": "replay_proto.batch",
-    "ReplayServerError": "replay_server.errors",
-    **dict.fromkeys(("FieldSpec", "SamplerKind", "Schema", "Table", "TableConfig", "TableInfo",
-                     "TableSet", "default_table_configs"), "replay_server.engine"),
-}
-
-__all__ = [
-    "FieldSpec",
-    "ReplayServerError",
-    "SampleBatch",
-    "SamplerKind",
-    "Schema",
-    "Table",
-    "TableConfig",
-    "TableInfo",
-    "TableSet",
-    "default_table_configs",
-]
-
-
-__getattr__ = lazy_exports(__name__, _HOMES)
+else:
+    __getattr__, __dir__ = lazy_exports(__name__)

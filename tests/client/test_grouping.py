@@ -52,6 +52,19 @@ def test_a_given_prefetch_stays_the_bound_and_groups_shrink_to_fit_two():
     assert grouping.choose(1024, 3).batches_per_message == 1
 
 
+def test_a_given_group_widens_the_window_to_two_groups_and_says_so_only_when_raised():
+    assert grouping.given(4, 2) == grouping.Grouping(
+        8, 4, "prefetch raised to 8: two groups of batches_per_message=4 fit the window")
+    assert grouping.given(4, None) == grouping.Grouping(8, 4)  # the default window: no note
+    assert grouping.given(4, 10) == grouping.Grouping(10, 4)  # two groups fit already
+
+
+def test_no_group_given_keeps_the_window_and_one_batch_per_message():
+    for given in (None, 1):
+        assert grouping.given(given, None) == grouping.Grouping(grouping.DEFAULT_PREFETCH, 1)
+        assert grouping.given(given, 3) == grouping.Grouping(3, 1)
+
+
 def _sampled(client: ReplayClient, table: str) -> int:
     return client.info()[table].counters["sampled"]
 

@@ -15,6 +15,16 @@ def test_its_fields_are_the_messages_in_order() -> None:
         f.name for f in pb.TableCapabilities.DESCRIPTOR.fields]
 
 
+def test_the_generated_fields_are_the_messages_with_their_zero_values() -> None:
+    """``capability_fields`` (read without protobuf) says what the message's descriptor says."""
+    from replay_proto.v1.capability_fields import FIELDS
+
+    blank = pb.TableCapabilities()
+    assert list(FIELDS) == [(f.name, getattr(blank, f.name))
+                            for f in pb.TableCapabilities.DESCRIPTOR.fields]
+    assert all(type(zero) is type(getattr(blank, name)) for name, zero in FIELDS)
+
+
 def test_defaults_are_a_plain_mergeable_row_table() -> None:
     plain = TableCapabilities()
     assert plain.mergeable and plain.n_step == 1 and plain.frame_stack_key == ""

@@ -343,13 +343,7 @@ class ShardedClient(ShardedTableRows):
         pause = _EMPTY_WAIT_S[0]
         raced = 0
         while True:
-            live = self._live(clients)
-            masses = {s: m for s, m in self._masses.get(table).items() if s in live}
-            unknown = [s for s in live if s not in masses]
-            if unknown:
-                masses.update(self._refresh(table, unknown))
-                live = self._live(live)
-                masses = {s: m for s, m in masses.items() if s in live}
+            live, masses = self._live_masses(table, clients)
             with self._rng_lock:
                 try:
                     counts = split(batch_size, masses, self._rng)
@@ -359,14 +353,7 @@ class ShardedClient(ShardedTableRows):
                 masses = self._refresh(table, live)
                 if any(m.total > 0 for m in masses.values()):
                     continue
-                down = down_note(set(clients) - set(live) | set(self._set.absent))
-                if not wait:
-                    raise EmptyTableError(f"table {table!r} has nothing to sample on any of its "
-                                          f"{len(live)} live shards{down}")
-                if deadline is not None and time.monotonic() + pause > deadline:
-                    raise DeadlineExceededError(f"table {table!r} had nothing to sample on any "
-                                                f"of its {len(live)} live shards within {limit} "
-                                                f"s{down}")
+                self._may_wait(table, clients, live, wait, deadline, pause, limit)
                 time.sleep(pause)
                 pause = min(2 * pause, _EMPTY_WAIT_S[1])
                 continue
@@ -380,6 +367,36 @@ class ShardedClient(ShardedTableRows):
                 raced += 1  # a shard emptied (reset) since it reported its mass: split again
                 if raced >= _RACES:
                     raise
+
+    def _live_masses(self, table: str, clients: Iterable[int]
+                     ) -> tuple[list[int], dict[int, SamplingMass]]:
+        """The live shards and the masses they last reported (asked now of those never asked)."""
+        live = self._live(clients)
+        masses = {s: m for s, m in self._masses.get(table).items() if s in live}
+        unknown = [s for s in live if s not in masses]
+        if unknown:
+            masses.update(self._refresh(table, unknown))
+            live = self._live(live)
+            masses = {s: m for s, m in masses.items() if s in live}
+        return live, masses
+
+    def _may_wait(self, table: str, clients: Iterable[int], live: list[int], wait: bool | None,
+                  deadline: float | None, pause: float, limit: Any) -> None:
+        """Raise what a sample that found nothing on any live shard raises, unless it may pause
+        ``pause`` s and look again: with ``wait``, until ``deadline`` (monotonic; ``None``: for
+        ever; ``limit``: the timeout it came from).
+
+        Raises:
+            EmptyTableError: not ``wait``.
+            DeadlineExceededError: the pause would end past ``deadline``.
+        """
+        down = down_note(set(clients) - set(live) | set(self._set.absent))
+        if not wait:
+            raise EmptyTableError(f"table {table!r} has nothing to sample on any of its "
+                                  f"{len(live)} live shards{down}")
+        if deadline is not None and time.monotonic() + pause > deadline:
+            raise DeadlineExceededError(f"table {table!r} had nothing to sample on any of its "
+                                        f"{len(live)} live shards within {limit} s{down}")
 
     def _draw(self, table: str, shape: TableShape, counts: dict[int, int],
               masses: dict[int, SamplingMass], wait: bool | None, timeout: Any,

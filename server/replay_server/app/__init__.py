@@ -11,6 +11,8 @@ importing ``replay_server.app.cli`` stays light.
 
 from __future__ import annotations
 
+# ruff: noqa: F401 - the imports under TYPE_CHECKING are this package's exports
+
 from typing import TYPE_CHECKING
 
 from replay_proto.exports import lazy_exports
@@ -23,23 +25,5 @@ if TYPE_CHECKING:
     )
     from replay_server.app.embedded import EmbeddedServer, stream_table
     from replay_server.service.settings import ServerSettings
-
-_HOMES = {
-    "EmbeddedServer": "replay_server.app.embedded",
-    "stream_table": "replay_server.app.embedded",
-    "ServerSettings": "replay_server.service.settings",
-    **dict.fromkeys(("load_settings", "parse_field_spec", "settings_from_dict"),
-                    "replay_server.app.config_file"),
-}
-
-__all__ = [
-    "EmbeddedServer",
-    "ServerSettings",
-    "load_settings",
-    "parse_field_spec",
-    "settings_from_dict",
-    "stream_table",
-]
-
-
-__getattr__ = lazy_exports(__name__, _HOMES)
+else:
+    __getattr__, __dir__ = lazy_exports(__name__)

@@ -14,6 +14,8 @@ reads a checkpoint directory without loading the writer, the reader or torch.
 
 from __future__ import annotations
 
+# ruff: noqa: F401 - the imports under TYPE_CHECKING are this package's exports
+
 from typing import TYPE_CHECKING
 
 from replay_proto.exports import lazy_exports
@@ -25,34 +27,5 @@ if TYPE_CHECKING:
     from replay_server.checkpoint.manifest import FORMAT_VERSION, CorruptCheckpointError, Manifest
     from replay_server.checkpoint.reader import RestoreResult, load_checkpoint, read_manifest
     from replay_server.checkpoint.writer import CheckpointResult, write_checkpoint
-
-_HOMES = {
-    "Checkpointer": "replay_server.checkpoint.checkpointer",
-    "CheckpointDirectory": "replay_server.checkpoint.directory",
-    "RestoreCancelled": "replay_server.checkpoint.fileio",
-    "FORMAT_VERSION": "replay_server.checkpoint.manifest",
-    "CorruptCheckpointError": "replay_server.checkpoint.manifest",
-    "Manifest": "replay_server.checkpoint.manifest",
-    "RestoreResult": "replay_server.checkpoint.reader",
-    "load_checkpoint": "replay_server.checkpoint.reader",
-    "read_manifest": "replay_server.checkpoint.reader",
-    "CheckpointResult": "replay_server.checkpoint.writer",
-    "write_checkpoint": "replay_server.checkpoint.writer",
-}
-
-__all__ = [
-    "FORMAT_VERSION",
-    "CheckpointDirectory",
-    "CheckpointResult",
-    "Checkpointer",
-    "CorruptCheckpointError",
-    "Manifest",
-    "RestoreCancelled",
-    "RestoreResult",
-    "load_checkpoint",
-    "read_manifest",
-    "write_checkpoint",
-]
-
-
-__getattr__ = lazy_exports(__name__, _HOMES)
+else:
+    __getattr__, __dir__ = lazy_exports(__name__)

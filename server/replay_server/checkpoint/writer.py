@@ -85,6 +85,15 @@ class CheckpointResult:
         """Whether a table's part failed (not only the variables)."""
         return any(part.kind == "table" for part in self.failed)
 
+    @classmethod
+    def of(cls, manifest: Manifest, path: Path, seconds: float,
+           removed: tuple[Path, ...]) -> CheckpointResult:
+        """The result of a checkpoint whose ``manifest`` was written at ``path``."""
+        return cls(path=path, sequence=manifest.sequence, created=manifest.created,
+                   nbytes=manifest.nbytes, seconds=seconds,
+                   tables={t.name: t.rows for t in manifest.tables}, removed=removed,
+                   failed=manifest.failed)
+
     @property
     def gb_per_s(self) -> float:
         return self.nbytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
@@ -125,8 +134,7 @@ def write_checkpoint(
                                                 chunk_bytes, current, failed)
         manifest = Manifest(
             server_version=server_version,
-            created=time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created_unix))
-            + f".{int(created_unix * 1000) % 1000:03d}Z",
+            created=_created(created_unix),
             created_unix=created_unix,
             sequence=sequence,
             tables=tuple(entries),
@@ -140,28 +148,40 @@ def write_checkpoint(
         temp = final  # removed again if it does not read back as written
         _verify(final, data, manifest)
         temp = None
-        if manifest.complete:
-            directory.mark_verified(final)
-        else:
-            directory.mark_partial(final, {part.describe() for part in failed})
+        _mark(directory, final, manifest)
     except OSError as exc:
-        kind = CheckpointSpaceError if exc.errno in _SPACE_ERRORS else CheckpointWriteError
-        name = errno.errorcode.get(exc.errno or 0, "error")
-        raise kind(
-            f"checkpoint failed writing {current[0]}: {exc.strerror or exc} ({name}); the "
-            f"tables are unaffected and keep serving"
-        ) from exc
+        raise _write_error(exc, current[0]) from exc
     finally:
         if temp is not None:
             directory.discard(temp)
     removed = tuple(directory.prune(keep_latest))
     if log is not None and wal is not None and not failed:  # a part missing: kept for it
         log.truncate(wal[0])
-    return CheckpointResult(
-        path=final, sequence=sequence, created=manifest.created, nbytes=manifest.nbytes,
-        seconds=time.perf_counter() - start, tables={t.name: t.rows for t in entries},
-        removed=removed, failed=tuple(failed),
-    )
+    return CheckpointResult.of(manifest, final, time.perf_counter() - start, removed)
+
+
+def _created(unix: float) -> str:
+    """``unix`` as a manifest's ``created``: UTC, ISO 8601, to the millisecond."""
+    return (time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix))
+            + f".{int(unix * 1000) % 1000:03d}Z")
+
+
+def _mark(directory: CheckpointDirectory, final: Path, manifest: Manifest) -> None:
+    """Mark a checkpoint that read back as written: verified (older ones may be pruned for
+    it), or partial, naming the parts it was written without."""
+    if manifest.complete:
+        directory.mark_verified(final)
+    else:
+        directory.mark_partial(final, {part.describe() for part in manifest.failed})
+
+
+def _write_error(exc: OSError, what: str) -> CheckpointWriteError:
+    """The typed error for a failure of the disk while writing ``what``
+    (:class:`~replay_server.errors.CheckpointSpaceError` when space ran out)."""
+    kind = CheckpointSpaceError if exc.errno in _SPACE_ERRORS else CheckpointWriteError
+    name = errno.errorcode.get(exc.errno or 0, "error")
+    return kind(f"checkpoint failed writing {what}: {exc.strerror or exc} ({name}); the "
+                f"tables are unaffected and keep serving")
 
 
 def _write_manifest(temp: Path, manifest: Manifest, current: list[str]) -> bytes:

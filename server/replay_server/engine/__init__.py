@@ -15,6 +15,8 @@ declarations only, never the tables, storage or samplers.
 
 from __future__ import annotations
 
+# ruff: noqa: F401 - the imports under TYPE_CHECKING are this package's exports
+
 from typing import TYPE_CHECKING
 
 from replay_proto.exports import lazy_exports
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
         layer_names,
         table_options,
     )
-    from replay_server.engine.id_space import (
+    from replay_server.engine.incarnations import (
         IncarnationSource,
         LocalIncarnations,
         RandomIncarnations,
@@ -48,82 +50,5 @@ if TYPE_CHECKING:
     from replay_server.engine.takes import retire_rows, retired_ids, settle_taking
     from replay_server.engine.variables import STATE_VERSION as VARIABLES_STATE_VERSION
     from replay_server.engine.variables import Variable, VariableStore, check_name
-
-_HOMES = {
-    "SamplerKind": "replay_server.engine.config",
-    "TableConfig": "replay_server.engine.config",
-    "default_table_configs": "replay_server.engine.config",
-    "layer_names": "replay_server.engine.config",
-    "table_options": "replay_server.engine.config",
-    "IncarnationSource": "replay_server.engine.id_space",
-    "LocalIncarnations": "replay_server.engine.id_space",
-    "RandomIncarnations": "replay_server.engine.id_space",
-    "check_shard": "replay_server.engine.id_space",
-    "exhausted_message": "replay_server.engine.id_space",
-    "MAX_BATCH_SIZE": "replay_server.engine.inputs",
-    "columns_of": "replay_server.engine.inputs",
-    "update_values": "replay_server.engine.inputs",
-    "MAX_LEASE_NAME": "replay_server.engine.leases",
-    "LeaseRequest": "replay_server.engine.leases",
-    "MemoryLedger": "replay_server.engine.memory",
-    "format_bytes": "replay_server.engine.memory",
-    "FieldSpec": "replay_server.engine.schema",
-    "Schema": "replay_server.engine.schema",
-    "DEFAULT_CHUNK_BYTES": "replay_server.engine.snapshot",
-    "TableSnapshot": "replay_server.engine.snapshot",
-    "host_batch": "replay_server.engine.storage.device",
-    "Table": "replay_server.engine.table",
-    "TableCounters": "replay_server.engine.table_info",
-    "TableInfo": "replay_server.engine.table_info",
-    "table_bytes": "replay_server.engine.table_memory",
-    "TableSet": "replay_server.engine.table_set",
-    "check_saved_config": "replay_server.engine.table_state",
-    "retire_rows": "replay_server.engine.takes",
-    "retired_ids": "replay_server.engine.takes",
-    "settle_taking": "replay_server.engine.takes",
-    "VARIABLES_STATE_VERSION": "replay_server.engine.variables:STATE_VERSION",
-    "Variable": "replay_server.engine.variables",
-    "VariableStore": "replay_server.engine.variables",
-    "check_name": "replay_server.engine.variables",
-}
-
-__all__ = [
-    "DEFAULT_CHUNK_BYTES",
-    "MAX_BATCH_SIZE",
-    "MAX_LEASE_NAME",
-    "VARIABLES_STATE_VERSION",
-    "FieldSpec",
-    "IncarnationSource",
-    "LeaseRequest",
-    "LocalIncarnations",
-    "MemoryLedger",
-    "RandomIncarnations",
-    "SamplerKind",
-    "Schema",
-    "Table",
-    "TableConfig",
-    "TableCounters",
-    "TableInfo",
-    "TableSet",
-    "TableSnapshot",
-    "Variable",
-    "VariableStore",
-    "check_name",
-    "check_saved_config",
-    "check_shard",
-    "columns_of",
-    "default_table_configs",
-    "exhausted_message",
-    "format_bytes",
-    "host_batch",
-    "layer_names",
-    "retire_rows",
-    "retired_ids",
-    "settle_taking",
-    "table_bytes",
-    "table_options",
-    "update_values",
-]
-
-
-__getattr__ = lazy_exports(__name__, _HOMES)
+else:
+    __getattr__, __dir__ = lazy_exports(__name__)

@@ -20,7 +20,8 @@ A crashed run's segment ends, on restore, at the position its last
 checkpoint had reached; the ids it issued after that carry its incarnation,
 so they can never name the rows the next run writes at the same positions.
 
-**Incarnations** come from an :class:`IncarnationSource`: a server with a
+**Incarnations** come from an :class:`IncarnationSource`
+(:mod:`replay_server.engine.incarnations`): a server with a
 ``checkpoint_dir`` reads, increments and durably writes a counter there
 before it serves (see :mod:`replay_server.checkpoint.incarnation`), so an
 incarnation is never given out twice; a server without one draws a random
@@ -51,87 +52,20 @@ under the table's lock.
 
 from __future__ import annotations
 
-import secrets
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from replay_proto.id_layout import (
     MAX_INCARNATION,
-    MAX_SHARD,
     SEGMENT_ROWS,
     SEQUENCE_MASK,
     incarnation_of,
     make_id,
     shard_of,
 )
-from replay_proto.scalars import is_int
+from replay_server.engine.incarnations import IncarnationSource
 from replay_server.errors import ConfigError, InvalidIdsError
-
-class IncarnationSource(Protocol):
-    """Where a server's tables get their shard and incarnations.
-
-    ``current`` is the incarnation new segments start with; :meth:`advance`
-    gives out a new one (durably, where the source is persistent) when a
-    table has used ``current`` already or rolls over a full segment.
-    """
-
-    shard: int
-
-    @property
-    def current(self) -> int: ...
-
-    def advance(self, floor: int) -> int:
-        """A new incarnation above ``floor`` and every one given out before; it becomes current.
-
-        Raises:
-            ConfigError: all 65,535 incarnations are used up.
-        """
-        ...
-
-
-class LocalIncarnations:
-    """Incarnations of in-process tables: start at ``incarnation`` (0), count up in memory.
-
-    Args:
-        shard: the shard index ids carry.
-        incarnation: the first incarnation.
-    """
-
-    def __init__(self, shard: int = 0, incarnation: int = 0) -> None:
-        check_shard(shard)
-        self.shard = shard
-        self._current = incarnation
-
-    @property
-    def current(self) -> int:
-        return self._current
-
-    def advance(self, floor: int) -> int:
-        new = max(self._current, floor) + 1
-        if new > MAX_INCARNATION:
-            raise ConfigError(exhausted_message())
-        self._current = new
-        return new
-
-
-class RandomIncarnations(LocalIncarnations):
-    """A non-persistent server's incarnations: a random start in [1, 65535], then counting up."""
-
-    def __init__(self, shard: int = 0) -> None:
-        super().__init__(shard, 1 + secrets.randbelow(MAX_INCARNATION))
-
-
-def check_shard(shard: Any) -> int:
-    if not is_int(shard) or not 0 <= shard <= MAX_SHARD:
-        raise ConfigError(f"server.shard must be an integer in [0, {MAX_SHARD}], got {shard!r}")
-    return shard
-
-
-def exhausted_message() -> str:
-    return (f"all {MAX_INCARNATION:,} id incarnations are used up (one per server start and "
-            f"per 2**40 rows of a table); start with a new checkpoint_dir")
-
 
 class IdSpace:
     """One table's segments and the id <-> position mapping (see the module docstring).

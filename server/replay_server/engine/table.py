@@ -46,7 +46,7 @@ from replay_server.engine import draw_settings, row_access
 from replay_server.engine.change_clock import ChangeClock
 from replay_server.engine.draw import batch_of, draw
 from replay_server.engine.config import TableConfig
-from replay_server.engine.id_space import IncarnationSource
+from replay_server.engine.incarnations import IncarnationSource
 from replay_server.engine.inputs import (
     MAX_BATCH_SIZE,
     batch_size_of,

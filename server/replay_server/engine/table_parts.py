@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from replay_server.engine.config import TableConfig
-from replay_server.engine.id_space import IdSpace, IncarnationSource, LocalIncarnations
+from replay_server.engine.id_space import IdSpace
+from replay_server.engine.incarnations import IncarnationSource, LocalIncarnations
 from replay_server.engine.ids import IdRing
 from replay_server.engine.inputs import check_sampler_columns
 from replay_server.engine.leases import Lease, Leases

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from replay_server.engine.config import TableConfig
-from replay_server.engine.id_space import IncarnationSource
+from replay_server.engine.incarnations import IncarnationSource
 from replay_server.engine.memory import MemoryLedger
 from replay_server.errors import ConfigError, UnknownTableError
 from replay_server.engine.table import Table

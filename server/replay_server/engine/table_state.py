@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from replay_server.engine.config import TableConfig
-from replay_server.engine.id_space import IncarnationSource
+from replay_server.engine.incarnations import IncarnationSource
 from replay_server.engine.memory import MemoryLedger
 from replay_server.engine.remover import load_remover
 from replay_server.engine.rng import generator_from_state, generator_state

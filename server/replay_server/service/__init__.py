@@ -8,18 +8,13 @@ this package (the settings a config file is read into) loads without grpc.
 
 from __future__ import annotations
 
+# ruff: noqa: F401 - the imports under TYPE_CHECKING are this package's exports
+
 from typing import TYPE_CHECKING
 
 from replay_proto.exports import lazy_exports
 
 if TYPE_CHECKING:
     from replay_server.service.server import ReplayServer
-
-_HOMES = {
-    "ReplayServer": "replay_server.service.server",
-}
-
-__all__ = ["ReplayServer"]
-
-
-__getattr__ = lazy_exports(__name__, _HOMES)
+else:
+    __getattr__, __dir__ = lazy_exports(__name__)

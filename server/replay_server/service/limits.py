@@ -372,6 +372,19 @@ class ServiceLimits:
                 f"server.memory_budget_mb")
         return left if table_limit is None else min(left, table_limit)
 
+    def summary(self) -> str:
+        """The limits in one sentence, for the server's start-up log."""
+        return (f"calls may hold {format_bytes(self.memory_budget_bytes)} at once "
+                f"({format_bytes(self.transport_bound_bytes)} at most with what gRPC holds "
+                f"before admission), {self.max_concurrent_calls} calls, "
+                f"{self.max_waiting_calls} waiting ({self.max_streams} streams), "
+                f"{self.request_timeout_s:g} s to send a request, {self.max_connections} "
+                f"connections (idle {self.idle_timeout_s:.0f} s, {self.handshake_timeout_s:g} s "
+                f"to a first call, {self.max_idle_connections_per_host} without one per host, "
+                f"pinged every {self.keepalive_s:g} s, closed {self.keepalive_timeout_s:g} s "
+                f"after an unanswered ping), batches up to {format_bytes(self.max_batch_bytes)}, "
+                f"shared-memory rings {format_bytes(self.shared_memory_bytes)}")
+
     def describe(self) -> dict[str, int | float]:
         """The limits by name, for ``info`` and the log."""
         return {

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import gc
 import logging
 import os
 import signal
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +40,7 @@ from replay_server.service import control_meter
 from replay_server.service.connections import ConnectionGuard
 from replay_server.service.control_meter import ControlMeter
 from replay_server.service.limits import MIB, ServiceLimits
+from replay_server.service.listener import listen
 from replay_server.service.credentials import server_credentials
 from replay_server.service.loop import loop_name
 from replay_server.service.metrics import MetricsSource, ServerMetrics
@@ -89,35 +88,10 @@ class ReplayServer:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.limits = ServiceLimits.of(settings)
+        self._token = _auth_token(settings)  # before anything is opened that it would leave open
         self.checkpointer: Checkpointer | None = None
         self.incarnations: IncarnationSource = RandomIncarnations(settings.shard_index)
-        if settings.checkpoint_dir is not None:
-            self.checkpointer = Checkpointer(settings.checkpoint_dir,
-                                             keep_latest=settings.keep_latest,
-                                             server_version=server_version())
-            try:
-                self.checkpointer.open()
-                self.incarnations = IncarnationFile.claim(self.checkpointer.path, settings.shard_index)
-            except ConfigError as exc:
-                self.checkpointer.close()
-                raise ConfigError(f"server.checkpoint_dir: {exc}") from None
-        try:
-            self.wal = _log_keeper(settings)
-            if self.wal is not None and self.checkpointer is None:
-                self.incarnations = IncarnationFile.claim(self.wal.path, settings.shard_index)
-            self.tables = self._make_tables()
-        except ConfigError:
-            if self.checkpointer is not None:
-                self.checkpointer.close()
-            raise
-        self._token = None
-        if settings.auth_token_env is not None:
-            self._token = os.environ.get(settings.auth_token_env)
-            if not self._token:
-                raise ConfigError(
-                    f"server.auth_token_env is {settings.auth_token_env!r} but that environment "
-                    f"variable is unset or empty"
-                )
+        self._open_storage()
         self._auth = TokenAuth(self._token) if self._token else None
         self.exit_code = 0  # 1 when the final checkpoint failed
         self._executor = ThreadPoolExecutor(settings.workers, thread_name_prefix="replay-engine")
@@ -149,6 +123,33 @@ class ReplayServer:
         self._leases: asyncio.Task | None = None
         self._restored = False
         self.port: int | None = None
+
+    def _open_storage(self) -> None:
+        """The checkpoint directory, the write-ahead log, the incarnation counter and the tables.
+
+        Raises:
+            ConfigError: one of them cannot be used (the directory is closed again).
+        """
+        settings = self.settings
+        if settings.checkpoint_dir is not None:
+            self.checkpointer = Checkpointer(settings.checkpoint_dir,
+                                             keep_latest=settings.keep_latest,
+                                             server_version=server_version())
+            try:
+                self.checkpointer.open()
+                self.incarnations = IncarnationFile.claim(self.checkpointer.path, settings.shard_index)
+            except ConfigError as exc:
+                self.checkpointer.close()
+                raise ConfigError(f"server.checkpoint_dir: {exc}") from None
+        try:
+            self.wal = _log_keeper(settings)
+            if self.wal is not None and self.checkpointer is None:
+                self.incarnations = IncarnationFile.claim(self.wal.path, settings.shard_index)
+            self.tables = self._make_tables()
+        except ConfigError:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            raise
 
     def _make_tables(self) -> TableSet:
         mb = self.settings.table_memory_mb
@@ -185,51 +186,17 @@ class ReplayServer:
         self.limits.ensure_open_files()
         for sink in sinks.SINKS.values():
             sink.prepare(self.settings)  # e.g. rings that servers gone left in /dev/shm
-        interceptors: list[grpc.aio.ServerInterceptor] = []
-        if self.metrics is not None:  # first: it sees the token check's refusals too
-            interceptors.append(self.metrics.rpc)
-        if self._auth is not None:
-            interceptors.append(self._auth)
-        self._server = grpc.aio.server(
-            interceptors=interceptors,
-            options=[*self.limits.grpc_options(), ("grpc.so_reuseport", 0)],
-        )
-        self._server.add_generic_rpc_handlers((self._servicer.handler(),))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        self.port = _listen(self._server, self.settings.address, self._credentials)
+        self._server = self._grpc_server()
+        self.port = listen(self._server, self.settings.address, self._credentials)
         self._start_guard(asyncio.get_running_loop())
-        health_port = None
-        if self.settings.health_address is not None:
-            self._health_server = grpc.aio.server(options=self.limits.side_listener_options())
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
-            health_port = _listen(self._health_server, self.settings.health_address, None,
-                                  "server.health_address: ")
+        health_port = self._health_listener()
         if self.metrics is not None:
             self.metrics.start()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self._servicer.calls.restoring = self.checkpointer is not None or self.wal is not None
         await self._server.start()
-        host = self.settings.address.rsplit(":", 1)[0]
-        log.info("listening on %s:%d (event loop: %s, engine threads: %d, auth: %s, tls: %s, "
-                 "shard %d, id incarnation %d)", host, self.port, loop_name(),
-                 self.settings.workers, "token" if self._token else "off",
-                 _tls_mode(self.settings), self.settings.shard, self.incarnations.current)
-        limits = self.limits
-        log.info("limits: calls may hold %s at once (%s at most with what gRPC holds before "
-                 "admission), %d calls, %d waiting (%d streams), %g s to send a request, "
-                 "%d connections (idle %.0f s, "
-                 "%g s to a first call, %d without one per host, pinged every %g s, closed "
-                 "%g s after an unanswered ping), batches up to %s, "
-                 "shared-memory rings %s, tables %s",
-                 format_bytes(limits.memory_budget_bytes),
-                 format_bytes(limits.transport_bound_bytes), limits.max_concurrent_calls,
-                 limits.max_waiting_calls, limits.max_streams, limits.request_timeout_s,
-                 limits.max_connections, limits.idle_timeout_s, limits.handshake_timeout_s,
-                 limits.max_idle_connections_per_host, limits.keepalive_s,
-                 limits.keepalive_timeout_s, format_bytes(limits.max_batch_bytes),
-                 format_bytes(limits.shared_memory_bytes),
-                 format_bytes(self.tables.memory.limit))
+        self._log_listening()
         if self._health_server is not None:
             await self._health_server.start()
             assert self.settings.health_address is not None  # the health server listens there
@@ -246,6 +213,42 @@ class ReplayServer:
             self._timer = asyncio.create_task(self._checkpoint_every(interval))
         self._leases = asyncio.create_task(self._servicer.expire_leases_every(LEASE_CLOCK_S))
         return self.port
+
+    def _grpc_server(self) -> grpc.aio.Server:
+        """The gRPC server with the replay and health services, behind the metrics and token
+        interceptors (not bound yet)."""
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.metrics is not None:  # first: it sees the token check's refusals too
+            interceptors.append(self.metrics.rpc)
+        if self._auth is not None:
+            interceptors.append(self._auth)
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[*self.limits.grpc_options(), ("grpc.so_reuseport", 0)],
+        )
+        server.add_generic_rpc_handlers((self._servicer.handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        return server
+
+    def _health_listener(self) -> int | None:
+        """Bind the plaintext health-only server on ``health_address`` (started once the main
+        one is); its port, or ``None`` without one."""
+        if self.settings.health_address is None:
+            return None
+        self._health_server = grpc.aio.server(options=self.limits.side_listener_options())
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+        return listen(self._health_server, self.settings.health_address, None,
+                      "server.health_address: ")
+
+    def _log_listening(self) -> None:
+        """The start-up log's lines: where the server listens, how, and its limits."""
+        host = self.settings.address.rsplit(":", 1)[0]
+        log.info("listening on %s:%d (event loop: %s, engine threads: %d, auth: %s, tls: %s, "
+                 "shard %d, id incarnation %d)", host, self.port, loop_name(),
+                 self.settings.workers, "token" if self._token else "off",
+                 _tls_mode(self.settings), self.settings.shard, self.incarnations.current)
+        log.info("limits: %s, tables %s", self.limits.summary(),
+                 format_bytes(self.tables.memory.limit))
 
     def _start_guard(self, loop: asyncio.AbstractEventLoop) -> None:
         """Close connections that make no call (:mod:`~replay_server.service.connections`);
@@ -504,46 +507,19 @@ async def _cancellable(restore: Callable[[], T], cancel: threading.Event | None)
     return future.result()
 
 
-def _listen(server: grpc.aio.Server, address: str,
-            credentials: grpc.ServerCredentials | None, prefix: str = "") -> int:
-    """Bind ``address`` (with TLS when ``credentials``); returns the port.
+def _auth_token(settings: ServerSettings) -> str | None:
+    """The token clients must send (``server.auth_token_env``'s variable); ``None``: no auth.
 
     Raises:
-        ConfigError: the address cannot be bound.
+        ConfigError: the variable is named but unset or empty.
     """
-    in_use = ConfigError(
-        f"{prefix}cannot listen on {address}: the port is in use (another replay-server?); "
-        f"stop what holds it, or choose another port (port 0: any free one)")
-    if _in_use(address):  # asked first: gRPC would print its own raw line before failing
-        raise in_use
-    try:
-        if credentials is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, credentials)
-    except RuntimeError as exc:
-        if _in_use(address):
-            raise in_use from None
-        raise ConfigError(f"{prefix}cannot listen on {address}: {exc}") from None
-
-
-def _in_use(address: str) -> bool:
-    """Whether binding ``host:port`` fails because something else listens on the port (bound
-    with ``SO_REUSEADDR``, as gRPC binds, so a restarted server's old connections in
-    TIME_WAIT do not count). Port 0 never is."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        if int(port) == 0:
-            return False
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, int(port)))
-    except OSError as exc:
-        return exc.errno == errno.EADDRINUSE
-    except ValueError:
-        return False
-    return False
+    if settings.auth_token_env is None:
+        return None
+    token = os.environ.get(settings.auth_token_env)
+    if not token:
+        raise ConfigError(f"server.auth_token_env is {settings.auth_token_env!r} but that "
+                          f"environment variable is unset or empty")
+    return token
 
 
 def _server_info(settings: ServerSettings, token: str | None) -> pb.ServerInfo:

@@ -7,6 +7,8 @@ real servers in this process on 127.0.0.1; shard 1 holds every row, then closes.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -42,3 +44,19 @@ def test_a_sample_names_the_shard_that_is_down(replay_without_its_rows) -> None:
     with pytest.raises(errors.EmptyTableError,
                        match=r"on any of its 1 live shards; shard 1 down, not counted"):
         replay_without_its_rows.sample("u", 4, wait=False)
+
+
+def test_a_waiting_sample_times_out_naming_the_shard_that_is_down(replay_without_its_rows):
+    with pytest.raises(errors.DeadlineExceededError,
+                       match=r"had nothing to sample on any of its 1 live shards within 0.2 s; "
+                             r"shard 1 down"):
+        replay_without_its_rows.sample("u", 4, wait=True, timeout=0.2)
+
+
+def test_a_waiting_sample_takes_the_rows_a_live_shard_gets_meanwhile(replay_without_its_rows):
+    client = replay_without_its_rows
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(client.sample, "u", 4, wait=True, timeout=60)
+        client.insert("u", {"x": torch.arange(100, 108)})  # to the live shard 0
+        batch = waiting.result(timeout=90)
+    assert batch.data["x"].tolist() and all(100 <= x < 108 for x in batch.data["x"].tolist())

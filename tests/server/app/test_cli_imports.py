@@ -82,8 +82,8 @@ CONFIG_PROBE = """
 import json, sys
 from replay_server.app.cli import main
 code = main(sys.argv[1:])
-print(json.dumps({"code": code, "heavy": [m for m in ("torch", "tensordict", "grpc")
-                                           if m in sys.modules]}))
+print(json.dumps({"code": code, "heavy": [m for m in ("torch", "tensordict", "grpc", "numpy",
+                                                      "google.protobuf") if m in sys.modules]}))
 """
 
 
@@ -94,9 +94,10 @@ def _check_config(path) -> tuple[dict, list[str], str]:
     return json.loads(lines[-1]), lines[:-1], result.stderr
 
 
-def test_check_config_loads_neither_torch_nor_grpc(tmp_path):
-    """Issue 32, friction 7: check-config answers like health, without torch, every layer's
-    declaration read (a declared schema sized, lz4 over memmap, frame stacks, n-step)."""
+def test_check_config_loads_neither_torch_nor_grpc_nor_numpy_nor_protobuf(tmp_path):
+    """Issue 32, friction 7: check-config answers like health, without torch, grpc, numpy or
+    protobuf (the checks are arithmetic), every layer's declaration read (a declared schema
+    sized, lz4 over memmap, frame stacks, n-step)."""
     (tmp_path / "rows").mkdir()
     config = tmp_path / "replay.toml"
     config.write_text(f"""

@@ -17,7 +17,7 @@ from replay_server.checkpoint.wal.log import WriteAheadLog
 from replay_server.checkpoint.wal.logged_table import LoggedTable
 from replay_server.checkpoint.wal.replay import replay_log
 from replay_server.engine.config import TableConfig
-from replay_server.engine.id_space import LocalIncarnations
+from replay_server.engine.incarnations import LocalIncarnations
 from replay_server.engine.leases import LeaseRequest
 from replay_server.engine.table_set import TableSet
 from replay_server.errors import CorruptLogError, LogFullError, LogSpaceError, LogWriteError

@@ -8,7 +8,8 @@ import torch
 
 from replay_proto.id_layout import MAX_INCARNATION, make_id
 from replay_server import Table, TableConfig
-from replay_server.engine.id_space import IdSpace, LocalIncarnations, RandomIncarnations
+from replay_server.engine.id_space import IdSpace
+from replay_server.engine.incarnations import LocalIncarnations, RandomIncarnations
 from replay_server.errors import ConfigError, InvalidIdsError
 from tests.proto.test_id_layout import split_id
 
