@@ -20,6 +20,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from replay_proto.exports import lazy_exports
+from replay_server import grpc_experiments
+
+# Before anything of the server imports grpc (a no-op in a process that imported it first:
+# the server's start-up log then warns): gRPC core experiments known to cancel calls.
+grpc_experiments.turn_off()
 
 if TYPE_CHECKING:
     from replay_proto.batch import SampleBatch

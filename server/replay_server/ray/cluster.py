@@ -47,6 +47,7 @@ from replay_server.ray.registry import (
     shard_actor_name,
 )
 from replay_server.ray.shard import ReplayShard, shard_settings
+from replay_server import grpc_experiments
 
 DEFAULT_NAMESPACE = "replay"
 """The Ray namespace of a replay's actors unless ``namespace=`` names another."""
@@ -542,6 +543,9 @@ def _start_shards(name: str, namespace: str, indices: Sequence[int] | range,
                    "name": shard_actor_name(name, index), "namespace": namespace,
                    "lifetime": "detached", "get_if_exists": True,
                    "max_restarts": launch["max_restarts"], "max_concurrency": 4}
+        runtime_env = dict(options.get("runtime_env") or {})
+        runtime_env["env_vars"] = grpc_experiments.for_a_child(runtime_env.get("env_vars"))
+        options["runtime_env"] = runtime_env
         shard_class.options(**options).remote(name, namespace, index, launch["server"],
                                               list(launch["tables"]), launch["checkpoint_dir"])
 

@@ -36,6 +36,7 @@ from replay_server.engine import (
 from replay_server.errors import CheckpointWriteError, ConfigError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget
+from replay_server import grpc_experiments
 from replay_server.service import control_meter
 from replay_server.service.connections import ConnectionGuard
 from replay_server.service.control_meter import ControlMeter
@@ -249,6 +250,8 @@ class ReplayServer:
                  _tls_mode(self.settings), self.settings.shard, self.incarnations.current)
         log.info("limits: %s, tables %s", self.limits.summary(),
                  format_bytes(self.tables.memory.limit))
+        sound, why = grpc_experiments.state()
+        log.log(logging.INFO if sound else logging.WARNING, "%s", why)
 
     def _start_guard(self, loop: asyncio.AbstractEventLoop) -> None:
         """Close connections that make no call (:mod:`~replay_server.service.connections`);
