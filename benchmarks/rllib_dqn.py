@@ -24,7 +24,9 @@ step trains), then ``--iterations`` iterations of at least ``--steps``
 environment steps each, timed. The figure: environment steps sampled during
 the timed iterations per second of them (RLlib's
 ``num_env_steps_sampled_lifetime``), and the rows the learner trained on in
-them (both sides must train alike for the figure to compare buffers).
+them (both sides must train alike for the figure to compare buffers), with
+RLlib's own timers of a training step's parts (the buffer's add, sample and
+priority update, the learner's update; its smoothed means, in ms).
 The ratio is of the medians. Run ``--side rllib`` or ``--side shards`` for one
 side once (it prints one JSON line).
 """
@@ -54,6 +56,9 @@ from ray_buffers import NODE_A, NODE_B, start_cluster
 from sides import run_side
 
 SHARDED = "replay_server.ray.rllib.ShardedEpisodeReplayBuffer"
+TIMERS = ("replay_buffer_add_data_timer", "replay_buffer_sampling_timer",
+          "replay_buffer_update_prios_timer", "learner_update_timer", "training_step")
+"""RLlib's timers of one training step's parts (its smoothed seconds), kept in the JSON."""
 
 
 def buffer_config(side: str, args) -> dict:
@@ -103,7 +108,10 @@ def one_side(side: str, args) -> dict:
             elapsed = time.monotonic() - began
             steps = result["env_runners"]["num_env_steps_sampled_lifetime"] - steps0
             out.update({"env_steps_s": steps / elapsed, "env_steps": steps,
-                        "rows_trained": _trained(result) - trained0, "seconds": elapsed})
+                        "rows_trained": _trained(result) - trained0, "seconds": elapsed,
+                        "timers_ms": {name: 1000 * float(value) for name, value in
+                                      result.get("timers", {}).items()
+                                      if name in TIMERS and isinstance(value, (int, float))}})
         finally:
             algo.stop()
             if side == "shards":
