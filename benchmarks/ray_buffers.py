@@ -14,11 +14,17 @@ The sides alternate for ``--rounds`` rounds (``ours``, ``torchrl``, ``ours``,
 Per side, for small rows (17 float32 + action + reward) and Atari rows
 (84x84x4 uint8 + action + reward), both prioritized:
 
-* ``insert``: two writers as Ray tasks, one on each node, each appending
+* ``insert``: two writers as Ray actors, one on each node, each appending
   ``--insert-rows`` rows in calls of ``--insert-batch`` after one call
   untimed (which connects: ours resolves the shards through the registry) (ours: one
-  ``client.insert`` per call over every shard; TorchRL: ``rb.extend``); rows
-  per second from the first writer's start to the last one's end.
+  ``client.insert`` per call over every shard; TorchRL: ``rb.extend``); once
+  both have, they start their timed calls at one common instant (so neither
+  side's figure holds a worker's start or a connection); rows per second
+  from that instant to the last writer's end (each writer's own rate beside
+  it). An insert is acknowledged alike on both sides: the call returns once
+  the buffer holds the rows (ours: the shard's answer with their ids;
+  TorchRL: ``ray.get`` of the actor's ``extend``), and a sample after it can
+  draw them.
 * ``stream``: a learner task on ``node_b`` draws ``--batches`` batches of 256
   from a filled buffer (ours: ``client.stream``, credit-driven over every
   shard; TorchRL: ``rb.sample()``, one actor call each); batches per second.
@@ -29,6 +35,7 @@ buffer actor's resident memory after the Atari fill, and, with 2 shards and a
 checkpoint directory, how long a killed shard takes until the registry says
 it serves again and until a degraded client's samples draw from it again.
 
+``--kinds`` and ``--figures`` (``insert``, ``stream``, ``rejoin``) run a part.
 The JSON (``--json``) holds every round's figures; the table printed is the
 medians and ratios. Run ``--side ours`` or ``--side torchrl`` to run one side
 once (it prints one JSON line).
@@ -101,6 +108,42 @@ def capacity(kind: str, args) -> int:
     return args.capacity_small if kind == SMALL else args.capacity_atari
 
 
+START_MARGIN_S = 0.5
+"""How far ahead of the moment every writer is ready their common start is set."""
+
+
+def wait_until(instant: float) -> float:
+    """Sleep until wall-clock ``instant`` (``time.time()``, one clock for every process of the
+    one-host cluster); returns the instant it woke."""
+    time.sleep(max(0.0, instant - time.time()))
+    return time.time()
+
+
+def inserts(key: str, args, writers: list) -> dict:
+    """Both writers' figures. ``writers``: one writer actor per node (``ready()`` makes the
+    untimed call, ``run(count, start_at)`` the timed ones from ``start_at``, returning its
+    ``(began, ended)``), stopped here.
+
+    Every writer has started, connected and made its untimed call before one common
+    start is set, so neither side's figure holds a worker's start or a connection.
+    ``insert_rows_s``: rows of both writers from the common start to the last one's end;
+    ``insert_writer_rows_s``: each writer's own rows per second."""
+    import ray
+
+    try:
+        ray.get([w.ready.remote() for w in writers])
+        start_at = time.time() + START_MARGIN_S
+        spans = ray.get([w.run.remote(args.insert_rows, start_at) for w in writers])
+    finally:
+        for writer in writers:
+            ray.kill(writer)
+    rows_each = (args.insert_rows // args.insert_batch) * args.insert_batch
+    return {f"{key}/insert_rows_s": len(spans) * rows_each / (max(e for _, e in spans)
+                                                              - min(b for b, _ in spans)),
+            f"{key}/insert_writer_rows_s": [rows_each / (e - b) for b, e in spans],
+            f"{key}/insert_start_skew_s": max(b for b, _ in spans) - min(b for b, _ in spans)}
+
+
 # ------------------------------------------------------------------ ours
 
 
@@ -112,13 +155,18 @@ def ours(args) -> dict:
     out: dict = {"side": "ours", "ray_start_s": ray_start}
 
     @ray.remote(num_cpus=0)
-    def write(client, kind: str, count: int, batch: int) -> tuple[float, float]:
-        data = rows(kind, batch)
-        client.insert("t", data)  # connected (through the registry) before the clock starts
-        began = time.monotonic()
-        for _ in range(count // batch):
-            client.insert("t", data)
-        return began, time.monotonic()
+    class Writer:
+        def __init__(self, client, kind: str, batch: int) -> None:
+            self.client, self.data = client, rows(kind, batch)
+
+        def ready(self) -> None:
+            self.client.insert("t", self.data)  # connected (through the registry), untimed
+
+        def run(self, count: int, start_at: float) -> tuple[float, float]:
+            began = wait_until(start_at)
+            for _ in range(count // len(self.data["reward"])):
+                self.client.insert("t", self.data)
+            return began, time.time()
 
     @ray.remote(num_cpus=0)
     def learn(client, batches: int) -> float:
@@ -134,7 +182,7 @@ def ours(args) -> dict:
 
     try:
         for shards in args.shards:
-            for kind in (SMALL, ATARI):
+            for kind in args.kinds:
                 key = f"{shards}-shards/{kind}"
                 tables = [{"name": "t", "capacity": capacity(kind, args),
                            "sampler": "prioritized"}]
@@ -148,12 +196,11 @@ def ours(args) -> dict:
                 out[f"{key}/start_s"] = time.monotonic() - began
                 client = replay.client()
                 try:
-                    spans = ray.get([write.options(resources=r).remote(
-                        client, kind, args.insert_rows, args.insert_batch)
-                        for r in (NODE_A, NODE_B)])
-                    out[f"{key}/insert_rows_s"] = 2 * (args.insert_rows // args.insert_batch) \
-                        * args.insert_batch / (max(e for _, e in spans)
-                                               - min(b for b, _ in spans))
+                    if "insert" in args.figures:
+                        out.update(inserts(key, args, [Writer.options(resources=r).remote(
+                            client, kind, args.insert_batch) for r in (NODE_A, NODE_B)]))
+                    if "stream" not in args.figures:
+                        continue
                     fill = capacity(kind, args) - client.info()["t"].size
                     for start in range(0, max(fill, 0), 1024):
                         client.insert("t", rows(kind, min(1024, fill - start)))
@@ -166,7 +213,7 @@ def ours(args) -> dict:
                 finally:
                     client.close()
                     replay.shutdown()
-        if 2 in args.shards:
+        if 2 in args.shards and "rejoin" in args.figures:
             out.update(rejoin(args))
     finally:
         ray.shutdown()
@@ -228,13 +275,18 @@ def torchrl_side(args) -> dict:
         return TensorDict(data, batch_size=[len(data["reward"])])
 
     @ray.remote(num_cpus=0)
-    def write(client, kind: str, count: int, batch: int) -> tuple[float, float]:
-        data = as_td(rows(kind, batch))
-        client.extend(data)  # as ours: one call before the clock starts
-        began = time.monotonic()
-        for _ in range(count // batch):
-            client.extend(data)
-        return began, time.monotonic()
+    class Writer:
+        def __init__(self, client, kind: str, batch: int) -> None:
+            self.client, self.data = client, as_td(rows(kind, batch))
+
+        def ready(self) -> None:
+            self.client.extend(self.data)  # as ours: one call before the clock starts
+
+        def run(self, count: int, start_at: float) -> tuple[float, float]:
+            began = wait_until(start_at)
+            for _ in range(count // len(self.data)):
+                self.client.extend(self.data)
+            return began, time.time()
 
     @ray.remote(num_cpus=0)
     def learn(client, batches: int) -> float:
@@ -245,7 +297,7 @@ def torchrl_side(args) -> dict:
         return time.monotonic() - began
 
     try:
-        for kind in (SMALL, ATARI):
+        for kind in args.kinds:
             key = f"torchrl/{kind}"
             before = _ray_pids()
             began = time.monotonic()
@@ -259,11 +311,11 @@ def torchrl_side(args) -> dict:
             out[f"{key}/start_s"] = time.monotonic() - began
             try:
                 client = rb.client()
-                spans = ray.get([write.options(resources=r).remote(
-                    client, kind, args.insert_rows, args.insert_batch)
-                    for r in (NODE_A, NODE_B)])
-                out[f"{key}/insert_rows_s"] = 2 * (args.insert_rows // args.insert_batch) \
-                    * args.insert_batch / (max(e for _, e in spans) - min(b for b, _ in spans))
+                if "insert" in args.figures:
+                    out.update(inserts(key, args, [Writer.options(resources=r).remote(
+                        client, kind, args.insert_batch) for r in (NODE_A, NODE_B)]))
+                if "stream" not in args.figures:
+                    continue
                 fill = capacity(kind, args) - len(rb)
                 for start in range(0, max(fill, 0), 1024):
                     rb.extend(as_td(rows(kind, min(1024, fill - start))))
@@ -323,14 +375,19 @@ def report(results: dict) -> list[str]:
                          f"{_ratio(two, t):>9}")
     for kind in (SMALL, ATARI):
         starts = [_median(ours_runs, f"{n}-shards/{kind}/start_s") for n in (1, 2)]
-        lines.append(f"start, {kind} table (s): ours 1 shard {starts[0]:.1f}, 2 shards "
-                     f"{starts[1]:.1f}, TorchRL {_median(theirs, f'torchrl/{kind}/start_s'):.1f}")
+        lines.append(f"start, {kind} table (s): ours 1 shard {_seconds(starts[0])}, 2 shards "
+                     f"{_seconds(starts[1])}, TorchRL "
+                     f"{_seconds(_median(theirs, f'torchrl/{kind}/start_s'))}")
     lines.append("resident memory after the Atari fill (MiB): ours "
                  + str([r.get("1-shards/atari/shard_rss_mib") for r in ours_runs])
                  + ", TorchRL " + str([r.get("torchrl/atari/shard_rss_mib") for r in theirs]))
-    lines.append(f"rejoin after a kill (s): serving {_median(ours_runs, 'rejoin/serving_s'):.1f}, "
-                 f"sampled {_median(ours_runs, 'rejoin/sampled_s'):.1f}")
+    lines.append(f"rejoin after a kill (s): serving {_seconds(_median(ours_runs, 'rejoin/serving_s'))}"
+                 f", sampled {_seconds(_median(ours_runs, 'rejoin/sampled_s'))}")
     return lines
+
+
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def main() -> int:
@@ -346,6 +403,9 @@ def main() -> int:
     parser.add_argument("--capacity-small", type=int, default=100_000)
     parser.add_argument("--capacity-atari", type=int, default=4096)
     parser.add_argument("--timeout-s", type=float, default=1200)
+    parser.add_argument("--kinds", nargs="+", choices=[SMALL, ATARI], default=[SMALL, ATARI])
+    parser.add_argument("--figures", nargs="+", choices=["insert", "stream", "rejoin"],
+                        default=["insert", "stream", "rejoin"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.side == "ours":
@@ -357,7 +417,8 @@ def main() -> int:
     passed = ["--shards", *map(str, args.shards), "--insert-rows", str(args.insert_rows),
               "--insert-batch", str(args.insert_batch), "--batches", str(args.batches),
               "--capacity-small", str(args.capacity_small),
-              "--capacity-atari", str(args.capacity_atari)]
+              "--capacity-atari", str(args.capacity_atari), "--kinds", *args.kinds,
+              "--figures", *args.figures]
     results: dict = {"ours": [], "torchrl": [], "load_before": os.getloadavg(),
                      "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                     time.gmtime())}

@@ -47,6 +47,7 @@ from replay_server.errors import (
     InvalidArgumentError,
     RateLimitedError,
 )
+from replay_server.service.loop import new_loop
 from replay_server.service.server import ReplayServer
 from replay_server.service.settings import ServerSettings
 
@@ -198,7 +199,7 @@ class EmbeddedServer:
     def _start(self) -> None:
         started = threading.Event()
         failure: list[BaseException] = []
-        self._loop = asyncio.new_event_loop()
+        self._loop = new_loop()
         self._server = ReplayServer(self.settings)
 
         def run() -> None:

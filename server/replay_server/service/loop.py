@@ -17,6 +17,16 @@ def loop_name() -> str:
     return "uvloop"
 
 
+def new_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop of the chosen kind, for a server run on a thread of its own (the
+    embedded server: a Ray shard, a learner's process)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
 def run(main: Coroutine[Any, Any, T]) -> T:
     """Run ``main`` to completion on the chosen event loop."""
     try:

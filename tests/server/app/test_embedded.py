@@ -73,6 +73,18 @@ def test_embedded_errors_are_typed():
                 server.stream("replay", 8, pin_memory=True)
 
 
+def test_the_embedded_server_runs_on_the_loop_its_log_names():
+    # A Ray shard is an embedded server: it serves on uvloop, as a standalone server does
+    # (it ran asyncio's own loop while its start-up line said uvloop).
+    uvloop = pytest.importorskip("uvloop")
+    with EmbeddedServer(settings_from_dict(SETTINGS)) as server:
+        assert isinstance(server._loop, uvloop.Loop)  # noqa: SLF001
+        client = ReplayClient(server.address)
+        ids = client.insert("replay", {"row": torch.arange(3), "obs": torch.randn(3, 4)})
+        assert ids.numel() == 3
+        client.close()
+
+
 def test_an_address_in_use_is_a_config_error():
     with EmbeddedServer(settings_from_dict(SETTINGS)) as first:
         taken = dict(SETTINGS, server={"address": first.address})
