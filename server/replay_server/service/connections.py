@@ -268,8 +268,9 @@ class ConnectionGuard:
                     self._connections[inode] = _Connection(
                         peer, now, now + GRACE_S, now + self.handshake_timeout_s, fd)
         doomed = self._doomed(now)
-        if not doomed and not self._spared:  # trimming a burst of connections comes first
-            doomed = self._over_control(now)
+        # The byte look has its own interval (LOOK_S), whatever else this sweep closes: idle
+        # connections doomed at every sweep must not hold off a frame flood's cut.
+        doomed += [inode for inode in self._over_control(now) if inode not in doomed]
         closed = sum(self._shut(inode) for inode in doomed)
         self.closed += closed
         self.open = sum(not c.shut for c in self._connections.values())
@@ -326,9 +327,9 @@ class ConnectionGuard:
 
     def _over_control(self, now: float) -> list[int]:
         """Inodes of connections over the control meter's limit, judged every
-        :data:`~replay_server.service.control_meter.LOOK_S` (one ``getsockopt`` each), in
-        sweeps that close nothing else: while a burst of connections is being trimmed, every
-        sweep is for that (a look at 500 connections takes a few milliseconds)."""
+        :data:`~replay_server.service.control_meter.LOOK_S` (one ``getsockopt`` each: a look
+        at 500 connections takes a few milliseconds), in every sweep that comes due, also
+        those that close idle connections."""
         meter = self.control
         if meter is None or self._slot is None:
             return []

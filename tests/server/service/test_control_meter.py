@@ -206,3 +206,44 @@ def test_the_guard_cuts_the_connection_whose_bytes_carry_no_call() -> None:
             guard.stop()
             for sock in (flooder, caller, flooded, called):
                 sock.close()
+
+
+@pytest.mark.skipif(not (control_meter.supported() and ConnectionGuard.supported()),
+                    reason="needs TCP_INFO byte counts and /proc/self/fd")
+def test_idle_connections_closed_at_every_sweep_do_not_delay_a_floods_cut() -> None:
+    """An attacker whose silent connections reach their handshake deadline at every sweep
+    (the guard closes some each time) does not hold off the byte look: the flooder is cut
+    at the same look as with nothing else to close (before: never, while the idle ones
+    kept coming)."""
+    with socket.create_server(("127.0.0.1", 0), backlog=16) as listener:
+        port = listener.getsockname()[1]
+        meter_ = ControlMeter(2_000, floor_bytes=0)
+        guard = ConnectionGuard(port, handshake_timeout_s=0.05, max_idle_per_host=100,
+                                max_idle=100, max_connections=100, control=meter_)
+        opened: list[socket.socket] = []
+
+        def idle_one() -> None:  # a connection that never calls: doomed at the next sweep
+            opened.append(socket.create_connection(("127.0.0.1", port)))
+            opened.append(listener.accept()[0])
+
+        flooder = socket.create_connection(("127.0.0.1", port))
+        flooded, _ = listener.accept()
+        opened += [flooder, flooded]
+        try:
+            guard.called("ipv4:127.0.0.1:%d" % flooder.getsockname()[1])  # made a call first
+            idle_one()
+            guard.sweep(T0)  # the first look
+            flooder.sendall(b"w" * 3_000)  # bytes no call accounts for
+            assert wait_for(lambda: tcp_bytes(flooded)[0] == 3_000)
+            closed = []
+            for step in (0.1, control_meter.LOOK_S, 2 * control_meter.LOOK_S):
+                idle_one()
+                closed.append(guard.sweep(T0 + step))
+            assert closed == [1, 1, 2]  # an idle one each time, and the flooder at the third
+            assert meter_.cut == 1
+            flooder.settimeout(10)
+            assert flooder.recv(1) == b""
+        finally:
+            guard.stop()
+            for sock in opened:
+                sock.close()
