@@ -8,7 +8,9 @@ tree, ``--base``), and ``--writers`` client threads insert into one server at a
 time for ``--seconds``, server after server, for ``--rounds`` rounds: each
 setting sees the same moments of load. Prints one JSON object: rows/s per
 setting (sum over rounds), each level against "off" of its own tree, and,
-with ``--base``, each setting of this tree against the base's. ``--ops``:
+with ``--base``, each setting of this tree against the base's; each ratio
+also as the median over rounds of that round's ratio (``..._median``: one
+turn that a burst of load hit moves it less than the sums). ``--ops``:
 what the clients do in their turn: insert (the default), sample, or read
 a stream (``--sample-batch`` rows a batch, from ``--fill`` rows inserted
 first): the read path, which the log should not slow.
@@ -37,6 +39,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -91,6 +94,7 @@ class Server:
         self.clients = [ReplayClient(address, timeout=600) for _ in range(args.writers)]
         self.log_dir = root / "ckpt"
         self.calls = 0
+        self.turns: list[float] = []  # calls/s of each turn after the warm-up
         self.inserts = 0  # insert calls answered since the start (warm-up included)
         self.seconds = 0.0
 
@@ -123,8 +127,10 @@ class Server:
         stop.set()
         for thread in threads:
             thread.join()
-        self.seconds += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.seconds += elapsed
         self.calls += sum(counts)
+        self.turns.append(sum(counts) / elapsed)
         self.inserts += sum(counts) if op == "insert" else 0
 
     def log_bytes_per_call(self) -> float:
@@ -209,7 +215,7 @@ def measure(root: Path, kind: str, op: str, args: argparse.Namespace) -> dict:
                 for _ in range(max(1, args.fill // args.batch)):
                     server.clients[0].insert("bench", block)
             server.turn(op, block, 0.2, args.sample_batch)
-            server.calls, server.seconds = 0, 0.0
+            server.calls, server.seconds, server.turns = 0, 0.0, []
         disks: list[Disk] = []
         synced = next((s for s in servers if s.name == "this/fsync"), None)
         if op == "insert" and synced is not None and "this/off" in [s.name for s in servers]:
@@ -231,6 +237,11 @@ def measure(root: Path, kind: str, op: str, args: argparse.Namespace) -> dict:
     rate = {s.name: round(s.calls * per_call / s.seconds) for s in servers
             if not isinstance(s, Disk)}
     result: dict = {"rows_s": rate}
+    by_name = {s.name: s.turns for s in servers if not isinstance(s, Disk)}
+
+    def median_ratio(a: str, b: str) -> float:  # over rounds: each round's a against its b
+        return round(statistics.median(x / y for x, y in zip(by_name[a], by_name[b]) if y), 2)
+
     if disks:
         _bound(result, rate, record / args.batch, disks)
     for tree, _ in trees:
@@ -238,9 +249,12 @@ def measure(root: Path, kind: str, op: str, args: argparse.Namespace) -> dict:
         for level in args.levels.split(","):
             if off and level != "off":
                 result[f"{tree}/{level}_vs_off"] = round(rate[f"{tree}/{level}"] / off, 2)
+                result[f"{tree}/{level}_vs_off_median"] = median_ratio(f"{tree}/{level}",
+                                                                      f"{tree}/off")
     if args.base:
         for level in args.levels.split(","):
             result[f"{level}_this_vs_base"] = round(rate[f"this/{level}"] / rate[f"base/{level}"], 2)
+            result[f"{level}_this_vs_base_median"] = median_ratio(f"this/{level}", f"base/{level}")
     return result
 
 
