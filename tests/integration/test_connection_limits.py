@@ -130,6 +130,10 @@ def test_calls_over_max_concurrent_calls_are_refused_and_unread_answers_are_drop
     client = ReplayClient(server.address, timeout=10, max_retry_s=0)
     client.insert("big", {"x": torch.zeros(100, 16384)})  # rows of 64 KiB
     before = client.server_info().limits["memory_in_use_bytes"]
+    # The client's calls so far have ended in the server's accounting too (their slots are
+    # freed by a callback after their answers went out: one still counted made the reader's
+    # 20th call refused, and 19 held slots never refuse the client's next call).
+    assert wait_for(lambda: client.server_info().limits["calls_in_flight"] == 1)  # itself
     reader = RawConnection(server.port, source=source)  # its own address: its own log lines
     assert reader.handshake()
     request = pb.SampleRequest(table="big", batch_size=batch).SerializeToString()
