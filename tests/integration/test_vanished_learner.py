@@ -87,7 +87,8 @@ def test_a_vanished_learners_stream_gives_its_rows_back(server) -> None:
             left = ROWS - len(finished)
             back = wait_for(lambda: client.info()["queue"].size == left, timeout=DEADLINE_S)
             queue = client.info()["queue"]
-            assert back, f"the vanished learner's rows stayed leased: {queue}"
+            assert back, (f"the vanished learner's rows stayed leased: {queue}\nserver log "
+                          f"(end):\n{server.log()[-3000:]}")
             assert queue.counters["returned"] >= 2 * BATCH  # the batch held + those prefetched
             # A second learner gets them: the batch the vanished one held first (fifo).
             again: list[int] = []
