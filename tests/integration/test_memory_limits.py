@@ -260,7 +260,10 @@ def test_calls_without_the_token_are_refused_before_their_body_is_read(server, c
             with pytest.raises(grpc.RpcError) as info:
                 future.result()
             codes.append(info.value.code())
-    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 20
+    # Refused for the token, or (the bytes its refused calls keep sending are no call's) cut by
+    # the control meter once over server.max_control_bytes_per_s: the 13th of 20 in one CI run.
+    assert codes[0] == grpc.StatusCode.UNAUTHENTICATED
+    assert set(codes) <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAVAILABLE}, codes
     watch.check()
     # Reading the bodies would hold 1.2 GB. What a refused call can still cost is what
     # gRPC's HTTP/2 flow control lets its client send before the refusal: tens of KB
