@@ -51,7 +51,8 @@ from replay_server.ray import ReplayCluster, ReplayExistsError, ReplayNotFoundEr
 
 ALPHA = 0.6
 TABLES = [{"name": "p", "capacity": 4000, "sampler": "prioritized", "alpha": ALPHA, "beta": 0.4},
-          {"name": "u", "capacity": 4000, "sampler": "uniform"},
+          # the writer's 3000 inserts of 8 rows fit one shard: no row of "u" ages out
+          {"name": "u", "capacity": 40_000, "sampler": "uniform"},
           {"name": "q", "capacity": 100, "sampler": "fifo"}]  # rows leave it: never scaled down
 ON_BOTH = [{"num_cpus": 0, "resources": NODE_A}, {"num_cpus": 0, "resources": NODE_B}]
 INCARNATION = lambda ids: (np.asarray(ids) >> 40) & 0xFFFF  # noqa: E731 (id bits 40..55)
