@@ -101,61 +101,48 @@ class ReplayCluster:
         Args:
             name: the replay's name (its registry actor's; clients use
                 ``ray://<namespace>/<name>``).
-            tables: ``[[tables]]`` entries as ``replay.toml`` parses them
-                (``{"name": "replay", "capacity": 100_000, "sampler": "prioritized"}``)
-                or ``TableConfig`` objects; every shard serves them all.
+            tables: ``[[tables]]`` entries as ``replay.toml`` parses them (``{"name": "replay",
+                "capacity": 100_000, "sampler": "prioritized"}``) or ``TableConfig`` objects;
+                every shard serves them all.
             num_shards: shards (1..128).
-            shard_options: Ray actor options of the shards (``num_cpus``,
-                ``resources``, ``memory``, ``scheduling_strategy``, ...): one dict for
-                all, or a list of one per shard.
-            placement_strategy: ``"SPREAD"`` (shards on as many nodes as Ray can)
-                or ``"PACK"``/``"DEFAULT"`` (Ray's default placement); a
-                ``scheduling_strategy`` in ``shard_options`` overrides it.
-            checkpoint_dir: root of the shards' checkpoints
-                (``<dir>/<name>/shard-<i>``), on storage every node can read;
-                ``None``: no persistence (a restarted shard starts empty).
-            checkpoint_interval_s: seconds between a shard's timed checkpoints
-                (a crash loses the rows since its last one); 0: only on request and
-                at shutdown.
+            shard_options: Ray actor options of the shards (``num_cpus``, ``resources``,
+                ``memory``, ``scheduling_strategy``, ...): one dict for all, or a list of one
+                per shard.
+            placement_strategy: ``"SPREAD"`` (shards on as many nodes as Ray can) or
+                ``"PACK"``/``"DEFAULT"`` (Ray's default placement); a ``scheduling_strategy`` in
+                ``shard_options`` overrides it.
+            checkpoint_dir: root of the shards' checkpoints (``<dir>/<name>/shard-<i>``), on
+                storage every node can read; ``None``: no persistence (a restarted shard starts
+                empty).
+            checkpoint_interval_s: seconds between a shard's timed checkpoints (a crash loses
+                the rows since its last one); 0: only on request and at shutdown.
             max_restarts: how often Ray restarts a shard that dies (-1: always).
-            server: ``[server]`` keys for every shard (``address`` defaults to the
-                node's IP, port 0; ``metrics_address`` likewise).
-            registry_options: Ray actor options of the registry (it takes no CPU;
-                ``resources`` can keep it on a node you trust, such as the head:
-                Ray restarts it elsewhere if its node is lost, and it learns the
-                shards back from them).
+            server: ``[server]`` keys for every shard (``address`` defaults to the node's IP,
+                port 0; ``metrics_address`` likewise).
+            registry_options: Ray actor options of the registry (it takes no CPU; ``resources``
+                can keep it on a node you trust, such as the head: Ray restarts it elsewhere if
+                its node is lost, and it learns the shards back from them).
             namespace: the Ray namespace of the replay's actors.
-            get_if_exists: a replay of that name exists (a driver that failed
-                after starting it): return it (missing shards started) instead
-                of refusing.
+            get_if_exists: a replay of that name exists (a driver that failed after starting
+                it): return it (missing shards started) instead of refusing.
             timeout_s: how long to wait for every shard to serve.
 
         Raises:
             ConfigError: a bad argument or table (named), before any actor starts.
-            ReplayExistsError: the replay exists and ``get_if_exists`` is false, or it
-                exists with another number of shards or other tables (each
-                difference named).
+            ReplayExistsError: the replay exists and ``get_if_exists`` is false, or it exists
+                with another number of shards or other tables (each difference named).
             TimeoutError: the shards did not all serve within ``timeout_s``.
         """
         _check_launch(num_shards, placement_strategy, max_restarts)
-        per_shard = _per_shard(shard_options, num_shards)
         server = {**(server or {}), "checkpoint_interval_s": checkpoint_interval_s}
         settings = shard_settings(0, bind_host="127.0.0.1", server=server,  # checked here
                                   tables=tables, checkpoint_dir=checkpoint_dir, replay=name)
         launch = {"server": server, "checkpoint_dir": checkpoint_dir,
                   "max_restarts": max_restarts, "strategy": PLACEMENT[placement_strategy],
-                  "shard_options": per_shard}
+                  "shard_options": _per_shard(shard_options, num_shards)}
         spec = {"num_shards": num_shards, "created_shards": num_shards, "namespace": namespace,
                 "tables": list(settings.tables), "launch": launch}
-        existing = _registry_of(name, namespace)
-        if existing is not None and not get_if_exists:
-            raise ReplayExistsError(f"a replay {name!r} exists in Ray namespace {namespace!r}; "
-                                    f"ReplayCluster.get({name!r}) returns it (or pass "
-                                    f"get_if_exists=True)")
-        registry = ray.remote(ShardRegistry).options(**{
-            "num_cpus": 0, **(registry_options or {}), "name": name, "namespace": namespace,
-            "lifetime": "detached", "get_if_exists": True, "max_restarts": -1,
-            "max_concurrency": 16}).remote(name, namespace, spec)
+        registry = _registry(name, namespace, spec, registry_options, get_if_exists)
         running = ask(registry, "spec")
         _check_same(name, running, spec)
         count = running["num_shards"]  # more than asked where a scale grew it since
@@ -237,43 +224,38 @@ class ReplayCluster:
               timeout_s: float = 120.0) -> dict[int, dict[str, Any]]:
         """Grow (or shrink) the running replay to ``num_shards`` shards.
 
-        Shards ``n..num_shards-1`` (``n``: the shards now) start with the
-        tables and options the replay was created with; the registry expects
-        them only once every one of them serves, so no client ever counts a
-        shard it cannot reach yet. Open clients, their streams included, take
-        them in at their next resolution of ``ray://`` (every
-        ``resolve_interval_s``: :meth:`client` sets 5 s), and from then on
-        spread their inserts over every shard and sample from all of them.
-        Rows already stored stay on their shards (ids are never moved: each
-        shard has its own id space). A scale asked again (say, after a driver
-        failed in one) finishes it.
+        Shards ``n..num_shards-1`` (``n``: the shards now) start with the tables and options the
+        replay was created with; the registry expects them only once every one of them serves,
+        so no client ever counts a shard it cannot reach yet. Open clients, their streams
+        included, take them in at their next resolution of ``ray://`` (every
+        ``resolve_interval_s``: :meth:`client` sets 5 s), and from then on spread their inserts
+        over every shard and sample from all of them. Rows already stored stay on their shards
+        (ids are never moved: each shard has its own id space). A scale asked again (say, after
+        a driver failed in one) finishes it.
 
-        Scaling down (``num_shards`` below the shards now) keeps every row in
-        the replay. Shards ``num_shards..n-1`` drain (their registry entries say
-        ``draining``: clients treat them as during a restart: a strict client's
-        calls that need them fail naming them, degraded ones list them in
-        ``missing_shards``; no client samples the shards that stay as the
-        whole replay meanwhile), write their final
-        checkpoints, and insert their rows, with their priorities and in the
-        order written (each episode to one shard), into the shards that stay
-        (:mod:`~replay_server.ray.handover`). Then the registry expects
-        ``num_shards``: clients and streams drop the removed shards at their
-        next resolution, and from then on their samples are exact over every
-        row, the moved ones included. The moved rows have new ids: a priority
-        update naming an old id is skipped and counted (``skipped_updates``), as
-        an update of an overwritten row is. An insert a client sends to a
-        removed shard after it stopped (before that client resolved again) gets
-        ``UnavailableError`` from a strict client (degraded ones resend it to
-        the shards that stay). The removed shards' checkpoint folders are set
-        aside (``shard-<i>.retired-<time>``), and their actors stopped.
+        Scaling down (``num_shards`` below the shards now) keeps every row in the replay. Shards
+        ``num_shards..n-1`` drain (their registry entries say ``draining``: clients treat them
+        as during a restart: a strict client's calls that need them fail naming them, degraded
+        ones list them in ``missing_shards``; no client samples the shards that stay as the
+        whole replay meanwhile), write their final checkpoints, and insert their rows, with
+        their priorities and in the order written (each episode to one shard), into the shards
+        that stay (:mod:`~replay_server.ray.handover`). Then the registry expects
+        ``num_shards``: clients and streams drop the removed shards at their next resolution,
+        and from then on their samples are exact over every row, the moved ones included. The
+        moved rows have new ids: a priority update naming an old id is skipped and counted
+        (``skipped_updates``), as an update of an overwritten row is. An insert a client sends
+        to a removed shard after it stopped (before that client resolved again) gets
+        ``UnavailableError`` from a strict client (degraded ones resend it to the shards that
+        stay). The removed shards' checkpoint folders are set aside
+        (``shard-<i>.retired-<time>``), and their actors stopped.
 
         Args:
             num_shards: the shard count wanted (1..128; the count now: nothing to do).
-            shard_options: the new shards' Ray options: one dict for all, or a list
-                with one per new shard. ``None``: those given at ``create`` (a list
-                there: entry ``i % len`` for shard ``i``).
-            timeout_s: how long to wait for the new shards to serve (scaling down: for
-                each removed shard's hand-over).
+            shard_options: the new shards' Ray options: one dict for all, or a list with one per
+                new shard. ``None``: those given at ``create`` (a list there: entry ``i % len``
+                for shard ``i``).
+            timeout_s: how long to wait for the new shards to serve (scaling down: for each
+                removed shard's hand-over).
 
         Returns:
             Scaling down: per removed shard, ``{"moved": {table: rows}, "retired_checkpoints":
@@ -282,12 +264,12 @@ class ReplayCluster:
         Raises:
             ConfigError: ``num_shards`` or ``shard_options`` is bad (named); nothing started.
             ScaleDownError: a table whose rows leave when sampled (a queue,
-                ``max_times_sampled``) or a staying shard that does not serve: nothing
-                changed. Or a removed shard could not hand its rows over (named); the
-                replay still expects every shard, the shard's final checkpoint holds its
-                rows (those already inserted elsewhere are there too).
-            TimeoutError: the new shards did not all serve within ``timeout_s`` (their
-                states named); they are stopped and the replay keeps its shards.
+                ``max_times_sampled``) or a staying shard that does not serve: nothing changed.
+                Or a removed shard could not hand its rows over (named); the replay still
+                expects every shard, the shard's final checkpoint holds its rows (those already
+                inserted elsewhere are there too).
+            TimeoutError: the new shards did not all serve within ``timeout_s`` (their states
+                named); they are stopped and the replay keeps its shards.
         """
         _check_shard_count(num_shards, "scale: ")
         spec = ask(self._registry, "spec")
@@ -518,6 +500,24 @@ def _per_shard(options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
             raise ConfigError(f"shard_options[{index}] sets {sorted(reserved & set(entry))}, "
                               f"which the replay sets itself")
     return listed
+
+
+def _registry(name: str, namespace: str, spec: dict[str, Any],
+              options: Mapping[str, Any] | None, get_if_exists: bool) -> Any:
+    """The registry actor of replay ``name``: the running one, else a new one holding
+    ``spec`` (detached, restarted by Ray whenever it dies).
+
+    Raises:
+        ReplayExistsError: it runs and ``get_if_exists`` is false.
+    """
+    if not get_if_exists and _registry_of(name, namespace) is not None:
+        raise ReplayExistsError(f"a replay {name!r} exists in Ray namespace {namespace!r}; "
+                                f"ReplayCluster.get({name!r}) returns it (or pass "
+                                f"get_if_exists=True)")
+    return ray.remote(ShardRegistry).options(**{
+        "num_cpus": 0, **(options or {}), "name": name, "namespace": namespace,
+        "lifetime": "detached", "get_if_exists": True, "max_restarts": -1,
+        "max_concurrency": 16}).remote(name, namespace, spec)
 
 
 def _registry_of(name: str, namespace: str) -> Any | None:

@@ -126,27 +126,35 @@ def replay_log(directory: Path, tables: TableSet, *, start: int | None,
         spans[index] = _check_records(found[index], buffer, last_of_run,
                                       indexes[k + 1] if k + 1 < len(indexes) else None, report)
     for index in indexes:
-        size = _read(found[index], buffer)
-        report.nbytes += size
-        view = memoryview(buffer)[:size]
-        for offset, length in spans[index]:  # checked above: no second checksum pass
-            payload = view[offset + records.RECORD_HEADER_BYTES:
-                           offset + records.RECORD_HEADER_BYTES + length]
-            if cancel is not None and cancel.is_set():
-                raise RestoreCancelled("restore cancelled while replaying the log")
-            try:
-                record = records.decode(payload, offset)
-            except records.LogFormatError as exc:
-                raise CorruptLogError(f"write-ahead log segment {found[index]}: {exc}") from None
-            if record.kind == records.PUBLISH:
-                _publish(variables, record, found[index], report)
-            else:
-                _apply(tables, record, found[index], report)
-        report.segments += 1
+        _replay_segment(found[index], buffer, spans[index], tables, variables, report, cancel)
     for table in tables:
         table.resume_ids()
     report.seconds = time.perf_counter() - began
     return report
+
+
+def _replay_segment(path: Path, buffer: bytearray, spans: list[tuple[int, int]],
+                    tables: TableSet, variables: LoggedVariableStore | None,
+                    report: ReplayReport, cancel: threading.Event | None) -> None:
+    """Apply the records of segment ``path`` (at ``spans``: offset and length of each,
+    checked already: no second checksum pass), read into ``buffer``."""
+    size = _read(path, buffer)
+    report.nbytes += size
+    view = memoryview(buffer)[:size]
+    for offset, length in spans:
+        payload = view[offset + records.RECORD_HEADER_BYTES:
+                       offset + records.RECORD_HEADER_BYTES + length]
+        if cancel is not None and cancel.is_set():
+            raise RestoreCancelled("restore cancelled while replaying the log")
+        try:
+            record = records.decode(payload, offset)
+        except records.LogFormatError as exc:
+            raise CorruptLogError(f"write-ahead log segment {path}: {exc}") from None
+        if record.kind == records.PUBLISH:
+            _publish(variables, record, path, report)
+        else:
+            _apply(tables, record, path, report)
+    report.segments += 1
 
 
 def _drop_unborn_segment(found: dict[int, Path], report: ReplayReport) -> None:
