@@ -10,6 +10,15 @@ ratios (TorchRL time / our time: above 1 means we are faster). ``--repeat N``
 measures every case N times, the sides alternating, and reports each side's
 median run with the spread of the per-round ratios in brackets.
 
+``--base DIR`` compares this tree's engine with another checkout's instead of
+TorchRL (``git archive COMMIT | tar -x -C DIR``, then ``python proto/generate.py`` in
+it): each side runs its own tree's ``engine.py`` with that tree's packages first on
+``PYTHONPATH`` and the same Python; with ``--repeat N`` the sides alternate which
+goes first, and the ratio is base / this tree (above 1: this tree is faster). The
+before/after check of a refactor::
+
+    python benchmarks/engine.py --base /tmp/before --repeat 5 --max-rows 1000000
+
 ``--side ours --case CASE ...`` runs a single measurement of our engine and
 prints it as one JSON line; the orchestrator calls itself that way.
 """
@@ -140,6 +149,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--torchrl-python", help="python of TorchRL's virtualenv")
+    parser.add_argument("--base", type=Path,
+                        help="another checkout's engine in TorchRL's place (before/after)")
     parser.add_argument("--only", nargs="*", help="cases to run (default: all)")
     parser.add_argument("--max-rows", type=int, default=None, help="skip larger tables")
     parser.add_argument("--json", type=Path, help="also write all results here")
@@ -164,22 +175,69 @@ def main() -> None:
         common = ["--case", case, "--rows", str(rows), "--batch", str(batch), "--seconds", seconds]
         print(f"{case} rows={rows:,} batch={batch:,}", file=sys.stderr)
         rounds = []
-        for _ in range(args.repeat):
-            ours = run_side([sys.executable, str(Path(__file__)), "--side", "ours", *common], 1800)
-            theirs = None
-            if args.torchrl_python:
-                theirs = run_side([args.torchrl_python, str(HERE / "torchrl_engine.py"), *common],
-                                  1800)
+        for round_ in range(args.repeat):
+            sides = [lambda: run_side([*_tree(HERE.parent), str(Path(__file__)), "--side", "ours",
+                                       *common], 1800),
+                     lambda: _other(args, common)]
+            if args.base and round_ % 2:  # before/after: each goes first every other round
+                sides.reverse()
+            first, second = (side() for side in sides)
+            ours, theirs = (second, first) if args.base and round_ % 2 else (first, second)
             rounds.append((ours, theirs))
-            print(f"  ours={ours}\n  torchrl={theirs}", file=sys.stderr)
+            print(f"  ours={ours}\n  {'base' if args.base else 'torchrl'}={theirs}",
+                  file=sys.stderr)
         results.append({"case": case, "rows": rows, "batch": batch,
                         "ours": _median_run([r[0] for r in rounds], case),
                         "torchrl": _median_run([r[1] for r in rounds], case),
-                        "ratios": [_ratio(a, b, case) for a, b in rounds]})
+                        "ratios": [_ratio(a, b, case) for a, b in rounds],
+                        "pairs": rounds})
 
-    print(_table(results))
+    print(_ab_table(results) if args.base else _table(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+
+
+def _tree(root: Path) -> list[str]:
+    """The command prefix that runs Python with ``root``'s packages first on its path."""
+    packages = os.pathsep.join(str(root / p) for p in ("client", "feed", "proto", "server"))
+    return ["env", f"PYTHONPATH={packages}", sys.executable]
+
+
+def _other(args: argparse.Namespace, common: list[str]) -> dict | None:
+    """The compared side's measurement: ``--base``'s engine, or TorchRL's (if given)."""
+    if args.base:
+        return run_side([*_tree(args.base), str(args.base / "benchmarks" / "engine.py"),
+                         "--side", "ours", *common], 1800)
+    if args.torchrl_python:
+        return run_side([args.torchrl_python, str(HERE / "torchrl_engine.py"), *common], 1800)
+    return None
+
+
+def _ab_table(results: list[dict]) -> str:
+    """Before/after (``--base``): each case's median figure per side, and per round how
+    many times faster this tree is (above 1: faster; by thread CPU time too, where
+    measured: it moves less than wall time when other work shares the cores)."""
+    lines = [f"machine: {platform.machine()}, {os.cpu_count()} cores, load "
+             f"{os.getloadavg()[0]:.1f} at the end\n",
+             "| case | rows | batch | figure | base (median) | this tree (median) | "
+             "this tree faster by, per round (median) | by CPU time |",
+             "|---|---:|---:|---|---:|---:|---|---|"]
+    for r in results:
+        case = r["case"]
+        name = {"insert": "rows/s", "memory": "RSS / raw bytes"}.get(case, "s per op")
+        cpu = [b["cpu_median_s"] / a["cpu_median_s"] for a, b in r.get("pairs", [])
+               if a and b and a.get("cpu_median_s") and b.get("cpu_median_s")]
+        lines.append(f"| {case} | {r['rows']:,} | {r['batch']:,} | {name} | "
+                     f"{_metric(r['torchrl'], case) or float('nan'):.4g} | "
+                     f"{_metric(r['ours'], case) or float('nan'):.4g} | "
+                     f"{_spread([x for x in r['ratios'] if x is not None])} | {_spread(cpu)} |")
+    return "\n".join(lines)
+
+
+def _spread(ratios: list[float]) -> str:
+    if not ratios:
+        return "-"
+    return ", ".join(f"{x:.2f}" for x in ratios) + f" ({statistics.median(ratios):.2f}x)"
 
 
 def _metric(record: dict | None, case: str) -> float | None:
