@@ -1,5 +1,6 @@
 """Idle connections cannot lock everyone out: ~1,000 idle sockets against a real server;
-calls over ``max_concurrent_calls`` are refused before they are read.
+calls over ``max_concurrent_calls`` (or one address's share of them) are refused before they
+are read.
 
 Issue 10, finding 6: about 1,010 idle TCP sockets, at the usual 1,024
 open-file limit, made every new connection (health checks included) time
@@ -37,6 +38,7 @@ from tests.integration.raw_http2 import RawConnection
 
 IDLE_S = 2
 CALLS = 20
+SHARE = 15  # one address's share of them: server.max_host_share = 0.75
 ANSWER_S = 10  # generous: every answer is drawn well within it on a loaded machine
 CONFIG = f"""
 [server]
@@ -113,15 +115,30 @@ def _dropped_answers(server: ServerProcess, source: str) -> int:
         rf"take within server\.response_timeout_s = {ANSWER_S} s", server.log()))
 
 
-@pytest.mark.parametrize(("method", "batch", "source"),
-                         [("Sample", 48, "127.0.0.20"), ("SampleChunks", 100, "127.0.0.21")])
+def _refused_for_share(server: ServerProcess, source: str) -> bool:
+    """Whether the server refused a call from ``source`` for its address's share (its own
+    log line, naming what the address holds, the pool and the setting)."""
+    return re.search(
+        rf"refused a call from ipv4:{re.escape(source)}:\d+: RESOURCE_EXHAUSTED \(overloaded\): "
+        rf"\w+: ipv4:{re.escape(source)} holds {SHARE} of server\.max_concurrent_calls = "
+        rf"{CALLS} working calls already \(server\.max_host_share = 0\.75: one address may "
+        rf"hold {SHARE}\)", server.log()) is not None
+
+
+@pytest.mark.parametrize(("method", "batch", "source", "second"),
+                         [("Sample", 48, "127.0.0.20", "127.0.0.22"),
+                          ("SampleChunks", 100, "127.0.0.21", "127.0.0.23")])
 def test_calls_over_max_concurrent_calls_are_refused_and_unread_answers_are_dropped(
-        server, method, batch, source) -> None:
-    """Calls whose answers a client never reads hold working slots and memory: over
-    max_concurrent_calls the next call is refused before it is read, naming the limit.
-    Issue 23, finding 10: such answers were held for good (720 MiB, samples refused); now
-    one not taken within response_timeout_s is dropped, freeing its slot and memory; so is
-    a chunked answer (SampleChunks: 6.25 MiB in messages under the 4 MiB limit).
+        server, method, batch, source, second) -> None:
+    """Calls whose answers a client never reads hold working slots and memory. One address
+    holds at most its share of them (server.max_host_share = 0.75: 15 of the 20): past it
+    its calls are refused naming the setting, and a client elsewhere is served meanwhile
+    (issue 34: one such reader once refused every other host). Two readers from two
+    addresses fill the pool: then the next call is refused before it is read, naming
+    max_concurrent_calls. Issue 23, finding 10: such answers were held for good (720 MiB,
+    samples refused); now one not taken within response_timeout_s is dropped, freeing its
+    slot and memory; so is a chunked answer (SampleChunks: 6.25 MiB in messages under the
+    4 MiB limit).
 
     Event-based: the answers are held (the next call refused) until the server itself says
     it dropped them for response_timeout_s; no clock is read. (It read one, and with
@@ -132,27 +149,30 @@ def test_calls_over_max_concurrent_calls_are_refused_and_unread_answers_are_drop
     before = client.server_info().limits["memory_in_use_bytes"]
     reader = RawConnection(server.port, source=source)  # its own address: its own log lines
     assert reader.handshake()
+    path = f"/replay.v1.ReplayService/{method}"
     request = pb.SampleRequest(table="big", batch_size=batch).SerializeToString()
     for _ in range(CALLS):  # answers HTTP/2 flow control holds: the client reads nothing
-        reader.call(f"/replay.v1.ReplayService/{method}", request)
+        reader.call(path, request)
+    other = RawConnection(server.port, source=second)
+    assert other.handshake()
 
     def refused() -> bool:
         try:
             client.info()
         except errors.OverloadedError as exc:
-            assert "server.max_concurrent_calls = 20" in str(exc)
+            assert "server.max_concurrent_calls = 20 calls already" in str(exc)
             return True
         return False
 
     def held() -> bool:
-        """All 20 slots are held by the reader's unread answers (the client is refused), or
-        the reader makes one more call: a slot is freed by a callback after its answer went
-        out, so the client's last call could still be counted when the reader's 20th came
-        (refused: the server logged it, and 19 held slots never refuse the client; 2 of 3
-        full runs)."""
+        """All 20 slots are held by the two readers' unread answers (the client is
+        refused), or the second reader makes one more call: a slot is freed by a callback
+        after its answer went out, so the client's last call could still be counted when
+        the second reader's last call came (refused, and 19 held slots never refuse the
+        client)."""
         if refused():
             return True
-        reader.call(f"/replay.v1.ReplayService/{method}", request)
+        other.call(path, request)
         return False
 
     def why_not() -> str:  # what the server and the connection looked like instead
@@ -161,6 +181,14 @@ def test_calls_over_max_concurrent_calls_are_refused_and_unread_answers_are_drop
                 f"{server.log()[-4000:]}")
 
     try:
+        # The first reader holds its share, no more, and the client is served beside it.
+        assert wait_for(lambda: _refused_for_share(server, source), timeout=60), why_not()
+        # its 15 and this call (once the client's last call has left the accounting)
+        assert wait_for(lambda: client.server_info().limits["calls_in_flight"] == SHARE + 1,
+                        timeout=30), why_not()
+        assert client.sample("big", 4).data["x"].shape == (4, 16384)
+        for _ in range(CALLS - SHARE):  # the second reader takes the rest of the pool
+            other.call(path, request)
         assert wait_for(held, timeout=60), why_not()  # all 20 held at once
         assert _serving(server.address)  # health checks are not replay calls: never refused
         # The server drops the unread answers itself, saying so, and serves again.
@@ -174,6 +202,7 @@ def test_calls_over_max_concurrent_calls_are_refused_and_unread_answers_are_drop
         assert client.sample("big", batch).data["x"].shape == (batch, 16384)
     finally:
         reader.close()
+        other.close()
 
 
 def test_a_thousand_idle_sockets_do_not_lock_out_health_checks_or_clients(server) -> None:

@@ -28,6 +28,7 @@ from tests.integration.raw_http2 import RawConnection
 CONFIG = """
 [server]
 max_streams = 256  # the 200 blocked streams below (the default is 128)
+max_host_share = 1.0  # ... all from 127.0.0.1
 
 [[tables]]
 name = "rows"

@@ -36,6 +36,7 @@ from tests.integration.raw_http2 import RawConnection
 REQUEST_TIMEOUT_S = 2.0
 SERVICE = "/replay.v1.ReplayService/"
 CONNECTIONS = 4
+SOURCES = ("127.0.0.30", "127.0.0.31")  # two addresses, each within its share of a pool
 SILENT_CALLS = 256  # max_concurrent_calls' default
 SILENT_STREAMS = 128  # max_streams' default
 LEGIT_TIMEOUT_S = 20.0
@@ -64,13 +65,14 @@ def limits(client: ReplayClient) -> dict[str, int]:
 
 
 def silent(server: ServerProcess, method: str, count: int) -> list[tuple[RawConnection, set]]:
-    """``count`` calls of ``method`` over :data:`CONNECTIONS` raw connections, each opened
-    (HEADERS, declaring a 100-byte request so the budget admits them all) and never sent a
-    message; the connections with their streams."""
+    """``count`` calls of ``method`` over :data:`CONNECTIONS` raw connections from the two
+    :data:`SOURCES` (one address may hold only 3/4 of a pool: ``max_host_share``), each
+    opened (HEADERS, declaring a 100-byte request so the budget admits them all) and never
+    sent a message; the connections with their streams."""
     opened = []
     declared = (("replay-request-bytes", "100"),)
-    for _ in range(CONNECTIONS):
-        raw = RawConnection(server.port)
+    for i in range(CONNECTIONS):
+        raw = RawConnection(server.port, source=SOURCES[i % len(SOURCES)])
         assert raw.handshake()
         streams = {raw.open_call(SERVICE + method, declared)
                    for _ in range(count // CONNECTIONS)}

@@ -56,6 +56,7 @@ memory_budget_mb = {BUDGET_MIB}
 max_batch_mb = 48
 max_concurrent_calls = {CALLS}
 max_waiting_calls = {WAITING}
+max_host_share = 1.0  # every lying client is on 127.0.0.1: the whole bound
 
 [[tables]]
 name = "frames"

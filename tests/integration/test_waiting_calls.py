@@ -36,6 +36,7 @@ max_concurrent_calls = {WORKING}
 max_waiting_calls = {WAITING}
 max_streams = {STREAMS}
 default_wait_s = {DEFAULT_WAIT_S}
+max_host_share = 1.0  # the pools' own caps, all calls from 127.0.0.1
 
 [[tables]]
 name = "replay"

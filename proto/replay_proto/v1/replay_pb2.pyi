@@ -376,7 +376,7 @@ class InfoResponse(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ..., last_checkpoint: _Optional[_Union[CheckpointResponse, _Mapping]] = ..., shard: _Optional[int] = ..., incarnation: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., server: _Optional[_Union[ServerInfo, _Mapping]] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("memory_budget_bytes", "memory_in_use_bytes", "memory_peak_bytes", "max_concurrent_calls", "calls_in_flight", "max_connections", "idle_timeout_s", "max_batch_bytes", "max_message_bytes", "shared_memory_bytes", "shared_memory_in_use_bytes", "table_memory_bytes", "table_memory_committed_bytes", "refused_calls", "max_waiting_calls", "calls_waiting", "default_wait_s", "handshake_timeout_s", "max_idle_connections_per_host", "connections_open", "connections_closed", "max_streams", "streams_open", "transport_bound_bytes", "keepalive_s", "keepalive_timeout_s", "memory_waiting_calls", "memory_wait_s")
+    __slots__ = ("memory_budget_bytes", "memory_in_use_bytes", "memory_peak_bytes", "max_concurrent_calls", "calls_in_flight", "max_connections", "idle_timeout_s", "max_batch_bytes", "max_message_bytes", "shared_memory_bytes", "shared_memory_in_use_bytes", "table_memory_bytes", "table_memory_committed_bytes", "refused_calls", "max_waiting_calls", "calls_waiting", "default_wait_s", "handshake_timeout_s", "max_idle_connections_per_host", "connections_open", "connections_closed", "max_streams", "streams_open", "transport_bound_bytes", "keepalive_s", "keepalive_timeout_s", "memory_waiting_calls", "memory_wait_s", "max_host_share", "refused_calls_host_share")
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_IN_USE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -405,6 +405,8 @@ class ServerLimits(_message.Message):
     KEEPALIVE_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     MEMORY_WAITING_CALLS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_HOST_SHARE_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_CALLS_HOST_SHARE_FIELD_NUMBER: _ClassVar[int]
     memory_budget_bytes: int
     memory_in_use_bytes: int
     memory_peak_bytes: int
@@ -433,7 +435,9 @@ class ServerLimits(_message.Message):
     keepalive_timeout_s: float
     memory_waiting_calls: int
     memory_wait_s: float
-    def __init__(self, memory_budget_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., max_concurrent_calls: _Optional[int] = ..., calls_in_flight: _Optional[int] = ..., max_connections: _Optional[int] = ..., idle_timeout_s: _Optional[float] = ..., max_batch_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_bytes: _Optional[int] = ..., shared_memory_in_use_bytes: _Optional[int] = ..., table_memory_bytes: _Optional[int] = ..., table_memory_committed_bytes: _Optional[int] = ..., refused_calls: _Optional[int] = ..., max_waiting_calls: _Optional[int] = ..., calls_waiting: _Optional[int] = ..., default_wait_s: _Optional[float] = ..., handshake_timeout_s: _Optional[float] = ..., max_idle_connections_per_host: _Optional[int] = ..., connections_open: _Optional[int] = ..., connections_closed: _Optional[int] = ..., max_streams: _Optional[int] = ..., streams_open: _Optional[int] = ..., transport_bound_bytes: _Optional[int] = ..., keepalive_s: _Optional[float] = ..., keepalive_timeout_s: _Optional[float] = ..., memory_waiting_calls: _Optional[int] = ..., memory_wait_s: _Optional[float] = ...) -> None: ...
+    max_host_share: float
+    refused_calls_host_share: int
+    def __init__(self, memory_budget_bytes: _Optional[int] = ..., memory_in_use_bytes: _Optional[int] = ..., memory_peak_bytes: _Optional[int] = ..., max_concurrent_calls: _Optional[int] = ..., calls_in_flight: _Optional[int] = ..., max_connections: _Optional[int] = ..., idle_timeout_s: _Optional[float] = ..., max_batch_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., shared_memory_bytes: _Optional[int] = ..., shared_memory_in_use_bytes: _Optional[int] = ..., table_memory_bytes: _Optional[int] = ..., table_memory_committed_bytes: _Optional[int] = ..., refused_calls: _Optional[int] = ..., max_waiting_calls: _Optional[int] = ..., calls_waiting: _Optional[int] = ..., default_wait_s: _Optional[float] = ..., handshake_timeout_s: _Optional[float] = ..., max_idle_connections_per_host: _Optional[int] = ..., connections_open: _Optional[int] = ..., connections_closed: _Optional[int] = ..., max_streams: _Optional[int] = ..., streams_open: _Optional[int] = ..., transport_bound_bytes: _Optional[int] = ..., keepalive_s: _Optional[float] = ..., keepalive_timeout_s: _Optional[float] = ..., memory_waiting_calls: _Optional[int] = ..., memory_wait_s: _Optional[float] = ..., max_host_share: _Optional[float] = ..., refused_calls_host_share: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("version", "rss_bytes", "uptime_seconds", "tls", "mutual_tls", "auth", "checkpoint_dir", "restored_checkpoint", "wal")

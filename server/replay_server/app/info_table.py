@@ -55,7 +55,8 @@ def format_limits(limits: pb.ServerLimits) -> str:
             f"{nbytes(limits.memory_budget_bytes)} (peak {nbytes(limits.memory_peak_bytes)}); "
             f"{limits.calls_in_flight} of {limits.max_concurrent_calls} calls, "
             f"{limits.calls_waiting} of {limits.max_waiting_calls} waiting ({limits.streams_open} "
-            f"of {limits.max_streams} streams; all calls may hold "
+            f"of {limits.max_streams} streams; {limits.max_host_share:g} of each per address; "
+            f"all calls may hold "
             f"{nbytes(limits.transport_bound_bytes)} at most); "
             f"{limits.connections_open} of {limits.max_connections} connections, idle "
             f"{limits.idle_timeout_s:g} s ({limits.connections_closed} closed without a call), "
@@ -64,7 +65,8 @@ def format_limits(limits: pb.ServerLimits) -> str:
             f"batches up to {nbytes(limits.max_batch_bytes)}; rings "
             f"{nbytes(limits.shared_memory_in_use_bytes)} of {nbytes(limits.shared_memory_bytes)}; "
             f"tables {nbytes(limits.table_memory_committed_bytes)} of "
-            f"{nbytes(limits.table_memory_bytes)}; {limits.refused_calls} calls refused")
+            f"{nbytes(limits.table_memory_bytes)}; {limits.refused_calls} calls refused "
+            f"({limits.refused_calls_host_share} for their address's share)")
 
 
 def format_server(server: pb.ServerInfo, tables: Any) -> str:

@@ -18,7 +18,11 @@ read or run:
    are also capped by ``max_streams`` within that pool: a stream reads
    messages all its life (gRPC may hold a whole one for it), a waiting unary
    call has read its request already, so streams are what the memory bound
-   counts, and the pool can hold many cheap waiters.
+   counts, and the pool can hold many cheap waiters. **One source address may
+   hold only its share of each pool** (``max_host_share``:
+   :mod:`~replay_server.service.host_shares`), so a flood from one place (calls
+   whose answers nobody reads, streams that idle) leaves room for everyone else;
+   a call past its address's share is refused like one past a cap.
 2. The memory its request will take is reserved from the
    :class:`~replay_server.service.budget.MemoryBudget`: the size the client
    declared (``replay_proto.call_metadata``), else the message-size limit.
@@ -95,6 +99,7 @@ from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, declared_request_by
 from replay_proto.codec import CodecError
 from replay_server.service.budget import MemoryBudget, Reservation
 from replay_server.service.chunked_request import read_chunked
+from replay_server.service.host_shares import STREAMS, WAITING, WORKING, HostShares
 from replay_server.service.limits import ServiceLimits
 from replay_server.service.peer_log import peer_host
 from replay_server.service.status import (
@@ -129,7 +134,9 @@ class Admission:
         in_flight: replay calls admitted, working (not waiting) and not yet ended.
         waiting: calls in the waiting pool (streams, and calls that waited).
         streams: streams open (counted in ``waiting`` too).
-        refused: calls refused for the caps on calls working or waiting.
+        refused: calls refused for the caps on calls working or waiting, or for their
+            address's share of them.
+        shares: what each source address holds of the pools, and its share.
         unread: unary calls ended because their client did not take the answer.
         silent: calls ended because a message they owed did not come within
             ``request_timeout_s`` (a first message, a chunked request's next one).
@@ -142,6 +149,8 @@ class Admission:
         self.waiting = 0
         self.streams = 0
         self.refused = 0
+        self.shares = HostShares(limits.max_host_share, (
+            limits.max_concurrent_calls, limits.max_waiting_calls, limits.max_streams))
         self.unread = 0
         self.silent = 0
         self._tickets: dict[int, _Ended] = {}  # id(context) -> its call, while it lasts
@@ -339,17 +348,22 @@ class Admission:
         peer = _peer(context)  # asked while the call lives (its end's callback must not ask)
         if self.on_call is not None:
             self.on_call(peer)
-        refusal = self._full(name, waiting, stream)
+        host = peer_host(peer)
+        refusal = self._full(name, host, waiting, stream)
         if refusal is not None:
             if self.on_unread is not None:
                 self.on_unread(peer, 0)
             await abort(context, refusal)
-        ended = _Ended(self, waiting, id(context), peer, stream)
+        ended = _Ended(self, waiting, id(context), peer, host, stream)
         self.streams += stream
+        if stream:
+            self.shares.take(host, STREAMS)
         if waiting:
             self.waiting += 1
+            self.shares.take(host, WAITING)
         else:
             self.in_flight += 1
+            self.shares.take(host, WORKING)
         self._tickets[id(context)] = ended
         context.add_done_callback(ended)
         declared = declared_request_bytes(context.invocation_metadata(), default,
@@ -414,16 +428,19 @@ class Admission:
         ticket = self._tickets.get(id(context))
         if ticket is None or ticket.waiting:
             return
-        refusal = self._full("the call", waiting=True)
+        refusal = self._full("the call", ticket.host, waiting=True)
         if refusal is not None:
             raise refusal
         ticket.waiting = True
         self.in_flight -= 1
         self.waiting += 1
+        self.shares.give(ticket.host, WORKING)
+        self.shares.take(ticket.host, WAITING)
 
-    def _full(self, name: str, waiting: bool, stream: bool = False) -> OverloadedError | None:
-        """Why a call (``waiting``: one that will wait; ``stream``: a stream) cannot be
-        admitted now, if it cannot."""
+    def _full(self, name: str, host: str, waiting: bool,
+              stream: bool = False) -> OverloadedError | None:
+        """Why a call from ``host`` (``waiting``: one that will wait; ``stream``: a stream)
+        cannot be admitted now, if it cannot: a pool's cap, then ``host``'s share of it."""
         if stream and self.streams >= self.limits.max_streams:
             self.refused += 1
             return OverloadedError(
@@ -442,7 +459,14 @@ class Admission:
                 f"{name}: the server is serving server.max_concurrent_calls = "
                 f"{self.limits.max_concurrent_calls} calls already; the call was not run: try "
                 f"again later")
-        return None
+        refusal = (self.shares.refusal(name, host, STREAMS, "the stream was not started")
+                   if stream else None)
+        if refusal is None:
+            refusal = self.shares.refusal(name, host, WAITING if waiting else WORKING,
+                                          "the call was not run")
+        if refusal is not None:
+            self.refused += 1
+        return refusal
 
     async def _grow_within(self, reservation: Reservation, nbytes: int, purpose: str,
                            context: grpc.aio.ServicerContext, refusal: OverloadedError) -> None:
@@ -475,9 +499,9 @@ class _Ended:
     """A call's done-callback: it is no longer in flight (or waiting), and its memory is free."""
 
     __slots__ = ("_admission", "reservation", "waiting", "_key", "_stream", "spoke", "read",
-                 "expected", "peer")
+                 "expected", "peer", "host")
 
-    def __init__(self, admission: Admission, waiting: bool, key: int, peer: str,
+    def __init__(self, admission: Admission, waiting: bool, key: int, peer: str, host: str,
                  stream: bool = False) -> None:
         self._admission = admission
         self.reservation: Reservation | None = None
@@ -488,6 +512,7 @@ class _Ended:
         self.read = False
         self.expected = 0  # request bytes declared and not read yet (told to on_expect)
         self.peer = peer  # gRPC's peer string, asked while the call lived
+        self.host = host  # its address (peer_host): what the call holds counts against it
 
     def settle(self) -> None:
         """No request bytes of this call are on their way any more: take back the expected."""
@@ -503,10 +528,14 @@ class _Ended:
             admission.on_unread(self.peer, self.expected)
         self.settle()
         admission.streams -= self._stream
+        if self._stream:
+            admission.shares.give(self.host, STREAMS)
         if self.waiting:
             admission.waiting -= 1
+            admission.shares.give(self.host, WAITING)
         else:
             admission.in_flight -= 1
+            admission.shares.give(self.host, WORKING)
         if admission._tickets.get(self._key) is self:
             del admission._tickets[self._key]
         if self.reservation is not None:

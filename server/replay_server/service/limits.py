@@ -21,6 +21,10 @@ options, and describes them for ``info`` and the start-up log.
   read (and reserved from the budget), holding about :data:`WAITER_BYTES`
   outside it. So streams, not waiters, are what the memory bound counts
   (:meth:`ServiceLimits.transport_bound_bytes`).
+* ``max_host_share``: the share of each of those pools (working calls,
+  waiting calls, streams) the calls of one source address may hold at once
+  (at least one slot), so a flood from one place never refuses another
+  (:mod:`~replay_server.service.host_shares`); 1.0: no share.
 * ``response_timeout_s``: how long a unary call's answer may wait for its
   client to take it (one nobody reads is dropped, its memory freed).
 * ``request_timeout_s``: how long the server waits for a message it needs to
@@ -78,7 +82,7 @@ DEFAULTS: dict[str, Any] = {  # ints where the setting is a count or MiB, floats
     "max_waiting_calls": 1024, "max_streams": 128, "default_wait_s": 300.0,
     "response_timeout_s": 60.0, "keepalive_s": 30.0, "keepalive_timeout_s": 10.0,
     "request_timeout_s": 5.0, "max_call_resets_per_s": 20.0, "memory_wait_s": 1.0,
-    "max_control_bytes_per_s": 65536}
+    "max_control_bytes_per_s": 65536, "max_host_share": 0.75}
 """The limits' defaults (``ServerSettings`` takes its defaults from here)."""
 
 WINDOW_BYTES = 64 << 10
@@ -143,6 +147,11 @@ def check_limits(settings: Any) -> None:
          settings.max_connections)
     _int("server.max_waiting_calls", settings.max_waiting_calls, 1, 1_000_000)
     _int("server.max_streams", settings.max_streams, 1, 1_000_000)
+    share = settings.max_host_share
+    if not is_real(share) or not 0 < share <= 1:
+        raise ConfigError(f"server.max_host_share must be a number in (0, 1] (the share of "
+                          f"each call pool one source address may hold; 1.0: no share), got "
+                          f"{share!r}")
     _seconds("server.keepalive_s", settings.keepalive_s, 1.0, 86_400.0)
     _seconds("server.keepalive_timeout_s", settings.keepalive_timeout_s, 1.0, 3_600.0)
     wait = settings.default_wait_s
@@ -212,6 +221,7 @@ class ServiceLimits:
     max_call_resets_per_s: float = DEFAULTS["max_call_resets_per_s"]
     memory_wait_s: float = DEFAULTS["memory_wait_s"]
     max_control_bytes_per_s: int = DEFAULTS["max_control_bytes_per_s"]
+    max_host_share: float = DEFAULTS["max_host_share"]
 
     @classmethod
     def of(cls, settings: Any) -> ServiceLimits:
@@ -238,6 +248,7 @@ class ServiceLimits:
             max_call_resets_per_s=float(settings.max_call_resets_per_s),
             memory_wait_s=float(settings.memory_wait_s),
             max_control_bytes_per_s=int(settings.max_control_bytes_per_s),
+            max_host_share=float(settings.max_host_share),
         )
 
     @classmethod
@@ -377,7 +388,8 @@ class ServiceLimits:
         return (f"calls may hold {format_bytes(self.memory_budget_bytes)} at once "
                 f"({format_bytes(self.transport_bound_bytes)} at most with what gRPC holds "
                 f"before admission), {self.max_concurrent_calls} calls, "
-                f"{self.max_waiting_calls} waiting ({self.max_streams} streams), "
+                f"{self.max_waiting_calls} waiting ({self.max_streams} streams; "
+                f"{self.max_host_share:g} of each per address), "
                 f"{self.request_timeout_s:g} s to send a request, {self.max_connections} "
                 f"connections (idle {self.idle_timeout_s:.0f} s, {self.handshake_timeout_s:g} s "
                 f"to a first call, {self.max_idle_connections_per_host} without one per host, "
@@ -405,4 +417,5 @@ class ServiceLimits:
             "max_call_resets_per_s": self.max_call_resets_per_s,
             "memory_wait_s": self.memory_wait_s,
             "max_control_bytes_per_s": self.max_control_bytes_per_s,
+            "max_host_share": self.max_host_share,
         }

@@ -421,6 +421,8 @@ class ReplayServicer:
             transport_bound_bytes=limits.transport_bound_bytes,
             keepalive_s=limits.keepalive_s, keepalive_timeout_s=limits.keepalive_timeout_s,
             memory_waiting_calls=budget.waiting, memory_wait_s=limits.memory_wait_s,
+            max_host_share=limits.max_host_share,
+            refused_calls_host_share=self._admission.shares.refused,
         )
 
     def _may_pass(self, table: str, operation: str, count: int) -> bool:

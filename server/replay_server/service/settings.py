@@ -76,6 +76,11 @@ class ServerSettings:
             the waiting pool (at most ``max_waiting_calls``); more are refused
             (RESOURCE_EXHAUSTED). Each may have gRPC hold a whole message, so this,
             not ``max_waiting_calls``, is what the memory bound counts.
+        max_host_share: the share of each call pool (working calls, waiting calls,
+            streams) the calls of one source address may hold at once, in (0, 1]; at
+            least one slot each. A call past it is refused (RESOURCE_EXHAUSTED), so a
+            flood from one place never refuses another; 1.0: no share (clients that
+            all come through one address: a NAT, a node proxy).
         default_wait_s: how long a unary call whose client set no deadline may
             wait (a fetch for a newer version, a sample for data or its rate
             limiter, an insert for its rate limiter).
@@ -159,6 +164,7 @@ class ServerSettings:
     max_idle_connections_per_host: int = LIMIT_DEFAULTS["max_idle_connections_per_host"]
     max_waiting_calls: int = LIMIT_DEFAULTS["max_waiting_calls"]
     max_streams: int = LIMIT_DEFAULTS["max_streams"]
+    max_host_share: float = LIMIT_DEFAULTS["max_host_share"]
     default_wait_s: float = LIMIT_DEFAULTS["default_wait_s"]
     response_timeout_s: float = LIMIT_DEFAULTS["response_timeout_s"]
     request_timeout_s: float = LIMIT_DEFAULTS["request_timeout_s"]

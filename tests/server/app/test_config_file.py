@@ -168,6 +168,10 @@ def test_port_zero_means_any_free_port_and_is_accepted(tmp_path: Path) -> None:
     ("max_control_bytes_per_s = 100", ("server.max_control_bytes_per_s", "[1024, 2**40]", "100")),
     ("max_control_bytes_per_s = 65536.5", ("server.max_control_bytes_per_s", "65536.5")),
     ("max_control_bytes_per_s = true", ("server.max_control_bytes_per_s", "True")),
+    ("max_host_share = 0", ("server.max_host_share", "(0, 1]", "0")),
+    ("max_host_share = 1.5", ("server.max_host_share", "(0, 1]", "1.5")),
+    ("max_host_share = nan", ("server.max_host_share", "nan")),
+    ('max_host_share = "half"', ("server.max_host_share", "'half'")),
 ], ids=["address-without-port", "port-70000", "address-without-host", "pin-memory-maybe",
         "workers-0", "workers-float", "max-message-0", "log-format-xml", "empty-token-env",
         "empty-checkpoint-dir", "checkpoint-dir-number", "interval-negative", "interval-inf",
@@ -176,7 +180,8 @@ def test_port_zero_means_any_free_port_and_is_accepted(tmp_path: Path) -> None:
         "batch-over-budget", "rings-negative", "table-memory-bool", "keepalive-0",
         "keepalive-inf", "keepalive-bool", "keepalive-timeout-half-second",
         "keepalive-timeout-string", "request-timeout-0", "request-timeout-inf", "resets-0",
-        "control-bytes-100", "control-bytes-float", "control-bytes-bool"])
+        "control-bytes-100", "control-bytes-float", "control-bytes-bool", "host-share-0",
+        "host-share-over-1", "host-share-nan", "host-share-string"])
 def test_bad_server_value_names_the_field_and_value(
     tmp_path: Path, line: str, fragments: tuple[str, ...]
 ) -> None:

@@ -1,4 +1,5 @@
-"""The memory bound the default limits give (docs/service.md, "Limits"), and max_streams."""
+"""The memory bound the default limits give (docs/service.md, "Limits"), max_streams and
+max_host_share."""
 
 from __future__ import annotations
 
@@ -37,3 +38,14 @@ def test_max_streams_is_validated_and_never_more_than_the_waiting_pool() -> None
         check_limits(replace(settings, max_streams=0))
     assert ServiceLimits.of(replace(settings, max_waiting_calls=8)).max_streams == 8
     assert ServiceLimits.of(replace(settings, max_streams=16)).max_streams == 16
+
+
+def test_max_host_share_is_validated_and_reported() -> None:
+    settings = ServerSettings()
+    assert ServiceLimits.of(settings).max_host_share == 0.75  # the default
+    for bad in (0, -0.5, 1.01, float("nan"), float("inf"), True, "0.5"):
+        with pytest.raises(ConfigError, match="server.max_host_share must be a number in"):
+            check_limits(replace(settings, max_host_share=bad))
+    limits = ServiceLimits.of(replace(settings, max_host_share=1))
+    assert limits.max_host_share == 1.0 and limits.describe()["max_host_share"] == 1.0
+    assert "1 of each per address" in limits.summary()
