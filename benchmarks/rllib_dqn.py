@@ -14,8 +14,11 @@ on a local Ray cluster of two nodes of one CPU each on 127.0.0.1 (as
   (RLlib's own, in the algorithm's process);
 * ``shards``: ``"replay_server.ray.rllib.ShardedEpisodeReplayBuffer"`` with
   ``--num-shards`` shards (one per node, taking no CPU): every ``add`` is an
-  insert into the shards, every ``sample`` a merged draw over them, every
-  priority update a call to the shards owning the ids.
+  insert into the shards; samples come from its learner stream over them
+  (``prefetch`` 2, the default), priority updates ride on that stream;
+* ``shards-calls`` (only if ``--sides`` names it): the same with
+  ``"prefetch": 0``, a merged sample call per ``sample`` and a waiting update
+  call per priority update.
 
 Each side runs in its own process, the sides alternating for ``--rounds``
 rounds; per round it builds the algorithm, trains ``--warmup`` iterations
@@ -56,6 +59,7 @@ from ray_buffers import NODE_A, NODE_B, start_cluster
 from sides import run_side
 
 SHARDED = "replay_server.ray.rllib.ShardedEpisodeReplayBuffer"
+SIDES = ("rllib", "shards", "shards-calls")
 TIMERS = ("replay_buffer_add_data_timer", "replay_buffer_sampling_timer",
           "replay_buffer_update_prios_timer", "learner_update_timer", "training_step")
 """RLlib's timers of one training step's parts (its smoothed seconds), kept in the JSON."""
@@ -68,6 +72,7 @@ def buffer_config(side: str, args) -> dict:
         return {"type": "PrioritizedEpisodeReplayBuffer", **common}
     return {"type": SHARDED, **common, "replay": "bench-dqn", "num_shards": args.num_shards,
             "n_step": 1, "checkpoint_interval_s": 0,
+            "prefetch": 0 if side == "shards-calls" else 2,
             "shard_options": [{"num_cpus": 0, "resources": r}
                               for r in (NODE_A, NODE_B)][:args.num_shards]}
 
@@ -114,7 +119,7 @@ def one_side(side: str, args) -> dict:
                                       if name in TIMERS and isinstance(value, (int, float))}})
         finally:
             algo.stop()
-            if side == "shards":
+            if side.startswith("shards"):
                 from replay_server.ray import ReplayCluster
 
                 ReplayCluster.get("bench-dqn").shutdown()
@@ -132,7 +137,9 @@ def _trained(result: dict) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--side", choices=["rllib", "shards"])
+    parser.add_argument("--side", choices=SIDES)
+    parser.add_argument("--sides", default="shards,rllib",
+                        help=f"the sides to run, alternating, from {', '.join(SIDES)}")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-shards", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=3)
@@ -152,23 +159,25 @@ def main() -> int:
               "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--fragment", str(args.fragment), "--train-batch", str(args.train_batch),
               "--learning-starts", str(args.learning_starts), "--capacity", str(args.capacity)]
-    results: dict = {"rllib": [], "shards": [], "load_before": os.getloadavg(),
+    sides = args.sides.split(",")
+    results: dict = {**{side: [] for side in sides}, "load_before": os.getloadavg(),
                      "cores": os.cpu_count(),
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     for round_ in range(args.rounds):
-        for side in ("shards", "rllib"):
+        for side in (sides if round_ % 2 == 0 else sides[::-1]):
             got = run_side([sys.executable, __file__, "--side", side, *passed], args.timeout_s)
             print(f"round {round_ + 1} {side}: {json.dumps(got)}", file=sys.stderr)
             if got is not None:
                 results[side].append(got)
     results["load_after"] = os.getloadavg()
     medians = {side: statistics.median(r["env_steps_s"] for r in results[side])
-               for side in ("rllib", "shards") if results[side]}
+               for side in sides if results[side]}
     for side, value in medians.items():
         print(f"{side:<8} env steps/s {value:,.0f} (rounds: "
               f"{[round(r['env_steps_s']) for r in results[side]]})")
-    if len(medians) == 2:
-        print(f"shards / rllib: {medians['shards'] / medians['rllib']:.2f}x")
+    for side in medians:
+        if side != "rllib" and "rllib" in medians:
+            print(f"{side} / rllib: {medians[side] / medians['rllib']:.2f}x")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

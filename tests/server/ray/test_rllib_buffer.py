@@ -122,8 +122,13 @@ def test_samples_are_the_transitions_rllib_buffer_returns(server) -> None:
     assert len(ours) == ref.get_num_timesteps() == 300
     assert ours.get_num_episodes() == ref.get_num_episodes()
     expected = transitions(episodes)
+    # Three samples each, checked after the last: a batch from the sample stream is a view
+    # of its ring until the next one, so episodes that kept views would hold later rows.
+    drawn = {source: [e for _ in range(3)
+                      for e in source.sample(num_items=64, beta=BETA, gamma=GAMMA, n_step=1)]
+             for source in (ref, ours)}
     for source in (ref, ours):  # the reference set is RLlib's own
-        for e in source.sample(num_items=64, beta=BETA, gamma=GAMMA, n_step=1):
+        for e in drawn[source]:
             assert len(e) == 1 and e.extra_model_outputs["n_step"][0] == 1
             key = (None if source is ref else episode_number(e.id_), e.t_started)
             obs, action, ret, next_obs, _, terminated = next(
@@ -162,9 +167,12 @@ def _tree_rows(ref: PrioritizedEpisodeReplayBuffer) -> dict[tuple[int, int], int
     return rows
 
 
-def test_priorities_and_weights_after_updates_match_rllib_segment_tree(server) -> None:
+@pytest.mark.parametrize("prefetch", [2, 0], ids=["stream", "calls"])
+def test_priorities_and_weights_after_updates_match_rllib_segment_tree(server, prefetch) -> None:
+    """Both ways of drawing: a sample stream whose updates ride on its credits (the default),
+    and a call per sample with a waiting call per update (``prefetch=0``)."""
     episodes = cartpole_episodes(seed=2)
-    ours, ref = buffer_on(server), reference(episodes)
+    ours, ref = buffer_on(server, prefetch=prefetch), reference(episodes)
     ours.add(episodes)
     nodes = _tree_rows(ref)
     for round_ in range(3):
@@ -174,6 +182,7 @@ def test_priorities_and_weights_after_updates_match_rllib_segment_tree(server) -
         ref._last_sampled_indices = [nodes[k] for k in keys]  # the same rows in RLlib's
         ref.update_priorities(td)
         ours.update_priorities(td)
+    ours.flush()  # the stream's last updates applied (a no-op with prefetch=0)
     total, n = ref._sum_segment.sum(), ref.get_num_timesteps()
     max_weight = (ref._min_segment.min() / total * n) ** -BETA
     batch = ours.client.sample("rllib", 256)
@@ -216,6 +225,9 @@ def test_what_it_cannot_do_is_refused_by_name_and_loses_nothing(server) -> None:
     with pytest.raises(TypeError, match="got MultiAgentEpisode .multi-agent is not supported"):
         ours.add([*cartpole_episodes(seed=6, steps=20), MultiAgentEpisode()])
     assert len(ours) == 40  # nothing of a refused call was stored
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match=rf"prefetch must be an int >= 0.*got {bad}"):
+            buffer_on(server, prefetch=bad)
     with pytest.raises(ConfigError, match="'flat' samples 'uniform'"):
         buffer_on(server, table="flat")
     with pytest.raises(ConfigError, match="no table 'absent'"):
