@@ -30,6 +30,13 @@ sends it the learner's TD errors) and keeps that class's contract:
   :meth:`sample` returned, by their ids: an id whose row has since been
   overwritten is ignored (counted by the shard), never applied to a newer row.
 
+**Adds wait for no round trip** (``pending_adds``, default 4): each insert
+goes to the shards from a background thread, in order, while the algorithm
+samples and trains (:mod:`~replay_server.ray.pending_adds`); a failed one is
+raised by the next ``add`` (or :meth:`flush`) as ``WriterError``. Bad
+episodes are still refused by the ``add`` that brought them. ``pending_adds=0``
+waits for each insert.
+
 **Samples come from a stream** (``prefetch``, default 2): the first
 :meth:`sample` opens a learner stream of that batch size over every shard
 (merged exactly, as ``client.stream``), which draws up to ``prefetch`` batches
@@ -82,6 +89,7 @@ from replay_proto.batch import STEPS_KEY  # the column an n-step table adds
 from replay_proto.scalars import is_int
 from replay_server.errors import ConfigError
 from replay_server.ray.cluster import DEFAULT_NAMESPACE, ReplayCluster
+from replay_server.ray.pending_adds import PendingAdds
 
 _EPISODE_BITS = (1 << 63) - 1
 
@@ -119,6 +127,8 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         client_options: keywords of the ``ReplayClient`` (``allow_degraded``, ``timeout``...).
         prefetch: batches the sample stream draws ahead (see the module docstring); 0:
             a call per sample and a waiting call per update.
+        pending_adds: inserts on their way at once (see the module docstring); 0: each
+            ``add`` waits for its insert.
 
     Raises:
         ConfigError: a bad option (named), or a table of that name that is not prioritized.
@@ -133,7 +143,7 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
                  checkpoint_dir: str | None = None, checkpoint_interval_s: float = 60.0,
                  shard_options: Any = None, address: str | None = None,
                  client_options: Mapping[str, Any] | None = None, prefetch: int = 2,
-                 **kwargs: Any) -> None:
+                 pending_adds: int = 4, **kwargs: Any) -> None:
         EpisodeReplayBuffer.__init__(  # not the parent's: its segment trees stay unused
             self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=batch_length_T,
             metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
@@ -146,6 +156,9 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         if not is_int(prefetch) or prefetch < 0:
             raise ConfigError(f"prefetch must be an int >= 0 (batches drawn ahead; 0: a call "
                               f"per sample), got {prefetch!r}")
+        if not is_int(pending_adds) or pending_adds < 0:
+            raise ConfigError(f"pending_adds must be an int >= 0 (inserts on their way; 0: "
+                              f"each add waits), got {pending_adds!r}")
         self._prefetch = int(prefetch)
         self._stream: Any = None  # the sample stream (prefetch > 0), opened by sample()
         self._stream_size = 0
@@ -164,8 +177,12 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
             self._client = self._cluster.client(**dict(client_options or {}))
         else:
             self._client = ReplayClient(address, **dict(client_options or {}))
+        self._estimating = False  # inside add(): get_num_timesteps estimates (see there)
+        self._size_read = self._added_since_read = 0
         self._check_table()
         self._client.set_sampling(table, beta=self._beta)
+        self._adds = (PendingAdds(self._client, table, int(pending_adds)) if pending_adds
+                      else None)
 
     def _table_entry(self, capacity: int, num_shards: int) -> dict[str, Any]:
         per_shard = -(-int(capacity) // max(1, int(num_shards)))
@@ -181,6 +198,7 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         if info[self._table].sampler != "prioritized":
             raise ConfigError(f"table {self._table!r} samples {info[self._table].sampler!r}; "
                               f"ShardedEpisodeReplayBuffer needs a 'prioritized' one")
+        self._size_read = int(info[self._table].size)  # a running replay's rows count too
 
     # ------------------------------------------------------------ what RLlib calls
 
@@ -220,7 +238,10 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         priorities = None
         if weight is not None:
             priorities = torch.full((len(rows["t"]),), float(weight), dtype=torch.float64)
-        self._client.insert(self._table, rows, priorities=priorities)
+        if self._adds is not None:
+            self._adds.put(rows, priorities, len(rows["t"]))
+        else:
+            self._client.insert(self._table, rows, priorities=priorities)
         new = []  # episodes not seen before (a later chunk of one continues it, as in RLlib)
         for episode in listed:
             if episode_number(episode.id_) not in self._episode_ids:
@@ -228,7 +249,15 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
                 new.append(episode)
         steps = len(rows["t"])
         self._num_timesteps_added += steps
+        self._added_since_read += steps
         agent_steps = sum(e.agent_steps() for e in listed)
+        self._estimating = True  # RLlib's add metrics ask the size: no round trip per add
+        try:
+            self._log_add(new, steps, agent_steps)
+        finally:
+            self._estimating = False
+
+    def _log_add(self, new: list[Any], steps: int, agent_steps: int) -> None:
         self._update_add_metrics(
             num_episodes_added=len(new), num_env_steps_added=steps, num_episodes_evicted=0,
             num_env_steps_evicted=0, agent_to_num_episodes_added={DEFAULT_AGENT_ID: len(new)},
@@ -275,7 +304,8 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
     def _draw(self, size: int) -> Any:
         """The next batch of ``size`` rows: from the sample stream (opened, or reopened for
         another size, here), or by a call where ``prefetch`` is 0."""
-        if self._prefetch == 0:
+        if self._prefetch == 0:  # RLlib's own order: the rows added before are drawn from
+            self._wait_for_adds()
             return self._client.sample(self._table, size)
         if self._stream is not None and self._stream_size != size:
             self.flush()
@@ -285,12 +315,20 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         return next(self._stream)
 
     def flush(self) -> None:
-        """Apply the priority updates still riding on the sample stream, and close it (the
-        next :meth:`sample` opens another). Waits one round trip at most; a no-op without
-        a stream."""
+        """Store the adds on their way, apply the priority updates still riding on the
+        sample stream, and close it (the next :meth:`sample` opens another).
+
+        Raises:
+            WriterError: an add on its way failed (see the module docstring).
+        """
+        self._wait_for_adds()
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.close()
+
+    def _wait_for_adds(self) -> None:
+        if self._adds is not None:
+            self._adds.wait()
 
     def _check_sample_args(self, batch_length_T: int | None, n_step: Any,
                            gamma: float | None, include_infos: bool,
@@ -374,8 +412,18 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         self._last_sampled_ids = torch.empty(0, dtype=torch.int64)
 
     def get_num_timesteps(self, module_id: Any = None) -> int:
-        """Rows stored now, over every shard."""
-        return int(self._client.info()[self._table].size)
+        """Rows stored now, over every shard (the adds on their way stored first).
+
+        Within :meth:`add`, where RLlib's add metrics ask it for their smoothed
+        ``num_env_steps_stored``, an estimate without a round trip: the size last read
+        here plus the rows added since, at most the capacity (rows other writers put in
+        the replay meanwhile are not in it)."""
+        if self._estimating:
+            return min(int(self.capacity), self._size_read + self._added_since_read)
+        self._wait_for_adds()
+        self._size_read = int(self._client.info()[self._table].size)
+        self._added_since_read = 0
+        return self._size_read
 
     def get_num_episodes(self, module_id: Any = None) -> int:
         """Episodes this buffer has added (rows of one may since have been overwritten)."""
@@ -418,8 +466,12 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
     def close(self) -> None:
         """Close the sample stream (its updates applied) and the client (the replay keeps
         running: ``buffer.cluster.shutdown()`` stops it)."""
-        self.flush()
-        self._client.close()
+        try:
+            self.flush()
+        finally:
+            if self._adds is not None:
+                self._adds.stop()
+            self._client.close()
 
 
 def _rows_of(episodes: Sequence[Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ray.rllib.env.multi_agent_episode import MultiAgentEpisode  # noqa: E402
 from ray.rllib.env.single_agent_episode import SingleAgentEpisode  # noqa: E402
 from ray.rllib.utils.replay_buffers import PrioritizedEpisodeReplayBuffer  # noqa: E402
 
+from replay_client.errors import WriterError  # noqa: E402
 from replay_server.app.config_file import settings_from_dict  # noqa: E402
 from replay_server.app.embedded import EmbeddedServer  # noqa: E402
 from replay_server.errors import ConfigError  # noqa: E402
@@ -206,6 +207,8 @@ def test_metrics_are_rllib_metrics(server) -> None:
     assert set(mine) == set(theirs)
     for key in ("num_env_steps_sampled", "num_env_steps_added", "num_episodes_added"):
         assert mine[key] == theirs[key], key
+    # the rows stored, estimated in add without a round trip (exact with one writer)
+    assert mine["num_env_steps_stored"] == len(ours) == 300
     ours.update_priorities(np.ones(16))
     assert ours.get_metrics()["num_priorities_updated"] == 16
 
@@ -228,10 +231,40 @@ def test_what_it_cannot_do_is_refused_by_name_and_loses_nothing(server) -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match=rf"prefetch must be an int >= 0.*got {bad}"):
             buffer_on(server, prefetch=bad)
+        with pytest.raises(ConfigError, match=rf"pending_adds must be an int >= 0.*got {bad}"):
+            buffer_on(server, pending_adds=bad)
     with pytest.raises(ConfigError, match="'flat' samples 'uniform'"):
         buffer_on(server, table="flat")
     with pytest.raises(ConfigError, match="no table 'absent'"):
         buffer_on(server, table="absent")
+
+
+def _episode_of_another_env(steps: int) -> SingleAgentEpisode:
+    """An episode whose observations have 3 values, where CartPole's have 4."""
+    space = gym.spaces.Box(-10.0, 10.0, (3,), np.float32)
+    episode = SingleAgentEpisode(observation_space=space, action_space=gym.spaces.Discrete(2))
+    episode.add_env_reset(np.zeros(3, np.float32), {})
+    for t in range(steps):
+        episode.add_env_step(np.full(3, t, np.float32), 0, 1.0, {},
+                             terminated=t == steps - 1)
+    return episode.to_numpy()
+
+
+def test_a_failed_background_add_is_raised_by_the_next_call_and_loses_nothing_stored(
+        server) -> None:
+    """``add`` returns before its insert is stored (``pending_adds``): an insert the server
+    refuses is raised by the next call, naming its rows; the rows stored before stay, and
+    nothing queued after it is stored out of order."""
+    ours = buffer_on(server)
+    ours.add(cartpole_episodes(seed=7, steps=30))
+    assert len(ours) == 30  # len waits for the adds on their way
+    ours.add(_episode_of_another_env(10))  # returns: the server refuses it meanwhile
+    with pytest.raises(WriterError, match=r"a background insert of 10 rows .*not stored") as err:
+        ours.flush()
+    assert "obs" in str(err.value.__cause__)  # the server's reason: the column that differs
+    with pytest.raises(WriterError, match="10 rows"):  # and every later call says so
+        ours.add(cartpole_episodes(seed=8, steps=20))
+    assert ours.client.info()["rllib"].size == 30
 
 
 def test_state_holds_checkpoint_paths_and_counters(server, tmp_path) -> None:
