@@ -116,12 +116,19 @@ def test_a_full_waiting_pool_refuses_the_next_waiter_naming_the_limit(served) ->
     waiters = Waiters()
     waiters.start(lambda: ReplayClient(served.address, timeout=40).fetch(
         "full", newer_than=version, timeout=30), WAITING)
-    assert wait_for(lambda: waiting(client) == WAITING, timeout=JOIN_S)
-    with pytest.raises(errors.OverloadedError, match="server.max_waiting_calls = 60"):
-        client.fetch("full", newer_than=version, timeout=30)
-    assert client.info()["replay"].size >= 0  # working calls still served
-    client.publish("full", {"w": torch.ones(1)})
-    waiters.join()
+    try:
+        assert wait_for(lambda: waiting(client) == WAITING, timeout=JOIN_S)
+        with pytest.raises(errors.OverloadedError, match="server.max_waiting_calls = 60"):
+            client.fetch("full", newer_than=version, timeout=30)
+        # Working calls are still served. A client that retries, as by default: a call's
+        # working slot is freed by a callback after its answer went out, and on a loaded
+        # machine (a clean-clone CI at load ~30) the calls just answered (the refused
+        # fetch, the waiters' own first calls) still held the 8 slots for a moment.
+        with ReplayClient(served.address, timeout=30) as retrying:
+            assert retrying.info()["replay"].size >= 0
+    finally:  # the waiters leave the pool whatever happened (the next test needs it)
+        client.publish("full", {"w": torch.ones(1)})
+        waiters.join()
     assert sum(isinstance(o, dict) for o in waiters.outcomes) == WAITING
 
 
