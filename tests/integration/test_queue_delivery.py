@@ -101,11 +101,22 @@ class LossyProxy:
         self._listener.close()
 
 
-@pytest.fixture
-def queue_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path, config())
+@pytest.fixture(scope="module")
+def shared_queue_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("queue"), config())
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def queue_server(shared_queue_server: ServerProcess) -> ServerProcess:
+    """The module's queue server, its queue emptied first: a reset removes the rows and
+    forgets every lease (an earlier test's never come back), so each test starts as on a
+    fresh server (these tests read rows and sizes, no counters)."""
+    with ReplayClient(shared_queue_server.address, timeout=30) as client:
+        client.reset("queue")
+        assert client.info()["queue"].size == 0
+    return shared_queue_server
 
 
 def fill(client: ReplayClient, n: int = ROWS) -> None:
