@@ -7,6 +7,9 @@ file named by ``REPLAY_TEST_RELEASE_FILE`` exists. When the first read blocks, t
 file named by ``REPLAY_TEST_BLOCKED_FILE`` (if set) is created, so that a test can
 act once the restore is stuck in the read rather than on its way to it. A FIFO can
 no longer stand in for such a disk (the restore refuses special files unread).
+``REPLAY_TEST_RESTORE_STOP_S`` (if set) replaces the seconds a signalled restore has to
+stop before it is left behind (``RESTORE_STOP_S``, 5 s), so that a test of a restore that
+never stops need not wait them all.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 from pathlib import Path
 
 from replay_server.app.cli import main
+from replay_server.service import server as service_server
 from replay_server.checkpoint.fileio import VerifiedReader
 
 
@@ -36,6 +40,8 @@ def hang_column_reads(release: Path, blocked: Path | None = None) -> None:
 
 if __name__ == "__main__":
     blocked = os.environ.get("REPLAY_TEST_BLOCKED_FILE")
+    if "REPLAY_TEST_RESTORE_STOP_S" in os.environ:
+        service_server.RESTORE_STOP_S = float(os.environ["REPLAY_TEST_RESTORE_STOP_S"])
     hang_column_reads(Path(os.environ["REPLAY_TEST_RELEASE_FILE"]),
                       Path(blocked) if blocked else None)
     sys.exit(main())

@@ -359,10 +359,13 @@ def _wait_for_file(path: Path) -> None:
 
 
 def _start_blocking(tmp_path: Path, text: str, port: int, name: str,
-                    release: Path) -> ServerProcess:
+                    release: Path, restore_stop_s: float | None = None) -> ServerProcess:
     """A server whose restore blocks reading column files until ``release`` exists (the
     port file only appears once SERVING); ``<name>.blocked`` appears in ``tmp_path``
-    once a read is stuck."""
+    once a read is stuck. ``restore_stop_s``: the seconds a signalled restore has to stop
+    (the server's ``RESTORE_STOP_S`` when None)."""
+    stop_env = {} if restore_stop_s is None else {
+        "REPLAY_TEST_RESTORE_STOP_S": str(restore_stop_s)}
     (tmp_path / f"{name}.toml").write_text(text)
     log_path = tmp_path / f"{name}.log"
     process = subprocess.Popen(
@@ -370,7 +373,7 @@ def _start_blocking(tmp_path: Path, text: str, port: int, name: str,
          str(tmp_path / f"{name}.toml"), "--address", f"127.0.0.1:{port}", "--grace", "5"],
         stdout=log_path.open("w"), stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "REPLAY_TEST_RELEASE_FILE": str(release),
-             "REPLAY_TEST_BLOCKED_FILE": str(tmp_path / f"{name}.blocked")})
+             "REPLAY_TEST_BLOCKED_FILE": str(tmp_path / f"{name}.blocked"), **stop_env})
     return ServerProcess(process, port, log_path)
 
 
@@ -416,7 +419,8 @@ def test_health_is_not_serving_and_calls_unavailable_until_the_restore_is_done(
     # A stop requested during a restore stuck in a read (never released) exits 0 and
     # writes no checkpoint.
     before = sorted((tmp_path / "ckpt").iterdir())
-    stopped = _start_blocking(tmp_path, text, free_port(), "stopped", tmp_path / "never")
+    stopped = _start_blocking(tmp_path, text, free_port(), "stopped", tmp_path / "never",
+                              restore_stop_s=1.0)  # it never stops: waiting 5 s proves no more
     try:
         _wait_health(stopped.address, "NOT_SERVING")
         # the signal must find the restore inside the stuck read, not on its way to it

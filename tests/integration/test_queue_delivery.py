@@ -101,11 +101,22 @@ class LossyProxy:
         self._listener.close()
 
 
-@pytest.fixture
-def queue_server(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path, config())
+@pytest.fixture(scope="module")
+def shared_queue_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("queue"), config())
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def queue_server(shared_queue_server: ServerProcess) -> ServerProcess:
+    """The module's queue server, its queue emptied first: a reset removes the rows and
+    forgets every lease (an earlier test's never come back), so each test starts as on a
+    fresh server (these tests read rows and sizes, no counters)."""
+    with ReplayClient(shared_queue_server.address, timeout=30) as client:
+        client.reset("queue")
+        assert client.info()["queue"].size == 0
+    return shared_queue_server
 
 
 def fill(client: ReplayClient, n: int = ROWS) -> None:
@@ -210,37 +221,51 @@ handed the first's rows again: at least once, as promised, but not what the test
 enough to wait out."""
 
 
+@pytest.fixture(scope="module")
+def short_lease_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("leases"), config(lease_timeout_s=LEASE_S))
+    yield proc
+    proc.stop()
+
+
 @pytest.fixture
-def two_learners(tmp_path: Path) -> Iterator[tuple[ReplayClient, ReplayClient]]:
-    """Two clients of a queue whose leases expire after :data:`LEASE_S`."""
-    server = start_server(tmp_path, config(lease_timeout_s=LEASE_S))
-    try:
-        with ReplayClient(server.address, timeout=30) as one, \
-                ReplayClient(server.address, timeout=30) as two:
-            yield one, two
-    finally:
-        server.stop()
+def two_learners(
+        short_lease_server: ServerProcess) -> Iterator[tuple[ReplayClient, ReplayClient]]:
+    """Two new clients of a queue whose leases expire after :data:`LEASE_S`, emptied first (a
+    reset forgets every lease: no earlier test's rows come back). Counters keep counting
+    across tests: read them with :func:`returned`."""
+    with ReplayClient(short_lease_server.address, timeout=30) as one, \
+            ReplayClient(short_lease_server.address, timeout=30) as two:
+        one.reset("queue")
+        assert one.info()["queue"].size == 0
+        yield one, two
+
+
+def returned(client: ReplayClient) -> int:
+    """The queue's ``returned`` counter: rows whose lease expired (or was given back)."""
+    return client.info()["queue"].counters["returned"]
 
 
 def test_expired_leases_return_their_rows_to_a_waiting_learner(two_learners) -> None:
     gone, other = two_learners
+    before = returned(other)
     fill(gone, 10)
     taken = gone.sample("queue", 10).data["x"].tolist()  # never acknowledged
     assert other.info()["queue"].size == 0
     again = other.sample("queue", 10, wait=True, timeout=LEASE_S + 20).data["x"].tolist()
     assert sorted(again) == sorted(taken) == list(range(10))
-    assert other.info()["queue"].counters["returned"] == 10
+    assert returned(other) - before == 10
 
 
 def test_acknowledged_rows_never_come_back(two_learners) -> None:
     acker, leaver = two_learners
+    before = returned(acker)
     fill(acker, 20)
     acked = acker.sample("queue", 5).data["x"].tolist()
     acker.ack("queue")
     left = leaver.sample("queue", 5).data["x"].tolist()  # never acknowledged
     # The positive event: the later lease expired and its rows came back ...
-    assert wait_for(lambda: acker.info()["queue"].counters["returned"] == 5,
-                    timeout=LEASE_S + 20)
+    assert wait_for(lambda: returned(acker) - before == 5, timeout=LEASE_S + 20)
     rest = drain(acker)
     # ... and the acknowledged rows, taken earlier, did not.
     assert sorted(rest) == sorted(left + list(range(10, 20)))
@@ -249,13 +274,13 @@ def test_acknowledged_rows_never_come_back(two_learners) -> None:
 
 def test_the_next_sample_acknowledges_the_last(two_learners) -> None:
     learner, other = two_learners
+    before = returned(other)
     fill(learner, 20)
     first = learner.sample("queue", 5).data["x"].tolist()
     second = learner.sample("queue", 5).data["x"].tolist()  # acknowledges the first
-    returned_then = other.info()["queue"].counters["returned"]
+    returned_then = returned(other) - before
     # Then the learner is silent: its second lease expires and its rows come back.
-    came_back = wait_for(lambda: other.info()["queue"].counters["returned"] >= 5,
-                         timeout=LEASE_S + 20)
+    came_back = wait_for(lambda: returned(other) - before >= 5, timeout=LEASE_S + 20)
     rest = drain(other)
     why = (f"first sample {first}, second {second}, rows returned by expiry when the second "
            f"answered: {returned_then} (non-zero: the first lease expired before the second "

@@ -18,7 +18,6 @@ import sys
 import textwrap
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -55,11 +54,27 @@ LEARNER = textwrap.dedent("""
 """ % BATCH)
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path, CONFIG)
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory) -> Iterator[ServerProcess]:
+    proc = start_server(tmp_path_factory.mktemp("leases"), CONFIG)
     yield proc
     proc.stop()
+
+
+@pytest.fixture
+def server(shared_server: ServerProcess) -> ServerProcess:
+    """The module's server, its queue emptied first: a reset removes the rows and forgets
+    every lease, so no earlier test's rows or leases come back. Its counters keep counting
+    across tests: read them with :func:`counter`, as what the test itself caused."""
+    with ReplayClient(shared_server.address, timeout=30) as client:
+        client.reset("queue")
+        assert client.info()["queue"].size == 0
+    return shared_server
+
+
+def counter(client: ReplayClient, name: str) -> int:
+    """The queue's counter ``name`` (``sampled``, ``returned``, ``inserted``)."""
+    return client.info()["queue"].counters[name]
 
 
 def fill(client: ReplayClient, first: int, n: int) -> None:
@@ -72,6 +87,8 @@ def learner_killed_holding(server: ServerProcess, hold: int,
     """A learner process that took ``hold`` batches (finished ``hold - 1``: a batch is
     finished when the next is taken) and had the server draw ahead, killed with SIGKILL;
     the batches it received, and its transport."""
+    with ReplayClient(server.address, timeout=30) as probe:
+        sampled = counter(probe, "sampled")
     child = subprocess.Popen(
         [sys.executable, "-c", LEARNER, server.address, str(hold), str(int(shared_memory))],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -87,7 +104,7 @@ def learner_killed_holding(server: ServerProcess, hold: int,
         assert len(batches) == hold, child.stderr.read() if child.stderr else ""
         with ReplayClient(server.address, timeout=30) as probe:
             # The positive event: the server drew past the batch held (the prefetch window).
-            assert wait_for(lambda: probe.info()["queue"].counters["sampled"] > hold * BATCH)
+            assert wait_for(lambda: counter(probe, "sampled") - sampled > hold * BATCH)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
@@ -107,6 +124,7 @@ def drain_stream(client: ReplayClient, rows: int, **options) -> list[int]:
 def test_a_learner_killed_mid_stream_loses_no_row(server, shared_memory) -> None:
     rows, hold = 400, 5
     with ReplayClient(server.address, timeout=30) as client:
+        returned = counter(client, "returned")
         fill(client, 0, rows)
         batches, transport = learner_killed_holding(server, hold, shared_memory)
         assert transport == ("shared_memory" if shared_memory else "grpc")
@@ -114,7 +132,7 @@ def test_a_learner_killed_mid_stream_loses_no_row(server, shared_memory) -> None
         # What the dead learner did not finish (the batch it held, those prefetched) is back.
         left = rows - len(finished)
         assert wait_for(lambda: client.info()["queue"].size == left), client.info()["queue"]
-        assert client.info()["queue"].counters["returned"] >= BATCH * 2  # held + prefetched
+        assert counter(client, "returned") - returned >= BATCH * 2  # held + prefetched
         again = drain_stream(client, left, shared_memory=shared_memory)
     assert sorted(finished + again) == list(range(rows)), "a row was lost or handed out twice"
     assert again[:BATCH] == batches[-1]  # the batch held comes back first (fifo)
@@ -122,10 +140,11 @@ def test_a_learner_killed_mid_stream_loses_no_row(server, shared_memory) -> None
 
 def test_a_clean_close_gives_back_the_batches_not_finished(server) -> None:
     with ReplayClient(server.address, timeout=30) as client:
+        sampled = counter(client, "sampled")
         fill(client, 0, 200)
         stream = client.stream("queue", BATCH, prefetch=4)
         taken = [next(stream).data["x"].tolist() for _ in range(3)]
-        assert wait_for(lambda: client.info()["queue"].counters["sampled"] > 3 * BATCH)
+        assert wait_for(lambda: counter(client, "sampled") - sampled > 3 * BATCH)
         stream.close()  # the third batch was taken, not finished: it comes back too
         assert wait_for(lambda: client.info()["queue"].size == 200 - 2 * BATCH)
         rest = drain_stream(client, 200 - 2 * BATCH)
@@ -151,6 +170,7 @@ def test_live_learners_receive_each_row_exactly_once(server) -> None:
     rows = 1200
     finished: list[int] = []
     with ReplayClient(server.address, timeout=30) as client:
+        inserted = counter(client, "inserted")
         for start in range(0, rows, 200):
             fill(client, start, 200)
             with client.stream("queue", BATCH, prefetch=3) as stream:
@@ -159,18 +179,19 @@ def test_live_learners_receive_each_row_exactly_once(server) -> None:
         left = rows - len(finished)
         assert wait_for(lambda: client.info()["queue"].size == left)
         finished += drain_stream(client, left)
-        counters = client.info()["queue"].counters
+        inserted = counter(client, "inserted") - inserted
     assert len(finished) == rows and sorted(finished) == list(range(rows))
-    assert counters["inserted"] == rows
+    assert inserted == rows
 
 
 def test_a_stream_of_num_batches_ends_with_everything_finished(server) -> None:
     with ReplayClient(server.address, timeout=30) as client:
+        returned = counter(client, "returned")
         fill(client, 0, 100)
         got = drain_stream(client, 100)
         assert got == list(range(100))
         info = client.info()["queue"]
-        assert info.size == 0 and info.counters["returned"] == 0
+        assert info.size == 0 and info.counters["returned"] - returned == 0
 
 
 def _raw_stream(server: ServerProcess, *messages: pb.SampleStreamRequest) -> Iterator[bytes]:
@@ -214,13 +235,14 @@ def test_a_lease_prefix_too_long_is_refused_naming_the_limit(server) -> None:
 def test_a_stream_without_a_lease_takes_rows_for_good(server) -> None:
     """Old learners (no lease in the first message) keep the old behaviour."""
     with ReplayClient(server.address, timeout=30) as client:
+        returned = counter(client, "returned")
         fill(client, 0, 50)
         opening = pb.SampleStreamRequest(
             request=pb.SampleRequest(table="queue", batch_size=BATCH, num_batches=2), credits=2)
         headers = [split_sample(raw)[0] for raw in _raw_stream(server, opening)]
         assert not any(h.leased for h in headers)
         assert client.info()["queue"].size == 30
-        assert client.info()["queue"].counters["returned"] == 0
+        assert counter(client, "returned") - returned == 0
 
 
 def test_a_clean_server_stop_saves_the_batches_not_finished_in_the_queue(tmp_path) -> None:
@@ -319,10 +341,11 @@ def test_a_first_message_that_leaves_draws_nothing(server) -> None:
     """Issue 34, item 14: ``closing`` in a stream's first message was ignored (the stream
     drew the batches its credits allowed). Leaving at once draws nothing and ends with OK."""
     with ReplayClient(server.address, timeout=30) as client:
+        returned = counter(client, "returned")
         fill(client, 0, 50)
         opening = pb.SampleStreamRequest(
             request=pb.SampleRequest(table="queue", batch_size=BATCH), credits=3,
             lease="leaving", closing=True)
         assert list(_raw_stream(server, opening)) == []
         info = client.info()["queue"]
-        assert info.size == 50 and info.counters["returned"] == 0
+        assert info.size == 50 and info.counters["returned"] - returned == 0

@@ -12,12 +12,13 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from replay_client import ReplayClient, errors
-from tests.conftest import wait_for
+from tests.conftest import ServerProcess, start_server, wait_for
 
 CONFIG = """
 [[tables]]
@@ -59,17 +60,39 @@ def _fill_when_up(client: ReplayClient, timeout: float = 30.0) -> dict[str, torc
             time.sleep(0.2)
 
 
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """Two servers of ``CONFIG``, shared by the module's tests that need no server of their own
+    (a server's start is seconds of importing torch)."""
+    tmp = tmp_path_factory.mktemp("twins")
+    procs = [start_server(tmp, CONFIG, name=f"twin{n}") for n in (0, 1)]
+    yield procs[0], procs[1]
+    for proc in procs:
+        proc.stop()
+
+
+def _refill(client: ReplayClient) -> dict[str, torch.Tensor]:
+    """:func:`_fill` on a shared server: both tables emptied first, and their generators
+    seeded again, so that what they draw depends on nothing an earlier test did."""
+    for table in ("replay", "seq"):
+        client.reset(table)
+    issued = _fill(client)
+    for table in ("replay", "seq"):
+        client.set_sampling(table, seed=7)
+    return issued
+
+
 def _leaked_rings(*servers):
     prefixes = tuple(f"replay-{server.process.pid}-" for server in servers)
     return [p for p in os.listdir("/dev/shm") if p.startswith(prefixes)]
 
 
 @pytest.mark.parametrize("table,per_message", [("replay", 1), ("seq", 1), ("replay", 3)])
-def test_shared_memory_and_grpc_deliver_identical_batches(server_factory, table, per_message):
+def test_shared_memory_and_grpc_deliver_identical_batches(twins, table, per_message):
     # Two servers with the same seed and contents draw the same sequence of batches.
-    shm_server, grpc_server = server_factory(CONFIG), server_factory(CONFIG)
+    shm_server, grpc_server = twins
     by_shm, by_grpc = ReplayClient(shm_server.address), ReplayClient(grpc_server.address)
-    issued_shm, issued_grpc = _fill(by_shm), _fill(by_grpc)
+    issued_shm, issued_grpc = _refill(by_shm), _refill(by_grpc)
     a = by_shm.stream(table, 16, num_batches=12, shared_memory=True, batches_per_message=per_message)
     b = by_grpc.stream(table, 16, num_batches=12, shared_memory=False, batches_per_message=per_message)
     count = 0
@@ -89,17 +112,17 @@ def test_shared_memory_and_grpc_deliver_identical_batches(server_factory, table,
     assert not _leaked_rings(shm_server, grpc_server)
 
 
-def test_client_without_shared_memory_uses_grpc(server_factory):
-    client = ReplayClient(server_factory(CONFIG).address)
-    _fill(client)
+def test_client_without_shared_memory_uses_grpc(twins):
+    client = ReplayClient(twins[0].address)
+    _refill(client)
     stream = client.stream("replay", 8, num_batches=2, shared_memory=False)
     assert sum(1 for _ in stream) == 2
     assert stream.transport == "grpc"
 
 
-def test_environment_switch_disables_shared_memory(server_factory, monkeypatch):
-    client = ReplayClient(server_factory(CONFIG).address)
-    _fill(client)
+def test_environment_switch_disables_shared_memory(twins, monkeypatch):
+    client = ReplayClient(twins[0].address)
+    _refill(client)
     monkeypatch.setenv("REPLAY_SHARED_MEMORY", "0")
     stream = client.stream("replay", 8, num_batches=2, batches_per_message=1)
     assert sum(1 for _ in stream) == 2
@@ -126,11 +149,12 @@ def test_server_that_cannot_create_a_ring_falls_back(server_factory, tmp_path):
     assert "no shared-memory ring" in proc.log()
 
 
-def test_learner_that_cannot_map_the_ring_falls_back_and_nothing_leaks(server_factory, monkeypatch, tmp_path):
+def test_learner_that_cannot_map_the_ring_falls_back_and_nothing_leaks(twins, monkeypatch,
+                                                                        tmp_path):
     # Another container's /dev/shm: the server's ring is not visible to the learner.
-    proc = server_factory(CONFIG)
+    proc = twins[1]
     client = ReplayClient(proc.address)
-    issued = _fill(client)["replay"]
+    issued = _refill(client)["replay"]
     monkeypatch.setenv("REPLAY_SHM_DIR", str(tmp_path))
     stream = client.stream("replay", 8, num_batches=5, batches_per_message=1)
     assert sum(1 for batch in stream if torch.equal(issued[batch.data["row"]], batch.ids)) == 5
@@ -139,11 +163,11 @@ def test_learner_that_cannot_map_the_ring_falls_back_and_nothing_leaks(server_fa
     assert not _leaked_rings(proc)
 
 
-def test_learner_on_another_host_is_not_offered_a_ring(server_factory, monkeypatch):
+def test_learner_on_another_host_is_not_offered_a_ring(twins, monkeypatch):
     import replay_client.ring_source as stream_module
 
-    client = ReplayClient(server_factory(CONFIG).address)
-    _fill(client)
+    client = ReplayClient(twins[0].address)
+    _refill(client)
     monkeypatch.setattr(stream_module, "host_id", lambda: "another-machine")
     stream = client.stream("replay", 8, num_batches=2, batches_per_message=1)
     assert sum(1 for _ in stream) == 2

@@ -16,6 +16,8 @@ against ``variables_max_mb`` after it has been filled with small keys.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import grpc
 import psutil
 import pytest
@@ -24,7 +26,7 @@ import torch
 from replay_client import ReplayClient, errors
 from replay_proto.codec import frame
 from replay_proto.v1 import replay_pb2 as pb
-from tests.conftest import start_server
+from tests.conftest import ServerProcess, start_server
 
 KIND_KEY = "replay-error-kind"
 ROWS = 300
@@ -49,23 +51,47 @@ def raw_publish(address: str, name: str, specs: list[pb.TensorSpec], payload: by
         return call(frame(pb.PublishRequest(name=name, tensors=specs), [payload]), timeout=20)
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Iterator[ServerProcess]:
+    """One server for the refusals (a server's start is seconds of importing torch); it must
+    still stop with exit 0 once they are all done."""
+    tmp = tmp_path_factory.mktemp("variables")
+    server = start_server(tmp, config(tmp))
+    yield server
+    assert server.stop() == 0, server.log()[-3000:]
+
+
+def _refused_publish(address: str, specs: list[pb.TensorSpec]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        raw_publish(address, "policy", specs, b"\0" * 4 * len(specs))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value
+
+
 @pytest.mark.parametrize("dims", [65, 33, 10_000])
-def test_a_publish_no_checkpoint_could_hold_is_refused_and_shutdown_keeps_every_row(
-        tmp_path, dims: int) -> None:
+def test_a_publish_no_checkpoint_could_hold_is_refused_and_checkpoints_go_on(
+        shared, dims: int) -> None:
+    client = ReplayClient(shared.address)
+    client.publish("policy", {"w": torch.ones(3)})
+    refused = _refused_publish(shared.address,
+                               [pb.TensorSpec(key="w", dtype="float32", shape=[1] * dims)])
+    assert f"{dims} dimensions" in refused.details()
+    assert dict(refused.trailing_metadata())[KIND_KEY] in (
+        "invalid_variable", "malformed_request")
+    ids = client.insert("replay", {"x": torch.arange(float(ROWS))})
+    assert len(ids) == ROWS
+    assert client.checkpoint()  # not poisoned
+
+
+def test_after_a_refused_publish_shutdown_keeps_every_row(tmp_path) -> None:
     server = start_server(tmp_path, config(tmp_path))
     try:
         client = ReplayClient(server.address)
         client.publish("policy", {"w": torch.ones(3)})
-        spec = pb.TensorSpec(key="w", dtype="float32", shape=[1] * dims)
-        with pytest.raises(grpc.RpcError) as info:
-            raw_publish(server.address, "policy", [spec], b"\0" * 4)
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert f"{dims} dimensions" in info.value.details()
-        assert dict(info.value.trailing_metadata())[KIND_KEY] in (
-            "invalid_variable", "malformed_request")
-        ids = client.insert("replay", {"x": torch.arange(float(ROWS))})
-        assert len(ids) == ROWS
-        assert client.checkpoint()  # not poisoned
+        _refused_publish(server.address, [pb.TensorSpec(key="w", dtype="float32",
+                                                        shape=[1] * 65)])
+        client.insert("replay", {"x": torch.arange(float(ROWS))})
+        assert client.checkpoint()
         client.insert("replay", {"x": torch.arange(float(ROWS))})
     finally:
         code = server.stop()
@@ -84,15 +110,8 @@ def test_a_publish_no_checkpoint_could_hold_is_refused_and_shutdown_keeps_every_
       pb.TensorSpec(key="w", dtype="float32", shape=[1])], "appears twice"),
     ([pb.TensorSpec(key="k" * 2000, dtype="float32", shape=[1])], "2000 characters"),
 ])
-def test_repeated_and_overlong_keys_are_refused(tmp_path, specs, why: str) -> None:
-    server = start_server(tmp_path, config(tmp_path))
-    try:
-        with pytest.raises(grpc.RpcError) as info:
-            raw_publish(server.address, "policy", specs, b"\0" * 4 * len(specs))
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert why in info.value.details()
-    finally:
-        assert server.stop() == 0
+def test_repeated_and_overlong_keys_are_refused(shared, specs, why: str) -> None:
+    assert why in _refused_publish(shared.address, specs).details()
 
 
 KEYS_PER_PUBLISH = 50_000
