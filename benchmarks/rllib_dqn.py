@@ -13,12 +13,13 @@ on a local Ray cluster of two nodes of one CPU each on 127.0.0.1 (as
 * ``rllib``: ``replay_buffer_config["type"] = "PrioritizedEpisodeReplayBuffer"``
   (RLlib's own, in the algorithm's process);
 * ``shards``: ``"replay_server.ray.rllib.ShardedEpisodeReplayBuffer"`` with
-  ``--num-shards`` shards (one per node, taking no CPU): every ``add`` is an
-  insert into the shards; samples come from its learner stream over them
-  (``prefetch`` 2, the default), priority updates ride on that stream;
+  ``--num-shards`` shards (one per node, taking no CPU), as configured by
+  default: every ``add`` an insert into the shards sent in the background,
+  samples from its learner stream over them (``prefetch`` 2), priority
+  updates riding on that stream;
 * ``shards-calls`` (only if ``--sides`` names it): the same with
-  ``"prefetch": 0``, a merged sample call per ``sample`` and a waiting update
-  call per priority update.
+  ``"prefetch": 0, "pending_adds": 0``: every add, sample and update a call
+  the training step waits for.
 
 Each side runs in its own process, the sides alternating for ``--rounds``
 rounds; per round it builds the algorithm, trains ``--warmup`` iterations
@@ -72,7 +73,7 @@ def buffer_config(side: str, args) -> dict:
         return {"type": "PrioritizedEpisodeReplayBuffer", **common}
     return {"type": SHARDED, **common, "replay": "bench-dqn", "num_shards": args.num_shards,
             "n_step": 1, "checkpoint_interval_s": 0,
-            "prefetch": 0 if side == "shards-calls" else 2,
+            **({"prefetch": 0, "pending_adds": 0} if side == "shards-calls" else {}),
             "shard_options": [{"num_cpus": 0, "resources": r}
                               for r in (NODE_A, NODE_B)][:args.num_shards]}
 
