@@ -10,13 +10,28 @@ states for clients (``ray://<namespace>/<name>``).
 The package sits above ``replay_server.app`` (it runs embedded servers) and is
 the one place the server side uses the client package (``ReplayCluster.client``):
 nothing else imports it (``tests/test_layout.py``).
+
+The names below load on first use (:mod:`replay_proto.exports`): a Ray worker
+that unpickles the registry actor imports ``replay_server.ray.registry``, and
+with it this package, and needs Ray alone, not torch, gRPC and the client that
+``ReplayCluster`` brings (about 3 s of CPU more in each registry process, paid
+again at every restart Ray makes).
 """
 
-from replay_server.ray.cluster import (
-    ReplayCluster,
-    ReplayExistsError,
-    ReplayNotFoundError,
-    ScaleDownError,
-)
+from __future__ import annotations
 
-__all__ = ["ReplayCluster", "ReplayExistsError", "ReplayNotFoundError", "ScaleDownError"]
+# ruff: noqa: F401 - the imports under TYPE_CHECKING are this package's exports
+
+from typing import TYPE_CHECKING
+
+from replay_proto.exports import lazy_exports
+
+if TYPE_CHECKING:
+    from replay_server.ray.cluster import (
+        ReplayCluster,
+        ReplayExistsError,
+        ReplayNotFoundError,
+        ScaleDownError,
+    )
+else:
+    __getattr__, __dir__ = lazy_exports(__name__)

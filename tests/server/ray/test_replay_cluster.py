@@ -4,9 +4,9 @@ restarted, stopped.
 One cluster for the package (``conftest.ray_cluster``, started once: about ten
 seconds), one checkpointed replay of two shards for most tests (``replay``: its
 shards start once) and one worker actor for the writers and learners that run
-beside a fault or a scale (``worker``), in the order the tests need them: the
-fault tests take ``replay`` through a crash and a lost node, and the last test
-shuts it down.
+beside a fault or a scale (``worker``; they are in ``workers.py``), in the order
+the tests need them: the fault tests take ``replay`` through a crash and a lost
+node, and the last test shuts it down.
 
 Faults:
 
@@ -23,6 +23,10 @@ Faults:
   ``restarting`` for as long as the test wants; a client made then knows
   (strict: refused naming shard 1; degraded: ``missing_shards``). A new node
   with the resource brings it back, restored.
+
+Scale: a replay of its own (``grown``: one shard) goes to two under a writer
+and a learner, then to three and back to two (rows moved, clients and a stream
+made before drop the removed shard), and stops.
 """
 
 from __future__ import annotations
@@ -41,12 +45,14 @@ import torch
 
 from tests.conftest import wait_for
 from tests.server.ray.conftest import NODE_A, NODE_B, SKIP_REASON, add_node_b, loopback_addresses
+from tests.server.ray.workers import Worker, learn, write
 
 ray = pytest.importorskip("ray", reason=SKIP_REASON, exc_type=ImportError)
 
 from replay_client.errors import UnavailableError  # noqa: E402
 from replay_server.app.config_file import settings_from_dict  # noqa: E402
 from replay_server.app.embedded import EmbeddedServer  # noqa: E402
+from replay_server.errors import ConfigError  # noqa: E402
 from replay_server.ray import ReplayCluster, ReplayExistsError, ReplayNotFoundError  # noqa: E402
 
 ALPHA = 0.6
@@ -75,30 +81,6 @@ def replay(ray_cluster, checkpoints):
     replay = start("shared", checkpoints)
     yield replay
     replay.shutdown()  # idempotent: the last test has shut it down
-
-
-@ray.remote(num_cpus=0.5)
-def write(client, table: str, first: int, rows: int) -> list[int]:
-    """Rows ``first .. first+rows-1`` (key, priority 1 + key % 7) in inserts of 16: their ids."""
-    ids = []
-    for start in range(first, first + rows, 16):
-        keys = torch.arange(start, min(start + 16, first + rows), dtype=torch.int64)
-        ids += client.insert(table, {"key": keys}, priorities=1.0 + (keys % 7).double()).tolist()
-    return ids
-
-
-@ray.remote(num_cpus=0.5)
-def learn(client, table: str, batches: int) -> dict[int, float]:
-    """A learner: streams ``batches`` batches, updating each row's priority to 0.5 + key % 5
-    on the stream; the priorities it set, by id."""
-    set_to = {}
-    stream = client.stream(table, 32, num_batches=batches)
-    for batch in stream:
-        new = 0.5 + (batch.data["key"] % 5).double()
-        stream.update_priorities(batch.ids, new)
-        set_to.update(zip(batch.ids.tolist(), new.tolist()))
-    stream.close()
-    return set_to
 
 
 def test_shards_spread_over_both_nodes_on_loopback_with_their_metrics(replay) -> None:
@@ -204,8 +186,6 @@ def test_get_or_create_after_a_failed_driver_returns_the_running_replay(ray_clus
 
 
 def test_a_bad_table_is_refused_before_any_actor_starts(ray_cluster) -> None:
-    from replay_server.errors import ConfigError
-
     with pytest.raises(ConfigError, match="capacity"):
         ReplayCluster.create("bad", tables=[{"name": "u"}], num_shards=1)
     with pytest.raises(ConfigError, match="num_shards"):
@@ -226,56 +206,6 @@ def _filled(replay: ReplayCluster) -> tuple[dict[int, int], dict[int, int]]:
         sizes = {s: info.tables["u"].size for s, info in client.shard_info().items()}
     return sizes, {s: int(INCARNATION(ids[(ids >> 56) == s]).max()) for s in (0, 1)}
 
-
-@ray.remote(num_cpus=0.5)
-class Worker:
-    """A writer and a learner on the head node (each call its own client: Ray unpickles
-    the argument per call; both run at once, in threads), until told to stop (bounded)."""
-
-    def __init__(self) -> None:
-        self.stopping = False
-        self.seen: list[tuple[tuple[int, ...], list[int]]] = []
-
-    def reset(self) -> None:
-        """Ready for the next test: not stopping, no batches seen."""
-        self.stopping = False
-        self.seen = []
-
-    def write(self, client, most: int = 3000) -> list[int]:
-        ids: list[int] = []
-        for k in range(most):
-            if self.stopping:
-                break
-            ids += client.insert("u", {"key": torch.arange(8)}).tolist()
-            time.sleep(0.01)
-        client.close()
-        return ids
-
-    def learn(self, client, most: int = 20_000) -> list[tuple[tuple[int, ...], list[int]]]:
-        """Each batch's missing shards and the shards its rows came from."""
-        self.seen = []
-        stream = client.stream("u", 16)
-        for _, batch in zip(range(most), stream):
-            self.seen.append((batch.missing_shards, sorted(set((batch.ids >> 56).tolist()))))
-            if self.stopping:
-                break
-            time.sleep(0.005)
-        stream.close()
-        client.close()
-        return self.seen
-
-    def seen_now(self) -> list[tuple[tuple[int, ...], list[int]]]:
-        """The learner's batches so far (missing shards, shards drawn from)."""
-        return list(getattr(self, "seen", []))
-
-    def rejoined(self) -> bool:
-        """Whether the learner had a batch without shard 1, then one with its rows again."""
-        seen = list(getattr(self, "seen", []))
-        missing = [i for i, (gone, _) in enumerate(seen) if gone == (1,)]
-        return bool(missing) and any(1 in shards for _, shards in seen[missing[-1]:])
-
-    def stop(self) -> None:
-        self.stopping = True
 
 
 @pytest.fixture(scope="module")
@@ -385,7 +315,10 @@ def test_a_client_made_while_a_shard_cannot_restart_knows_it_is_missing(
 # ------------------------------------------------------------------ scale
 
 
-GROWN = [{"name": "u", "capacity": 20_000, "sampler": "uniform"}]  # no row ages out here
+GROWN = [{"name": "u", "capacity": 20_000, "sampler": "uniform"},  # no row ages out here
+         {"name": "p", "capacity": 4000, "sampler": "prioritized", "alpha": ALPHA},
+         {"name": "s", "capacity": 4000, "sampler": "slice", "slice_len": 4}]
+EPISODES, STEPS = 30, 10  # the rows of 'p' and 's' that a scale down moves
 
 
 def _names_left(name: str, shards: int) -> list[str]:
@@ -400,18 +333,29 @@ def _names_left(name: str, shards: int) -> list[str]:
     return left
 
 
-def test_scale_up_under_a_writer_and_a_learner_adds_a_shard_that_they_take_in(
-        running) -> None:
-    """1 -> 2 shards while a writer (strict client) and a learner (degraded client), both
-    made before, run: the new shard is expected only once it serves (the learner never
-    sees a missing shard), both take it in at their next resolution (1 s here), every
-    acknowledged row is stored once on the shard its id names, and the scaled count
-    outlives a registry restart and a second create."""
-    replay = ReplayCluster.create("grow", tables=GROWN, num_shards=1,
+@pytest.fixture(scope="module")
+def grown(ray_cluster, tmp_path_factory):
+    """Replay ``grow``: one checkpointed shard on the head node, which the scale tests take
+    up and then down in turn (one replay for both: its shards start once), and a handle made
+    before any scale (it says 1 shard), which stops it: the registry knows every shard."""
+    folder = tmp_path_factory.mktemp("grow")
+    replay = ReplayCluster.create("grow", tables=GROWN, num_shards=1, checkpoint_dir=str(folder),
                                   shard_options={"num_cpus": 0, "resources": NODE_A},
                                   checkpoint_interval_s=0, get_if_exists=False,
                                   registry_options={"resources": NODE_A})
-    stale = ReplayCluster.get("grow")  # a handle made before the scale: shutdown uses it
+    stale = ReplayCluster.get("grow")
+    yield replay, stale, folder
+    stale.shutdown()  # idempotent: the scale-down test has shut it down
+
+
+def test_scale_up_under_a_writer_and_a_learner_adds_a_shard_that_they_take_in(
+        grown, running) -> None:
+    """1 -> 2 shards while a writer (strict client) and a learner (degraded client), both
+    made before, run: the new shard is expected only once it serves (the learner never
+    sees a missing shard), both take it in at their next resolution (1 s here), and every
+    acknowledged row is stored once on the shard its id names. (That the scaled count
+    outlives a registry restart and a second create: the scale-down test, on this replay.)"""
+    replay, _, _ = grown
     strict = replay.client(resolve_interval_s=1)
     degraded = replay.client(allow_degraded=True, resolve_interval_s=1)
     try:
@@ -439,25 +383,124 @@ def test_scale_up_under_a_writer_and_a_learner_adds_a_shard_that_they_take_in(
             assert {s: i.tables["u"].size for s, i in after.shard_info().items()} == on
             assert set((after.sample("u", 512).ids >> 56).tolist()) == {0, 1}
         assert all(gone == () for gone, _ in seen), "a shard was missing for the learner"
+        assert strict.info()["u"].size == len(ids)
+    finally:
+        strict.close()
+        degraded.close()
 
-        registry = ray.get_actor("grow", namespace="replay")
-        pid = replay.registry()["pid"]
-        ray.kill(registry, no_restart=False)  # restarted with the arguments of the create
-        assert wait_for(lambda: replay.registry()["pid"] != pid, timeout=60)
-        assert wait_for(lambda: [s["state"] for s in replay.states()] == ["serving"] * 2,
-                        timeout=60)  # it learned the added shard back
+
+def _fill(client) -> dict[int, float]:
+    """300 rows in each table, 30 episodes of 10 steps (key = episode * 10 + step); 'p' rows
+    get priority 1 + key % 7, then half of them another by update: the priorities, by key."""
+    for episode in range(EPISODES):
+        keys = torch.arange(episode * STEPS, (episode + 1) * STEPS, dtype=torch.int64)
+        rows = {"key": keys, "episode": torch.full((STEPS,), episode, dtype=torch.int64),
+                "done": keys % STEPS == STEPS - 1}
+        client.insert("p", rows, priorities=1.0 + (keys % 7).double())
+        client.insert("s", rows)
+    priority = {k: 1.0 + k % 7 for k in range(EPISODES * STEPS)}
+    batch = client.sample("p", 64)
+    new = 0.25 + (batch.columns["key"] % 3).double()
+    client.update_priorities("p", batch.ids, new)
+    priority.update(zip(batch.columns["key"].tolist(), new.tolist()))
+    return priority
+
+
+def _exact(client, priority: dict[int, float]) -> bool:
+    """A draw of 'p' from every row: probabilities p^alpha / sum over all 300 rows."""
+    batch = client.sample("p", 256)
+    total = sum(p ** ALPHA for p in priority.values())
+    want = np.array([priority[k] ** ALPHA / total for k in batch.columns["key"].tolist()])
+    return batch.missing_shards == () and np.allclose(batch.probabilities.numpy(), want,
+                                                      rtol=1e-5)
+
+
+def test_scale_down_moves_the_removed_shard_rows_and_clients_drop_it(grown) -> None:
+    """The grown replay, at 3 shards (two on the head node, one on the second), holds a
+    prioritized and a slice table; clients and a learner's stream made before ``scale(2)``
+    go on after it. It drains shard 2, moves its rows with their priorities to shards 0
+    and 1 (each episode to one of them, in order), and the registry then expects two
+    shards: the clients and the stream drop shard 2 at their next resolution and draw
+    exactly over every row again, a late update naming one of shard 2's ids is skipped and
+    counted, a registry that Ray restarts keeps the lowered count (and learns back shard 1,
+    which a scale added), the create it was made with returns it unshrunk, and a shard 2
+    started by a later scale up begins empty (its checkpoint folder was set aside).
+    (A replay with a queue is refused a scale down: below, on ``replay``.)"""
+    replay, stale, folder = grown
+    replay.scale(3, shard_options={"num_cpus": 0, "resources": NODE_A})
+    strict = replay.client(resolve_interval_s=1)
+    degraded = replay.client(allow_degraded=True, resolve_interval_s=1)
+    try:
+        priority = _fill(strict)
+        sizes = {s: i.tables["p"].size for s, i in strict.shard_info().items()}
+        assert sorted(sizes) == [0, 1, 2] and sizes[2] > 0
+        old_ids = strict.sample("p", 64).ids
+        on_2 = old_ids[(old_ids >> 56) == 2]
+        assert len(on_2) > 0
+        stream = degraded.stream("p", 32)
+        next(stream)
+        with pytest.raises(ConfigError, match="shard_options has nothing to apply to"):
+            replay.scale(2, shard_options={"num_cpus": 0})
+
+        handed = replay.scale(2)
+
+        assert handed[2]["moved"] == {"u": 0, "p": sizes[2], "s": sizes[2]}
+        assert replay.num_shards == 2 and [s["index"] for s in replay.states()] == [0, 1]
+        assert ReplayCluster.get("grow").num_shards == 2
+        with pytest.raises(ValueError):
+            ray.get_actor("grow.shard-2", namespace="replay")
+        assert not (folder / "grow" / "shard-2").exists()
+        assert Path(handed[2]["retired_checkpoints"]).is_dir()
+        for client in (strict, degraded):  # made before: shard 2 dropped at their next resolve
+            assert wait_for(lambda: sorted(client.shards) == [0, 1], timeout=30)
+            info = client.info()
+            assert info["p"].size == info["s"].size == EPISODES * STEPS  # none lost or doubled
+            assert _exact(client, priority)
+        assert degraded.shard_stats().down == {}  # retired, not down
+        slices = strict.sample("s", 64).columns
+        keys, episodes = slices["key"], slices["episode"]
+        assert (keys[:, 1:] - keys[:, :-1] == 1).all()  # each slice: consecutive steps...
+        assert (episodes == episodes[:, :1]).all()  # ...of one episode, wherever it went
+        assert strict.update_priorities("p", on_2, torch.full((len(on_2),), 5.0)) == 0
+        assert strict.shard_stats().skipped_updates == len(on_2)  # stale: skipped, counted
+
+        # The stream drops shard 2 too: first from its batches, then from missing_shards once
+        # its client's next resolve (resolve_interval_s = 1) says shard 2 was retired, not
+        # down. Bounded in time, not in batches: on a loaded machine 200 batches came in
+        # less than that resolve (missing_shards still (2,)).
+        seen, deadline = [], time.monotonic() + 30
+        for _, batch in zip(range(100_000), stream):
+            seen.append(set((batch.ids >> 56).tolist()))
+            if (len(seen) > 3 and not any(2 in s for s in seen[-3:])
+                    and batch.missing_shards == ()) or time.monotonic() > deadline:
+                break
+        assert not any(2 in s for s in seen[-3:]), seen[-5:]
+        assert batch.missing_shards == ()
+        stream.close()
+
+        where = replay.registry()  # a registry Ray restarts keeps the lowered count...
+        ray.kill(ray.get_actor("grow", namespace="replay"), no_restart=False)
+        assert wait_for(lambda: replay.registry()["pid"] != where["pid"], timeout=60)
+        assert wait_for(lambda: [(s["index"], s["state"]) for s in replay.states()] == [
+            (0, "serving"), (1, "serving")], timeout=60), replay.states()  # ...and shard 1
+        assert ReplayCluster.get("grow").num_shards == 2
         again = ReplayCluster.create("grow", tables=GROWN, num_shards=1, checkpoint_interval_s=0,
                                      shard_options={"num_cpus": 0, "resources": NODE_A})
-        assert again.num_shards == 2  # the same create after a scale: never shrunk back
+        assert again.num_shards == 2  # the same create after a scale: never rescaled
         with pytest.raises(ReplayExistsError, match=r"2 shards \(created with 1, then "
                                                     r"scaled\), not 3"):
             ReplayCluster.create("grow", tables=GROWN, num_shards=3)
-        with strict:
-            assert strict.info()["u"].size == len(ids)
+
+        replay.scale(3, shard_options={"num_cpus": 0, "resources": NODE_B})
+        with replay.client() as again:  # a new shard 2 starts empty: no row comes back twice
+            assert {s: i.tables["p"].size for s, i in again.shard_info().items()}[2] == 0
+            assert again.info()["p"].size == EPISODES * STEPS
+        assert loopback_addresses() == {"127.0.0.1"}
     finally:
-        stale.shutdown()  # its handle says 1 shard: the registry's 2 are stopped
-    assert _names_left("grow", 3) == []
-    degraded.close()
+        strict.close()
+        degraded.close()
+        stale.shutdown()  # its handle says 1 shard: the registry's 3 are stopped
+    assert _names_left("grow", 4) == []
 
 
 def test_a_replay_with_a_queue_is_not_scaled_down_and_nothing_changes(replay) -> None:
@@ -476,8 +519,6 @@ def test_a_replay_with_a_queue_is_not_scaled_down_and_nothing_changes(replay) ->
 
 
 def test_bad_scales_are_refused_naming_why_and_change_nothing(replay) -> None:
-    from replay_server.errors import ConfigError
-
     before = replay.states()
     for bad in (0, 129, "3", 2.0, True, None):
         with pytest.raises(ConfigError, match=rf"num_shards must be an integer in 1\.\.128, "
@@ -485,7 +526,7 @@ def test_bad_scales_are_refused_naming_why_and_change_nothing(replay) -> None:
             replay.scale(bad)
     with pytest.raises(ConfigError, match=r"scale\(1\) removes shards: shard_options has "
                                           r"nothing to apply to"):
-        replay.scale(1, shard_options={"num_cpus": 0})  # a scale down is test_scale_down's
+        replay.scale(1, shard_options={"num_cpus": 0})  # a scale down: on ``grown``, above
     with pytest.raises(ConfigError, match="shard_options is a list of 2 dicts for 1 shards"):
         replay.scale(3, shard_options=ON_BOTH)
     replay.scale(2)  # the count now: nothing to do
