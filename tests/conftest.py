@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import select
+import queue
 import signal
 import subprocess
 import sys
@@ -58,7 +58,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 class ServerProcess:
     """A ``replay-server serve`` subprocess listening on 127.0.0.1."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | Forked
     port: int
     log_path: Path
     config_path: Path | None = None
@@ -136,72 +136,156 @@ def start_server(
     raise RuntimeError(f"server did not start in {START_TIMEOUT_S} s:\n{log_path.read_text()}")
 
 
-class _Spares:
-    """One ``python -m tests.spare`` process kept imported ahead of the next server start.
+class _Zygote:
+    """One ``python -m tests.spare`` process per test worker that has imported the server's
+    modules once and forks each plain server start (see :mod:`tests.spare`).
 
-    Why: a server's start is mostly importing torch (about 1.5 CPU seconds
-    here), during which the test waits with a core idle. The spare is started
-    while the previous test runs; a start with the plain command line (no
-    ``rlimits``, no other ``module``, no extra ``env``) takes it when the
-    environment and working directory are still the spare's, and the next
-    spare is started at once. Any other start is a cold start, as before.
-    What the spare printed while importing goes to the server's log first, as
-    it would have. ``REPLAY_TEST_SPARES=0`` turns spares off. Thread-safe.
+    A start with the plain command line (no ``rlimits``, no other ``module``, no extra
+    ``env``) is forked from it while the environment and working directory are still the
+    zygote's (else a new zygote is started for them); any other start is a cold start.
+    The server is the zygote's child, not this process's: :class:`Forked` stands in for
+    its ``Popen``, its exit status told by the zygote. ``REPLAY_TEST_SPARES=0`` turns it
+    off. Thread-safe.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one order at a time, and the zygote's (re)start
         self._process: subprocess.Popen | None = None
-        self._prelude = ""  # the file holding the spare's own output until it serves
+        self._prelude = ""
         self._env: dict[str, str] = {}
         self._cwd = ""
+        self._replies: queue.Queue[int | None] = queue.Queue()
+        self._exits: dict[int, int] = {}
+        self._gone: set[int] = set()  # children of a zygote that ended before they did
+        self._changed = threading.Condition()
         self._enabled = os.environ.get("REPLAY_TEST_SPARES", "1") != "0"
         atexit.register(self.close)
 
-    def take(self, args: list[str], log_path: Path, env: dict[str, str]):
-        """The spare, now serving ``args`` into ``log_path``; None: start cold."""
+    def take(self, args: list[str], log_path: Path, env: dict[str, str]) -> Forked | None:
+        """A server forked to run ``args`` into ``log_path``; None: start it cold."""
         plain = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if not self._enabled or env != plain:
             return None
         with self._lock:
-            process, prelude = self._process, self._prelude
-            if _unlike(self._env, env) or self._cwd != os.getcwd():
-                process = None  # the environment changed: the spare is of no use
-                self._discard()
-            self._process = None
-            self._start(env)
-        if process is None or not _ready(process):
-            _stop_spare(process, prelude)
-            return None
-        order = json.dumps({"args": args, "log": str(log_path), "prelude": prelude})
-        try:
-            process.stdin.write(order.encode() + b"\n")
-            process.stdin.close()
-        except OSError:
-            _stop_spare(process, prelude)
-            return None
-        process.stdout.close()
-        return process
+            if self._process is None or _unlike(self._env, env) or self._cwd != os.getcwd():
+                self._stop()
+                if not self._start(env):
+                    return None
+            assert self._process is not None and self._process.stdin is not None
+            order = json.dumps({"args": args, "log": str(log_path)})
+            try:
+                self._process.stdin.write(order.encode() + b"\n")
+                self._process.stdin.flush()
+                pid = self._replies.get(timeout=START_TIMEOUT_S)
+            except (OSError, queue.Empty):
+                pid = None
+            if pid is None:
+                self._stop()
+                return None
+        return Forked(self, pid, args)
 
-    def _start(self, env: dict[str, str]) -> None:
-        descriptor, self._prelude = tempfile.mkstemp(prefix="replay-spare-", suffix=".log")
+    def _start(self, env: dict[str, str]) -> bool:
+        descriptor, self._prelude = tempfile.mkstemp(prefix="replay-zygote-", suffix=".log")
         self._env, self._cwd = env, os.getcwd()
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "tests.spare"], stdin=subprocess.PIPE,
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tests.spare", self._prelude], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, stderr=descriptor, env=env)
         finally:
             os.close(descriptor)
-
-    def _discard(self) -> None:
-        process, self._process = self._process, None
-        if process is not None:
+        assert process.stdout is not None
+        if process.stdout.readline() != b"ready\n":
             process.kill()
-        _stop_spare(process, self._prelude)
+            process.wait()
+            return False
+        self._process = process
+        self._replies = queue.Queue()
+        threading.Thread(target=self._read, args=(process, self._replies), daemon=True,
+                         name="zygote-reader").start()
+        return True
+
+    def _read(self, process: subprocess.Popen, replies: queue.Queue) -> None:
+        """The zygote's lines: a forked child's pid (to the order waiting), a child's exit."""
+        assert process.stdout is not None
+        children: set[int] = set()
+        for line in process.stdout:
+            kind, *values = line.decode().split()
+            if kind == "pid":
+                children.add(int(values[0]))
+                replies.put(int(values[0]))
+            elif kind == "exit":
+                with self._changed:
+                    children.discard(int(values[0]))
+                    self._exits[int(values[0])] = int(values[1])
+                    self._changed.notify_all()
+        replies.put(None)
+        with self._changed:  # the zygote ended: its children left are nobody's to reap
+            self._gone |= children
+            self._changed.notify_all()
+
+    def status(self, pid: int, timeout: float | None = 0.0) -> int | None:
+        """The exit status of forked child ``pid``, waiting up to ``timeout`` (None: for
+        ever) for it; None: still running."""
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits or pid in self._gone, timeout)
+            if pid in self._exits:
+                return self._exits[pid]
+        if pid in self._gone:  # no status will come: it is running or it is not
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return -signal.SIGKILL
+        return None
+
+    def _stop(self, wait_s: float = 0.5) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.stdin is not None:
+            process.stdin.close()  # no more orders: it exits once its children have
+            try:
+                process.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass  # it still reaps children serving; it exits after them
+        if self._prelude:
+            Path(self._prelude).unlink(missing_ok=True)
+            self._prelude = ""
 
     def close(self) -> None:
         with self._lock:
-            self._discard()
+            self._stop(wait_s=10.0)  # at exit: the tests have stopped their servers
+
+
+class Forked:
+    """The ``Popen`` of a server forked by the zygote: ``pid``, ``returncode``, ``poll``,
+    ``wait``, ``send_signal``, ``terminate`` and ``kill`` as ``subprocess.Popen``'s."""
+
+    def __init__(self, zygote: _Zygote, pid: int, args: list[str]) -> None:
+        self._zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.status(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._zygote.status(self.pid, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def _unlike(spare: dict[str, str], wanted: dict[str, str]) -> bool:
@@ -211,37 +295,18 @@ def _unlike(spare: dict[str, str], wanted: dict[str, str]) -> bool:
             != {k: v for k, v in wanted.items() if k != ignored})
 
 
-def _ready(process: subprocess.Popen) -> bool:
-    """Wait for a spare's ``ready`` line (False: it exited or did not say so in time)."""
-    readable, _, _ = select.select([process.stdout], [], [], START_TIMEOUT_S)
-    return bool(readable) and process.stdout.readline() == b"ready\n"
-
-
-def _stop_spare(process: subprocess.Popen | None, prelude: str) -> None:
-    if process is not None:
-        process.stdin.close()  # no order: it exits without serving
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        process.stdout.close()
-    if prelude:
-        Path(prelude).unlink(missing_ok=True)
-
-
-_SPARES = _Spares()
+_ZYGOTE = _Zygote()
 
 
 def _spawn(args: list[str], log_path: Path, env: dict[str, str], *,
-           spare: bool) -> subprocess.Popen:
-    """The server command ``args``, its output appended to ``log_path``: served by the spare
-    when ``spare`` (a plain ``replay_server.app.cli`` start) and it fits (see
-    :class:`_Spares`), else started cold."""
-    process = _SPARES.take(args[3:], log_path, env) if spare else None
+           spare: bool) -> subprocess.Popen | Forked:
+    """The server command ``args``, its output appended to ``log_path``: forked by the
+    zygote when ``spare`` (a plain ``replay_server.app.cli`` start) and it fits (see
+    :class:`_Zygote`), else started cold."""
+    process = _ZYGOTE.take(args[3:], log_path, env) if spare else None
     if process is None:
         with log_path.open("a") as log_file:
-            process = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            return subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env)
     return process
 
 
