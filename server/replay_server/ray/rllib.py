@@ -29,6 +29,12 @@ sends it the learner's TD errors) and keeps that class's contract:
 * :meth:`update_priorities` sets the priorities of the rows the last
   :meth:`sample` returned, by their ids: an id whose row has since been
   overwritten is ignored (counted by the shard), never applied to a newer row.
+* :meth:`get_metrics` is RLlib's (the add and sample metrics are logged
+  into the buffer's ``MetricsLogger`` as RLlib's buffer logs them).
+* :meth:`get_state` checkpoints every shard and returns the checkpoints'
+  paths and the buffer's counters (RLlib keeps that in its algorithm
+  checkpoint); :meth:`set_state` takes the counters back: the rows are the
+  replay's, restored by its shards from ``checkpoint_dir`` when they start.
 
 **Adds wait for no round trip** (``pending_adds``, default 4): each insert
 goes to the shards from a background thread, in order, while the algorithm
@@ -42,19 +48,15 @@ waits for each insert.
 (merged exactly, as ``client.stream``), which draws up to ``prefetch`` batches
 ahead while the algorithm trains; :meth:`sample` takes the next one, and
 :meth:`update_priorities` rides on the stream's next credit. So a training
-step waits on no sample and no update round trip (measured with RLlib's DQN:
-three waiting round trips per step were what held it at 0.58x RLlib's own
-buffer). What that costs, as with Reverb's datasets: a batch may have been
-drawn before the last ``prefetch`` updates were applied. ``prefetch=0`` draws
+step waits on no sample and no update round trip (with RLlib's DQN on
+CartPole the buffer's waiting round trips per step had held it at 0.58x
+RLlib's own buffer's env steps/s; without them 2.33x: docs/benchmarks.md).
+What that costs, as with Reverb's datasets: a batch may have been drawn
+before the last ``prefetch`` updates were applied. ``prefetch=0`` draws
 each sample by a call and waits for each update (RLlib's own order, one round
 trip each). Another batch size or ``beta`` reopens the stream; :meth:`flush`
-applies the updates still on their way (:meth:`get_state` does first).
-* :meth:`get_metrics` is RLlib's (the add and sample metrics are logged
-  into the buffer's ``MetricsLogger`` as RLlib's buffer logs them).
-* :meth:`get_state` checkpoints every shard and returns the checkpoints'
-  paths and the buffer's counters (RLlib keeps that in its algorithm
-  checkpoint); :meth:`set_state` takes the counters back: the rows are the
-  replay's, restored by its shards from ``checkpoint_dir`` when they start.
+stores the adds and applies the updates still on their way (:meth:`get_state`
+and :meth:`close` do first).
 
 What differs from RLlib's buffer, by design: the capacity counts rows
 (timesteps) and the oldest rows are overwritten first, row by row, where
