@@ -8,7 +8,7 @@ overlaps the learner's update instead of adding to the step. At most
 (bounded memory: backpressure when the shards fall behind).
 
 Errors: an insert that fails is raised by the next :meth:`PendingAdds.put`
-or :meth:`PendingAdds.wait` as :class:`~replay_client.errors.WriterError`
+or :meth:`PendingAdds.wait` as :class:`~replay_client._WriterError`
 naming the rows not stored, the cause attached; the inserts queued after it
 are not sent (nothing is stored out of order), and every later call raises
 the same error. Checks that need no server (episode types, observation
@@ -25,9 +25,10 @@ import queue
 import threading
 from typing import Any
 
-from replay_client.errors import WriterError
+import replay_client
 
 _STOP = object()
+_WriterError = replay_client.errors.WriterError  # through the client's front door
 
 
 class PendingAdds:
@@ -45,7 +46,7 @@ class PendingAdds:
         self._slots = threading.Semaphore(most)
         self._idle = threading.Condition()
         self._pending = 0
-        self._error: WriterError | None = None
+        self._error: _WriterError | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
 
@@ -59,7 +60,7 @@ class PendingAdds:
         """
         self._raise()
         if self._stopped:
-            raise WriterError(f"table {self._table!r}: the buffer was closed; nothing was sent")
+            raise _WriterError(f"table {self._table!r}: the buffer was closed; nothing was sent")
         self._slots.acquire()
         with self._idle:
             self._pending += 1
@@ -78,7 +79,7 @@ class PendingAdds:
         with self._idle:
             if not self._idle.wait_for(lambda: self._pending == 0 or self._error is not None,
                                        timeout):
-                raise WriterError(f"table {self._table!r}: {self._pending} inserts still on "
+                raise _WriterError(f"table {self._table!r}: {self._pending} inserts still on "
                                   f"their way after {timeout:g} s")
         self._raise()
 
@@ -103,7 +104,7 @@ class PendingAdds:
                 if self._error is None:  # after a failure nothing is sent out of order
                     self._client.insert(self._table, rows, priorities=priorities)
             except Exception as exc:
-                error = WriterError(f"table {self._table!r}: a background insert of {count} "
+                error = _WriterError(f"table {self._table!r}: a background insert of {count} "
                                     f"rows (an RLlib add) failed; it and the adds queued after "
                                     f"it were not stored: {exc}")
                 error.__cause__ = exc

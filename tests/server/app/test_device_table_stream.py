@@ -104,5 +104,9 @@ def test_a_host_tables_batches_are_gathered_into_staging_as_before():
     staged = []
     for batch in stream:
         staged.append(batch.columns["obs"].data_ptr())
-    assert accel.pinned >= 2 * 3  # staging slots (prefetch + 1) of both columns, pinned
-    assert len(set(staged)) == 3  # the batches were those reused staging buffers
+    # Staging sets are made per batch in flight or held: at most prefetch + 1 = 3 (how
+    # many depends on how far ahead the producer got: 2 in a quiet clean-clone CI run),
+    # every one pinned (both columns), and the 20 batches were those sets, reused.
+    sets = len(set(staged))
+    assert 1 <= sets <= 3 and len(staged) == 20
+    assert accel.pinned == 2 * sets
