@@ -225,7 +225,8 @@ class _Zygote:
 
     def status(self, pid: int, timeout: float | None = 0.0) -> int | None:
         """The exit status of forked child ``pid``, waiting up to ``timeout`` (None: for
-        ever) for it; None: still running."""
+        ever) for it; None: still running. If its zygote died first no status can come:
+        a child gone since reads as killed (``-SIGKILL``), one still running as None."""
         with self._changed:
             self._changed.wait_for(lambda: pid in self._exits or pid in self._gone, timeout)
             if pid in self._exits:
