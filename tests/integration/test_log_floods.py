@@ -14,14 +14,16 @@ from __future__ import annotations
 import queue
 import re
 import threading
+import time
 
 import grpc
 import pytest
 import torch
-
 from replay_client import ReplayClient, errors
 from replay_feed.shared_ring import host_id
 from replay_proto.v1 import replay_pb2 as pb
+from replay_server.service.peer_log import TOTAL, WINDOW_S
+
 from tests.conftest import ServerProcess, module_server, wait_for
 from tests.integration.raw_http2 import RawConnection
 
@@ -119,26 +121,33 @@ def test_cancelling_two_hundred_blocked_streams_logs_no_error(server, channel):
 
 # ---------------------------------------------------------------- issue 23, finding 10
 
-GLOBAL_LINES = 100  # replay_server.service.peer_log.TOTAL
+GLOBAL_LINES = TOTAL  # lines about all clients together per window
 
 
 @pytest.mark.parametrize("addresses", [300, pytest.param(2000, marks=pytest.mark.slow)])
-def test_a_client_rotating_its_address_gets_the_global_limit(server, channel, addresses) -> None:
-    """2,000 source addresses once wrote 9,976 lines in 18 s (5 per address per minute)."""
-    before = len(lines(server, "refused a call from"))
+def test_a_client_rotating_its_address_gets_the_global_limit(server_factory, addresses) -> None:
+    """2,000 source addresses once wrote 9,976 lines in 18 s (5 per address per minute).
+
+    The limit is per window (60 s, the first starting with the server): the test has a server
+    of its own so that its loop is not cut by a window that began with an earlier test (a
+    clean-clone CI logged 81 + 100 lines across such a boundary). A loop that outlasts a
+    window (a loaded machine) is allowed one more window's lines per window begun.
+    """
+    started = time.monotonic()
+    rotated = server_factory("[[tables]]\nname = \"rows\"\ncapacity = 10\n")
     request = pb.SampleRequest(table="rotating_no_such_table", batch_size=1).SerializeToString()
     for i in range(addresses):  # one line each before, 5 per address a minute
-        connection = RawConnection(server.port, source=f"127.1.{i // 200}.{i % 200 + 1}")
-        # (a previous run in this module's window counts too: both stay under the limit)
+        connection = RawConnection(rotated.port, source=f"127.1.{i // 200}.{i % 200 + 1}")
         try:
             if connection.handshake():
                 connection.call("/replay.v1.ReplayService/Sample", request)
                 connection.answered()
         finally:
             connection.close()
-    logged = len(lines(server, "refused a call from")) - before
-    assert logged <= GLOBAL_LINES, logged  # per minute, for every client together
-    assert lines(server, "more about any client in the next 60 s are counted")
+    windows = 1 + int((time.monotonic() - started) // WINDOW_S)
+    logged = len(lines(rotated, "refused a call from"))
+    assert logged <= GLOBAL_LINES * windows, (logged, windows)  # for every client together
+    assert lines(rotated, "more about any client in the next 60 s are counted")
 
 
 def test_huge_values_make_short_lines_and_short_typed_errors(server, channel) -> None:
