@@ -96,6 +96,9 @@ def _engine_row(record: dict) -> Row:
     elif case in ("prioritized", "slice"):
         a, b = ours.get("median_s"), theirs.get("median_s")
         shown, ratio = (_ms(a), _ms(b)), (b / a if a and b else None)
+        if ours.get("cpu_median_s") and theirs.get("cpu_median_s"):  # each side's own CPU
+            shown = tuple(f"{ms} (CPU {_ms(side['cpu_median_s'])}, {side.get('threads', '?')} "
+                          f"threads)" for ms, side in zip(shown, (ours, theirs), strict=True))
         label = ("prioritized sample + update" if case == "prioritized"
                  else "slice sample 256 x 32 (after a 1,000-row insert)")
     else:

@@ -116,21 +116,39 @@ def make_prioritized(rows: int) -> ReplayBuffer:
     )
 
 
+def compiled_sum_tree(rb: ReplayBuffer) -> str:
+    """The name of the sum tree ``rb``'s prioritized sampler uses, which must be TorchRL's
+    compiled one (``torchrl._torchrl``); exits with an error naming what was found otherwise
+    (a TorchRL wheel without its extension for this torch: the anchor would not be TorchRL's
+    real speed)."""
+    tree = getattr(rb._sampler, "_sum_tree", None)
+    module = type(tree).__module__
+    if tree is None or not module.startswith("torchrl._torchrl"):
+        sys.exit(f"torchrl_engine: TorchRL's prioritized sampler does not use its compiled sum "
+                 f"tree (found {module}.{type(tree).__name__}); install a TorchRL built for "
+                 f"torch {torch.__version__} (its _torchrl extension)")
+    return f"{module}.{type(tree).__name__}"
+
+
 def case_prioritized(args) -> None:
     rows, batch = args.rows, args.batch
     rb = make_prioritized(rows)
     fill_s = fill(rb, rows)
     assert len(rb) == rows
+    tree = compiled_sum_tree(rb)
 
     def op(i: int):
         prio = W.new_priorities(batch, seed=i)  # generated outside the timed region
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         data, info = rb.sample(batch, return_info=True)
         index, weight = info["index"], info["priority_weight"]
         t1 = time.perf_counter()
         rb.update_priority(index, prio)
         t2 = time.perf_counter()
+        cpu_s.append(time.thread_time() - c0)
         return t1 - t0, t2 - t1, data, index, weight
+
+    cpu_s: list[float] = []
 
     for i in range(WARMUP_OPS):
         _, _, data, index, weight = op(i)
@@ -140,6 +158,7 @@ def case_prioritized(args) -> None:
     assert float(weight.max()) <= 1.0 + 1e-6 and float(weight.min()) > 0
 
     sample_s, update_s, total = [], [], []
+    del cpu_s[:]
     start = time.perf_counter()
     i = WARMUP_OPS
     while len(total) < PRIORITIZED_MAX_OPS and time.perf_counter() - start < args.seconds:
@@ -159,6 +178,8 @@ def case_prioritized(args) -> None:
             "ops": len(total),
             "sample_median_s": statistics.median(sample_s),
             "update_median_s": statistics.median(update_s),
+            "cpu_median_s": statistics.median(cpu_s),
+            "sum_tree": tree,
             "fill_s": fill_s,
             **versions(),
         }
