@@ -54,7 +54,8 @@ What differs from RLlib's buffer, by design: the capacity counts rows
 RLlib evicts whole episodes; the algorithm's own process still passes the
 episodes through (``add`` in the driver), so the rows cross the network
 once more than with env runners writing to the shards themselves.
-Single-agent only (``MultiAgentEpisode``s are refused); stateful modules
+Single-agent only (``MultiAgentEpisode``s are refused: see
+:mod:`~replay_server.ray.rllib_multi`); stateful modules
 (``batch_length_T > 1``), ``include_infos`` and ``include_extra_model_outputs``
 are refused by name.
 
@@ -179,7 +180,8 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         for episode in given:
             if not isinstance(episode, SingleAgentEpisode):
                 raise TypeError(f"ShardedEpisodeReplayBuffer stores SingleAgentEpisodes, got "
-                                f"{type(episode).__name__} (multi-agent is not supported)")
+                                f"{type(episode).__name__} (multi-agent: replay_server.ray."
+                                f"rllib_multi.ShardedMultiAgentEpisodeReplayBuffer)")
         listed = [e for e in given if len(e) > 0]
         if not listed:
             return
