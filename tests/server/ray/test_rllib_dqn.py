@@ -4,8 +4,9 @@ The buffer is swapped by its dotted path, as an RLlib user would; the
 algorithm makes the replay (``ReplayCluster.create(get_if_exists=True)``) with
 one shard on each node. A few training iterations run; the rows are on both
 shards and the learner's TD errors reach them as priority updates (each
-shard's counter, and a draw that is no longer uniform). A longer run that
-must learn is marked slow (``make soak``).
+shard's counter, and a draw that is no longer uniform). The same with two
+agents of CartPole, each its own module, through the multi-agent buffer: one
+table per module. A longer run that must learn is marked slow (``make soak``).
 """
 
 from __future__ import annotations
