@@ -348,10 +348,11 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
         Raises:
             ConfigError: ``module_id`` is not one of ``module_ids``.
         """
-        if module_id is not None:
-            return self._table(module_id, "get_num_timesteps").size(
-                estimate=self._estimating)
-        return sum(t.size(estimate=self._estimating) for t in self._tables.values())
+        tables = ([self._table(module_id, "get_num_timesteps")] if module_id is not None
+                  else list(self._tables.values()))
+        if self._estimating:  # each table holds at most `capacity` rows
+            return sum(min(int(self.capacity), t.size(estimate=True)) for t in tables)
+        return sum(t.size() for t in tables)
 
     def get_num_agent_timesteps(self) -> int:
         """Rows stored now over every module's table (each row an agent step)."""
