@@ -225,7 +225,7 @@ def test_what_it_cannot_do_is_refused_by_name_and_loses_nothing(server) -> None:
     ours.sample(num_items=8)
     with pytest.raises(ValueError, match=r"update_priorities: 7 priorities for the 8 rows"):
         ours.update_priorities(np.ones(7))
-    with pytest.raises(TypeError, match="got MultiAgentEpisode .multi-agent is not supported"):
+    with pytest.raises(TypeError, match="got MultiAgentEpisode .multi-agent: replay_server.ray.rllib_multi"):
         ours.add([*cartpole_episodes(seed=6, steps=20), MultiAgentEpisode()])
     assert len(ours) == 40  # nothing of a refused call was stored
     for bad in (-1, 1.5, True):

@@ -4,8 +4,9 @@ The buffer is swapped by its dotted path, as an RLlib user would; the
 algorithm makes the replay (``ReplayCluster.create(get_if_exists=True)``) with
 one shard on each node. A few training iterations run; the rows are on both
 shards and the learner's TD errors reach them as priority updates (each
-shard's counter, and a draw that is no longer uniform). A longer run that
-must learn is marked slow (``make soak``).
+shard's counter, and a draw that is no longer uniform). The same with two
+agents of CartPole, each its own module, through the multi-agent buffer: one
+table per module. A longer run that must learn is marked slow (``make soak``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ pytest.importorskip("ray.rllib", reason="RLlib is not importable: pip install "
                     exc_type=ImportError)
 
 from ray.rllib.algorithms.dqn import DQNConfig  # noqa: E402
+from ray.rllib.core.columns import Columns  # noqa: E402
+from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole  # noqa: E402
 
 from replay_server.ray import ReplayCluster  # noqa: E402
 
 BUFFER = "replay_server.ray.rllib.ShardedEpisodeReplayBuffer"
+MULTI_BUFFER = "replay_server.ray.rllib_multi.ShardedMultiAgentEpisodeReplayBuffer"
 
 
 def dqn(replay: str, *, steps_per_iteration: int, learning_starts: int, fragment: int,
@@ -78,6 +82,60 @@ def test_dqn_trains_on_two_shards_and_its_priorities_reach_them(ray_cluster) -> 
             batch = client.sample("rllib", 512)  # TD errors differ: the draw is not uniform
             assert np.ptp(batch.probabilities.numpy()) > 0
         assert result["replay_buffer"]["num_priorities_updated"] > 0  # RLlib's metrics
+    finally:
+        algo.stop()
+        replay.shutdown()
+
+
+def test_multi_agent_dqn_keeps_each_module_in_its_table_on_two_shards(ray_cluster) -> None:
+    """Two agents of CartPole, each its own module (policy ``p0``, ``p1``): each module's
+    rows go to its own table on both shards, and its TD errors to its table only; the
+    rows a sample returns are in the order RLlib's learner batches them (so the k-th TD
+    error is the k-th row's)."""
+    algo = (DQNConfig()
+            .environment(MultiAgentCartPole, env_config={"num_agents": 2})
+            .framework("torch")
+            .multi_agent(policies={"p0", "p1"},
+                         policy_mapping_fn=lambda agent_id, episode, **kw: f"p{agent_id}")
+            .env_runners(num_env_runners=0, rollout_fragment_length=50)
+            .learners(num_learners=0)
+            .debugging(seed=0)
+            .reporting(min_sample_timesteps_per_iteration=200, min_time_s_per_iteration=0)
+            .training(train_batch_size_per_learner=32, n_step=1,
+                      num_steps_sampled_before_learning_starts=100,
+                      replay_buffer_config={
+                          "type": MULTI_BUFFER, "capacity": 20_000, "alpha": 0.6,
+                          "beta": 0.4, "module_ids": ["p0", "p1"], "replay": "dqn-ma",
+                          "num_shards": 2, "checkpoint_interval_s": 0,
+                          "shard_options": [{"num_cpus": 0, "resources": NODE_A},
+                                            {"num_cpus": 0, "resources": NODE_B}]})
+            .build_algo())
+    replay = ReplayCluster.get("dqn-ma")
+    try:
+        buffer = algo.local_replay_buffer
+        assert type(buffer).__module__ + "." + type(buffer).__name__ == MULTI_BUFFER
+        algo.train()  # 200 environment steps, an update per 50 from the 100th: 2-3 updates
+        buffer.flush()  # the last adds and the updates riding on the sample streams, applied
+        assert all(s["address"].startswith("127.0.0.1:") for s in replay.states())
+        assert loopback_addresses() == {"127.0.0.1"}
+        with replay.client() as client:
+            shards = client.shard_info()
+            for module in ("p0", "p1"):
+                table = f"rllib-{module}"
+                sizes = [info.tables[table].size for info in shards.values()]
+                updates = sum(info.tables[table].counters["priority_updates"]
+                              for info in shards.values())
+                # its agent's steps, on both shards; 2-3 updates of 32 of its ids
+                assert sum(sizes) == buffer.get_added_timesteps(module) > 0
+                assert min(sizes) > 0 and updates >= 64, (module, sizes, updates)
+                assert np.ptp(client.sample(table, 512).probabilities.numpy()) > 0
+        episodes = buffer.sample(num_items=32)
+        learner = algo.learner_group._learner  # the local learner (num_learners=0)
+        batch = learner._learner_connector(rl_module=learner.module, batch={},
+                                           episodes=episodes, shared_data={})
+        for module in ("p0", "p1"):
+            ours = np.stack([e.get_observations(0) for e in episodes if e.module_id == module])
+            assert np.array_equal(np.asarray(batch[module][Columns.OBS]), ours), module
     finally:
         algo.stop()
         replay.shutdown()
