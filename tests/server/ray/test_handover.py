@@ -137,3 +137,35 @@ def test_rows_not_moved_come_back_without_a_checkpoint_folder(tmp_path) -> None:
         assert _rows(again, "u")[0] == _rows(again, "s")[0] == list(range(len(KEYS)))
     finally:
         again.close()
+
+
+def test_a_staying_shard_gone_between_chunks_keeps_the_rows_it_did_not_take(tmp_path) -> None:
+    """Shard 1 stops before the hand-over: the uniform table's chunks take turns, so its
+    first chunk moves to shard 0 and the second finds shard 1 gone (refused within the
+    client's timeout, which only bounds the call)."""
+    removed, staying = _server(2, tmp_path / "shard-2"), [_server(0), _server(1)]
+    _fill(removed)
+    removed.close()
+    clients = [ReplayClient(s.address, timeout=5) for s in staying]
+    staying[1].close()
+    try:
+        with pytest.raises(HandOverError, match=r"shard 1 refused rows of table 'u' \(50 "
+                                                r"rows had moved\): UnavailableError") as caught:
+            hand_over(removed.tables, clients, chunk_rows=CHUNK)
+        again = EmbeddedServer(removed.settings)
+        try:
+            assert keep_unmoved(removed.tables, again.tables, caught.value.moved) == {
+                "u": len(KEYS) - CHUNK, "p": len(KEYS), "s": len(KEYS)}
+            assert _rows(staying[0], "u")[0] == list(range(CHUNK))
+            assert _rows(again, "u")[0] == list(range(CHUNK, len(KEYS)))
+            for table in ("p", "s"):  # untouched: as restored, the same ids
+                assert _rows(again, table)[0] == list(range(len(KEYS)))
+                assert (again.tables[table].read_rows(positions=np.arange(len(KEYS))).ids
+                        == removed.tables[table].read_rows(positions=np.arange(len(KEYS))).ids
+                        ).all()
+        finally:
+            again.close()
+    finally:
+        for client in clients:
+            client.close()
+        staying[0].close()
