@@ -135,8 +135,9 @@ class ReplayShard:
         folder aside. Asked again after it handed over (a scale retried): the same answer.
 
         If an insert fails part-way (:class:`~replay_server.ray.handover.HandOverError`),
-        this shard serves again at once, holding only the rows that did not move
-        (:meth:`resume`): every row stays stored once, and a scale asked again moves the rest.
+        this shard serves again at once (a new server, checkpointed), holding only the rows
+        that did not move: every row stays stored once, and a scale asked again moves the
+        rest.
 
         Returns:
             ``{"moved": {table: rows}, "retired_checkpoints": path or None}``, or after a
