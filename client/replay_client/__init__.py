@@ -13,6 +13,7 @@ from replay_client import errors
 from replay_client.api import ReplayApi
 from replay_client.client import ReplayClient
 from replay_client.server_client import ServerClient
+from replay_client.sharded.placement import by_episode  # where a sharded client puts episodes
 from replay_client.table_info import ServerInfo, TableCapabilities, TableInfo
 from replay_client.errors import ReplayError
 from replay_client.tls import TlsConfig
@@ -24,7 +25,7 @@ from replay_proto.batch import SampleBatch
 
 __all__ = ["RemoteReplayBuffer", "ReplayApi", "ReplayClient", "ReplayError", "SampleBatch",
            "ServerClient", "ServerInfo", "StreamOptions", "TableCapabilities", "TableInfo",
-           "TlsConfig", "Variable", "VectorWriter", "Writer", "errors"]
+           "TlsConfig", "Variable", "VectorWriter", "Writer", "by_episode", "errors"]
 
 
 def __getattr__(name: str) -> object:

@@ -46,6 +46,7 @@ from replay_server.ray.registry import (
     forget_count,
     shard_actor_name,
 )
+from replay_server.ray.handover import counted, kept_message, unanswered_message
 from replay_server.ray.shard import ReplayShard, shard_settings
 from replay_server import grpc_experiments
 
@@ -265,9 +266,12 @@ class ReplayCluster:
             ConfigError: ``num_shards`` or ``shard_options`` is bad (named); nothing started.
             ScaleDownError: a table whose rows leave when sampled (a queue,
                 ``max_times_sampled``) or a staying shard that does not serve: nothing changed.
-                Or a removed shard could not hand its rows over (named); the replay still
-                expects every shard, the shard's final checkpoint holds its rows (those already
-                inserted elsewhere are there too).
+                Or a removed shard could not hand its rows over (named, with why): the replay
+                keeps every shard, each serving, every row stored once (the rows moved stay
+                where they went; the removed shards serve again with the rest,
+                :mod:`~replay_server.ray.handover`), and the same scale asked again moves the
+                rest. A removed shard that did not answer (its actor died) is named as such:
+                its restart restores its final checkpoint, the rows it had moved included.
             TimeoutError: the new shards did not all serve within ``timeout_s`` (their states
                 named); they are stopped and the replay keeps its shards.
         """
@@ -329,13 +333,22 @@ class ReplayCluster:
         handing: dict[int, Any] = {i: h.hand_over.remote(staying, grace)
                                    for i, h in removed.items()}
         handed: dict[int, dict[str, Any]] = {}
+        failed: dict[int, str] = {}
         for index, ref in handing.items():
             try:
                 handed[index] = ray.get(ref, timeout=timeout_s)
             except (ray.exceptions.RayError, TimeoutError) as exc:
-                raise ScaleDownError(f"replay {self.name!r}: shard {index} could not hand "
-                                     f"its rows over to shards 0..{num_shards - 1}: "
-                                     f"{type(exc).__name__}: {exc}") from exc
+                failed[index] = unanswered_message(index, exc)
+                continue
+            if "failure" in handed[index]:
+                failed[index] = kept_message(index, handed.pop(index))
+        if failed:
+            raise ScaleDownError(f"replay {self.name!r}: scale({num_shards}) failed, the "
+                                 f"replay keeps its {now} shards: "
+                                 + "; ".join(failed[i] for i in sorted(failed))
+                                 + self._resumed(removed, handed)
+                                 + f"; scale({num_shards}) again once the cause is fixed "
+                                 f"moves the rest")
         ask(self._registry, "retire", num_shards)
         for handle in removed.values():
             ray.kill(handle, no_restart=True)
@@ -345,6 +358,21 @@ class ReplayCluster:
             time.sleep(0.05)
         self.num_shards = num_shards
         return handed
+
+    def _resumed(self, removed: Mapping[int, Any], handed: Mapping[int, Any]) -> str:
+        """Have the removed shards that handed every row over serve again (empty) when
+        another one failed, so the replay serves as many shards as it expects: what to add
+        to the error."""
+        said = []
+        for index in sorted(handed):
+            try:
+                ray.get(removed[index].resume.remote())
+                said.append(f"; shard {index} moved all its rows "
+                            f"({counted(handed[index]['moved'])}) and serves again, empty")
+            except ray.exceptions.RayError as exc:
+                said.append(f"; shard {index} moved all its rows but could not serve again "
+                            f"({type(exc).__name__}: {exc}): clients find it down")
+        return "".join(said)
 
     def _wait_added(self, num_shards: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -20,7 +20,10 @@ checkpoint) and reports ``gone``. A shard a scale down removes
 shards that stay (:mod:`~replay_server.ray.handover`) and sets its
 checkpoint folder aside (``shard-<i>.retired-<time>``), so a shard of that
 index started later begins empty instead of restoring rows that now live
-elsewhere. A crash loses the rows inserted since the
+elsewhere. A hand-over that fails part-way, or a scale down that fails on
+another shard (:meth:`resume`), ends with the shard serving again (a new
+server, a new incarnation in the registry) holding only the rows that did
+not move, checkpointed. A crash loses the rows inserted since the
 shard's last checkpoint (``checkpoint_interval_s``).
 
 Thread-safety: a threaded actor (``max_concurrency`` > 1): :meth:`describe`
@@ -43,7 +46,7 @@ from replay_server.app.config_file import settings_from_dict
 from replay_server.app.embedded import EmbeddedServer
 from replay_server.engine import TableConfig
 from replay_server.errors import ConfigError
-from replay_server.ray.handover import hand_over
+from replay_server.ray.handover import HandOverError, hand_over, keep_unmoved
 from replay_server.ray.registry import ask
 from replay_server.service.settings import ServerSettings
 
@@ -96,6 +99,8 @@ class ReplayShard:
         assert bound is not None
         self._address = f"{self._host}:{bound.rsplit(':', 1)[1]}"
         self._state = "serving"
+        self._handed: dict[str, Any] | None = None  # what a finished hand-over answered
+        self._moved: dict[str, Any] = {}  # the positions it moved, by table
         ask(self._registry, "serving", **self._said())
 
     def _said(self) -> dict[str, Any]:
@@ -126,22 +131,74 @@ class ReplayShard:
 
     def hand_over(self, addresses: list[str], grace: float = 10.0) -> dict[str, Any]:
         """Leave the replay (a scale down): drain (final checkpoint), insert every row into
-        the shards at ``addresses`` (those that stay), then set the checkpoint folder aside.
+        the shards at ``addresses`` (those that stay, in index order), then set the checkpoint
+        folder aside. Asked again after it handed over (a scale retried): the same answer.
+
+        If an insert fails part-way (:class:`~replay_server.ray.handover.HandOverError`),
+        this shard serves again at once (a new server, checkpointed), holding only the rows
+        that did not move: every row stays stored once, and a scale asked again moves the
+        rest.
 
         Returns:
-            ``{"moved": {table: rows}, "retired_checkpoints": path or None}``.
+            ``{"moved": {table: rows}, "retired_checkpoints": path or None}``, or after a
+            failure ``{"moved": ..., "left": {table: rows}, "failure": message}``.
 
         Raises:
-            ReplayError: an insert into the shards that stay failed (named); this shard's
-                final checkpoint still holds every row, its folder not set aside.
+            Exception: serving again failed (named by the caller: the final checkpoint holds
+                every row, the moved ones too).
         """
+        if self._handed is not None:
+            return self._handed
         if self._state == "serving":
             self._stop(grace)
-        with ReplayClient(list(addresses)) as client:
-            moved = hand_over(self._server.tables, client)
+        clients = [ReplayClient(address) for address in addresses]
+        try:
+            moved = hand_over(self._server.tables, clients)
+        except HandOverError as exc:
+            left = self._serve_again(exc.moved)
+            return {"moved": {n: int(p.size) for n, p in exc.moved.items()}, "left": left,
+                    "failure": str(exc)}
+        finally:
+            for client in clients:
+                client.close()
+        self._moved = {table.config.name: table.live_positions()
+                       for table in self._server.tables}
         folder = self._server.settings.checkpoint_dir
         retired = None
         if folder is not None and os.path.isdir(folder):
             retired = f"{folder}.retired-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
             os.rename(folder, retired)
-        return {"moved": moved, "retired_checkpoints": retired}
+        self._handed = {"moved": moved, "retired_checkpoints": retired}
+        return self._handed
+
+    def resume(self) -> dict[str, int]:
+        """Serve again after a hand-over that moved every row, when the scale down failed on
+        another shard (the replay still expects this one): empty, its checkpoint folder back
+        in place. Idempotent: the rows each table holds."""
+        if self._handed is None:
+            return {table.config.name: table.size for table in self._server.tables}
+        retired = self._handed["retired_checkpoints"]
+        folder = self._server.settings.checkpoint_dir
+        if retired is not None and folder is not None:
+            os.rename(retired, folder)
+        self._handed = None
+        return self._serve_again(self._moved)
+
+    def _serve_again(self, moved: Mapping[str, Any]) -> dict[str, int]:
+        """Serve again (a new server: restored from the final checkpoint, or empty) holding
+        the rows not in ``moved`` (:func:`~replay_server.ray.handover.keep_unmoved`), then
+        checkpoint that (a restart brings back no moved row) and report ``serving``."""
+        old = self._server
+        self._incarnation = ask(self._registry, "starting", self._index)
+        self._state = "starting"
+        self._server = EmbeddedServer(old.settings)
+        left = keep_unmoved(old.tables, self._server.tables, moved)
+        bound = self._server.address
+        assert bound is not None
+        self._address = f"{self._host}:{bound.rsplit(':', 1)[1]}"
+        if old.settings.checkpoint_dir is not None:
+            with ReplayClient(self._address) as client:
+                client.checkpoint()
+        self._state = "serving"
+        ask(self._registry, "serving", **self._said())
+        return left
