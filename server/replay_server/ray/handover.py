@@ -35,7 +35,11 @@ Not thread-safe: one hand-over per shard, after it stopped serving.
 
 from __future__ import annotations
 
+import os
+import shutil
+import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,6 +48,7 @@ import torch
 from replay_client import ReplayError, by_episode
 from replay_proto.keys import unflatten
 
+from replay_server.checkpoint.incarnation import INCARNATION_NAME
 from replay_server.engine import TableSet
 from replay_server.errors import ReplayServerError
 
@@ -91,8 +96,9 @@ def hand_over(tables: TableSet, clients: Sequence[Any],
                 try:  # a refused insert stores nothing (one that got no answer: see above)
                     clients[shard].insert(name, unflatten({k: v[picked]
                                                            for k, v in columns.items()}),
-                                          priorities=read.priorities[rows] if prioritized
-                                          else None)
+                                          priorities=(read.priorities[rows]
+                                                      if read.priorities is not None
+                                                      else None))
                 except ReplayError as exc:
                     done = {n: _joined(p) for n, p in moved.items()}
                     raise HandOverError(
@@ -147,6 +153,29 @@ def keep_unmoved(source: TableSet, target: TableSet, moved: Mapping[str, np.ndar
             target_table.insert(unflatten(rows.columns or {}),
                                 priorities=rows.priorities if prioritized else None)
     return left
+
+
+def retire_folder(folder: str | Path) -> str:
+    """Set a removed shard's checkpoint folder aside (``<folder>.retired-<time>-<pid>``) and
+    leave ``folder`` holding only its id counter (the ``INCARNATION`` file): a shard of that
+    index started by a later scale begins empty, and its ids carry incarnations above the
+    removed shard's, so an id the removed shard issued (a learner's stale update) never
+    names one of its rows. Returns the retired folder's path."""
+    retired = f"{folder}.retired-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    os.rename(folder, retired)
+    counter = Path(retired) / INCARNATION_NAME
+    if counter.exists():
+        os.makedirs(folder)
+        shutil.copy2(counter, Path(folder) / INCARNATION_NAME)
+    return retired
+
+
+def unretire_folder(retired: str | Path, folder: str | Path) -> None:
+    """Put a folder :func:`retire_folder` set aside back in place (a failed scale down)."""
+    (Path(folder) / INCARNATION_NAME).unlink(missing_ok=True)
+    if os.path.isdir(folder):
+        os.rmdir(folder)  # the counter's folder only: anything else in it is an error
+    os.rename(retired, folder)
 
 
 def counted(rows: Mapping[str, int]) -> str:

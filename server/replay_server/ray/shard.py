@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,13 @@ from replay_server.app.config_file import settings_from_dict
 from replay_server.app.embedded import EmbeddedServer
 from replay_server.engine import TableConfig
 from replay_server.errors import ConfigError
-from replay_server.ray.handover import HandOverError, hand_over, keep_unmoved
+from replay_server.ray.handover import (
+    HandOverError,
+    hand_over,
+    keep_unmoved,
+    retire_folder,
+    unretire_folder,
+)
 from replay_server.ray.registry import ask
 from replay_server.service.settings import ServerSettings
 
@@ -166,8 +171,7 @@ class ReplayShard:
         folder = self._server.settings.checkpoint_dir
         retired = None
         if folder is not None and os.path.isdir(folder):
-            retired = f"{folder}.retired-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-            os.rename(folder, retired)
+            retired = retire_folder(folder)
         self._handed = {"moved": moved, "retired_checkpoints": retired}
         return self._handed
 
@@ -180,7 +184,7 @@ class ReplayShard:
         retired = self._handed["retired_checkpoints"]
         folder = self._server.settings.checkpoint_dir
         if retired is not None and folder is not None:
-            os.rename(retired, folder)
+            unretire_folder(retired, folder)
         self._handed = None
         return self._serve_again(self._moved)
 

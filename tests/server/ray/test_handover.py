@@ -22,7 +22,14 @@ from replay_client import ReplayClient
 from replay_client.errors import SchemaMismatchError
 from replay_server.app.config_file import settings_from_dict
 from replay_server.app.embedded import EmbeddedServer
-from replay_server.ray.handover import HandOverError, hand_over, keep_unmoved
+from replay_proto.id_layout import incarnation_of
+from replay_server.ray.handover import (
+    HandOverError,
+    hand_over,
+    keep_unmoved,
+    retire_folder,
+    unretire_folder,
+)
 
 TABLES = [{"name": "u", "capacity": 1000, "sampler": "uniform"},
           {"name": "p", "capacity": 1000, "sampler": "prioritized", "alpha": 1.0},
@@ -169,3 +176,32 @@ def test_a_staying_shard_gone_between_chunks_keeps_the_rows_it_did_not_take(tmp_
         for client in clients:
             client.close()
         staying[0].close()
+
+
+def test_a_shard_started_again_after_its_index_retired_issues_none_of_its_ids(tmp_path) -> None:
+    """A scale down sets the removed shard's folder aside; a later scale up starts a shard of
+    that index on the same path. It begins empty, and its ids carry later incarnations than
+    the removed shard's (the id counter stays at the path): an update naming an id of a
+    row that moved (a learner's batch drawn before the scale) names no row of the new shard.
+    Before, the new shard counted incarnations from 1 again and reissued the same ids."""
+    folder = tmp_path / "shard-2"
+    removed = _server(2, folder)
+    with ReplayClient(removed.address) as client:
+        old = client.insert("p", {"key": torch.arange(5)})
+    removed.close()
+    unretire_folder(retire_folder(folder), folder)  # a failed scale puts the folder back
+    back = _server(2, folder)
+    assert back.tables["p"].size == 5  # ... and its rows come back with it
+    back.close()
+    retire_folder(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["INCARNATION"]
+    started = _server(2, folder)
+    try:
+        assert all(started.tables[t["name"]].size == 0 for t in TABLES)  # begins empty
+        with ReplayClient(started.address) as client:
+            new = client.insert("p", {"key": torch.arange(5)})
+            assert set(old.tolist()).isdisjoint(new.tolist())
+            assert incarnation_of(int(new[0])) > incarnation_of(int(old[-1]))
+            assert client.update_priorities("p", old, torch.full((5,), 9.0)) == 0  # stale
+    finally:
+        started.close()
