@@ -51,9 +51,13 @@ still on their way (:meth:`get_state` and :meth:`close` do first).
 
 What differs from RLlib's buffer, by design: the capacity counts rows
 (timesteps) and the oldest rows are overwritten first, row by row, where
-RLlib evicts whole episodes; the algorithm's own process still passes the
+RLlib evicts whole episodes. The algorithm's own process passes the
 episodes through (``add`` in the driver), so the rows cross the network
-once more than with env runners writing to the shards themselves.
+once more, unless the env runners write to the shards themselves
+(:class:`~replay_server.ray.rllib_env_runner.ShardedEnvRunner`): ``add``
+then takes their :class:`~replay_server.ray.rllib_written.WrittenEpisode`
+counts and sends nothing (``rows_sent`` against
+``rows_written_by_env_runners``).
 Single-agent only (``MultiAgentEpisode``s are refused: see
 :mod:`~replay_server.ray.rllib_multi`); stateful modules
 (``batch_length_T > 1``), ``include_infos`` and ``include_extra_model_outputs``
@@ -78,7 +82,7 @@ from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
 
 from replay_proto.batch import STEPS_KEY  # the column an n-step table adds
 from replay_server.ray.cluster import DEFAULT_NAMESPACE, ReplayCluster
-from replay_server.ray.rllib_env_runner import WriteFailure, WrittenEpisode
+from replay_server.ray.rllib_written import WriteFailure, WrittenEpisode
 from replay_server.ray.rllib_rows import episode_number, episodes_of, rows_of
 from replay_server.ray.rllib_table import (
     BufferTable,
@@ -174,7 +178,7 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
             weight: float | None = None) -> None:
         """Store every timestep of ``episodes`` (one ``SingleAgentEpisode`` or a list) as a
         row; ``weight``: their priority (default: the largest seen so far, as RLlib's).
-        :class:`~replay_server.ray.rllib_env_runner.WrittenEpisode`s (what
+        :class:`~replay_server.ray.rllib_written.WrittenEpisode`s (what
         ``ShardedEnvRunner``s return: rows they inserted themselves) are counted, not sent
         (``weight`` does not apply to them: the shards give the largest priority seen).
 

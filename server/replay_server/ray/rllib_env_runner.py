@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
@@ -63,60 +62,14 @@ from replay_client import ReplayClient
 from replay_server.errors import ConfigError
 from replay_server.ray.cluster import DEFAULT_NAMESPACE, RESOLVE_INTERVAL_S
 from replay_server.ray.pending_adds import PendingAdds
+from replay_server.ray.rllib import ShardedEpisodeReplayBuffer
 from replay_server.ray.rllib_rows import rows_of
+from replay_server.ray.rllib_written import WriteFailure, WrittenEpisode
 
 __all__ = ["ShardedEnvRunner", "WriteFailure", "WrittenEpisode", "flush_env_runners"]
 
 logger = logging.getLogger(__name__)
 WriterError = replay_client.errors.WriterError  # through the client's front door
-
-
-@dataclass(frozen=True)
-class WrittenEpisode:
-    """An episode chunk an env runner wrote to the shards itself: what the driver's buffer
-    counts, without its rows.
-
-    Attributes:
-        id_: RLlib's episode id (chunks of one episode share it).
-        steps: its env steps (rows written).
-        agent_steps: its agent steps.
-        spaces: ``(observation_space, action_space)`` on an env runner's first chunk (the
-            buffer builds the episodes it samples with them), else ``None``.
-    """
-
-    id_: str
-    steps: int
-    agent_steps: int
-    spaces: tuple[Any, Any] | None = None
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def env_steps(self) -> int:
-        """Its env steps, as an episode's ``env_steps()``."""
-        return self.steps
-
-    def get_return(self) -> float:  # pragma: no cover - RLlib's DQN does not ask
-        raise TypeError("a WrittenEpisode carries no rewards: its rows are in the shards")
-
-
-@dataclass(frozen=True)
-class WriteFailure:
-    """What an env runner hands the driver in place of a sample once one of its inserts
-    failed: the buffer's ``add`` raises :attr:`message` as ``WriterError``.
-
-    Attributes:
-        message: the ``WriterError``'s message (the env runner, the rows, the cause).
-    """
-
-    message: str
-
-    def __len__(self) -> int:
-        return 0
-
-    def error(self) -> Exception:
-        """The ``WriterError`` to raise in the driver."""
-        return WriterError(self.message)
 
 
 class ShardedEnvRunner(SingleAgentEnvRunner):
@@ -231,8 +184,6 @@ def flush_env_runners(algo: Any) -> None:
 
 def _check_buffer(kind: Any, *, multi_agent: bool) -> None:
     """Refuse configs whose buffer could not store :class:`WrittenEpisode`s (named)."""
-    from replay_server.ray.rllib import ShardedEpisodeReplayBuffer  # the buffer imports us
-
     resolved = kind
     if isinstance(kind, str) and "." in kind:
         module, _, name = kind.rpartition(".")
