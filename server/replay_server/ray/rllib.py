@@ -211,7 +211,6 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
             steps = len(rows["t"])
             self._rows.add(rows, steps, weight)
             self.rows_sent += steps
-            self.metrics.log_value("num_env_steps_sent", steps, reduce="sum")
         if written:  # stored by the env runners: counted, nothing sent
             steps = sum(e.steps for e in written)
             self._rows.count_written(steps)
