@@ -67,6 +67,10 @@ sys.path.insert(0, str(HERE))
 from ray_buffers import NODE_A, NODE_B, start_cluster
 from sides import run_side
 
+# Off the path again: Ray gives its workers the driver's script folder when it is on sys.path,
+# and an env runner's RLlib would import benchmarks/compression.py for lz4's (--env-runners).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # ray_buffers adds it too
+
 SHARDED = "replay_server.ray.rllib.ShardedEpisodeReplayBuffer"
 SIDES = ("rllib", "shards", "shards-calls", "shards-direct")
 TIMERS = ("replay_buffer_add_data_timer", "replay_buffer_sampling_timer",

@@ -82,9 +82,9 @@ class ShardedEnvRunner(SingleAgentEnvRunner):
     """
 
     def __init__(self, *, config: Any, **kwargs: Any) -> None:
+        settings = dict(config.replay_buffer_config or {})
+        _check_buffer(settings.get("type"), multi_agent=config.is_multi_agent)  # before the env
         super().__init__(config=config, **kwargs)
-        settings = dict(self.config.replay_buffer_config or {})
-        _check_buffer(settings.get("type"), multi_agent=self.config.is_multi_agent)
         self._table = str(settings.get("table", "rllib"))
         self._address = settings.get("address") or (
             f"ray://{settings.get('namespace', DEFAULT_NAMESPACE)}/"

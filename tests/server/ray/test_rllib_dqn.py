@@ -27,6 +27,7 @@ from ray.rllib.core.columns import Columns  # noqa: E402
 from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole  # noqa: E402
 
 from replay_client.errors import WriterError  # noqa: E402
+from replay_server.errors import ConfigError  # noqa: E402
 from replay_server.ray import ReplayCluster  # noqa: E402
 from replay_server.ray.rllib import ShardedEpisodeReplayBuffer  # noqa: E402
 from replay_server.ray.rllib_env_runner import ShardedEnvRunner, flush_env_runners  # noqa: E402
@@ -139,7 +140,8 @@ def test_an_env_runner_whose_rows_a_shard_refuses_fails_the_next_add(ray_cluster
     sample steps no environment and hands the driver the failure, which the buffer's add
     raises as ``WriterError`` naming the env runner, the rows, the shard and the keys;
     nothing of the refused rows is stored. (The env runner runs in this process, as a
-    local one does: RLlib 2.60 turns any error inside a remote one into ActorDiedError.)"""
+    local one does: RLlib 2.60 turns any error inside a remote one into ActorDiedError.)
+    An env runner for a buffer that could not take what it returns is refused by name."""
     replay = ReplayCluster.create(
         "dqn-refuse", tables=[{"name": "rllib", "capacity": 1_000, "sampler": "prioritized"}],
         num_shards=1, shard_options={"num_cpus": 0}, checkpoint_interval_s=0)
@@ -151,6 +153,8 @@ def test_an_env_runner_whose_rows_a_shard_refuses_fails_the_next_add(ray_cluster
                   .env_runners(rollout_fragment_length=50)
                   .training(replay_buffer_config={"type": BUFFER, "address": replay.address,
                                                   "capacity": 1_000}))
+        with pytest.raises(ConfigError, match="must be 'replay_server.ray.rllib.Sharded"):
+            ShardedEnvRunner(config=DQNConfig().environment("CartPole-v1"))  # RLlib's buffer
         buffer = ShardedEpisodeReplayBuffer(capacity=1_000, address=replay.address)
         runner = ShardedEnvRunner(config=config, worker_index=1)
         buffer.add(runner.sample())  # its insert is on its way, refused by the shard
