@@ -6,7 +6,10 @@ one shard on each node. A few training iterations run; the rows are on both
 shards and the learner's TD errors reach them as priority updates (each
 shard's counter, and a draw that is no longer uniform). The same with two
 agents of CartPole, each its own module, through the multi-agent buffer: one
-table per module. A longer run that must learn is marked slow (``make soak``).
+table per module. With a remote ``ShardedEnvRunner`` the env runner writes its samples to
+the shards itself and the driver's add sends none; an env runner whose rows a shard refuses
+makes the driver's next add raise. A longer run that must learn is marked slow
+(``make soak``).
 """
 
 from __future__ import annotations
