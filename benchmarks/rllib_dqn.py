@@ -19,7 +19,15 @@ on a local Ray cluster of two nodes of one CPU each on 127.0.0.1 (as
   updates riding on that stream;
 * ``shards-calls`` (only if ``--sides`` names it): the same with
   ``"prefetch": 0, "pending_adds": 0``: every add, sample and update a call
-  the training step waits for.
+  the training step waits for;
+* ``shards-direct`` (only if ``--sides`` names it; needs ``--env-runners``
+  >= 1): ``shards`` with ``env_runner_cls=ShardedEnvRunner``: each remote
+  env runner inserts its samples into the shards itself and hands the
+  driver only counts, so the driver's ``add`` sends nothing.
+
+``--env-runners N`` (default 0) gives every side N remote env runners (one
+CPU each), so the sides differ in the buffer alone; with 0 the environment
+steps in the algorithm's process.
 
 Each side runs in its own process, the sides alternating for ``--rounds``
 rounds; per round it builds the algorithm, trains ``--warmup`` iterations
@@ -59,8 +67,12 @@ sys.path.insert(0, str(HERE))
 from ray_buffers import NODE_A, NODE_B, start_cluster
 from sides import run_side
 
+# Off the path again: Ray gives its workers the driver's script folder when it is on sys.path,
+# and an env runner's RLlib would import benchmarks/compression.py for lz4's (--env-runners).
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]  # ray_buffers adds it too
+
 SHARDED = "replay_server.ray.rllib.ShardedEpisodeReplayBuffer"
-SIDES = ("rllib", "shards", "shards-calls")
+SIDES = ("rllib", "shards", "shards-calls", "shards-direct")
 TIMERS = ("replay_buffer_add_data_timer", "replay_buffer_sampling_timer",
           "replay_buffer_update_prios_timer", "learner_update_timer", "training_step")
 """RLlib's timers of one training step's parts (its smoothed seconds), kept in the JSON."""
@@ -78,13 +90,27 @@ def buffer_config(side: str, args) -> dict:
                               for r in (NODE_A, NODE_B)][:args.num_shards]}
 
 
+def env_runners(side: str, args) -> dict:
+    """The ``config.env_runners`` keywords of ``side``: ``--env-runners`` remote ones (the
+    ``ShardedEnvRunner`` for ``shards-direct``)."""
+    runners: dict = {"num_env_runners": args.env_runners,
+                     "rollout_fragment_length": args.fragment}
+    if side == "shards-direct":
+        if args.env_runners < 1:
+            raise SystemExit("shards-direct needs --env-runners >= 1 (remote env runners)")
+        from replay_server.ray.rllib_env_runner import ShardedEnvRunner
+
+        runners["env_runner_cls"] = ShardedEnvRunner
+    return runners
+
+
 def algorithm(side: str, args):
     from ray.rllib.algorithms.dqn import DQNConfig
 
     return (DQNConfig()
             .environment("CartPole-v1")
             .framework("torch")
-            .env_runners(num_env_runners=0, rollout_fragment_length=args.fragment)
+            .env_runners(**env_runners(side, args))
             .learners(num_learners=0)
             .debugging(seed=0)
             .reporting(min_sample_timesteps_per_iteration=args.steps,
@@ -113,6 +139,9 @@ def one_side(side: str, args) -> dict:
                 result = algo.train()
             elapsed = time.monotonic() - began
             steps = result["env_runners"]["num_env_steps_sampled_lifetime"] - steps0
+            buffer = algo.local_replay_buffer
+            if side.startswith("shards"):  # the rows the driver's add sent itself
+                out["rows_sent_by_driver"] = buffer.rows_sent
             out.update({"env_steps_s": steps / elapsed, "env_steps": steps,
                         "rows_trained": _trained(result) - trained0, "seconds": elapsed,
                         "timers_ms": {name: 1000 * float(value) for name, value in
@@ -143,6 +172,8 @@ def main() -> int:
                         help=f"the sides to run, alternating, from {', '.join(SIDES)}")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-shards", type=int, default=2)
+    parser.add_argument("--env-runners", type=int, default=0,
+                        help="remote env runners of every side (shards-direct needs >= 1)")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--steps", type=int, default=500, help="env steps per iteration")
     parser.add_argument("--warmup", type=int, default=1)
@@ -156,7 +187,8 @@ def main() -> int:
     if args.side is not None:
         print(json.dumps(one_side(args.side, args)))
         return 0
-    passed = ["--num-shards", str(args.num_shards), "--iterations", str(args.iterations),
+    passed = ["--num-shards", str(args.num_shards), "--env-runners", str(args.env_runners),
+              "--iterations", str(args.iterations),
               "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--fragment", str(args.fragment), "--train-batch", str(args.train_batch),
               "--learning-starts", str(args.learning_starts), "--capacity", str(args.capacity)]
@@ -174,7 +206,7 @@ def main() -> int:
     medians = {side: statistics.median(r["env_steps_s"] for r in results[side])
                for side in sides if results[side]}
     for side, value in medians.items():
-        print(f"{side:<8} env steps/s {value:,.0f} (rounds: "
+        print(f"{side:<13} env steps/s {value:,.0f} (rounds: "
               f"{[round(r['env_steps_s']) for r in results[side]]})")
     for side in medians:
         if side != "rllib" and "rllib" in medians:

@@ -38,10 +38,13 @@ class PendingAdds:
         client: a ``ReplayClient`` (one server or sharded).
         table: the table the rows go to.
         most: inserts on their way at most (>= 1).
+        source: what sends the inserts, as the error names it (``"an RLlib add"``, ``"env
+            runner 2's sample"``).
     """
 
-    def __init__(self, client: Any, table: str, most: int) -> None:
-        self._client, self._table = client, table
+    def __init__(self, client: Any, table: str, most: int, *,
+                 source: str = "an RLlib add") -> None:
+        self._client, self._table, self._source = client, table, source
         self._queue: queue.Queue[Any] = queue.Queue()
         self._slots = threading.Semaphore(most)
         self._idle = threading.Condition()
@@ -58,7 +61,7 @@ class PendingAdds:
             WriterError: an earlier insert failed (nothing more was sent after it), or
                 :meth:`stop` was called.
         """
-        self._raise()
+        self.check()
         if self._stopped:
             raise _WriterError(f"table {self._table!r}: the buffer was closed; nothing was sent")
         self._slots.acquire()
@@ -81,7 +84,7 @@ class PendingAdds:
                                        timeout):
                 raise _WriterError(f"table {self._table!r}: {self._pending} inserts still on "
                                   f"their way after {timeout:g} s")
-        self._raise()
+        self.check()
 
     def stop(self) -> None:
         """End the thread once the inserts queued now are sent (waits for nothing: call
@@ -90,7 +93,12 @@ class PendingAdds:
         if self._thread is not None:
             self._queue.put(_STOP)
 
-    def _raise(self) -> None:
+    def check(self) -> None:
+        """Raise the first insert that failed, if one did (waits for nothing).
+
+        Raises:
+            WriterError: an insert failed (see the module docstring).
+        """
         if self._error is not None:
             raise self._error
 
@@ -105,7 +113,7 @@ class PendingAdds:
                     self._client.insert(self._table, rows, priorities=priorities)
             except Exception as exc:
                 error = _WriterError(f"table {self._table!r}: a background insert of {count} "
-                                    f"rows (an RLlib add) failed; it and the adds queued after "
+                                    f"rows ({self._source}) failed; it and the adds queued after "
                                     f"it were not stored: {exc}")
                 error.__cause__ = exc
                 self._error = error

@@ -51,9 +51,13 @@ still on their way (:meth:`get_state` and :meth:`close` do first).
 
 What differs from RLlib's buffer, by design: the capacity counts rows
 (timesteps) and the oldest rows are overwritten first, row by row, where
-RLlib evicts whole episodes; the algorithm's own process still passes the
+RLlib evicts whole episodes. The algorithm's own process passes the
 episodes through (``add`` in the driver), so the rows cross the network
-once more than with env runners writing to the shards themselves.
+once more, unless the env runners write to the shards themselves
+(:class:`~replay_server.ray.rllib_env_runner.ShardedEnvRunner`): ``add``
+then takes their :class:`~replay_server.ray.rllib_written.WrittenEpisode`
+counts and sends nothing (``rows_sent`` against
+``rows_written_by_env_runners``).
 Single-agent only (``MultiAgentEpisode``s are refused: see
 :mod:`~replay_server.ray.rllib_multi`); stateful modules
 (``batch_length_T > 1``), ``include_infos`` and ``include_extra_model_outputs``
@@ -78,6 +82,7 @@ from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
 
 from replay_proto.batch import STEPS_KEY  # the column an n-step table adds
 from replay_server.ray.cluster import DEFAULT_NAMESPACE, ReplayCluster
+from replay_server.ray.rllib_written import WriteFailure, WrittenEpisode
 from replay_server.ray.rllib_rows import episode_number, episodes_of, rows_of
 from replay_server.ray.rllib_table import (
     BufferTable,
@@ -151,6 +156,8 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         self._rows = BufferTable(self._client, table, beta=beta, prefetch=prefetch,
                                  pending_adds=pending_adds)
         self._rows.check()
+        self.rows_sent = 0  # rows this buffer's add inserted itself
+        self.rows_written_by_env_runners = 0  # rows ShardedEnvRunners inserted (counted here)
 
     # ------------------------------------------------------------ what RLlib calls
 
@@ -171,32 +178,55 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
             weight: float | None = None) -> None:
         """Store every timestep of ``episodes`` (one ``SingleAgentEpisode`` or a list) as a
         row; ``weight``: their priority (default: the largest seen so far, as RLlib's).
+        :class:`~replay_server.ray.rllib_written.WrittenEpisode`s (what
+        ``ShardedEnvRunner``s return: rows they inserted themselves) are counted, not sent
+        (``weight`` does not apply to them: the shards give the largest priority seen).
 
         Raises:
             TypeError: a multi-agent episode or an observation that is not an array.
             ValueError: a bad ``weight``; nothing stored.
+            WriterError: an earlier add's background insert failed, or an env runner's
+                (a ``WriteFailure`` among ``episodes``: raised after the rest was added).
         """
         given = episodes if isinstance(episodes, list) else [episodes]
         for episode in given:
-            if not isinstance(episode, SingleAgentEpisode):
+            if not isinstance(episode, (SingleAgentEpisode, WrittenEpisode, WriteFailure)):
                 raise TypeError(f"ShardedEpisodeReplayBuffer stores SingleAgentEpisodes, got "
                                 f"{type(episode).__name__} (multi-agent: replay_server.ray."
                                 f"rllib_multi.ShardedMultiAgentEpisodeReplayBuffer)")
+        failed = [e for e in given if isinstance(e, WriteFailure)]
         listed = [e for e in given if len(e) > 0]
-        if not listed:
-            return
-        rows = rows_of(listed)
+        if listed:
+            self._add_listed(listed, weight)
+        if failed:  # an env runner's insert failed: raised here, in the driver
+            raise failed[0].error()
+
+    def _add_listed(self, listed: list[Any], weight: float | None) -> None:
+        """Insert the rows of the episodes of ``listed`` and count those the env runners
+        wrote; RLlib's add metrics for both."""
+        sent = [e for e in listed if isinstance(e, SingleAgentEpisode)]
+        written = [e for e in listed if isinstance(e, WrittenEpisode)]
+        if sent:
+            rows = rows_of(sent)
+            steps = len(rows["t"])
+            self._rows.add(rows, steps, weight)
+            self.rows_sent += steps
+        if written:  # stored by the env runners: counted, nothing sent
+            steps = sum(e.steps for e in written)
+            self._rows.count_written(steps)
+            self.rows_written_by_env_runners += steps
+            self.metrics.log_value("num_env_steps_written_by_env_runners", steps, reduce="sum")
         if self._spaces == (None, None):
-            self._spaces = (listed[0].observation_space, listed[0].action_space)
-        steps = len(rows["t"])
-        self._rows.add(rows, steps, weight)
+            self._spaces = _spaces_of(listed)
         new = []  # episodes not seen before (a later chunk of one continues it, as in RLlib)
         for episode in listed:
             if episode_number(episode.id_) not in self._episode_ids:
                 self._episode_ids[episode_number(episode.id_)] = episode.id_
                 new.append(episode)
+        steps = sum(len(e) for e in listed)
         self._num_timesteps_added += steps
-        agent_steps = sum(e.agent_steps() for e in listed)
+        agent_steps = sum(e.agent_steps() if isinstance(e, SingleAgentEpisode)
+                          else e.agent_steps for e in listed)
         self._estimating = True  # RLlib's add metrics ask the size: no round trip per add
         try:
             self._log_add(new, steps, agent_steps)
@@ -348,3 +378,14 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
             self._rows.close()
         finally:
             self._client.close()
+
+
+def _spaces_of(episodes: list[Any]) -> tuple[Any, Any]:
+    """The observation and action spaces the first of ``episodes`` that carries them has
+    (``(None, None)`` where none does)."""
+    for episode in episodes:
+        if isinstance(episode, SingleAgentEpisode):
+            return episode.observation_space, episode.action_space
+        if episode.spaces is not None:
+            return episode.spaces
+    return None, None

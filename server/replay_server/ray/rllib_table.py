@@ -152,6 +152,11 @@ class BufferTable:
             self._client.insert(self.name, rows, priorities=priorities)
         self._added_since_read += count
 
+    def count_written(self, count: int) -> None:
+        """Count ``count`` rows another writer (an env runner) inserted into the table: the
+        :meth:`size` estimate takes them in, nothing is sent."""
+        self._added_since_read += int(count)
+
     def draw(self, size: int, beta: float | None) -> Any:
         """The next batch of ``size`` rows (its ids kept in :attr:`last_ids`): from the
         sample stream (opened, or reopened for another size or ``beta``, here), or by a

@@ -6,13 +6,17 @@ one shard on each node. A few training iterations run; the rows are on both
 shards and the learner's TD errors reach them as priority updates (each
 shard's counter, and a draw that is no longer uniform). The same with two
 agents of CartPole, each its own module, through the multi-agent buffer: one
-table per module. A longer run that must learn is marked slow (``make soak``).
+table per module. With a remote ``ShardedEnvRunner`` the env runner writes its samples to
+the shards itself and the driver's add sends none; an env runner whose rows a shard refuses
+makes the driver's next add raise. A longer run that must learn is marked slow
+(``make soak``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests.server.ray.conftest import NODE_A, NODE_B, SKIP_REASON, loopback_addresses
 
@@ -25,20 +29,30 @@ from ray.rllib.algorithms.dqn import DQNConfig  # noqa: E402
 from ray.rllib.core.columns import Columns  # noqa: E402
 from ray.rllib.examples.envs.classes.multi_agent import MultiAgentCartPole  # noqa: E402
 
+from replay_client.errors import WriterError  # noqa: E402
+from replay_server.errors import ConfigError  # noqa: E402
 from replay_server.ray import ReplayCluster  # noqa: E402
+from replay_server.ray.rllib import ShardedEpisodeReplayBuffer  # noqa: E402
+from replay_server.ray.rllib_env_runner import ShardedEnvRunner, flush_env_runners  # noqa: E402
 
 BUFFER = "replay_server.ray.rllib.ShardedEpisodeReplayBuffer"
 MULTI_BUFFER = "replay_server.ray.rllib_multi.ShardedMultiAgentEpisodeReplayBuffer"
 
 
 def dqn(replay: str, *, steps_per_iteration: int, learning_starts: int, fragment: int,
-        seed: int = 0, client_options: dict | None = None):
+        seed: int = 0, client_options: dict | None = None, env_runners: int = 0,
+        buffer: dict | None = None):
     """DQN on CartPole, everything in this process but the shards (one per node): one
-    update of 32 rows per ``fragment`` environment steps."""
+    update of 32 rows per ``fragment`` environment steps. ``env_runners`` > 0: that many
+    remote ``ShardedEnvRunner``s (half a CPU each), writing to the shards themselves, and
+    an env runner's error fails ``train()`` (no restart)."""
+    runners = ({"num_env_runners": env_runners, "env_runner_cls": ShardedEnvRunner,
+                "num_cpus_per_env_runner": 0.5} if env_runners else {"num_env_runners": 0})
     return (DQNConfig()
             .environment("CartPole-v1")
             .framework("torch")
-            .env_runners(num_env_runners=0, rollout_fragment_length=fragment)
+            .env_runners(rollout_fragment_length=fragment, **runners)
+            .fault_tolerance(restart_failed_env_runners=False)
             .learners(num_learners=0)
             .debugging(seed=seed)
             .reporting(min_sample_timesteps_per_iteration=steps_per_iteration,
@@ -52,7 +66,7 @@ def dqn(replay: str, *, steps_per_iteration: int, learning_starts: int, fragment
                           "shard_options": [{"num_cpus": 0, "resources": NODE_A},
                                             {"num_cpus": 0, "resources": NODE_B}],
                           "checkpoint_interval_s": 0,
-                          "client_options": client_options or {}})
+                          "client_options": client_options or {}, **(buffer or {})})
             .build_algo())
 
 
@@ -84,6 +98,86 @@ def test_dqn_trains_on_two_shards_and_its_priorities_reach_them(ray_cluster) -> 
         assert result["replay_buffer"]["num_priorities_updated"] > 0  # RLlib's metrics
     finally:
         algo.stop()
+        replay.shutdown()
+
+
+def test_env_runners_write_their_samples_to_the_shards_not_through_the_driver(
+        ray_cluster) -> None:
+    """A remote ``ShardedEnvRunner`` inserts what it samples into the shards itself:
+    the driver's buffer counts their rows and sends none, the shards hold every env step
+    RLlib counts as sampled, and the learner's TD errors reach them as priorities."""
+    algo = dqn("dqn-runners", steps_per_iteration=200, learning_starts=100, fragment=50,
+               env_runners=1)  # a second one costs ~20 s more to start on 2 cores
+    replay = ReplayCluster.get("dqn-runners")
+    try:
+        buffer = algo.local_replay_buffer
+        result = algo.train()
+        result = algo.train()  # 400+ steps, an update per 100 from the 100th
+        flush_env_runners(algo)  # the env runners' inserts on their way, stored
+        buffer.flush()  # the updates riding on the sample stream, applied
+        sampled = result["env_runners"]["num_env_steps_sampled_lifetime"]
+        assert sampled >= 400
+        assert buffer.rows_sent == 0  # the driver's add sent no row
+        assert buffer.rows_written_by_env_runners == sampled
+        written = result["replay_buffer"]["num_env_steps_written_by_env_runners"]
+        assert 0 < written <= sampled, written  # RLlib's metrics: this iteration's
+        assert loopback_addresses() == {"127.0.0.1"}
+        with replay.client() as client:
+            shards = client.shard_info()
+            sizes = {i: info.tables["rllib"].size for i, info in shards.items()}
+            updates = sum(info.tables["rllib"].counters["priority_updates"]
+                          for info in shards.values())
+            assert sum(sizes.values()) == sampled == buffer.get_num_timesteps(), sizes
+            assert min(sizes.values()) > 0 and updates >= 64, (sizes, updates)
+            rows = client.sample("rllib", 512)
+            assert np.ptp(rows.probabilities.numpy()) > 0  # the TD errors are priorities
+            assert set(rows.data["t"].tolist()) > {0}  # chunks of running episodes went on
+        assert result["replay_buffer"]["num_priorities_updated"] > 0
+    finally:
+        algo.stop()
+        replay.shutdown()
+
+
+def test_an_env_runner_whose_rows_a_shard_refuses_fails_the_next_add(ray_cluster) -> None:
+    """A replay whose table has another schema refuses an env runner's rows: its next
+    sample steps no environment and hands the driver the failure, which the buffer's add
+    raises as ``WriterError`` naming the env runner, the rows, the shard and the keys;
+    nothing of the refused rows is stored. (The env runner runs in this process, as a
+    local one does: RLlib 2.60 turns any error inside a remote one into ActorDiedError.)
+    An env runner for a buffer that could not take what it returns is refused by name."""
+    replay = ReplayCluster.create(
+        "dqn-refuse", tables=[{"name": "rllib", "capacity": 1_000, "sampler": "prioritized"}],
+        num_shards=1, shard_options={"num_cpus": 0}, checkpoint_interval_s=0)
+    runner = buffer = None
+    try:
+        with replay.client() as client:  # the table's schema: obs of 8 floats
+            client.insert("rllib", {"obs": torch.zeros(2, 8), "episode": torch.arange(2)})
+        config = (DQNConfig().environment("CartPole-v1").framework("torch")
+                  .env_runners(rollout_fragment_length=50)
+                  .training(replay_buffer_config={"type": BUFFER, "address": replay.address,
+                                                  "capacity": 1_000}))
+        with pytest.raises(ConfigError, match="must be 'replay_server.ray.rllib.Sharded"):
+            ShardedEnvRunner(config=DQNConfig().environment("CartPole-v1"))  # RLlib's buffer
+        buffer = ShardedEpisodeReplayBuffer(capacity=1_000, address=replay.address)
+        runner = ShardedEnvRunner(config=config, worker_index=1)
+        buffer.add(runner.sample())  # its insert is on its way, refused by the shard
+        runner.flush()
+        failed = runner.sample()
+        assert [type(e).__name__ for e in failed] == ["WriteFailure"]
+        with pytest.raises(WriterError) as raised:
+            buffer.add(failed)
+        message = str(raised.value)
+        assert "env runner 1" in message and "50 rows" in message, message
+        assert "shard 0" in message and "'action'" in message, message
+        with pytest.raises(WriterError):  # and again: never silently dropped
+            buffer.add(runner.sample())
+        assert buffer.rows_sent == 0 and buffer.rows_written_by_env_runners == 50
+        with replay.client() as client:
+            assert client.info()["rllib"].size == 2  # nothing of the refused rows stored
+    finally:
+        for closing in (runner, buffer):
+            if closing is not None:
+                closing.stop() if closing is runner else closing.close()
         replay.shutdown()
 
 
