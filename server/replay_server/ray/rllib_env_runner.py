@@ -95,7 +95,7 @@ class ShardedEnvRunner(SingleAgentEnvRunner):
         self._writes: PendingAdds | None = None
         self._spaces_sent = False
 
-    def sample(self, **kwargs: Any) -> list[Any]:  # type: ignore[override]
+    def sample(self, **kwargs: Any) -> list[Any]:
         """RLlib's sample; where this env runner trains, its steps are inserted into the
         replay's table and :class:`WrittenEpisode`s are returned in the episodes' place.
         Once an insert failed: ``[WriteFailure]``, nothing sampled (see the module
