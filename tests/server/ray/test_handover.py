@@ -111,6 +111,11 @@ def test_a_refused_hand_over_leaves_each_row_once_and_a_retry_moves_the_rest(
         assert kept == [k for k in range(len(KEYS)) if k not in set(_rows(staying[0], "s")[0])]
         with ReplayClient(again.address) as client:  # it serves what it kept
             assert set(client.sample("s", 16).columns["key"][:, 0].tolist()) <= set(kept)
+            client.checkpoint()  # as the shard does once it serves again
+        again.close()  # restored from its checkpoints: the kept rows, no moved one
+        again = EmbeddedServer(removed.settings)
+        assert _rows(again, "s")[0] == kept and again.tables["u"].size == 0
+        assert again.tables["p"].size == 0
 
         clients[1].reset("s", schema=True)  # the cause removed: a retry moves the rest
         assert hand_over(again.tables, clients, chunk_rows=CHUNK) == {
