@@ -49,7 +49,18 @@ RECONNECT_BACKOFF_MAX_S = 2.0
 this, not minutes later, when its calls' retries (``max_retry_s``) have long given up.
 Measured: 60 s down, reachable 8.1 s after the server came back with gRPC's default, 1.0 s
 with this one. An attempt is one TCP connect, made only while calls are waiting."""
-CLIENT_TIMEOUT: Any = object()
+class _ClientTimeout:
+    """The type of :data:`CLIENT_TIMEOUT`: one instance, which pickles as itself (a plain
+    ``object()`` came back from pickle as another object, taken for a timeout value)."""
+
+    def __repr__(self) -> str:
+        return "CLIENT_TIMEOUT"
+
+    def __reduce__(self) -> str:
+        return "CLIENT_TIMEOUT"
+
+
+CLIENT_TIMEOUT: Any = _ClientTimeout()
 """``timeout`` default of :meth:`Connection.unary`: the connection's own timeout."""
 
 

@@ -57,3 +57,20 @@ def test_a_seeded_buffer_saves_the_same_seeds_again(client, fresh) -> None:
         rb.state_dict()
         seen.append(_draws(rb))
     assert seen[0] == seen[1]
+
+
+def test_a_pickled_buffer_samples_with_its_clients_timeout(client, fresh) -> None:
+    """TorchRL sends buffers to other processes by pickling them. The timeout default (the
+    client's own) came back from pickle as another object, taken for a number: the copy's
+    first sample raised TypeError (TorchRL's test_replay_buffer_prefetch_pickle_roundtrip)."""
+    import pickle
+
+    from replay_client.connection import CLIENT_TIMEOUT
+
+    assert pickle.loads(pickle.dumps(CLIENT_TIMEOUT)) is CLIENT_TIMEOUT
+    rb = _filled(client, fresh("rows"), prioritized=False)
+    copy = pickle.loads(pickle.dumps(rb))
+    assert copy.timeout is CLIENT_TIMEOUT
+    assert set(copy.sample()["x"].reshape(-1).tolist()) <= set(range(6))
+    with_timeout = pickle.loads(pickle.dumps(RemoteReplayBuffer(client, rb.table, timeout=7.5)))
+    assert with_timeout.timeout == 7.5 and len(with_timeout.sample(4)) == 4
