@@ -33,7 +33,11 @@ from tests.conftest import ServerProcess, module_server, run_threads, start_serv
 
 TOKEN = "budget-test-token"
 BUDGET_MIB = 256
-RSS_SLACK_MIB = 256
+RSS_SLACK_MIB = 320
+"""What the server's RSS may grow beyond the budget: memory the budget does not count (gRPC's
+own buffers, the allocator's arenas of eight learner threads): 241-263 MiB over the budget in
+runs of the test below (a clean-clone CI failed at 7 MiB over a slack of 256). Unbounded, its
+eight learners' 16 batches in flight (544 MB) plus that overhead (~800 MB) pass the bound."""
 FAST_S = 2.0
 SMALL_ROWS = 100_000
 
