@@ -183,7 +183,7 @@ def test_an_env_runner_whose_rows_a_shard_refuses_fails_the_next_add(ray_cluster
 
 def test_multi_agent_dqn_keeps_each_module_in_its_table_on_two_shards(ray_cluster) -> None:
     """Two agents of CartPole, each its own module (policy ``p0``, ``p1``): each module's
-    rows go to its own table on both shards, and its TD errors to its table only; the
+    rows go to its own table over the two shards, and its TD errors to its table only; the
     rows a sample returns are in the order RLlib's learner batches them (so the k-th TD
     error is the k-th row's)."""
     algo = (DQNConfig()
@@ -214,15 +214,20 @@ def test_multi_agent_dqn_keeps_each_module_in_its_table_on_two_shards(ray_cluste
         assert loopback_addresses() == {"127.0.0.1"}
         with replay.client() as client:
             shards = client.shard_info()
+            per_shard = [0] * len(shards)
             for module in ("p0", "p1"):
                 table = f"rllib-{module}"
                 sizes = [info.tables[table].size for info in shards.values()]
                 updates = sum(info.tables[table].counters["priority_updates"]
                               for info in shards.values())
-                # its agent's steps, on both shards; 2-3 updates of 32 of its ids
+                # its agent's steps in its own table; 2-3 updates of 32 of its ids
                 assert sum(sizes) == buffer.get_added_timesteps(module) > 0
-                assert min(sizes) > 0 and updates >= 64, (module, sizes, updates)
+                assert updates >= 64, (module, sizes, updates)
                 assert np.ptp(client.sample(table, 512).probabilities.numpy()) > 0
+                per_shard = [a + b for a, b in zip(per_shard, sizes, strict=True)]
+            # rows go to a shard by episode: one module's few episodes may all land on one
+            # (a clean-clone CI: p1's 159 rows on shard 0), the replay's rows use both
+            assert min(per_shard) > 0, per_shard
         episodes = buffer.sample(num_items=32)
         learner = algo.learner_group._learner  # the local learner (num_learners=0)
         batch = learner._learner_connector(rl_module=learner.module, batch={},
