@@ -210,8 +210,10 @@ def run_steps(check: Check, facts: dict[str, Any]) -> None:
     tests = check.tests or (["tests/gpu"] if cuda else
                             ["tests/feed/test_core.py", "tests/feed/test_resident.py"])
     junit = work / "tests.xml"
-    check.run("tests", ["-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                        *tests], 150, _read_junit(junit), any_exit=True)
+    # Not the slow tests: tests/gpu's slowest runs this whole check again (make soak's).
+    # -v: a step that runs out of time still names the test it was in.
+    check.run("tests", ["-m", "pytest", "-v", "-m", "not slow", "-p", "no:cacheprovider",
+                        f"--junitxml={junit}", *tests], 150, _read_junit(junit), any_exit=True)
     for name, script, args, limit in [
             ("delivery", "learner.py", ["--seconds", seconds, *device, *prefill], 90),
             ("starvation", "starvation.py",
