@@ -82,6 +82,7 @@ from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
 
 from replay_proto.batch import STEPS_KEY  # the column an n-step table adds
 from replay_server.ray.cluster import DEFAULT_NAMESPACE, ReplayCluster
+from replay_server.ray.rllib_episodes import EpisodeWindow
 from replay_server.ray.rllib_written import WriteFailure, WrittenEpisode
 from replay_server.ray.rllib_rows import episode_number, episodes_of, rows_of
 from replay_server.ray.rllib_table import (
@@ -144,7 +145,8 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
                       pending_adds=pending_adds)
         self._alpha = float(alpha)
         self._n_step, self._gamma = n_step, float(gamma)
-        self._episode_ids: dict[int, str] = {}  # episode number -> RLlib's id
+        # episode number -> RLlib's id, for the episodes of the last `capacity` rows added
+        self._episodes: EpisodeWindow[int, str] = EpisodeWindow(capacity)
         self._spaces: tuple[Any, Any] = (None, None)
         entry = table_entry(table, capacity=capacity, num_shards=num_shards, alpha=self._alpha,
                             beta=float(beta), n_step=n_step, gamma=self._gamma)
@@ -220,8 +222,7 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
             self._spaces = _spaces_of(listed)
         new = []  # episodes not seen before (a later chunk of one continues it, as in RLlib)
         for episode in listed:
-            if episode_number(episode.id_) not in self._episode_ids:
-                self._episode_ids[episode_number(episode.id_)] = episode.id_
+            if self._episodes.add(episode_number(episode.id_), episode.id_, len(episode)):
                 new.append(episode)
         steps = sum(len(e) for e in listed)
         self._num_timesteps_added += steps
@@ -275,7 +276,7 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         return episodes
 
     def _fields(self, number: int) -> dict[str, Any]:
-        return {"id_": self._episode_ids.get(number, f"{number:016x}")}
+        return {"id_": self._episodes.get(number) or f"{number:016x}"}
 
     def flush(self) -> None:
         """Store the adds on their way, apply the priority updates still riding on the
@@ -334,7 +335,7 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
 
     def get_num_episodes(self, module_id: Any = None) -> int:
         """Episodes this buffer has added (rows of one may since have been overwritten)."""
-        return len(self._episode_ids)
+        return self._episodes.added
 
     def get_state(self) -> dict[str, Any]:
         """A checkpoint of every shard now and this buffer's counters: ``{"replay",
@@ -348,7 +349,7 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
                 "checkpoints": dict(checkpoints), "max_priority": self._rows.max_priority,
                 "num_timesteps_added": self._num_timesteps_added,
                 "sampled_timesteps": self.sampled_timesteps,
-                "episode_ids": sorted(self._episode_ids.values())}
+                "episodes": self._episodes.state()}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         """Take back :meth:`get_state`'s counters. The rows are the replay's: its shards
@@ -365,7 +366,8 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         self._rows.max_priority = float(state["max_priority"])
         self._num_timesteps_added = int(state["num_timesteps_added"])
         self.sampled_timesteps = int(state["sampled_timesteps"])
-        self._episode_ids = {episode_number(i): i for i in state["episode_ids"]}
+        episodes = state["episodes"]
+        self._episodes.restore(episodes["episodes"], episodes["added"])
 
     def _client_address(self) -> str:
         return self._cluster.address if self._cluster is not None else str(

@@ -75,6 +75,7 @@ from ray.rllib.utils.replay_buffers.multi_agent_prioritized_episode_buffer impor
 
 from replay_server.errors import ConfigError
 from replay_server.ray.cluster import DEFAULT_NAMESPACE, ReplayCluster
+from replay_server.ray.rllib_episodes import EpisodeWindow
 from replay_server.ray.rllib_rows import episode_number, episodes_of, rows_of
 from replay_server.ray.rllib_table import (
     BufferTable,
@@ -132,8 +133,11 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
         self._tables = {m: BufferTable(self._client, f"{table_prefix}{m}", beta=beta,
                                        prefetch=prefetch, pending_adds=pending_adds)
                         for m in modules}
-        self._agents: dict[int, dict[str, Any]] = {}  # episode number -> its episodes' keys
-        self._episode_ids: set[str] = set()  # the multi-agent episodes added
+        # For the episodes of the last `capacity` rows of every table: agent episode number
+        # -> its keys (ids, agent, module), and the multi-agent episodes by id.
+        rows = capacity * len(modules)
+        self._agents: EpisodeWindow[int, dict[str, Any]] = EpisodeWindow(rows)
+        self._episodes: EpisodeWindow[str, None] = EpisodeWindow(rows)
         self._spaces: dict[str, tuple[Any, Any]] = {}
         self._filled: set[str] = set()  # modules whose table holds rows
         self._estimating = False  # inside add(): get_num_timesteps estimates
@@ -228,16 +232,14 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
             for part in parts:
                 counts["agent_steps"][part.agent_id] += len(part)
                 counts["module_steps"][module] += len(part)
-                number = episode_number(part.id_)
-                if number not in self._agents:  # a later chunk continues it, as in RLlib
-                    self._agents[number] = {
-                        "id_": part.id_, "agent_id": part.agent_id, "module_id": module,
+                keys = {"id_": part.id_, "agent_id": part.agent_id, "module_id": module,
                         "multi_agent_episode_id": part.multi_agent_episode_id}
+                # a later chunk continues its episode, as in RLlib
+                if self._agents.add(episode_number(part.id_), keys, len(part)):
                     counts["agent_episodes"][part.agent_id] += 1
                     counts["module_episodes"][module] += 1
                     self._num_module_episodes[module] += 1
-        new = {e.id_ for e in episodes} - self._episode_ids
-        self._episode_ids |= new
+        new = {e.id_ for e in episodes if self._episodes.add(e.id_, None, e.agent_steps())}
         env_steps = sum(e.env_steps() for e in episodes)
         self._num_timesteps_added += env_steps
         self._num_agent_timesteps_added += sum(counts["agent_steps"].values())
@@ -363,7 +365,7 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
         if module_id is not None:
             self._table(module_id, "get_num_episodes")
             return self._num_module_episodes[module_id]
-        return len(self._episode_ids)
+        return self._episodes.added
 
     def get_num_episodes_evicted(self, module_id: Any = None) -> int:
         """0: the tables overwrite rows, not whole episodes (see the module docstring)."""
@@ -401,8 +403,8 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
                 "module_episodes": dict(self._num_module_episodes),
                 "sampled_timesteps": self.sampled_timesteps,
                 "sampled_timesteps_per_module": dict(self.sampled_timesteps_per_module),
-                "agent_episodes": list(self._agents.values()),
-                "episode_ids": sorted(self._episode_ids)}
+                "agent_episodes": self._agents.state(),
+                "episodes": self._episodes.state()}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         """Take back :meth:`get_state`'s counters. The rows are the replay's: its shards
@@ -425,8 +427,8 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
         self.sampled_timesteps = int(state["sampled_timesteps"])
         self.sampled_timesteps_per_module = defaultdict(
             int, state["sampled_timesteps_per_module"])
-        self._agents = {episode_number(a["id_"]): dict(a) for a in state["agent_episodes"]}
-        self._episode_ids = set(state["episode_ids"])
+        for window, key in ((self._agents, "agent_episodes"), (self._episodes, "episodes")):
+            window.restore(state[key]["episodes"], state[key]["added"])
 
     def _client_address(self) -> str:
         return self._cluster.address if self._cluster is not None else str(

@@ -96,7 +96,9 @@ def server(tmp_path):
                "beta": BETA},
               {"name": "nstep", "capacity": 2000, "sampler": "prioritized", "alpha": ALPHA,
                "n_step": 3, "gamma": GAMMA},
-              {"name": "flat", "capacity": 100, "sampler": "uniform"}]
+              {"name": "flat", "capacity": 100, "sampler": "uniform"},
+              {"name": "small", "capacity": 100, "sampler": "prioritized", "alpha": ALPHA,
+               "beta": BETA}]
     server = EmbeddedServer(settings_from_dict({"server": {
         "address": "127.0.0.1:0", "checkpoint_dir": str(tmp_path), "shared_memory": False},
         "tables": tables}))
@@ -279,3 +281,31 @@ def test_state_holds_checkpoint_paths_and_counters(server, tmp_path) -> None:
     assert again.get_added_timesteps() == 50 and again.get_sampled_timesteps() == 8
     with pytest.raises(ValueError, match="the state is of table 'rllib'.*this buffer's is 'nstep'"):
         buffer_on(server, table="nstep", n_step=3, gamma=GAMMA).set_state(state)
+
+
+def test_what_it_keeps_of_episodes_is_bounded_by_the_rows_the_table_holds(server) -> None:
+    """The episode ids a sampled row comes back with are kept only for the episodes among
+    the last ``capacity`` rows added (a long run added millions of episodes, one entry
+    each): the window stays bounded, every sampled row still carries its episode's RLlib
+    id, and the count of episodes added is every one of them."""
+    ours = ShardedEpisodeReplayBuffer(capacity=100, alpha=ALPHA, beta=BETA, table="small",
+                                      address=server.address)
+    added: list[SingleAgentEpisode] = []
+    for seed in range(20):  # 1,200 steps, about 60 episodes, into 100 rows
+        episodes = cartpole_episodes(seed=seed, steps=60)
+        ours.add(episodes)
+        added += episodes
+    ids = {episode_number(e.id_): e.id_ for e in added if len(e)}  # (none stored of empty ones)
+    assert ours.get_num_episodes() == len(ids) > 40
+    window = ours.get_state()["episodes"]
+    kept = window["episodes"]
+    assert len(kept) < len(ids) / 3
+    assert sum(rows for _, _, rows in kept[1:]) < 100 <= sum(rows for _, _, rows in kept)
+    for episode in ours.sample(num_items=64, beta=BETA):
+        number = episode_number(episode.id_)  # the id it came back with is RLlib's own
+        assert ids[number] == episode.id_
+    again = ShardedEpisodeReplayBuffer(capacity=100, alpha=ALPHA, beta=BETA, table="small",
+                                       address=server.address)
+    again.set_state(ours.get_state())
+    assert again.get_num_episodes() == ours.get_num_episodes()
+    assert again.get_state()["episodes"] == ours.get_state()["episodes"]
