@@ -14,7 +14,8 @@ limit, so a slow or hung step costs its limit and no more:
    starvation), one result per test; without CUDA, the simulated accelerator's
    tests (``tests/feed``) instead;
 4. **delivery**: batches of 256 Atari rows to the device, in process, shared memory
-   and gRPC (``benchmarks/learner.py``);
+   and gRPC (``benchmarks/learner.py``), and the in-process path's stages timed one by
+   one (``benchmarks/delivery_stages.py``: draw, sample, gather on 1-8 threads, stream);
 5. **starvation**: a 2 ms and a 10 ms GPU step fed by the stream against the same
    loop on data already there (``benchmarks/starvation.py``);
 6. **device tables**: prioritized sample 256 + update on a device table, and
@@ -209,16 +210,18 @@ def run_steps(check: Check, facts: dict[str, Any]) -> None:
     check.run("server start", [str(HERE / "gpu_check_start.py")], 60, _last_json)
     tests = check.tests or (["tests/gpu"] if cuda else
                             ["tests/feed/test_core.py", "tests/feed/test_resident.py"])
-    junit = work / "tests.xml"
+    junit = Path(tempfile.mkdtemp(prefix="gpu-check-")) / "tests.xml"  # read into the report
     # Not the slow tests: tests/gpu's slowest runs this whole check again (make soak's).
     # -v: a step that runs out of time still names the test it was in.
     check.run("tests", ["-m", "pytest", "-v", "-m", "not slow", "-p", "no:cacheprovider",
                         f"--junitxml={junit}", *tests], 150, _read_junit(junit), any_exit=True)
     for name, script, args, limit in [
             ("delivery", "learner.py", ["--seconds", seconds, *device, *prefill], 90),
+            ("delivery stages", "delivery_stages.py",
+             ["--seconds", "0.3" if check.short else "1"], 60),
             ("starvation", "starvation.py",
              [*device, "--batches", "20" if check.short else "150", *prefill], 90)]:
-        path = work / f"{name}.json"
+        path = work / f"{step_key(name)}.json"
         check.run(name, [str(HERE / script), *args, "--json", str(path)], limit,
                   _read_json(path))
     table = ["--device", "cuda" if cuda else "cpu", "--rows", "2000" if check.short else "20000",
@@ -274,7 +277,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "gpu-check")
     parser.add_argument("--short", action="store_true", help="every step briefly (the suite's)")
     parser.add_argument("--only", help="comma-separated steps to run (server-start, tests, "
-                        "delivery, starvation, device-table, device-table-torchrl, engine, "
+                        "delivery, delivery-stages, starvation, device-table, "
+                        "device-table-torchrl, device-table-through-cuda-ipc, engine, "
                         "service); default: all")
     parser.add_argument("--tests", nargs="*", help="test paths for the tests step (default: "
                         "tests/gpu with CUDA, the simulated accelerator's tests without)")
