@@ -57,7 +57,10 @@ once more, unless the env runners write to the shards themselves
 (:class:`~replay_server.ray.rllib_env_runner.ShardedEnvRunner`): ``add``
 then takes their :class:`~replay_server.ray.rllib_written.WrittenEpisode`
 counts and sends nothing (``rows_sent`` against
-``rows_written_by_env_runners``).
+``rows_written_by_env_runners``). Likewise on the way out: with
+``learners_draw``, :meth:`sample` returns draw orders and each learner
+(:class:`~replay_server.ray.rllib_learner.ShardedDQNTorchLearner`) draws its
+share from the shards itself (:mod:`~replay_server.ray.rllib_draws`).
 Single-agent only (``MultiAgentEpisode``s are refused: see
 :mod:`~replay_server.ray.rllib_multi`); stateful modules
 (``batch_length_T > 1``), ``include_infos`` and ``include_extra_model_outputs``
@@ -82,6 +85,7 @@ from ray.rllib.utils.replay_buffers.prioritized_episode_buffer import (
 
 from replay_proto.batch import STEPS_KEY  # the column an n-step table adds
 from replay_server.ray.cluster import DEFAULT_NAMESPACE, ReplayCluster
+from replay_server.ray.rllib_draws import DrawSpec, draw_rows
 from replay_server.ray.rllib_episodes import EpisodeWindow
 from replay_server.ray.rllib_written import WriteFailure, WrittenEpisode
 from replay_server.ray.rllib_rows import episode_number, episodes_of, rows_of
@@ -123,6 +127,9 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
             a call per sample and a waiting call per update.
         pending_adds: inserts on their way at once (see the module docstring); 0: each
             ``add`` waits for its insert.
+        learners_draw: :meth:`sample` returns draw orders, not rows: the learners
+            (:class:`~replay_server.ray.rllib_learner.ShardedDQNTorchLearner`) draw their
+            shares from the shards themselves (see the module docstring).
 
     Raises:
         ConfigError: a bad option (named), or a table of that name that is not prioritized.
@@ -137,7 +144,7 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
                  checkpoint_dir: str | None = None, checkpoint_interval_s: float = 60.0,
                  shard_options: Any = None, address: str | None = None,
                  client_options: Mapping[str, Any] | None = None, prefetch: int = 2,
-                 pending_adds: int = 4, **kwargs: Any) -> None:
+                 pending_adds: int = 4, learners_draw: bool = False, **kwargs: Any) -> None:
         EpisodeReplayBuffer.__init__(  # not the parent's: its segment trees stay unused
             self, capacity=capacity, batch_size_B=batch_size_B, batch_length_T=batch_length_T,
             metrics_num_episodes_for_smoothing=metrics_num_episodes_for_smoothing)
@@ -159,6 +166,11 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
                                  pending_adds=pending_adds)
         self._rows.check()
         self.rows_sent = 0  # rows this buffer's add inserted itself
+        self.learners_draw = bool(learners_draw)
+        self._draw: dict[str, Any] = {  # what a learner's reader needs (learners_draw)
+            "capacity": int(capacity), "alpha": self._alpha, "n_step": n_step,
+            "gamma": self._gamma, "client_options": dict(client_options or {}),
+            "prefetch": prefetch}
         self.rows_written_by_env_runners = 0  # rows ShardedEnvRunners inserted (counted here)
 
     # ------------------------------------------------------------ what RLlib calls
@@ -266,6 +278,8 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
                           batch_length_T=batch_length_T, n_step=n_step, gamma=gamma,
                           include_infos=include_infos,
                           include_extra_model_outputs=include_extra_model_outputs)
+        if self.learners_draw:  # the learners draw the rows (rllib_learner.py)
+            return self._order(int(size), beta)
         batch = self._rows.draw(int(size), beta)
         episodes = episodes_of(batch, self._fields, self._spaces)
         if to_numpy:
@@ -274,6 +288,21 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         self.sampled_timesteps += len(episodes)
         self._log_sample(batch, episodes)
         return episodes
+
+    def _order(self, size: int, beta: float | None) -> list[Any]:
+        """``size`` draw orders for the learners (``learners_draw``), counted as sampled."""
+        spec = DrawSpec(address=self._client_address(), table=self._rows.name,
+                        beta=self._rows.beta if beta is None else float(beta),
+                        spaces=self._spaces, **self._draw)
+        self.sampled_timesteps += size
+        self.metrics.log_value("num_rows_ordered_from_learners", size, reduce="sum")
+        return draw_rows(size, spec)
+
+    def set_spaces(self, spaces: tuple[Any, Any]) -> None:
+        """The observation and action spaces of the episodes :meth:`sample` returns, where
+        this buffer added none itself (a learner's reader: ``learners_draw``)."""
+        if self._spaces == (None, None):
+            self._spaces = spaces
 
     def _fields(self, number: int) -> dict[str, Any]:
         return {"id_": self._episodes.get(number) or f"{number:016x}"}

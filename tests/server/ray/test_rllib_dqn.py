@@ -7,7 +7,9 @@ shards and the learner's TD errors reach them as priority updates (each
 shard's counter, and a draw that is no longer uniform). The same with two
 agents of CartPole, each its own module, through the multi-agent buffer: one
 table per module. With a remote ``ShardedEnvRunner`` the env runner writes its samples to
-the shards itself and the driver's add sends none; an env runner whose rows a shard refuses
+the shards itself and the driver's add sends none, and with a remote
+``ShardedDQNTorchLearner`` (``learners_draw``) the learner draws its batches from the
+shards itself: no row passes through the driver; an env runner whose rows a shard refuses
 makes the driver's next add raise. A longer run that must learn is marked slow
 (``make soak``).
 """
@@ -34,6 +36,7 @@ from replay_server.errors import ConfigError  # noqa: E402
 from replay_server.ray import ReplayCluster  # noqa: E402
 from replay_server.ray.rllib import ShardedEpisodeReplayBuffer  # noqa: E402
 from replay_server.ray.rllib_env_runner import ShardedEnvRunner, flush_env_runners  # noqa: E402
+from replay_server.ray.rllib_learner import ShardedDQNTorchLearner  # noqa: E402
 
 BUFFER = "replay_server.ray.rllib.ShardedEpisodeReplayBuffer"
 MULTI_BUFFER = "replay_server.ray.rllib_multi.ShardedMultiAgentEpisodeReplayBuffer"
@@ -41,23 +44,28 @@ MULTI_BUFFER = "replay_server.ray.rllib_multi.ShardedMultiAgentEpisodeReplayBuff
 
 def dqn(replay: str, *, steps_per_iteration: int, learning_starts: int, fragment: int,
         seed: int = 0, client_options: dict | None = None, env_runners: int = 0,
-        buffer: dict | None = None):
+        buffer: dict | None = None, learners_draw: bool = False):
     """DQN on CartPole, everything in this process but the shards (one per node): one
     update of 32 rows per ``fragment`` environment steps. ``env_runners`` > 0: that many
     remote ``ShardedEnvRunner``s (half a CPU each), writing to the shards themselves, and
-    an env runner's error fails ``train()`` (no restart)."""
+    an env runner's error fails ``train()`` (no restart). ``learners_draw``: one remote
+    ``ShardedDQNTorchLearner`` (half a CPU) drawing the train batches from the shards."""
     runners = ({"num_env_runners": env_runners, "env_runner_cls": ShardedEnvRunner,
                 "num_cpus_per_env_runner": 0.5} if env_runners else {"num_env_runners": 0})
+    learners = ({"num_learners": 1, "num_cpus_per_learner": 0.5} if learners_draw
+                else {"num_learners": 0})
+    training = ({"learner_class": ShardedDQNTorchLearner} if learners_draw else {})
+    buffer = {**(buffer or {}), **({"learners_draw": True} if learners_draw else {})}
     return (DQNConfig()
             .environment("CartPole-v1")
             .framework("torch")
             .env_runners(rollout_fragment_length=fragment, **runners)
             .fault_tolerance(restart_failed_env_runners=False)
-            .learners(num_learners=0)
+            .learners(**learners)
             .debugging(seed=seed)
             .reporting(min_sample_timesteps_per_iteration=steps_per_iteration,
                        min_time_s_per_iteration=0)
-            .training(train_batch_size_per_learner=32, lr=5e-4, n_step=1,
+            .training(train_batch_size_per_learner=32, lr=5e-4, n_step=1, **training,
                       num_steps_sampled_before_learning_starts=learning_starts,
                       target_network_update_freq=500,
                       replay_buffer_config={
@@ -66,7 +74,7 @@ def dqn(replay: str, *, steps_per_iteration: int, learning_starts: int, fragment
                           "shard_options": [{"num_cpus": 0, "resources": NODE_A},
                                             {"num_cpus": 0, "resources": NODE_B}],
                           "checkpoint_interval_s": 0,
-                          "client_options": client_options or {}, **(buffer or {})})
+                          "client_options": client_options or {}, **buffer})
             .build_algo())
 
 
@@ -101,13 +109,15 @@ def test_dqn_trains_on_two_shards_and_its_priorities_reach_them(ray_cluster) -> 
         replay.shutdown()
 
 
-def test_env_runners_write_their_samples_to_the_shards_not_through_the_driver(
+def test_env_runners_write_and_learners_draw_so_no_row_passes_through_the_driver(
         ray_cluster) -> None:
-    """A remote ``ShardedEnvRunner`` inserts what it samples into the shards itself:
-    the driver's buffer counts their rows and sends none, the shards hold every env step
-    RLlib counts as sampled, and the learner's TD errors reach them as priorities."""
+    """RLlib's scale path: a remote ``ShardedEnvRunner`` inserts what it samples into the
+    shards itself (the driver's buffer counts their rows and sends none), and a remote
+    ``ShardedDQNTorchLearner`` draws each train batch from the shards itself (the driver's
+    buffer orders the rows and draws none). The shards hold every env step RLlib counts as
+    sampled, and the learner's TD errors reach them as priorities."""
     algo = dqn("dqn-runners", steps_per_iteration=200, learning_starts=100, fragment=50,
-               env_runners=1)  # a second one costs ~20 s more to start on 2 cores
+               env_runners=1, learners_draw=True)  # a second runner: ~20 s more on 2 cores
     replay = ReplayCluster.get("dqn-runners")
     try:
         buffer = algo.local_replay_buffer
@@ -119,6 +129,9 @@ def test_env_runners_write_their_samples_to_the_shards_not_through_the_driver(
         assert sampled >= 400
         assert buffer.rows_sent == 0  # the driver's add sent no row
         assert buffer.rows_written_by_env_runners == sampled
+        assert not algo.learner_group.is_local  # the learner is an actor of its own
+        ordered = result["replay_buffer"]["num_rows_ordered_from_learners"]
+        assert ordered > 0 and buffer._rows.last_ids.numel() == 0  # the driver drew none
         written = result["replay_buffer"]["num_env_steps_written_by_env_runners"]
         assert 0 < written <= sampled, written  # RLlib's metrics: this iteration's
         assert loopback_addresses() == {"127.0.0.1"}
@@ -132,7 +145,9 @@ def test_env_runners_write_their_samples_to_the_shards_not_through_the_driver(
             rows = client.sample("rllib", 512)
             assert np.ptp(rows.probabilities.numpy()) > 0  # the TD errors are priorities
             assert set(rows.data["t"].tolist()) > {0}  # chunks of running episodes went on
-        assert result["replay_buffer"]["num_priorities_updated"] > 0
+        # The priorities came from the learner's own stream (the shards' counters above),
+        # none through the driver's buffer.
+        assert "num_priorities_updated" not in result["replay_buffer"]
     finally:
         algo.stop()
         replay.shutdown()
