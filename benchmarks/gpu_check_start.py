@@ -3,8 +3,11 @@
     python benchmarks/gpu_check_start.py
 
 Starts the server (its default tables, 127.0.0.1, port 0) in its own process, waits for
-the port file it writes once SERVING, asks its health service, stops it with SIGTERM, and
-prints one JSON line: ``{"serving_s": ..., "health": "SERVING", "stop_s": ...}``.
+the port file it writes once SERVING, asks its health service, stops it with SIGTERM, then
+does it all once more, and prints one JSON line: ``{"serving_s": ..., "again_serving_s":
+..., "health": "SERVING", "stop_s": ...}``. The first start on a fresh machine reads torch
+and CUDA's libraries from a cold disk (5.6 s on a lent H200); the second is what a restart
+costs once they are cached.
 """
 
 from __future__ import annotations
@@ -24,6 +27,14 @@ LIMIT_S = 45.0
 
 
 def main() -> int:
+    first = start_and_stop()
+    again = start_and_stop()
+    print(json.dumps({**first, "again_serving_s": again["serving_s"]}))
+    return 0 if first["exit"] == again["exit"] == 0 else 1
+
+
+def start_and_stop() -> dict:
+    """One start to SERVING, a health check and a SIGTERM stop, timed."""
     with tempfile.TemporaryDirectory() as scratch:
         port_file = Path(scratch) / "port"
         started = time.monotonic()
@@ -48,11 +59,9 @@ def main() -> int:
             stopping = time.monotonic()
             server.send_signal(signal.SIGTERM)
             code = server.wait(timeout=30)
-            print(json.dumps({
-                "serving_s": round(serving_s, 3),
-                "health": health_pb2.HealthCheckResponse.ServingStatus.Name(status),
-                "stop_s": round(time.monotonic() - stopping, 3), "exit": code}))
-            return 0 if code == 0 else 1
+            return {"serving_s": round(serving_s, 3),
+                    "health": health_pb2.HealthCheckResponse.ServingStatus.Name(status),
+                    "stop_s": round(time.monotonic() - stopping, 3), "exit": code}
         finally:
             if server.poll() is None:
                 server.kill()

@@ -43,6 +43,9 @@ class TableInfo:
     max_times_sampled: int
     mass: SamplingMass | None = None
     episode_key: str = "episode"
+    pinned_bytes: int = 0
+    """Bytes of its storage that are page-locked (pinned: a server on a CUDA host with
+    ``pin_memory``); over shards, their sum."""
     capabilities: TableCapabilities = TableCapabilities()
     id_segments: tuple[IdSegment, ...] = ()
     """Where the stored rows of each id segment lie (:mod:`replay_client.id_positions`)."""
@@ -83,6 +86,7 @@ def tables_of(response: pb.InfoResponse) -> dict[str, TableInfo]:
         t.name: TableInfo(
             name=t.name, sampler=t.sampler, capacity=t.capacity, size=t.size,
             schema=dict(t.schema), pinned=t.pinned, storage_bytes=t.storage_bytes,
+            pinned_bytes=t.pinned_bytes,
             counters={f: getattr(t.counters, f) for f in _COUNTER_FIELDS},
             sampler_stats=dict(t.sampler_stats), alpha=t.alpha, beta=t.beta,
             slice_len=t.slice_len or None,

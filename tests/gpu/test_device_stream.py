@@ -92,7 +92,8 @@ def test_embedded_storage_is_pinned_and_feeds_the_device():
                                    "tables": [{"name": "r", "capacity": 500}]})
     with EmbeddedServer(settings, listen=False) as server:
         ids = server.tables["r"].insert({"row": torch.arange(500)}).cuda()
-        assert server.tables["r"].info().pinned
+        info = server.tables["r"].info()
+        assert info.pinned and info.pinned_bytes == info.storage_bytes > 0  # all of it
         stream = server.stream("r", 64, device="cuda", num_batches=5)
         for batch in stream:
             assert batch.data["row"].is_cuda and torch.equal(ids[batch.data["row"]], batch.ids)

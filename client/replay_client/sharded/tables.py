@@ -85,6 +85,7 @@ def _add(a: Any, b: Any) -> Any:
     return replace(
         a, capacity=a.capacity + b.capacity, size=a.size + b.size,
         pinned=a.pinned and b.pinned, storage_bytes=a.storage_bytes + b.storage_bytes,
+        pinned_bytes=a.pinned_bytes + b.pinned_bytes,
         schema=a.schema or b.schema,
         counters={k: v + b.counters.get(k, 0) for k, v in a.counters.items()},
         sampler_stats=stats, rate_limiter=limiter, mass=mass,

@@ -270,7 +270,7 @@ class RateLimiterInfo(_message.Message):
     def __init__(self, enabled: _Optional[bool] = ..., min_size_to_sample: _Optional[int] = ..., samples_per_insert: _Optional[float] = ..., error_buffer: _Optional[float] = ..., min_diff: _Optional[float] = ..., max_diff: _Optional[float] = ..., inserts: _Optional[int] = ..., samples: _Optional[int] = ..., deletes: _Optional[int] = ..., can_insert: _Optional[bool] = ..., can_sample: _Optional[bool] = ..., blocked_inserts: _Optional[int] = ..., blocked_samples: _Optional[int] = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("name", "sampler", "capacity", "size", "schema", "pinned", "storage_bytes", "counters", "sampler_stats", "alpha", "beta", "slice_len", "rate_limiter", "max_times_sampled", "mass", "episode_key", "capabilities", "id_segments")
+    __slots__ = ("name", "sampler", "capacity", "size", "schema", "pinned", "storage_bytes", "counters", "sampler_stats", "alpha", "beta", "slice_len", "rate_limiter", "max_times_sampled", "mass", "episode_key", "capabilities", "id_segments", "pinned_bytes")
     class SchemaEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,7 @@ class TableInfo(_message.Message):
     EPISODE_KEY_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     ID_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     sampler: str
     capacity: int
@@ -321,7 +322,8 @@ class TableInfo(_message.Message):
     episode_key: str
     capabilities: TableCapabilities
     id_segments: _containers.RepeatedCompositeFieldContainer[IdSegment]
-    def __init__(self, name: _Optional[str] = ..., sampler: _Optional[str] = ..., capacity: _Optional[int] = ..., size: _Optional[int] = ..., schema: _Optional[_Mapping[str, str]] = ..., pinned: _Optional[bool] = ..., storage_bytes: _Optional[int] = ..., counters: _Optional[_Union[TableCounters, _Mapping]] = ..., sampler_stats: _Optional[_Mapping[str, float]] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., slice_len: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiterInfo, _Mapping]] = ..., max_times_sampled: _Optional[int] = ..., mass: _Optional[_Union[SamplingMass, _Mapping]] = ..., episode_key: _Optional[str] = ..., capabilities: _Optional[_Union[TableCapabilities, _Mapping]] = ..., id_segments: _Optional[_Iterable[_Union[IdSegment, _Mapping]]] = ...) -> None: ...
+    pinned_bytes: int
+    def __init__(self, name: _Optional[str] = ..., sampler: _Optional[str] = ..., capacity: _Optional[int] = ..., size: _Optional[int] = ..., schema: _Optional[_Mapping[str, str]] = ..., pinned: _Optional[bool] = ..., storage_bytes: _Optional[int] = ..., counters: _Optional[_Union[TableCounters, _Mapping]] = ..., sampler_stats: _Optional[_Mapping[str, float]] = ..., alpha: _Optional[float] = ..., beta: _Optional[float] = ..., slice_len: _Optional[int] = ..., rate_limiter: _Optional[_Union[RateLimiterInfo, _Mapping]] = ..., max_times_sampled: _Optional[int] = ..., mass: _Optional[_Union[SamplingMass, _Mapping]] = ..., episode_key: _Optional[str] = ..., capabilities: _Optional[_Union[TableCapabilities, _Mapping]] = ..., id_segments: _Optional[_Iterable[_Union[IdSegment, _Mapping]]] = ..., pinned_bytes: _Optional[int] = ...) -> None: ...
 
 class IdSegment(_message.Message):
     __slots__ = ("incarnation", "first_position")

@@ -39,6 +39,8 @@ class TableInfo:
     pinned: bool
     storage_bytes: int
     counters: TableCounters
+    pinned_bytes: int = 0
+    """Bytes of its storage that are page-locked (pinned)."""
     sampler_stats: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     rate_limiter: RateLimiterInfo | None = None

@@ -102,6 +102,7 @@ class TableParts:
             schema=None if self.schema is None else self.schema.describe(),
             pinned=storage is not None and storage.pinned,
             storage_bytes=0 if storage is None else storage.nbytes,
+            pinned_bytes=0 if storage is None else storage.pinned_bytes,
             counters=TableCounters(**asdict(self.counters)),
             sampler_stats={**self.sampler.stats(),
                            **{k: v for reader in self.readers for k, v in reader.stats().items()},

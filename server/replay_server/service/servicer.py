@@ -310,6 +310,7 @@ class ReplayServicer:
                 schema=info.schema or {},
                 pinned=info.pinned,
                 storage_bytes=info.storage_bytes,
+                pinned_bytes=info.pinned_bytes,
                 counters=pb.TableCounters(**asdict(info.counters)),
                 sampler_stats={k: float(v) for k, v in info.sampler_stats.items()},
                 alpha=info.sampler_stats.get("alpha", info.config["alpha"]),  # in force now

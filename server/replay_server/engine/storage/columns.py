@@ -70,6 +70,12 @@ class ColumnStorage:
         return any(column.pinned for column in self.columns.values())
 
     @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the columns whose memory is page-locked (host memory the OS cannot page
+        out or move: what a CUDA host's device copies read without a staging copy)."""
+        return sum(column.nbytes for column in self.columns.values() if column.pinned)
+
+    @property
     def nbytes(self) -> int:
         """Bytes the columns hold now."""
         return sum(column.nbytes for column in self.columns.values())
