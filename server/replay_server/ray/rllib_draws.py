@@ -76,7 +76,7 @@ class DrawRow:
         raise NotAnEpisodeError(
             f"a DrawRow (replay_buffer_config 'learners_draw': True) reached a learner that "
             f"treats it as an episode (asked for {name!r}): with learners_draw, set "
-            f"config.training(learner_class=replay_server.ray.rllib_learner."
+            f"config.learners(learner_class=replay_server.ray.rllib_learner."
             f"ShardedDQNTorchLearner), whose learners draw the rows from the shards")
 
 

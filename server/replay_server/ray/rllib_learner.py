@@ -12,7 +12,8 @@ shards as the rows' priorities. The driver then handles no row at all, with
 ``ShardedEnvRunner``\\ s writing (:mod:`~replay_server.ray.rllib_env_runner`)::
 
     config.env_runners(env_runner_cls=ShardedEnvRunner)
-    config.training(learner_class=ShardedDQNTorchLearner, replay_buffer_config={
+    config.learners(learner_class=ShardedDQNTorchLearner)
+    config.training(replay_buffer_config={
         "type": "replay_server.ray.rllib.ShardedEpisodeReplayBuffer",
         "learners_draw": True, ...})
 

@@ -52,9 +52,9 @@ def dqn(replay: str, *, steps_per_iteration: int, learning_starts: int, fragment
     ``ShardedDQNTorchLearner`` (half a CPU) drawing the train batches from the shards."""
     runners = ({"num_env_runners": env_runners, "env_runner_cls": ShardedEnvRunner,
                 "num_cpus_per_env_runner": 0.5} if env_runners else {"num_env_runners": 0})
-    learners = ({"num_learners": 1, "num_cpus_per_learner": 0.5} if learners_draw
+    learners = ({"num_learners": 1, "num_cpus_per_learner": 0.5,
+                 "learner_class": ShardedDQNTorchLearner} if learners_draw
                 else {"num_learners": 0})
-    training = ({"learner_class": ShardedDQNTorchLearner} if learners_draw else {})
     buffer = {**(buffer or {}), **({"learners_draw": True} if learners_draw else {})}
     return (DQNConfig()
             .environment("CartPole-v1")
@@ -65,7 +65,7 @@ def dqn(replay: str, *, steps_per_iteration: int, learning_starts: int, fragment
             .debugging(seed=seed)
             .reporting(min_sample_timesteps_per_iteration=steps_per_iteration,
                        min_time_s_per_iteration=0)
-            .training(train_batch_size_per_learner=32, lr=5e-4, n_step=1, **training,
+            .training(train_batch_size_per_learner=32, lr=5e-4, n_step=1,
                       num_steps_sampled_before_learning_starts=learning_starts,
                       target_network_update_freq=500,
                       replay_buffer_config={
