@@ -39,8 +39,9 @@ and :func:`flush_env_runners` report the same error: no row is silently
 dropped, and none is stored out of order.
 
 Evaluation env runners (``config.in_evaluation``) write nothing and return
-their episodes as RLlib's do. Single-agent only: a multi-agent config, or a
-buffer that is not a ``ShardedEpisodeReplayBuffer`` (it could not store
+their episodes as RLlib's do. Single-agent only: a multi-agent config (its
+env runner is :class:`~replay_server.ray.rllib_multi_env_runner.ShardedMultiAgentEnvRunner`),
+or a buffer that is not a ``ShardedEpisodeReplayBuffer`` (it could not store
 :class:`WrittenEpisode`s), is refused by name when the env runner is made.
 
 Cost on an env runner: one pass over the sampled steps to build the rows
@@ -51,24 +52,19 @@ Thread-safety: as RLlib's env runners, one caller at a time.
 
 from __future__ import annotations
 
-import importlib
-import logging
 from typing import Any
 
 from ray.rllib.env.single_agent_env_runner import SingleAgentEnvRunner
 
 import replay_client
-from replay_client import ReplayClient
 from replay_server.errors import ConfigError
-from replay_server.ray.cluster import DEFAULT_NAMESPACE, RESOLVE_INTERVAL_S
-from replay_server.ray.pending_adds import PendingAdds
 from replay_server.ray.rllib import ShardedEpisodeReplayBuffer
 from replay_server.ray.rllib_rows import rows_of
+from replay_server.ray.rllib_shard_writer import ShardWriter, configured_class
 from replay_server.ray.rllib_written import WriteFailure, WrittenEpisode
 
 __all__ = ["ShardedEnvRunner", "WriteFailure", "WrittenEpisode", "flush_env_runners"]
 
-logger = logging.getLogger(__name__)
 WriterError = replay_client.errors.WriterError  # through the client's front door
 
 
@@ -86,13 +82,7 @@ class ShardedEnvRunner(SingleAgentEnvRunner):
         _check_buffer(settings.get("type"), multi_agent=config.is_multi_agent)  # before the env
         super().__init__(config=config, **kwargs)
         self._table = str(settings.get("table", "rllib"))
-        self._address = settings.get("address") or (
-            f"ray://{settings.get('namespace', DEFAULT_NAMESPACE)}/"
-            f"{settings.get('replay', 'rllib')}")
-        self._client_options = dict(settings.get("client_options") or {})
-        self._most = int(settings.get("pending_adds", 4))
-        self._client: Any = None  # made at the first sample: the buffer makes the replay
-        self._writes: PendingAdds | None = None
+        self._writer = ShardWriter(settings, f"env runner {self.worker_index}'s sample")
         self._spaces_sent = False
 
     def sample(self, **kwargs: Any) -> list[Any]:
@@ -102,40 +92,17 @@ class ShardedEnvRunner(SingleAgentEnvRunner):
         docstring)."""
         if self.config.in_evaluation:
             return super().sample(**kwargs)
-        failure = self._failure()
+        failure = self._writer.failure()
         if failure is not None:
             return [failure]
         episodes = super().sample(**kwargs)
         listed = [e for e in episodes if len(e) > 0]
         if listed:
             try:
-                self._write(rows_of(listed), sum(len(e) for e in listed))
+                self._writer.put(self._table, rows_of(listed), sum(len(e) for e in listed))
             except WriterError as exc:  # an earlier insert failed meanwhile
                 return [WriteFailure(str(exc))]
         return [self._written(e) for e in listed]
-
-    def _failure(self, wait: bool = False) -> WriteFailure | None:
-        """The failed insert, as a :class:`WriteFailure` (``wait``: once every insert on
-        its way is done)."""
-        if self._writes is None:
-            return None
-        try:
-            self._writes.wait() if wait else self._writes.check()
-        except WriterError as exc:
-            return WriteFailure(str(exc))
-        return None
-
-    def _write(self, rows: dict[str, Any], count: int) -> None:
-        if self._client is None:
-            options = {"resolve_interval_s": RESOLVE_INTERVAL_S, **self._client_options}
-            self._client = ReplayClient(self._address, **options)
-            source = f"env runner {self.worker_index}'s sample"
-            self._writes = PendingAdds(self._client, self._table, max(1, self._most),
-                                       source=source)
-        assert self._writes is not None
-        self._writes.put(rows, None, count)  # the shards give the largest priority seen
-        if self._most == 0:
-            self._writes.wait()
 
     def _written(self, episode: Any) -> WrittenEpisode:
         spaces = None
@@ -149,33 +116,28 @@ class ShardedEnvRunner(SingleAgentEnvRunner):
         """Wait until this env runner's inserts are stored; returns the one that failed, as
         a :class:`WriteFailure` (raised by :func:`flush_env_runners` in the driver), or
         ``None``."""
-        return self._failure(wait=True)
+        return self._writer.failure(wait=True)
 
     def stop(self) -> None:
         """Store the inserts on their way (up to 30 s; a failure is logged, naming the rows),
         end the writer thread and close the client, then RLlib's stop."""
         try:
-            if self._writes is not None:
-                try:
-                    self._writes.wait(timeout=30.0)
-                except WriterError as exc:
-                    logger.error("%s", exc)
-                self._writes.stop()
-            if self._client is not None:
-                self._client.close()
+            self._writer.close()
         finally:
             super().stop()
 
 
 def flush_env_runners(algo: Any) -> None:
     """Wait until every remote env runner of ``algo`` (and its local one) has stored its
-    inserts (an env runner that is not a :class:`ShardedEnvRunner` is passed over).
+    inserts (an env runner that is not a :class:`ShardedEnvRunner` or a
+    ``ShardedMultiAgentEnvRunner`` is passed over).
 
     Raises:
         WriterError: an env runner's insert failed.
     """
-    results = algo.env_runner_group.foreach_env_runner(
-        lambda runner: runner.flush() if isinstance(runner, ShardedEnvRunner) else None,
+    results = algo.env_runner_group.foreach_env_runner(  # single- and multi-agent ones
+        lambda runner: runner.flush() if isinstance(getattr(runner, "_writer", None),
+                                                    ShardWriter) else None,
         local_env_runner=True)
     for result in results:
         if isinstance(result, WriteFailure):
@@ -184,17 +146,12 @@ def flush_env_runners(algo: Any) -> None:
 
 def _check_buffer(kind: Any, *, multi_agent: bool) -> None:
     """Refuse configs whose buffer could not store :class:`WrittenEpisode`s (named)."""
-    resolved = kind
-    if isinstance(kind, str) and "." in kind:
-        module, _, name = kind.rpartition(".")
-        try:
-            resolved = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            resolved = None
-    if multi_agent or not (isinstance(resolved, type)
+    resolved = configured_class(kind)
+    if multi_agent or not (resolved is not None
                            and issubclass(resolved, ShardedEpisodeReplayBuffer)):
         raise ConfigError(
             f"ShardedEnvRunner writes its samples to the replay's shards and hands the "
             f"driver no rows: replay_buffer_config['type'] must be "
             f"'replay_server.ray.rllib.ShardedEpisodeReplayBuffer' (got {kind!r})"
-            + ("; multi-agent configs are not supported by it yet" if multi_agent else ""))
+            + ("; a multi-agent config takes replay_server.ray.rllib_multi_env_runner."
+               "ShardedMultiAgentEnvRunner" if multi_agent else ""))

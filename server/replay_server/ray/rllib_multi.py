@@ -77,6 +77,11 @@ from replay_server.errors import ConfigError
 from replay_server.ray.cluster import DEFAULT_NAMESPACE, ReplayCluster
 from replay_server.ray.rllib_episodes import EpisodeWindow
 from replay_server.ray.rllib_rows import episode_number, episodes_of, rows_of
+from replay_server.ray.rllib_written import (
+    WriteFailure,
+    WrittenAgentEpisode,
+    WrittenMultiAgentEpisode,
+)
 from replay_server.ray.rllib_table import (
     BufferTable,
     check_options,
@@ -141,6 +146,8 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
         self._spaces: dict[str, tuple[Any, Any]] = {}
         self._filled: set[str] = set()  # modules whose table holds rows
         self._estimating = False  # inside add(): get_num_timesteps estimates
+        self.rows_sent = 0  # agent steps this buffer's add inserted itself
+        self.rows_written_by_env_runners = 0  # agent steps ShardedMultiAgentEnvRunners wrote
         try:
             info = self._client.info()
             for module, table in self._tables.items():
@@ -185,27 +192,68 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
         """Store every agent step of ``episodes`` (one ``MultiAgentEpisode`` or a list) as a
         row of its module's table; ``weight``: their priority, one for all or one per
         module id (default: the largest the table has seen, as RLlib's).
+        :class:`~replay_server.ray.rllib_written.WrittenMultiAgentEpisode`\ s (rows a
+        ``ShardedMultiAgentEnvRunner`` inserted itself) are counted, not sent.
 
         Raises:
             TypeError: an episode that is not a ``MultiAgentEpisode``, or an observation
                 that is not an array; nothing stored.
             ConfigError: an agent mapped to a module not in ``module_ids``; nothing stored.
             ValueError: a weight that is not finite and >= 0; nothing stored.
-            WriterError: an earlier background insert failed.
+            WriterError: an earlier background insert failed, or an env runner's (a
+                ``WriteFailure`` among ``episodes``: raised after the rest was added).
         """
         given = list(episodes) if isinstance(episodes, list) else [episodes]
         for episode in given:
-            if not isinstance(episode, MultiAgentEpisode):
+            if not isinstance(episode, (MultiAgentEpisode, WrittenMultiAgentEpisode,
+                                        WriteFailure)):
                 raise TypeError(f"ShardedMultiAgentEpisodeReplayBuffer stores "
                                 f"MultiAgentEpisodes, got {type(episode).__name__} (single "
                                 f"agent: replay_server.ray.rllib.ShardedEpisodeReplayBuffer)")
-        by_module = self._agent_episodes(given)
+        listed = [e for e in given if not isinstance(e, WriteFailure)]
+        sent = [e for e in listed if isinstance(e, MultiAgentEpisode)]
+        by_module = self._agent_episodes(sent)
+        written = self._written_parts([e for e in listed
+                                       if isinstance(e, WrittenMultiAgentEpisode)])
         weights = {m: _weight_of(weight, m) for m in by_module}
         rows = {m: rows_of(parts) for m, parts in by_module.items()}  # all checked first
         for module, columns in rows.items():
             self._tables[module].add(columns, len(columns["t"]), weights[module])
             self._filled.add(module)
-        self._count_added(given, by_module)
+            self.rows_sent += len(columns["t"])
+        for module, parts in written.items():  # stored by the env runners: counted only
+            steps = sum(len(p) for p in parts)
+            self._tables[module].count_written(steps)
+            self._filled.add(module)
+            self.rows_written_by_env_runners += steps
+            self.metrics.log_value("num_agent_steps_written_by_env_runners", steps,
+                                   reduce="sum")
+        counted: dict[str, list[Any]] = {m: list(parts) for m, parts in by_module.items()}
+        for module, parts in written.items():
+            counted.setdefault(module, []).extend(parts)
+        self._count_added(listed, counted)
+        failed = [e for e in given if isinstance(e, WriteFailure)]
+        if failed:  # an env runner's insert failed: raised here, in the driver
+            raise failed[0].error()
+
+    def _written_parts(self, episodes: list[WrittenMultiAgentEpisode]
+                       ) -> dict[str, list[WrittenAgentEpisode]]:
+        """Each module's written agent episodes of ``episodes``, in order.
+
+        Raises:
+            ConfigError: a module not in ``module_ids`` (its rows went to a table this
+                buffer does not sample).
+        """
+        by_module: dict[str, list[WrittenAgentEpisode]] = {}
+        for episode in episodes:
+            for part in episode.agents:
+                if part.module_id not in self._tables:
+                    raise ConfigError(f"add: an env runner wrote agent {part.agent_id!r} of "
+                                      f"episode {episode.id_!r} to module "
+                                      f"{part.module_id!r}, not one of module_ids "
+                                      f"{list(self._tables)}")
+                by_module.setdefault(part.module_id, []).append(part)
+        return by_module
 
     def _agent_episodes(self, episodes: list[Any]) -> dict[str, list[SingleAgentEpisode]]:
         """Each module's agent episodes (those with steps) of ``episodes``, in order."""
@@ -222,13 +270,16 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
                 by_module.setdefault(module, []).append(agent_episode)
         return by_module
 
-    def _count_added(self, episodes: list[Any],
-                     by_module: dict[str, list[SingleAgentEpisode]]) -> None:
-        """RLlib's counters and add metrics for what :meth:`add` stored."""
+    def _count_added(self, episodes: list[Any], by_module: dict[str, list[Any]]) -> None:
+        """RLlib's counters and add metrics for what :meth:`add` stored (agent episodes, or
+        the parts env runners wrote: both have ``id_``, ``agent_id``, ``len``...)."""
         counts: dict[str, dict[Any, int]] = defaultdict(lambda: defaultdict(int))
         for module, parts in by_module.items():
-            self._spaces.setdefault(module, (parts[0].observation_space,
-                                             parts[0].action_space))
+            if module not in self._spaces:  # from the first part that carries them
+                spaced = [p for p in parts if p.observation_space is not None]
+                if spaced:
+                    self._spaces[module] = (spaced[0].observation_space,
+                                            spaced[0].action_space)
             for part in parts:
                 counts["agent_steps"][part.agent_id] += len(part)
                 counts["module_steps"][module] += len(part)

@@ -37,6 +37,7 @@ from replay_server.ray import ReplayCluster  # noqa: E402
 from replay_server.ray.rllib import ShardedEpisodeReplayBuffer  # noqa: E402
 from replay_server.ray.rllib_env_runner import ShardedEnvRunner, flush_env_runners  # noqa: E402
 from replay_server.ray.rllib_learner import ShardedDQNTorchLearner  # noqa: E402
+from replay_server.ray.rllib_multi_env_runner import ShardedMultiAgentEnvRunner  # noqa: E402
 
 BUFFER = "replay_server.ray.rllib.ShardedEpisodeReplayBuffer"
 MULTI_BUFFER = "replay_server.ray.rllib_multi.ShardedMultiAgentEpisodeReplayBuffer"
@@ -173,6 +174,8 @@ def test_an_env_runner_whose_rows_a_shard_refuses_fails_the_next_add(ray_cluster
                                                   "capacity": 1_000}))
         with pytest.raises(ConfigError, match="must be 'replay_server.ray.rllib.Sharded"):
             ShardedEnvRunner(config=DQNConfig().environment("CartPole-v1"))  # RLlib's buffer
+        with pytest.raises(ConfigError, match="needs a multi-agent config .*single-agent"):
+            ShardedMultiAgentEnvRunner(config=config)  # single-agent, the wrong buffer type
         buffer = ShardedEpisodeReplayBuffer(capacity=1_000, address=replay.address)
         runner = ShardedEnvRunner(config=config, worker_index=1)
         buffer.add(runner.sample())  # its insert is on its way, refused by the shard
@@ -200,13 +203,16 @@ def test_multi_agent_dqn_keeps_each_module_in_its_table_on_two_shards(ray_cluste
     """Two agents of CartPole, each its own module (policy ``p0``, ``p1``): each module's
     rows go to its own table over the two shards, and its TD errors to its table only; the
     rows a sample returns are in the order RLlib's learner batches them (so the k-th TD
-    error is the k-th row's)."""
+    error is the k-th row's). The env runner (``ShardedMultiAgentEnvRunner``, the local one
+    here: a remote one costs seconds to start) writes each module's rows itself; the
+    buffer's add counts them and sends none."""
     algo = (DQNConfig()
             .environment(MultiAgentCartPole, env_config={"num_agents": 2})
             .framework("torch")
             .multi_agent(policies={"p0", "p1"},
                          policy_mapping_fn=lambda agent_id, episode, **kw: f"p{agent_id}")
-            .env_runners(num_env_runners=0, rollout_fragment_length=50)
+            .env_runners(num_env_runners=0, rollout_fragment_length=50,
+                         env_runner_cls=ShardedMultiAgentEnvRunner)
             .learners(num_learners=0)
             .debugging(seed=0)
             .reporting(min_sample_timesteps_per_iteration=200, min_time_s_per_iteration=0)
@@ -224,12 +230,16 @@ def test_multi_agent_dqn_keeps_each_module_in_its_table_on_two_shards(ray_cluste
         buffer = algo.local_replay_buffer
         assert type(buffer).__module__ + "." + type(buffer).__name__ == MULTI_BUFFER
         algo.train()  # 200 environment steps, an update per 50 from the 100th: 2-3 updates
-        buffer.flush()  # the last adds and the updates riding on the sample streams, applied
+        flush_env_runners(algo)  # the env runner's inserts on their way, stored
+        buffer.flush()  # the updates riding on the sample streams, applied
+        assert buffer.rows_sent == 0 and buffer.rows_written_by_env_runners > 0
         assert all(s["address"].startswith("127.0.0.1:") for s in replay.states())
         assert loopback_addresses() == {"127.0.0.1"}
         with replay.client() as client:
             shards = client.shard_info()
             per_shard = [0] * len(shards)
+            assert sum(buffer.get_added_timesteps(m) for m in ("p0", "p1")) == \
+                buffer.rows_written_by_env_runners  # every agent step, written by the runner
             for module in ("p0", "p1"):
                 table = f"rllib-{module}"
                 sizes = [info.tables[table].size for info in shards.values()]

@@ -31,8 +31,11 @@ from ray.rllib.utils.replay_buffers import (  # noqa: E402
 from replay_server.app.config_file import settings_from_dict  # noqa: E402
 from replay_server.app.embedded import EmbeddedServer  # noqa: E402
 from replay_server.errors import ConfigError  # noqa: E402
+from replay_client.errors import WriterError  # noqa: E402
 from replay_server.ray.rllib_multi import ShardedMultiAgentEpisodeReplayBuffer  # noqa: E402
-from replay_server.ray.rllib_rows import episode_number  # noqa: E402
+from replay_server.ray.rllib_multi_env_runner import written_of  # noqa: E402
+from replay_server.ray.rllib_rows import episode_number, rows_of  # noqa: E402
+from replay_server.ray.rllib_written import WriteFailure  # noqa: E402
 from tests.server.ray.test_rllib_buffer import cartpole_episodes  # noqa: E402
 
 ALPHA, BETA = 0.6, 0.4
@@ -269,3 +272,31 @@ def test_state_holds_checkpoint_paths_and_counters(server, tmp_path) -> None:
     with pytest.raises(ValueError, match=r"the state is of tables \{'p0': 'rllib-p0', "
                                          r"'p1': 'rllib-p1'\}.*this buffer's are \{'p0'"):
         buffer_on(server, module_ids=["p0"]).set_state(state)
+
+
+def test_episodes_an_env_runner_wrote_are_counted_as_rllib_counts_them(server) -> None:
+    """What a ``ShardedMultiAgentEnvRunner`` hands the driver (``written_of``: ids and
+    step counts, its rows inserted by the env runner): the buffer sends nothing, counts
+    each module's steps and episodes as RLlib's buffer counts the episodes themselves, and
+    samples those rows with their agents' ids. A ``WriteFailure`` among them is raised
+    after the rest is counted; a part of a module it has no table for is refused."""
+    episodes = two_agent_episodes(seed=3)
+    ours, ref = buffer_on(server), reference(episodes)
+    written, by_module = written_of(episodes, MODULES, set())
+    for module, parts in by_module.items():  # what the env runner's writer inserts
+        ours.client.insert(f"rllib-{module}", rows_of(parts))
+    with pytest.raises(WriterError, match="env runner 1's sample: shard 0 refused"):
+        ours.add([*written, WriteFailure("env runner 1's sample: shard 0 refused")])
+    assert ours.rows_sent == 0
+    assert ours.rows_written_by_env_runners == sum(ref.get_num_timesteps(m) for m in MODULES)
+    for module in MODULES:
+        assert ours.get_num_timesteps(module) == ref.get_num_timesteps(module) > 0
+        assert ours.get_num_episodes(module) == ref.get_num_episodes(module)
+        assert ours.get_added_timesteps(module) == ref.get_added_timesteps(module)
+    assert ours.get_num_episodes() == ref.get_num_episodes()
+    ids = {e.id_: (aid, ma.id_) for ma in episodes for aid, e in ma.agent_episodes.items()}
+    for episode in ours.sample(num_items=32, beta=BETA, n_step=1):
+        assert ids[episode.id_] == (episode.agent_id, episode.multi_agent_episode_id)
+        assert episode.observation_space is not None  # the spaces came with the parts
+    with pytest.raises(ConfigError, match=r"module 'p1', not one of module_ids \['p0'\]"):
+        written_of(episodes, ["p0"], set())
