@@ -20,7 +20,8 @@ limit, so a slow or hung step costs its limit and no more:
 6. **device tables**: prioritized sample 256 + update on a device table, and
    TorchRL's ``LazyTensorStorage(device=...)`` + ``PrioritizedSampler`` beside it when
    a TorchRL built for this torch imports (``benchmarks/gpu_table.py``);
-   through CUDA IPC to a second process: reported as not built yet;
+   and batches of a cuda table in a server process to this one through CUDA IPC,
+   against host copies (``benchmarks/cuda_ipc.py``; skipped without CUDA);
 7. **engine** and **service** headline rows on this machine's cores
    (``benchmarks/engine.py``, ``benchmarks/service.py``).
 
@@ -231,8 +232,14 @@ def run_steps(check: Check, facts: dict[str, Any]) -> None:
     else:
         check.run("device table, TorchRL", [str(HERE / "gpu_table.py"), "--side", "torchrl",
                                             *table], 90, _last_json)
-    check.skip("device table through CUDA IPC", "not built yet (issue 31): a second "
-               "process's device tables get host copies")
+    if cuda:  # a cuda table in a server process to this one: CUDA IPC against host copies
+        path = work / "cuda_ipc.json"
+        check.run("device table through CUDA IPC",
+                  [str(HERE / "cuda_ipc.py"), "--rows", "2000" if check.short else "20000",
+                   "--seconds", "0.5" if check.short else "3", "--json", str(path)], 120,
+                  _read_json(path))
+    else:
+        check.skip("device table through CUDA IPC", "no CUDA")
     rows = "20000" if check.short else "1000000"
     check.run("engine", [str(HERE / "engine.py"), "--side", "ours", "--case", "prioritized",
                          "--rows", rows, "--seconds", seconds], 60, _last_json)
@@ -274,8 +281,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "gpu-check")
     parser.add_argument("--short", action="store_true", help="every step briefly (the suite's)")
     parser.add_argument("--only", help="comma-separated steps to run (server-start, tests, "
-                        "delivery, starvation, device-table, device-table-torchrl, engine, "
-                        "service); default: all")
+                        "delivery, starvation, device-table, device-table-torchrl, "
+                        "device-table-through-cuda-ipc, engine, service); default: all")
     parser.add_argument("--tests", nargs="*", help="test paths for the tests step (default: "
                         "tests/gpu with CUDA, the simulated accelerator's tests without)")
     args = parser.parse_args()

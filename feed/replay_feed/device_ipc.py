@@ -127,13 +127,24 @@ class CudaIpc:
                 "event_sync": bool(event_sync), "nbytes": buffer.numel()}
 
     def open_buffer(self, handle: dict[str, Any], device: torch.device) -> torch.Tensor:
+        from torch.multiprocessing import reductions  # torch's own cache of opened handles
+
         index = device.index if device.index is not None else torch.cuda.current_device()
+        memory, offset = _bytes(handle["handle"]), handle["offset"]
+        ref_handle, ref_offset = _bytes(handle["ref_handle"]), handle["ref_offset"]
         try:
             with torch.cuda.device(index):
-                storage = torch.UntypedStorage._new_shared_cuda(
-                    index, _bytes(handle["handle"]), handle["size"], handle["offset"],
-                    _bytes(handle["ref_handle"]), handle["ref_offset"],
-                    _bytes(handle["event_handle"]) or None, handle["event_sync"])
+                storage = reductions.storage_from_cache(torch.UntypedStorage, (memory, offset))
+                if storage is None:  # as torch.multiprocessing rebuilds a CUDA tensor
+                    torch.cuda._lazy_init()
+                    storage = torch.UntypedStorage._new_shared_cuda(
+                        index, memory, handle["size"], offset, ref_handle, ref_offset,
+                        _bytes(handle["event_handle"]), handle["event_sync"])
+                    reductions.shared_cache[(memory, offset)] = reductions.StorageWeakRef(
+                        storage)
+                else:  # already opened here: the producer's new counter is released
+                    torch.UntypedStorage._release_ipc_counter(ref_handle, ref_offset,
+                                                              device=index)
         except Exception as exc:
             raise IpcError(f"could not open a CUDA IPC memory handle: {exc}") from exc
         tensor = torch.empty(0, dtype=torch.uint8, device=device)

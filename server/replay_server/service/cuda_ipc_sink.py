@@ -41,7 +41,7 @@ from replay_feed import device_ipc
 from replay_feed.shared_ring import align, host_id
 from replay_proto.batch import SampleBatch
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.engine.storage.placement import table_device
+from replay_server.engine import table_device
 from replay_server.service.batch_sink import (
     Draw,
     SinkContext,
