@@ -40,12 +40,13 @@ device = "cuda"
 """
 
 
-def _serve(scratch: Path, rows: int) -> tuple[subprocess.Popen, str]:
+def _serve(scratch: Path, rows: int, module: str = "replay_server.app.cli"
+           ) -> tuple[subprocess.Popen, str]:
     config = scratch / "server.toml"
     config.write_text(CONFIG.format(rows=rows))
     port_file = scratch / "port"
     server = subprocess.Popen(
-        [sys.executable, "-m", "replay_server.app.cli", "serve", "--config", str(config),
+        [sys.executable, "-m", module, "serve", "--config", str(config),
          "--address", "127.0.0.1:0", "--port-file", str(port_file), "--grace", "5"],
         stdout=subprocess.DEVNULL, stderr=open(scratch / "server.log", "w"))
     deadline = time.monotonic() + START_S
@@ -58,10 +59,19 @@ def _serve(scratch: Path, rows: int) -> tuple[subprocess.Popen, str]:
     return server, f"127.0.0.1:{port_file.read_text().strip()}"
 
 
+def _fill(client, rows: int) -> None:
+    """``rows`` Atari rows (random 4x84x84 frames), 500 (14 MB) per insert."""
+    frames = torch.randint(0, 255, (500, 4, 84, 84), dtype=torch.uint8)
+    for start in range(0, rows, 500):
+        n = min(500, rows - start)
+        client.insert("atari", {"frame": frames[:n], "action": torch.zeros(n, dtype=torch.int64)})
+
+
 def _measure(client, batch: int, seconds: float, **options) -> dict:
     stream = client.stream("atari", batch, device="cuda", num_batches=1_000_000,
                            batches_per_message=1, wait_timeout=60, **options)
     count = 0
+    start = time.perf_counter()
     try:
         for i, got in enumerate(stream):
             if i == 0:
@@ -97,10 +107,7 @@ def main() -> int:
             server, address = _serve(Path(scratch), args.rows)
             try:
                 client = ReplayClient(address)
-                frames = torch.randint(0, 255, (1000, 4, 84, 84), dtype=torch.uint8)
-                for _ in range(0, args.rows, 1000):
-                    client.insert("atari", {"frame": frames,
-                                            "action": torch.zeros(1000, dtype=torch.int64)})
+                _fill(client, args.rows)
                 result = {"rows": args.rows, "batch": args.batch, "seconds": args.seconds,
                           "gpu": torch.cuda.get_device_name(0)}
                 result["cuda_ipc"] = _measure(client, args.batch, args.seconds)

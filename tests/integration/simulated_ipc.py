@@ -11,7 +11,7 @@ released it, or a learner reading a slot before the server wrote it, fails
 the stream instead of passing silently.
 
 ``refuse``: opening any handle raises :class:`~replay_feed.device_ipc.IpcError`
-(a sandbox without IPC). ``devices``: the GPU UUIDs this process "sees".
+(a sandbox without IPC); ``refuse_export``: so does exporting one (the server's side). ``devices``: the GPU UUIDs this process "sees".
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ class SimulatedIpc:
 
     device_type = "cpu"
 
-    def __init__(self, devices: tuple[str, ...] = (GPU,), refuse: bool = False) -> None:
+    def __init__(self, devices: tuple[str, ...] = (GPU,), refuse: bool = False,
+                 refuse_export: bool = False) -> None:
         self.devices = list(devices)
         self.refuse = refuse
+        self.refuse_export = refuse_export
         self.made: list[Path] = []  # files this process created (unlinked on close)
         self.opened = 0  # handles opened
 
@@ -82,6 +84,8 @@ class SimulatedIpc:
         return buffer
 
     def export_buffer(self, buffer: torch.Tensor) -> dict[str, Any]:
+        if self.refuse_export:
+            raise IpcError("simulated: cudaIpcGetMemHandle refused (no IPC here)")
         return {"path": buffer._sim_path, "nbytes": buffer.numel()}  # type: ignore[attr-defined]
 
     def open_buffer(self, handle: dict[str, Any], device: torch.device) -> torch.Tensor:

@@ -188,3 +188,24 @@ def test_a_ring_over_the_budget_is_refused_naming_the_setting(tmp_path, sim):
         client.close()
     finally:
         proc.stop()
+
+
+def test_a_server_that_cannot_export_handles_falls_back_to_host_copies(tmp_path, sim):
+    """Each stream is refused for the export, with the reason, and reads host copies."""
+    config = CONFIG
+    proc = start_server(tmp_path, config, module="tests.integration.ipc_standin_server",
+                        env={"REPLAY_SIM_IPC_REFUSE_EXPORT": "1"})
+    try:
+        client = ReplayClient(proc.address)
+        first = _fill(client, "g", side=128)  # 16 KiB rows: 3 slots of 16 rows
+        for _ in range(3):
+            stream = client.stream("g", 16, num_batches=6, prefetch=2, batches_per_message=1)
+            for batch in stream:
+                _check(batch, first)
+            assert stream.transport == "grpc", stream.stats.notes
+            assert any("the server could not make a CUDA IPC ring" in note
+                       for note in stream.stats.notes), stream.stats.notes
+        assert sim.opened == 0
+        client.close()
+    finally:
+        proc.stop()
