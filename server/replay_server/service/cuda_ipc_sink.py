@@ -20,8 +20,17 @@ the slot on its GPU is never overwritten; nobody waits on the host. The
 message carries only the slot. All same-host rings (shared memory and device
 rings) together take at most ``server.shared_memory_mb``: a device ring
 that would not fit is not offered (the first batch says why, naming the
-setting) and the next transport is tried. The ring is freed when the stream
-ends (or the learner refuses it).
+setting) and the stream uses gRPC. The ring is freed when the stream ends
+(or the learner refuses it).
+
+The waits and gathers run on the engine threads' current stream (the default
+stream), as every device table's work does: while it waits for a slow
+learner to release a slot, later work queued on that stream waits too (a
+device table's insert, which waits for its copies to land, among it). The
+server is never more than the learner's window ahead, so this holds the
+server to the pace of its slowest CUDA IPC learner's GPU work, no further. A
+side stream would not: an insert could then overwrite rows a queued gather
+has yet to read.
 
 The device operations are :mod:`replay_feed.device_ipc`'s (CUDA, or a
 simulation in tests). The learner's side is ``replay_client.cuda_ipc_source``.
