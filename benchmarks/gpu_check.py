@@ -21,7 +21,8 @@ limit, so a slow or hung step costs its limit and no more:
 6. **device tables**: prioritized sample 256 + update on a device table, and
    TorchRL's ``LazyTensorStorage(device=...)`` + ``PrioritizedSampler`` beside it when
    a TorchRL built for this torch imports (``benchmarks/gpu_table.py``);
-   through CUDA IPC to a second process: reported as not built yet;
+   and batches of a cuda table in a server process to this one through CUDA IPC,
+   against host copies (``benchmarks/cuda_ipc.py``; skipped without CUDA);
 7. **engine** and **service** headline rows on this machine's cores
    (``benchmarks/engine.py``, ``benchmarks/service.py``).
 
@@ -234,8 +235,14 @@ def run_steps(check: Check, facts: dict[str, Any]) -> None:
     else:
         check.run("device table, TorchRL", [str(HERE / "gpu_table.py"), "--side", "torchrl",
                                             *table], 90, _last_json)
-    check.skip("device table through CUDA IPC", "not built yet (issue 31): a second "
-               "process's device tables get host copies")
+    if cuda:  # a cuda table in a server process to this one: CUDA IPC against host copies
+        path = work / "cuda_ipc.json"
+        check.run("device table through CUDA IPC",
+                  [str(HERE / "cuda_ipc.py"), "--rows", "2000" if check.short else "20000",
+                   "--seconds", "0.5" if check.short else "3", "--json", str(path)], 120,
+                  _read_json(path))
+    else:
+        check.skip("device table through CUDA IPC", "no CUDA")
     rows = "20000" if check.short else "1000000"
     check.run("engine", [str(HERE / "engine.py"), "--side", "ours", "--case", "prioritized",
                          "--rows", rows, "--seconds", seconds], 60, _last_json)

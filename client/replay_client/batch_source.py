@@ -17,6 +17,7 @@ Thread-safety: a source is used by its link's thread (the feed's producer);
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,11 +35,15 @@ class SourceContext:
         delivery: the stream's device and pinning (``None``: views for a merge).
         refusal: non-empty: refuse any offer, for this reason (small batches are grouped
             over gRPC).
+        given_back: ``given_back(k, fn)``: call ``fn`` on the learner's thread when it gives
+            the call's batch ``k`` back (before that credit is sent); ``None`` where the
+            stream cannot say (a merge of shards).
     """
 
     window: int
     delivery: Delivery | None
     refusal: str = ""
+    given_back: Callable[[int, Callable[[], None]], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +85,12 @@ class SourceKind(Protocol):
     def ask(self, opening: pb.SampleStreamRequest, local: bool) -> bool:
         """Ask for this transport in a call's first message, if wanted; whether asked.
         ``local``: the learner allows same-host transports (``shared_memory`` option,
-        ``REPLAY_SHARED_MEMORY``, batches not grouped)."""
+        ``REPLAY_SHARED_MEMORY``, batches not grouped).
+
+        A kind may also define ``wanted(delivery, lends) -> bool``: the link asks it only
+        for the streams it serves (``delivery``: the stream's device and pinning;
+        ``lends``: the stream can say when each batch is given back, as
+        :attr:`SourceContext.given_back`). CUDA IPC does."""
 
     def open(self, header: pb.SampleResponse, context: SourceContext) -> Opened | None:
         """Take (or refuse) this transport's offer in the first batch's ``header``; ``None``

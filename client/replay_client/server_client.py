@@ -491,7 +491,8 @@ class ServerClient:
         grouped = grouping.given(opts.batches_per_message, opts.prefetch)
         core = feed_core(grouped.prefetch, opts)
         link = self.link(table, batch_size,
-                         StagingTarget(core.staging, core.copy_rows, core.stats, core.delivery),
+                         StagingTarget(core.staging, core.copy_rows, core.stats, core.delivery,
+                                       core.when_given_back),
                          batches_per_message=opts.batches_per_message, prefetch=opts.prefetch,
                          shared_memory=opts.shared_memory and grouped.batches_per_message == 1,
                          wait=opts.wait, wait_timeout=opts.wait_timeout)

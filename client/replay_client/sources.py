@@ -11,9 +11,11 @@ registers its own in :data:`SOURCES` the same way). The names are those of
 from __future__ import annotations
 
 from replay_client.batch_source import SourceKind
+from replay_client.cuda_ipc_source import CUDA_IPC
 from replay_client.ring_source import RING
 
 SOURCES: dict[str, SourceKind] = {
+    CUDA_IPC.name: CUDA_IPC,
     RING.name: RING,
 }
 """Every transport besides gRPC messages, best first."""

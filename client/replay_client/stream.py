@@ -113,14 +113,19 @@ class StagingTarget:
         copy: writes decoded rows into those buffers.
         stats: the stream's stats (transport notes).
         delivery: the stream's device and pinning (a source may pin its memory in place).
+        given_back: ``given_back(k, fn)`` calls ``fn`` on the learner's thread when it gives
+            the stream's batch ``k`` back (``None``: the stream cannot say, e.g. a merge of
+            shards; transports that lend device memory are not asked for).
     """
 
     def __init__(self, allocate: Allocate | None, copy: Callable[..., None] | None,
-                 stats: FeedStats, delivery: Delivery | None) -> None:
+                 stats: FeedStats, delivery: Delivery | None,
+                 given_back: Callable[[int, Callable[[], None]], None] | None = None) -> None:
         self.allocate = allocate
         self.copy = copy
         self.stats = stats
         self.delivery = delivery
+        self.given_back = given_back
 
 
 class _Outgoing:
@@ -321,9 +326,17 @@ class SampleLink:
                                          stays_until_closing=True)
         self._close_source()
         self._asked = [kind for kind in sources.SOURCES.values()
-                       if kind.ask(opening, self.shared_memory)]
+                       if self._wanted(kind) and kind.ask(opening, self.shared_memory)]
         return (self._first_with_updates(opening, updates) if updates
                 else [opening.SerializeToString()])
+
+    def _wanted(self, kind: SourceKind) -> bool:
+        """Whether to offer ``kind`` to ask: a kind may say it serves only some streams
+        (``wanted(delivery, lends)``, optional: CUDA IPC serves a stream that delivers to
+        its device and can say when each batch is given back)."""
+        wanted = getattr(kind, "wanted", None)
+        target = self.target
+        return wanted is None or bool(wanted(target.delivery, target.given_back is not None))
 
     def _first_with_updates(self, opening: pb.SampleStreamRequest,
                             updates: list[PriorityUpdate]) -> list[bytes]:
@@ -425,7 +438,12 @@ class SampleLink:
         grouped = not self._grouping_chosen and self._choose_grouping(header, outgoing, flow)
         refusal = (f"small batches are grouped over gRPC (batches_per_message="
                    f"{self.batches_per_message})" if grouped else "")
-        context = SourceContext(flow.window, self.target.delivery, refusal)
+        given_back = self.target.given_back
+        start = outgoing.start
+        context = SourceContext(
+            flow.window, self.target.delivery, refusal,
+            None if given_back is None else
+            lambda index, hook: given_back(start + index, hook))
         for kind in self._asked:
             opened = kind.open(header, context)
             if opened is None:

@@ -209,6 +209,7 @@ class FeedCore:
         self._finished = False  # finish() queued the end (once: a source may end it early)
         self._flow: CreditFlow | None = None
         self._on_release: dict[int, Callable[[], None]] = {}
+        self._on_given_back: dict[int, Callable[[], None]] = {}
         self._growth: WindowGrowth | None = None
         self._copier = HostCopier(threads)
         if pipelined is None:
@@ -329,6 +330,13 @@ class FeedCore:
         Producer thread; the hook runs on the credits' reader thread."""
         self._on_release[index] = hook
 
+    def when_given_back(self, index: int, hook: Callable[[], None]) -> None:
+        """Call ``hook`` on the learner's thread when it gives batch ``index`` back (asks for
+        the next), before that credit is sent: a source that lent the learner device memory
+        records there, on the learner's current stream, that its work on it is issued (CUDA
+        IPC's *released* event). Producer thread; dropped with the batch if never given back."""
+        self._on_given_back[index] = hook
+
     def update_priorities(self, update: PriorityUpdate) -> None:
         """Queue ``update`` to go before the next credit (learner's thread)."""
         self.credits.update(update)
@@ -347,6 +355,9 @@ class FeedCore:
             # copy is done. The first take grants the credit of the batch it will hold.
             self._credited_first = True
             finished = held is not None and not self._acked
+            given_back = None if held is None else self._on_given_back.pop(held.index, None)
+            if given_back is not None:
+                given_back()
             self.credits.credit(None if held is None else (held.index, held.event), finished)
         self._acked = False
         start = time.perf_counter()
@@ -401,6 +412,7 @@ class FeedCore:
         if self._stage is not None:
             self._stage.join(timeout)
         self._held = None
+        self._on_given_back.clear()
         self._staging.clear()
         self._pinned_out.clear()
         while True:

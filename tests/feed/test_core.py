@@ -274,3 +274,29 @@ def test_asking_for_the_next_batch_finishes_the_one_held_and_ack_finishes_it_soo
     with pytest.raises(StopIteration):
         core.take()  # asking past the end finishes the last batch
     assert flow.next_grant(block=False).finished == 1 and flow.finished == 3
+
+
+def test_a_batch_given_back_runs_its_hook_on_the_learners_thread_before_its_credit():
+    """What CUDA IPC records its *released* event in (replay_client.cuda_ipc_source): the
+    hook of batch k runs when the learner asks for batch k + 1, on the learner's thread,
+    before the credit that lets the source reuse batch k's memory is queued."""
+    core = FeedCore(2, resolve_delivery(None, False))
+    flow = core.flow()
+    flow.opening()
+    calls: list[tuple[int, int, bool]] = []  # (batch, thread, credit already queued)
+    for index in range(3):
+        rows = torch.arange(index * 4, index * 4 + 4)
+        core.when_given_back(index, lambda index=index: calls.append(
+            (index, threading.get_ident(), flow.next_grant(block=False).credits > 0)))
+        core.deliver(index, SampleBatch.from_columns(
+            {"row": rows}, rows, torch.ones(4), torch.full((4,), 0.25, dtype=torch.float64)))
+    core.take()
+    assert calls == []  # batch 0 is held
+    flow.next_grant(block=False)  # (the first take's own credit)
+    core.take()
+    assert calls == [(0, threading.get_ident(), False)]
+    core.finish()
+    core.take()
+    with pytest.raises(StopIteration):
+        core.take()  # asking past the end gives the last batch back too
+    assert [c[0] for c in calls] == [0, 1, 2]

@@ -64,7 +64,14 @@ class SampleRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_batches: _Optional[int] = ..., batches_per_message: _Optional[int] = ..., wait_for_data: _Optional[bool] = ..., wait_timeout_s: _Optional[float] = ..., never_wait: _Optional[bool] = ..., lease: _Optional[str] = ..., acknowledge: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampleStreamRequest(_message.Message):
-    __slots__ = ("request", "credits", "shared_memory", "host_id", "shared_memory_answer", "update", "batches_per_message", "window", "lease", "finished", "closing", "stays_until_closing", "transports", "transport_answer")
+    __slots__ = ("request", "credits", "shared_memory", "host_id", "shared_memory_answer", "update", "batches_per_message", "window", "lease", "finished", "closing", "stays_until_closing", "transports", "transport_answer", "transport_asks")
+    class TransportAsksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +86,7 @@ class SampleStreamRequest(_message.Message):
     STAYS_UNTIL_CLOSING_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_ASKS_FIELD_NUMBER: _ClassVar[int]
     request: SampleRequest
     credits: int
     shared_memory: bool
@@ -93,7 +101,8 @@ class SampleStreamRequest(_message.Message):
     stays_until_closing: bool
     transports: _containers.RepeatedScalarFieldContainer[str]
     transport_answer: TransportAnswer
-    def __init__(self, request: _Optional[_Union[SampleRequest, _Mapping]] = ..., credits: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., host_id: _Optional[str] = ..., shared_memory_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., update: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., batches_per_message: _Optional[int] = ..., window: _Optional[int] = ..., lease: _Optional[str] = ..., finished: _Optional[int] = ..., closing: _Optional[bool] = ..., stays_until_closing: _Optional[bool] = ..., transports: _Optional[_Iterable[str]] = ..., transport_answer: _Optional[_Union[TransportAnswer, _Mapping]] = ...) -> None: ...
+    transport_asks: _containers.ScalarMap[str, bytes]
+    def __init__(self, request: _Optional[_Union[SampleRequest, _Mapping]] = ..., credits: _Optional[int] = ..., shared_memory: _Optional[bool] = ..., host_id: _Optional[str] = ..., shared_memory_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., update: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., batches_per_message: _Optional[int] = ..., window: _Optional[int] = ..., lease: _Optional[str] = ..., finished: _Optional[int] = ..., closing: _Optional[bool] = ..., stays_until_closing: _Optional[bool] = ..., transports: _Optional[_Iterable[str]] = ..., transport_answer: _Optional[_Union[TransportAnswer, _Mapping]] = ..., transport_asks: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class TransportOffer(_message.Message):
     __slots__ = ("name", "params")

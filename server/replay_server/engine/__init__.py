@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from replay_server.engine.schema import FieldSpec, Schema
     from replay_server.engine.snapshot import DEFAULT_CHUNK_BYTES, TableSnapshot
     from replay_server.engine.storage.device import host_batch
+    from replay_server.engine.storage.placement import table_device
     from replay_server.engine.table import Table
     from replay_server.engine.table_info import TableCounters, TableInfo
     from replay_server.engine.table_memory import table_bytes

@@ -33,6 +33,7 @@ from replay_server.engine import MAX_BATCH_SIZE
 from replay_server.service.budget import MemoryBudget, Reservation
 
 if TYPE_CHECKING:
+    from replay_server.engine import Table
     from replay_server.service.settings import ServerSettings
 
 
@@ -72,6 +73,7 @@ class SinkContext:
             with it however the call ends.
         window: the learner's whole window (batches it may hold ahead).
         log: ``log(topic, level, what)``: a line about this stream's client, rate-limited.
+        table: the stream's table (a device table's sinks may keep batches on its device).
     """
 
     first: pb.SampleStreamRequest
@@ -79,6 +81,7 @@ class SinkContext:
     owner: Reservation
     window: int
     log: Callable[[str, int, str], None]
+    table: Table | None = None
 
 
 class BatchSink(Protocol):

@@ -55,7 +55,8 @@ options, and describes them for ``info`` and the start-up log.
   per call, message and byte sent); past it the connection is cut
   (:mod:`~replay_server.service.control_meter`).
 * ``max_batch_mb``: the largest batch (or group) one draw may take.
-* ``shared_memory_mb``: /dev/shm all same-host rings together may take.
+* ``shared_memory_mb``: /dev/shm (and CUDA IPC device memory) all same-host rings
+  together may take.
 """
 
 from __future__ import annotations

@@ -225,7 +225,8 @@ class SampleStreamCall:
         """Ask the registered sink kinds (:data:`~replay_server.service.sinks.SINKS`, in order)
         for a transport the first batch offers; why none (a note the first batch carries;
         "" when none was asked for, or one is offered)."""
-        context = SinkContext(first, self._limits, self._owner, self._window, self._log)
+        context = SinkContext(first, self._limits, self._owner, self._window, self._log,
+                              self._table)
         notes = []
         for kind in sinks.SINKS.values():
             sink, note = kind.open(context)

@@ -119,7 +119,8 @@ class ServerSettings:
         max_batch_mb: largest batch (or group of batches) one Sample call or
             SampleStream draws, in MiB; at most 3/8 of ``memory_budget_mb``.
         shared_memory_mb: bytes all shared-memory rings together may take in
-            /dev/shm, in MiB; a stream whose ring would not fit uses gRPC.
+            /dev/shm, with the device memory of CUDA IPC rings, in MiB; a stream whose
+            ring would not fit uses gRPC.
         table_memory_mb: memory all tables together may take at their
             capacity, in MiB; 0: this machine's memory (or its cgroup's limit).
         metrics_address: ``host:port`` of the Prometheus ``/metrics`` endpoint

@@ -11,9 +11,11 @@ The names are those of ``replay_client.sources``, the learner's side.
 from __future__ import annotations
 
 from replay_server.service.batch_sink import SinkKind
+from replay_server.service.cuda_ipc_sink import CUDA_IPC
 from replay_server.service.ring_sink import RING
 
 SINKS: dict[str, SinkKind] = {
+    CUDA_IPC.name: CUDA_IPC,
     RING.name: RING,
 }
 """Every transport besides gRPC messages, best first."""

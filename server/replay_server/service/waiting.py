@@ -201,7 +201,9 @@ def draw(table: Table, batch_size: int, *, wait_for_data: bool,
     table blocks.
 
     The batch is on the host: a device table's is copied over once (the
-    fallback of every network path; see :func:`host_batch`).
+    fallback of every network path; see :func:`host_batch`), unless ``out`` is
+    device memory (a CUDA IPC slot): then its columns are ``out``, its ids,
+    weights and probabilities on the host.
 
     Raises:
         RateLimitedError: held back by the rate limiter, or (``wait_for_data``)
@@ -210,7 +212,10 @@ def draw(table: Table, batch_size: int, *, wait_for_data: bool,
             or (``never_wait``) it cannot serve the batch now for any reason.
     """
     try:
-        return host_batch(table.sample(batch_size, out=out, lease=lease))
+        batch = table.sample(batch_size, out=out, lease=lease)
+        if out is not None and any(t.device.type != "cpu" for t in out.values()):
+            return batch  # gathered into device memory the caller lent (a CUDA IPC slot)
+        return host_batch(batch)
     except RateLimitedError as exc:
         if not never_wait:
             raise
