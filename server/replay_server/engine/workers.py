@@ -68,11 +68,17 @@ PARALLEL_BYTES = 2 << 20
 """Gathers at least this large are split across the pool."""
 
 
+GATHER_THREADS = min(4, THREADS)
+"""Threads one gather may use: a gather of random rows is bound by memory bandwidth
+beyond a few threads (a 7.2 MB gather of 256 Atari rows on a 16-core H200 host: 1.01,
+0.69, 0.52 and 0.58 ms on 1, 2, 4 and 8 threads; benchmarks/delivery_stages.py)."""
+
+
 def _pieces(nbytes: int, rows: int) -> int:
     """How many threads a gather of ``nbytes`` in ``rows`` rows is worth (1: this one)."""
     if nbytes < PARALLEL_BYTES:
         return 1
-    return max(1, min(THREADS, rows, nbytes // (PARALLEL_BYTES // 2)))
+    return max(1, min(GATHER_THREADS, rows, nbytes // (PARALLEL_BYTES // 2)))
 
 
 def take_rows(src: Any, rows: np.ndarray, out: np.ndarray) -> None:
