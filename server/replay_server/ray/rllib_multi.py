@@ -231,7 +231,8 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
         counted: dict[str, list[Any]] = {m: list(parts) for m, parts in by_module.items()}
         for module, parts in written.items():
             counted.setdefault(module, []).extend(parts)
-        self._count_added(listed, counted)
+        if listed:
+            self._count_added(listed, counted)
         failed = [e for e in given if isinstance(e, WriteFailure)]
         if failed:  # an env runner's insert failed: raised here, in the driver
             raise failed[0].error()
