@@ -395,8 +395,11 @@ class ShardedEpisodeReplayBuffer(PrioritizedEpisodeReplayBuffer):
         self._rows.max_priority = float(state["max_priority"])
         self._num_timesteps_added = int(state["num_timesteps_added"])
         self.sampled_timesteps = int(state["sampled_timesteps"])
-        episodes = state["episodes"]
-        self._episodes.restore(episodes["episodes"], episodes["added"])
+        if "episodes" in state:
+            self._episodes.restore(state["episodes"]["episodes"], state["episodes"]["added"])
+        else:  # a state saved before the window (every id, no row counts)
+            ids = list(state.get("episode_ids", []))
+            self._episodes.restore([(episode_number(i), i, 1) for i in ids], len(ids))
 
     def _client_address(self) -> str:
         return self._cluster.address if self._cluster is not None else str(

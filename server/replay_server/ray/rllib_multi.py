@@ -479,8 +479,16 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
         self.sampled_timesteps = int(state["sampled_timesteps"])
         self.sampled_timesteps_per_module = defaultdict(
             int, state["sampled_timesteps_per_module"])
-        for window, key in ((self._agents, "agent_episodes"), (self._episodes, "episodes")):
-            window.restore(state[key]["episodes"], state[key]["added"])
+        if "episodes" in state:
+            for window, key in ((self._agents, "agent_episodes"),
+                                (self._episodes, "episodes")):
+                window.restore(state[key]["episodes"], state[key]["added"])
+        else:  # a state saved before the windows (every episode, no row counts)
+            agents = [dict(a) for a in state.get("agent_episodes", [])]
+            self._agents.restore([(episode_number(a["id_"]), a, 1) for a in agents],
+                                 len(agents))
+            ids = list(state.get("episode_ids", []))
+            self._episodes.restore([(i, None, 1) for i in ids], len(ids))
 
     def _client_address(self) -> str:
         return self._cluster.address if self._cluster is not None else str(

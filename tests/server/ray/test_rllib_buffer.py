@@ -309,3 +309,9 @@ def test_what_it_keeps_of_episodes_is_bounded_by_the_rows_the_table_holds(server
     again.set_state(ours.get_state())
     assert again.get_num_episodes() == ours.get_num_episodes()
     assert again.get_state()["episodes"] == ours.get_state()["episodes"]
+    # A state saved by an earlier build (every episode's id, no window) still loads.
+    old = {k: v for k, v in ours.get_state().items() if k != "episodes"}
+    old["episode_ids"] = sorted(ids.values())
+    again.set_state(old)
+    assert again.get_num_episodes() == len(ids)
+    assert all(ids[episode_number(e.id_)] == e.id_ for e in again.sample(num_items=16))
