@@ -84,7 +84,15 @@ class Waiters:
 
 
 def waiting(client: ReplayClient) -> int:
-    return client.server_info().limits["calls_waiting"]
+    """Calls in the waiting pool, or -1 (no count matches) where the asking call itself was
+    refused: a call's working slot is freed by a callback after its answer went out, so on
+    a loaded machine the calls just answered may still hold the 8 working slots for a
+    moment (a clean-clone CI: the waiters' own first calls), and this client does not
+    retry."""
+    try:
+        return client.server_info().limits["calls_waiting"]
+    except errors.OverloadedError:
+        return -1
 
 
 def test_waiters_never_take_the_slots_of_the_calls_that_release_them(served) -> None:

@@ -192,7 +192,7 @@ class ShardedMultiAgentEpisodeReplayBuffer(MultiAgentPrioritizedEpisodeReplayBuf
         """Store every agent step of ``episodes`` (one ``MultiAgentEpisode`` or a list) as a
         row of its module's table; ``weight``: their priority, one for all or one per
         module id (default: the largest the table has seen, as RLlib's).
-        :class:`~replay_server.ray.rllib_written.WrittenMultiAgentEpisode`\ s (rows a
+        :class:`~replay_server.ray.rllib_written.WrittenMultiAgentEpisode`s (rows a
         ``ShardedMultiAgentEnvRunner`` inserted itself) are counted, not sent.
 
         Raises:

@@ -123,7 +123,7 @@ class ShardedMultiAgentEnvRunner(MultiAgentEnvRunner):
 
 def written_of(episodes: list[Any], modules: list[str], spaces_sent: set[str]
                ) -> tuple[list[WrittenMultiAgentEpisode], dict[str, list[Any]]]:
-    """What an env runner hands the driver for ``episodes`` (``MultiAgentEpisode``\ s),
+    """What an env runner hands the driver for ``episodes`` (``MultiAgentEpisode``s),
     and each module's agent episodes (those with steps) whose rows it writes. The spaces
     go with a module's first part (``spaces_sent`` records the modules sent).
 
