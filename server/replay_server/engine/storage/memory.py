@@ -16,7 +16,6 @@ import torch
 
 from replay_proto.dtypes import numpy_view
 from replay_server.engine.schema import FieldSpec
-from replay_server.engine.storage.hugepages import advise_huge_pages
 from replay_server.engine.storage.base import ArrayColumn
 from replay_server.errors import ConfigError, InsufficientMemoryError
 
@@ -51,8 +50,6 @@ class HostColumn(ArrayColumn):
             raise InsufficientMemoryError(
                 f"cannot allocate {capacity * spec.row_bytes:,} bytes for {capacity:,} rows "
                 f"of {spec.describe()}: {exc}") from None
-        if not pin_memory:
-            advise_huge_pages(self.tensor)  # random-row gathers: fewer TLB misses
         self.array = numpy_view(self.tensor)
 
     @property
