@@ -150,17 +150,21 @@ def test_one_address_holds_its_share_of_the_waiting_calls_and_another_may_wait(
     flood = RawConnection(server.port, source=FLOODER)
     assert flood.handshake()
     request = pb.SampleRequest(table="gate", batch_size=4).SerializeToString()
-    for _ in range(WAITING):
-        flood.call(SERVICE + "Sample", request)  # each waits for the gate's 50 rows
     outcome: list[object] = []
     thread = threading.Thread(target=lambda: outcome.append(
         _sample_or_error(client, "gate")), daemon=True)
     try:
+        # One call at a time: a call holds a working slot until it starts to wait, so calls
+        # sent all at once could be refused for the working share (6) before the first waited.
+        for sent in range(1, WAITING + 1):
+            flood.call(SERVICE + "Sample", request)  # each waits for the gate's 50 rows
+            waiting = min(sent, 12)
+            assert wait_for(lambda: waiting_calls(client) == waiting), server.log()[-3000:]
         assert wait_for(lambda: refused_for_share(server, FLOODER, 12, "max_waiting_calls",
                                                   WAITING, "waiting calls")), server.log()[-3000:]
-        assert wait_for(lambda: limits(client)["calls_waiting"] == 12)
+        assert waiting_calls(client) in (12, None)
         thread.start()  # the client's sample waits too, beside the flooder's 12
-        assert wait_for(lambda: limits(client)["calls_waiting"] == 13), outcome
+        assert wait_for(lambda: waiting_calls(client) == 13), outcome
         client.insert("gate", {"x": torch.zeros(50, 2)})
         thread.join(20)
         assert not thread.is_alive()
@@ -168,6 +172,14 @@ def test_one_address_holds_its_share_of_the_waiting_calls_and_another_may_wait(
     finally:
         flood.close()
     assert wait_for(lambda: idle(client))
+
+
+def waiting_calls(client: ReplayClient) -> int | None:
+    """The server's count of waiting calls, or None while the asking call is refused."""
+    try:
+        return limits(client)["calls_waiting"]
+    except errors.OverloadedError:
+        return None
 
 
 def _sample_or_error(client: ReplayClient, table: str) -> object:

@@ -3,9 +3,15 @@
 Every replay call goes through :class:`Admission` before anything of it is
 read or run:
 
-1. It is counted against ``max_concurrent_calls`` until it ends (a call whose
-   response a slow reader has not taken yet is still in flight); over the
-   cap it is refused with RESOURCE_EXHAUSTED (kind ``overloaded``).
+1. It is counted against ``max_concurrent_calls`` until its handler has
+   written its last answer (a call whose response a slow reader has not
+   taken yet is still in flight: the write waits for HTTP/2 flow control);
+   over the cap it is refused with RESOURCE_EXHAUSTED (kind ``overloaded``).
+   The slot is given back before the call's status goes out, so a client
+   that waits for each answer before its next call never finds its own
+   last call still counted (gRPC's end-of-call callback, which runs after
+   the status was sent, once freed it: a client with one call at a time
+   was refused "8 calls already" under load).
    **Waiting calls have a pool of their own**, ``max_waiting_calls``: a
    stream (``SampleStream``, ``UpdateStream``: long-lived, idle between
    messages) is counted there from the start, and a unary call moves there
@@ -176,9 +182,12 @@ class Admission:
 
         async def handle(_requests: AsyncIterator[bytes],
                          context: grpc.aio.ServicerContext) -> None:
-            raw, reservation = await self._request(name, context)
-            answer = await behaviour(raw, context, reservation)
-            await self._answer(name, answer, context)
+            try:
+                raw, reservation = await self._request(name, context)
+                answer = await behaviour(raw, context, reservation)
+                await self._answer(name, answer, context)
+            finally:
+                self._leave(context)
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
@@ -217,19 +226,21 @@ class Admission:
 
         async def handle(_requests: AsyncIterator[bytes],
                          context: grpc.aio.ServicerContext) -> None:
-            raw, reservation = await self._request(name, context, keep=True)
-
             async def read_next(seconds: float, why: str) -> bytes:
                 message = await self.in_time(context, context.read, seconds, why)
                 self._heard(context, message)
                 return message
 
-            message = await read_chunked(raw, message_type, context, reservation,
-                                         self._grow, name, read_next,
-                                         self.limits.request_timeout_s)
-            self._read(context)
-            answer = await behaviour(message, context, reservation)
-            await self._answer(name, answer, context)
+            try:
+                raw, reservation = await self._request(name, context, keep=True)
+                message = await read_chunked(raw, message_type, context, reservation,
+                                             self._grow, name, read_next,
+                                             self.limits.request_timeout_s)
+                self._read(context)
+                answer = await behaviour(message, context, reservation)
+                await self._answer(name, answer, context)
+            finally:
+                self._leave(context)
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
@@ -239,9 +250,12 @@ class Admission:
 
         async def handle(_requests: AsyncIterator[bytes],
                          context: grpc.aio.ServicerContext) -> None:
-            raw, reservation = await self._request(name, context)
-            async for message in behaviour(raw, context, reservation):
-                await self._answer(name, message, context)  # each taken in response_timeout_s
+            try:
+                raw, reservation = await self._request(name, context)
+                async for message in behaviour(raw, context, reservation):
+                    await self._answer(name, message, context)  # each taken in time
+            finally:
+                self._leave(context)
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
@@ -334,9 +348,12 @@ class Admission:
             except StopAsyncIteration:  # half-closed without a word: the behaviour sees that
                 first = None
             self._spoke(context)
-            async for message in behaviour(self._counted(context, first, incoming), context,
-                                           reservation):
-                yield message
+            try:
+                async for message in behaviour(self._counted(context, first, incoming),
+                                               context, reservation):
+                    yield message
+            finally:
+                self._leave(context)
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
@@ -410,6 +427,13 @@ class Admission:
             if on_message is not None:
                 on_message(peer, len(message))
             yield message
+
+    def _leave(self, context: grpc.aio.ServicerContext) -> None:
+        """The handler of the call of ``context`` returned (or raised): its slot is free for
+        the next call. Its memory stays reserved until gRPC ends the call."""
+        ticket = self._tickets.get(id(context))
+        if ticket is not None:
+            ticket.free_slot()
 
     def _spoke(self, context: grpc.aio.ServicerContext) -> None:
         """The call of ``context`` sent its first message (or half-closed): it was no reset."""
@@ -496,10 +520,14 @@ class Admission:
 
 
 class _Ended:
-    """A call's done-callback: it is no longer in flight (or waiting), and its memory is free."""
+    """A call's done-callback: it is no longer in flight (or waiting), and its memory is free.
+
+    The slot may have been given back earlier (:meth:`free_slot`, when the handler
+    returned); the callback then frees only the rest.
+    """
 
     __slots__ = ("_admission", "reservation", "waiting", "_key", "_stream", "spoke", "read",
-                 "expected", "peer", "host")
+                 "expected", "peer", "host", "_holds_slot")
 
     def __init__(self, admission: Admission, waiting: bool, key: int, peer: str, host: str,
                  stream: bool = False) -> None:
@@ -513,6 +541,23 @@ class _Ended:
         self.expected = 0  # request bytes declared and not read yet (told to on_expect)
         self.peer = peer  # gRPC's peer string, asked while the call lived
         self.host = host  # its address (peer_host): what the call holds counts against it
+        self._holds_slot = True
+
+    def free_slot(self) -> None:
+        """Give back the call's slot (working or waiting, and its stream's); idempotent."""
+        if not self._holds_slot:
+            return
+        self._holds_slot = False
+        admission = self._admission
+        admission.streams -= self._stream
+        if self._stream:
+            admission.shares.give(self.host, STREAMS)
+        if self.waiting:
+            admission.waiting -= 1
+            admission.shares.give(self.host, WAITING)
+        else:
+            admission.in_flight -= 1
+            admission.shares.give(self.host, WORKING)
 
     def settle(self) -> None:
         """No request bytes of this call are on their way any more: take back the expected."""
@@ -527,15 +572,7 @@ class _Ended:
         elif self.spoke and not self.read and admission.on_unread is not None:
             admission.on_unread(self.peer, self.expected)
         self.settle()
-        admission.streams -= self._stream
-        if self._stream:
-            admission.shares.give(self.host, STREAMS)
-        if self.waiting:
-            admission.waiting -= 1
-            admission.shares.give(self.host, WAITING)
-        else:
-            admission.in_flight -= 1
-            admission.shares.give(self.host, WORKING)
+        self.free_slot()
         if admission._tickets.get(self._key) is self:
             del admission._tickets[self._key]
         if self.reservation is not None:
