@@ -159,3 +159,22 @@ def test_scatter_rows_takes_strided_rows_and_refuses_mismatches_as_index_copy_do
     with pytest.raises(IndexError):
         scatter_rows(dest, torch.tensor([6]), torch.zeros((1, 2), dtype=torch.int32))
     assert dest[[5, 0, 3, 1, 2]].tolist() == src.tolist()  # a refused scatter wrote nothing
+
+
+def test_a_piece_whose_dtype_differs_from_the_batch_is_refused_never_reinterpreted() -> None:
+    """bfloat16 and int16 rows share numpy's int16 view: the host fast path compares torch
+    dtypes, so such a piece goes to ``index_copy_``, which refuses it naming both."""
+    masses = {0: SamplingMass(2.0, 1.0, 2), 1: SamplingMass(2.0, 1.0, 2)}
+
+    def piece(shard: int, dtype: torch.dtype) -> SampleBatch:
+        return SampleBatch.from_flat(
+            {"x": torch.ones(2, 3).to(dtype)},
+            [torch.arange(2) + (shard << 56), torch.ones(2), torch.full((2,), 0.5,
+                                                                        dtype=torch.float64)],
+            mass=masses[shard])
+
+    pieces = {0: [piece(0, torch.bfloat16)], 1: [piece(1, torch.int16)]}
+    out = [torch.zeros((4, 3), dtype=torch.bfloat16), torch.empty(4, dtype=torch.int64),
+           torch.empty(4), torch.empty(4, dtype=torch.float64)]
+    with pytest.raises(RuntimeError, match="BFloat16|Short"):
+        merge_into(out, ["x"], pieces, shares(masses), masses, None, np.random.default_rng(0))

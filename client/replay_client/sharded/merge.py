@@ -208,6 +208,19 @@ def scatter_rows(dest: torch.Tensor, positions: torch.Tensor, src: torch.Tensor)
     numpy_view(dest)[numpy_view(positions)] = numpy_view(src)
 
 
+def _scatter_host(dest: torch.Tensor, view: np.ndarray, positions: np.ndarray,
+                  src: torch.Tensor) -> bool:
+    """:func:`scatter_rows` into host tensor ``dest`` through its numpy ``view`` (made once
+    per batch), when ``src`` is a host tensor of its dtype and row shape; ``False``
+    (nothing written) otherwise."""
+    if src.device.type != "cpu" or src.dtype != dest.dtype or src.shape[1:] != dest.shape[1:] \
+            or src.shape[0] != positions.shape[0]:
+        return False
+    if src.numel():
+        view[positions] = numpy_view(src)
+    return True
+
+
 def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
                q: Mapping[int, float], fresh: Mapping[int, SamplingMass], beta: float | None,
                generator: np.random.Generator, missing: tuple[int, ...] = (),
@@ -240,7 +253,11 @@ def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
     total = sum(sizes.values())
     low = min_probability(q, fresh) if beta is not None else math.inf
     shuffled = len(sizes) > 1
-    order = torch.from_numpy(generator.permutation(total)) if shuffled else None
+    order = generator.permutation(total) if shuffled else None
+    # Host destinations' numpy views, made once per batch (a view per row copy cost more
+    # than the copy of a small row).
+    views = [numpy_view(dest) if dest.device.type == "cpu" else None
+             for dest in out] if shuffled else []
     # One shard holding all the mass drew exactly as one table: its numbers stand as drawn.
     as_drawn = not shuffled and q.get(next(iter(sizes), -1), 0.0) == 1.0
     start = 0
@@ -256,8 +273,9 @@ def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
                         dest[start:start + rows].copy_(src)
             else:
                 positions = order[start:start + rows]
-                for dest, src in zip(out, sources):
-                    scatter_rows(dest, positions, src)
+                for dest, view, src in zip(out, views, sources):
+                    if view is None or not _scatter_host(dest, view, positions, src):
+                        scatter_rows(dest, torch.from_numpy(positions), src)
             start += rows
     return SampleBatch.from_flat(
         dict(zip(keys, out[:n])), out[n:],
