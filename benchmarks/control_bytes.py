@@ -11,6 +11,8 @@ on its own connection over gRPC:
   learner's WINDOW_UPDATEs and flow-control PINGs are all there);
 * ``actor``: one-row inserts (17 floats), one call after another;
 * ``actor batched``: 32-row inserts;
+* ``actor atari``: inserts of 256 Atari rows (7.2 MB: two messages of a chunked
+  insert at the default ``max_message_mb``), one call after another;
 * ``info``: ``info()`` calls, one after another (the smallest unary call).
 
 For each it prints what the connection's socket received beyond its message
@@ -50,6 +52,12 @@ def run(seconds: float, workload: str, client: ReplayClient) -> str:
                 break
         stream.close()
         return f"{done} batches ({done * rows * 28_224 / 1e6 / seconds:.0f} MB/s)"
+    if workload == "actor atari":
+        frames = {"obs": torch.randint(0, 255, (256, 4, 84, 84), dtype=torch.uint8)}
+        while time.monotonic() < deadline and done < 100_000:
+            client.insert("atari", frames)
+            done += 1
+        return f"{done} calls ({done / seconds:.0f}/s, {done * 7.2 / seconds:.0f} MB/s)"
     rows = {"actor": 1, "actor batched": 32}.get(workload, 0)
     data = {"x": torch.zeros((rows, 17))}
     while time.monotonic() < deadline and done < 1_000_000:
@@ -84,7 +92,7 @@ def main() -> None:
 
         meter.over = over  # type: ignore[method-assign]
         workloads = [f"learner {r}" for r in args.rows.split(",")]
-        workloads += ["actor", "actor batched", "info"]
+        workloads += ["actor", "actor batched", "actor atari", "info"]
         print(f"load average {os.getloadavg()[0]:.1f}; limit {meter.limit} B/s, "
               f"{meter.allowed} B per {WINDOW_S:g} s window")
         for workload in workloads:

@@ -14,8 +14,12 @@ A legitimate client's control is small and proportional to what it does, so
 each connection is allowed, besides its message bytes:
 
 * :data:`CALL_BYTES` per call admitted (its HEADERS, its trailers' framing),
-* :data:`MESSAGE_BYTES` per message (the 5-byte gRPC prefix, a DATA frame
-  header per 16 KiB),
+* :data:`MESSAGE_BYTES` per message (the 5-byte gRPC prefix, its last DATA
+  frame's header), and one byte per :data:`FRAME_SHARE` message bytes (a
+  9-byte DATA frame header per 16 KiB frame: 4 KB of a 7 MB insert; a flat
+  64 bytes per message made an actor inserting 7 MB batches back to back,
+  40 a second, send 160 KB a second of frame headers "carrying no call", and
+  its connection was cut within a minute),
 * one byte per :data:`SENT_SHARE` bytes the server sent it and it
   acknowledged (``tcpi_bytes_acked``): the WINDOW_UPDATEs and flow-control
   PINGs of a learner receiving batches,
@@ -42,7 +46,9 @@ logged (rate-limited per host). Measured (``benchmarks/control_bytes.py``,
 2026-11-28): a learner taking 1.8 MB and 7.2 MB batches at 290 and 490 MB/s
 sent 22 and 9 bytes of control per MB it took, actors 83 to 89 bytes per
 call; after the allowances none came within 17 bytes of a window's limit
-(131,072 bytes at the default of 64 KiB a second).
+(131,072 bytes at the default of 64 KiB a second). An actor inserting 7.2 MB
+batches (2026-11-29) sent 4,082 bytes per call, 45 calls a second: a peak of
+301,509 bytes in a window before :data:`FRAME_SHARE`, none after.
 
 The windows start at the connection's first look and follow each other; a
 window's control is the growth of (received - allowed) over it, less the
@@ -77,6 +83,10 @@ later ones a few dozen with HPACK), and its end's frames."""
 
 MESSAGE_BYTES = 64
 """Control allowed per message: the gRPC prefix and its DATA frames' headers."""
+
+FRAME_SHARE = 1024
+"""One byte of control allowed per this many message bytes: the DATA frames' 9-byte headers
+(one per 16 KiB frame, the HTTP/2 default; smaller frames where flow control splits them)."""
 
 SENT_SHARE = 256
 """One byte of control allowed per this many bytes the server sent (acknowledged): a
@@ -224,7 +234,8 @@ class ControlMeter:
             if account is None:
                 account = self._accounts[address] = _Account()
             account.gone = False
-            control = received - (account.message_bytes + CALL_BYTES * account.calls
+            control = received - (account.message_bytes + account.message_bytes // FRAME_SHARE
+                                  + CALL_BYTES * account.calls
                                   + MESSAGE_BYTES * account.messages + sent // SENT_SHARE)
             if account.cut:
                 return 0

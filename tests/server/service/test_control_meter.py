@@ -4,13 +4,16 @@ and the connection guard cutting a real socket that sends bytes no call accounts
 from __future__ import annotations
 
 import socket
+import time
 
 import pytest
+import torch
 
 from replay_server.service import control_meter
 from replay_server.service.connections import ConnectionGuard
 from replay_server.service.control_meter import (
     CALL_BYTES,
+    FRAME_SHARE,
     MESSAGE_BYTES,
     SENT_SHARE,
     ControlMeter,
@@ -33,9 +36,38 @@ def test_message_bytes_and_the_allowances_are_not_control() -> None:
     m.called(PEER)
     for _ in range(10):
         m.message(PEER, 100_000)
-    allowed = 1_000_000 + CALL_BYTES + 10 * MESSAGE_BYTES + 100_000_000 // SENT_SHARE
+    allowed = (1_000_000 + 1_000_000 // FRAME_SHARE + CALL_BYTES + 10 * MESSAGE_BYTES
+               + 100_000_000 // SENT_SHARE)
     assert not m.over(ADDRESS, allowed + 1_500, 100_000_000, T0 + 0.5)  # exactly the limit
-    assert m.cut == 0
+    assert not m.over(ADDRESS, allowed + 1_500, 100_000_000, T0 + 0.7)
+    assert not m.over(ADDRESS, allowed + 1_501, 100_000_000, T0 + 0.9)  # over: judged again
+    assert m.over(ADDRESS, allowed + 1_501, 100_000_000, T0 + 1.1)
+
+
+@pytest.mark.parametrize("frame_share", [FRAME_SHARE, 1 << 62])
+def test_an_actor_inserting_7_mb_batches_back_to_back_is_never_cut(
+        frame_share: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each 7.2 MB insert (two messages: 4.1 and 3.1 MB) arrives in 16 KiB DATA frames, each
+    behind a 9-byte header: 4 KB of control per call. At 40 inserts a second that is 160 KB a
+    second, more than the default limit's window (64 KiB a second and a 64 KiB floor); a flat
+    allowance per message had the actor's connection cut (``1 << 62``: no frame allowance)."""
+    monkeypatch.setattr(control_meter, "FRAME_SHARE", frame_share)
+    m = ControlMeter(65536, window_s=1.0)
+    m.over(ADDRESS, 0, 0, T0)
+    received = 0
+    for call in range(400):  # 10 s at 40 calls a second, a look every 0.2 s
+        m.called(PEER)
+        for part in (4_100_000, 3_126_000):
+            frames = -(-part // 16384)
+            received += part + 5 + 9 * frames
+            m.message(PEER, part)
+        received += 300  # the call's HEADERS (HPACK) and its END_STREAM frame
+        if call % 8 == 7:
+            m.over(ADDRESS, received, 10_000 * (call + 1), T0 + (call + 1) / 40)
+    if frame_share == FRAME_SHARE:
+        assert m.cut == 0 and m.peak < m.allowed // 2
+    else:
+        assert m.cut == 1  # the allowance as it was: cut
 
 
 def test_a_connection_over_the_limit_at_two_looks_in_a_row_is_cut_once() -> None:
@@ -110,7 +142,7 @@ def test_request_bytes_expected_are_no_control_until_the_call_is_read() -> None:
     assert not m.over(ADDRESS, 7_000_000, 0, T0 + 0.6)
     m.expect(PEER, 7_000_000)
     m.expect(PEER, -7_000_000)  # ended without sending: nothing allowed any more
-    over = 7_001_501 + MESSAGE_BYTES  # the message's own allowance aside
+    over = 7_001_501 + MESSAGE_BYTES + 7_000_000 // FRAME_SHARE  # the message's allowances
     assert not m.over(ADDRESS, over, 0, T0 + 0.8)
     assert m.over(ADDRESS, over, 0, T0 + 1.0)
 
@@ -247,3 +279,38 @@ def test_idle_connections_closed_at_every_sweep_do_not_delay_a_floods_cut() -> N
             guard.stop()
             for sock in opened:
                 sock.close()
+
+
+ATARI_INSERTS = 60  # of 7.2 MB each (two messages: a chunked insert), at most
+ATARI_INSERTS_S = 4.0  # at most
+
+
+@pytest.mark.skipif(not (control_meter.supported() and ConnectionGuard.supported()),
+                    reason="needs TCP_INFO byte counts")
+def test_an_actors_7_mb_inserts_leave_no_control_beyond_the_allowances() -> None:
+    """A real server (in this process, to read its meter) and an actor inserting 256 Atari
+    rows a call back to back: the 9-byte header of each 16 KiB DATA frame (about 4 KB a call)
+    is allowed with the message bytes, so no window of the connection holds control beyond
+    the allowances. With a flat allowance per message the peak measured 301,509 bytes in a
+    window (over the default limit's 131,072; ``benchmarks/control_bytes.py``), and such an
+    actor's connection was cut within a minute."""
+    from replay_client import ReplayClient
+    from replay_server.app.embedded import EmbeddedServer
+    from replay_server.engine.config import TableConfig
+    from replay_server.service.settings import ServerSettings
+
+    settings = ServerSettings(address="127.0.0.1:0",
+                              tables=(TableConfig(name="atari", capacity=512),))
+    frames = {"obs": torch.randint(0, 255, (256, 4, 84, 84), dtype=torch.uint8)}
+    with EmbeddedServer(settings) as server, \
+            ReplayClient(server.address, timeout=30, max_retry_s=0) as actor:
+        meter = server._server.connections.control  # the server's own meter
+        assert meter is not None
+        deadline = time.monotonic() + ATARI_INSERTS_S
+        count = 0
+        while count < ATARI_INSERTS and time.monotonic() < deadline:
+            actor.insert("atari", frames)  # raises UnavailableError if the connection is cut
+            count += 1
+        time.sleep(2 * control_meter.LOOK_S)  # the guard's look after the last call
+        assert count >= 10
+        assert meter.cut == 0 and meter.peak < 16_384, (count, meter.peak)
