@@ -38,6 +38,10 @@ capacity = 1000
 [[tables]]
 name = "wide"
 capacity = 4
+
+[[tables]]
+name = "written"
+capacity = 1000
 """
 
 server = module_server(CONFIG)
@@ -84,6 +88,18 @@ def test_an_insert_over_the_message_limit_is_stored_whole_and_exact(client) -> N
     assert client.info()["frames"].size == before + 300
     batch = client.sample("frames", 40)
     assert_exact(batch)
+
+
+def test_a_writers_batches_over_the_message_limit_are_stored_in_order_and_exact(client) -> None:
+    # batch_rows=100: 1.6 MiB a batch, sent as two chunks of the 1 MiB message limit
+    data = frames(0, 250)
+    with client.writer("written", batch_rows=100, episode_key=None) as writer:
+        for row in range(250):
+            writer.append({key: value[row] for key, value in data.items()})
+    assert writer.rows_written == 250
+    stored = client.read("written", positions=list(range(250))).columns
+    assert torch.equal(stored["step"], data["step"])
+    assert torch.equal(stored["pixels"], data["pixels"])
 
 
 def test_a_sample_over_the_message_limit_arrives_whole_and_exact(client) -> None:
