@@ -194,8 +194,8 @@ class ShardedClient(ShardedTableRows):
         return self._set.clients()
 
     def _each(self, calls: Mapping[int, Callable[[Any], Any]],
-              tolerate: bool = False) -> dict[int, Any]:
-        return self._set.each(calls, tolerate)
+              tolerate: bool = False, inline: bool = False) -> dict[int, Any]:
+        return self._set.each(calls, tolerate, inline)
 
     def _live(self, clients: Iterable[int]) -> list[int]:
         return self._set.live(clients)
@@ -282,7 +282,8 @@ class ShardedClient(ShardedTableRows):
                 picked = unflatten({k: v[rows] for k, v in flat.items()})
                 return lambda c: c.insert(table, picked, None if prios is None else prios[rows])
 
-            results = self._each({s: part(rows) for s, rows in plan.items()}, tolerate=True)
+            results = self._each({s: part(rows) for s, rows in plan.items()}, tolerate=True,
+                                 inline=True)
             for shard, rows in plan.items():
                 if shard in results:
                     if rows is None:

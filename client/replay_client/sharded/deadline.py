@@ -101,16 +101,20 @@ def settle(futures: Mapping[int, Future], deadline_s: float, probe: Probe,
                 (dead if is_silent(answer.exception()) else alive).add(shard)
     for shard, future in futures.items():
         if shard in late and shard not in alive and not future.done():
-            outcomes[shard] = UnavailableError(
-                f"{where(shard)} did not answer within the per-shard deadline "
-                f"(shard_deadline_s={deadline_s:g}), nor a probe within as long again: "
-                f"counted as down")
+            outcomes[shard] = late_error(where(shard), deadline_s)
             continue
         try:
             outcomes[shard] = future.result()
         except ReplayError as exc:
             outcomes[shard] = exc
     return outcomes
+
+
+def late_error(where: str, deadline_s: float) -> UnavailableError:
+    """The error of a *late* shard (``where`` names it): silent to its call and its probe."""
+    return UnavailableError(f"{where} did not answer within the per-shard deadline "
+                            f"(shard_deadline_s={deadline_s:g}), nor a probe within as long "
+                            f"again: counted as down")
 
 
 def _wait_all(futures: Iterable[Future], timeout_s: float) -> None:
