@@ -21,7 +21,9 @@ that has another ``shard_deadline_s`` to answer:
 
 So a sharded call returns within twice the per-shard deadline plus a
 scheduling margin, whatever one shard does. The abandoned call runs on in
-its pool thread until its own timeout (the pool has room for that).
+its pool thread until its own timeout (the pool has room for that); a call
+to one shard made on the caller's thread is watched alike and cancelled
+instead (:mod:`replay_client.sharded.lanes`).
 
 Cost: nothing while every shard answers within the deadline; a probe per
 late shard otherwise. Thread-safety: :func:`settle` may be called from any

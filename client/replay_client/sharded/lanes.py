@@ -52,7 +52,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from replay_client.connection import Connection
-from replay_client.errors import ReplayError, UnavailableError
+from replay_client.errors import ReplayError
 from replay_client.sharded.deadline import is_silent, late_error
 
 _TICK_MAX_S = 0.1  # the watchdog's longest sleep while calls are watched
