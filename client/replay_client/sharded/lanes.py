@@ -130,12 +130,12 @@ class InlineLanes:
         """``call(lane)`` on this thread, watched: its result, or the :class:`ReplayError` it
         failed with (the late :class:`UnavailableError` if the watchdog cancelled its lane),
         as :func:`~replay_client.sharded.deadline.settle` gives a shard's outcome."""
-        watch = _Watch(shard, client, lane, time.monotonic() + self._deadline)
         key = next(self._keys)
-        with self._cond:
+        with self._cond:  # deadlines taken under the lock: the watches stay in their order
+            watch = _Watch(shard, client, lane, time.monotonic() + self._deadline)
             self._watches[key] = watch
             self._closed = False
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():  # none yet, or forked
                 self._thread = threading.Thread(target=self._watch_loop, daemon=True,
                                                 name="replay-shard-deadline")
                 self._thread.start()
