@@ -15,6 +15,13 @@ included). With ``--baseline-tree`` the client runs alternate between that
 tree's packages and this checkout's (``baseline``, ``this``, ``baseline``,
 ... for ``--rounds`` rounds, against the same servers, this checkout's),
 and the medians and the median of the rounds' ratios are printed.
+
+    python benchmarks/sharded_insert.py --inline-ab --calls 20000
+
+measures instead, in one client process, this checkout's inline one-shard
+insert against its pooled path (a client whose shards get no lane), in
+alternating blocks of ``--block`` calls: on a loaded machine the A/B that
+drifts least.
 """
 
 from __future__ import annotations
@@ -62,6 +69,53 @@ def _worker(addresses: list[str], calls: int, warmup: int) -> dict:
             "cpu_us_per_call": cpu / calls * 1e6}
 
 
+def _inline_ab(addresses: list[str], calls: int, warmup: int, block: int) -> dict:
+    """This checkout's inline path against its pooled one, in one process: two sharded clients
+    over ``addresses``, one whose shard clients hide their connection's type (so their
+    inserts stay pooled, :mod:`replay_client.sharded.lanes`), alternating blocks of ``block``
+    calls (load that drifts meets both alike); medians over blocks."""
+    import torch
+    from replay_client import ReplayClient
+    from replay_client.server_client import ServerClient
+
+    class Hidden:  # a connection that is no Connection: no lane, the probe still works
+        def __init__(self, connection: object) -> None:
+            self.unary = connection.unary  # type: ignore[attr-defined]
+
+    class PooledOnly(ServerClient):
+        @property
+        def connection(self) -> Hidden:  # type: ignore[override]
+            return Hidden(self._connection)
+
+    data = {"obs": torch.randn(ROWS, 17), "action": torch.arange(ROWS) % 6,
+            "reward": torch.rand(ROWS)}
+    clients = {"pooled": ReplayClient(addresses, client=PooledOnly),
+               "inline": ReplayClient(addresses)}
+    times: dict[str, list[tuple[float, float]]] = {side: [] for side in clients}
+    try:
+        for client in clients.values():
+            for _ in range(warmup):
+                client.insert("small", data)
+        for _ in range(max(1, calls // block)):
+            for side, client in clients.items():
+                cpu, wall = time.process_time(), time.perf_counter()
+                for _ in range(block):
+                    client.insert("small", data)
+                times[side].append(((time.perf_counter() - wall) / block * 1e6,
+                                    (time.process_time() - cpu) / block * 1e6))
+    finally:
+        for client in clients.values():
+            client.close()
+    out = {side: {"wall_us_per_call": statistics.median(w for w, _ in ts),
+                  "cpu_us_per_call": statistics.median(c for _, c in ts),
+                  "rows_per_s": ROWS * 1e6 / statistics.median(w for w, _ in ts)}
+           for side, ts in times.items()}
+    out["cpu_ratio_of_blocks"] = statistics.median(
+        i[1] / p[1] for i, p in zip(times["inline"], times["pooled"]))
+    out["blocks"] = len(times["inline"])
+    return out
+
+
 def _run(addresses: list[str], calls: int, warmup: int, env: dict[str, str]) -> dict:
     out = subprocess.run([sys.executable, __file__, "--worker", "--addresses", ",".join(addresses),
                           "--calls", str(calls), "--warmup", str(warmup)],
@@ -89,11 +143,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline-tree", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write every run here")
+    parser.add_argument("--inline-ab", action="store_true",
+                        help="this checkout's inline path against its pooled one, in one process")
+    parser.add_argument("--block", type=int, default=200, help="--inline-ab: calls per block")
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--addresses", default="")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(_worker(args.addresses.split(","), args.calls, args.warmup)))
+        return
+    if args.inline_ab:
+        for n in [int(x) for x in args.shards.split(",")]:
+            with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+                addresses = []
+                for shard in range(n):
+                    folder = Path(tmp) / f"shard{shard}"
+                    folder.mkdir()
+                    addresses.append(stack.enter_context(replay_server(folder, _config(shard))))
+                result = _inline_ab(addresses, args.calls, args.warmup, args.block)
+                print(json.dumps({"shards": n, "load": os.getloadavg(), **result}), flush=True)
         return
     sides = _sides(args.baseline_tree)
     report: dict = {"cores": os.cpu_count(), "calls": args.calls, "rows_per_call": ROWS,
