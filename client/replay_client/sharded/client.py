@@ -32,7 +32,8 @@ message naming the shard and its address.
 
 Thread-safety: safe to share between threads, like a one-server client. It connects
 lazily, pickles as its settings (a resolver must be picklable), and calls shards
-concurrently on a small thread pool (one thread per shard).
+concurrently on a small thread pool (one thread per shard); an insert that reaches one
+shard only runs on the caller's thread (:mod:`replay_client.sharded.lanes`).
 """
 
 from __future__ import annotations

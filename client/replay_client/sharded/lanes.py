@@ -210,8 +210,9 @@ class InlineLanes:
         pair = self._lanes.get(watch.shard)
         if pair is not None and pair[1] is watch.lane:
             del self._lanes[watch.shard]
-        watch.lane.connection.cancel(
-            f"{self._where(watch.shard)}: its inline call was given up (per-shard deadline)")
+        watch.lane.connection.cancel(  # what a call on it meanwhile gets (named by the caller)
+            f"the server did not answer within the per-shard deadline "
+            f"(shard_deadline_s={self._deadline:g}), nor a probe: its inline calls were given up")
 
     def _wake(self, _: Future) -> None:
         with self._cond:
