@@ -232,3 +232,48 @@ def test_a_cancelled_connection_refuses_its_calls_with_the_reason(servers):
         connection.cancel("given up")
         with pytest.raises(errors.UnavailableError, match="given up"):
             connection.unary("Info", b"", retry=True)
+
+
+def test_threads_sharing_a_stopped_shards_lane_all_fail_as_late_then_all_insert(servers):
+    """Four threads insert inline on one shard's lane at once: each gets its own ids; with the
+    shard stopped, each fails as late (the lane is cancelled under all of them); after it
+    continues, a new lane takes them all."""
+    (server,) = servers(1)
+    client = ReplayClient([server.address], timeout=TIMEOUT_S, shard_deadline_s=DEADLINE_S)
+
+    def together(count: int = 4) -> list[Any]:
+        results: list[Any] = [None] * count
+        barrier = threading.Barrier(count)
+
+        def insert(i: int) -> None:
+            barrier.wait(BOUND_S)
+            try:
+                results[i] = client.insert("u", _rows(8, first=100.0 * i))
+            except errors.ReplayError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=insert, args=(i,), daemon=True) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(BOUND_S)
+            assert not thread.is_alive(), f"an insert did not return within {BOUND_S} s"
+        return results
+
+    stopped = False
+    try:
+        ids = together()
+        assert len(set(torch.cat(ids).tolist())) == 32
+        server.process.send_signal(signal.SIGSTOP)
+        stopped = True
+        for result in together():
+            assert isinstance(result, errors.UnavailableError), result
+            assert "did not answer within the per-shard deadline" in str(result)
+        server.process.send_signal(signal.SIGCONT)
+        stopped = False
+        ids = together()
+        assert all(isinstance(i, torch.Tensor) and i.numel() == 8 for i in ids)
+    finally:
+        if stopped:
+            server.process.send_signal(signal.SIGCONT)
+        client.close()
