@@ -115,6 +115,7 @@ class Connection:
         self._calls: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self._refusal: str | None = None  # set by cancel: why every later call is refused
 
     @property
     def max_message_bytes(self) -> int:
@@ -136,6 +137,8 @@ class Connection:
         if call is not None and self._pid == os.getpid():
             return call
         with self._lock:
+            if self._refusal is not None:
+                raise UnavailableError(self._refusal)
             if self._pid != os.getpid():  # a forked child: open its own channel
                 self._channel, self._calls, self._pid = None, {}, os.getpid()
             if self._channel is None:
@@ -257,6 +260,18 @@ class Connection:
         if self.answered or _accepts_connections(self.address, self.connect_timeout_s):
             return self.max_retry_s
         return min(self.max_retry_s, self.connect_timeout_s)
+
+    def cancel(self, reason: str) -> None:
+        """Give this connection up: close its channel, which ends every call in flight on it
+        (each raises its typed error), and refuse every later call, retries of calls in
+        flight included, with :class:`UnavailableError` saying ``reason``. For a connection
+        that only some calls use (a sharded client's inline lane,
+        :mod:`replay_client.sharded.lanes`); permanent, unlike :meth:`close`."""
+        with self._lock:
+            self._refusal = reason
+            if self._channel is not None:
+                self._channel.close()
+                self._channel, self._calls = None, {}
 
     def close(self) -> None:
         """Close the channel (a later call opens a new one)."""

@@ -32,7 +32,8 @@ message naming the shard and its address.
 
 Thread-safety: safe to share between threads, like a one-server client. It connects
 lazily, pickles as its settings (a resolver must be picklable), and calls shards
-concurrently on a small thread pool (one thread per shard).
+concurrently on a small thread pool (one thread per shard); an insert that reaches one
+shard only runs on the caller's thread (:mod:`replay_client.sharded.lanes`).
 """
 
 from __future__ import annotations
@@ -194,8 +195,8 @@ class ShardedClient(ShardedTableRows):
         return self._set.clients()
 
     def _each(self, calls: Mapping[int, Callable[[Any], Any]],
-              tolerate: bool = False) -> dict[int, Any]:
-        return self._set.each(calls, tolerate)
+              tolerate: bool = False, inline: bool = False) -> dict[int, Any]:
+        return self._set.each(calls, tolerate, inline)
 
     def _live(self, clients: Iterable[int]) -> list[int]:
         return self._set.live(clients)
@@ -282,7 +283,8 @@ class ShardedClient(ShardedTableRows):
                 picked = unflatten({k: v[rows] for k, v in flat.items()})
                 return lambda c: c.insert(table, picked, None if prios is None else prios[rows])
 
-            results = self._each({s: part(rows) for s, rows in plan.items()}, tolerate=True)
+            results = self._each({s: part(rows) for s, rows in plan.items()}, tolerate=True,
+                                 inline=True)
             for shard, rows in plan.items():
                 if shard in results:
                     if rows is None:

@@ -21,7 +21,9 @@ that has another ``shard_deadline_s`` to answer:
 
 So a sharded call returns within twice the per-shard deadline plus a
 scheduling margin, whatever one shard does. The abandoned call runs on in
-its pool thread until its own timeout (the pool has room for that).
+its pool thread until its own timeout (the pool has room for that); a call
+to one shard made on the caller's thread is watched alike and cancelled
+instead (:mod:`replay_client.sharded.lanes`).
 
 Cost: nothing while every shard answers within the deadline; a probe per
 late shard otherwise. Thread-safety: :func:`settle` may be called from any
@@ -101,16 +103,20 @@ def settle(futures: Mapping[int, Future], deadline_s: float, probe: Probe,
                 (dead if is_silent(answer.exception()) else alive).add(shard)
     for shard, future in futures.items():
         if shard in late and shard not in alive and not future.done():
-            outcomes[shard] = UnavailableError(
-                f"{where(shard)} did not answer within the per-shard deadline "
-                f"(shard_deadline_s={deadline_s:g}), nor a probe within as long again: "
-                f"counted as down")
+            outcomes[shard] = late_error(where(shard), deadline_s)
             continue
         try:
             outcomes[shard] = future.result()
         except ReplayError as exc:
             outcomes[shard] = exc
     return outcomes
+
+
+def late_error(where: str, deadline_s: float) -> UnavailableError:
+    """The error of a *late* shard (``where`` names it): silent to its call and its probe."""
+    return UnavailableError(f"{where} did not answer within the per-shard deadline "
+                            f"(shard_deadline_s={deadline_s:g}), nor a probe within as long "
+                            f"again: counted as down")
 
 
 def _wait_all(futures: Iterable[Future], timeout_s: float) -> None:

@@ -75,6 +75,7 @@ from replay_client.sharded.deadline import (
 )
 from replay_client.sharded.discovery import Resolution, Resolver, named, resolve
 from replay_client.sharded.health import ShardHealth
+from replay_client.sharded.lanes import InlineLanes
 from replay_client.sharded.prober import ShardProber
 from replay_client.sharded.routing import by_owner
 from replay_proto.id_layout import shard_of
@@ -134,6 +135,8 @@ class ShardSet:
         self._wait_s = wait_for_shards_s
         self._expected: int | None = None
         self._absent: dict[int, str] = {}  # expected shards not found: index -> why
+        self._lanes = InlineLanes(factory, self._options, shard_deadline_s, self._probe,
+                                  lambda s: f"shard {s} ({self.address_of(s)})")
 
     # ------------------------------------------------------------ the set
 
@@ -423,23 +426,30 @@ class ShardSet:
         return live
 
     def each(self, calls: Mapping[int, Callable[[Any], Any]],
-             tolerate: bool = False) -> dict[int, Any]:
+             tolerate: bool = False, inline: bool = False) -> dict[int, Any]:
         """Run ``calls[shard](client)`` on those shards concurrently; their results by shard.
 
         ``tolerate`` (in degraded mode): a shard that fails as unavailable is
         marked down and left out of the results instead of failing the call.
         A shard found unavailable has the name resolved again soon.
+        ``inline``: a call to one shard only is made on this thread, on the
+        shard's lane (:mod:`replay_client.sharded.lanes`: the same deadline and
+        outcomes); for calls a second one-server client of the shard may make
+        as well as its own: no per-client state (inserts; not priority updates,
+        which keep order with the client's own ``wait=False`` ones).
 
         Raises:
             ReplayError: the first failure in shard order, its message naming the shard.
         """
         clients = self.clients()
-        pool = self._pool
-        assert pool is not None
-        futures: dict[int, Future] = {
-            s: pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
-        outcomes = settle(futures, self._deadline, lambda s: self._probe(clients[s]),
-                          lambda s: f"shard {s} ({self.address_of(s)})")
+        outcomes = self._inline(calls, clients) if inline and len(calls) == 1 else None
+        if outcomes is None:
+            pool = self._pool
+            assert pool is not None
+            futures: dict[int, Future] = {
+                s: pool.submit(self._on, s, call, clients[s]) for s, call in calls.items()}
+            outcomes = settle(futures, self._deadline, lambda s: self._probe(clients[s]),
+                              lambda s: f"shard {s} ({self.address_of(s)})")
         results, failure, lost = {}, None, False
         for shard, outcome in outcomes.items():
             if not isinstance(outcome, ReplayError):
@@ -459,6 +469,18 @@ class ShardSet:
         if self._degraded:
             self.health.answered(results)
         return results
+
+    def _inline(self, calls: Mapping[int, Callable[[Any], Any]],
+                clients: Mapping[int, Any]) -> dict[int, Any] | None:
+        """The one call of ``calls`` made on this thread (its outcome by shard, as
+        :func:`settle` gives it); ``None``: its shard has no lane (a custom client)."""
+        ((shard, call),) = calls.items()
+        client = clients[shard]
+        lane = self._lanes.lane(shard, client)
+        if lane is None:
+            return None
+        return {shard: self._lanes.run(shard, client, lane,
+                                       lambda c: self._on(shard, call, c))}
 
     def all(self, call: Callable[[Any], Any], tolerate: bool = False) -> dict[int, Any]:
         """``call`` on every shard (``tolerate``: on the live ones, see :meth:`each`)."""
@@ -500,6 +522,7 @@ class ShardSet:
     def close(self) -> None:
         """Close every shard's client (a later call connects again)."""
         self._prober.close()
+        self._lanes.close()
         with self._resolving, self._lock:
             clients, self._clients = self._clients, None
             pending, self._pending = self._pending, {}
