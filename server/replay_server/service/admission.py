@@ -348,12 +348,15 @@ class Admission:
             except StopAsyncIteration:  # half-closed without a word: the behaviour sees that
                 first = None
             self._spoke(context)
+            answers = behaviour(self._counted(context, first, incoming), context, reservation)
             try:
-                async for message in behaviour(self._counted(context, first, incoming),
-                                               context, reservation):
+                async for message in answers:
                     yield message
             finally:
-                self._leave(context)
+                try:  # the behaviour's own cleanup (a ring's segment unlinked, say) runs now,
+                    await _closed(answers)  # before the slot is free: whoever waits for the
+                finally:  # streams to end (a shard's drain) must find it done
+                    self._leave(context)
 
         return grpc.stream_stream_rpc_method_handler(handle)
 
@@ -577,6 +580,15 @@ class _Ended:
             del admission._tickets[self._key]
         if self.reservation is not None:
             self.reservation.release()
+
+
+async def _closed(answers: AsyncIterator[bytes]) -> None:
+    """Close the async generator ``answers`` now (its ``finally`` blocks run), rather than
+    when the event loop finalizes it: a generator left after its consumer stopped is
+    closed only later, by the loop's finalizer."""
+    close = getattr(answers, "aclose", None)
+    if close is not None:
+        await close()
 
 
 async def _after(first: bytes | None, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -234,9 +234,7 @@ class ControlMeter:
             if account is None:
                 account = self._accounts[address] = _Account()
             account.gone = False
-            control = received - (account.message_bytes + account.message_bytes // FRAME_SHARE
-                                  + CALL_BYTES * account.calls
-                                  + MESSAGE_BYTES * account.messages + sent // SENT_SHARE)
+            control = _control(account, received, sent)
             if account.cut:
                 return 0
             if account.suspect is not None:  # over at the last look: still over from there?
@@ -260,6 +258,15 @@ class ControlMeter:
             if growth > self.allowed:
                 account.suspect = window  # judged again at the next look, from the same start
             return 0
+
+    def control(self, address: tuple[str, int], received: int, sent: int) -> int | None:
+        """The control bytes of connection ``address`` since it was first counted, its socket
+        having received ``received`` bytes and sent ``sent`` (acknowledged): what arrived
+        beyond its calls' allowances (negative: allowances unused); ``None``: not counted.
+        Any thread."""
+        with self._lock:
+            account = self._accounts.get(address)
+            return None if account is None else _control(account, received, sent)
 
     def _growth(self, account: _Account, control: int) -> int:
         """The control of ``account`` within its window, ``control`` being its count now."""
@@ -288,3 +295,11 @@ class ControlMeter:
                 del self._accounts[address]
                 if account.peer is not None:
                     self._addresses.pop(account.peer, None)
+
+
+def _control(account: _Account, received: int, sent: int) -> int:
+    """Bytes ``account``'s connection sent beyond what its calls account for (see the module
+    docstring), its socket having received ``received`` and sent ``sent`` (acknowledged)."""
+    return received - (account.message_bytes + account.message_bytes // FRAME_SHARE
+                       + CALL_BYTES * account.calls + MESSAGE_BYTES * account.messages
+                       + sent // SENT_SHARE)

@@ -58,7 +58,7 @@ message larger than the call declared ends it with INVALID_ARGUMENT.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 import torch
@@ -144,7 +144,7 @@ class SampleStreamCall:
         transport's offer, such as ``shared_memory``)."""
         return self._sink.name
 
-    async def run(self) -> AsyncIterator[bytes]:
+    async def run(self) -> AsyncGenerator[bytes, None]:
         """The call: open it from the learner's first message, then draw and send groups of
         batches as credit comes (drawing the next group while one is sent), then wait for
         what the learner still owes (leased rows finished, its last updates)."""

@@ -236,11 +236,15 @@ class ReplayServicer:
         call = SampleStreamCall(self.calls, self._tables, self._stream_limits, requests, context,
                                 owner=reservation)
         self._streams.add(call)
+        chunks = call.run()
         try:
-            async for chunk in call.run():
+            async for chunk in chunks:
                 yield chunk
         finally:
-            self._streams.discard(call)
+            try:
+                await chunks.aclose()  # the call's end (its ring unlinked) runs now, not later
+            finally:
+                self._streams.discard(call)
 
     def _wake_streams(self) -> None:
         """Draining started: streams waiting for their learner's credit end now."""
