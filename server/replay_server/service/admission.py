@@ -7,11 +7,9 @@ read or run:
    written its last answer (a call whose response a slow reader has not
    taken yet is still in flight: the write waits for HTTP/2 flow control);
    over the cap it is refused with RESOURCE_EXHAUSTED (kind ``overloaded``).
-   The slot is given back before the call's status goes out, so a client
-   that waits for each answer before its next call never finds its own
-   last call still counted (gRPC's end-of-call callback, which runs after
-   the status was sent, once freed it: a client with one call at a time
-   was refused "8 calls already" under load).
+   The slot is given back before the call's status goes out (it was freed by
+   gRPC's end-of-call callback, after it: a client making one call at a time
+   was refused "8 calls already" for its own last call).
    **Waiting calls have a pool of their own**, ``max_waiting_calls``: a
    stream (``SampleStream``, ``UpdateStream``: long-lived, idle between
    messages) is counted there from the start, and a unary call moves there
@@ -434,8 +432,7 @@ class Admission:
     def _leave(self, context: grpc.aio.ServicerContext) -> None:
         """The handler of the call of ``context`` returned (or raised): its slot is free for
         the next call. Its memory stays reserved until gRPC ends the call."""
-        ticket = self._tickets.get(id(context))
-        if ticket is not None:
+        if (ticket := self._tickets.get(id(context))) is not None:
             ticket.free_slot()
 
     def _spoke(self, context: grpc.aio.ServicerContext) -> None:
@@ -523,11 +520,8 @@ class Admission:
 
 
 class _Ended:
-    """A call's done-callback: it is no longer in flight (or waiting), and its memory is free.
-
-    The slot may have been given back earlier (:meth:`free_slot`, when the handler
-    returned); the callback then frees only the rest.
-    """
+    """A call's done-callback: its slot (unless :meth:`free_slot` gave it back when its
+    handler returned) and its memory are free."""
 
     __slots__ = ("_admission", "reservation", "waiting", "_key", "_stream", "spoke", "read",
                  "expected", "peer", "host", "_holds_slot")
@@ -583,9 +577,7 @@ class _Ended:
 
 
 async def _closed(answers: AsyncIterator[bytes]) -> None:
-    """Close the async generator ``answers`` now (its ``finally`` blocks run), rather than
-    when the event loop finalizes it: a generator left after its consumer stopped is
-    closed only later, by the loop's finalizer."""
+    """Close the async generator ``answers`` now, not when the loop's finalizer gets to it."""
     close = getattr(answers, "aclose", None)
     if close is not None:
         await close()
