@@ -27,6 +27,7 @@ from replay_server.app.config_file import settings_from_dict
 from replay_server.app.embedded import EmbeddedServer
 
 from tests.conftest import start_server, wait_for
+from tests.client.sharded.bounded import returns_within
 
 DEADLINE_S = 0.5
 """The clients' per-shard deadline."""
@@ -39,23 +40,7 @@ TIMEOUT_S = 60.0
 
 
 def _returns(call: Callable[[], Any], bound: float = BOUND_S) -> Any:
-    """``call()``'s result (or its error, raised), which must come within ``bound`` s."""
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
-            box["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    assert done.wait(bound), f"the call did not return within {bound} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return returns_within(call, bound)
 
 
 @pytest.fixture

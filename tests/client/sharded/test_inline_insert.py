@@ -24,6 +24,7 @@ from replay_client.server_client import ServerClient
 from replay_client.sharded.placement import by_episode
 
 from tests.conftest import start_server, wait_for
+from tests.client.sharded.bounded import returns_within
 
 DEADLINE_S = 0.5
 """The clients' per-shard deadline."""
@@ -53,23 +54,7 @@ error_buffer = 1.0
 
 
 def _returns(call: Callable[[], Any], bound: float = BOUND_S) -> Any:
-    """``call()``'s result (or its error, raised), which must come within ``bound`` s."""
-    box: dict[str, Any] = {}
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # noqa: BLE001 - raised below, in the test's thread
-            box["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    assert done.wait(bound), f"the call did not return within {bound} s"
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    return returns_within(call, bound)
 
 
 class _ThreadNoting(ServerClient):
