@@ -350,10 +350,10 @@ class Admission:
             try:
                 async for message in answers:
                     yield message
-            finally:
-                try:  # the behaviour's own cleanup (a ring's segment unlinked, say) runs now,
-                    await _closed(answers)  # before the slot is free: whoever waits for the
-                finally:  # streams to end (a shard's drain) must find it done
+            finally:  # the behaviour's cleanup (a ring unlinked) before the slot is free:
+                try:  # whoever waits for the streams to end (a shard's drain) finds it done
+                    await _closed(answers)
+                finally:
                     self._leave(context)
 
         return grpc.stream_stream_rpc_method_handler(handle)
