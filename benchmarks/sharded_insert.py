@@ -135,6 +135,17 @@ def _sides(baseline: Path | None) -> dict[str, dict[str, str]]:
     return {"baseline": {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, roots))}, **sides}
 
 
+def _start_shards(stack: ExitStack, tmp: Path, count: int) -> list[str]:
+    """``count`` shard servers, each in a folder of ``tmp``, stopped when ``stack`` closes;
+    their addresses in shard order."""
+    addresses = []
+    for shard in range(count):
+        folder = tmp / f"shard{shard}"
+        folder.mkdir()
+        addresses.append(stack.enter_context(replay_server(folder, _config(shard))))
+    return addresses
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", default="1,2")
@@ -155,11 +166,7 @@ def main() -> None:
     if args.inline_ab:
         for n in [int(x) for x in args.shards.split(",")]:
             with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-                addresses = []
-                for shard in range(n):
-                    folder = Path(tmp) / f"shard{shard}"
-                    folder.mkdir()
-                    addresses.append(stack.enter_context(replay_server(folder, _config(shard))))
+                addresses = _start_shards(stack, Path(tmp), n)
                 result = _inline_ab(addresses, args.calls, args.warmup, args.block)
                 print(json.dumps({"shards": n, "load": os.getloadavg(), **result}), flush=True)
         return
@@ -168,11 +175,7 @@ def main() -> None:
                     "load_before": os.getloadavg(), "runs": []}
     for n in [int(x) for x in args.shards.split(",")]:
         with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-            addresses = []
-            for shard in range(n):
-                folder = Path(tmp) / f"shard{shard}"
-                folder.mkdir()
-                addresses.append(stack.enter_context(replay_server(folder, _config(shard))))
+            addresses = _start_shards(stack, Path(tmp), n)
             runs: dict[str, list[dict]] = {side: [] for side in sides}
             for round_ in range(args.rounds):
                 for side, env in sides.items():
