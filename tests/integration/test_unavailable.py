@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 
@@ -334,9 +335,20 @@ def test_an_insert_gRPC_could_not_send_waits_for_the_server_and_is_stored_once(
     client = ReplayClient(relay.address, timeout=30, max_retry_s=15)
     client.info()
     before = inserted(direct)
-    with Outage(relay, served.port) as outage:
-        assert len(client.insert("uniform", rows(1))) == 1
-        assert outage.over, "the insert returned while the server was still down"
+    states: list[grpc.ChannelConnectivity] = []
+    channel = client.connection._channel  # the connection info() opened
+    channel.subscribe(states.append)
+    try:
+        with Outage(relay, served.port) as outage:
+            # The insert must meet a connection gRPC knows is gone: sent on one whose close
+            # gRPC has not read yet, it may have reached the server and is (rightly) not
+            # repeated (a clean-clone CI run under load: "Stream removed (Socket closed)").
+            assert wait_for(lambda: states and states[-1] != grpc.ChannelConnectivity.READY,
+                            timeout=10)
+            assert len(client.insert("uniform", rows(1))) == 1
+            assert outage.over, "the insert returned while the server was still down"
+    finally:
+        channel.unsubscribe(states.append)
     assert inserted(direct) == before + 1
     client.close()
 
