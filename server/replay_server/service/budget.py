@@ -55,11 +55,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import TypeVar
 
 from replay_server.engine import format_bytes
 from replay_server.service.fair_queue import FairQueue
 from replay_server.service.limits import BULK_SHARE
 from replay_server.service.status import LimitExceededError, OverloadedError
+
+E = TypeVar("E", OverloadedError, LimitExceededError)
 
 SMALL_BYTES = 1 << 20
 """Reservations up to this size may use the whole budget."""
@@ -76,7 +79,9 @@ class MemoryBudget:
     Attributes:
         in_use: bytes reserved now.
         peak: the most bytes reserved at once so far.
-        refused: reservations refused so far.
+        refused: calls a refusal of this budget ended so far (told by
+            :func:`~replay_server.service.status.abort`); a try refused that the call then
+            waited out is not one.
     """
 
     def __init__(self, limit: int, what: str = "server.memory_budget_mb",
@@ -197,6 +202,16 @@ class MemoryBudget:
         except RuntimeError:  # the loop is closed: nobody waits on it any more
             self._offer_due = False
 
+    def _counted(self, refusal: E) -> E:
+        """``refusal``, counted in :attr:`refused` if it ends a call (not when its call waits
+        for room and tries again, nor a stream's group that waits its turn)."""
+        refusal.counted_by = self._count_refusal
+        return refusal
+
+    def _count_refusal(self) -> None:
+        with self._lock:
+            self.refused += 1
+
     def describe(self) -> dict[str, int]:
         return {"memory_in_use_bytes": self.in_use, "memory_peak_bytes": self.peak,
                 "memory_refused_calls": self.refused, "memory_waiting_calls": self.waiting}
@@ -220,22 +235,21 @@ class MemoryBudget:
             overtakes = bulk and self._queued and not queued and new <= ceiling
             if new > old and (overtakes or in_use > self.limit
                               or bulk_in_use > self.bulk_limit):
-                self.refused += 1
                 if overtakes:
-                    raise OverloadedError(
+                    raise self._counted(OverloadedError(
                         f"{purpose} needs {format_bytes(new)} of memory while "
                         f"{self._queued} call(s) wait for room in {self.what} before it; "
-                        f"the call was not run: try again later")
+                        f"the call was not run: try again later"))
                 if new > ceiling:
-                    raise LimitExceededError(
+                    raise self._counted(LimitExceededError(
                         f"{purpose} needs {format_bytes(new)} of memory, more than the "
                         f"{format_bytes(ceiling)} {self.what} allows any call"
                         f"{' this large' if bulk else ''} ({self.what} = "
-                        f"{format_bytes(self.limit)}); ask for less at once")
-                raise OverloadedError(
+                        f"{format_bytes(self.limit)}); ask for less at once"))
+                raise self._counted(OverloadedError(
                     f"{purpose} needs {format_bytes(new)} of memory but calls in flight hold "
                     f"{format_bytes(self.in_use)} of {self.what} = {format_bytes(self.limit)}; "
-                    f"the call was not run: try again later")
+                    f"the call was not run: try again later"))
             self.in_use, self.bulk_in_use = in_use, bulk_in_use
             self.peak = max(self.peak, in_use)
             freed = new < old and self._queued

@@ -11,6 +11,7 @@ auth interceptor) ends a call with an error.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import NoReturn
 
 import grpc
@@ -45,12 +46,20 @@ class RequestTimeoutError(Exception):
     freed (DEADLINE_EXCEEDED)."""
 
 
-class OverloadedError(Exception):
+class _Refusal(Exception):
+    """A limit's refusal. ``counted_by``, if set, is told when the refusal ends a call
+    (:func:`abort`): a limit that refuses tries a call may still wait out (the memory
+    budget) counts the calls it refused, not its tries."""
+
+    counted_by: Callable[[], None] | None = None
+
+
+class OverloadedError(_Refusal):
     """The server's call limits are reached *now* (memory budget, concurrent calls);
     the call was not run, so it may be tried again later."""
 
 
-class LimitExceededError(Exception):
+class LimitExceededError(_Refusal):
     """The call alone asks for more than a configured limit allows (a batch over
     max_batch_mb, more memory than the budget); it can never succeed as it is."""
 
@@ -116,6 +125,8 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> NoRetu
     at DEBUG (its end is expected, whatever it raised).
     """
     peer = _peer(context)
+    if isinstance(exc, _Refusal) and exc.counted_by is not None:
+        exc.counted_by()
     if isinstance(exc, MemoryError):  # the machine, not a bug: the call may be tried again
         exc = OverloadedError(
             "the server ran out of memory serving this call (its address-space limit or the "

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from replay_server.service.budget import SMALL_BYTES, MemoryBudget
-from replay_server.service.status import LimitExceededError, OverloadedError
+from replay_server.service.status import LimitExceededError, OverloadedError, abort
 
 MIB = 1 << 20
 
@@ -35,7 +36,7 @@ def test_a_call_that_does_not_fit_now_is_overloaded_and_one_that_never_fits_is_o
     with pytest.raises(LimitExceededError, match="more than the 75.0 MiB server.memory_budget_mb "
                                                  "allows any call this large"):
         budget.reserve(80 * MIB, "a huge batch")
-    assert budget.refused == 2 and budget.in_use == 70 * MIB
+    assert budget.in_use == 70 * MIB
     held.release()
     assert budget.reserve(75 * MIB, "the largest call").nbytes == 75 * MIB
 
@@ -55,6 +56,46 @@ def test_a_failed_resize_keeps_the_old_size() -> None:
     with pytest.raises(LimitExceededError):
         reservation.resize(20 * MIB, "x grown")
     assert reservation.nbytes == MIB and budget.in_use == MIB
+
+
+class _Call:
+    """What :func:`abort` asks of a gRPC call: its peer and its abort."""
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5000"
+
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata=()) -> None:
+        raise _Ended(code)
+
+    def cancelled(self) -> bool:
+        return False
+
+
+class _Ended(Exception):
+    pass
+
+
+def test_refused_counts_the_calls_a_refusal_ended_not_the_tries_a_waiter_waited_out() -> None:
+    """``refused_calls`` in ``info`` is calls: it counted every refused try, also those of
+    calls that waited for room and were served, so it ran ahead of the calls refused."""
+
+    async def scenario() -> MemoryBudget:
+        budget = MemoryBudget(10 * MIB, bulk_share=1.0)
+        held = budget.reserve(8 * MIB, "held")
+        waiter = asyncio.ensure_future(budget.wait(5 * MIB, "waiting"))
+        await asyncio.sleep(0.05)  # refused tries: its own, then each offer while held
+        held.release()
+        await asyncio.wait_for(waiter, 5)  # served
+        assert budget.refused == 0
+        for nbytes in (8 * MIB, 20 * MIB):  # over now, over ever: each ends its call
+            with pytest.raises((OverloadedError, LimitExceededError)) as refusal:
+                budget.reserve(nbytes, "a batch")
+            with pytest.raises(_Ended) as ended:
+                await abort(_Call(), refusal.value)
+            assert ended.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return budget
+
+    assert asyncio.run(scenario()).refused == 2
 
 
 def test_a_waiter_gets_its_room_when_another_call_releases_it() -> None:
