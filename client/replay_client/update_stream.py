@@ -85,6 +85,7 @@ class _Session:
         self.pending: deque[_Pending] = deque()
         self.sequence = 0
         self.closed = False
+        self.ended = threading.Event()  # set with closed: wakes the watchdog (only then)
         self.reading = False      # a sender is reading answers for everyone
         self.timed_out = False    # the call was cancelled because an answer was late
         self.call = connection.method("UpdateStream", kind="stream_stream")(
@@ -164,6 +165,7 @@ class UpdateStream:
             if session is not None:
                 session.outgoing.put(None)  # half-close: the server answers what it has, then ends
                 session.closed = True
+                session.ended.set()
                 self._cond.notify_all()
         if session is not None:
             session.call.cancel()
@@ -228,6 +230,7 @@ class UpdateStream:
     def _fail(self, session: _Session, why: BaseException) -> None:
         """The call is over: every unanswered request gets ``why`` (late ones: the deadline). Under the lock."""
         session.closed = True
+        session.ended.set()
         if self._session is session:
             self._session = None
         session.outgoing.put(None)
@@ -242,16 +245,19 @@ class UpdateStream:
         self._cond.notify_all()
 
     def _watch(self, session: _Session, timeout: float) -> None:
-        """Cancel ``session``'s call once its oldest unanswered request is past its deadline."""
+        """Cancel ``session``'s call once its oldest unanswered request is past its deadline.
+
+        It looks every quarter of the timeout (at most a second) and when the call ends, on
+        an event of its own: woken by every answer (it once waited on the senders' condition),
+        it cost a thread switch per request, 16% of a waiting update's client CPU."""
         period = min(1.0, timeout / 4)
-        with self._cond:
-            while not session.closed:
+        while not session.ended.wait(period):
+            with self._cond:
                 oldest = session.pending[0].deadline if session.pending else None
-                if oldest is not None and time.monotonic() >= oldest:
-                    session.timed_out = True
-                    session.call.cancel()
-                    return
-                self._cond.wait(period)
+            if oldest is not None and time.monotonic() >= oldest:
+                session.timed_out = True
+                session.call.cancel()
+                return
 
     def _error(self, error: pb.CallError) -> BaseException:
         """The typed error of one refused request (UNAVAILABLE: go unary, which retries)."""

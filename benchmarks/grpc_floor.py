@@ -1,0 +1,210 @@
+"""Python gRPC's own floor beside our per-call paths and Reverb's, in one run.
+
+    python benchmarks/grpc_floor.py --reverb-python <reverb venv>/bin/python --rounds 3
+
+The rows where Reverb is ahead (docs/benchmarks.md) are single calls through
+Python gRPC: a priority update of 128 ids that waits for its answer, a unary
+sample of 256 Atari rows. This measures what those calls cost with no replay
+work at all, on the same machine in the same run: a bare ``grpc.aio`` server
+(uvloop, our server's transport options) in its own process that
+
+- echoes a message the size of an encoded 128-id update on one bidirectional
+  stream, read by a sync client the way ``UpdateStream`` reads it (a request
+  iterator, one answer at a time): the floor of a waiting update;
+- answers a unary call with a 7.2 MB message (the size of 256 Atari rows, as
+  our ``Sample`` answers them): the floor of a unary sample.
+
+Each round runs the floor, ours (``replay-server serve``, the same tables as
+``benchmarks/service.py``) and Reverb (``benchmarks/reverb_service.py``)
+one after another. Prints each side's time per call and what a given ratio
+over Reverb would need, against the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import queue
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import service_workload as w  # noqa: E402
+from service import _CONFIG, _reverb, _rows_as_torch  # noqa: E402
+from sides import replay_server  # noqa: E402
+
+SERVICE = "floor.Echo"
+IDS = 128
+"""Ids per waiting priority update (the row where Reverb is ahead)."""
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+def _echo_server(port_out: multiprocessing.Queue, answer_bytes: int) -> None:
+    """A bare grpc.aio server: Echo (bidirectional, each message back) and Answer (unary,
+    ``answer_bytes`` back), with the transport options ``replay-server`` uses."""
+    import grpc
+    import uvloop
+
+    answer = b"\x07" * answer_bytes
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20),
+                                          ("grpc.max_receive_message_length", 64 << 20),
+                                          ("grpc.http2.bdp_probe", 0)])
+
+        async def echo(_requests: object, context: grpc.aio.ServicerContext) -> None:
+            while (message := await context.read()) is not grpc.aio.EOF:
+                await context.write(message)
+
+        async def unary(_request: bytes, _context: grpc.aio.ServicerContext) -> bytes:
+            return answer
+
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
+            "Echo": grpc.stream_stream_rpc_method_handler(echo, _identity, _identity),
+            "Answer": grpc.unary_unary_rpc_method_handler(unary, _identity, _identity),
+        }),))
+        port_out.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    uvloop.run(serve())
+
+
+def _floor(seconds: float, update_bytes: int, answer_bytes: int) -> dict:
+    import grpc
+
+    ports: multiprocessing.Queue = multiprocessing.Queue()
+    process = multiprocessing.Process(target=_echo_server, args=(ports, answer_bytes),
+                                      daemon=True)
+    process.start()
+    try:
+        address = f"127.0.0.1:{ports.get(timeout=60)}"
+        with grpc.insecure_channel(address, options=[
+                ("grpc.max_receive_message_length", 64 << 20)]) as channel:
+            outgoing: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+            def requests() -> Iterator[bytes]:
+                while (message := outgoing.get()) is not None:
+                    yield message
+
+            answers = channel.stream_stream(f"/{SERVICE}/Echo")(requests())
+            message = b"\x01" * update_bytes
+
+            def round_trip() -> None:
+                outgoing.put(message)
+                next(answers)
+
+            trip = _per_call(round_trip, seconds)
+            outgoing.put(None)
+            unary = channel.unary_unary(f"/{SERVICE}/Answer")
+            answer = _per_call(lambda: unary(b""), seconds)
+    finally:
+        process.terminate()
+        process.join(10)
+    return {"update_s": trip, "sample_s": answer}
+
+
+def _ours(seconds: float) -> dict:
+    import torch
+
+    from replay_client import ReplayClient
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp, replay_server(Path(tmp), _CONFIG) as address:
+        client = ReplayClient(address, timeout=120)
+        for kind, rows in (("small", 200_000), ("atari", 20_000)):
+            chunk = 1_000 if kind == "atari" else 20_000
+            for first in range(0, rows, chunk):
+                client.insert(kind, _rows_as_torch(w.make_rows(kind, first, chunk)))
+        ids = client.sample("small", IDS).ids
+        priorities = [torch.from_numpy(w.new_priorities(IDS, i)) for i in range(64)]
+        turn = iter(range(1 << 62))
+        update = _per_call(lambda: client.update_priorities(
+            "small", ids, priorities[next(turn) % 64], wait=True), seconds)
+        sample = _per_call(lambda: client.sample("atari", w.SAMPLE_BATCH), seconds)
+    return {"update_s": update, "sample_s": sample}
+
+
+def _theirs(python: str, seconds: float) -> dict | None:
+    update = _reverb(python, "small", "update", seconds, IDS)
+    sample = _reverb(python, "atari", "sample", seconds)
+    if update is None or sample is None:
+        return None
+    return {"update_s": IDS / update["ids_per_s"],
+            "sample_s": w.SAMPLE_BATCH / sample["rows_per_s"]}
+
+
+def _per_call(call: Callable[[], object], seconds: float) -> float:
+    """Seconds per call of ``call()`` back to back for ``seconds`` (after a warm-up)."""
+    for _ in range(20):
+        call()
+    done, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        call()
+        done += 1
+    return elapsed / done
+
+
+def _sizes() -> tuple[int, int]:
+    """Bytes of an encoded 128-id update and of a 256-row Atari sample's answer (payload)."""
+    update = IDS * (8 + 4) + 32  # ids int64, priorities float32, the message's fields
+    return update, w.SAMPLE_BATCH * w.row_bytes("atari") + 256
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reverb-python", help="python of Reverb's virtualenv")
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the rounds here")
+    args = parser.parse_args()
+
+    update_bytes, answer_bytes = _sizes()
+    rounds = []
+    for round_ in range(args.rounds):
+        print(f"round {round_ + 1} of {args.rounds}", file=sys.stderr)
+        row = {"floor": _floor(args.seconds, update_bytes, answer_bytes),
+               "ours": _ours(args.seconds),
+               "reverb": _theirs(args.reverb_python, args.seconds) if args.reverb_python
+               else None}
+        print(f"  {row}", file=sys.stderr)
+        rounds.append(row)
+    if args.json:
+        args.json.write_text(json.dumps(rounds, indent=1))
+    print(_table(rounds, update_bytes, answer_bytes))
+
+
+def _table(rounds: list[dict], update_bytes: int, answer_bytes: int) -> str:
+    def median(side: str, key: str) -> float | None:
+        values = [r[side][key] for r in rounds if r[side] is not None]
+        return statistics.median(values) if values else None
+
+    lines = ["| call | Python gRPC floor | replay-server | Reverb 0.14.0 | ours / floor | "
+             "1.5x Reverb needs |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for key, what in (("update_s", f"priority update of {IDS} ids, waiting "
+                                   f"(floor: {update_bytes:,} B echoed on a stream)"),
+                      ("sample_s", f"unary sample of {w.SAMPLE_BATCH} Atari rows "
+                                   f"(floor: a {answer_bytes / 1e6:.1f} MB unary answer)")):
+        floor, ours, reverb = (median(side, key) for side in ("floor", "ours", "reverb"))
+        assert floor is not None and ours is not None
+        need = f"{reverb / 1.5 * 1e3:.3f} ms ({reverb / 1.5 / floor:.2f}x the floor)" \
+            if reverb is not None else "-"
+        lines.append(f"| {what} | {floor * 1e3:.3f} ms | {ours * 1e3:.3f} ms | "
+                     f"{'-' if reverb is None else f'{reverb * 1e3:.3f} ms'} | "
+                     f"{ours / floor:.2f}x | {need} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
