@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -41,6 +43,14 @@ from service import _CONFIG, _reverb, _rows_as_torch  # noqa: E402
 from sides import replay_server  # noqa: E402
 
 SERVICE = "floor.Echo"
+SMALL_ANSWER = b"\x07" * 64
+SHAPES = {
+    "unary_unary": "unary handler (gRPC reads the request before the handler runs)",
+    "stream_unary": "client-streaming handler: context.read(), then return the answer",
+    "stream_stream": "bidirectional handler: context.read(), context.write() (how "
+                     "replay-server serves its unary methods)",
+}
+"""How a server may serve one small unary call (the client makes a plain unary call to each)."""
 IDS = 128
 """Ids per waiting priority update (the row where Reverb is ahead)."""
 
@@ -69,9 +79,26 @@ def _echo_server(port_out: multiprocessing.Queue, answer_bytes: int) -> None:
         async def unary(_request: bytes, _context: grpc.aio.ServicerContext) -> bytes:
             return answer
 
+        # A small call's three serving shapes (SHAPES): each answers 64 bytes.
+        async def small(_request: bytes, _context: grpc.aio.ServicerContext) -> bytes:
+            return SMALL_ANSWER
+
+        async def read_return(_requests: object, context: grpc.aio.ServicerContext) -> bytes:
+            await context.read()
+            return SMALL_ANSWER
+
+        async def read_write(_requests: object, context: grpc.aio.ServicerContext) -> None:
+            await context.read()
+            await context.write(SMALL_ANSWER)
+
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
             "Echo": grpc.stream_stream_rpc_method_handler(echo, _identity, _identity),
             "Answer": grpc.unary_unary_rpc_method_handler(unary, _identity, _identity),
+            "unary_unary": grpc.unary_unary_rpc_method_handler(small, _identity, _identity),
+            "stream_unary": grpc.stream_unary_rpc_method_handler(read_return, _identity,
+                                                                 _identity),
+            "stream_stream": grpc.stream_stream_rpc_method_handler(read_write, _identity,
+                                                                   _identity),
         }),))
         port_out.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
@@ -108,16 +135,27 @@ def _floor(seconds: float, update_bytes: int, answer_bytes: int) -> dict:
             outgoing.put(None)
             unary = channel.unary_unary(f"/{SERVICE}/Answer")
             answer = _per_call(lambda: unary(b""), seconds)
+            shapes = {}
+            server = psutil.Process(process.pid)
+            for shape in SHAPES:
+                call = channel.unary_unary(f"/{SERVICE}/{shape}")
+                before = server.cpu_times()
+                calls = _calls_in(lambda: call(b"\x01" * 40), seconds)
+                after = server.cpu_times()
+                used = after.user + after.system - before.user - before.system
+                shapes[shape] = {"wall_s": seconds / calls, "server_cpu_s": used / calls}
     finally:
         process.terminate()
         process.join(10)
-    return {"update_s": trip, "sample_s": answer}
+    return {"update_s": trip, "sample_s": answer, "shapes": shapes}
 
 
 def _ours(seconds: float) -> dict:
+    import grpc
     import torch
 
     from replay_client import ReplayClient
+    from replay_proto.v1 import replay_pb2 as pb
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp, replay_server(Path(tmp), _CONFIG) as address:
@@ -132,7 +170,17 @@ def _ours(seconds: float) -> dict:
         update = _per_call(lambda: client.update_priorities(
             "small", ids, priorities[next(turn) % 64], wait=True), seconds)
         sample = _per_call(lambda: client.sample("atari", w.SAMPLE_BATCH), seconds)
-    return {"update_s": update, "sample_s": sample}
+        # A call with nothing to do: all of a small call's plumbing, no engine work.
+        server = next(p for p in psutil.Process().children() if p.is_running())
+        with grpc.insecure_channel(address) as channel:
+            acknowledge = channel.unary_unary("/replay.v1.ReplayService/Acknowledge")
+            request = pb.AcknowledgeRequest(table="small").SerializeToString()
+            before = server.cpu_times()
+            calls = _calls_in(lambda: acknowledge(request), seconds)
+            after = server.cpu_times()
+    used = after.user + after.system - before.user - before.system
+    return {"update_s": update, "sample_s": sample,
+            "empty_call": {"wall_s": seconds / calls, "server_cpu_s": used / calls}}
 
 
 def _theirs(python: str, seconds: float) -> dict | None:
@@ -146,13 +194,19 @@ def _theirs(python: str, seconds: float) -> dict | None:
 
 def _per_call(call: Callable[[], object], seconds: float) -> float:
     """Seconds per call of ``call()`` back to back for ``seconds`` (after a warm-up)."""
+    return seconds / _calls_in(call, seconds)
+
+
+def _calls_in(call: Callable[[], object], seconds: float) -> float:
+    """Calls of ``call()`` per ``seconds``, back to back (after a warm-up), scaled to exactly
+    ``seconds`` of wall time."""
     for _ in range(20):
         call()
     done, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         call()
         done += 1
-    return elapsed / done
+    return done * seconds / elapsed
 
 
 def _sizes() -> tuple[int, int]:
@@ -182,6 +236,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rounds, indent=1))
     print(_table(rounds, update_bytes, answer_bytes))
+    print()
+    print(_shapes_table(rounds))
 
 
 def _table(rounds: list[dict], update_bytes: int, answer_bytes: int) -> str:
@@ -203,6 +259,20 @@ def _table(rounds: list[dict], update_bytes: int, answer_bytes: int) -> str:
         lines.append(f"| {what} | {floor * 1e3:.3f} ms | {ours * 1e3:.3f} ms | "
                      f"{'-' if reverb is None else f'{reverb * 1e3:.3f} ms'} | "
                      f"{ours / floor:.2f}x | {need} |")
+    return "\n".join(lines)
+
+
+def _shapes_table(rounds: list[dict]) -> str:
+    lines = ["| server's handler for a small unary call | wall per call | server CPU per call |",
+             "|---|---:|---:|"]
+    for shape, what in SHAPES.items():
+        wall = statistics.median(r["floor"]["shapes"][shape]["wall_s"] for r in rounds)
+        cpu = statistics.median(r["floor"]["shapes"][shape]["server_cpu_s"] for r in rounds)
+        lines.append(f"| {what} | {wall * 1e3:.3f} ms | {cpu * 1e3:.3f} ms |")
+    wall = statistics.median(r["ours"]["empty_call"]["wall_s"] for r in rounds)
+    cpu = statistics.median(r["ours"]["empty_call"]["server_cpu_s"] for r in rounds)
+    lines.append(f"| replay-server: an `Acknowledge` with nothing to acknowledge (its whole "
+                 f"plumbing, no engine work) | {wall * 1e3:.3f} ms | {cpu * 1e3:.3f} ms |")
     return "\n".join(lines)
 
 
