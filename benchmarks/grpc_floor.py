@@ -16,8 +16,13 @@ work at all, on the same machine in the same run: a bare ``grpc.aio`` server
 
 Each round runs the floor, ours (``replay-server serve``, the same tables as
 ``benchmarks/service.py``) and Reverb (``benchmarks/reverb_service.py``)
-one after another. Prints each side's time per call and what a given ratio
-over Reverb would need, against the floor.
+one after another. Prints three tables (medians over the rounds):
+
+1. each side's time per call, and what 1.5x Reverb would need against the floor;
+2. a small unary call by how the bare server serves it (:data:`SHAPES`: wall and
+   server CPU per call), beside our ``Acknowledge`` with nothing to do;
+3. 256 Atari rows from a same-host stream one batch ahead, each copied out of
+   the shared-memory ring: what the bytes cost once they leave gRPC.
 """
 
 from __future__ import annotations
@@ -136,15 +141,10 @@ def _floor(seconds: float, update_bytes: int, answer_bytes: int) -> dict:
             outgoing.put(None)
             unary = channel.unary_unary(f"/{SERVICE}/Answer")
             answer = _per_call(lambda: unary(b""), seconds)
-            shapes = {}
             server = psutil.Process(process.pid)
-            for shape in SHAPES:
-                call = channel.unary_unary(f"/{SERVICE}/{shape}")
-                before = server.cpu_times()
-                calls = _calls_in(lambda: call(b"\x01" * 40), seconds)
-                after = server.cpu_times()
-                used = after.user + after.system - before.user - before.system
-                shapes[shape] = {"wall_s": seconds / calls, "server_cpu_s": used / calls}
+            shapes = {shape: _timed_with_server_cpu(
+                server, channel.unary_unary(f"/{SERVICE}/{shape}"), b"\x01" * 40, seconds)
+                for shape in SHAPES}
     finally:
         process.terminate()
         process.join(10)
@@ -173,16 +173,13 @@ def _ours(seconds: float) -> dict:
         sample = _per_call(lambda: client.sample("atari", w.SAMPLE_BATCH), seconds)
         ring = _ring_batches(client, seconds)
         # A call with nothing to do: all of a small call's plumbing, no engine work.
-        server = next(p for p in psutil.Process().children() if p.is_running())
+        server = next(p for p in psutil.Process().children()
+                      if "replay_server.app.cli" in p.cmdline())
         with grpc.insecure_channel(address) as channel:
-            acknowledge = channel.unary_unary("/replay.v1.ReplayService/Acknowledge")
-            request = pb.AcknowledgeRequest(table="small").SerializeToString()
-            before = server.cpu_times()
-            calls = _calls_in(lambda: acknowledge(request), seconds)
-            after = server.cpu_times()
-    used = after.user + after.system - before.user - before.system
-    return {"update_s": update, "sample_s": sample, "ring_sample_s": ring,
-            "empty_call": {"wall_s": seconds / calls, "server_cpu_s": used / calls}}
+            empty = _timed_with_server_cpu(
+                server, channel.unary_unary("/replay.v1.ReplayService/Acknowledge"),
+                pb.AcknowledgeRequest(table="small").SerializeToString(), seconds)
+    return {"update_s": update, "sample_s": sample, "ring_sample_s": ring, "empty_call": empty}
 
 
 def _ring_batches(client: Any, seconds: float) -> float:
@@ -225,6 +222,16 @@ def _calls_in(call: Callable[[], object], seconds: float) -> float:
         call()
         done += 1
     return done * seconds / elapsed
+
+
+def _timed_with_server_cpu(server: psutil.Process, call: Callable[[bytes], object],
+                           request: bytes, seconds: float) -> dict:
+    """Wall time and ``server``'s CPU time per ``call(request)``, back to back for ``seconds``."""
+    before = server.cpu_times()
+    calls = _calls_in(lambda: call(request), seconds)
+    after = server.cpu_times()
+    used = after.user + after.system - before.user - before.system
+    return {"wall_s": seconds / calls, "server_cpu_s": used / calls}
 
 
 def _sizes() -> tuple[int, int]:
@@ -287,8 +294,8 @@ def _ring_table(rounds: list[dict]) -> str:
     ring = statistics.median(r["ours"]["ring_sample_s"] for r in rounds)
     reverb = [r["reverb"]["sample_s"] for r in rounds if r["reverb"] is not None]
     against = (f" | {statistics.median(reverb) / ring:.2f}x" if reverb else " | -")
-    return ("| 256 Atari rows, same host | per batch | against our unary sample | against Reverb's |\n"
-            "|---|---:|---:|---:|\n"
+    return ("| 256 Atari rows, same host | per batch | against our unary sample "
+            "| against Reverb's |\n|---|---:|---:|---:|\n"
             f"| stream one batch ahead over the shared-memory ring, each batch copied out | "
             f"{ring * 1e3:.3f} ms | {ours / ring:.2f}x{against} |")
 
