@@ -14,7 +14,10 @@ first batch travels alone, and may bring a shared-memory ring's offer, which
 grouped small batches decline):
 
 * a batch of at most :data:`GROUP_BELOW_BYTES` is grouped: as many batches per
-  message as fill :data:`GROUP_TARGET_BYTES`, at most :data:`MAX_GROUP`;
+  message as fill :data:`GROUP_TARGET_BYTES`, at most :data:`MAX_GROUP` (a sharded
+  stream's shard, whose batches are chunks of one ``n``-th of the learner's
+  batch, groups up to ``n * MAX_GROUP`` of them: the rows one server's message
+  would carry, so two shards cost their servers no more messages than one);
 * with ``prefetch`` left to it too, the window holds two groups (the server
   draws one while the learner consumes the other): ``prefetch = 2 * k``, at
   least 2; a ``prefetch`` the learner gave is kept as the bound, and groups
@@ -48,17 +51,18 @@ class Grouping:
     note: str = ""
 
 
-def choose(batch_bytes: int | None, prefetch: int | None) -> Grouping:
+def choose(batch_bytes: int | None, prefetch: int | None, most: int = MAX_GROUP) -> Grouping:
     """The grouping for batches of ``batch_bytes`` (``None``: unknown) and a learner's ``prefetch``.
 
     Args:
         batch_bytes: bytes of one batch (rows, ids and weights); ``None`` when
             the table's schema could not be read (then nothing is grouped).
         prefetch: the learner's window, or ``None`` to choose it.
+        most: batches per message at most (a shard's chunks: ``n * MAX_GROUP``).
     """
     if batch_bytes is None or batch_bytes > GROUP_BELOW_BYTES:
         return Grouping(prefetch or DEFAULT_PREFETCH, 1)
-    k = max(1, min(MAX_GROUP, GROUP_TARGET_BYTES // max(1, batch_bytes)))
+    k = max(1, min(most, GROUP_TARGET_BYTES // max(1, batch_bytes)))
     if prefetch is not None:
         k = max(1, min(k, prefetch // 2))
         window = prefetch

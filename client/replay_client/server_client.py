@@ -510,13 +510,15 @@ class ServerClient:
     def link(self, table: str, batch_size: int, target: StagingTarget, *,
              batches_per_message: int | None = 1, prefetch: int | None = None,
              shared_memory: bool = True, wait: bool = True,
-             wait_timeout: float | None = None) -> SampleLink:
+             wait_timeout: float | None = None,
+             most_per_message: int = grouping.MAX_GROUP) -> SampleLink:
         """This server's ``SampleStream`` as a :class:`~replay_feed.link.Link` (arguments as
         :class:`~replay_client.stream.SampleLink`'s), for :meth:`stream` and for a stream
         built over many servers (the sharded stream's shards)."""
         return SampleLink(self._connection, table, batch_size, target,
                           batches_per_message=batches_per_message, prefetch=prefetch,
-                          shared_memory=shared_memory, wait=wait, wait_timeout=wait_timeout)
+                          shared_memory=shared_memory, wait=wait, wait_timeout=wait_timeout,
+                          most_per_message=most_per_message)
 
 
 

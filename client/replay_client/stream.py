@@ -211,12 +211,15 @@ class SampleLink:
             ``REPLAY_SHARED_MEMORY=0`` in the environment turns it off).
         wait: the server waits while the table cannot serve a batch (also after a reconnect).
         wait_timeout: seconds a batch may wait (``None``: no limit).
+        most_per_message: batches per message at most when chosen (a sharded stream's
+            shard, whose batches are chunks of the learner's: more).
     """
 
     def __init__(self, connection: Connection, table: str, batch_size: int,
                  target: StagingTarget, *, batches_per_message: int | None = 1,
                  prefetch: int | None = None, shared_memory: bool = True, wait: bool = True,
-                 wait_timeout: float | None = None) -> None:
+                 wait_timeout: float | None = None,
+                 most_per_message: int = grouping.MAX_GROUP) -> None:
         self.connection = connection
         self.table = table
         self.batch_size = batch_size
@@ -224,6 +227,7 @@ class SampleLink:
         self.batches_per_message = batches_per_message or 1
         self._grouping_chosen = batches_per_message is not None
         self._prefetch = prefetch
+        self._most_per_message = most_per_message
         self.shared_memory = shared_memory and os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0"
         self.wait = wait
         self.wait_timeout = wait_timeout
@@ -420,7 +424,8 @@ class SampleLink:
         self._grouping_chosen = True
         specs = [*header.columns, header.ids, header.weights, header.probabilities]
         per_row = sum(spec_nbytes(spec) // max(1, spec.shape[0]) for spec in specs if spec.shape)
-        chosen = grouping.choose(per_row * self.batch_size, self._prefetch)
+        chosen = grouping.choose(per_row * self.batch_size, self._prefetch,
+                                 self._most_per_message)
         if chosen.batches_per_message <= 1:
             return False
         self.batches_per_message = chosen.batches_per_message

@@ -119,6 +119,11 @@ class SampleBatch:
         """Every tensor of the batch: the columns in key order, then the extras."""
         return [*self.columns.values(), *self.extras]
 
+    def rows(self, start: int, stop: int) -> SampleBatch:
+        """Rows ``start:stop`` of the batch, as views (the same mass)."""
+        return SampleBatch.from_flat({k: v[start:stop] for k, v in self.columns.items()},
+                                     [t[start:stop] for t in self.extras], mass=self.mass)
+
     def with_tensors(self, tensors: Sequence[torch.Tensor]) -> SampleBatch:
         """The same batch over replacement ``tensors``, given in :meth:`tensors` order."""
         n = len(self.columns)

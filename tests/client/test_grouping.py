@@ -34,6 +34,14 @@ def test_small_batches_are_grouped_up_to_the_cap_and_the_window_holds_two_groups
     assert "batches_per_message=8" in chosen.note
 
 
+def test_a_shards_chunks_group_up_to_the_rows_one_servers_message_carries():
+    """A sharded stream's shard sends chunks of a batch: up to ``most`` of them per message,
+    still within the target bytes."""
+    chosen = grouping.choose(12 * 1024, None, most=16)
+    assert (chosen.batches_per_message, chosen.prefetch) == (16, 32)
+    assert grouping.choose(512 * 1024, None, most=16).batches_per_message == 4
+
+
 def test_a_group_fills_about_the_target_bytes():
     chosen = grouping.choose(512 * 1024, None)
     assert (chosen.batches_per_message, chosen.prefetch) == (4, 8)

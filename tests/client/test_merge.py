@@ -13,11 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from replay_client.sharded.merge import (
     MassBook,
     merge,
+    merge_group,
     merge_into,
     min_probability,
     scatter_rows,
     shares,
     split,
+    split_more,
 )
 from replay_proto.batch import SampleBatch
 from replay_proto.mass import SamplingMass
@@ -178,3 +180,135 @@ def test_a_piece_whose_dtype_differs_from_the_batch_is_refused_never_reinterpret
            torch.empty(4), torch.empty(4, dtype=torch.float64)]
     with pytest.raises(RuntimeError, match="BFloat16|Short"):
         merge_into(out, ["x"], pieces, shares(masses), masses, None, np.random.default_rng(0))
+
+
+# ------------------------------------------------------------------ a pass of small batches
+
+
+def prioritized_rows(shard: int, first: int, rows: int, mass: SamplingMass,
+                     beta: float) -> SampleBatch:
+    """``rows`` of a prioritized shard's chunk: leaf ``1 + id % 5`` (local probability and
+    weight as the shard reports them), a 3-float column derived from the id."""
+    ids = torch.arange(first, first + rows, dtype=torch.int64) + (shard << 56)
+    leaf = (1 + (ids & 0xFFFF) % 5).double()
+    return SampleBatch.from_columns(
+        {"x": (ids & 0xFFFF).float().unsqueeze(1).repeat(1, 3) * torch.tensor([1.0, 2.0, 3.0]),
+         "flag": (ids % 3 == 0)},
+        ids, torch.pow(mass.min_positive / leaf, beta).float(), leaf / mass.total, mass)
+
+
+def group_of(counts: dict[int, list[int]], masses: dict[int, SamplingMass], beta: float,
+             chunk: int = 7) -> dict[int, list[SampleBatch]]:
+    """Each shard's rows for a pass of ``counts``, in chunks of ``chunk`` rows (a pass's
+    rows cross chunk boundaries as a shard's stream delivers them)."""
+    pieces = {}
+    for shard, per_batch in counts.items():
+        total = sum(per_batch)
+        pieces[shard] = [prioritized_rows(shard, start, min(chunk, total - start), masses[shard],
+                                          beta) for start in range(0, total, chunk)]
+    return pieces
+
+
+def test_a_pass_merged_at_once_gives_each_batch_its_rows_probabilities_and_weights() -> None:
+    """A pass of small batches merged together (issue 28's two-shard stream): batch ``b``
+    holds exactly the next ``counts[s][b]`` rows of each shard, shuffled, with each row's
+    columns beside its id, and the probability and weight :func:`merge_into` gives it."""
+    beta = 0.6
+    masses = {0: SamplingMass(30.0, 1.0, 12), 1: SamplingMass(90.0, 1.0, 40)}
+    counts = {0: np.array([3, 0, 5, 4]), 1: np.array([5, 8, 3, 4])}
+    pieces = group_of({s: c.tolist() for s, c in counts.items()}, masses, beta)
+    first = pieces[0][0]
+    q = shares(masses)
+
+    def fresh_out() -> list[torch.Tensor]:
+        return [torch.full((8, *t.shape[1:]), 7).to(t.dtype) for t in first.tensors()]
+
+    outs = [fresh_out() for _ in range(4)]
+    merged = merge_group(outs, list(first.columns), pieces, counts, q, masses, beta,
+                         np.random.default_rng(1))
+    taken = {0: 0, 1: 0}
+    for b, batch in enumerate(merged):
+        assert batch.columns["x"].data_ptr() == outs[b][0].data_ptr()  # written in place
+        expected_ids = []
+        for shard in (0, 1):
+            expected_ids += [(shard << 56) + i for i in range(taken[shard],
+                                                              taken[shard] + counts[shard][b])]
+            taken[shard] += counts[shard][b]
+        assert sorted(batch.ids.tolist()) == sorted(expected_ids)
+        local = batch.ids & 0xFFFF
+        torch.testing.assert_close(batch.columns["x"][:, 2], local.float() * 3)
+        assert torch.equal(batch.columns["flag"], batch.ids % 3 == 0)
+        # The reference: the same rows merged by merge_into, one batch.
+        own = {s: [prioritized_rows(s, taken[s] - counts[s][b], counts[s][b], masses[s], beta)]
+               for s in (0, 1) if counts[s][b]}
+        ref = merge_into(fresh_out(), list(first.columns), own, q, masses, beta,
+                         np.random.default_rng(2))
+        by_id = dict(zip(ref.ids.tolist(), zip(ref.probabilities.tolist(), ref.weights.tolist())))
+        for row_id, p, w in zip(batch.ids.tolist(), batch.probabilities.tolist(),
+                                batch.weights.tolist()):
+            assert p == pytest.approx(by_id[row_id][0], rel=1e-12)
+            assert w == pytest.approx(by_id[row_id][1], rel=1e-6)
+        assert batch.mass == ref.mass
+
+
+def test_a_pass_shuffles_each_batchs_shards_together_uniformly() -> None:
+    """Every position of a merged batch is equally likely to hold a row of either shard:
+    a shard's rows are not left in a block (over 4,000 batches, 4 per pass)."""
+    masses = {0: SamplingMass(4.0, 1.0, 4), 1: SamplingMass(4.0, 1.0, 4)}
+    counts = {0: np.array([2, 2, 2, 2]), 1: np.array([6, 6, 6, 6])}
+    rng = np.random.default_rng(11)
+    at = np.zeros(8)
+    for _ in range(1000):
+        pieces = group_of({s: c.tolist() for s, c in counts.items()}, masses, 0.4)
+        first = pieces[0][0]
+        outs = [[torch.empty((8, *t.shape[1:]), dtype=t.dtype) for t in first.tensors()]
+                for _ in range(4)]
+        for batch in merge_group(outs, list(first.columns), pieces, counts, shares(masses),
+                                 masses, 0.4, rng):
+            at += (batch.ids >> 56).numpy() == 0
+    np.testing.assert_allclose(at / 4000, 2 / 8, atol=0.03)  # shard 0 holds 2 of 8 rows
+
+
+def test_a_pass_with_a_piece_of_another_dtype_is_refused_never_reinterpreted() -> None:
+    """Pieces that cannot be joined as the batch's rows (a bfloat16 batch, a shard's int16
+    rows: numpy views both as int16) go batch by batch to merge_into, which refuses them."""
+    masses = {0: SamplingMass(2.0, 1.0, 2), 1: SamplingMass(2.0, 1.0, 2)}
+
+    def piece(shard: int, dtype: torch.dtype) -> SampleBatch:
+        return SampleBatch.from_flat(
+            {"x": torch.ones(4, 3).to(dtype)},
+            [torch.arange(4) + (shard << 56), torch.ones(4), torch.full((4,), 0.25,
+                                                                        dtype=torch.float64)],
+            mass=masses[shard])
+
+    pieces = {0: [piece(0, torch.bfloat16)], 1: [piece(1, torch.int16)]}
+    outs = [[torch.zeros((4, 3), dtype=torch.bfloat16), torch.empty(4, dtype=torch.int64),
+             torch.empty(4), torch.empty(4, dtype=torch.float64)] for _ in range(2)]
+    with pytest.raises(RuntimeError, match="BFloat16|Short"):
+        merge_group(outs, ["x"], pieces, {0: np.array([2, 2]), 1: np.array([2, 2])},
+                    shares(masses), masses, None, np.random.default_rng(0))
+
+
+def test_a_pass_takes_only_the_batches_every_shards_rows_cover() -> None:
+    """The batches after a pass's first are split as the first is (in proportion to mass,
+    each of ``batch_size`` draws), and only as many as every shard's rows cover."""
+    masses = {0: SamplingMass(1.0, 1.0, 1), 2: SamplingMass(3.0, 1.0, 3)}
+    rng = np.random.default_rng(4)
+    pass_ = split_more(64, {0: 16, 2: 48}, masses, 7, {0: 10_000, 2: 10_000}, rng)
+    assert set(pass_) == {0, 2} and len(pass_[0]) == 8
+    assert pass_[0][0] == 16 and pass_[2][0] == 48
+    assert ((pass_[0] + pass_[2]) == 64).all()
+    share = np.mean([split_more(64, {0: 16, 2: 48}, masses, 63, {0: 10**6, 2: 10**6},
+                                rng)[0][1:].mean() for _ in range(50)])
+    assert share == pytest.approx(16, abs=0.5)  # a quarter of each batch's draws
+    # 40 rows on shard 0, plenty on shard 2: the batches whose shard-0 rows 40 cover.
+    whole = split_more(64, {0: 16, 2: 48}, masses, 7, {0: 10**6, 2: 10**6},
+                       np.random.default_rng(5))
+    covered = int((np.cumsum(whole[0]) <= 40).sum())
+    assert 1 <= covered < 8
+    short = split_more(64, {0: 16, 2: 48}, masses, 7, {0: 40, 2: 10_000},
+                       np.random.default_rng(5))
+    assert short[0].tolist() == whole[0][:covered].tolist()
+    assert short[2].tolist() == whole[2][:covered].tolist()
+    # Only the first batch's rows: a pass of one.
+    assert len(split_more(64, {0: 16, 2: 48}, masses, 7, {0: 16, 2: 48}, rng)[0]) == 1

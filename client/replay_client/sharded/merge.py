@@ -282,3 +282,109 @@ def merge_into(out: Sequence[torch.Tensor], keys: Sequence[str], pieces: Pieces,
         union_mass(fresh.values()),
         missing_shards=missing,
     )
+
+
+def split_more(batch_size: int, first: Mapping[int, int], masses: Mapping[int, SamplingMass],
+               more: int, available: Mapping[int, int],
+               generator: np.random.Generator) -> dict[int, np.ndarray]:
+    """The draws per shard of a pass of merged batches: ``first``'s (already split), then up
+    to ``more`` batches split as :func:`split` splits each (one multinomial call for all),
+    as many as the rows ``available`` on every shard cover.
+
+    Returns:
+        ``{shard: counts}``, one count per batch of the pass (the first one's first), for
+        the shards of ``first``.
+    """
+    shards = sorted(first)
+    head = np.array([[first[s] for s in shards]], dtype=np.int64)
+    totals = np.array([masses[s].total for s in shards], dtype=np.float64)
+    drawn = generator.multinomial(batch_size, totals / totals.sum(), size=more)
+    table = np.concatenate([head, drawn])
+    covered = np.cumsum(table, axis=0) <= np.array([available[s] for s in shards])
+    batches = int(np.logical_and.accumulate(covered.all(axis=1)).sum())
+    return {s: table[:batches, i] for i, s in enumerate(shards)}
+
+
+def merge_group(outs: Sequence[Sequence[torch.Tensor]], keys: Sequence[str], pieces: Pieces,
+                counts: Mapping[int, np.ndarray], q: Mapping[int, float],
+                fresh: Mapping[int, SamplingMass], beta: float | None,
+                generator: np.random.Generator, missing: tuple[int, ...] = ()
+                ) -> list[SampleBatch]:
+    """Write a pass of merged batches at once: batch ``b`` takes the next ``counts[s][b]``
+    rows of each shard's ``pieces`` (in order) and is written into ``outs[b]`` as
+    :func:`merge_into` writes one (rows shuffled together, one table's probabilities and
+    weights), from the same masses.
+
+    For small rows, whose merge is all fixed costs (a 256-row batch of 17 floats is 25
+    KB): the pieces are joined once per pass, the probabilities and weights worked out
+    once, and each batch's every column is one gather. It copies each row twice (the join,
+    the gather), so large rows, which pass one batch at a time, go to :func:`merge_into`.
+    Pieces that are not host rows of the batch's dtypes and row shapes are merged batch by
+    batch by :func:`merge_into` too (which refuses a dtype that differs, naming both).
+
+    Args:
+        outs: each batch's tensors, as :func:`merge_into`'s ``out``.
+        keys: the columns' flat keys.
+        pieces: each shard's rows for the whole pass, in order.
+        counts: each shard's rows per batch (:func:`split_more`); every batch's total is
+            the rows of its ``out``.
+        q, fresh, beta, generator, missing: as :func:`merge_into`'s.
+    """
+    shards = [s for s in sorted(counts) if counts[s].sum() > 0]
+    flat = [p for s in shards for p in pieces[s]]
+    layout = outs[0]
+    if not all(_fits(p, layout) for p in flat):
+        cut = {s: _cut(pieces[s], counts[s]) for s in shards}
+        return [merge_into(out, keys, {s: cut[s][b] for s in shards if cut[s][b]}, q, fresh,
+                           beta, generator, missing) for b, out in enumerate(outs)]
+    checked_masses(fresh)
+    n = len(keys)
+    tensors = [p.tensors() for p in flat]
+    sources = [numpy_view(torch.cat([t[i] for t in tensors])) for i in range(n + 1)]
+    local = np.concatenate([t[n + 2].numpy() for t in tensors]).astype(np.float64, copy=False)
+    prob = local * np.repeat([q[s] for s in shards], [int(counts[s].sum()) for s in shards])
+    if beta is None:
+        weights = numpy_view(torch.cat([t[n + 1] for t in tensors]))
+    else:
+        weights = np.power(min_probability(q, fresh) / prob, beta).astype(np.float32)
+    sources += [weights, prob]
+    # Each row's batch (shard by shard, batch by batch), then each batch's rows in a
+    # random order: its shards' parts shuffled together, as merge_into shuffles them.
+    table = np.array([counts[s] for s in shards])
+    label = np.repeat(np.tile(np.arange(len(outs)), len(shards)), table.ravel())
+    rows = np.argsort(label, kind="stable").reshape(len(outs), -1)
+    order = generator.permuted(rows, axis=1)
+    mass = union_mass(fresh.values())
+    batches = []
+    for out, picks in zip(outs, order):
+        for dest, src in zip(out, sources):
+            np.take(src, picks, axis=0, out=numpy_view(dest), mode="wrap")
+        batches.append(SampleBatch.from_flat(dict(zip(keys, out[:n])), out[n:], mass,
+                                             missing_shards=missing))
+    return batches
+
+
+def _fits(piece: SampleBatch, layout: Sequence[torch.Tensor]) -> bool:
+    """Whether ``piece``'s tensors are host rows of ``layout``'s dtypes and row shapes."""
+    return all(t.device.type == "cpu" and d.device.type == "cpu" and t.dtype == d.dtype
+               and t.shape[1:] == d.shape[1:] for t, d in zip(piece.tensors(), layout))
+
+
+def _cut(pieces: Sequence[SampleBatch], counts: np.ndarray) -> list[list[SampleBatch]]:
+    """``pieces`` (rows in order) cut into consecutive runs of ``counts`` rows, as views."""
+    out: list[list[SampleBatch]] = []
+    queue = list(pieces)
+    start = 0
+    for count in counts.tolist():
+        run: list[SampleBatch] = []
+        while count:
+            piece = queue[0]
+            take = min(count, piece.batch_size - start)
+            run.append(piece if take == piece.batch_size else piece.rows(start, start + take))
+            start += take
+            count -= take
+            if start == piece.batch_size:
+                queue.pop(0)
+                start = 0
+        out.append(run)
+    return out

@@ -128,7 +128,7 @@ class ShardRows:
             entry = self._segments[0]
             batch, start = entry
             n = min(count, batch.batch_size - start)
-            pieces.append(batch if n == batch.batch_size else _rows(batch, start, start + n))
+            pieces.append(batch if n == batch.batch_size else batch.rows(start, start + n))
             entry[1] += n
             if entry[1] == batch.batch_size:
                 self._segments.popleft()
@@ -185,7 +185,3 @@ class ShardRows:
             self._thread.join(timeout)
         self.link.close()
 
-
-def _rows(batch: SampleBatch, start: int, stop: int) -> SampleBatch:
-    return SampleBatch.from_flat({k: v[start:stop] for k, v in batch.columns.items()},
-                                 [t[start:stop] for t in batch.extras], mass=batch.mass)

@@ -18,9 +18,15 @@ Small batches are merged several per pass (as a server draws several per
 message for the plain stream, :mod:`replay_client.grouping`): once the
 first batch's size is known, up to ``k`` batches are made each time the
 merge wakes, while their rows are there, and the learner's window widens to
-``2 k`` (unless it gave ``prefetch``); each batch of a pass is still split
-and merged on its own. The shards' credits go back a group at a time too
-(:class:`~replay_client.sharded.rows.ShardRows`).
+``2 k`` (unless it gave ``prefetch``). Each batch of a pass is its own
+multinomial split of ``batch_size`` draws, all from the masses of the pass
+(:func:`~replay_client.sharded.merge.split_more`: one call), and the pass is
+merged at once (:func:`~replay_client.sharded.merge.merge_group`: a small
+batch's merge is all fixed costs, so they are paid once a pass). Each
+shard's stream groups its chunks by the rows one server's message would carry
+(``n`` shards: ``8 n`` chunks of a ``1/n`` share), so shards cost their
+servers no more messages than one server; their credits go back a group at a
+time too (:class:`~replay_client.sharded.rows.ShardRows`).
 
 Copies per batch: the server's gather (into the ring slot, or into its
 batch) and, over gRPC, its encoding; the merge's one copy into the
@@ -71,7 +77,7 @@ from replay_client.errors import (
 )
 from replay_client.sharded.discovery import named
 from replay_client.sharded.health import ShardHealth
-from replay_client.sharded.merge import merge_into, shares, split
+from replay_client.sharded.merge import merge_group, merge_into, shares, split, split_more
 from replay_client.sharded.rows import ShardRows
 from replay_client.stream import StagingTarget
 from replay_client.stream_options import feed_core, reconnect_window
@@ -95,6 +101,11 @@ FOLLOW_S = 1.0
 RECHECK_S = 1.0
 """How long a batch waits for a shard's rows before asking the shard for its mass (a shard
 emptied since its last chunk, by a reset, draws nothing until rows arrive: split again)."""
+
+_Drawn = tuple[dict[int, tuple[list[SampleBatch], list]], dict[int, float],
+               dict[int, SamplingMass], tuple[int, ...], dict[int, np.ndarray] | None]
+"""One pass's draw: each shard's pieces and hold, the shares, the masses, the shards left
+out, and (several batches drawn together) each shard's rows per batch."""
 
 ShardFactory = Callable[..., ShardRows]
 """``make(shard, cond)``: a new (not started) :class:`ShardRows` for ``shard``;
@@ -252,15 +263,16 @@ class MergedLink:
     def _merged(self, index: int, count: int) -> list[SampleBatch]:
         """Merged batches ``index, index + 1, ...``: at least one (waiting for it), at most
         ``count`` and the group size; later ones only while every shard has their rows now
-        (``[]``: stopped). Each batch is split and merged on its own, as one draw."""
+        (``[]``: stopped). Each batch is its own split (one draw); the rest of a pass is
+        split from the first one's masses and merged with it (:meth:`_rest_of_pass`)."""
         started = time.monotonic()
         self._follow()
         self._widen()
         most = max(1, min(count, self._group or 1))
-        drawn: list[tuple[dict[int, tuple[list[SampleBatch], list]], dict[int, float],
-                          dict[int, SamplingMass], tuple[int, ...]]] = []
+        drawn: list[_Drawn] = []
+        made = 0
         with self._cond:
-            while not self._stopped and len(drawn) < most:
+            while not self._stopped and made < most:
                 self._rejoin()
                 live = [s for s in self._rows if s not in self._down]
                 masses = {s: m for s in live if (m := self._rows[s].mass) is not None}
@@ -279,23 +291,30 @@ class MergedLink:
                     continue
                 if not self._wait_for_rows(counts):
                     continue  # a shard failed or stalled and was left out: split again
-                taken = {s: self._rows[s].take(k) for s, k in counts.items() if k > 0}
+                group = self._rest_of_pass(counts, masses, most) if not drawn else None
+                taken = {s: self._rows[s].take(k) for s, k in counts.items() if k > 0} \
+                    if group is None else \
+                    {s: self._rows[s].take(int(c.sum())) for s, c in group.items() if c.sum()}
                 self._back(taken)
                 missing = tuple(sorted({s for s in self._addresses if s not in live}
                                        | set(self._absent())))
+                size = 1 if group is None else len(next(iter(group.values())))
                 if missing:
-                    self._health.count("degraded_samples")
-                drawn.append((taken, shares(masses), masses, missing))
-        batches, copied = [], []
-        for offset, (taken, q, masses, missing) in enumerate(drawn):
+                    self._health.count("degraded_samples", size)
+                drawn.append((taken, shares(masses), masses, missing, group))
+                made += size
+        batches: list[SampleBatch] = []
+        copied = []
+        for taken, q, masses, missing, group in drawn:
             pieces = {s: p for s, (p, _) in taken.items()}
-            whole = self._whole(pieces, q, missing)
+            whole = self._whole(pieces, q, missing) if group is None else None
+            at = index + len(batches)
             if whole is not None:  # handed over as it is: its chunk is freed when given back
                 ((rows, hold),) = [(self._rows[s], h) for s, (_, h) in taken.items()]
-                self._when_released(index + offset, functools.partial(self._done, rows, hold))
+                self._when_released(at, functools.partial(self._done, rows, hold))
                 batches.append(whole)
             else:
-                batches.append(self._write(index + offset, pieces, q, masses, missing))
+                batches += self._write(at, pieces, q, masses, missing, group)
                 copied += [(self._rows[s], hold) for s, (_, hold) in taken.items()]
         if copied:
             with self._cond:
@@ -338,16 +357,37 @@ class MergedLink:
             return None
         return parts[0]
 
+    def _rest_of_pass(self, counts: dict[int, int], masses: dict[int, SamplingMass],
+                      most: int) -> dict[int, np.ndarray] | None:
+        """The draws per shard of the pass's batches after this first one, split from the
+        same masses, while every shard has their rows now (``None``: the first batch goes
+        alone, as do large batches, one shard's, and passes of one). Under ``cond``."""
+        if most <= 1 or sum(1 for k in counts.values() if k) < 2:
+            return None
+        with self._rng_lock:
+            group = split_more(self._batch_size, counts, masses, most - 1,
+                               {s: self._rows[s].available for s in counts}, self._rng)
+        return group if len(next(iter(group.values()))) > 1 else None
+
     def _write(self, index: int, pieces: dict[int, list[SampleBatch]], q: dict[int, float],
-               masses: dict[int, SamplingMass], missing: tuple[int, ...]) -> SampleBatch:
+               masses: dict[int, SamplingMass], missing: tuple[int, ...],
+               group: dict[int, np.ndarray] | None) -> list[SampleBatch]:
+        """Batch ``index`` (or the pass's batches ``index, ...`` of ``group``) merged into
+        the learner's staging buffers."""
         first = next(iter(pieces.values()))[0]
         if self._keys is None:
             self._keys = list(first.columns)
         layout = tuple((t.dtype, (self._batch_size, *t.shape[1:])) for t in first.tensors())
-        out = self._staging(index, layout)
+        if group is None:
+            out = self._staging(index, layout)
+            with self._rng_lock:
+                return [merge_into(out, self._keys, pieces, q, masses, self._beta, self._rng,
+                                   missing, copy=self._copy)]
+        outs = [self._staging(index + b, layout)
+                for b in range(len(next(iter(group.values()))))]
         with self._rng_lock:
-            return merge_into(out, self._keys, pieces, q, masses, self._beta, self._rng,
-                              missing, copy=self._copy)
+            return merge_group(outs, self._keys, pieces, group, q, masses, self._beta,
+                               self._rng, missing)
 
     def _wait_for_data(self, started: float, live: list[int]) -> None:
         """No live shard has anything to sample: wait for a shard's rows (under ``cond``)."""
@@ -504,10 +544,12 @@ def open_stream(clients: Callable[[], Mapping[int, Any]],
 
     def make(shard: int, cond: threading.Condition, probe: bool = False) -> ShardRows:
         client = clients()[shard]
-        # A chunk's grouping is chosen as on one server (small chunks: groups of up to 8 per
-        # message, the shard's window widened to two groups).
+        # A chunk's grouping is chosen as on one server, by the rows one server's message
+        # would carry (small chunks: up to 8 batches' worth per message, the shard's window
+        # widened to two groups): n shards cost their servers the messages one would.
         link = client.link(table, chunk, target, batches_per_message=group, prefetch=None,
-                           shared_memory=options.shared_memory and (group or 1) <= 1, wait=True)
+                           shared_memory=options.shared_memory and (group or 1) <= 1, wait=True,
+                           most_per_message=max(1, grouping.MAX_GROUP * batch_size // chunk))
         # Strict: a shard's restart is waited for as a server's (reconnect_s). Degraded: the
         # shard client's short window, after which the merge leaves the shard out and tries it
         # again by itself (its probes).
