@@ -21,6 +21,7 @@ The learner's side is ``replay_client.ring_source``; the ring itself
 from __future__ import annotations
 
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,6 +74,10 @@ class RingSink:
         self._ring: SharedRing | None = None
         self._layout: RingLayout | None = None
         self._reservation: Reservation | None = None
+        # The offer is made in an engine thread and the call may end (close, on the loop)
+        # while it creates the ring: whichever comes second removes it.
+        self._lock = threading.Lock()
+        self._closed = False
 
     def group(self, wanted: int, batch_size: int, batch_bytes: int) -> int:
         return 1  # one batch per slot
@@ -99,7 +104,14 @@ class RingSink:
             context.log("ring_failed", logging.WARNING,
                         f"no shared-memory ring ({exc}); using gRPC")
             return b"", f"the server could not create a shared-memory ring: {exc}"
-        self._ring, self._layout, self._reservation = ring, layout, reservation
+        with self._lock:
+            if not self._closed:
+                self._ring, self._layout, self._reservation = ring, layout, reservation
+        if self._ring is not ring:  # the call ended while the ring was made: never offered
+            ring.unlink()
+            ring.close()
+            reservation.release()
+            return b"", "the stream ended"
         return with_offer(b"", pb.SharedMemoryOffer(
             name=ring.name, token=ring.token, slots=ring.slots, slot_bytes=ring.slot_bytes,
             header_bytes=ring.header_bytes)), ""
@@ -131,8 +143,10 @@ class RingSink:
         return [message], 1, batch
 
     def close(self) -> None:
-        ring, self._ring = self._ring, None
-        reservation, self._reservation = self._reservation, None
+        with self._lock:
+            self._closed = True
+            ring, self._ring = self._ring, None
+            reservation, self._reservation = self._reservation, None
         if ring is not None:
             ring.unlink()
             ring.close()
