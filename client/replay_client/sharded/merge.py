@@ -331,20 +331,18 @@ def merge_group(outs: Sequence[Sequence[torch.Tensor]], keys: Sequence[str], pie
         q, fresh, beta, generator, missing: as :func:`merge_into`'s.
     """
     shards = [s for s in sorted(counts) if counts[s].sum() > 0]
-    flat = [p for s in shards for p in pieces[s]]
-    layout = outs[0]
-    if not all(_fits(p, layout) for p in flat):
+    joined = _joined([p.tensors() for s in shards for p in pieces[s]], outs[0])
+    if joined is None:
         cut = {s: _cut(pieces[s], counts[s]) for s in shards}
         return [merge_into(out, keys, {s: cut[s][b] for s in shards if cut[s][b]}, q, fresh,
                            beta, generator, missing) for b, out in enumerate(outs)]
     checked_masses(fresh)
     n = len(keys)
-    tensors = [p.tensors() for p in flat]
-    sources = [numpy_view(torch.cat([t[i] for t in tensors])) for i in range(n + 1)]
-    local = np.concatenate([t[n + 2].numpy() for t in tensors]).astype(np.float64, copy=False)
+    sources = [numpy_view(t) for t in joined[:n + 1]]
+    local = joined[n + 2].numpy().astype(np.float64, copy=False)
     prob = local * np.repeat([q[s] for s in shards], [int(counts[s].sum()) for s in shards])
     if beta is None:
-        weights = numpy_view(torch.cat([t[n + 1] for t in tensors]))
+        weights = numpy_view(joined[n + 1])
     else:
         weights = np.power(min_probability(q, fresh) / prob, beta).astype(np.float32)
     sources += [weights, prob]
@@ -358,16 +356,32 @@ def merge_group(outs: Sequence[Sequence[torch.Tensor]], keys: Sequence[str], pie
     batches = []
     for out, picks in zip(outs, order):
         for dest, src in zip(out, sources):
-            np.take(src, picks, axis=0, out=numpy_view(dest), mode="wrap")
+            src.take(picks, axis=0, out=numpy_view(dest), mode="wrap")
         batches.append(SampleBatch.from_flat(dict(zip(keys, out[:n])), out[n:], mass,
                                              missing_shards=missing))
     return batches
 
 
-def _fits(piece: SampleBatch, layout: Sequence[torch.Tensor]) -> bool:
-    """Whether ``piece``'s tensors are host rows of ``layout``'s dtypes and row shapes."""
-    return all(t.device.type == "cpu" and d.device.type == "cpu" and t.dtype == d.dtype
-               and t.shape[1:] == d.shape[1:] for t, d in zip(piece.tensors(), layout))
+def _joined(tensors: Sequence[Sequence[torch.Tensor]], layout: Sequence[torch.Tensor]
+            ) -> list[torch.Tensor] | None:
+    """Each tensor of the pieces (``tensors``: each piece's, in :meth:`SampleBatch.tensors`
+    order) joined along the rows, when every piece holds host rows of ``layout``'s dtypes
+    and row shapes (``None`` otherwise: nothing is converted). The checks are the cheap
+    ones per piece (host, the dtype itself); shapes are checked once joined."""
+    joined = []
+    for i, dest in enumerate(layout):
+        column = [t[i] for t in tensors]
+        dtype = dest.dtype
+        if not dest.is_cpu or any(c.dtype is not dtype or not c.is_cpu for c in column):
+            return None
+        try:
+            whole = torch.cat(column)
+        except RuntimeError:  # row shapes that differ between pieces
+            return None
+        if whole.shape[1:] != dest.shape[1:]:
+            return None
+        joined.append(whole)
+    return joined
 
 
 def _cut(pieces: Sequence[SampleBatch], counts: np.ndarray) -> list[list[SampleBatch]]:
