@@ -312,3 +312,24 @@ def test_a_pass_takes_only_the_batches_every_shards_rows_cover() -> None:
     assert short[2].tolist() == whole[2][:covered].tolist()
     # Only the first batch's rows: a pass of one.
     assert len(split_more(64, {0: 16, 2: 48}, masses, 7, {0: 16, 2: 48}, rng)[0]) == 1
+
+
+def test_a_pass_with_a_piece_of_another_row_shape_is_refused() -> None:
+    """A shard whose rows have another shape than the batch's (a schema changed under the
+    stream) is refused as merge_into refuses it, never joined into the batch."""
+    masses = {0: SamplingMass(2.0, 1.0, 2), 1: SamplingMass(2.0, 1.0, 2)}
+
+    def piece(shard: int, width: int) -> SampleBatch:
+        return SampleBatch.from_flat(
+            {"x": torch.ones(4, width)},
+            [torch.arange(4) + (shard << 56), torch.ones(4), torch.full((4,), 0.25,
+                                                                        dtype=torch.float64)],
+            mass=masses[shard])
+
+    outs = [[torch.zeros((4, 3)), torch.empty(4, dtype=torch.int64), torch.empty(4),
+             torch.empty(4, dtype=torch.float64)] for _ in range(2)]
+    for widths in ((3, 5), (5, 5)):  # one shard differs; both differ from the batch
+        pieces = {0: [piece(0, widths[0])], 1: [piece(1, widths[1])]}
+        with pytest.raises(RuntimeError):
+            merge_group(outs, ["x"], pieces, {0: np.array([2, 2]), 1: np.array([2, 2])},
+                        shares(masses), masses, None, np.random.default_rng(0))
