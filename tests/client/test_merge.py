@@ -163,19 +163,20 @@ def test_scatter_rows_takes_strided_rows_and_refuses_mismatches_as_index_copy_do
     assert dest[[5, 0, 3, 1, 2]].tolist() == src.tolist()  # a refused scatter wrote nothing
 
 
+def x_piece(shard: int, x: torch.Tensor, mass: SamplingMass) -> SampleBatch:
+    """A shard's piece of ``len(x)`` uniform draws whose one column ``x`` is ``x``."""
+    rows = len(x)
+    return SampleBatch.from_flat(
+        {"x": x}, [torch.arange(rows) + (shard << 56), torch.ones(rows),
+                   torch.full((rows,), 1 / rows, dtype=torch.float64)], mass=mass)
+
+
 def test_a_piece_whose_dtype_differs_from_the_batch_is_refused_never_reinterpreted() -> None:
     """bfloat16 and int16 rows share numpy's int16 view: the host fast path compares torch
     dtypes, so such a piece goes to ``index_copy_``, which refuses it naming both."""
     masses = {0: SamplingMass(2.0, 1.0, 2), 1: SamplingMass(2.0, 1.0, 2)}
-
-    def piece(shard: int, dtype: torch.dtype) -> SampleBatch:
-        return SampleBatch.from_flat(
-            {"x": torch.ones(2, 3).to(dtype)},
-            [torch.arange(2) + (shard << 56), torch.ones(2), torch.full((2,), 0.5,
-                                                                        dtype=torch.float64)],
-            mass=masses[shard])
-
-    pieces = {0: [piece(0, torch.bfloat16)], 1: [piece(1, torch.int16)]}
+    pieces = {0: [x_piece(0, torch.ones(2, 3).to(torch.bfloat16), masses[0])],
+              1: [x_piece(1, torch.ones(2, 3).to(torch.int16), masses[1])]}
     out = [torch.zeros((4, 3), dtype=torch.bfloat16), torch.empty(4, dtype=torch.int64),
            torch.empty(4), torch.empty(4, dtype=torch.float64)]
     with pytest.raises(RuntimeError, match="BFloat16|Short"):
@@ -273,15 +274,8 @@ def test_a_pass_with_a_piece_of_another_dtype_is_refused_never_reinterpreted() -
     """Pieces that cannot be joined as the batch's rows (a bfloat16 batch, a shard's int16
     rows: numpy views both as int16) go batch by batch to merge_into, which refuses them."""
     masses = {0: SamplingMass(2.0, 1.0, 2), 1: SamplingMass(2.0, 1.0, 2)}
-
-    def piece(shard: int, dtype: torch.dtype) -> SampleBatch:
-        return SampleBatch.from_flat(
-            {"x": torch.ones(4, 3).to(dtype)},
-            [torch.arange(4) + (shard << 56), torch.ones(4), torch.full((4,), 0.25,
-                                                                        dtype=torch.float64)],
-            mass=masses[shard])
-
-    pieces = {0: [piece(0, torch.bfloat16)], 1: [piece(1, torch.int16)]}
+    pieces = {0: [x_piece(0, torch.ones(4, 3).to(torch.bfloat16), masses[0])],
+              1: [x_piece(1, torch.ones(4, 3).to(torch.int16), masses[1])]}
     outs = [[torch.zeros((4, 3), dtype=torch.bfloat16), torch.empty(4, dtype=torch.int64),
              torch.empty(4), torch.empty(4, dtype=torch.float64)] for _ in range(2)]
     with pytest.raises(RuntimeError, match="BFloat16|Short"):
@@ -318,18 +312,11 @@ def test_a_pass_with_a_piece_of_another_row_shape_is_refused() -> None:
     """A shard whose rows have another shape than the batch's (a schema changed under the
     stream) is refused as merge_into refuses it, never joined into the batch."""
     masses = {0: SamplingMass(2.0, 1.0, 2), 1: SamplingMass(2.0, 1.0, 2)}
-
-    def piece(shard: int, width: int) -> SampleBatch:
-        return SampleBatch.from_flat(
-            {"x": torch.ones(4, width)},
-            [torch.arange(4) + (shard << 56), torch.ones(4), torch.full((4,), 0.25,
-                                                                        dtype=torch.float64)],
-            mass=masses[shard])
-
     outs = [[torch.zeros((4, 3)), torch.empty(4, dtype=torch.int64), torch.empty(4),
              torch.empty(4, dtype=torch.float64)] for _ in range(2)]
     for widths in ((3, 5), (5, 5)):  # one shard differs; both differ from the batch
-        pieces = {0: [piece(0, widths[0])], 1: [piece(1, widths[1])]}
+        pieces = {s: [x_piece(s, torch.ones(4, width), masses[s])]
+                  for s, width in enumerate(widths)}
         with pytest.raises(RuntimeError):
             merge_group(outs, ["x"], pieces, {0: np.array([2, 2]), 1: np.array([2, 2])},
                         shares(masses), masses, None, np.random.default_rng(0))

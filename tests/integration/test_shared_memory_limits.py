@@ -13,19 +13,16 @@ processes; the rings live in a directory of the test's own
 from __future__ import annotations
 
 import os
-import queue
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
 from replay_client import ReplayClient
-from replay_feed.shared_ring import host_id
-from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import ServerProcess, start_server, wait_for
+from tests.wire import unanswered_ring_offer
 
 CONFIG = """
 [server]
@@ -79,21 +76,9 @@ def test_a_ring_over_the_budget_is_refused_with_its_reason_and_grpc_serves(
 def test_a_ring_offered_by_a_server_killed_before_the_answer_is_removed_at_the_next_start(
     first: ServerProcess, shm_dir: Path, server_factory
 ) -> None:
-    with grpc.insecure_channel(first.address) as channel:
-        answers: queue.SimpleQueue = queue.SimpleQueue()
-
-        def requests():
-            yield pb.SampleStreamRequest(
-                request=pb.SampleRequest(table="frames", batch_size=4), credits=2,
-                shared_memory=True, host_id=host_id()).SerializeToString()
-            answers.get(timeout=30)  # the learner never answers the offer
-
-        call = channel.stream_stream("/replay.v1.ReplayService/SampleStream")(requests(),
-                                                                              timeout=30)
-        offer = pb.SampleResponse.FromString(next(call)).shared_memory_offer
+    with unanswered_ring_offer(first.address, "frames", 4) as offer:
         assert rings(shm_dir) == [offer.name]
         first.stop(signal.SIGKILL)  # between the offer and the answer
-        answers.put(None)
     assert rings(shm_dir) == [offer.name]  # left behind by the kill ...
 
     second = server_factory(CONFIG, env={"REPLAY_SHM_DIR": str(shm_dir)})  # ... until the next

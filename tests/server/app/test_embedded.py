@@ -12,6 +12,7 @@ from replay_server.app.embedded import EmbeddedServer
 from replay_server.errors import ConfigError, InvalidArgumentError, UnknownTableError
 from replay_server.app.config_file import settings_from_dict
 from tests.conftest import wait_for
+from tests.wire import unanswered_ring_offer
 
 SETTINGS = {
     "server": {"address": "127.0.0.1:0"},
@@ -116,29 +117,11 @@ def test_closing_ends_the_calls_still_open_and_removes_a_ring_offered_but_never_
     """A stream still open when the server closes ends in the drain (gRPC's own stop does
     not cancel it), and a shared-memory ring it offered, whose answer never came, is gone
     from /dev/shm when ``close`` returns (a Ray shard actor is killed right after)."""
-    import queue
-
-    import grpc
-
-    from replay_feed.shared_ring import host_id
-    from replay_proto.v1 import replay_pb2 as pb
-
     monkeypatch.setenv("REPLAY_SHM_DIR", str(tmp_path))
     server = EmbeddedServer(settings_from_dict(SETTINGS))
-    ReplayClient(server.address).insert("replay", {"obs": torch.zeros(100, 64)})
-    held: queue.SimpleQueue = queue.SimpleQueue()
-
-    def requests():
-        yield pb.SampleStreamRequest(
-            request=pb.SampleRequest(table="replay", batch_size=4), credits=2,
-            shared_memory=True, host_id=host_id()).SerializeToString()
-        held.get(timeout=30)  # the learner never answers the offer
-
-    with grpc.insecure_channel(server.address) as channel:
-        call = channel.stream_stream("/replay.v1.ReplayService/SampleStream")(requests(),
-                                                                              timeout=30)
-        offer = pb.SampleResponse.FromString(next(call)).shared_memory_offer
+    with ReplayClient(server.address) as actor:
+        actor.insert("replay", {"obs": torch.zeros(100, 64)})
+    with unanswered_ring_offer(server.address, "replay", 4) as offer:
         assert [p.name for p in tmp_path.iterdir()] == [offer.name]
         server.close(grace=0.2)
         assert list(tmp_path.iterdir()) == []  # unlinked by the call's end, within close
-        held.put(None)
