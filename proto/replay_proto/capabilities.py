@@ -18,7 +18,7 @@ a changed copy. Thread-safe.
 
 from __future__ import annotations
 
-from dataclasses import asdict, field, make_dataclass
+from dataclasses import field, make_dataclass
 from typing import TYPE_CHECKING, Any
 
 from replay_proto.v1.capability_fields import FIELDS
@@ -41,7 +41,7 @@ def _to_proto(self: Any) -> pb.TableCapabilities:
     """These capabilities as the ``TableCapabilities`` message."""
     from replay_proto.v1 import replay_pb2 as pb  # here: declaring capabilities needs none
 
-    return pb.TableCapabilities(**asdict(self))
+    return pb.TableCapabilities(**{name: getattr(self, name) for name, _ in FIELDS})
 
 
 def _fields() -> list[tuple[str, type, Any]]:

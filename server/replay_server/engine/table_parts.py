@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ from replay_server.engine.storage import (
     check_storage,
     make_storage,
 )
-from replay_server.engine.table_info import TableCounters, TableInfo
+from replay_server.engine.table_info import TableCounters, TableInfo, field_values
 from replay_server.errors import ConfigError, InsufficientMemoryError, SchemaMismatchError
 
 
@@ -103,7 +103,7 @@ class TableParts:
             pinned=storage is not None and storage.pinned,
             storage_bytes=0 if storage is None else storage.nbytes,
             pinned_bytes=0 if storage is None else storage.pinned_bytes,
-            counters=TableCounters(**asdict(self.counters)),
+            counters=TableCounters(**field_values(self.counters)),
             sampler_stats={**self.sampler.stats(),
                            **{k: v for reader in self.readers for k, v in reader.stats().items()},
                            **(storage.stats() if storage else {})},

@@ -20,7 +20,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from dataclasses import asdict
 from typing import Any
 
 import grpc
@@ -42,6 +41,7 @@ from replay_server.engine import (
     TableSet,
     VariableStore,
 )
+from replay_server.engine.table_info import field_values
 from replay_server.errors import CheckpointPartError, CheckpointsDisabledError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget, Reservation
@@ -315,13 +315,13 @@ class ReplayServicer:
                 pinned=info.pinned,
                 storage_bytes=info.storage_bytes,
                 pinned_bytes=info.pinned_bytes,
-                counters=pb.TableCounters(**asdict(info.counters)),
+                counters=pb.TableCounters(**field_values(info.counters)),
                 sampler_stats={k: float(v) for k, v in info.sampler_stats.items()},
                 alpha=info.sampler_stats.get("alpha", info.config["alpha"]),  # in force now
                 beta=info.sampler_stats.get("beta", info.config["beta"]),
                 slice_len=info.config["slice_len"] or 0,
                 rate_limiter=pb.RateLimiterInfo(
-                    **asdict(limiter), blocked_inserts=blocked_inserts,
+                    **field_values(limiter), blocked_inserts=blocked_inserts,
                     blocked_samples=blocked_samples,
                 ),
                 max_times_sampled=info.config["max_times_sampled"],

@@ -95,6 +95,17 @@ def test_the_contributed_layers_leave_with_their_registration():
         TableConfig(name="t", capacity=8, sampler="tagged")
 
 
+def test_a_configs_description_follows_the_layers_registered_as_they_come_and_go():
+    """``describe`` (every ``info``) keeps its keys between calls, but a layer registered
+    or removed since changes them."""
+    plain = TableConfig(name="t", capacity=8)
+    assert "tag" not in plain.describe()
+    with SAMPLERS.registered("tagged", TaggedSampler):
+        assert plain.describe()["tag"] == 0  # a layer the table lacks: its default
+        assert TableConfig(name="t", capacity=8, sampler="tagged", tag=5).describe()["tag"] == 5
+    assert "tag" not in plain.describe()
+
+
 def test_info_reports_the_contributed_layers_options_and_capabilities(contributed):
     table = Table(TableConfig(name="t", capacity=8, sampler="tagged", tag=7,
                               storage="shelf", shelf="left"))
