@@ -224,16 +224,26 @@ def expect_end(payload: memoryview, offset: int) -> None:
         )
 
 
+_READ_ONLY_WARNED = False
+"""Whether torch has had its one warning about a view of read-only memory (it warns once a
+process): later views need no filter around them."""
+
+
 def _view(payload: memoryview, offset: int, nbytes: int, spec: pb.TensorSpec) -> torch.Tensor:
+    global _READ_ONLY_WARNED
     dtype = DTYPES[spec.dtype]
     shape = tuple(spec.shape)
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
+    count = nbytes // ITEMSIZES[spec.dtype]
+    if _READ_ONLY_WARNED or not payload.readonly:
+        return torch.frombuffer(payload, dtype=dtype, count=count, offset=offset).view(shape)
+    # A view of an immutable request: read here, copied by whoever keeps it. The filter is
+    # set only here (a few microseconds a tensor, and not thread-safe), for torch's warning.
     with warnings.catch_warnings():
-        # A view of an immutable request: read here, copied by whoever keeps it.
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(payload, dtype=dtype, count=nbytes // ITEMSIZES[spec.dtype],
-                                offset=offset)
+        flat = torch.frombuffer(payload, dtype=dtype, count=count, offset=offset)
+    _READ_ONLY_WARNED = True
     return flat.view(shape)
 
 

@@ -5,6 +5,9 @@ sample batches reassembled in order, and every malformed message refused with a
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -345,3 +348,22 @@ def test_zero_byte_shape_whose_dims_overflow_raises_codec_error() -> None:
     raw = insert_message([spec("obs", "float32", [0, 2**62, 2**62])], b"")
     with pytest.raises(CodecError, match="obs"):
         messages.decode_insert(raw)
+
+
+def test_views_of_read_only_payloads_warn_nothing_even_where_warnings_are_errors() -> None:
+    """torch warns (once a process) about a tensor over read-only memory; the decoder, whose
+    views of a request are read and then copied, keeps that quiet, and sets a warnings filter
+    only for the first such view (a filter a tensor cost more than the view)."""
+    script = (
+        "import torch\n"
+        "from replay_proto.codec import decode_tensor_list, encode_tensors\n"
+        "specs, buffers = encode_tensors({'a': torch.arange(6.0), 'b': torch.ones(2, 3)})\n"
+        "payload = memoryview(b''.join(bytes(b) for b in buffers))\n"
+        "assert payload.readonly\n"
+        "for _ in range(3):\n"
+        "    tensors, end = decode_tensor_list(specs, payload)\n"
+        "    assert tensors[0].tolist() == list(range(6)) and end == len(payload)\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "error", "-c", script], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
