@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from replay_server.engine.storage.device import host_batch
     from replay_server.engine.storage.placement import table_device
     from replay_server.engine.table import Table
-    from replay_server.engine.table_info import TableCounters, TableInfo
+    from replay_server.engine.table_info import TableCounters, TableInfo, field_values
     from replay_server.engine.table_memory import table_bytes
     from replay_server.engine.table_set import TableSet
     from replay_server.engine.table_state import check_saved_config

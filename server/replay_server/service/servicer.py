@@ -40,8 +40,8 @@ from replay_server.engine import (
     Table,
     TableSet,
     VariableStore,
+    field_values,
 )
-from replay_server.engine.table_info import field_values
 from replay_server.errors import CheckpointPartError, CheckpointsDisabledError
 from replay_server.service.admission import Admission
 from replay_server.service.budget import MemoryBudget, Reservation
