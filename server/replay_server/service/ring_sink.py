@@ -105,9 +105,10 @@ class RingSink:
                         f"no shared-memory ring ({exc}); using gRPC")
             return b"", f"the server could not create a shared-memory ring: {exc}"
         with self._lock:
-            if not self._closed:
+            ended = self._closed
+            if not ended:
                 self._ring, self._layout, self._reservation = ring, layout, reservation
-        if self._ring is not ring:  # the call ended while the ring was made: never offered
+        if ended:  # the call ended while the ring was made: never offered
             ring.unlink()
             ring.close()
             reservation.release()
