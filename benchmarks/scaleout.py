@@ -44,7 +44,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sides import replay_server  # noqa: E402
+from sides import replay_server, shard_servers  # noqa: E402
 
 ROW_FLOATS = 17
 CAPACITY = 1_000_000
@@ -232,11 +232,7 @@ def main() -> None:
                     "seconds": args.seconds, "runs": []}
     for n in [int(x) for x in args.shards.split(",")]:
         with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-            addresses = []
-            for shard in range(n):
-                folder = Path(tmp) / f"shard{shard}"
-                folder.mkdir()
-                addresses.append(stack.enter_context(replay_server(folder, _config(shard))))
+            addresses = shard_servers(stack, Path(tmp), n, _config)
             insert = _drive("insert", addresses, args.seconds)
             for address in addresses:
                 from replay_client import ReplayClient

@@ -40,7 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sides import replay_server  # noqa: E402
+from sides import median_ratio, shard_servers, tree_envs  # noqa: E402
 
 ROWS = 64
 
@@ -123,29 +123,6 @@ def _run(addresses: list[str], calls: int, warmup: int, env: dict[str, str]) -> 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _sides(baseline: Path | None) -> dict[str, dict[str, str]]:
-    """Each side's environment: this checkout's, and the baseline tree's packages first."""
-    sides = {"this": dict(os.environ)}
-    if baseline is None:
-        return sides
-    roots = [baseline / part for part in ("proto", "feed", "server", "client")]
-    missing = [str(r) for r in roots if not r.is_dir()]
-    if missing:
-        raise SystemExit(f"--baseline-tree {baseline}: no {missing} (a replay-server checkout?)")
-    return {"baseline": {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, roots))}, **sides}
-
-
-def _start_shards(stack: ExitStack, tmp: Path, count: int) -> list[str]:
-    """``count`` shard servers, each in a folder of ``tmp``, stopped when ``stack`` closes;
-    their addresses in shard order."""
-    addresses = []
-    for shard in range(count):
-        folder = tmp / f"shard{shard}"
-        folder.mkdir()
-        addresses.append(stack.enter_context(replay_server(folder, _config(shard))))
-    return addresses
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", default="1,2")
@@ -166,16 +143,16 @@ def main() -> None:
     if args.inline_ab:
         for n in [int(x) for x in args.shards.split(",")]:
             with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-                addresses = _start_shards(stack, Path(tmp), n)
+                addresses = shard_servers(stack, Path(tmp), n, _config)
                 result = _inline_ab(addresses, args.calls, args.warmup, args.block)
                 print(json.dumps({"shards": n, "load": os.getloadavg(), **result}), flush=True)
         return
-    sides = _sides(args.baseline_tree)
+    sides = tree_envs(args.baseline_tree)
     report: dict = {"cores": os.cpu_count(), "calls": args.calls, "rows_per_call": ROWS,
                     "load_before": os.getloadavg(), "runs": []}
     for n in [int(x) for x in args.shards.split(",")]:
         with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-            addresses = _start_shards(stack, Path(tmp), n)
+            addresses = shard_servers(stack, Path(tmp), n, _config)
             runs: dict[str, list[dict]] = {side: [] for side in sides}
             for round_ in range(args.rounds):
                 for side, env in sides.items():
@@ -190,10 +167,9 @@ def main() -> None:
                           for k in ("rows_per_s", "cpu_us_per_call")} for side, rs in runs.items()}
             line = "  ".join(f"{side}: {m['rows_per_s']:.0f} rows/s, cpu {m['cpu_us_per_call']:.0f}"
                              f" us/call" for side, m in med.items())
-            if "baseline" in med:  # each round's pair (run one after the other): load drifts less
-                pairs = list(zip(runs["this"], runs["baseline"]))
-                rate = statistics.median(t["rows_per_s"] / b["rows_per_s"] for t, b in pairs)
-                cpu = statistics.median(t["cpu_us_per_call"] / b["cpu_us_per_call"] for t, b in pairs)
+            if "baseline" in med:
+                rate = median_ratio(runs["this"], runs["baseline"], "rows_per_s")
+                cpu = median_ratio(runs["this"], runs["baseline"], "cpu_us_per_call")
                 line += f"  | this/baseline, median of rounds: rows/s {rate:.3f}, cpu {cpu:.3f}"
             print(f"shards={n} medians  {line}", flush=True)
     report["load_after"] = os.getloadavg()

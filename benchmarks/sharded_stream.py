@@ -38,7 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sides import replay_server  # noqa: E402
+from sides import median_ratio, shard_servers, tree_envs  # noqa: E402
 
 ROWS = 100_000
 BATCH = 256
@@ -98,18 +98,6 @@ def _worker(addresses: list[str], servers: list[int], batches: int) -> dict:
             "servers_cpu_us_per_batch": served / batches * 1e6, "notes": notes}
 
 
-def _sides(baseline: Path | None) -> dict[str, dict[str, str]]:
-    """Each side's environment: this checkout's, and the baseline tree's packages first."""
-    sides = {"this": dict(os.environ)}
-    if baseline is None:
-        return sides
-    roots = [baseline / part for part in ("proto", "feed", "server", "client")]
-    missing = [str(r) for r in roots if not r.is_dir()]
-    if missing:
-        raise SystemExit(f"--baseline-tree {baseline}: no {missing} (a replay-server checkout?)")
-    return {"baseline": {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, roots))}, **sides}
-
-
 def _run(shards: int, batches: int, env: dict[str, str]) -> dict:
     """One run: ``shards`` servers and a learner, all of ``env``'s packages."""
     saved = dict(os.environ)
@@ -117,11 +105,7 @@ def _run(shards: int, batches: int, env: dict[str, str]) -> dict:
     os.environ.update(env)  # the servers are started from this process's environment
     try:
         with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
-            addresses = []
-            for shard in range(shards):
-                folder = Path(tmp) / f"shard{shard}"
-                folder.mkdir()
-                addresses.append(stack.enter_context(replay_server(folder, _config(shard))))
+            addresses = shard_servers(stack, Path(tmp), shards, _config)
             out = subprocess.run(
                 [sys.executable, __file__, "--worker", "--addresses", ",".join(addresses),
                  "--servers", ",".join(map(str, _server_pids(os.getpid()))),
@@ -148,7 +132,7 @@ def main() -> None:
         servers = [int(p) for p in args.servers.split(",") if p]
         print(json.dumps(_worker(args.addresses.split(","), servers, args.batches)))
         return
-    sides = _sides(args.baseline_tree)
+    sides = tree_envs(args.baseline_tree)
     report: dict = {"cores": os.cpu_count(), "batches": args.batches,
                     "load_before": os.getloadavg(), "runs": []}
     keys = ("batches_per_s", "learner_cpu_us_per_batch", "servers_cpu_us_per_batch")
@@ -169,8 +153,7 @@ def main() -> None:
                          f"{m['learner_cpu_us_per_batch']:.0f} us, servers "
                          f"{m['servers_cpu_us_per_batch']:.0f} us" for side, m in med.items())
         if "baseline" in med:
-            pairs = list(zip(runs["this"], runs["baseline"]))
-            rate = statistics.median(t["batches_per_s"] / b["batches_per_s"] for t, b in pairs)
+            rate = median_ratio(runs["this"], runs["baseline"], "batches_per_s")
             line += f"  | this/baseline, median of rounds: batches/s {rate:.2f}"
         print(f"shards={n} medians  {line}", flush=True)
     report["load_after"] = os.getloadavg()

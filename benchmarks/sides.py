@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 
@@ -25,6 +27,19 @@ def run_side(cmd: list[str], timeout: float) -> dict | None:
               file=sys.stderr)
         return None
     return json.loads(lines[-1])
+
+
+def tree_envs(baseline: Path | None) -> dict[str, dict[str, str]]:
+    """Each side's environment for an A/B of two checkouts: ``this`` (the environment as it
+    is), and, given ``baseline``, that tree's packages first on ``PYTHONPATH``."""
+    sides = {"this": dict(os.environ)}
+    if baseline is None:
+        return sides
+    roots = [baseline / part for part in ("proto", "feed", "server", "client")]
+    missing = [str(r) for r in roots if not r.is_dir()]
+    if missing:
+        raise SystemExit(f"--baseline-tree {baseline}: no {missing} (a replay-server checkout?)")
+    return {"baseline": {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, roots))}, **sides}
 
 
 @contextmanager
@@ -64,3 +79,21 @@ def replay_server(
             process.wait()
         if log_path is not None:
             log.close()  # type: ignore[union-attr]
+
+
+def shard_servers(stack: ExitStack, tmp: Path, count: int, config: Callable[[int], str]
+                  ) -> list[str]:
+    """``count`` servers (``config(shard)`` each, in a folder of ``tmp``), stopped when
+    ``stack`` closes; their addresses in shard order."""
+    addresses = []
+    for shard in range(count):
+        folder = tmp / f"shard{shard}"
+        folder.mkdir()
+        addresses.append(stack.enter_context(replay_server(folder, config(shard))))
+    return addresses
+
+
+def median_ratio(this: Sequence[dict], baseline: Sequence[dict], key: str) -> float:
+    """The median over rounds of ``this[i][key] / baseline[i][key]`` (each round's pair ran
+    one after the other: load drifts less within a pair)."""
+    return statistics.median(t[key] / b[key] for t, b in zip(this, baseline))
