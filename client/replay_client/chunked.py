@@ -7,7 +7,8 @@ travel as several messages (:mod:`replay_proto.chunks`; ``replay.proto``,
 
 * :func:`insert` and :func:`publish` send one message when the request fits
   it, else the ``*Chunks`` RPC, built from the tensors' buffers directly (one
-  copy, as one message would take).
+  copy, as one message would take); an insert of a few rows goes on the
+  client's call stream (:mod:`replay_client.call_stream`) when it has one.
 * :class:`LargeAnswers` samples with the unary ``Sample`` and fetches with
   the unary ``Fetch``; an answer the server says is over the message limit
   (it refuses before drawing or encoding anything) is asked again with
@@ -25,9 +26,11 @@ from typing import Any
 
 import torch
 
+from replay_client.call_stream import CallStream, StreamFallback
 from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import InternalError, MessageTooLargeError
 from replay_proto import messages, variable_codec
+from replay_proto.call_metadata import STREAM_MESSAGE_BYTES
 from replay_proto.batch import SampleBatch
 from replay_proto.chunks import chunk_bytes, frame_chunks
 from replay_proto.codec import CodecError, frame
@@ -35,13 +38,21 @@ from replay_proto.sample_codec import SampleDecoder, decode_sample, split_sample
 
 
 def insert(connection: Connection, table: str, columns: dict[str, torch.Tensor],
-           priorities: torch.Tensor | None) -> torch.Tensor:
-    """Insert rows (one message, or ``InsertChunks``); returns their ids. Not retried
-    (except when the server ran nothing of it, see the connection)."""
+           priorities: torch.Tensor | None, stream: CallStream | None = None) -> torch.Tensor:
+    """Insert rows (on ``stream`` when small enough and the server takes it there, else one
+    message, or ``InsertChunks``); returns their ids. Not retried (except when the server
+    ran nothing of it, see the connection and :mod:`replay_client.call_stream`)."""
     header, buffers = messages.insert_parts(table, columns, priorities)
     chunk = chunk_bytes(connection.max_message_bytes)
-    if sum(memoryview(b).nbytes for b in buffers) + header.ByteSize() < chunk:
-        raw = connection.unary("Insert", frame(header, buffers), retry=False)
+    size = sum(memoryview(b).nbytes for b in buffers) + header.ByteSize()
+    if size < chunk:
+        request = frame(header, buffers)
+        if stream is not None and size < STREAM_MESSAGE_BYTES:
+            try:
+                return messages.insert_ids(stream.send(request).insert)
+            except StreamFallback:
+                pass
+        raw = connection.unary("Insert", request, retry=False)
     else:
         parts = _chunks(lambda: frame_chunks(header, buffers, chunk))
         raw = connection.unary("InsertChunks", parts, retry=False, kind="stream_unary")

@@ -24,7 +24,7 @@ from replay_client.stream_options import feed_core, reconnect_window, stream_opt
 from replay_client.table_info import ServerInfo, TableInfo, server_info_of
 from replay_client.tls import TlsConfig
 from replay_client.update_parts import max_ids_per_message, update_parts
-from replay_client.update_stream import StreamFallback, UpdateStream
+from replay_client.call_stream import CallStream, StreamFallback
 from replay_client.updates import PriorityUpdater
 from replay_client.variables import Variable
 from replay_client.writer import Writer
@@ -111,8 +111,8 @@ class ServerClient:
         self._lock = threading.Lock()
         self._updater: PriorityUpdater | None = None
         self._updater_pid = 0
-        self._update_stream: UpdateStream | None = None
-        self._update_stream_pid = 0
+        self._call_streams: dict[str, CallStream] = {}  # by kind: updates, inserts
+        self._call_streams_pid = 0
         self._slice_lens: dict[str, int] = {}
 
     @property
@@ -146,9 +146,10 @@ class ServerClient:
                 finally:
                     updater.close()
         finally:
-            stream, self._update_stream = self._update_stream, None
-            if stream is not None and self._update_stream_pid == os.getpid():
-                stream.close()
+            streams, self._call_streams = self._call_streams, {}
+            if self._call_streams_pid == os.getpid():
+                for stream in streams.values():
+                    stream.close()
             self._connection.close()
 
     def __enter__(self) -> ServerClient:
@@ -175,7 +176,7 @@ class ServerClient:
             NoPrioritiesError, UnknownTableError, UnavailableError, ...
         """
         columns, prios = insert_columns(data, priorities)
-        return chunked.insert(self._connection, table, columns, prios)
+        return chunked.insert(self._connection, table, columns, prios, self._stream("insert"))
 
     @runs_eagerly
     def sample(self, table: str, batch_size: int, *, wait: bool | None = None,
@@ -234,8 +235,8 @@ class ServerClient:
             ids: int64 ids (from insert or sample), any shape.
             priorities: finite values >= 0, same shape.
             wait: ``True``: send now and return how many ids still named
-                stored rows (on the client's persistent update stream: one
-                round trip, see :mod:`replay_client.update_stream`). An update
+                stored rows (on the client's persistent call stream: one
+                round trip, see :mod:`replay_client.call_stream`). An update
                 over the message limit goes as several requests in order
                 (:mod:`replay_client.update_parts`); if one is refused, the
                 ones before it stay applied (the error's note says how many).
@@ -273,10 +274,10 @@ class ServerClient:
             self._updater.flush(timeout)
 
     def _send_update(self, table: str, ids: np.ndarray, priorities: np.ndarray) -> int:
-        """One update, on the client's update stream when the server has one, else unary."""
+        """One update, on the client's call stream when the server has one, else unary."""
         raw = messages.encode_update(table, ids, priorities)
         try:
-            return int(self._stream().send(raw).applied)
+            return int(self._stream("update_priorities").send(raw).update_priorities.applied)
         except StreamFallback:
             pass
         response = pb.UpdatePrioritiesResponse.FromString(
@@ -297,12 +298,15 @@ class ServerClient:
             step = self._slice_lens[table]
         return update_parts(ids, priorities, max_ids, step)
 
-    def _stream(self) -> UpdateStream:
+    def _stream(self, kind: str) -> CallStream:
+        """This process's call stream for ``kind`` (a forked child opens its own)."""
         with self._lock:
-            if self._update_stream is None or self._update_stream_pid != os.getpid():
-                self._update_stream = UpdateStream(self._connection)
-                self._update_stream_pid = os.getpid()
-            return self._update_stream
+            if self._call_streams_pid != os.getpid():
+                self._call_streams, self._call_streams_pid = {}, os.getpid()
+            stream = self._call_streams.get(kind)
+            if stream is None:
+                stream = self._call_streams[kind] = CallStream(self._connection, kind)
+            return stream
 
     def _updates(self) -> PriorityUpdater:
         with self._lock:

@@ -28,7 +28,9 @@ from replay_proto.codec import (
 )
 from replay_proto.v1 import replay_pb2 as pb
 
-_UPDATE_FIELD_TAG = bytes([(2 << 3) | 2])  # UpdateStreamRequest.update_priorities
+_CALL_FIELD_TAGS = {  # CallStreamRequest's requests, as their fields' tags (length-delimited)
+    kind: varint((pb.CallStreamRequest.DESCRIPTOR.fields_by_name[kind].number << 3) | 2)
+    for kind in ("update_priorities", "insert")}
 
 # ------------------------------------------------------------------- insert
 
@@ -74,7 +76,11 @@ def encode_insert_response(first_id: int, count: int) -> bytes:
 
 def decode_insert_response(raw: bytes) -> torch.Tensor:
     """The new rows' ids."""
-    response = pb.InsertResponse.FromString(raw)
+    return insert_ids(pb.InsertResponse.FromString(raw))
+
+
+def insert_ids(response: pb.InsertResponse) -> torch.Tensor:
+    """The new rows' ids an InsertResponse names."""
     first = response.first_id  # numpy's arange: a third of torch's per-call cost
     return torch.from_numpy(np.arange(first, first + response.count, dtype=np.int64))
 
@@ -111,13 +117,17 @@ def _update_arrays(payload: memoryview, count: int, shape: Sequence[int] = ()
     return ids, priorities
 
 
-# ------------------------------------------------------------ update stream
+# ------------------------------------------------------------ call stream
 
 
-def encode_update_stream_request(sequence: int, update: bytes) -> bytes:
-    """An UpdateStream message carrying ``update`` (an encoded UpdatePrioritiesRequest)."""
-    header = pb.UpdateStreamRequest(sequence=sequence).SerializeToString()
-    return b"".join([header, _UPDATE_FIELD_TAG, varint(len(update)), update])
+def encode_call_request(sequence: int, kind: str, request: bytes,
+                        timeout_s: float | None = None) -> bytes:
+    """A CallStream message carrying ``request``: an encoded UpdatePrioritiesRequest
+    (``kind`` ``"update_priorities"``) or Insert request (``"insert"``), which may wait
+    ``timeout_s`` on the server (``None``: the server's default). One copy of ``request``."""
+    header = pb.CallStreamRequest(sequence=sequence, timeout_s=timeout_s or 0.0)
+    return b"".join([header.SerializeToString(), _CALL_FIELD_TAGS[kind], varint(len(request)),
+                     request])
 
 
 _CREDIT_UPDATE_TAG = varint((pb.SampleStreamRequest.DESCRIPTOR.fields_by_name["update"].number << 3) | 2)
@@ -136,15 +146,18 @@ def encode_credit(credits: int, update: bytes = b"", batches_per_message: int = 
     return b"".join([raw, _CREDIT_UPDATE_TAG, varint(len(update)), update])
 
 
-def decode_update_stream_request(raw: bytes) -> tuple[int, pb.UpdatePrioritiesRequest]:
-    """``(sequence, the update request)``; raises CodecError if there is none."""
+def decode_call_request(raw: bytes) -> pb.CallStreamRequest:
+    """A CallStream message; raises CodecError if it is malformed or carries no request
+    (``WhichOneof("call")`` says which it carries)."""
     try:
-        message = pb.UpdateStreamRequest.FromString(raw)
+        message = pb.CallStreamRequest.FromString(raw)
     except Exception as exc:
-        raise CodecError(f"malformed UpdateStreamRequest: {exc}") from None
-    if not message.HasField("update_priorities"):
-        raise CodecError("an UpdateStreamRequest must carry update_priorities")
-    return message.sequence, message.update_priorities
+        raise CodecError(f"malformed CallStreamRequest: {exc}") from None
+    if message.WhichOneof("call") is None:
+        raise CodecError("a CallStreamRequest must carry update_priorities or insert")
+    if not message.timeout_s >= 0:  # NaN too
+        raise CodecError(f"a CallStreamRequest's timeout_s must be >= 0, not {message.timeout_s}")
+    return message
 
 
 def update_arrays(header: pb.UpdatePrioritiesRequest) -> tuple[np.ndarray, np.ndarray]:

@@ -57,6 +57,9 @@ server = module_server(CONFIG)
 def client(server: ServerProcess):
     with ReplayClient(server.address, timeout=20, max_retry_s=0) as c:
         c.insert("steps", {"obs": torch.randn(100, 4)})
+    # closed: its insert's call stream held a stream and a waiting slot, which the counts
+    # below would see
+    with ReplayClient(server.address, timeout=20, max_retry_s=0) as c:
         yield c
 
 
@@ -86,7 +89,9 @@ def silent(server: ServerProcess, source: str, method: str, count: int) -> RawCo
 def idle(client: ReplayClient) -> bool:
     """Whether only the asking call holds a slot. Closing a flooder's connection frees its
     slots when the server has read the close: until then the pool may still be full, and the
-    asking call itself is refused (not idle yet)."""
+    asking call itself is refused (not idle yet). The client's own call streams (its
+    inserts') end with its close first."""
+    client.close()
     try:
         now = limits(client)
     except errors.OverloadedError:

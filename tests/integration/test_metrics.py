@@ -146,13 +146,17 @@ def test_counters_move_by_exactly_the_load_scraped_while_it_runs(server) -> None
                      **rpc(method, "OK")) == calls
         assert delta(before, after, "grpc_server_msg_received_total", **rpc(method)) == calls
         assert delta(before, after, "grpc_server_msg_sent_total", **rpc(method)) == calls
-    # Waiting priority updates travel on the client's one UpdateStream call (still open):
-    # one message in and one answer out per update.
-    updates = rpc("UpdateStream", kind="bidi_stream")
-    assert delta(before, after, "grpc_server_started_total", **updates) == 1
-    assert delta(before, after, "grpc_server_msg_received_total", **updates) == 2 * ROUNDS
-    assert delta(before, after, "grpc_server_msg_sent_total", **updates) == 2 * ROUNDS
-    assert delta(before, after, "grpc_server_started_total", **rpc("UpdatePriorities")) == 0
+    # Small inserts and waiting priority updates travel on the client's two CallStream calls
+    # (still open): one message in and one answer out per request, and each is counted as
+    # the unary call it stands for too.
+    streams = rpc("CallStream", kind="bidi_stream")
+    assert delta(before, after, "grpc_server_started_total", **streams) == 2
+    assert delta(before, after, "grpc_server_msg_received_total", **streams) == 3 * ROUNDS
+    assert delta(before, after, "grpc_server_msg_sent_total", **streams) == 3 * ROUNDS
+    updates = rpc("UpdatePriorities")
+    assert delta(before, after, "grpc_server_started_total", **updates) == 2 * ROUNDS
+    assert delta(before, after, "grpc_server_handled_total", **rpc("UpdatePriorities", "OK")
+                 ) == 2 * ROUNDS
     insert_bytes = len(encode_insert("replay", rows))
     assert delta(before, after, "replay_rpc_received_bytes_total", grpc_service=SERVICE,
                  grpc_method="Insert") == ROUNDS * insert_bytes

@@ -1,6 +1,7 @@
 """A learner's open streams do not hold the server's shutdown, and come back after it.
 
-The client keeps one UpdateStream open for its waiting priority updates, and a
+The client keeps a CallStream open for its waiting priority updates (and one for its
+small inserts), and a
 learner's SampleStream waits for credit while its window is full. A server
 that is told to stop (SIGTERM) ends such streams at once, instead of letting
 them run out the drain's whole grace (which would push the final checkpoint
@@ -30,14 +31,17 @@ def test_an_idle_update_stream_ends_when_the_server_drains_and_reopens_after(tmp
     try:
         ids = client.insert("per", {"x": torch.zeros(4)})
         assert client.update_priorities("per", ids, torch.ones(4)) == 4
-        assert client._update_stream is not None and client._update_stream._session is not None
+        streams = client._call_streams
+        assert streams["update_priorities"]._session is not None
+        assert streams["insert"]._session is not None
         assert server.stop(timeout=30) == 0  # exited by itself, well within the grace
         assert "Traceback" not in server.log()
 
         again = start_server(tmp_path, CONFIG, port=server.port, name="again")
         try:
+            # the same client: its broken streams are replaced by new ones (the insert's ended
+            # while idle, so the insert is not in doubt)
             fresh = client.insert("per", {"x": torch.zeros(2)})
-            # the same client: its broken stream is replaced by a new one
             assert client.update_priorities("per", fresh, torch.full((2,), 2.0)) == 2
             assert client.info()["per"].counters["priority_updates"] == 2
         finally:

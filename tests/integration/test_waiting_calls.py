@@ -115,6 +115,7 @@ def test_waiters_never_take_the_slots_of_the_calls_that_release_them(served) -> 
     assert len(fetched) == 20 and all(v.version == version + 1 for v in fetched)
     assert len(waiters.outcomes) == 50
     assert not [o for o in waiters.outcomes if isinstance(o, BaseException)]
+    client.close()  # its inserts' call stream waits in the pool too, until it ends
     assert wait_for(lambda: waiting(client) == 0)
 
 
@@ -148,6 +149,8 @@ def test_streams_are_capped_within_the_pool_and_waiters_are_not(served) -> None:
     client = ReplayClient(served.address, timeout=30, max_retry_s=0)
     version = client.publish("streams", {"w": torch.zeros(1)})
     client.insert("replay", {"x": torch.zeros(4, 2)})
+    client.close()  # its insert's call stream is a stream too: ended before the count
+    assert wait_for(lambda: client.server_info().limits["streams_open"] == 0, timeout=JOIN_S)
     done = threading.Event()
 
     def idle():  # a learner's stream between batches: its one credit spent, open

@@ -561,13 +561,17 @@ class FetchResponse(_message.Message):
     payload: bytes
     def __init__(self, found: _Optional[bool] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
-class UpdateStreamRequest(_message.Message):
-    __slots__ = ("sequence", "update_priorities")
+class CallStreamRequest(_message.Message):
+    __slots__ = ("sequence", "update_priorities", "insert", "timeout_s")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
+    INSERT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     update_priorities: UpdatePrioritiesRequest
-    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ...) -> None: ...
+    insert: bytes
+    timeout_s: float
+    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., insert: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class CallError(_message.Message):
     __slots__ = ("code", "kind", "message")
@@ -579,15 +583,17 @@ class CallError(_message.Message):
     message: str
     def __init__(self, code: _Optional[str] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
-class UpdateStreamResponse(_message.Message):
-    __slots__ = ("sequence", "update_priorities", "error")
+class CallStreamResponse(_message.Message):
+    __slots__ = ("sequence", "update_priorities", "error", "insert")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    INSERT_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     update_priorities: UpdatePrioritiesResponse
     error: CallError
-    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+    insert: InsertResponse
+    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., insert: _Optional[_Union[InsertResponse, _Mapping]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("table", "ids")

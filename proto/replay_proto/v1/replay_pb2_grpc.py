@@ -101,10 +101,15 @@ class ReplayServiceStub:
                 request_serializer=replay_dot_v1_dot_replay__pb2.FetchRequest.SerializeToString,
                 response_deserializer=replay_dot_v1_dot_replay__pb2.FetchResponse.FromString,
                 _registered_method=True)
+        self.CallStream = channel.stream_stream(
+                '/replay.v1.ReplayService/CallStream',
+                request_serializer=replay_dot_v1_dot_replay__pb2.CallStreamRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.CallStreamResponse.FromString,
+                _registered_method=True)
         self.UpdateStream = channel.stream_stream(
                 '/replay.v1.ReplayService/UpdateStream',
-                request_serializer=replay_dot_v1_dot_replay__pb2.UpdateStreamRequest.SerializeToString,
-                response_deserializer=replay_dot_v1_dot_replay__pb2.UpdateStreamResponse.FromString,
+                request_serializer=replay_dot_v1_dot_replay__pb2.CallStreamRequest.SerializeToString,
+                response_deserializer=replay_dot_v1_dot_replay__pb2.CallStreamResponse.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/replay.v1.ReplayService/Delete',
@@ -323,26 +328,43 @@ class ReplayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def UpdateStream(self, request_iterator, context):
-        """Small requests (priority updates) on one persistent stream per client, each
-        answered by its own message, so a call that waits for its answer costs a
-        stream round trip instead of a unary call.
+    def CallStream(self, request_iterator, context):
+        """Small requests (priority updates, inserts of a few rows) on a persistent
+        stream, each answered by its own message, so a call that waits for its
+        answer costs a stream round trip instead of a unary call.
 
-        Client messages: UpdateStreamRequest, each carrying `sequence` (0 for the
-        first message, then one more per message) and one request
-        (`update_priorities`, exactly as UpdatePriorities takes it). The server
-        handles them one at a time, in the order sent, and answers each with one
-        UpdateStreamResponse carrying the same `sequence`, in the same order:
-        either the result (`update_priorities`) or `error`, the status code, error
-        kind and message that the unary call would have failed with; the stream
-        goes on after an error, and a refused request changes nothing. A client
-        keeps at most a bounded window of requests unanswered; the server reads
-        one request ahead of the one it handles (gRPC's flow control holds the
-        rest). A message that cannot be decoded, or a `sequence` out of order,
-        ends the stream with INVALID_ARGUMENT; while the server drains, the
-        request in hand is answered with UNAVAILABLE and the stream ends with
-        UNAVAILABLE. A server without this RPC answers UNIMPLEMENTED; clients then
-        use UpdatePriorities.
+        Client messages: CallStreamRequest, each carrying `sequence` (0 for the
+        first message, then one more per message) and one request:
+        `update_priorities` (exactly as UpdatePriorities takes it) or `insert`
+        (the bytes of one Insert request, exactly as Insert takes them), with
+        `timeout_s`, how long the request may wait on the server for its table's
+        rate limiter or for room (0: the server's default_wait_s, as for a unary
+        call without a deadline). The server handles them one at a time, in the
+        order sent, and answers each with one CallStreamResponse carrying the same
+        `sequence`, in the same order: either the result (`update_priorities`,
+        `insert`) or `error`, the status code, error kind and message that the
+        unary call would have failed with; the stream goes on after an error, and
+        a refused request changes nothing. The server reads a request only once
+        it has answered the one before, so a stream that breaks leaves at most
+        its oldest unanswered request in doubt (applied or not); the requests
+        after it were not read. A client keeps at most a bounded window of
+        requests unanswered (gRPC's flow control holds them). A message that
+        cannot be decoded, or a `sequence` out of order, ends the stream with
+        INVALID_ARGUMENT; while the server drains, the request in hand is
+        answered with UNAVAILABLE and the stream ends with UNAVAILABLE. Call
+        streams may take at most half of server.max_streams (the rest stays for
+        SampleStreams): past it a new one is refused (RESOURCE_EXHAUSTED, kind
+        "overloaded") before any message is read. A server without this RPC
+        answers UNIMPLEMENTED; clients then make the unary calls (or, for
+        priority updates, use UpdateStream).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateStream(self, request_iterator, context):
+        """CallStream under the name servers before it served (priority updates only
+        then); new servers serve both names alike.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -480,10 +502,15 @@ def add_ReplayServiceServicer_to_server(servicer, server):
                     request_deserializer=replay_dot_v1_dot_replay__pb2.FetchRequest.FromString,
                     response_serializer=replay_dot_v1_dot_replay__pb2.FetchResponse.SerializeToString,
             ),
+            'CallStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.CallStream,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.CallStreamRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.CallStreamResponse.SerializeToString,
+            ),
             'UpdateStream': grpc.stream_stream_rpc_method_handler(
                     servicer.UpdateStream,
-                    request_deserializer=replay_dot_v1_dot_replay__pb2.UpdateStreamRequest.FromString,
-                    response_serializer=replay_dot_v1_dot_replay__pb2.UpdateStreamResponse.SerializeToString,
+                    request_deserializer=replay_dot_v1_dot_replay__pb2.CallStreamRequest.FromString,
+                    response_serializer=replay_dot_v1_dot_replay__pb2.CallStreamResponse.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
@@ -874,6 +901,33 @@ class ReplayService:
             _registered_method=True)
 
     @staticmethod
+    def CallStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/replay.v1.ReplayService/CallStream',
+            replay_dot_v1_dot_replay__pb2.CallStreamRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.CallStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def UpdateStream(request_iterator,
             target,
             options=(),
@@ -888,8 +942,8 @@ class ReplayService:
             request_iterator,
             target,
             '/replay.v1.ReplayService/UpdateStream',
-            replay_dot_v1_dot_replay__pb2.UpdateStreamRequest.SerializeToString,
-            replay_dot_v1_dot_replay__pb2.UpdateStreamResponse.FromString,
+            replay_dot_v1_dot_replay__pb2.CallStreamRequest.SerializeToString,
+            replay_dot_v1_dot_replay__pb2.CallStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

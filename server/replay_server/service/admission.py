@@ -11,7 +11,7 @@ read or run:
    gRPC's end-of-call callback, after it: a client making one call at a time
    was refused "8 calls already" for its own last call).
    **Waiting calls have a pool of their own**, ``max_waiting_calls``: a
-   stream (``SampleStream``, ``UpdateStream``: long-lived, idle between
+   stream (``SampleStream``, ``CallStream``: long-lived, idle between
    messages) is counted there from the start, and a unary call moves there
    when it starts to wait (:meth:`Admission.start_waiting`: a fetch for a
    newer version, a sample or insert its rate limiter holds, a sample

@@ -15,8 +15,10 @@ options, and describes them for ``info`` and the start-up log.
   that wait for data), a pool of their own, so waiters never take the slots
   of the calls that would release them; and how long a unary call whose
   client set no deadline may wait.
-* ``max_streams``: streams (``SampleStream``, ``UpdateStream``) open at once,
-  within the waiting pool. A stream reads messages for its whole life, so
+* ``max_streams``: streams (``SampleStream``, ``CallStream``) open at once,
+  within the waiting pool; call streams (an actor's small inserts, a
+  learner's waiting updates) may take half of them, so that many actors
+  never take the learners' sample streams' room. A stream reads messages for its whole life, so
   gRPC may hold a whole message for each; a unary call waits with its request
   read (and reserved from the budget), holding about :data:`WAITER_BYTES`
   outside it. So streams, not waiters, are what the memory bound counts

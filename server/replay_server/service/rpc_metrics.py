@@ -14,7 +14,9 @@ follow the go-grpc-prometheus convention, which existing dashboards know:
     replay_rpc_received_bytes_total / _sent_bytes_total{grpc_service, grpc_method}
     replay_rpc_open_streams{grpc_service, grpc_method}  streaming calls open now
 
-A stream's duration is its whole life. Messages a handler reads with
+A stream's duration is its whole life. A call that travels as a message of a
+call stream (an insert or a priority update on ``CallStream``) is counted as
+the unary call it stands for as well (:meth:`RpcMetrics.carried`). Messages a handler reads with
 ``context.read()`` or writes with ``context.write()`` are counted like those
 it takes from its iterator or yields (the replay service serves its unary
 methods as streams that write their one answer, so that an answer nobody
@@ -183,14 +185,18 @@ class _Method:
         status = context.code()
         if status is not None:  # set by abort (or set_code): it wins over how the handler ended
             code = status.name
+        self.handled(code, seconds)
+        if self.declared_streaming:
+            self.open -= 1
+
+    def handled(self, code: str, seconds: float) -> None:
+        """One call of this method ended with ``code`` after ``seconds``."""
         outcome = self.outcomes.get(code)
         if outcome is None:
             outcome = self.outcomes[code] = _Outcome()
         outcome.handled += 1
         outcome.buckets[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         outcome.seconds += seconds
-        if self.declared_streaming:
-            self.open -= 1
 
 
 class _CountedReads:
@@ -248,6 +254,27 @@ class RpcMetrics(grpc.aio.ServerInterceptor, Collector):
         if method is None:
             method = self._methods[key] = _Method(details.method, kind)
         return method.wrap(handler)
+
+    def carried(self, path: str, code: str, seconds: float, received: int,
+                sent: int | None) -> None:
+        """Count a call that travelled as a message of a call stream
+        (:mod:`~replay_server.service.call_stream`) as the unary call ``path``
+        (``/service/Method``) it stands for: started, ended with ``code`` after ``seconds``,
+        one message of ``received`` bytes in and, unless ``sent`` is ``None`` (it failed), one
+        of ``sent`` bytes out.
+        So dashboards of inserts and updates see every one, on a stream or not (the stream's
+        own messages are counted under its name as well). Event loop only."""
+        key = f"{path} bidi_stream"  # how the replay service serves its unary methods
+        method = self._methods.get(key)
+        if method is None:
+            method = self._methods[key] = _Method(path, "bidi_stream")
+        method.started += 1
+        method.received += 1
+        method.bytes_in += received
+        if sent is not None:
+            method.sent += 1
+            method.bytes_out += sent
+        method.handled(code, seconds)
 
     def collect(self) -> Iterator[Metric]:
         labels = ["grpc_service", "grpc_method", "grpc_type"]

@@ -117,6 +117,7 @@ class ReplayServer:
                 tables=lambda: self.tables, blocked=self._servicer.calls.blocked.totals,
                 streams=self._servicer.stream_transports, checkpointer=self.checkpointer,
                 version=server_version()))
+            self._servicer.call_streams.counted = self.metrics.rpc.carried
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
         self.connections: ConnectionGuard | None = None

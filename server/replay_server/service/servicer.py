@@ -8,10 +8,11 @@ the call's reservation before it draws a batch. Engine work,
 decoding included, runs through a :class:`~replay_server.service.calls.CallRunner`:
 in a bounded thread pool, never on the event loop, waiting without a thread
 while a table's rate limiter holds it back. ``SampleStream`` and
-``UpdateStream`` are handlers of their own
+``CallStream`` (also served as ``UpdateStream``) are handlers of their own
 (:mod:`replay_server.service.sample_stream`,
-:mod:`replay_server.service.update_stream`, which applies small priority
-updates on the event loop when their table is free), sharing the runner.
+:mod:`replay_server.service.call_stream`, which applies small priority
+updates on the event loop when their table is free, and small inserts in the
+pool), sharing the runner.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from replay_server.service.rows import RowService
 from replay_server.service.batch_sink import StreamLimits
 from replay_server.service.sample_stream import SampleStreamCall
 from replay_server.service.status import LimitExceededError, MessageTooLargeError
-from replay_server.service.update_stream import INLINE_MAX_IDS, UpdateStreamHandler
+from replay_server.service.call_stream import INLINE_MAX_IDS, CallStreamHandler
 from replay_server.service.variables import VariableService
 from replay_server.service.waiting import draw
 
@@ -116,8 +117,10 @@ class ReplayServicer:
         self.variables = VariableService(
             VariableStore(0) if variables is None else variables, self.calls, max_message_bytes)
         """Publish and Fetch (named variables)."""
-        self._update_stream = UpdateStreamHandler(self.calls, self._stream_update,
-                                                  self._stream_update_now)
+        self.call_streams = CallStreamHandler(self.calls, self._stream_update, self._stream_insert,
+                                              self._stream_update_now,
+                                              max_streams=admission.limits.max_streams)
+        """Small updates and inserts on persistent streams (CallStream, UpdateStream)."""
         self.rows = RowService(lambda: self._tables, self.calls, max_message_bytes)
         """Read, Write and SetSampling."""
         self.calls.on_drain.append(self._wake_streams)
@@ -147,7 +150,8 @@ class ReplayServicer:
                                          self.variables.publish),
                 "Fetch": unary("Fetch", self.variables.fetch),
                 "FetchChunks": unary_stream("FetchChunks", self.variables.fetch_chunks),
-                "UpdateStream": stream("UpdateStream", self._update_stream.serve),
+                "CallStream": stream("CallStream", self.call_streams.serve),
+                "UpdateStream": stream("UpdateStream", self.call_streams.serve),
                 "Delete": unary("Delete", self.delete),
                 "Acknowledge": unary("Acknowledge", self.acknowledge),
                 "Read": unary("Read", self.rows.read),
@@ -162,9 +166,14 @@ class ReplayServicer:
         return await self.calls.change(context, self._insert, raw)
 
     def _insert(self, raw: bytes) -> tuple[str, bytes]:
+        table, response = self._stream_insert(raw)
+        return table, response.SerializeToString()
+
+    def _stream_insert(self, raw: bytes) -> tuple[str, pb.InsertResponse]:
         call = messages.decode_insert(raw)
         ids = self._tables[call.table].insert(call.columns, call.priorities)
-        return call.table, messages.encode_insert_response(int(ids[0]) if len(ids) else 0, len(ids))
+        return call.table, pb.InsertResponse(first_id=int(ids[0]) if len(ids) else 0,
+                                             count=len(ids))
 
     async def sample(self, raw: bytes, context: grpc.aio.ServicerContext,
                      reservation: Reservation) -> bytes:

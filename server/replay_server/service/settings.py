@@ -72,9 +72,10 @@ class ServerSettings:
         max_waiting_calls: calls waiting at once (streams; fetches, samples and
             inserts waiting for a newer version, for data or for their rate
             limiter), a pool of their own; more are refused (RESOURCE_EXHAUSTED).
-        max_streams: streams (``SampleStream``, ``UpdateStream``) open at once, within
-            the waiting pool (at most ``max_waiting_calls``); more are refused
-            (RESOURCE_EXHAUSTED). Each may have gRPC hold a whole message, so this,
+        max_streams: streams (``SampleStream``, ``CallStream``) open at once, within
+            the waiting pool (at most ``max_waiting_calls``; call streams at most half of
+            it); more are refused (RESOURCE_EXHAUSTED; a refused call stream's client
+            makes plain calls). Each may have gRPC hold a whole message, so this,
             not ``max_waiting_calls``, is what the memory bound counts.
         max_host_share: the share of each call pool (working calls, waiting calls,
             streams) the calls of one source address may hold at once, in (0, 1]; at

@@ -1,0 +1,247 @@
+"""``CallStream``: a client's small requests on one persistent stream, answered one by one.
+
+A learner that waits for each priority update, or an actor that inserts a
+few rows at a time, pays a whole unary call per request (about 1.1 ms of
+server CPU on the 2-core machine, most of it gRPC setting up and tearing
+down the call); on a stream that is open already, a request and its answer
+are two messages (about 0.35 ms, see ``docs/benchmarks.md``).
+:class:`CallStreamHandler` serves such streams (under the names
+``CallStream`` and, for clients from before it, ``UpdateStream``): it reads
+requests in order, runs each through the
+:class:`~replay_server.service.calls.CallRunner` exactly as the unary
+handler would (engine pool, never the event loop; inserts held back by a
+rate limiter wait holding no thread, up to the request's ``timeout_s``), and
+answers each with its result or with the error the unary call would have
+ended with, so errors stay typed per request and a refused request changes
+nothing. The message order is documented on the RPC in ``replay.proto``.
+
+The one exception to "never on the event loop": an update of at most
+:data:`INLINE_MAX_IDS` ids whose table's lock is free this instant is applied
+right there (tens of microseconds of numpy, never waiting for the lock),
+which saves the two thread hand-offs of the pool (about 0.1 ms of a 0.8 ms
+round trip on the 2-core machine). A larger update, one whose table is
+busy, and every insert (the write-ahead log may sync) go to the pool.
+
+Bounds: the call is admitted like every other
+(:mod:`replay_server.service.admission`; call streams may hold at most half
+of ``max_streams``, so actors' streams never take the learners' sample
+streams' room); its reservation covers one message of the size the call
+declared (64 KiB unless the ``replay-request-bytes`` metadata says
+otherwise) and as much again for what decoding it makes (an update's ids;
+an insert's columns are views of the message until the table copies them),
+and a larger message ends the stream with INVALID_ARGUMENT. One request is
+handled at a time per stream, and the next is read only after the previous
+one is answered, so a stream holds at most one decoded request and a broken
+stream leaves only its oldest unanswered request in doubt; gRPC's flow
+control holds back the rest. Clients keep their own window of unanswered
+requests and send larger ones as unary calls. When the server starts
+draining, a stream waiting for its next request ends at once with
+UNAVAILABLE (an idle learner's stream must not hold the shutdown for its
+whole grace).
+
+Thread-safety: event-loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from replay_proto import messages
+from replay_proto.codec import CodecError
+from replay_proto.error_kinds import ErrorKind
+from replay_proto.v1 import replay_pb2 as pb
+from replay_server.errors import InvalidArgumentError
+from replay_server.service.budget import Reservation
+from replay_server.service.calls import CallRunner
+from replay_server.service.status import OverloadedError, ShuttingDownError, status_of
+
+log = logging.getLogger("replay_server.service")
+
+UpdateFn = Callable[[pb.UpdatePrioritiesRequest], tuple[str, pb.UpdatePrioritiesResponse]]
+"""Applies one update in the engine pool: ``request -> (table, response)``."""
+
+Counted = Callable[[str, str, float, int, "int | None"], None]
+"""``(method path, status code name, seconds, request bytes, answer bytes or None: no answer)``
+of one request."""
+
+InsertFn = Callable[[bytes], tuple[str, pb.InsertResponse]]
+"""Applies one insert (an Insert request's bytes) in the engine pool: ``-> (table, response)``."""
+
+UpdateNowFn = Callable[[pb.UpdatePrioritiesRequest], "pb.UpdatePrioritiesResponse | None"]
+"""Applies one small update at once if its table is free this instant, else returns ``None``."""
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["ReplayService"].full_name
+_INSERT = f"/{_SERVICE}/Insert"
+_UPDATE = f"/{_SERVICE}/UpdatePriorities"
+"""The unary calls that requests on a call stream stand for (in the metrics)."""
+
+INLINE_MAX_IDS = 4096
+"""Updates of at most this many ids may run on the event loop (see the module docstring)."""
+
+
+class CallStreamHandler:
+    """Serves every CallStream call (see the module docstring); :meth:`serve` is the handler.
+
+    Args:
+        calls: runs engine work and ends a call with an error's status.
+        update: applies one priority update in the engine pool (the unary handler's work).
+        insert: applies one insert in the engine pool (the unary handler's work).
+        update_now: applies one small update at once if its table is free, else ``None``.
+        max_streams: the server's ``max_streams``; call streams may hold half of it (at
+            least one), the rest stays for sample streams.
+    """
+
+    def __init__(self, calls: CallRunner, update: UpdateFn, insert: InsertFn,
+                 update_now: UpdateNowFn | None = None, *, max_streams: int) -> None:
+        self.max_open = max(1, max_streams // 2)
+        """Call streams open at once at most (see the module docstring)."""
+        self.open = 0
+        """Call streams open now."""
+        self.counted: Counted | None = None
+        """Told of every request handled, as the unary call it stands for (the metrics)."""
+        self._calls = calls
+        self._update = update
+        self._insert = insert
+        self._update_now = update_now
+        self._idle: set[asyncio.Task] = set()  # calls waiting for their client's next request
+        calls.on_drain.append(self._end_idle)
+
+    def _end_idle(self) -> None:
+        """Draining started: streams waiting for a request end now (UNAVAILABLE), so a
+        learner's open stream does not hold the server's shutdown for its whole grace."""
+        for task in list(self._idle):
+            task.cancel()
+
+    async def serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                    reservation: Reservation) -> AsyncIterator[bytes]:
+        """One call: answer each request in order (the admitted handler gRPC runs)."""
+        calls = self._calls
+        if self.open >= self.max_open:  # before any request is handled
+            await calls.fail(context, OverloadedError(
+                f"{self.max_open} call streams (half of server.max_streams) are open already; "
+                f"the stream was not started (the client makes plain calls instead)"))
+        self.open += 1
+        try:
+            async for answer in self._serve(requests, context, reservation):
+                yield answer
+        finally:
+            self.open -= 1
+
+    async def _serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                     reservation: Reservation) -> AsyncIterator[bytes]:
+        calls = self._calls
+        declared = reservation.nbytes
+        try:  # one message and what decoding it makes, held while the stream is open
+            reservation.resize(2 * declared, "CallStream")
+        except Exception as exc:
+            await calls.fail(context, exc)
+        task = asyncio.current_task()
+        assert task is not None
+        incoming = requests.__aiter__()
+        expected = 0
+        while True:
+            if calls.draining:
+                await calls.fail(context, ShuttingDownError("the server is shutting down"))
+            self._idle.add(task)
+            try:
+                raw = await incoming.__anext__()
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if not calls.draining:
+                    raise
+                await calls.fail(context, ShuttingDownError("the server is shutting down"))
+            finally:
+                self._idle.discard(task)
+            if len(raw) > declared:
+                await calls.fail(context, InvalidArgumentError(
+                    f"a CallStream message of {len(raw)} bytes is larger than the call "
+                    f"declared ({declared} bytes, metadata replay-request-bytes)"))
+            try:
+                request = messages.decode_call_request(raw)
+            except CodecError as exc:
+                await calls.fail(context, exc)
+            if request.sequence != expected:
+                await calls.fail(context, InvalidArgumentError(
+                    f"CallStream: message with sequence {request.sequence} where {expected} "
+                    f"was expected (sequences start at 0 and go up by one per message)"))
+            expected += 1
+            answer = pb.CallStreamResponse(sequence=request.sequence)
+            started = time.perf_counter()
+            kind = request.WhichOneof("call")
+            try:
+                if kind == "insert":
+                    answer.insert.CopyFrom(await self._apply_insert(request, context))
+                else:
+                    answer.update_priorities.CopyFrom(
+                        await self._apply(request.update_priorities, context))
+            except ShuttingDownError as exc:
+                answer.error.CopyFrom(_call_error(exc))
+                self._count(kind, request, answer, started)
+                yield answer.SerializeToString()
+                await calls.fail(context, exc)
+            except Exception as exc:
+                answer.error.CopyFrom(_call_error(exc))
+            self._count(kind, request, answer, started)
+            yield answer.SerializeToString()
+
+    def _count(self, kind: str, request: pb.CallStreamRequest, answer: pb.CallStreamResponse,
+               started: float) -> None:
+        """Tell :attr:`counted` of one handled request, as the unary call it stands for."""
+        if self.counted is None:
+            return
+        if kind == "insert":
+            path, received, sent = _INSERT, len(request.insert), answer.insert.ByteSize()
+        else:
+            path, received = _UPDATE, request.update_priorities.ByteSize()
+            sent = answer.update_priorities.ByteSize()
+        failed = answer.HasField("error")
+        self.counted(path, answer.error.code if failed else "OK", time.perf_counter() - started,
+                     received, None if failed else sent)
+
+    async def _apply(self, request: pb.UpdatePrioritiesRequest,
+                     context: grpc.aio.ServicerContext) -> pb.UpdatePrioritiesResponse:
+        """The update's result: at once on the loop when small and its table is free, else in the pool."""
+        calls = self._calls
+        refused = calls.refusal()
+        if refused is not None:
+            raise refused
+        if self._update_now is not None:
+            result = self._update_now(request)
+            if result is not None:
+                calls.blocked.changed(request.table)
+                return result
+        return await calls.change(context, self._update, request, aborting=False)
+
+    async def _apply_insert(self, request: pb.CallStreamRequest,
+                            context: grpc.aio.ServicerContext) -> pb.InsertResponse:
+        """The insert's result, from the pool, waiting up to the request's ``timeout_s`` (0: the
+        server's ``default_wait_s``) while its table's rate limiter holds it back."""
+        calls = self._calls
+        if request.timeout_s > 0:
+            loop = asyncio.get_running_loop()
+            give_up_at = loop.time() + request.timeout_s
+
+            def remaining() -> float | None:
+                return give_up_at - loop.time()
+        else:
+            def remaining() -> float | None:
+                return calls.default_wait_s
+        return await calls.change(context, self._insert, request.insert, aborting=False,
+                                  time_remaining=remaining)
+
+
+def _call_error(exc: BaseException) -> pb.CallError:
+    """What the unary call's status would have said about ``exc`` (a bug: logged, INTERNAL)."""
+    mapped = status_of(exc)
+    if mapped is None:
+        log.error("internal error while serving a CallStream request", exc_info=exc)
+        return pb.CallError(code=grpc.StatusCode.INTERNAL.name, kind=ErrorKind.INTERNAL.value,
+                            message="internal server error (the server logged the details)")
+    code, kind = mapped
+    return pb.CallError(code=code.name, kind=kind.value, message=str(exc))

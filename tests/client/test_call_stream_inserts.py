@@ -1,0 +1,135 @@
+"""Small inserts on the client's CallStream: never stored twice, never silently lost.
+
+The server reads a stream's next request only once it has answered the one
+before, so when a stream breaks only its oldest unanswered request may have
+been applied. An insert in that place raises UnavailableError ("may or may
+not"), as a unary insert whose connection broke does; an insert the server
+never handled (the stream refused at admission, or ended by a draining
+server) goes unary instead, exactly once. Stand-in servers play the
+failures; a real server shows the ordinary path.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import pytest
+import torch
+
+from replay_client import ReplayClient, errors
+from replay_proto import messages
+from replay_proto.v1 import replay_pb2 as pb
+from tests.conftest import module_server
+
+CONFIG = """
+[[tables]]
+name = "t"
+capacity = 100000
+"""
+
+server = module_server(CONFIG)
+
+
+def _stand_in(stream) -> tuple[grpc.Server, int, list[str]]:
+    """A server whose CallStream is ``stream(requests, context)`` and whose unary Insert
+    stores nothing but is counted (the list returned)."""
+    unary: list[str] = []
+
+    def insert(raw: bytes, context) -> bytes:
+        unary.append(messages.decode_insert(raw).table)
+        return pb.InsertResponse(first_id=100, count=2).SerializeToString()
+
+    stand_in = grpc.server(futures.ThreadPoolExecutor(4))
+    stand_in.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "replay.v1.ReplayService", {"CallStream": grpc.stream_stream_rpc_method_handler(stream),
+                                    "Insert": grpc.unary_unary_rpc_method_handler(insert)}),))
+    port = stand_in.add_insecure_port("127.0.0.1:0")
+    stand_in.start()
+    return stand_in, port, unary
+
+
+ROWS = {"x": torch.zeros(2)}
+
+
+def test_small_inserts_go_on_one_stream_with_the_same_ids_and_rows_as_unary(server):
+    client = ReplayClient(server.address)
+    client.reset("t")
+    on_stream = [client.insert("t", {"x": torch.full((3,), float(k))}) for k in range(4)]
+    session = client._stream("insert")._session
+    assert session is not None and session.sequence == 4  # all four on one call
+    large = client.insert("t", {"x": torch.zeros(20_000)})  # 80 KB: over the stream's 64 KiB
+    assert session.sequence == 4  # so it went unary
+    assert client.insert("t", {"x": torch.zeros(1)}).numel() == 1 and session.sequence == 5
+    ids = torch.cat([*on_stream, large])
+    assert ids.tolist() == list(range(int(ids[0]), int(ids[0]) + 12 + 20_000))
+    read = client.read("t", ids=ids[:12])
+    assert read.columns["x"].tolist() == [float(k) for k in range(4) for _ in range(3)]
+    client.close()
+
+
+def test_an_insert_in_the_servers_hands_when_the_stream_breaks_is_in_doubt_not_resent():
+    def breaks(requests, context):
+        next(requests)  # the insert is in hand: the server goes away
+        context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
+
+    stand_in, port, unary = _stand_in(breaks)
+    try:
+        client = ReplayClient(f"127.0.0.1:{port}", timeout=10)
+        with pytest.raises(errors.UnavailableError, match="may or may not have been applied"):
+            client.insert("t", ROWS)
+        assert unary == []  # not sent again: it may be stored already
+        client.close()
+    finally:
+        stand_in.stop(0)
+
+
+def test_an_insert_a_draining_server_did_not_handle_goes_unary_once():
+    def drains(requests, context):
+        next(requests)  # read, but a draining server answers UNAVAILABLE before handling
+        context.set_trailing_metadata((("replay-error-kind", "unavailable"),))
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+
+    stand_in, port, unary = _stand_in(drains)
+    try:
+        client = ReplayClient(f"127.0.0.1:{port}", timeout=10)
+        assert client.insert("t", ROWS).tolist() == [100, 101]
+        assert unary == ["t"]
+        client.close()
+    finally:
+        stand_in.stop(0)
+
+
+def test_a_refused_stream_sends_its_insert_unary_and_is_not_asked_again_for_a_while():
+    opened = []
+
+    def refuses(requests, context):
+        opened.append(1)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      "2 call streams (half of server.max_streams) are open already")
+
+    stand_in, port, unary = _stand_in(refuses)
+    try:
+        client = ReplayClient(f"127.0.0.1:{port}", timeout=10)
+        for _ in range(3):
+            assert client.insert("t", ROWS).tolist() == [100, 101]
+        assert unary == ["t"] * 3 and opened == [1]  # one stream tried, then unary only
+        client.close()
+    finally:
+        stand_in.stop(0)
+
+
+def test_a_refused_insert_raises_its_type_and_the_stream_goes_on(server):
+    client = ReplayClient(server.address)
+    client.reset("t")
+    client.insert("t", {"x": torch.zeros(1)})
+    session = client._stream("insert")._session
+    size = client.info()["t"].size
+    with pytest.raises(errors.SchemaMismatchError):
+        client.insert("t", {"y": torch.zeros(1)})
+    with pytest.raises(errors.UnknownTableError):
+        client.insert("nope", {"x": torch.zeros(1)})
+    assert client.insert("t", {"x": torch.ones(2)}).numel() == 2
+    assert client._stream("insert")._session is session and session.sequence == 4
+    assert client.info()["t"].size == size + 2  # the refused ones stored nothing
+    client.close()
