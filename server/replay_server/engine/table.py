@@ -164,7 +164,20 @@ class Table:
         Cost: one copy of the rows into storage plus the sampler's insert
         (O(rows * log capacity) at worst).
         """
-        return self._insert(data, priorities, None)
+        ids = self._insert(data, priorities, None)
+        assert ids is not None  # blocking: the lock was waited for
+        return ids
+
+    def insert_now(self, data: Any, priorities: Any = None) -> torch.Tensor | None:
+        """:meth:`insert` if it is quick now, else ``None`` having stored nothing: for a
+        caller that must never wait (the service's event loop, for a few rows). Quick: the
+        table's storage is allocated and writes in place in host memory (no device, disk
+        or compressed column: :attr:`ColumnStorage.quick_writes`) and its lock is free this
+        instant. Raises as :meth:`insert` (RateLimitedError included: nothing stored)."""
+        storage = self._parts.storage
+        if storage is None or not storage.quick_writes:
+            return None
+        return self._insert(data, priorities, None, blocking=False)
 
     def replay_insert(self, data: Any, priorities: Any, first_id: int) -> torch.Tensor:
         """An insert replayed from a write-ahead log (:mod:`replay_server.checkpoint.wal.replay`):
@@ -175,7 +188,9 @@ class Table:
             ValueError: ``first_id`` cannot be the next row's id in any history of id
                 segments. Otherwise as :meth:`insert`.
         """
-        return self._insert(data, priorities, first_id)
+        ids = self._insert(data, priorities, first_id)
+        assert ids is not None
+        return ids
 
     def resume_ids(self) -> None:
         """After a log replay: new rows get the ids of this run's incarnation."""
@@ -189,12 +204,15 @@ class Table:
         batch = InsertRows.of(data, priorities, self.config, parts.sampler.alpha, self._device)
         return replace(batch, early=parts.encode_early(batch.columns, self.name))
 
-    def _insert(self, data: Any, priorities: Any, first_id: int | None) -> torch.Tensor:
+    def _insert(self, data: Any, priorities: Any, first_id: int | None,
+                blocking: bool = True) -> torch.Tensor | None:
         """:meth:`insert` (``data``: rows, or :meth:`prepare_insert`'s); ``first_id``:
-        :meth:`replay_insert`'s."""
+        :meth:`replay_insert`'s; ``blocking=False``: ``None`` if the lock is taken."""
         batch = data if isinstance(data, InsertRows) else self.prepare_insert(data, priorities)
         early = batch.early
-        with self._lock:
+        with _holding(self._lock, blocking) as held:
+            if not held:
+                return None
             parts = self._parts
             batch.check_alpha(parts.sampler.alpha, self.name)  # draw_settings may change it
             checked = early is not None and early[0] is parts.storage and early[1] is parts.schema

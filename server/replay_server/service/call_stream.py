@@ -15,12 +15,18 @@ answers each with its result or with the error the unary call would have
 ended with, so errors stay typed per request and a refused request changes
 nothing. The message order is documented on the RPC in ``replay.proto``.
 
-The one exception to "never on the event loop": an update of at most
-:data:`INLINE_MAX_IDS` ids whose table's lock is free this instant is applied
-right there (tens of microseconds of numpy, never waiting for the lock),
-which saves the two thread hand-offs of the pool (about 0.1 ms of a 0.8 ms
-round trip on the 2-core machine). A larger update, one whose table is
-busy, and every insert (the write-ahead log may sync) go to the pool.
+The exceptions to "never on the event loop", each taken only when it cannot
+wait: an update of at most :data:`INLINE_MAX_IDS` ids whose table's lock is
+free this instant is applied right there (tens of microseconds of numpy),
+and so is an insert of at most :data:`INLINE_MAX_INSERT_BYTES` into a table whose
+lock is free and whose columns are plain host memory, allocated
+(``Table.insert_now``: about 0.2-0.3 ms of Python for 64 small rows, which
+the pool's two thread hand-offs would cost again on top; a table that logs
+its changes, or keeps columns on a device, on disk or compressed, is never
+written on the loop). Each saves the hand-offs (0.25-0.3 ms of the server's
+CPU per small insert on the 2-core machine, ``docs/benchmarks.md``). A larger
+update, a busy table, and an insert held back by its rate limiter (it then
+waits holding no thread) go to the pool like every other call.
 
 Bounds: the call is admitted like every other
 (:mod:`replay_server.service.admission`; call streams may hold at most half
@@ -52,10 +58,11 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from replay_proto import messages
+from replay_proto.call_metadata import STREAM_MESSAGE_BYTES
 from replay_proto.codec import CodecError
 from replay_proto.error_kinds import ErrorKind
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.errors import InvalidArgumentError
+from replay_server.errors import InvalidArgumentError, RateLimitedError
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.status import OverloadedError, ShuttingDownError, status_of
@@ -75,6 +82,9 @@ InsertFn = Callable[[bytes], tuple[str, pb.InsertResponse]]
 UpdateNowFn = Callable[[pb.UpdatePrioritiesRequest], "pb.UpdatePrioritiesResponse | None"]
 """Applies one small update at once if its table is free this instant, else returns ``None``."""
 
+InsertNowFn = Callable[[bytes], "tuple[str, pb.InsertResponse] | None"]
+"""Stores one small insert at once if that is quick now (``Table.insert_now``), else ``None``."""
+
 _SERVICE = pb.DESCRIPTOR.services_by_name["ReplayService"].full_name
 _INSERT = f"/{_SERVICE}/Insert"
 _UPDATE = f"/{_SERVICE}/UpdatePriorities"
@@ -82,6 +92,10 @@ _UPDATE = f"/{_SERVICE}/UpdatePriorities"
 
 INLINE_MAX_IDS = 4096
 """Updates of at most this many ids may run on the event loop (see the module docstring)."""
+
+INLINE_MAX_INSERT_BYTES = STREAM_MESSAGE_BYTES
+"""Inserts of at most this many bytes may run on the event loop (a client may declare larger
+messages for its stream; those inserts go to the pool)."""
 
 
 class CallStreamHandler:
@@ -92,12 +106,14 @@ class CallStreamHandler:
         update: applies one priority update in the engine pool (the unary handler's work).
         insert: applies one insert in the engine pool (the unary handler's work).
         update_now: applies one small update at once if its table is free, else ``None``.
+        insert_now: stores one insert at once if that is quick now, else ``None``.
         max_streams: the server's ``max_streams``; call streams may hold half of it (at
             least one), the rest stays for sample streams.
     """
 
     def __init__(self, calls: CallRunner, update: UpdateFn, insert: InsertFn,
-                 update_now: UpdateNowFn | None = None, *, max_streams: int) -> None:
+                 update_now: UpdateNowFn | None = None, insert_now: InsertNowFn | None = None,
+                 *, max_streams: int) -> None:
         self.max_open = max(1, max_streams // 2)
         """Call streams open at once at most (see the module docstring)."""
         self.open = 0
@@ -108,6 +124,7 @@ class CallStreamHandler:
         self._update = update
         self._insert = insert
         self._update_now = update_now
+        self._insert_now = insert_now
         self._idle: set[asyncio.Task] = set()  # calls waiting for their client's next request
         calls.on_drain.append(self._end_idle)
 
@@ -223,6 +240,16 @@ class CallStreamHandler:
         """The insert's result, from the pool, waiting up to the request's ``timeout_s`` (0: the
         server's ``default_wait_s``) while its table's rate limiter holds it back."""
         calls = self._calls
+        if (self._insert_now is not None and len(request.insert) <= INLINE_MAX_INSERT_BYTES
+                and calls.refusal() is None):
+            try:
+                done = self._insert_now(request.insert)
+            except RateLimitedError:
+                done = None  # held back: it waits below, holding no thread
+            if done is not None:
+                table, result = done
+                calls.blocked.changed(table)
+                return result
         if request.timeout_s > 0:
             loop = asyncio.get_running_loop()
             give_up_at = loop.time() + request.timeout_s

@@ -118,7 +118,7 @@ class ReplayServicer:
             VariableStore(0) if variables is None else variables, self.calls, max_message_bytes)
         """Publish and Fetch (named variables)."""
         self.call_streams = CallStreamHandler(self.calls, self._stream_update, self._stream_insert,
-                                              self._stream_update_now,
+                                              self._stream_update_now, self._stream_insert_now,
                                               max_streams=admission.limits.max_streams)
         """Small updates and inserts on persistent streams (CallStream, UpdateStream)."""
         self.rows = RowService(lambda: self._tables, self.calls, max_message_bytes)
@@ -171,9 +171,15 @@ class ReplayServicer:
 
     def _stream_insert(self, raw: bytes) -> tuple[str, pb.InsertResponse]:
         call = messages.decode_insert(raw)
-        ids = self._tables[call.table].insert(call.columns, call.priorities)
-        return call.table, pb.InsertResponse(first_id=int(ids[0]) if len(ids) else 0,
-                                             count=len(ids))
+        return call.table, _inserted(self._tables[call.table].insert(call.columns,
+                                                                     call.priorities))
+
+    def _stream_insert_now(self, raw: bytes) -> tuple[str, pb.InsertResponse] | None:
+        """A small insert stored on the event loop if that is quick now (``Table.insert_now``),
+        else ``None`` having stored nothing."""
+        call = messages.decode_insert(raw)
+        ids = self._tables[call.table].insert_now(call.columns, call.priorities)
+        return None if ids is None else (call.table, _inserted(ids))
 
     async def sample(self, raw: bytes, context: grpc.aio.ServicerContext,
                      reservation: Reservation) -> bytes:
@@ -446,6 +452,11 @@ class ReplayServicer:
         if operation == "insert":
             return limiter.can_insert(1) and found.may_insert(count)
         return limiter.can_sample(1) and found.size > 0
+
+
+def _inserted(ids: Any) -> pb.InsertResponse:
+    """The InsertResponse naming ``ids`` (consecutive)."""
+    return pb.InsertResponse(first_id=int(ids[0]) if len(ids) else 0, count=len(ids))
 
 
 def _checkpoint_response(result: CheckpointResult) -> pb.CheckpointResponse:

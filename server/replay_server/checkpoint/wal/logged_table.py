@@ -114,6 +114,11 @@ class LoggedTable(LoggedChanges, Table):
             log, sum(c.nbytes for c in columns.values()) + (0 if given is None else given.nbytes),
             lambda: Table.insert(self, batch), record)
 
+    def insert_now(self, data: Any, priorities: Any = None) -> torch.Tensor | None:
+        if self._log is not None:
+            return None  # waiting for the log is blocking: the caller goes off its loop
+        return super().insert_now(data, priorities)
+
     def _append(self, parts: Any, batch: Any, encoded: Any,  # type: ignore[override]
                 episodes: dict[str, Any]) -> int:
         """:meth:`Table._append`, keeping the blocks of the insert's compressed columns (lz4)

@@ -67,6 +67,10 @@ class Column(ABC):
     kind: ClassVar[str]
     """The backend's name (``column_storage`` values and ``info``)."""
 
+    quick_writes: ClassVar[bool] = False
+    """Whether a write of a few rows is a plain copy into memory that is there (no disk, no
+    device, no arena to compact): what :meth:`ColumnStorage.quick_writes` asks."""
+
     def __init__(self, spec: FieldSpec, capacity: int) -> None:
         self.spec = spec
         self.capacity = capacity

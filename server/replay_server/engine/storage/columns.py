@@ -81,6 +81,13 @@ class ColumnStorage:
         return sum(column.nbytes for column in self.columns.values())
 
     @property
+    def quick_writes(self) -> bool:
+        """Whether writing a few rows is plain copies into host memory that is there (every
+        column a RAM one, allocated, no device): what a caller that must not wait asks."""
+        return not self._on_device and all(
+            column.quick_writes and column.allocated for column in self.columns.values())
+
+    @property
     def allocated(self) -> bool:
         """Whether every column holds its memory (device columns are allocated on first use)."""
         return all(column.allocated for column in self.columns.values())

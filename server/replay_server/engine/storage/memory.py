@@ -35,6 +35,7 @@ class HostColumn(ArrayColumn):
     """
 
     kind = "memory"
+    quick_writes = True
 
     def __init__(self, spec: FieldSpec, capacity: int, *, pin_memory: bool = False) -> None:
         super().__init__(spec, capacity)
