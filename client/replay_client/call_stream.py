@@ -88,8 +88,9 @@ _NOT_HANDLED = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURC
                           grpc.StatusCode.PERMISSION_DENIED})
 """How a server ends a stream before it handles the request in hand (an unknown RPC, a
 refusal at admission or by the token check, a message it could not take): nothing of it
-was applied; the request goes unary, which raises the refusal's own error if it stands. (Nor when
-gRPC could not connect at all: :func:`~replay_client.connection.never_sent`.)"""
+was applied, and the request goes unary (which raises the refusal's own error if it
+stands). The same holds for a draining server's end (:func:`_drained`) and a connection
+gRPC never made (:func:`~replay_client.connection.never_sent`)."""
 
 
 def _drained(exc: grpc.RpcError) -> bool:
@@ -236,7 +237,7 @@ class CallStream:
         session = _Session(self._connection, self._methods[0])
         if self._connection.timeout is not None:
             threading.Thread(target=self._watch, args=(session, self._connection.timeout),
-                             name="update-stream-watchdog", daemon=True).start()
+                             name="call-stream-watchdog", daemon=True).start()
         return session
 
     def _wait(self, session: _Session, pending: _Pending) -> None:

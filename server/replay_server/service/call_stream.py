@@ -237,8 +237,9 @@ class CallStreamHandler:
 
     async def _apply_insert(self, request: pb.CallStreamRequest,
                             context: grpc.aio.ServicerContext) -> pb.InsertResponse:
-        """The insert's result, from the pool, waiting up to the request's ``timeout_s`` (0: the
-        server's ``default_wait_s``) while its table's rate limiter holds it back."""
+        """The insert's result: at once on the loop when that is quick (``insert_now``), else
+        from the pool, waiting up to the request's ``timeout_s`` (0: the server's
+        ``default_wait_s``) while its table's rate limiter holds it back."""
         calls = self._calls
         if (self._insert_now is not None and len(request.insert) <= INLINE_MAX_INSERT_BYTES
                 and calls.refusal() is None):
