@@ -10,7 +10,6 @@ limiter's refusal is raised as by ``insert``, with nothing stored.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from replay_server.checkpoint.wal.logged_table import LoggedTable
 from replay_server.engine.incarnations import LocalIncarnations
 from replay_server.engine.table_set import TableSet
 from replay_server.errors import RateLimitedError
+from tests.server.engine.held import lock_held_elsewhere
 
 
 def _rows(n: int, start: float = 0.0) -> dict:
@@ -42,21 +42,8 @@ def test_it_stores_like_insert_once_the_storage_is_there() -> None:
 def test_a_held_lock_means_none_and_nothing_stored() -> None:
     table = Table(TableConfig(name="t", capacity=100, sampler="uniform", seed=0))
     table.insert(_rows(1))
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with table._lock:
-            holding.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    assert holding.wait(10)
-    try:
+    with lock_held_elsewhere(table):
         assert table.insert_now(_rows(4)) is None
-    finally:
-        release.set()
-        holder.join()
     assert table.info().size == 1
     assert table.insert_now(_rows(4)).tolist() == [1, 2, 3, 4]  # ids were not taken
 

@@ -10,6 +10,7 @@ import torch
 
 from replay_server import FieldSpec, Table, TableConfig
 from replay_server.errors import RateLimitedError, ReplayServerError
+from tests.server.engine.held import lock_held_elsewhere
 
 KINDS = {
     "uniform": {},
@@ -217,21 +218,8 @@ def test_sample_into_caller_buffers_and_refuse_ones_that_do_not_fit():
 def test_a_non_blocking_update_does_nothing_while_another_call_holds_the_table():
     table = _table("prioritized")
     ids = table.insert(_rows(0, 3))
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with table._lock:
-            holding.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    assert holding.wait(10)
-    try:
+    with lock_held_elsewhere(table):
         assert table.update_priorities(ids, torch.tensor([5.0, 5.0, 5.0]), blocking=False) is None
-    finally:
-        release.set()
-        holder.join()
     assert table.info().counters.priority_updates == 0  # nothing was applied
     assert table.update_priorities(ids, torch.tensor([5.0, 1.0, 1.0]), blocking=False) == 3
     assert table.info().sampler_stats["max_priority"] == 5.0
