@@ -9,8 +9,11 @@ request is one message out, its answer one message back, matched by order
 the messages). A client keeps one for its updates and one for its inserts,
 so an insert a rate limiter holds back never holds a learner's update.
 
-Bounds: at most ``window`` requests are unanswered at once; a sender beyond
-that waits for a slot (within its timeout). Each request waits at most the
+Bounds: at most 64 updates are unanswered at once; a sender beyond that waits
+for a slot (within its timeout). Inserts may wait on the server (for their
+rate limiter), so one is on the stream at a time and another thread's insert
+meanwhile goes unary: an insert held for one table never holds one into
+another. Each request waits at most the
 connection's timeout (to within a quarter of it, at most a second) for its
 answer, and tells the server it may wait that long; past it the call is
 cancelled: the late request raises
@@ -156,14 +159,22 @@ class CallStream:
     Args:
         connection: the server.
         kind: the requests it carries: ``"update_priorities"`` or ``"insert"``.
-        window: requests that may be unanswered at once.
+        window: requests that may be unanswered at once (``None``: 64 updates, which
+            never wait on the server; one insert, which may wait for its rate limiter,
+            while other threads' inserts go unary, so an insert held for one table never
+            holds another thread's insert into another).
     """
 
-    def __init__(self, connection: Connection, kind: str, window: int = DEFAULT_WINDOW) -> None:
+    def __init__(self, connection: Connection, kind: str, window: int | None = None) -> None:
         self._connection = connection
         self._kind = kind
-        self._methods = list(UPDATES if kind == "update_priorities" else INSERTS)
-        self._slots = threading.BoundedSemaphore(window)
+        updates = kind == "update_priorities"
+        self._methods = list(UPDATES if updates else INSERTS)
+        # Updates never wait on the server: they share the stream. Anything else may wait
+        # (an insert for its rate limiter): one at a time, the others go unary meanwhile.
+        self._exclusive = window is None and not updates
+        self._slots = threading.BoundedSemaphore(
+            window if window is not None else DEFAULT_WINDOW if updates else 1)
         self._cond = threading.Condition(threading.Lock())
         self._session: _Session | None = None
         self._refused_until = 0.0
@@ -191,7 +202,9 @@ class CallStream:
         if time.monotonic() < self._refused_until:
             raise StreamFallback("the server refused a call stream a moment ago")
         timeout = self._connection.timeout
-        if not self._slots.acquire(timeout=timeout):
+        if self._exclusive and not self._slots.acquire(blocking=False):
+            raise StreamFallback(f"another {self._kind} is on the stream (it may wait there)")
+        if not self._exclusive and not self._slots.acquire(timeout=timeout):
             raise DeadlineExceededError(
                 f"no room on the call stream to {self._connection.address} within "
                 f"{timeout} s (every slot waits for an answer)")

@@ -11,6 +11,8 @@ failures; a real server shows the ordinary path.
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -20,12 +22,19 @@ import torch
 from replay_client import ReplayClient, errors
 from replay_proto import messages
 from replay_proto.v1 import replay_pb2 as pb
-from tests.conftest import module_server
+from tests.conftest import module_server, wait_for
 
 CONFIG = """
 [[tables]]
 name = "t"
 capacity = 100000
+
+[[tables]]
+name = "held"
+capacity = 100
+min_size_to_sample = 2
+samples_per_insert = 1.0
+error_buffer = 1.0
 """
 
 server = module_server(CONFIG)
@@ -132,4 +141,25 @@ def test_a_refused_insert_raises_its_type_and_the_stream_goes_on(server):
     assert client.insert("t", {"x": torch.ones(2)}).numel() == 2
     assert client._stream("insert")._session is session and session.sequence == 4
     assert client.info()["t"].size == size + 2  # the refused ones stored nothing
+    client.close()
+
+
+def test_an_insert_held_by_its_rate_limiter_never_holds_another_threads_insert(server):
+    """One insert waits on the stream for its table's rate limiter; another thread's insert
+    into another table meanwhile goes unary and is stored at once, not after it."""
+    client = ReplayClient(server.address, timeout=30)
+    client.reset("held")
+    client.insert("held", {"x": torch.zeros(3)})  # filling up is free; now at the top
+    held: list[object] = []
+    waiting = threading.Thread(target=lambda: held.append(
+        client.insert("held", {"x": torch.zeros(1)})), daemon=True)
+    waiting.start()
+    stream = client._stream("insert")
+    assert wait_for(lambda: stream._session is not None and len(stream._session.pending) == 1)
+    started = time.monotonic()
+    assert client.insert("t", {"x": torch.zeros(2)}).numel() == 2
+    assert time.monotonic() - started < 10 and waiting.is_alive()  # not behind the held one
+    client.sample("held", 2)  # the learner catches up: the held insert passes
+    waiting.join(20)
+    assert not waiting.is_alive() and held and held[0].numel() == 1
     client.close()
