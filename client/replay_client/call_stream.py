@@ -52,7 +52,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import grpc
 
@@ -69,6 +70,8 @@ from replay_proto.error_kinds import ERROR_KIND_KEY, ErrorKind
 from replay_proto.v1 import replay_pb2 as pb
 
 log = logging.getLogger("replay_client.call_stream")
+
+T = TypeVar("T")
 
 DEFAULT_WINDOW = 64
 """Requests one client may have unanswered on its stream."""
@@ -107,7 +110,30 @@ def _drained(exc: grpc.RpcError) -> bool:
 
 
 class StreamFallback(Exception):
-    """This request did not go on the stream (nothing of it was applied): make the unary call."""
+    """This request did not go on the stream (nothing of it was applied): make the unary call
+    (:func:`unary_after`).
+
+    Attributes:
+        error: the server's own refusal when it answered the request UNAVAILABLE (draining,
+            restoring), else ``None``.
+    """
+
+    def __init__(self, message: str, error: ReplayError | None = None) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+def unary_after(fallback: StreamFallback, call: Callable[[], T]) -> T:
+    """``call()``, the unary call a request that fell back makes; if the server had refused
+    the request itself as unavailable and the unary call finds it unavailable too (it went
+    away while draining), the server's own words are raised, as the unary call alone would
+    have raised them."""
+    try:
+        return call()
+    except UnavailableError:
+        if fallback.error is not None:
+            raise fallback.error from None
+        raise
 
 
 class _Pending:
@@ -288,7 +314,7 @@ class CallStream:
                 log.info("server at %s has no %s; %s", self._connection.address, session.method,
                          f"{self._kind} goes on {self._methods[0]}" if self._methods
                          else f"{self._kind} goes unary")
-            elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            elif code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
                 self._refused_until = time.monotonic() + REFUSED_RETRY_S
                 log.info("server at %s refused a call stream (%s); %s goes unary for %g s",
                          self._connection.address, exc.details(), self._kind, REFUSED_RETRY_S)
@@ -361,5 +387,5 @@ class CallStream:
         code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN)
         typed: ReplayError = from_status(code, kind, error.message, self._connection.address)
         if isinstance(typed, UnavailableError):
-            return StreamFallback(str(typed))
+            return StreamFallback(str(typed), typed)
         return typed

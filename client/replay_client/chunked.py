@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from replay_client.call_stream import CallStream, StreamFallback
+from replay_client.call_stream import CallStream, StreamFallback, unary_after
 from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import InternalError, MessageTooLargeError
 from replay_proto import messages, variable_codec
@@ -50,8 +50,10 @@ def insert(connection: Connection, table: str, columns: dict[str, torch.Tensor],
         if stream is not None and size < STREAM_MESSAGE_BYTES:
             try:
                 return messages.insert_ids(stream.send(request).insert)
-            except StreamFallback:
-                pass
+            except StreamFallback as fallback:
+                raw = unary_after(fallback, lambda: connection.unary("Insert", request,
+                                                                     retry=False))
+                return messages.decode_insert_response(raw)
         raw = connection.unary("Insert", request, retry=False)
     else:
         parts = _chunks(lambda: frame_chunks(header, buffers, chunk))

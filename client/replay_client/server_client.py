@@ -24,7 +24,7 @@ from replay_client.stream_options import feed_core, reconnect_window, stream_opt
 from replay_client.table_info import ServerInfo, TableInfo, server_info_of
 from replay_client.tls import TlsConfig
 from replay_client.update_parts import max_ids_per_message, update_parts
-from replay_client.call_stream import CallStream, StreamFallback
+from replay_client.call_stream import CallStream, StreamFallback, unary_after
 from replay_client.updates import PriorityUpdater
 from replay_client.variables import Variable
 from replay_client.writer import Writer
@@ -276,14 +276,15 @@ class ServerClient:
     def _send_update(self, table: str, ids: np.ndarray, priorities: np.ndarray) -> int:
         """One update, on the client's call stream when the server has one, else unary."""
         raw = messages.encode_update(table, ids, priorities)
+
+        def unary() -> int:
+            answer = self._connection.unary("UpdatePriorities", raw, retry=True)
+            return int(pb.UpdatePrioritiesResponse.FromString(answer).applied)
+
         try:
             return int(self._stream("update_priorities").send(raw).update_priorities.applied)
-        except StreamFallback:
-            pass
-        response = pb.UpdatePrioritiesResponse.FromString(
-            self._connection.unary("UpdatePriorities", raw, retry=True)
-        )
-        return int(response.applied)
+        except StreamFallback as fallback:
+            return unary_after(fallback, unary)
 
     def _update_parts(self, table: str, ids: np.ndarray, priorities: np.ndarray
                       ) -> Any:

@@ -163,3 +163,32 @@ def test_an_insert_held_by_its_rate_limiter_never_holds_another_threads_insert(s
     waiting.join(20)
     assert not waiting.is_alive() and held and held[0].numel() == 1
     client.close()
+
+
+def test_a_draining_servers_own_refusal_is_what_the_caller_sees():
+    """The server answers the insert UNAVAILABLE itself (draining) and is gone for the unary
+    call that follows: the caller gets the server's words, as a unary insert would have."""
+    def drains(requests, context):
+        for raw in requests:
+            request = messages.decode_call_request(raw)
+            answer = pb.CallStreamResponse(sequence=request.sequence)
+            answer.error.code, answer.error.kind = "UNAVAILABLE", "unavailable"
+            answer.error.message = "the server is shutting down"
+            yield answer.SerializeToString()
+
+    def gone(raw: bytes, context) -> bytes:
+        context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
+
+    stand_in = grpc.server(futures.ThreadPoolExecutor(4))
+    stand_in.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "replay.v1.ReplayService", {"CallStream": grpc.stream_stream_rpc_method_handler(drains),
+                                    "Insert": grpc.unary_unary_rpc_method_handler(gone)}),))
+    port = stand_in.add_insecure_port("127.0.0.1:0")
+    stand_in.start()
+    try:
+        client = ReplayClient(f"127.0.0.1:{port}", timeout=10, max_retry_s=0)
+        with pytest.raises(errors.UnavailableError, match="shutting down"):
+            client.insert("t", ROWS)
+        client.close()
+    finally:
+        stand_in.stop(0)
