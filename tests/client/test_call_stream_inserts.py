@@ -40,12 +40,15 @@ error_buffer = 1.0
 server = module_server(CONFIG)
 
 
-def _stand_in(stream) -> tuple[grpc.Server, int, list[str]]:
+def _stand_in(stream, gone: bool = False) -> tuple[grpc.Server, int, list[str]]:
     """A server whose CallStream is ``stream(requests, context)`` and whose unary Insert
-    stores nothing but is counted (the list returned)."""
+    stores nothing but is counted (the list returned), or (``gone``) fails UNAVAILABLE as a
+    server that went away."""
     unary: list[str] = []
 
     def insert(raw: bytes, context) -> bytes:
+        if gone:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
         unary.append(messages.decode_insert(raw).table)
         return pb.InsertResponse(first_id=100, count=2).SerializeToString()
 
@@ -176,15 +179,7 @@ def test_a_draining_servers_own_refusal_is_what_the_caller_sees():
             answer.error.message = "the server is shutting down"
             yield answer.SerializeToString()
 
-    def gone(raw: bytes, context) -> bytes:
-        context.abort(grpc.StatusCode.UNAVAILABLE, "Socket closed")
-
-    stand_in = grpc.server(futures.ThreadPoolExecutor(4))
-    stand_in.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "replay.v1.ReplayService", {"CallStream": grpc.stream_stream_rpc_method_handler(drains),
-                                    "Insert": grpc.unary_unary_rpc_method_handler(gone)}),))
-    port = stand_in.add_insecure_port("127.0.0.1:0")
-    stand_in.start()
+    stand_in, port, _ = _stand_in(drains, gone=True)
     try:
         client = ReplayClient(f"127.0.0.1:{port}", timeout=10, max_retry_s=0)
         with pytest.raises(errors.UnavailableError, match="shutting down"):
