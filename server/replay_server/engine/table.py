@@ -175,9 +175,9 @@ class Table:
         or compressed column: :attr:`ColumnStorage.quick_writes`) and its lock is free this
         instant. Raises as :meth:`insert` (RateLimitedError included: nothing stored)."""
         storage = self._parts.storage
-        if storage is None or not storage.quick_writes:
+        if storage is None or not storage.quick_writes:  # a look first: nothing prepared
             return None
-        return self._insert(data, priorities, None, blocking=False)
+        return self._insert(data, priorities, None, now=True)
 
     def replay_insert(self, data: Any, priorities: Any, first_id: int) -> torch.Tensor:
         """An insert replayed from a write-ahead log (:mod:`replay_server.checkpoint.wal.replay`):
@@ -205,15 +205,18 @@ class Table:
         return replace(batch, early=parts.encode_early(batch.columns, self.name))
 
     def _insert(self, data: Any, priorities: Any, first_id: int | None,
-                blocking: bool = True) -> torch.Tensor | None:
+                now: bool = False) -> torch.Tensor | None:
         """:meth:`insert` (``data``: rows, or :meth:`prepare_insert`'s); ``first_id``:
-        :meth:`replay_insert`'s; ``blocking=False``: ``None`` if the lock is taken."""
+        :meth:`replay_insert`'s; ``now``: :meth:`insert_now`'s (``None`` if the lock is
+        taken, or the storage, as found under it, is not quick to write)."""
         batch = data if isinstance(data, InsertRows) else self.prepare_insert(data, priorities)
         early = batch.early
-        with _holding(self._lock, blocking) as held:
+        with _holding(self._lock, not now) as held:
             if not held:
                 return None
             parts = self._parts
+            if now and (parts.storage is None or not parts.storage.quick_writes):
+                return None  # a reset since the look in insert_now: never allocate here
             batch.check_alpha(parts.sampler.alpha, self.name)  # draw_settings may change it
             checked = early is not None and early[0] is parts.storage and early[1] is parts.schema
             schema = parts.schema if checked else self._schema_for(parts, batch)

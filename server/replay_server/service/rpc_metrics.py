@@ -16,12 +16,12 @@ follow the go-grpc-prometheus convention, which existing dashboards know:
 
 A stream's duration is its whole life. A call that travels as a message of a
 call stream (an insert or a priority update on ``CallStream``) is counted as
-the unary call it stands for as well (:meth:`RpcMetrics.carried`). Messages a handler reads with
-``context.read()`` or writes with ``context.write()`` are counted like those
-it takes from its iterator or yields (the replay service serves its unary
-methods as streams that write their one answer, so that an answer nobody
-reads can be given up: :mod:`~replay_server.service.admission`); they keep
-their declared type in the labels. Bytes are the serialized messages (what handlers receive and return:
+the unary call it stands for as well (:meth:`RpcMetrics.carried`). Messages a
+handler reads with ``context.read()`` or writes with ``context.write()`` are
+counted like those it takes from its iterator or yields (the replay service
+serves its unary methods as streams that write their one answer, so that an
+answer nobody reads can be given up: :mod:`~replay_server.service.admission`);
+they keep their declared type in the labels. Bytes are the serialized messages (what handlers receive and return:
 raw bytes for ``replay.v1.ReplayService``), not HTTP/2 framing or TLS.
 
 Cost: about a microsecond or two per call and per stream message, on the

@@ -11,8 +11,8 @@ while a table's rate limiter holds it back. ``SampleStream`` and
 ``CallStream`` (also served as ``UpdateStream``) are handlers of their own
 (:mod:`replay_server.service.sample_stream`,
 :mod:`replay_server.service.call_stream`, which applies small priority
-updates on the event loop when their table is free, and small inserts in the
-pool), sharing the runner.
+updates and small inserts on the event loop when their table is free and
+quick to write, else in the pool), sharing the runner.
 """
 
 from __future__ import annotations
