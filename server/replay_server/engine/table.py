@@ -211,9 +211,10 @@ class Table:
         taken, or the storage, as found under it, is not quick to write)."""
         batch = data if isinstance(data, InsertRows) else self.prepare_insert(data, priorities)
         early = batch.early
-        with _holding(self._lock, not now) as held:
-            if not held:
-                return None
+        lock = self._lock
+        if not lock.acquire(not now):  # a plain acquire: every insert passes here
+            return None
+        try:
             parts = self._parts
             if now and (parts.storage is None or not parts.storage.quick_writes):
                 return None  # a reset since the look in insert_now: never allocate here
@@ -241,6 +242,8 @@ class Table:
             first_row_id = self._append(parts, batch, encoded,
                                         batch.episodes(self.config) if self._episodes else {})
             self.changes.tick()
+        finally:
+            lock.release()
         return torch.from_numpy(ring.range(first_row_id, rows))
 
     def _schema_for(self, parts: TableParts, batch: InsertRows) -> Schema:
