@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from replay_client import ReplayClient, errors
+from replay_client import ReplayClient, call_stream, errors
 from replay_proto import messages
 from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import module_server, wait_for
@@ -187,3 +187,18 @@ def test_a_draining_servers_own_refusal_is_what_the_caller_sees():
         client.close()
     finally:
         stand_in.stop(0)
+
+
+def test_an_idle_stream_is_ended_and_the_next_insert_opens_another(server, monkeypatch):
+    """Nothing sent for IDLE_CLOSE_S: the client ends its stream, so the server holds no
+    slot and no memory for an actor that stopped inserting."""
+    monkeypatch.setattr(call_stream, "IDLE_CLOSE_S", 0.3)
+    client = ReplayClient(server.address, timeout=2.0)  # its watchdog looks every 0.5 s
+    client.insert("t", ROWS)
+    first = client._stream("insert")._session
+    assert first is not None
+    assert wait_for(lambda: client.server_info().limits["streams_open"] == 0, timeout=10)
+    assert first.closed and client._stream("insert")._session is None
+    assert client.insert("t", ROWS).numel() == 2
+    assert client._stream("insert")._session not in (None, first)
+    client.close()
