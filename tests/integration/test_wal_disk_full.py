@@ -38,11 +38,16 @@ sampler = "uniform"
 """
 
 
-def _rows(k: int) -> np.ndarray:
-    return np.random.default_rng(k).random((1024, 16)).astype(np.float32)  # 64 KiB
+def _rows(k: int, n: int = 1024) -> np.ndarray:
+    return np.random.default_rng(k).random((n, 16)).astype(np.float32)  # n=1024: 64 KiB
 
 
-def test_a_full_disk_refuses_writes_keeps_samples_and_loses_nothing(tmp_path) -> None:
+@pytest.mark.parametrize("n", [1024, 64], ids=["unary-64KiB", "call-stream-4KiB"])
+def test_a_full_disk_refuses_writes_keeps_samples_and_loses_nothing(tmp_path, n) -> None:
+    """64 KiB inserts are unary calls stored in the engine's pool; 4 KiB ones ride the
+    client's call stream and are stored on the server's event loop, their answers awaiting
+    the log there: the same refusals, the same guarantees."""
+    calls = 1024 // n * 40
     with small_disk(tmp_path / "disk", 8 << 20) as disk:
         filler = fill(disk, leave=1 << 20)
         config = _config(tmp_path, disk)
@@ -51,21 +56,21 @@ def test_a_full_disk_refuses_writes_keeps_samples_and_loses_nothing(tmp_path) ->
         ids, rows = [], []
         try:
             with pytest.raises(LimitExceededError) as refused:
-                for k in range(40):  # 64 KiB each through about 1 MB of free space
-                    ids.append(client.insert("replay", {"obs": _rows(k)}).numpy())
-                    rows.append(_rows(k))
+                for k in range(calls):  # 2.5 MB through about 1 MB of free space
+                    ids.append(client.insert("replay", {"obs": _rows(k, n)}).numpy())
+                    rows.append(_rows(k, n))
             message = str(refused.value)
             assert "no space left on the write-ahead log's disk" in message
             assert str(disk / "wal") in message and "nothing of it is stored" in message
-            assert 4 <= len(ids) < 17
-            assert client.info()["replay"].size == 1024 * len(ids)  # the refused: nothing
+            assert 4 <= len(ids) * n // 1024 < 17
+            assert client.info()["replay"].size == n * len(ids)  # the refused: nothing
             assert client.sample("replay", batch_size=8).ids.numel() == 8  # samples go on
             with pytest.raises(LimitExceededError, match="no space left"):
-                client.insert("replay", {"obs": _rows(99)})
+                client.insert("replay", {"obs": _rows(99, n)})
 
             filler.unlink()  # the operator makes room: writes resume by themselves
-            ids.append(client.insert("replay", {"obs": _rows(100)}).numpy())
-            rows.append(_rows(100))
+            ids.append(client.insert("replay", {"obs": _rows(100, n)}).numpy())
+            rows.append(_rows(100, n))
         finally:
             client.close()
             server.stop(signal.SIGKILL)

@@ -174,10 +174,25 @@ class Table:
         table's storage is allocated and writes in place in host memory (no device, disk
         or compressed column: :attr:`ColumnStorage.quick_writes`) and its lock is free this
         instant. Raises as :meth:`insert` (RateLimitedError included: nothing stored)."""
-        storage = self._parts.storage
-        if storage is None or not storage.quick_writes:  # a look first: nothing prepared
+        if not self.quick_to_write():  # a look first: nothing prepared
             return None
         return self._insert(data, priorities, None, now=True)
+
+    def insert_now_durable(self, data: Any, priorities: Any,
+                           durable: Callable[[BaseException | None], None],
+                           ) -> tuple[torch.Tensor, bool] | None:
+        """:meth:`insert_now` for a caller that can wait without blocking for the insert to
+        be durable: ``(ids, waits)``, or ``None`` having stored nothing. ``waits``: the
+        insert is stored but not yet acknowledged; ``durable(error)`` will be called (from
+        any thread, perhaps before this returns) once it may be (``error`` ``None``) or with
+        the error to answer instead. A table that keeps no log never waits."""
+        ids = self.insert_now(data, priorities)
+        return None if ids is None else (ids, False)
+
+    def quick_to_write(self) -> bool:
+        """Lock-free look: may :meth:`insert_now` take an insert (:attr:`ColumnStorage.quick_writes`)?"""
+        storage = self._parts.storage
+        return storage is not None and storage.quick_writes
 
     def replay_insert(self, data: Any, priorities: Any, first_id: int) -> torch.Tensor:
         """An insert replayed from a write-ahead log (:mod:`replay_server.checkpoint.wal.replay`):

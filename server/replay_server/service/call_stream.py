@@ -21,9 +21,11 @@ free this instant is applied right there (tens of microseconds of numpy),
 and so is an insert of at most :data:`INLINE_MAX_INSERT_BYTES` into a table whose
 lock is free and whose columns are plain host memory, allocated
 (``Table.insert_now``: about 0.2-0.3 ms of Python for 64 small rows, which
-the pool's two thread hand-offs would cost again on top; a table that logs
-its changes, or keeps columns on a device, on disk or compressed, is never
-written on the loop). Each saves the hand-offs (0.25-0.3 ms of the server's
+the pool's two thread hand-offs would cost again on top; a table that keeps
+columns on a device, on disk or compressed is never written on the loop; one
+that logs its changes is, and the answer then awaits its record's
+durability holding no thread: ``Table.insert_now_durable``). Each saves the
+hand-offs (0.25-0.3 ms of the server's
 CPU per small insert on the 2-core machine, ``docs/benchmarks.md``). A larger
 update, a busy table, and an insert held back by its rate limiter (it then
 waits holding no thread) go to the pool like every other call.
@@ -82,8 +84,13 @@ InsertFn = Callable[[bytes], tuple[str, pb.InsertResponse]]
 UpdateNowFn = Callable[[pb.UpdatePrioritiesRequest], "pb.UpdatePrioritiesResponse | None"]
 """Applies one small update at once if its table is free this instant, else returns ``None``."""
 
-InsertNowFn = Callable[[bytes], "tuple[str, pb.InsertResponse] | None"]
-"""Stores one small insert at once if that is quick now (``Table.insert_now``), else ``None``."""
+InsertedNow = tuple[str, pb.InsertResponse, "asyncio.Future[None] | None"]
+"""An insert stored at once: its table, its answer, and what the answer waits for first (a
+logged table's record to be durable; ``None``: nothing)."""
+
+InsertNowFn = Callable[[bytes], "InsertedNow | None"]
+"""Stores one small insert at once if that is quick now (``Table.insert_now_durable``), else
+``None``."""
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ReplayService"].full_name
 _INSERT = f"/{_SERVICE}/Insert"
@@ -248,8 +255,10 @@ class CallStreamHandler:
             except RateLimitedError:
                 done = None  # held back: it waits below, holding no thread
             if done is not None:
-                table, result = done
+                table, result, logged = done
                 calls.blocked.changed(table)
+                if logged is not None:
+                    await logged  # its log record durable (or the log's error, answered)
                 return result
         if request.timeout_s > 0:
             loop = asyncio.get_running_loop()

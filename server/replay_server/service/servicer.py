@@ -18,6 +18,7 @@ quick to write, else in the pool), sharing the runner.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -53,7 +54,7 @@ from replay_server.service.rows import RowService
 from replay_server.service.batch_sink import StreamLimits
 from replay_server.service.sample_stream import SampleStreamCall
 from replay_server.service.status import LimitExceededError, MessageTooLargeError
-from replay_server.service.call_stream import INLINE_MAX_IDS, CallStreamHandler
+from replay_server.service.call_stream import INLINE_MAX_IDS, CallStreamHandler, InsertedNow
 from replay_server.service.variables import VariableService
 from replay_server.service.waiting import draw
 
@@ -174,12 +175,17 @@ class ReplayServicer:
         return call.table, _inserted(self._tables[call.table].insert(call.columns,
                                                                      call.priorities))
 
-    def _stream_insert_now(self, raw: bytes) -> tuple[str, pb.InsertResponse] | None:
-        """A small insert stored on the event loop if that is quick now (``Table.insert_now``),
-        else ``None`` having stored nothing."""
+    def _stream_insert_now(self, raw: bytes) -> InsertedNow | None:
+        """A small insert stored on the event loop if that is quick now
+        (``Table.insert_now_durable``), else ``None`` having stored nothing; a table that logs
+        its changes hands back what the answer waits for (its record durable)."""
         call = messages.decode_insert(raw)
-        ids = self._tables[call.table].insert_now(call.columns, call.priorities)
-        return None if ids is None else (call.table, _inserted(ids))
+        logged = _LoggedFuture()
+        done = self._tables[call.table].insert_now_durable(call.columns, call.priorities, logged)
+        if done is None:
+            return None
+        ids, waits = done
+        return call.table, _inserted(ids), logged.future if waits else None
 
     async def sample(self, raw: bytes, context: grpc.aio.ServicerContext,
                      reservation: Reservation) -> bytes:
@@ -471,3 +477,30 @@ def _parse(message_type: Any, raw: bytes) -> Any:  # a generated message class
         return message_type.FromString(raw)
     except Exception as exc:
         raise CodecError(f"malformed {message_type.__name__}: {exc}") from None
+
+
+class _LoggedFuture:
+    """A future on the running event loop that a table settles, from any thread, once an
+    insert is durable (``self(None)``) or with the error to answer (``self(error)``)."""
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._thread = threading.get_ident()
+
+    def __call__(self, error: BaseException | None) -> None:
+        if threading.get_ident() == self._thread:  # told at once, on the loop
+            _settle(self.future, error)
+            return
+        try:
+            self.future.get_loop().call_soon_threadsafe(_settle, self.future, error)
+        except RuntimeError:
+            pass  # the loop has closed: no one waits for the answer
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return  # the call was cancelled meanwhile
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -52,7 +52,7 @@ from replay_proto.batch import SampleBatch
 from replay_proto.keys import unflatten
 
 from replay_server.checkpoint.wal import records
-from replay_server.checkpoint.wal.log import WriteAheadLog
+from replay_server.checkpoint.wal.log import Durable, WriteAheadLog
 from replay_server.checkpoint.wal.logged import LoggedChanges, Made
 from replay_server.engine import (
     DEFAULT_CHUNK_BYTES,
@@ -87,6 +87,55 @@ class LoggedTable(LoggedChanges, Table):
             return super().insert(data, priorities)
         columns = columns_of(data, self.name, self.config.episode_key)
         given = None if priorities is None else _array(priorities)
+        # Checked, converted and compressed before the order lock, as Table.insert does before
+        # its own: concurrent inserts of a table compress at once (lz4 releases the GIL).
+        batch = self.prepare_insert(unflatten(columns), given)
+        return self._logged(log, _nbytes(columns, given), lambda: Table.insert(self, batch),
+                            self._insert_record(columns, given))
+
+    def insert_now(self, data: Any, priorities: Any = None) -> torch.Tensor | None:
+        if self._log is not None:
+            return None  # waiting for the log is blocking: the caller goes off its loop
+        return super().insert_now(data, priorities)
+
+    def insert_now_durable(self, data: Any, priorities: Any,
+                           durable: Durable) -> tuple[torch.Tensor, bool] | None:
+        """:meth:`Table.insert_now_durable`: with a log attached, the insert is stored and its
+        record queued now if that is quick (the log takes it without an early checkpoint,
+        the order lock and the table's lock are free this instant, the storage is quick to
+        write), and ``durable`` is told once the record is (:meth:`WriteAheadLog.when_durable`,
+        which at ``"os"`` may write it right here)."""
+        log = self._log
+        if log is None:
+            return super().insert_now_durable(data, priorities, durable)
+        if not self.quick_to_write():
+            return None
+        columns = columns_of(data, self.name, self.config.episode_key)
+        given = None if priorities is None else _array(priorities)
+        batch = self.prepare_insert(unflatten(columns), given)
+        if not log.may_admit(_nbytes(columns, given)):
+            return None  # full or broken: the blocking path checkpoints early, or refuses
+        if not self._order.acquire(False):
+            return None
+        try:
+            if self._log is not log:
+                return None  # detached since the look above
+            ids = Table.insert_now(self, batch)
+            if ids is None:
+                return None
+            made = self._insert_record(columns, given)(ids)
+            number = None if made is None else self._queue_record(log, *made)
+        finally:
+            self._order.release()
+        if number is None:
+            return ids, False
+        log.when_durable(number, durable, lead=True)
+        return ids, True
+
+    def _insert_record(self, columns: dict[str, Any],
+                       given: np.ndarray | None) -> Callable[[torch.Tensor], Made | None]:
+        """What makes an insert's record once it is applied (under the order lock): its
+        columns as handed, a compressed one as the blocks the table stored."""
 
         def record(ids: torch.Tensor) -> Made | None:
             compressed, self._compressed = self._compressed, {}
@@ -107,17 +156,7 @@ class LoggedTable(LoggedChanges, Table):
                 meta.update(z=shapes, rows=len(ids))
             return records.INSERT, meta, tensors
 
-        # Checked, converted and compressed before the order lock, as Table.insert does before
-        # its own: concurrent inserts of a table compress at once (lz4 releases the GIL).
-        batch = self.prepare_insert(unflatten(columns), given)
-        return self._logged(
-            log, sum(c.nbytes for c in columns.values()) + (0 if given is None else given.nbytes),
-            lambda: Table.insert(self, batch), record)
-
-    def insert_now(self, data: Any, priorities: Any = None) -> torch.Tensor | None:
-        if self._log is not None:
-            return None  # waiting for the log is blocking: the caller goes off its loop
-        return super().insert_now(data, priorities)
+        return record
 
     def _append(self, parts: Any, batch: Any, encoded: Any,  # type: ignore[override]
                 episodes: dict[str, Any]) -> int:
@@ -228,6 +267,11 @@ class LoggedTable(LoggedChanges, Table):
             log.wait(number)
         except LogWriteError:
             pass
+
+
+def _nbytes(columns: dict[str, Any], given: np.ndarray | None) -> int:
+    """An insert's bytes as the log's bound counts them."""
+    return sum(c.nbytes for c in columns.values()) + (0 if given is None else given.nbytes)
 
 
 def _array(value: Any) -> np.ndarray:
