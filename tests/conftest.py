@@ -374,6 +374,21 @@ def stays(predicate, seconds: float = 0.5, interval: float = 0.02) -> bool:
     return bool(predicate())
 
 
+def chunked_inserts_only():
+    """A module-scoped autouse fixture: clients made in the module send large inserts as
+    chunked calls, never through a shared-memory region (``REPLAY_SHARED_MEMORY=0``), as a
+    client on another host does: for tests of the chunked path and its memory budgets.
+    Assign it in the module (``_chunked = chunked_inserts_only()``)."""
+
+    @pytest.fixture(scope="module", autouse=True)
+    def fixture() -> Iterator[None]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("REPLAY_SHARED_MEMORY", "0")
+            yield
+
+    return fixture
+
+
 def module_server(config: str | None, **kwargs):
     """A module-scoped fixture serving ``config`` (one server shared by a module's tests)."""
 

@@ -51,16 +51,20 @@ Thread-safety: :meth:`send` may be called from any thread.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import grpc
+import numpy as np
 
 from replay_client.connection import Connection, never_sent
+from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_client.errors import (
     DeadlineExceededError,
     ReplayError,
@@ -96,6 +100,12 @@ UPDATES = ("CallStream", "UpdateStream")
 
 INSERTS = ("CallStream",)
 """The RPCs inserts may use."""
+
+REGION_MIN_BYTES = 8 << 20
+"""The smallest shared-memory region a client asks for (a power of two at least the insert)."""
+
+REGION_MAX_BYTES = 64 << 20
+"""Inserts larger than this are sent chunked, never through a region."""
 
 _NOT_HANDLED = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
                           grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
@@ -147,11 +157,12 @@ def unary_after(fallback: StreamFallback, call: Callable[[], T]) -> T:
 class _Pending:
     """One request waiting for its answer."""
 
-    __slots__ = ("deadline", "repeatable", "finished", "answer", "error")
+    __slots__ = ("deadline", "repeatable", "probe", "finished", "answer", "error")
 
-    def __init__(self, deadline: float | None, repeatable: bool) -> None:
+    def __init__(self, deadline: float | None, repeatable: bool, probe: bool = False) -> None:
         self.deadline = deadline
         self.repeatable = repeatable  # applying it twice changes nothing (an update)
+        self.probe = probe  # asks for a region: a server that ends the stream has none
         self.finished = False
         self.answer: pb.CallStreamResponse | None = None
         self.error: BaseException | None = None
@@ -170,6 +181,8 @@ class _Session:
         self.timed_out = False    # the call was cancelled because an answer was late
         self.last_sent = time.monotonic()  # when a request last went out (idle close)
         self.method = method
+        self.region: SharedRing | None = None  # this call's insert region, once mapped
+        self.no_region = ""  # why this call has none (the server said so): not asked again
         self.call = connection.method(method, kind="stream_stream")(
             self._requests(),
             metadata=connection.metadata + request_bytes_metadata(STREAM_MESSAGE_BYTES))
@@ -213,6 +226,8 @@ class CallStream:
         self._cond = threading.Condition(threading.Lock())
         self._session: _Session | None = None
         self._refused_until = 0.0
+        self._no_regions = "" if os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0" else \
+            "REPLAY_SHARED_MEMORY=0"  # why no call of this stream asks for a region
 
     @property
     def supported(self) -> bool:
@@ -234,6 +249,47 @@ class CallStream:
         if len(request) + _HEADER_BYTES > STREAM_MESSAGE_BYTES:
             raise StreamFallback(f"a request of {len(request)} bytes is larger than the stream's "
                                  f"messages ({STREAM_MESSAGE_BYTES} bytes)")
+        with self._slot():
+            return self._exchange(None, lambda sequence, timeout: messages.encode_call_request(
+                sequence, self._kind, request, timeout), repeatable=self._kind == "update_priorities")
+
+    def send_in_region(self, nbytes: int,
+                       parts: list[memoryview | bytes]) -> pb.CallStreamResponse:
+        """Send one encoded Insert request of ``nbytes`` (``parts``, written one after
+        another) through the call's shared-memory region, asking the server for one first
+        if the call has none that large (same host only: :mod:`replay_feed.shared_ring`).
+
+        Raises:
+            StreamFallback: no region (another host, shared memory off or over budget on the
+                server, an older server, the stream busy or refused): send it chunked.
+            Otherwise as :meth:`send`.
+        """
+        if self._no_regions:
+            raise StreamFallback(f"no shared-memory region for inserts ({self._no_regions})")
+        with self._slot():
+            with self._cond:
+                session = self._current()
+            region = session.region
+            if region is None or region.slot_bytes < nbytes:
+                region = self._ask_region(session, nbytes)
+            slot = region.slot(0).numpy()
+            position = 0
+            for part in parts:
+                data = np.frombuffer(part, dtype=np.uint8)
+                slot[position:position + data.size] = data
+                position += data.size
+            assert position == nbytes
+            return self._exchange(session, lambda sequence, timeout: messages.encode_region_insert(
+                sequence, nbytes, timeout), repeatable=False)
+
+    @contextmanager
+    def _slot(self) -> Iterator[None]:
+        """Hold a slot of the window for one request (see the module docstring).
+
+        Raises:
+            StreamFallback: the stream was refused a moment ago, or (inserts) is busy.
+            DeadlineExceededError: no slot within the connection's timeout (updates).
+        """
         if time.monotonic() < self._refused_until:
             raise StreamFallback("the server refused a call stream a moment ago")
         timeout = self._connection.timeout
@@ -244,26 +300,89 @@ class CallStream:
                 f"no room on the call stream to {self._connection.address} within "
                 f"{timeout} s (every slot waits for an answer)")
         try:
-            pending = _Pending(None if timeout is None else time.monotonic() + timeout,
-                               repeatable=self._kind == "update_priorities")
-            with self._cond:
-                session = self._session
-                if session is None or session.closed or session.call.done():  # ended idle
-                    if not self._methods:
-                        raise StreamFallback(f"the server has no CallStream for {self._kind}")
-                    session = self._session = self._open()
-                session.pending.append(pending)
-                session.last_sent = time.monotonic()
-                session.outgoing.put(messages.encode_call_request(
-                    session.sequence, self._kind, request, timeout))
-                session.sequence += 1
-            self._wait(session, pending)
-            if pending.error is not None:
-                raise pending.error
-            assert pending.answer is not None
-            return pending.answer
+            yield
         finally:
             self._slots.release()
+
+    def _current(self) -> _Session:
+        """The open call, or a new one if it ended (idle) or there is none. Under the lock."""
+        session = self._session
+        if session is None or session.closed or session.call.done():  # ended idle
+            if not self._methods:
+                raise StreamFallback(f"the server has no CallStream for {self._kind}")
+            session = self._session = self._open()
+        return session
+
+    def _exchange(self, session: _Session | None,
+                  encode: Callable[[int, float | None], bytes], *, repeatable: bool,
+                  probe: bool = False) -> pb.CallStreamResponse:
+        """Send one request (``encode(sequence, timeout)``) on ``session`` (``None``: the
+        current call, or a new one) and wait for its answer; holding a slot.
+
+        Raises:
+            StreamFallback: ``session`` ended before it was sent, or as :meth:`send`.
+        """
+        timeout = self._connection.timeout
+        pending = _Pending(None if timeout is None else time.monotonic() + timeout,
+                           repeatable=repeatable, probe=probe)
+        with self._cond:
+            if session is None:
+                session = self._current()
+            elif session.closed:
+                raise StreamFallback("the call stream ended")
+            session.pending.append(pending)
+            session.last_sent = time.monotonic()
+            session.outgoing.put(encode(session.sequence, timeout))
+            session.sequence += 1
+        self._wait(session, pending)
+        if pending.error is not None:
+            raise pending.error
+        assert pending.answer is not None
+        return pending.answer
+
+    def _ask_region(self, session: _Session, nbytes: int) -> SharedRing:
+        """Ask the server for a region of at least ``nbytes`` on ``session`` and map it; the
+        session's region from then on (the server replaces its earlier one).
+
+        Raises:
+            StreamFallback: the server has none to give (it said why), or it cannot be mapped
+                here (another host after all, another container's /dev/shm).
+        """
+        if session.no_region:
+            raise StreamFallback(f"no shared-memory region for inserts ({session.no_region})")
+        want = min(max(REGION_MIN_BYTES, 1 << (nbytes - 1).bit_length()), REGION_MAX_BYTES)
+        ask = pb.SharedInsertRegion(host_id=host_id(), bytes=want).SerializeToString()
+        try:
+            offer = self._exchange(session, lambda sequence, timeout: messages.encode_call_request(
+                sequence, "insert_region", ask, timeout), repeatable=True, probe=True).region_offer
+        except ReplayError as exc:  # the server's refusal: not on this call again
+            session.no_region = str(exc)
+            raise StreamFallback(f"no shared-memory region for inserts ({exc})") from None
+        ring: SharedRing | None = None
+        try:
+            ring = SharedRing.open(offer.name, offer.token, offer.slots, offer.slot_bytes,
+                                   offer.header_bytes)
+            ring.unlink()  # both sides hold a mapping: nothing is left in /dev/shm
+            answer = pb.SharedMemoryAnswer(accepted=True)
+        except SharedMemoryError as exc:
+            answer = pb.SharedMemoryAnswer(accepted=False, reason=str(exc))
+        said = answer.SerializeToString()
+        try:
+            self._exchange(session, lambda sequence, timeout: messages.encode_call_request(
+                sequence, "region_answer", said, timeout), repeatable=True)
+        except BaseException:
+            if ring is not None:
+                ring.close()
+            raise
+        if ring is None:
+            self._no_regions = answer.reason  # this host cannot map the server's regions
+            log.info("cannot map the server's shared-memory region for inserts (%s); large "
+                     "inserts go chunked", answer.reason)
+            raise StreamFallback(f"no shared-memory region for inserts ({answer.reason})")
+        if session.region is not None:
+            session.region.close()
+        session.region = ring
+        return ring
 
     def close(self) -> None:
         """End the stream (requests in flight get StreamFallback if unanswered; an insert in
@@ -317,7 +436,13 @@ class CallStream:
         except grpc.RpcError as exc:
             code = exc.code()
             handled = code not in _NOT_HANDLED and not _drained(exc) and not never_sent(exc)
-            if code == grpc.StatusCode.UNIMPLEMENTED:
+            with self._cond:
+                probe = bool(session.pending) and session.pending[0].probe
+            if probe and code == grpc.StatusCode.INVALID_ARGUMENT:  # a server before regions
+                self._no_regions = f"the server at {self._connection.address} has none"
+                log.info("server at %s has no shared-memory regions for inserts; large "
+                         "inserts go chunked", self._connection.address)
+            elif code == grpc.StatusCode.UNIMPLEMENTED:
                 with self._cond:
                     if self._methods and self._methods[0] == session.method:
                         self._methods.pop(0)
@@ -355,6 +480,9 @@ class CallStream:
         if self._session is session:
             self._session = None
         session.outgoing.put(None)
+        if session.region is not None:  # the server's region ended with the call
+            session.region.close()
+            session.region = None
         now = time.monotonic()
         for position, pending in enumerate(session.pending):
             late = session.timed_out and pending.deadline is not None and now >= pending.deadline

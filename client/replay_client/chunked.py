@@ -26,35 +26,51 @@ from typing import Any
 
 import torch
 
-from replay_client.call_stream import CallStream, StreamFallback, unary_after
+from replay_client.call_stream import REGION_MAX_BYTES, CallStream, StreamFallback, unary_after
 from replay_client.connection import CLIENT_TIMEOUT, Connection
 from replay_client.errors import InternalError, MessageTooLargeError
 from replay_proto import messages, variable_codec
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES
 from replay_proto.batch import SampleBatch
 from replay_proto.chunks import chunk_bytes, frame_chunks
-from replay_proto.codec import CodecError, frame
+from replay_proto.codec import CodecError, frame, frame_parts
 from replay_proto.sample_codec import SampleDecoder, decode_sample, split_sample
 
 
 def insert(connection: Connection, table: str, columns: dict[str, torch.Tensor],
            priorities: torch.Tensor | None, stream: CallStream | None = None) -> torch.Tensor:
-    """Insert rows (on ``stream`` when small enough and the server takes it there, else one
-    message, or ``InsertChunks``); returns their ids. Not retried (except when the server
-    ran nothing of it, see the connection and :mod:`replay_client.call_stream`)."""
+    """Insert rows; returns their ids. A small insert goes on ``stream`` (the client's call
+    stream for inserts) when the server takes it there; a large one through the stream's
+    shared-memory region when the server is on this host and offers one (up to
+    :data:`~replay_client.call_stream.REGION_MAX_BYTES`); else one message, or
+    ``InsertChunks``. Not retried (except when the server ran nothing of it, see the
+    connection and :mod:`replay_client.call_stream`)."""
     header, buffers = messages.insert_parts(table, columns, priorities)
     chunk = chunk_bytes(connection.max_message_bytes)
     size = sum(memoryview(b).nbytes for b in buffers) + header.ByteSize()
-    if size < chunk:
+    if stream is not None and size < STREAM_MESSAGE_BYTES:
         request = frame(header, buffers)
-        if stream is not None and size < STREAM_MESSAGE_BYTES:
-            try:
-                return messages.insert_ids(stream.send(request).insert)
-            except StreamFallback as fallback:
-                raw = unary_after(fallback, lambda: connection.unary("Insert", request,
-                                                                     retry=False))
-                return messages.decode_insert_response(raw)
-        raw = connection.unary("Insert", request, retry=False)
+        try:
+            return messages.insert_ids(stream.send(request).insert)
+        except StreamFallback as fallback:
+            return unary_after(fallback, lambda: _plain_insert(connection, header, buffers,
+                                                               size, chunk))
+    if stream is not None and size <= REGION_MAX_BYTES:
+        parts = frame_parts(header, buffers)
+        try:
+            answer = stream.send_in_region(sum(memoryview(p).nbytes for p in parts), parts)
+            return messages.insert_ids(answer.insert)
+        except StreamFallback as fallback:
+            return unary_after(fallback, lambda: _plain_insert(connection, header, buffers,
+                                                               size, chunk))
+    return _plain_insert(connection, header, buffers, size, chunk)
+
+
+def _plain_insert(connection: Connection, header: Any, buffers: list[memoryview], size: int,
+                  chunk: int) -> torch.Tensor:
+    """An insert as one ``Insert`` message, or as ``InsertChunks`` when it is larger."""
+    if size < chunk:
+        raw = connection.unary("Insert", frame(header, buffers), retry=False)
     else:
         parts = _chunks(lambda: frame_chunks(header, buffers, chunk))
         raw = connection.unary("InsertChunks", parts, retry=False, kind="stream_unary")

@@ -96,10 +96,16 @@ def varint(value: int) -> bytes:
 def frame(header: Any, buffers: Iterable[memoryview | bytes]) -> bytes:
     """Serialize ``header`` (a message whose payload is unset, or its serialized bytes) with
     ``buffers`` as its payload."""
+    return b"".join(frame_parts(header, buffers))
+
+
+def frame_parts(header: Any, buffers: Iterable[memoryview | bytes]) -> list[memoryview | bytes]:
+    """:func:`frame`'s message as the parts to write one after another (no copy of the
+    buffers: for a writer into memory of its own, e.g. a shared-memory region)."""
     parts = list(buffers)
     size = sum(memoryview(p).nbytes for p in parts)
     head = header if isinstance(header, bytes) else header.SerializeToString()
-    return b"".join([head, _PAYLOAD_TAG, varint(size), *parts])
+    return [b"".join([head, _PAYLOAD_TAG, varint(size)]), *parts]
 
 
 # ----------------------------------------------------------------- decoding
@@ -120,7 +126,7 @@ def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
             raise CodecError("varint longer than 10 bytes")
 
 
-def split_payload(raw: bytes, message_type: Any) -> tuple[Any, memoryview]:
+def split_payload(raw: bytes | memoryview, message_type: Any) -> tuple[Any, memoryview]:
     """Parse ``raw`` as ``message_type``, returning ``(header, payload view)``.
 
     The header is parsed from the bytes outside the payload field; the payload

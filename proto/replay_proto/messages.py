@@ -30,7 +30,7 @@ from replay_proto.v1 import replay_pb2 as pb
 
 _CALL_FIELD_TAGS = {  # CallStreamRequest's requests, as their fields' tags (length-delimited)
     kind: varint((pb.CallStreamRequest.DESCRIPTOR.fields_by_name[kind].number << 3) | 2)
-    for kind in ("update_priorities", "insert")}
+    for kind in ("update_priorities", "insert", "insert_region", "region_answer")}
 
 # ------------------------------------------------------------------- insert
 
@@ -56,7 +56,7 @@ def insert_parts(
     return header, buffers
 
 
-def decode_insert(raw: bytes) -> InsertCall:
+def decode_insert(raw: bytes | memoryview) -> InsertCall:
     header, payload = split_payload(raw, pb.InsertRequest)
     columns, offset = decode_tensors(header.columns, payload)
     priorities = None
@@ -146,6 +146,13 @@ def encode_credit(credits: int, update: bytes = b"", batches_per_message: int = 
     return b"".join([raw, _CREDIT_UPDATE_TAG, varint(len(update)), update])
 
 
+def encode_region_insert(sequence: int, nbytes: int, timeout_s: float | None = None) -> bytes:
+    """A CallStream message saying an Insert request of ``nbytes`` lies in the stream's
+    shared-memory region (see ``replay.proto``, CallStream)."""
+    return pb.CallStreamRequest(sequence=sequence, insert_in_region=nbytes,
+                                timeout_s=timeout_s or 0.0).SerializeToString()
+
+
 def decode_call_request(raw: bytes) -> pb.CallStreamRequest:
     """A CallStream message; raises CodecError if it is malformed or carries no request
     (``WhichOneof("call")`` says which it carries)."""
@@ -154,7 +161,8 @@ def decode_call_request(raw: bytes) -> pb.CallStreamRequest:
     except Exception as exc:
         raise CodecError(f"malformed CallStreamRequest: {exc}") from None
     if message.WhichOneof("call") is None:
-        raise CodecError("a CallStreamRequest must carry update_priorities or insert")
+        raise CodecError("a CallStreamRequest must carry a request (update_priorities, insert, "
+                         "insert_region, region_answer or insert_in_region)")
     if not message.timeout_s >= 0:  # NaN too
         raise CodecError(f"a CallStreamRequest's timeout_s must be >= 0, not {message.timeout_s}")
     return message

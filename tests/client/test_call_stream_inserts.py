@@ -64,7 +64,8 @@ def _stand_in(stream, gone: bool = False) -> tuple[grpc.Server, int, list[str]]:
 ROWS = {"x": torch.zeros(2)}
 
 
-def test_small_inserts_go_on_one_stream_with_the_same_ids_and_rows_as_unary(server):
+def test_small_inserts_go_on_one_stream_with_the_same_ids_and_rows_as_unary(server, monkeypatch):
+    monkeypatch.setenv("REPLAY_SHARED_MEMORY", "0")  # a large insert then goes unary
     client = ReplayClient(server.address)
     client.reset("t")
     on_stream = [client.insert("t", {"x": torch.full((3,), float(k))}) for k in range(4)]

@@ -29,7 +29,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replay_client import ReplayClient, errors
 from replay_proto.v1 import replay_pb2 as pb
-from tests.conftest import ServerProcess, module_server, run_threads, start_server, wait_for
+from tests.conftest import (
+    ServerProcess,
+    chunked_inserts_only,
+    module_server,
+    run_threads,
+    start_server,
+    wait_for,
+)
+
+_chunked = chunked_inserts_only()  # the chunked path's budgets, as from another host
+
 
 TOKEN = "budget-test-token"
 BUDGET_MIB = 256

@@ -323,10 +323,14 @@ def test_scalar_column_raises_invalid_argument_naming_the_key(client, stored) ->
     assert_error(error, errors.InvalidArgumentError, "'action'", "scalar")
 
 
-def test_insert_over_the_message_limit_raises_message_too_large(client, stored) -> None:
+def test_insert_over_the_message_limit_raises_message_too_large(client, stored, served,
+                                                                monkeypatch) -> None:
+    """As from another host: a same-host client's large insert goes through a shared-memory
+    region, where no message limit applies (tests/integration/test_insert_regions.py)."""
+    monkeypatch.setenv("REPLAY_SHARED_MEMORY", "0")
     data = {"pixels": torch.zeros(80, *BIG_ROW, dtype=torch.uint8)}  # 1.25 MiB
-    with unchanged(client, stored, "big"):
-        error = raised(lambda: client.insert("big", data))
+    with ReplayClient(served.address) as remote, unchanged(client, stored, "big"):
+        error = raised(lambda: remote.insert("big", data))
     assert_error(error, errors.MessageTooLargeError, "larger than max")
 
 

@@ -562,16 +562,30 @@ class FetchResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class CallStreamRequest(_message.Message):
-    __slots__ = ("sequence", "update_priorities", "insert", "timeout_s")
+    __slots__ = ("sequence", "update_priorities", "insert", "insert_region", "region_answer", "insert_in_region", "timeout_s")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     INSERT_FIELD_NUMBER: _ClassVar[int]
+    INSERT_REGION_FIELD_NUMBER: _ClassVar[int]
+    REGION_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    INSERT_IN_REGION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     update_priorities: UpdatePrioritiesRequest
     insert: bytes
+    insert_region: SharedInsertRegion
+    region_answer: SharedMemoryAnswer
+    insert_in_region: int
     timeout_s: float
-    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., insert: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., insert: _Optional[bytes] = ..., insert_region: _Optional[_Union[SharedInsertRegion, _Mapping]] = ..., region_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., insert_in_region: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class SharedInsertRegion(_message.Message):
+    __slots__ = ("host_id", "bytes")
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    bytes: int
+    def __init__(self, host_id: _Optional[str] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class CallError(_message.Message):
     __slots__ = ("code", "kind", "message")
@@ -584,16 +598,20 @@ class CallError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CallStreamResponse(_message.Message):
-    __slots__ = ("sequence", "update_priorities", "error", "insert")
+    __slots__ = ("sequence", "update_priorities", "error", "insert", "region_offer", "region_answer")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INSERT_FIELD_NUMBER: _ClassVar[int]
+    REGION_OFFER_FIELD_NUMBER: _ClassVar[int]
+    REGION_ANSWER_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     update_priorities: UpdatePrioritiesResponse
     error: CallError
     insert: InsertResponse
-    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., insert: _Optional[_Union[InsertResponse, _Mapping]] = ...) -> None: ...
+    region_offer: SharedMemoryOffer
+    region_answer: SharedMemoryAnswer
+    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., insert: _Optional[_Union[InsertResponse, _Mapping]] = ..., region_offer: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., region_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("table", "ids")

@@ -357,6 +357,20 @@ class ReplayServiceServicer:
         "overloaded") before any message is read. A server without this RPC
         answers UNIMPLEMENTED; clients then make the unary calls (or, for
         priority updates, use UpdateStream).
+
+        Same-host inserts through shared memory: a client on the server's host
+        asks for a region with `insert_region` (its `host_id` and the bytes it
+        wants); a server on that host with shared_memory on creates one in
+        /dev/shm, counted in shared_memory_mb, and answers `region_offer` (a
+        SharedMemoryOffer of one slot), else `error` (the stream goes on). The
+        client maps it, unlinks its name and says so with `region_answer` (or
+        why it could not); the server answers `region_answer` (the same) and
+        unlinks the name too. From then on `insert_in_region` = n says the bytes
+        of one Insert request (exactly as Insert takes them) lie in the region's
+        slot, from its start, n bytes; it is answered `insert` as `insert` is.
+        The client writes the slot only while no insert_in_region is unanswered.
+        A new `insert_region` replaces the stream's region; the region ends with
+        the stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -30,6 +30,11 @@ CPU per small insert on the 2-core machine, ``docs/benchmarks.md``). A larger
 update, a busy table, and an insert held back by its rate limiter (it then
 waits holding no thread) go to the pool like every other call.
 
+A client on the server's host may also ask for a shared-memory region for
+its inserts (:mod:`~replay_server.service.insert_region`): then a large
+insert's bytes lie in /dev/shm and its request says only how many
+(``insert_in_region``), handled in the pool as a large insert is.
+
 Bounds: the call is admitted like every other
 (:mod:`replay_server.service.admission`; call streams may hold at most half
 of ``max_streams``, so actors' streams never take the learners' sample
@@ -64,9 +69,11 @@ from replay_proto.call_metadata import STREAM_MESSAGE_BYTES
 from replay_proto.codec import CodecError
 from replay_proto.error_kinds import ErrorKind
 from replay_proto.v1 import replay_pb2 as pb
-from replay_server.errors import InvalidArgumentError, RateLimitedError
+from replay_server.errors import FailedPreconditionError, InvalidArgumentError, RateLimitedError
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
+from replay_server.service.excerpt import STATUS_CHARS, excerpt
+from replay_server.service.insert_region import InsertRegion
 from replay_server.service.status import OverloadedError, ShuttingDownError, status_of
 
 log = logging.getLogger("replay_server.service")
@@ -78,7 +85,7 @@ Counted = Callable[[str, str, float, int, "int | None"], None]
 """``(method path, status code name, seconds, request bytes, answer bytes or None: no answer)``
 of one request."""
 
-InsertFn = Callable[[bytes], tuple[str, pb.InsertResponse]]
+InsertFn = Callable[[bytes | memoryview], tuple[str, pb.InsertResponse]]
 """Applies one insert (an Insert request's bytes) in the engine pool: ``-> (table, response)``."""
 
 UpdateNowFn = Callable[[pb.UpdatePrioritiesRequest], "pb.UpdatePrioritiesResponse | None"]
@@ -114,13 +121,16 @@ class CallStreamHandler:
         insert: applies one insert in the engine pool (the unary handler's work).
         update_now: applies one small update at once if its table is free, else ``None``.
         insert_now: stores one insert at once if that is quick now, else ``None``.
+        region: makes a stream's shared-memory region for inserts
+            (:mod:`~replay_server.service.insert_region`; ``None``: none is offered).
         max_streams: the server's ``max_streams``; call streams may hold half of it (at
             least one), the rest stays for sample streams.
     """
 
     def __init__(self, calls: CallRunner, update: UpdateFn, insert: InsertFn,
                  update_now: UpdateNowFn | None = None, insert_now: InsertNowFn | None = None,
-                 *, max_streams: int) -> None:
+                 *, region: Callable[[], InsertRegion] | None = None,
+                 max_streams: int) -> None:
         self.max_open = max(1, max_streams // 2)
         """Call streams open at once at most (see the module docstring)."""
         self.open = 0
@@ -132,6 +142,7 @@ class CallStreamHandler:
         self._insert = insert
         self._update_now = update_now
         self._insert_now = insert_now
+        self._region = region
         self._idle: set[asyncio.Task] = set()  # calls waiting for their client's next request
         calls.on_drain.append(self._end_idle)
 
@@ -150,14 +161,18 @@ class CallStreamHandler:
                 f"{self.max_open} call streams (half of server.max_streams) are open already; "
                 f"the stream was not started (the client makes plain calls instead)"))
         self.open += 1
+        region = None if self._region is None else self._region()
         try:
-            async for answer in self._serve(requests, context, reservation):
+            async for answer in self._serve(requests, context, reservation, region):
                 yield answer
         finally:
             self.open -= 1
+            if region is not None:
+                region.close()
 
     async def _serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
-                     reservation: Reservation) -> AsyncIterator[bytes]:
+                     reservation: Reservation,
+                     region: InsertRegion | None) -> AsyncIterator[bytes]:
         calls = self._calls
         declared = reservation.nbytes
         try:  # one message and what decoding it makes, held while the stream is open
@@ -201,6 +216,14 @@ class CallStreamHandler:
             try:
                 if kind == "insert":
                     answer.insert.CopyFrom(await self._apply_insert(request, context))
+                elif kind == "insert_in_region":
+                    answer.insert.CopyFrom(await self._insert_in_region(
+                        request, context, _region(region)))
+                elif kind == "insert_region":
+                    answer.region_offer.CopyFrom(_region(region).open(request.insert_region))
+                elif kind == "region_answer":
+                    answer.region_answer.CopyFrom(
+                        _region(region).answered(request.region_answer))
                 else:
                     answer.update_priorities.CopyFrom(
                         await self._apply(request.update_priorities, context))
@@ -217,10 +240,13 @@ class CallStreamHandler:
     def _count(self, kind: str, request: pb.CallStreamRequest, answer: pb.CallStreamResponse,
                started: float) -> None:
         """Tell :attr:`counted` of one handled request, as the unary call it stands for."""
-        if self.counted is None:
+        if self.counted is None or kind in ("insert_region", "region_answer"):
             return
         if kind == "insert":
             path, received, sent = _INSERT, len(request.insert), answer.insert.ByteSize()
+        elif kind == "insert_in_region":
+            path, received = _INSERT, request.insert_in_region
+            sent = answer.insert.ByteSize()
         else:
             path, received = _UPDATE, request.update_priorities.ByteSize()
             sent = answer.update_priorities.ByteSize()
@@ -260,17 +286,37 @@ class CallStreamHandler:
                 if logged is not None:
                     await logged  # its log record durable (or the log's error, answered)
                 return result
-        if request.timeout_s > 0:
-            loop = asyncio.get_running_loop()
-            give_up_at = loop.time() + request.timeout_s
-
-            def remaining() -> float | None:
-                return give_up_at - loop.time()
-        else:
-            def remaining() -> float | None:
-                return calls.default_wait_s
         return await calls.change(context, self._insert, request.insert, aborting=False,
-                                  time_remaining=remaining)
+                                  time_remaining=self._remaining(request))
+
+    async def _insert_in_region(self, request: pb.CallStreamRequest,
+                                context: grpc.aio.ServicerContext,
+                                region: InsertRegion) -> pb.InsertResponse:
+        """An insert whose request lies in the stream's shared-memory region: decoded from it
+        (views, no copy) and stored in the pool as :meth:`_apply_insert` stores a large one.
+        Its bytes are the region's (counted in ``shared_memory_mb``), so it reserves nothing
+        more of ``memory_budget_mb``: what storing makes beyond them (a compressed column's
+        blocks) is at most their size, one insert per stream at a time."""
+        raw = region.request(request.insert_in_region)
+        return await self._calls.change(context, self._insert, raw, aborting=False,
+                                        time_remaining=self._remaining(request))
+
+    def _remaining(self, request: pb.CallStreamRequest) -> Callable[[], float | None]:
+        """How long ``request`` may still wait: its ``timeout_s`` from now, or (0) the
+        server's ``default_wait_s``."""
+        calls = self._calls
+        if request.timeout_s <= 0:
+            return lambda: calls.default_wait_s
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + request.timeout_s
+        return lambda: give_up_at - loop.time()
+
+
+def _region(region: InsertRegion | None) -> InsertRegion:
+    """The stream's region keeper, or the refusal of a server that offers none."""
+    if region is None:
+        raise FailedPreconditionError("this server offers no shared-memory region for inserts")
+    return region
 
 
 def _call_error(exc: BaseException) -> pb.CallError:
@@ -281,4 +327,4 @@ def _call_error(exc: BaseException) -> pb.CallError:
         return pb.CallError(code=grpc.StatusCode.INTERNAL.name, kind=ErrorKind.INTERNAL.value,
                             message="internal server error (the server logged the details)")
     code, kind = mapped
-    return pb.CallError(code=code.name, kind=kind.value, message=str(exc))
+    return pb.CallError(code=code.name, kind=kind.value, message=excerpt(exc, STATUS_CHARS))

@@ -55,6 +55,7 @@ from replay_server.service.batch_sink import StreamLimits
 from replay_server.service.sample_stream import SampleStreamCall
 from replay_server.service.status import LimitExceededError, MessageTooLargeError
 from replay_server.service.call_stream import INLINE_MAX_IDS, CallStreamHandler, InsertedNow
+from replay_server.service.insert_region import InsertRegion
 from replay_server.service.variables import VariableService
 from replay_server.service.waiting import draw
 
@@ -120,6 +121,7 @@ class ReplayServicer:
         """Publish and Fetch (named variables)."""
         self.call_streams = CallStreamHandler(self.calls, self._stream_update, self._stream_insert,
                                               self._stream_update_now, self._stream_insert_now,
+                                              region=self._insert_region,
                                               max_streams=admission.limits.max_streams)
         """Small updates and inserts on persistent streams (CallStream, UpdateStream)."""
         self.rows = RowService(lambda: self._tables, self.calls, max_message_bytes)
@@ -170,10 +172,15 @@ class ReplayServicer:
         table, response = self._stream_insert(raw)
         return table, response.SerializeToString()
 
-    def _stream_insert(self, raw: bytes) -> tuple[str, pb.InsertResponse]:
+    def _stream_insert(self, raw: bytes | memoryview) -> tuple[str, pb.InsertResponse]:
         call = messages.decode_insert(raw)
         return call.table, _inserted(self._tables[call.table].insert(call.columns,
                                                                      call.priorities))
+
+    def _insert_region(self) -> InsertRegion:
+        """A call stream's keeper of a shared-memory region for inserts."""
+        limits = self._stream_limits
+        return InsertRegion(limits.shared_memory, limits.shared_memory_budget)
 
     def _stream_insert_now(self, raw: bytes) -> InsertedNow | None:
         """A small insert stored on the event loop if that is quick now

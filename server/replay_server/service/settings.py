@@ -47,7 +47,8 @@ class ServerSettings:
         workers: threads that run engine work off the event loop.
         log_format: ``"text"`` or ``"json"`` (one JSON object per line).
         shared_memory: offer learners on this host a shared-memory ring for
-            ``SampleStream`` batches (they fall back to gRPC when they cannot map it).
+            ``SampleStream`` batches, and clients on this host a region for their large
+            inserts (they fall back to gRPC when they cannot map it).
         checkpoint_dir: where checkpoints are written and restored from
             (relative: to the working directory; created if missing);
             ``None``: no persistence.
