@@ -370,6 +370,11 @@ class CallStream:
         try:
             self._exchange(session, lambda sequence, timeout: messages.encode_call_request(
                 sequence, "region_answer", said, timeout), repeatable=True)
+        except ReplayError as exc:  # refused (or no answer in time): this call goes without
+            if ring is not None:
+                ring.close()
+            session.no_region = str(exc)
+            raise StreamFallback(f"no shared-memory region for inserts ({exc})") from None
         except BaseException:
             if ring is not None:
                 ring.close()

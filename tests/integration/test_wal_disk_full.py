@@ -42,11 +42,15 @@ def _rows(k: int, n: int = 1024) -> np.ndarray:
     return np.random.default_rng(k).random((n, 16)).astype(np.float32)  # n=1024: 64 KiB
 
 
-@pytest.mark.parametrize("n", [1024, 64], ids=["unary-64KiB", "call-stream-4KiB"])
-def test_a_full_disk_refuses_writes_keeps_samples_and_loses_nothing(tmp_path, n) -> None:
-    """64 KiB inserts are unary calls stored in the engine's pool; 4 KiB ones ride the
-    client's call stream and are stored on the server's event loop, their answers awaiting
-    the log there: the same refusals, the same guarantees."""
+@pytest.mark.parametrize(("n", "shared"), [(1024, "0"), (1024, "1"), (64, "1")],
+                         ids=["chunked-64KiB", "region-64KiB", "call-stream-4KiB"])
+def test_a_full_disk_refuses_writes_keeps_samples_and_loses_nothing(tmp_path, monkeypatch,
+                                                                    n, shared) -> None:
+    """64 KiB inserts are unary calls (from another host) or written into a shared-memory
+    region (from this host), stored in the engine's pool; 4 KiB ones ride the client's call
+    stream and are stored on the server's event loop, their answers awaiting the log there:
+    the same refusals, the same guarantees."""
+    monkeypatch.setenv("REPLAY_SHARED_MEMORY", shared)
     calls = 1024 // n * 40
     with small_disk(tmp_path / "disk", 8 << 20) as disk:
         filler = fill(disk, leave=1 << 20)
@@ -63,6 +67,9 @@ def test_a_full_disk_refuses_writes_keeps_samples_and_loses_nothing(tmp_path, n)
             assert "no space left on the write-ahead log's disk" in message
             assert str(disk / "wal") in message and "nothing of it is stored" in message
             assert 4 <= len(ids) * n // 1024 < 17
+            session = client._stream("insert")._session
+            through_region = session is not None and session.region is not None
+            assert through_region == (n == 1024 and shared == "1")
             assert client.info()["replay"].size == n * len(ids)  # the refused: nothing
             assert client.sample("replay", batch_size=8).ids.numel() == 8  # samples go on
             with pytest.raises(LimitExceededError, match="no space left"):

@@ -219,8 +219,9 @@ class CallStreamHandler:
                 elif kind == "insert_in_region":
                     answer.insert.CopyFrom(await self._insert_in_region(
                         request, context, _region(region)))
-                elif kind == "insert_region":
-                    answer.region_offer.CopyFrom(_region(region).open(request.insert_region))
+                elif kind == "insert_region":  # reserving its pages takes time: the pool's
+                    answer.region_offer.CopyFrom(await asyncio.get_running_loop().run_in_executor(
+                        calls.executor, _region(region).open, request.insert_region))
                 elif kind == "region_answer":
                     answer.region_answer.CopyFrom(
                         _region(region).answered(request.region_answer))

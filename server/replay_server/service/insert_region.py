@@ -31,13 +31,16 @@ A client writing the region while the server reads it can corrupt only its
 own insert: the header is parsed once, and every tensor view is checked
 against the region's bounds (``decode_insert``).
 
-Thread-safety: :meth:`open`, :meth:`answered`, :meth:`request` and :meth:`close` run on
-the event loop; the bytes :meth:`request` returns are read in an engine thread.
+Thread-safety: :meth:`open` runs in an engine thread (reserving a region's pages takes a
+while), the others on the event loop; :meth:`close` may come while :meth:`open` runs (the
+call ended), and whichever comes second removes the region. The bytes :meth:`request`
+returns are read in an engine thread.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_proto.v1 import replay_pb2 as pb
@@ -65,6 +68,8 @@ class InsertRegion:
         self._ring: SharedRing | None = None
         self._reservation: Reservation | None = None
         self._mapped = False  # the client said it mapped the region
+        self._lock = threading.Lock()
+        self._closed = False  # the stream ended: no region any more
 
     def open(self, request: pb.SharedInsertRegion) -> pb.SharedMemoryOffer:
         """Create a region of ``request.bytes`` (replacing the stream's) and offer it.
@@ -75,7 +80,7 @@ class InsertRegion:
                 shared-memory budget left; or /dev/shm has no room for it.
             InvalidArgumentError: ``bytes`` is not positive.
         """
-        self.close()
+        self._drop()
         if not self._enabled:
             raise FailedPreconditionError("the server has shared_memory = false: no "
                                           "shared-memory region for inserts")
@@ -95,7 +100,15 @@ class InsertRegion:
         except SharedMemoryError as exc:
             reservation.release()
             raise LimitExceededError(f"no shared-memory region for inserts: {exc}") from None
-        self._ring, self._reservation, self._mapped = ring, reservation, False
+        with self._lock:
+            ended = self._closed
+            if not ended:
+                self._ring, self._reservation, self._mapped = ring, reservation, False
+        if ended:  # the stream ended while the region was made: never offered
+            ring.unlink()
+            ring.close()
+            reservation.release()
+            raise InvalidArgumentError("the call stream ended while its region was made")
         return pb.SharedMemoryOffer(name=ring.name, token=ring.token, slots=1,
                                     slot_bytes=ring.slot_bytes, header_bytes=ring.header_bytes)
 
@@ -114,7 +127,7 @@ class InsertRegion:
         else:
             log.info("a client could not map its insert region (%s); it sends inserts chunked",
                      answer.reason)
-            self.close()
+            self._drop()
         return pb.SharedMemoryAnswer(accepted=answer.accepted, reason=answer.reason)
 
     def request(self, length: int) -> memoryview:
@@ -134,9 +147,17 @@ class InsertRegion:
         return memoryview(ring.slot(0)[:length].numpy())
 
     def close(self) -> None:
-        """Drop the region (its name unlinked, its reservation released). Idempotent."""
-        ring, self._ring = self._ring, None
-        reservation, self._reservation = self._reservation, None
+        """The stream ended: drop the region, and any :meth:`open` still making one drops
+        it too. Idempotent."""
+        with self._lock:
+            self._closed = True
+        self._drop()
+
+    def _drop(self) -> None:
+        """Drop the region (its name unlinked, its reservation released), if there is one."""
+        with self._lock:
+            ring, self._ring = self._ring, None
+            reservation, self._reservation = self._reservation, None
         if ring is not None:
             ring.unlink()
             ring.close()
