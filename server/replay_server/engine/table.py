@@ -161,9 +161,8 @@ class Table:
                 capacity need more memory than the server may give it.
             RateLimitedError: the rate limiter holds the insert back now.
 
-        Cost: one copy of the rows into storage plus the sampler's insert
-        (O(rows * log capacity) at worst).
-        """
+        Cost: one copy of the rows into storage plus the sampler's insert (O(rows * log
+        capacity) at worst)."""
         ids = self._insert(data, priorities, None)
         assert ids is not None  # blocking: the lock was waited for
         return ids
@@ -181,11 +180,10 @@ class Table:
     def insert_now_durable(self, data: Any, priorities: Any,
                            durable: Callable[[BaseException | None], None],
                            ) -> tuple[torch.Tensor, bool] | None:
-        """:meth:`insert_now` for a caller that can wait without blocking for the insert to
-        be durable: ``(ids, waits)``, or ``None`` having stored nothing. ``waits``: the
-        insert is stored but not yet acknowledged; ``durable(error)`` will be called (from
-        any thread, perhaps before this returns) once it may be (``error`` ``None``) or with
-        the error to answer instead. A table that keeps no log never waits."""
+        """:meth:`insert_now` for a caller that can wait, without blocking, for the insert to be
+        durable: ``(ids, waits)``, or ``None`` having stored nothing. ``waits``: stored, not yet
+        acknowledged: ``durable(error)`` is called (any thread, perhaps before this returns)
+        once it may be (``None``) or with the error to answer. A table without a log never waits."""
         ids = self.insert_now(data, priorities)
         return None if ids is None else (ids, False)
 
@@ -327,23 +325,19 @@ class Table:
     ) -> SampleBatch:
         """Draw ``batch_size`` rows (or slices) with replacement, per the table's sampler.
 
-        ``lease`` (tables whose sampler consumes its rows; ignored elsewhere):
-        take the rows under that lease (:mod:`replay_server.engine.leases`);
-        a lease of that name still held answers with its rows again.
-
-        ``out`` (flat key -> contiguous tensor shaped like that column of the
-        batch: :meth:`batch_layout`) receives the rows instead of new tensors: a
-        learner's staging buffer. A device table gathers on its device: without
-        ``out`` the whole batch is there; host ``out`` tensors get one copy of the rows.
+        ``lease`` (tables whose sampler consumes its rows; ignored elsewhere): take the rows
+        under that lease (:mod:`replay_server.engine.leases`); a lease held answers again.
+        ``out`` (flat key -> contiguous tensor shaped like that column of the batch:
+        :meth:`batch_layout`) receives the rows instead of new tensors: a learner's staging
+        buffer. A device table gathers on its device: without ``out`` the whole batch is
+        there; host ``out`` tensors get one copy of the rows.
 
         Raises:
             InvalidArgumentError: ``batch_size`` is not an integer in [1, MAX_BATCH_SIZE],
-                larger than ``max_times_sampled`` can ever serve, or ``out`` does
-                not fit the batch.
+                larger than ``max_times_sampled`` can ever serve, or ``out`` does not fit.
             EmptyTableError: nothing can be sampled yet.
-            RateLimitedError: the rate limiter (or ``max_times_sampled``) holds the
-                sample back now. The limiter counts ``batch_size * slice_len`` rows
-                for slice samplers.
+            RateLimitedError: the rate limiter (or ``max_times_sampled``) holds the sample
+                back now. The limiter counts ``batch_size * slice_len`` rows for slices.
 
         Cost: the sampler's draw (see its docstring) plus one gather per column.
         """
@@ -431,10 +425,8 @@ class Table:
         Cost: O(n * log capacity).
         """
         if not self.config.sampler.traits.priorities:
-            raise NoPrioritiesError(
-                f"table {self.name!r} uses sampler {self.config.sampler.value!r}, which has "
-                f"no priorities to update"
-            )
+            raise NoPrioritiesError(f"table {self.name!r} uses sampler "
+                                    f"{self.config.sampler.value!r}, which has no priorities to update")
         update = PriorityUpdate.of(ids, priorities, self.config, self._parts.sampler.alpha or 0.0)
         with _holding(self._lock, blocking) as held:
             if not held:
@@ -450,6 +442,13 @@ class Table:
             parts.counters.stale_priority_updates += update.size - applied
             self.changes.tick()
         return applied
+
+    def update_priorities_now_durable(self, ids: Any, priorities: Any,
+                                      durable: Callable[[BaseException | None], None],
+                                      ) -> tuple[int, bool] | None:
+        """``update_priorities(blocking=False)`` as :meth:`insert_now_durable` is :meth:`insert_now`."""
+        applied = self.update_priorities(ids, priorities, blocking=False)
+        return None if applied is None else (applied, False)
 
     def read_rows(self, *, positions: Any = None, ids: Any = None, columns: bool = True,
                   priorities: bool = False) -> RowRead:

@@ -88,7 +88,11 @@ of one request."""
 InsertFn = Callable[[bytes | memoryview], tuple[str, pb.InsertResponse]]
 """Applies one insert (an Insert request's bytes) in the engine pool: ``-> (table, response)``."""
 
-UpdateNowFn = Callable[[pb.UpdatePrioritiesRequest], "pb.UpdatePrioritiesResponse | None"]
+UpdatedNow = tuple[pb.UpdatePrioritiesResponse, "asyncio.Future[None] | None"]
+"""An update applied at once: its answer, and what the answer waits for first (a logged
+table's record to be durable; ``None``: nothing)."""
+
+UpdateNowFn = Callable[[pb.UpdatePrioritiesRequest], "UpdatedNow | None"]
 """Applies one small update at once if its table is free this instant, else returns ``None``."""
 
 InsertedNow = tuple[str, pb.InsertResponse, "asyncio.Future[None] | None"]
@@ -263,9 +267,12 @@ class CallStreamHandler:
         if refused is not None:
             raise refused
         if self._update_now is not None:
-            result = self._update_now(request)
-            if result is not None:
+            done = self._update_now(request)
+            if done is not None:
+                result, logged = done
                 calls.blocked.changed(request.table)
+                if logged is not None:
+                    await logged  # its log record durable (or the log's error, answered)
                 return result
         return await calls.change(context, self._update, request, aborting=False)
 

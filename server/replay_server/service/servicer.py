@@ -54,7 +54,12 @@ from replay_server.service.rows import RowService
 from replay_server.service.batch_sink import StreamLimits
 from replay_server.service.sample_stream import SampleStreamCall
 from replay_server.service.status import LimitExceededError, MessageTooLargeError
-from replay_server.service.call_stream import INLINE_MAX_IDS, CallStreamHandler, InsertedNow
+from replay_server.service.call_stream import (
+    INLINE_MAX_IDS,
+    CallStreamHandler,
+    InsertedNow,
+    UpdatedNow,
+)
 from replay_server.service.insert_region import InsertRegion
 from replay_server.service.variables import VariableService
 from replay_server.service.waiting import draw
@@ -302,17 +307,19 @@ class ReplayServicer:
         ids, priorities = messages.update_arrays(request)
         return request.table, self._apply_update(request.table, ids, priorities)
 
-    def _stream_update_now(
-        self, request: pb.UpdatePrioritiesRequest
-    ) -> pb.UpdatePrioritiesResponse | None:
-        """A small update applied on the event loop if its table's lock is free (else ``None``)."""
+    def _stream_update_now(self, request: pb.UpdatePrioritiesRequest) -> UpdatedNow | None:
+        """A small update applied on the event loop if its table's lock is free (else
+        ``None``); a table that logs its changes hands back what the answer waits for."""
         if request.count > INLINE_MAX_IDS:
             return None
         ids, priorities = messages.update_arrays(request)
-        applied = self._tables[request.table].update_priorities(ids, priorities, blocking=False)
-        if applied is None:
+        logged = _LoggedFuture()
+        done = self._tables[request.table].update_priorities_now_durable(ids, priorities, logged)
+        if done is None:
             return None
-        return pb.UpdatePrioritiesResponse(applied=applied, stale=ids.size - applied)
+        applied, waits = done
+        return (pb.UpdatePrioritiesResponse(applied=applied, stale=ids.size - applied),
+                logged.future if waits else None)
 
     def _apply_update(self, name: str, ids: Any, priorities: Any) -> pb.UpdatePrioritiesResponse:
         applied = self._tables[name].update_priorities(ids, priorities)

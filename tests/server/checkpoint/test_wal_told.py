@@ -253,3 +253,27 @@ def test_a_rate_limited_insert_is_raised_with_nothing_stored_or_logged(tmp_path)
     assert (table.log_seq, table.size) == (seq, size)
     table.attach(None)
     log.close()
+
+
+@pytest.mark.parametrize("sync", ["os", "fsync"])
+def test_an_update_applied_now_is_answered_once_its_record_is_durable(tmp_path, sync) -> None:
+    tables = _tables()
+    table = tables["t"]
+    log = _log(tmp_path, sync)
+    table.attach(log)
+    ids = table.insert(_rows(4))
+    told = Told()
+    done = table.update_priorities_now_durable(ids[:2], np.array([5.0, 7.0]), told)
+    assert done == (2, True)  # applied, its answer waits for the log
+    assert told.wait()[0] is None
+    with table._order:  # another change is being logged: left to the blocking update
+        assert table.update_priorities_now_durable(ids, np.ones(4), Told()) is None
+    table.attach(None)
+    log.close()
+    assert table.update_priorities_now_durable(ids[:1], np.ones(1), Told()) == (1, False)
+
+    again = _tables()  # the update is in the log: replay gives the same priorities
+    replay_log(tmp_path, again, start=None, start_incarnation=None, shard=0, last_incarnation=1)
+    again["t"].update_priorities(ids[:1], np.ones(1))  # the one made with no log attached
+    torch.testing.assert_close(table.state_dict()["sampler"], again["t"].state_dict()["sampler"],
+                               rtol=0, atol=0)

@@ -183,6 +183,31 @@ class LoggedTable(LoggedChanges, Table):
                             lambda _: (records.PRIORITIES, {},
                                        {"ids": id_array, "priorities": values}))
 
+    def update_priorities_now_durable(self, ids: Any, priorities: Any,
+                                      durable: Durable) -> tuple[int, bool] | None:
+        """:meth:`Table.update_priorities_now_durable`: with a log attached, applied and its
+        record queued now if the log takes it without an early checkpoint and the order lock
+        and the table's lock are free this instant; ``durable`` is told once the record is
+        (as :meth:`insert_now_durable`)."""
+        log = self._log
+        if log is None:
+            return super().update_priorities_now_durable(ids, priorities, durable)
+        id_array, values = _array(ids), _array(priorities)
+        if not log.may_admit(id_array.nbytes + values.nbytes) or not self._order.acquire(False):
+            return None
+        try:
+            if self._log is not log:
+                return None  # detached since the look above
+            applied = Table.update_priorities(self, id_array, values, blocking=False)
+            if applied is None:
+                return None
+            number = self._queue_record(log, records.PRIORITIES, {},
+                                        {"ids": id_array, "priorities": values})
+        finally:
+            self._order.release()
+        log.when_durable(number, durable, lead=True)
+        return applied, True
+
     def reset(self, *, schema: bool = False) -> None:
         log = self._log
         if log is None:
