@@ -13,7 +13,9 @@ also as the median over rounds of that round's ratio (``..._median``: one
 turn that a burst of load hit moves it less than the sums). ``--ops``:
 what the clients do in their turn: insert (the default), sample, or read
 a stream (``--sample-batch`` rows a batch, from ``--fill`` rows inserted
-first): the read path, which the log should not slow.
+first): the read path, which the log should not slow; or update the
+priorities of ``--sample-batch`` rows a call, waiting for each answer (a
+prioritized table; rows/s then counts ids).
 
 ``--base DIR``: a tree holding ``server/replay_server`` (e.g. ``git archive
 COMMIT server | tar -x -C DIR``); its servers import that package instead of
@@ -46,6 +48,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from replay_server.checkpoint.wal.records import SEGMENT_HEADER_BYTES
 from wal import KINDS, rows  # benchmarks/ is on sys.path: this script's directory
@@ -64,7 +69,7 @@ class Server:
     """One replay-server process of one setting, and its writers' clients."""
 
     def __init__(self, root: Path, name: str, kind: str, level: str, base: str | None,
-                 args: argparse.Namespace) -> None:
+                 args: argparse.Namespace, sampler: str = "uniform") -> None:
         from replay_client import ReplayClient
 
         self.name, self.level, self.base = name, level, base
@@ -75,7 +80,7 @@ class Server:
         config.write_text(
             f'[server]\ncheckpoint_dir = "{root / "ckpt"}"\ncheckpoint_interval_s = 0\n'
             f'{log_lines}[[tables]]\nname = "bench"\ncapacity = {args.capacity}\n'
-            f'sampler = "uniform"\n{KINDS[kind][1]}')
+            f'sampler = "{sampler}"\n{KINDS[kind][1]}')
         env = dict(os.environ)
         if base is not None:
             env.update(WAL_BENCH_BASE=base,
@@ -96,6 +101,7 @@ class Server:
         self.calls = 0
         self.turns: list[float] = []  # calls/s of each turn after the warm-up
         self.inserts = 0  # insert calls answered since the start (warm-up included)
+        self.ids: list[Any] = []  # ids of the rows inserted to fill the table
         self.seconds = 0.0
 
     def turn(self, op: str, block: dict, seconds: float, batch: int) -> None:
@@ -112,9 +118,14 @@ class Server:
                         counts[k] += 1
                         if stop.is_set():
                             return
+            ids = torch.cat(self.ids) if op == "update" else None
             while not stop.is_set():
                 if op == "insert":
                     client.insert("bench", block)
+                elif op == "update":
+                    start = (counts[k] * batch) % max(1, len(ids) - batch)
+                    client.update_priorities("bench", ids[start:start + batch],
+                                             torch.rand(batch) + 0.1, wait=True)
                 else:
                     client.sample("bench", batch)
                 counts[k] += 1
@@ -205,15 +216,16 @@ def _bound(result: dict, rate: dict, bytes_per_row: float, disks: list[Disk]) ->
 
 def measure(root: Path, kind: str, op: str, args: argparse.Namespace) -> dict:
     trees = [("this", None)] + ([("base", str(Path(args.base).resolve()))] if args.base else [])
-    servers = [Server(root / f"{kind}-{op}-{tree}-{level}", f"{tree}/{level}", kind, level, base, args)
-               for tree, base in trees for level in args.levels.split(",")]
+    sampler = "prioritized" if op == "update" else "uniform"
+    servers = [Server(root / f"{kind}-{op}-{tree}-{level}", f"{tree}/{level}", kind, level, base,
+                      args, sampler) for tree, base in trees for level in args.levels.split(",")]
     block = rows(kind, args.batch, seed=1)
     per_call = args.batch if op == "insert" else args.sample_batch
     try:
         for server in servers:  # warm: the schema, the first segment; rows to sample
             if op != "insert":
                 for _ in range(max(1, args.fill // args.batch)):
-                    server.clients[0].insert("bench", block)
+                    server.ids.append(server.clients[0].insert("bench", block))
             server.turn(op, block, 0.2, args.sample_batch)
             server.calls, server.seconds, server.turns = 0, 0.0, []
         disks: list[Disk] = []
@@ -262,7 +274,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kinds", default="small", help="row kinds, comma-separated")
     parser.add_argument("--ops", default="insert",
-                        help="insert, sample, stream (comma-separated): what the clients do")
+                        help="insert, sample, stream, update (comma-separated): what the "
+                             "clients do")
     parser.add_argument("--sample-batch", type=int, default=256, help="rows per sample/batch")
     parser.add_argument("--fill", type=int, default=20_000, help="rows inserted before sampling")
     parser.add_argument("--levels", default="off,os,fsync")
