@@ -31,6 +31,7 @@ import argparse
 import json
 import multiprocessing
 import queue
+import os
 import statistics
 import sys
 import tempfile
@@ -160,12 +161,21 @@ def _ours(seconds: float) -> dict:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp, replay_server(Path(tmp), _CONFIG) as address:
-        client = ReplayClient(address, timeout=120)
-        for kind, rows in (("small", 200_000), ("atari", 20_000)):
-            chunk = 1_000 if kind == "atari" else 20_000
-            for first in range(0, rows, chunk):
-                client.insert(kind, _rows_as_torch(w.make_rows(kind, first, chunk)))
-        ids = client.sample("small", IDS).ids
+        # REPLAY_SHARED_MEMORY=0: the unary sample through gRPC, as from another host
+        # (on this host it goes through the sample stream's shared-memory region since
+        # 2026-11-29; that path is benchmarks/service.py's "sample (batch 256)").
+        # The client's call streams read it when first used; the learner's stream below
+        # (a shared-memory ring) when it opens, after it is gone again.
+        os.environ["REPLAY_SHARED_MEMORY"] = "0"
+        try:
+            client = ReplayClient(address, timeout=120)
+            for kind, rows in (("small", 200_000), ("atari", 20_000)):
+                chunk = 1_000 if kind == "atari" else 20_000
+                for first in range(0, rows, chunk):
+                    client.insert(kind, _rows_as_torch(w.make_rows(kind, first, chunk)))
+            ids = client.sample("small", IDS).ids
+        finally:
+            del os.environ["REPLAY_SHARED_MEMORY"]
         priorities = [torch.from_numpy(w.new_priorities(IDS, i)) for i in range(64)]
         turn = iter(range(1 << 62))
         update = _per_call(lambda: client.update_priorities(

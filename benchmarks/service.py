@@ -92,6 +92,22 @@ def _ours(kind: str, case: str, seconds: float, per_call: int = w.UPDATE_BATCH,
                 for first in range(0, prefill, chunk):
                     client.insert(kind, _rows_as_torch(w.make_rows(kind, first, chunk)))
                 if case == "sample":
+                    # A client with REPLAY_SHARED_MEMORY=0 samples as one on another host
+                    # does: the Sample call through gRPC (the plain client below, on this
+                    # host, samples through its sample stream's shared-memory region).
+                    os.environ["REPLAY_SHARED_MEMORY"] = "0"
+                    try:  # (read when its sample stream is made: at its first sample)
+                        remote = ReplayClient(address, timeout=120)
+                        remote.sample(kind, w.SAMPLE_BATCH)
+                    finally:
+                        del os.environ["REPLAY_SHARED_MEMORY"]
+                    rows = 0
+                    start = time.perf_counter()
+                    while time.perf_counter() - start < seconds:
+                        rows += remote.sample(kind, w.SAMPLE_BATCH).batch_size
+                    out.append({"api": f"sample (batch {w.SAMPLE_BATCH}, another host: gRPC)",
+                                "rows_per_s": rows / (time.perf_counter() - start)})
+                    remote.close()
                     # per_message None: the plain call, grouping chosen by the client.
                     for api, per_message, shm in (("sample", 1, False), ("stream", None, True),
                                                   ("stream", 1, False), ("stream", 8, False),

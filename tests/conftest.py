@@ -374,11 +374,12 @@ def stays(predicate, seconds: float = 0.5, interval: float = 0.02) -> bool:
     return bool(predicate())
 
 
-def chunked_inserts_only():
+def grpc_calls_only():
     """A module-scoped autouse fixture: clients made in the module send large inserts as
-    chunked calls, never through a shared-memory region (``REPLAY_SHARED_MEMORY=0``), as a
-    client on another host does: for tests of the chunked path and its memory budgets.
-    Assign it in the module (``_chunked = chunked_inserts_only()``)."""
+    chunked calls and make their samples as ``Sample`` calls, never through a call
+    stream's shared-memory region (``REPLAY_SHARED_MEMORY=0``), as a client on another host
+    does: for tests of the gRPC paths and their budgets. Assign it in the module
+    (``_grpc = grpc_calls_only()``)."""
 
     @pytest.fixture(scope="module", autouse=True)
     def fixture() -> Iterator[None]:

@@ -63,17 +63,19 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
+from replay_client.call_fallback import NOT_HANDLED, StreamFallback, drained
 from replay_client.connection import Connection, never_sent
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_client.errors import (
     DeadlineExceededError,
+    FailedPreconditionError,
     ReplayError,
     UnavailableError,
     from_status,
 )
 from replay_proto import messages
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, request_bytes_metadata
-from replay_proto.error_kinds import ERROR_KIND_KEY, ErrorKind
+from replay_proto.error_kinds import ErrorKind
 from replay_proto.v1 import replay_pb2 as pb
 
 log = logging.getLogger("replay_client.call_stream")
@@ -99,59 +101,18 @@ UPDATES = ("CallStream", "UpdateStream")
 """The RPCs priority updates may use, newest first."""
 
 INSERTS = ("CallStream",)
-"""The RPCs inserts may use."""
+"""The RPCs inserts and samples may use."""
 
 REGION_MIN_BYTES = 8 << 20
 """The smallest shared-memory region a client asks for (a power of two at least the insert)."""
 
+SAMPLE_REGION_MIN_BYTES = 64 << 10
+"""The smallest region a sample stream asks for (a power of two at least the batch, which
+the server names): a client sampling small batches holds little of ``shared_memory_mb``."""
+
 REGION_MAX_BYTES = 64 << 20
-"""Inserts larger than this are sent chunked, never through a region."""
-
-_NOT_HANDLED = frozenset({grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
-                          grpc.StatusCode.PERMISSION_DENIED})
-"""How a server ends a stream before it handles the request in hand (an unknown RPC, a
-refusal at admission or by the token check, a message it could not take): nothing of it
-was applied, and the request goes unary (which raises the refusal's own error if it
-stands). The same holds for a draining server's end (:func:`_drained`) and a connection
-gRPC never made (:func:`~replay_client.connection.never_sent`)."""
-
-
-def _drained(exc: grpc.RpcError) -> bool:
-    """Whether the server ended the stream because it is draining: it answers the request in
-    its hands first, so the stream ends with none in doubt (an UNAVAILABLE of the network
-    carries no error kind)."""
-    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-        return False
-    metadata = dict(exc.trailing_metadata() or ())
-    return metadata.get(ERROR_KIND_KEY) == ErrorKind.UNAVAILABLE.value
-
-
-class StreamFallback(Exception):
-    """This request did not go on the stream (nothing of it was applied): make the unary call
-    (:func:`unary_after`).
-
-    Attributes:
-        error: the server's own refusal when it answered the request UNAVAILABLE (draining,
-            restoring), else ``None``.
-    """
-
-    def __init__(self, message: str, error: ReplayError | None = None) -> None:
-        super().__init__(message)
-        self.error = error
-
-
-def unary_after(fallback: StreamFallback, call: Callable[[], T]) -> T:
-    """``call()``, the unary call a request that fell back makes; if the server had refused
-    the request itself as unavailable and the unary call finds it unavailable too (it went
-    away while draining), the server's own words are raised, as the unary call alone would
-    have raised them."""
-    try:
-        return call()
-    except UnavailableError:
-        if fallback.error is not None:
-            raise fallback.error from None
-        raise
+"""Inserts larger than this are sent chunked, and batches larger than this sampled with
+plain calls, never through a region."""
 
 
 class _Pending:
@@ -206,7 +167,9 @@ class CallStream:
 
     Args:
         connection: the server.
-        kind: the requests it carries: ``"update_priorities"`` or ``"insert"``.
+        kind: the requests it carries: ``"update_priorities"``, ``"insert"`` or
+            ``"sample"`` (same-host samples through its region only:
+            :meth:`sample_in_region`; samples may wait on the server, as inserts).
         window: requests that may be unanswered at once (``None``: 64 updates, which
             never wait on the server; one insert, which may wait for its rate limiter,
             while other threads' inserts go unary, so an insert held for one table never
@@ -282,6 +245,46 @@ class CallStream:
             return self._exchange(session, lambda sequence, timeout: messages.encode_region_insert(
                 sequence, nbytes, timeout), repeatable=False)
 
+    def sample_in_region(self, request: bytes,
+                         read: Callable[[pb.SampleResponse, SharedRing], T]) -> T:
+        """Send one encoded SampleRequest to be drawn into the call's shared-memory region
+        (same host only), asking for a region first, or a larger one when the server says
+        the batch needs it; return ``read(header, region)``, which must copy the batch out
+        (the region is the next request's). Only on a stream of kind ``"sample"``.
+
+        A sample is repeatable (a non-consuming table's draw changes nothing a client
+        relies on; a queue table's retry under the same lease gets the same rows), so a
+        stream that breaks falls back to the plain call.
+
+        Raises:
+            StreamFallback: no region (another host, shared memory off or over budget on
+                the server, a server without regions or without samples in them, a batch
+                larger than :data:`REGION_MAX_BYTES`, the stream busy or refused): make the
+                Sample call.
+            Otherwise as :meth:`send`.
+        """
+        if self._no_regions:
+            raise StreamFallback(f"no shared-memory region for samples ({self._no_regions})")
+        with self._slot():
+            with self._cond:
+                session = self._current()
+            if session.no_region:  # refused on this call (its budget): not asked again
+                raise StreamFallback(f"no shared-memory region ({session.no_region})")
+            for _ in range(3):  # the first without a region: the server says what it needs
+                answer = self._exchange(
+                    session, lambda sequence, timeout: messages.encode_call_request(
+                        sequence, "sample_in_region", request, timeout),
+                    repeatable=True, probe=True).sampled_in_region
+                region = session.region
+                if answer.batch and region is not None:
+                    return read(pb.SampleResponse.FromString(answer.batch), region)
+                needed = answer.region_bytes
+                if not 0 < needed <= REGION_MAX_BYTES:
+                    raise StreamFallback(f"a batch of {needed:,} bytes does not go through a "
+                                         f"region (at most {REGION_MAX_BYTES:,} bytes)")
+                self._ask_region(session, needed, SAMPLE_REGION_MIN_BYTES)
+            raise StreamFallback("the server's region stayed too small for the batch")
+
     @contextmanager
     def _slot(self) -> Iterator[None]:
         """Hold a slot of the window for one request (see the module docstring).
@@ -340,24 +343,30 @@ class CallStream:
         assert pending.answer is not None
         return pending.answer
 
-    def _ask_region(self, session: _Session, nbytes: int) -> SharedRing:
-        """Ask the server for a region of at least ``nbytes`` on ``session`` and map it; the
-        session's region from then on (the server replaces its earlier one).
+    def _ask_region(self, session: _Session, nbytes: int,
+                    least: int = REGION_MIN_BYTES) -> SharedRing:
+        """Ask the server for a region of at least ``nbytes`` (a power of two, at least
+        ``least``) on ``session`` and map it; the session's region from then on (the server
+        replaces its earlier one).
 
         Raises:
             StreamFallback: the server has none to give (it said why), or it cannot be mapped
                 here (another host after all, another container's /dev/shm).
         """
         if session.no_region:
-            raise StreamFallback(f"no shared-memory region for inserts ({session.no_region})")
-        want = min(max(REGION_MIN_BYTES, 1 << (nbytes - 1).bit_length()), REGION_MAX_BYTES)
+            raise StreamFallback(f"no shared-memory region ({session.no_region})")
+        want = min(max(least, 1 << (nbytes - 1).bit_length()), REGION_MAX_BYTES)
         ask = pb.SharedInsertRegion(host_id=host_id(), bytes=want).SerializeToString()
         try:
             offer = self._exchange(session, lambda sequence, timeout: messages.encode_call_request(
                 sequence, "insert_region", ask, timeout), repeatable=True, probe=True).region_offer
         except ReplayError as exc:  # the server's refusal: not on this call again
             session.no_region = str(exc)
-            raise StreamFallback(f"no shared-memory region for inserts ({exc})") from None
+            if isinstance(exc, FailedPreconditionError):  # another host, or shared memory off
+                self._no_regions = str(exc)  # that server never has one for this client
+                if self._kind == "sample":  # a sample stream without a region serves nothing
+                    self._end(session)
+            raise StreamFallback(f"no shared-memory region ({exc})") from None
         ring: SharedRing | None = None
         try:
             ring = SharedRing.open(offer.name, offer.token, offer.slots, offer.slot_bytes,
@@ -374,16 +383,16 @@ class CallStream:
             if ring is not None:
                 ring.close()
             session.no_region = str(exc)
-            raise StreamFallback(f"no shared-memory region for inserts ({exc})") from None
+            raise StreamFallback(f"no shared-memory region ({exc})") from None
         except BaseException:
             if ring is not None:
                 ring.close()
             raise
         if ring is None:
             self._no_regions = answer.reason  # this host cannot map the server's regions
-            log.info("cannot map the server's shared-memory region for inserts (%s); large "
-                     "inserts go chunked", answer.reason)
-            raise StreamFallback(f"no shared-memory region for inserts ({answer.reason})")
+            log.info("cannot map the server's shared-memory region for %ss (%s); they go "
+                     "as plain calls", self._kind, answer.reason)
+            raise StreamFallback(f"no shared-memory region ({answer.reason})")
         if session.region is not None:
             session.region.close()
         session.region = ring
@@ -392,8 +401,15 @@ class CallStream:
     def close(self) -> None:
         """End the stream (requests in flight get StreamFallback if unanswered; an insert in
         the server's hands, UnavailableError)."""
+        self._end(None)
+
+    def _end(self, only: _Session | None) -> None:
+        """End the current call (``only``: if it is that one), as :meth:`close` says."""
         with self._cond:
-            session, self._session = self._session, None
+            session = self._session
+            if only is not None and session is not only:
+                return
+            self._session = None
             if session is not None:
                 session.outgoing.put(None)  # half-close: the server answers what it has, then ends
                 session.closed = True
@@ -440,13 +456,13 @@ class CallStream:
             why: BaseException = StreamFallback("the call stream ended")
         except grpc.RpcError as exc:
             code = exc.code()
-            handled = code not in _NOT_HANDLED and not _drained(exc) and not never_sent(exc)
+            handled = code not in NOT_HANDLED and not drained(exc) and not never_sent(exc)
             with self._cond:
                 probe = bool(session.pending) and session.pending[0].probe
             if probe and code == grpc.StatusCode.INVALID_ARGUMENT:  # a server before regions
                 self._no_regions = f"the server at {self._connection.address} has none"
-                log.info("server at %s has no shared-memory regions for inserts; large "
-                         "inserts go chunked", self._connection.address)
+                log.info("server at %s has no shared-memory regions for %ss; they go as "
+                         "plain calls", self._connection.address, self._kind)
             elif code == grpc.StatusCode.UNIMPLEMENTED:
                 with self._cond:
                     if self._methods and self._methods[0] == session.method:

@@ -10,7 +10,10 @@ travel as several messages (:mod:`replay_proto.chunks`; ``replay.proto``,
   copy, as one message would take); an insert of a few rows goes on the
   client's call stream (:mod:`replay_client.call_stream`) when it has one.
 * :class:`LargeAnswers` samples with the unary ``Sample`` and fetches with
-  the unary ``Fetch``; an answer the server says is over the message limit
+  the unary ``Fetch``; a client on the server's host samples through its
+  sample call stream's shared-memory region instead (the batch is gathered
+  there by the server and copied out by the client: no bytes through gRPC).
+  An answer the server says is over the message limit
   (it refuses before drawing or encoding anything) is asked again with
   ``SampleChunks`` or ``FetchChunks``, and so is every later batch of that
   table at least as large, or fetch of that variable. (The unary calls are
@@ -22,12 +25,15 @@ Thread-safe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from replay_client.call_stream import REGION_MAX_BYTES, CallStream, StreamFallback, unary_after
+from replay_client.call_fallback import StreamFallback, unary_after
+from replay_client.call_stream import REGION_MAX_BYTES, CallStream
 from replay_client.connection import CLIENT_TIMEOUT, Connection
+from replay_feed.shared_ring import SharedMemoryError, SharedRing
 from replay_client.errors import InternalError, MessageTooLargeError
 from replay_proto import messages, variable_codec
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES
@@ -35,6 +41,7 @@ from replay_proto.batch import SampleBatch
 from replay_proto.chunks import chunk_bytes, frame_chunks
 from replay_proto.codec import CodecError, frame, frame_parts
 from replay_proto.sample_codec import SampleDecoder, decode_sample, split_sample
+from replay_proto.v1 import replay_pb2 as pb
 
 
 def insert(connection: Connection, table: str, columns: dict[str, torch.Tensor],
@@ -89,23 +96,40 @@ def publish(connection: Connection, name: str, tensors: dict[str, torch.Tensor])
 
 class LargeAnswers:
     """Samples and fetches: the unary call, or the ``*Chunks`` one once the server said the
-    answer is over the message limit (it refuses before drawing or encoding anything).
+    answer is over the message limit (it refuses before drawing or encoding anything);
+    samples on the server's host through a call stream's region when there is one.
 
     Remembers, per table, the smallest batch size that was too large, and the
     variables that were, so later calls go straight to chunks.
 
     Args:
         connection: the server's connection.
+        stream: this process's call stream for samples (``None``: plain calls only).
     """
 
-    def __init__(self, connection: Connection) -> None:
+    def __init__(self, connection: Connection,
+                 stream: Callable[[], CallStream] | None = None) -> None:
         self.connection = connection
+        self._stream = stream
         self._chunked_from: dict[str, int] = {}  # table -> smallest batch size too large
         self._large_variables: set[str] = set()
 
     def sample(self, table: str, batch_size: int, request: bytes,
                timeout: Any = CLIENT_TIMEOUT) -> SampleBatch:
-        """The batch ``request`` (an encoded SampleRequest for ``batch_size`` rows) asks for."""
+        """The batch ``request`` (an encoded SampleRequest for ``batch_size`` rows) asks for:
+        through the sample stream's region (with the client's own timeout only), else as
+        below."""
+        if self._stream is not None and timeout is CLIENT_TIMEOUT:
+            try:
+                return self._stream().sample_in_region(request, _owned_batch)
+            except StreamFallback as fallback:
+                return unary_after(fallback, lambda: self._plain_sample(
+                    table, batch_size, request, timeout))
+        return self._plain_sample(table, batch_size, request, timeout)
+
+    def _plain_sample(self, table: str, batch_size: int, request: bytes,
+                      timeout: Any) -> SampleBatch:
+        """The batch through ``Sample``, or ``SampleChunks`` when it is over the message limit."""
         if batch_size < self._chunked_from.get(table, batch_size + 1):
             try:
                 return decode_sample(self.connection.unary("Sample", request, retry=True,
@@ -140,6 +164,20 @@ class LargeAnswers:
             return variable_codec.decode_fetch_chunks(answers)
         except CodecError as exc:
             raise InternalError(f"the server's FetchChunks answer: {exc}") from None
+
+
+def _owned_batch(header: pb.SampleResponse, region: SharedRing) -> SampleBatch:
+    """The batch a ``sampled_in_region`` answer places in ``region``, copied out of it (the
+    region is the stream's next request's).
+
+    Raises:
+        InternalError: the answer does not describe tensors inside the region.
+    """
+    try:
+        batch = SampleDecoder(ring_view=region.view).add(header, memoryview(b""))[0]
+    except (CodecError, SharedMemoryError) as exc:
+        raise InternalError(f"the server's sample_in_region answer: {exc}") from None
+    return batch.with_tensors([tensor.clone() for tensor in batch.tensors()])
 
 
 def _chunks(build: Any) -> list[bytes]:

@@ -24,7 +24,8 @@ from replay_client.stream_options import feed_core, reconnect_window, stream_opt
 from replay_client.table_info import ServerInfo, TableInfo, server_info_of
 from replay_client.tls import TlsConfig
 from replay_client.update_parts import max_ids_per_message, update_parts
-from replay_client.call_stream import CallStream, StreamFallback, unary_after
+from replay_client.call_fallback import StreamFallback, unary_after
+from replay_client.call_stream import CallStream
 from replay_client.updates import PriorityUpdater
 from replay_client.variables import Variable
 from replay_client.writer import Writer
@@ -106,12 +107,12 @@ class ServerClient:
                 "REPLAY_TOKEN"), max_message_mb=max_message_mb, max_retry_s=max_retry_s,
             tls=TlsConfig() if tls is True else (tls or None),
             allow_plaintext_token=allow_plaintext_token, connect_timeout_s=connect_timeout_s)
-        self._answers = chunked.LargeAnswers(self._connection)
+        self._answers = chunked.LargeAnswers(self._connection, lambda: self._stream("sample"))
         self._leases = ClientLeases()
         self._lock = threading.Lock()
         self._updater: PriorityUpdater | None = None
         self._updater_pid = 0
-        self._call_streams: dict[str, CallStream] = {}  # by kind: updates, inserts
+        self._call_streams: dict[str, CallStream] = {}  # by kind: updates, inserts, samples
         self._call_streams_pid = 0
         self._slice_lens: dict[str, int] = {}
 

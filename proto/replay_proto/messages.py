@@ -30,7 +30,8 @@ from replay_proto.v1 import replay_pb2 as pb
 
 _CALL_FIELD_TAGS = {  # CallStreamRequest's requests, as their fields' tags (length-delimited)
     kind: varint((pb.CallStreamRequest.DESCRIPTOR.fields_by_name[kind].number << 3) | 2)
-    for kind in ("update_priorities", "insert", "insert_region", "region_answer")}
+    for kind in ("update_priorities", "insert", "insert_region", "region_answer",
+                 "sample_in_region")}
 
 # ------------------------------------------------------------------- insert
 
@@ -123,7 +124,9 @@ def _update_arrays(payload: memoryview, count: int, shape: Sequence[int] = ()
 def encode_call_request(sequence: int, kind: str, request: bytes,
                         timeout_s: float | None = None) -> bytes:
     """A CallStream message carrying ``request``: an encoded UpdatePrioritiesRequest
-    (``kind`` ``"update_priorities"``) or Insert request (``"insert"``), which may wait
+    (``kind`` ``"update_priorities"``), Insert request (``"insert"``), SampleRequest
+    (``"sample_in_region"``) or region control message (``"insert_region"``,
+    ``"region_answer"``), which may wait
     ``timeout_s`` on the server (``None``: the server's default). One copy of ``request``."""
     header = pb.CallStreamRequest(sequence=sequence, timeout_s=timeout_s or 0.0)
     return b"".join([header.SerializeToString(), _CALL_FIELD_TAGS[kind], varint(len(request)),
@@ -162,7 +165,8 @@ def decode_call_request(raw: bytes) -> pb.CallStreamRequest:
         raise CodecError(f"malformed CallStreamRequest: {exc}") from None
     if message.WhichOneof("call") is None:
         raise CodecError("a CallStreamRequest must carry a request (update_priorities, insert, "
-                         "insert_region, region_answer or insert_in_region)")
+                         "insert_region, region_answer, insert_in_region or "
+                         "sample_in_region)")
     if not message.timeout_s >= 0:  # NaN too
         raise CodecError(f"a CallStreamRequest's timeout_s must be >= 0, not {message.timeout_s}")
     return message

@@ -19,11 +19,11 @@ from replay_proto import messages, variable_codec
 from replay_proto.chunks import frame_chunks
 from replay_proto.codec import frame, split_payload
 from replay_proto.v1 import replay_pb2 as pb
-from tests.conftest import ServerProcess, chunked_inserts_only, module_server, wait_for
+from tests.conftest import ServerProcess, grpc_calls_only, module_server, wait_for
 
 from tests.wire import encode_insert
 
-_chunked = chunked_inserts_only()  # the chunked path's budgets, as from another host
+_chunked = grpc_calls_only()  # the chunked path's budgets, as from another host
 
 ROW = (64, 64, 4)  # uint8: 16 KiB per row
 WIDE_ROW = (1024, 1024, 2)  # uint8: 2 MiB per row, over the message limit

@@ -33,11 +33,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from replay_client import ReplayClient, errors
 from replay_proto.v1 import replay_pb2 as pb
-from tests.conftest import ServerProcess, chunked_inserts_only, start_server, stays, wait_for
+from tests.conftest import ServerProcess, grpc_calls_only, start_server, stays, wait_for
 
 from tests.integration.raw_http2 import RawConnection
 
-_chunked = chunked_inserts_only()  # the chunked path's budgets, as from another host
+_chunked = grpc_calls_only()  # the chunked path's budgets, as from another host
 
 IDLE_S = 2
 CALLS = 20

@@ -25,11 +25,11 @@ import torch
 
 from replay_client import ReplayClient
 from replay_proto.v1 import replay_pb2 as pb
-from tests.conftest import chunked_inserts_only, wait_for
+from tests.conftest import grpc_calls_only, wait_for
 
 from tests.integration.raw_http2 import RawConnection
 
-_chunked = chunked_inserts_only()  # the chunked path's budgets, as from another host
+_chunked = grpc_calls_only()  # the chunked path's budgets, as from another host
 
 CONFIG = """
 [server]

@@ -42,7 +42,7 @@ import torch
 from replay_client import ReplayClient
 from replay_client.errors import LimitExceededError, UnavailableError
 from replay_server import grpc_experiments
-from tests.conftest import ServerProcess, chunked_inserts_only, module_server
+from tests.conftest import ServerProcess, grpc_calls_only, module_server
 from tests.tools.proxy import LinkProxy
 from tests.integration.raw_http2 import (
     DATA,
@@ -58,7 +58,7 @@ from tests.integration.raw_http2 import (
     header_block,
 )
 
-_chunked = chunked_inserts_only()  # large inserts as chunked calls, as from another host
+_chunked = grpc_calls_only()  # large inserts as chunked calls, as from another host
 
 CONFIG = """
 [server]

@@ -31,14 +31,14 @@ from replay_client import ReplayClient, errors
 from replay_proto.v1 import replay_pb2 as pb
 from tests.conftest import (
     ServerProcess,
-    chunked_inserts_only,
+    grpc_calls_only,
     module_server,
     run_threads,
     start_server,
     wait_for,
 )
 
-_chunked = chunked_inserts_only()  # the chunked path's budgets, as from another host
+_chunked = grpc_calls_only()  # the chunked path's budgets, as from another host
 
 
 TOKEN = "budget-test-token"

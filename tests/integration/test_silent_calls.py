@@ -30,11 +30,11 @@ import torch
 
 from replay_client import ReplayClient, errors
 from replay_proto.v1 import replay_pb2 as pb
-from tests.conftest import ServerProcess, chunked_inserts_only, module_server, wait_for
+from tests.conftest import ServerProcess, grpc_calls_only, module_server, wait_for
 
 from tests.integration.raw_http2 import RawConnection
 
-_chunked = chunked_inserts_only()  # the chunked path's budgets, as from another host
+_chunked = grpc_calls_only()  # the chunked path's budgets, as from another host
 
 REQUEST_TIMEOUT_S = 2.0
 SERVICE = "/replay.v1.ReplayService/"

@@ -83,6 +83,13 @@ class Waiters:
         assert not any(t.is_alive() for t in self.threads)
 
 
+def _sample_once(address: str, table: str, **kwargs):
+    """One sample by a client of its own, closed after it (a same-host client's sample call
+    stream, which would wait in the pool for its next request, ends with it)."""
+    with ReplayClient(address, timeout=30) as client:
+        return client.sample(table, 4, **kwargs)
+
+
 def waiting(client: ReplayClient) -> int:
     """Calls in the waiting pool, or -1 (no count matches) where the asking call itself was
     refused: a call's working slot is freed by a callback after its answer went out, so on
@@ -101,9 +108,8 @@ def test_waiters_never_take_the_slots_of_the_calls_that_release_them(served) -> 
     waiters = Waiters()
     waiters.start(lambda: ReplayClient(served.address, timeout=40).fetch(
         "policy", newer_than=version, timeout=30), 20)
-    waiters.start(lambda: ReplayClient(served.address, timeout=30).sample("gate", 4), 15)
-    waiters.start(lambda: ReplayClient(served.address, timeout=30).sample(
-        "empty", 4, wait=True), 15)
+    waiters.start(lambda: _sample_once(served.address, "gate"), 15)
+    waiters.start(lambda: _sample_once(served.address, "empty", wait=True), 15)
     assert wait_for(lambda: waiting(client) >= 50, timeout=JOIN_S)  # 6 times WORKING
     # With every waiter waiting, the calls that release them are served: no OverloadedError.
     assert client.info()["gate"].rate_limiter["blocked_samples"] == 15

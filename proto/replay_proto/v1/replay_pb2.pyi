@@ -562,13 +562,14 @@ class FetchResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class CallStreamRequest(_message.Message):
-    __slots__ = ("sequence", "update_priorities", "insert", "insert_region", "region_answer", "insert_in_region", "timeout_s")
+    __slots__ = ("sequence", "update_priorities", "insert", "insert_region", "region_answer", "insert_in_region", "sample_in_region", "timeout_s")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     INSERT_FIELD_NUMBER: _ClassVar[int]
     INSERT_REGION_FIELD_NUMBER: _ClassVar[int]
     REGION_ANSWER_FIELD_NUMBER: _ClassVar[int]
     INSERT_IN_REGION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IN_REGION_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     update_priorities: UpdatePrioritiesRequest
@@ -576,8 +577,9 @@ class CallStreamRequest(_message.Message):
     insert_region: SharedInsertRegion
     region_answer: SharedMemoryAnswer
     insert_in_region: int
+    sample_in_region: bytes
     timeout_s: float
-    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., insert: _Optional[bytes] = ..., insert_region: _Optional[_Union[SharedInsertRegion, _Mapping]] = ..., region_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., insert_in_region: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., insert: _Optional[bytes] = ..., insert_region: _Optional[_Union[SharedInsertRegion, _Mapping]] = ..., region_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., insert_in_region: _Optional[int] = ..., sample_in_region: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SharedInsertRegion(_message.Message):
     __slots__ = ("host_id", "bytes")
@@ -598,20 +600,30 @@ class CallError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CallStreamResponse(_message.Message):
-    __slots__ = ("sequence", "update_priorities", "error", "insert", "region_offer", "region_answer")
+    __slots__ = ("sequence", "update_priorities", "error", "insert", "region_offer", "region_answer", "sampled_in_region")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INSERT_FIELD_NUMBER: _ClassVar[int]
     REGION_OFFER_FIELD_NUMBER: _ClassVar[int]
     REGION_ANSWER_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_IN_REGION_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     update_priorities: UpdatePrioritiesResponse
     error: CallError
     insert: InsertResponse
     region_offer: SharedMemoryOffer
     region_answer: SharedMemoryAnswer
-    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., insert: _Optional[_Union[InsertResponse, _Mapping]] = ..., region_offer: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., region_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ...) -> None: ...
+    sampled_in_region: SampledInRegion
+    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., insert: _Optional[_Union[InsertResponse, _Mapping]] = ..., region_offer: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., region_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., sampled_in_region: _Optional[_Union[SampledInRegion, _Mapping]] = ...) -> None: ...
+
+class SampledInRegion(_message.Message):
+    __slots__ = ("batch", "region_bytes")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    batch: bytes
+    region_bytes: int
+    def __init__(self, batch: _Optional[bytes] = ..., region_bytes: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("table", "ids")

@@ -371,6 +371,20 @@ class ReplayServiceServicer:
         The client writes the slot only while no insert_in_region is unanswered.
         A new `insert_region` replaces the stream's region; the region ends with
         the stream.
+
+        Same-host samples through the same region: `sample_in_region` carries a
+        SampleRequest's bytes (exactly as Sample takes them; its lease and
+        acknowledgements too). The server checks, before drawing anything, that
+        the batch fits the stream's mapped region; if it does not (or there is
+        none), it answers `sampled_in_region` with only `region_bytes`, the
+        region size the batch needs, and nothing is drawn: the client asks for a
+        region that large and sends the request again (or makes the Sample call).
+        Else it gathers the batch straight into the slot and answers
+        `sampled_in_region.batch`: a SampleResponse whose `shared_memory` names
+        slot 0 and each tensor's offset in it (as SampleStream's ring batches).
+        The batch stays there only until the client's next request on the
+        stream: the client copies it out first. Waiting, errors and leases are
+        the Sample call's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

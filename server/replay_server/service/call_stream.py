@@ -31,9 +31,12 @@ update, a busy table, and an insert held back by its rate limiter (it then
 waits holding no thread) go to the pool like every other call.
 
 A client on the server's host may also ask for a shared-memory region for
-its inserts (:mod:`~replay_server.service.insert_region`): then a large
+its inserts (:mod:`~replay_server.service.call_region`): then a large
 insert's bytes lie in /dev/shm and its request says only how many
-(``insert_in_region``), handled in the pool as a large insert is.
+(``insert_in_region``), handled in the pool as a large insert is. Its sample
+stream's samples go the other way (``sample_in_region``,
+:mod:`~replay_server.service.region_sample`): drawn in the pool straight into
+the region, waiting as a unary Sample waits, answered with where the batch lies.
 
 Bounds: the call is admitted like every other
 (:mod:`replay_server.service.admission`; call streams may hold at most half
@@ -73,7 +76,7 @@ from replay_server.errors import FailedPreconditionError, InvalidArgumentError, 
 from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.excerpt import STATUS_CHARS, excerpt
-from replay_server.service.insert_region import InsertRegion
+from replay_server.service.call_region import CallRegion
 from replay_server.service.status import OverloadedError, ShuttingDownError, status_of
 
 log = logging.getLogger("replay_server.service")
@@ -99,6 +102,10 @@ InsertedNow = tuple[str, pb.InsertResponse, "asyncio.Future[None] | None"]
 """An insert stored at once: its table, its answer, and what the answer waits for first (a
 logged table's record to be durable; ``None``: nothing)."""
 
+SampleFn = Callable[[bytes, CallRegion], tuple[str, pb.SampledInRegion]]
+"""Draws one sample (a SampleRequest's bytes) into the stream's region in the engine pool:
+``-> (table, answer)``."""
+
 InsertNowFn = Callable[[bytes], "InsertedNow | None"]
 """Stores one small insert at once if that is quick now (``Table.insert_now_durable``), else
 ``None``."""
@@ -106,6 +113,7 @@ InsertNowFn = Callable[[bytes], "InsertedNow | None"]
 _SERVICE = pb.DESCRIPTOR.services_by_name["ReplayService"].full_name
 _INSERT = f"/{_SERVICE}/Insert"
 _UPDATE = f"/{_SERVICE}/UpdatePriorities"
+_SAMPLE = f"/{_SERVICE}/Sample"
 """The unary calls that requests on a call stream stand for (in the metrics)."""
 
 INLINE_MAX_IDS = 4096
@@ -125,16 +133,18 @@ class CallStreamHandler:
         insert: applies one insert in the engine pool (the unary handler's work).
         update_now: applies one small update at once if its table is free, else ``None``.
         insert_now: stores one insert at once if that is quick now, else ``None``.
-        region: makes a stream's shared-memory region for inserts
-            (:mod:`~replay_server.service.insert_region`; ``None``: none is offered).
+        region: makes a stream's shared-memory region for inserts and samples
+            (:mod:`~replay_server.service.call_region`; ``None``: none is offered).
+        sample: draws one sample into a stream's region in the engine pool (``None``:
+            ``sample_in_region`` is refused).
         max_streams: the server's ``max_streams``; call streams may hold half of it (at
             least one), the rest stays for sample streams.
     """
 
     def __init__(self, calls: CallRunner, update: UpdateFn, insert: InsertFn,
                  update_now: UpdateNowFn | None = None, insert_now: InsertNowFn | None = None,
-                 *, region: Callable[[], InsertRegion] | None = None,
-                 max_streams: int) -> None:
+                 *, region: Callable[[], CallRegion] | None = None,
+                 sample: SampleFn | None = None, max_streams: int) -> None:
         self.max_open = max(1, max_streams // 2)
         """Call streams open at once at most (see the module docstring)."""
         self.open = 0
@@ -147,6 +157,7 @@ class CallStreamHandler:
         self._update_now = update_now
         self._insert_now = insert_now
         self._region = region
+        self._sample = sample
         self._idle: set[asyncio.Task] = set()  # calls waiting for their client's next request
         calls.on_drain.append(self._end_idle)
 
@@ -176,7 +187,7 @@ class CallStreamHandler:
 
     async def _serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
                      reservation: Reservation,
-                     region: InsertRegion | None) -> AsyncIterator[bytes]:
+                     region: CallRegion | None) -> AsyncIterator[bytes]:
         calls = self._calls
         declared = reservation.nbytes
         try:  # one message and what decoding it makes, held while the stream is open
@@ -223,6 +234,9 @@ class CallStreamHandler:
                 elif kind == "insert_in_region":
                     answer.insert.CopyFrom(await self._insert_in_region(
                         request, context, _region(region)))
+                elif kind == "sample_in_region":
+                    answer.sampled_in_region.CopyFrom(await self._sample_in_region(
+                        request, context, _region(region)))
                 elif kind == "insert_region":  # reserving its pages takes time: the pool's
                     answer.region_offer.CopyFrom(await asyncio.get_running_loop().run_in_executor(
                         calls.executor, _region(region).open, request.insert_region))
@@ -245,13 +259,18 @@ class CallStreamHandler:
     def _count(self, kind: str, request: pb.CallStreamRequest, answer: pb.CallStreamResponse,
                started: float) -> None:
         """Tell :attr:`counted` of one handled request, as the unary call it stands for."""
-        if self.counted is None or kind in ("insert_region", "region_answer"):
-            return
+        if self.counted is None or kind in ("insert_region", "region_answer") or (
+                kind == "sample_in_region" and answer.sampled_in_region.region_bytes):
+            return  # region control: no call a client made (a sample that found its
+            # region too small is made again, and counted then)
         if kind == "insert":
             path, received, sent = _INSERT, len(request.insert), answer.insert.ByteSize()
         elif kind == "insert_in_region":
             path, received = _INSERT, request.insert_in_region
             sent = answer.insert.ByteSize()
+        elif kind == "sample_in_region":
+            path, received = _SAMPLE, len(request.sample_in_region)
+            sent = answer.sampled_in_region.ByteSize()
         else:
             path, received = _UPDATE, request.update_priorities.ByteSize()
             sent = answer.update_priorities.ByteSize()
@@ -299,7 +318,7 @@ class CallStreamHandler:
 
     async def _insert_in_region(self, request: pb.CallStreamRequest,
                                 context: grpc.aio.ServicerContext,
-                                region: InsertRegion) -> pb.InsertResponse:
+                                region: CallRegion) -> pb.InsertResponse:
         """An insert whose request lies in the stream's shared-memory region: decoded from it
         (views, no copy) and stored in the pool as :meth:`_apply_insert` stores a large one.
         Its bytes are the region's (counted in ``shared_memory_mb``), so it reserves nothing
@@ -308,6 +327,18 @@ class CallStreamHandler:
         raw = region.request(request.insert_in_region)
         return await self._calls.change(context, self._insert, raw, aborting=False,
                                         time_remaining=self._remaining(request))
+
+    async def _sample_in_region(self, request: pb.CallStreamRequest,
+                                context: grpc.aio.ServicerContext,
+                                region: CallRegion) -> pb.SampledInRegion:
+        """A sample drawn into the stream's region in the pool, waiting (holding no thread)
+        up to the request's ``timeout_s`` while its table cannot serve it, as the unary
+        Sample waits. The region's bytes are counted in ``shared_memory_mb``: nothing of
+        ``memory_budget_mb`` is reserved for the batch."""
+        if self._sample is None:
+            raise FailedPreconditionError("this server samples into no shared-memory region")
+        return await self._calls.change(context, self._sample, request.sample_in_region, region,
+                                        aborting=False, time_remaining=self._remaining(request))
 
     def _remaining(self, request: pb.CallStreamRequest) -> Callable[[], float | None]:
         """How long ``request`` may still wait: its ``timeout_s`` from now, or (0) the
@@ -320,7 +351,7 @@ class CallStreamHandler:
         return lambda: give_up_at - loop.time()
 
 
-def _region(region: InsertRegion | None) -> InsertRegion:
+def _region(region: CallRegion | None) -> CallRegion:
     """The stream's region keeper, or the refusal of a server that offers none."""
     if region is None:
         raise FailedPreconditionError("this server offers no shared-memory region for inserts")

@@ -62,11 +62,13 @@ class RowService:
         row_bytes = (schema.row_bytes if schema is not None and request.columns else 0)
         estimate = count * (row_bytes + _EXTRA_BYTES_PER_ROW)
         if estimate > self._max_message - HEADROOM:
-            fit = max(1, (self._max_message - HEADROOM) // (row_bytes + _EXTRA_BYTES_PER_ROW))
+            fit = (self._max_message - HEADROOM) // (row_bytes + _EXTRA_BYTES_PER_ROW)
+            advice = (f"read at most {fit} rows per call" if fit else
+                      "one row is over it: read fewer columns, or raise server.max_message_mb "
+                      "(and the client's max_message_mb)")
             raise MessageTooLargeError(
                 f"table {table.name!r}: reading {count} rows is about {estimate >> 20} MiB, over "
-                f"the {self._max_message >> 20} MiB message limit; read at most {fit} rows per "
-                f"call")
+                f"the {self._max_message >> 20} MiB message limit; {advice}")
         reservation.resize(len(raw) + 2 * estimate, f"Read: {count} rows of {table.name!r}")
         array = np.fromiter(values, dtype=np.int64, count=count)
         found = table.read_rows(**{"ids" if request.by_id else "positions": array},

@@ -60,7 +60,8 @@ from replay_server.service.call_stream import (
     InsertedNow,
     UpdatedNow,
 )
-from replay_server.service.insert_region import InsertRegion
+from replay_server.service.call_region import CallRegion
+from replay_server.service.region_sample import region_short, sample_in_region
 from replay_server.service.variables import VariableService
 from replay_server.service.waiting import draw
 
@@ -126,9 +127,11 @@ class ReplayServicer:
         """Publish and Fetch (named variables)."""
         self.call_streams = CallStreamHandler(self.calls, self._stream_update, self._stream_insert,
                                               self._stream_update_now, self._stream_insert_now,
-                                              region=self._insert_region,
+                                              region=self._call_region,
+                                              sample=self._stream_sample,
                                               max_streams=admission.limits.max_streams)
-        """Small updates and inserts on persistent streams (CallStream, UpdateStream)."""
+        """Small updates, inserts and same-host samples on persistent streams (CallStream,
+        UpdateStream)."""
         self.rows = RowService(lambda: self._tables, self.calls, max_message_bytes)
         """Read, Write and SetSampling."""
         self.calls.on_drain.append(self._wake_streams)
@@ -182,10 +185,10 @@ class ReplayServicer:
         return call.table, _inserted(self._tables[call.table].insert(call.columns,
                                                                      call.priorities))
 
-    def _insert_region(self) -> InsertRegion:
-        """A call stream's keeper of a shared-memory region for inserts."""
+    def _call_region(self) -> CallRegion:
+        """A call stream's keeper of a shared-memory region for inserts and samples."""
         limits = self._stream_limits
-        return InsertRegion(limits.shared_memory, limits.shared_memory_budget)
+        return CallRegion(limits.shared_memory, limits.shared_memory_budget)
 
     def _stream_insert_now(self, raw: bytes) -> InsertedNow | None:
         """A small insert stored on the event loop if that is quick now
@@ -222,6 +225,21 @@ class ReplayServicer:
         if chunks:
             return request.table, encode_sample(batch, 0, chunk_bytes(self._max_message))
         return request.table, encode_sample(batch, 0, self._max_message)[0]
+
+    def _stream_sample(self, raw: bytes, region: CallRegion) -> tuple[str, pb.SampledInRegion]:
+        """A call stream's ``sample_in_region``: the batch gathered into the stream's region,
+        or (nothing drawn) the region size it needs (:mod:`~replay_server.service.region_sample`)."""
+        request = _parse(pb.SampleRequest, raw)
+        table = self._tables[request.table]
+        size = request.batch_size
+        self._check_unary_size(table, size, message=False)
+        layout = table.batch_layout(size) if 1 <= size <= MAX_BATCH_SIZE else {}
+        ring = region.mapped()
+        short = region_short(table, size, layout, ring)
+        if short or ring is None:
+            return request.table, pb.SampledInRegion(region_bytes=short)
+        return request.table, sample_in_region(table, request, self._lease(table, request),
+                                               ring, layout)
 
     @staticmethod
     def _lease(table: Table, request: pb.SampleRequest) -> LeaseRequest | None:
@@ -414,18 +432,20 @@ class ReplayServicer:
 
     # ---------------------------------------------------------------- helpers
 
-    def _check_unary_size(self, table: Table, batch_size: int, chunks: bool = False) -> int:
+    def _check_unary_size(self, table: Table, batch_size: int, chunks: bool = False,
+                          message: bool = True) -> int:
         """The bytes of a batch of ``batch_size``, refused if over the message (one message,
-        or with ``chunks`` one row) or batch limit."""
+        or with ``chunks`` one row; ``message=False``: no message carries it) or batch
+        limit."""
         # An invalid batch_size is the table's to refuse (INVALID_ARGUMENT), not a size problem.
         estimate = table.batch_nbytes(batch_size) if 1 <= batch_size <= MAX_BATCH_SIZE else 0
         row = table.batch_nbytes(1) if estimate else 0
-        if chunks and row > chunk_bytes(self._max_message):
+        if message and chunks and row > chunk_bytes(self._max_message):
             raise LimitExceededError(
                 f"table {table.name!r}: one row (or slice) of a sample is about {row >> 10} KiB, "
                 f"over the {self._max_message >> 20} MiB message limit less its header; raise "
                 f"server.max_message_mb (and the client's max_message_mb)")
-        if not chunks and estimate > self._max_message - HEADROOM:
+        if message and not chunks and estimate > self._max_message - HEADROOM:
             raise MessageTooLargeError(
                 f"table {table.name!r}: a batch of {batch_size} is about {estimate >> 20} MiB, "
                 f"over the {self._max_message >> 20} MiB message limit: sample it with "

@@ -12,7 +12,7 @@ from replay_feed.shared_ring import SharedRing, host_id
 from replay_proto.v1 import replay_pb2 as pb
 from replay_server.errors import FailedPreconditionError, InvalidArgumentError
 from replay_server.service.budget import MemoryBudget
-from replay_server.service.insert_region import MAX_REGION_BYTES, InsertRegion
+from replay_server.service.call_region import MAX_REGION_BYTES, CallRegion
 from replay_server.service.status import LimitExceededError, OverloadedError
 
 MIB = 2**20
@@ -30,7 +30,7 @@ def shm(tmp_path, monkeypatch):
 
 def test_a_region_is_offered_mapped_read_and_removed_with_the_stream(shm) -> None:
     budget = MemoryBudget(16 * MIB, what="server.shared_memory_mb")
-    region = InsertRegion(True, budget)
+    region = CallRegion(True, budget)
     offer = region.open(_ask())
     assert len(list(shm.iterdir())) == 1 and budget.in_use >= MIB
     client = SharedRing.open(offer.name, offer.token, offer.slots, offer.slot_bytes,
@@ -53,7 +53,7 @@ def test_a_region_is_offered_mapped_read_and_removed_with_the_stream(shm) -> Non
 
 def test_a_region_made_while_its_stream_ends_is_removed_not_offered(shm, monkeypatch) -> None:
     budget = MemoryBudget(16 * MIB, what="server.shared_memory_mb")
-    region = InsertRegion(True, budget)
+    region = CallRegion(True, budget)
     create = SharedRing.create
 
     def ended_meanwhile(slots: int, slot_bytes: int) -> SharedRing:
@@ -70,8 +70,8 @@ def test_a_region_made_while_its_stream_ends_is_removed_not_offered(shm, monkeyp
 def test_refusals_say_why_and_reserve_nothing(shm) -> None:
     budget = MemoryBudget(4 * MIB, what="server.shared_memory_mb")
     with pytest.raises(FailedPreconditionError, match="shared_memory = false"):
-        InsertRegion(False, budget).open(_ask())
-    region = InsertRegion(True, budget)
+        CallRegion(False, budget).open(_ask())
+    region = CallRegion(True, budget)
     with pytest.raises(FailedPreconditionError, match="another host"):
         region.open(_ask(host="elsewhere"))
     with pytest.raises(InvalidArgumentError, match="bytes must be > 0"):
@@ -85,7 +85,7 @@ def test_refusals_say_why_and_reserve_nothing(shm) -> None:
 
 def test_a_new_region_replaces_the_old_and_a_refused_map_drops_it(shm) -> None:
     budget = MemoryBudget(16 * MIB, what="server.shared_memory_mb")
-    region = InsertRegion(True, budget)
+    region = CallRegion(True, budget)
     region.open(_ask(MIB))
     assert budget.in_use == SharedRing.size_for(1, MIB)
     region.open(_ask(2 * MIB))  # replaces: the first one's bytes and name go

@@ -1,4 +1,4 @@
-"""Same-host inserts through shared memory: one region per call stream, in /dev/shm.
+"""Same-host inserts and samples through shared memory: one region per call stream, in /dev/shm.
 
 An actor on the server's host need not push its rows through gRPC: an
 insert of 256 Atari rows (7.2 MB) cost the server about 9 ms of CPU as a
@@ -6,7 +6,7 @@ chunked call on the 2-core machine (the kernel's socket copies, gRPC's
 reassembly, the chunks joined), against one copy into the table from
 shared memory. A client's insert call stream asks for a region
 (``insert_region``); if the client runs on this host (same boot id) and the
-server offers shared memory, :meth:`InsertRegion.open` creates one slot of
+server offers shared memory, :meth:`CallRegion.open` creates one slot of
 the bytes asked for in /dev/shm (reserved from ``shared_memory_mb``, beside
 the learners' rings) and offers it. The client maps it, unlinks its name and
 answers (``region_answer``); from then on a request says only that an Insert
@@ -17,6 +17,11 @@ storage; a write-ahead log encodes its record from them before the answer
 goes out; so nothing reads the region after the answer, and the client
 writes the next insert there only once it has its answer (one insert at a
 time on the stream).
+
+A client's sample stream uses its region the other way round
+(:mod:`~replay_server.service.region_sample`): the server gathers a batch
+straight into it and answers only where each tensor lies; the client copies
+the batch out before its next request.
 
 Lifetime and bounds: a region lives as long as its stream (:meth:`close`
 unlinks a name not yet unlinked and releases the reservation); a stream has
@@ -54,8 +59,8 @@ MAX_REGION_BYTES = 256 << 20
 """The largest region one call stream may have (larger inserts travel chunked)."""
 
 
-class InsertRegion:
-    """One call stream's shared-memory region for inserts (see the module docstring).
+class CallRegion:
+    """One call stream's shared-memory region for inserts and samples (see the module docstring).
 
     Args:
         enabled: the server offers shared memory (``server.shared_memory``).
@@ -145,6 +150,11 @@ class InsertRegion:
             raise InvalidArgumentError(f"insert_in_region: {length:,} bytes do not fit the "
                                        f"region of {ring.slot_bytes:,} bytes")
         return memoryview(ring.slot(0)[:length].numpy())
+
+    def mapped(self) -> SharedRing | None:
+        """The region, once the client said it mapped it (``None``: none yet)."""
+        ring = self._ring
+        return ring if ring is not None and self._mapped else None
 
     def close(self) -> None:
         """The stream ended: drop the region, and any :meth:`open` still making one drops
