@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 
-from replay_client import ReplayClient, errors
+from replay_client import ReplayClient, chunked, errors
 from replay_client.leases import ClientLeases
 from replay_proto.sample_codec import SampleDecoder, decode_sample, split_sample
 from replay_proto.v1 import replay_pb2 as pb
@@ -142,12 +142,14 @@ def drain(client: ReplayClient, batch: int = BATCH) -> list[int]:
     return got
 
 
-def drain_through_lossy_proxy(server: ServerProcess) -> tuple[list[int], int]:
-    """Fill the queue with :data:`ROWS` rows, then drain it through a proxy losing every third
-    answer; the rows the learner got, and how many answers were lost."""
+def drain_through_lossy_proxy(server: ServerProcess, small: int = 200,
+                              every: int = 3) -> tuple[list[int], int]:
+    """Fill the queue with :data:`ROWS` rows, then drain it through a proxy losing every
+    ``every``-th answer (of more than ``small`` bytes); the rows the learner got, and how many
+    answers were lost."""
     with ReplayClient(server.address, timeout=30) as writer:
         fill(writer)
-    proxy = LossyProxy(server.address, every=3)
+    proxy = LossyProxy(server.address, every=every, small=small)
     try:
         with ReplayClient(proxy.address, timeout=60, max_retry_s=30) as learner:
             return drain(learner), proxy.dropped
@@ -158,6 +160,30 @@ def drain_through_lossy_proxy(server: ServerProcess) -> tuple[list[int], int]:
 def test_lost_answers_lose_no_row_and_duplicate_none(queue_server) -> None:
     got, dropped = drain_through_lossy_proxy(queue_server)
     assert dropped >= 10, "the proxy lost no answer"
+    print(f"{dropped} answers lost: {ROWS - len(set(got))} rows lost, "
+          f"{len(got) - len(set(got))} duplicated")
+    assert len(got) == len(set(got)), "a row was delivered twice to the live learner"
+    assert sorted(got) == list(range(ROWS)), "a row was lost"
+
+
+def test_lost_answers_through_a_same_host_region_lose_no_row_and_duplicate_none(
+        queue_server, monkeypatch) -> None:
+    """On the server's host a sample's answer is a few hundred bytes on the sample call
+    stream (the rows lie in its shared-memory region): losing it breaks the stream, and the
+    sample is made again as a plain call under the same lease, which gets the same rows."""
+    monkeypatch.setenv("REPLAY_SHARED_MEMORY", "1")
+    through_region: list[int] = []
+    owned = chunked._owned_batch
+
+    def counted(header, region):
+        through_region.append(header.batch_rows)
+        return owned(header, region)
+
+    monkeypatch.setattr(chunked, "_owned_batch", counted)
+    # Every 7th: a new stream's region takes 3 answers to set up, then samples go through it.
+    got, dropped = drain_through_lossy_proxy(queue_server, small=100, every=7)
+    assert dropped >= 10, "the proxy lost no answer"
+    assert len(through_region) >= 10, f"{len(through_region)} samples went through the region"
     print(f"{dropped} answers lost: {ROWS - len(set(got))} rows lost, "
           f"{len(got) - len(set(got))} duplicated")
     assert len(got) == len(set(got)), "a row was delivered twice to the live learner"
