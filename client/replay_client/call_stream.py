@@ -246,11 +246,12 @@ class CallStream:
                 sequence, nbytes, timeout), repeatable=False)
 
     def sample_in_region(self, request: bytes,
-                         read: Callable[[pb.SampleResponse, SharedRing], T]) -> T:
+                         read: Callable[[bytes, SharedRing], T]) -> T:
         """Send one encoded SampleRequest to be drawn into the call's shared-memory region
         (same host only), asking for a region first, or a larger one when the server says
-        the batch needs it; return ``read(header, region)``, which must copy the batch out
-        (the region is the next request's). Only on a stream of kind ``"sample"``.
+        the batch needs it; return ``read(batch, region)`` (``batch``: the answer's
+        SampleResponse, saying where the tensors lie), which must copy the batch out (the
+        region is the next request's). Only on a stream of kind ``"sample"``.
 
         A sample is repeatable (a non-consuming table's draw changes nothing a client
         relies on; a queue table's retry under the same lease gets the same rows), so a
@@ -277,7 +278,7 @@ class CallStream:
                     repeatable=True, probe=True).sampled_in_region
                 region = session.region
                 if answer.batch and region is not None:
-                    return read(pb.SampleResponse.FromString(answer.batch), region)
+                    return read(answer.batch, region)
                 needed = answer.region_bytes
                 if not 0 < needed <= REGION_MAX_BYTES:
                     raise StreamFallback(f"a batch of {needed:,} bytes does not go through a "

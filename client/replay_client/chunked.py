@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from google.protobuf.message import DecodeError
 
 from replay_client.call_fallback import StreamFallback, unary_after
 from replay_client.call_stream import REGION_MAX_BYTES, CallStream
@@ -166,16 +167,17 @@ class LargeAnswers:
             raise InternalError(f"the server's FetchChunks answer: {exc}") from None
 
 
-def _owned_batch(header: pb.SampleResponse, region: SharedRing) -> SampleBatch:
-    """The batch a ``sampled_in_region`` answer places in ``region``, copied out of it (the
-    region is the stream's next request's).
+def _owned_batch(raw: bytes, region: SharedRing) -> SampleBatch:
+    """The batch a ``sampled_in_region`` answer (``raw``: its SampleResponse) places in
+    ``region``, copied out of it (the region is the stream's next request's).
 
     Raises:
         InternalError: the answer does not describe tensors inside the region.
     """
     try:
+        header = pb.SampleResponse.FromString(raw)
         batch = SampleDecoder(ring_view=region.view).add(header, memoryview(b""))[0]
-    except (CodecError, SharedMemoryError) as exc:
+    except (CodecError, SharedMemoryError, DecodeError) as exc:
         raise InternalError(f"the server's sample_in_region answer: {exc}") from None
     return batch.with_tensors([tensor.clone() for tensor in batch.tensors()])
 
