@@ -229,6 +229,9 @@ def test_bad_sample_requests_are_answered_in_band_drawing_nothing(
         assert not answer.sampled_in_region.batch
         assert answer.sampled_in_region.region_bytes >= 64 * 84 * 84
         assert raw.ask("sample_in_region", b"\xff\xff").error.code == "INVALID_ARGUMENT"
+        zero = pb.SampleRequest(table="frames", batch_size=0).SerializeToString()
+        answer = raw.ask("sample_in_region", zero)
+        assert answer.error.code == "INVALID_ARGUMENT" and "batch_size" in answer.error.message
         ask = pb.SharedInsertRegion(host_id=host_id(), bytes=1 << 16).SerializeToString()
         offer = raw.ask("insert_region", ask).region_offer
         region = SharedRing.open(offer.name, offer.token, offer.slots, offer.slot_bytes,

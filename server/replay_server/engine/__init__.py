@@ -36,7 +36,12 @@ if TYPE_CHECKING:
         check_shard,
         exhausted_message,
     )
-    from replay_server.engine.inputs import MAX_BATCH_SIZE, columns_of, update_values
+    from replay_server.engine.inputs import (
+        MAX_BATCH_SIZE,
+        batch_size_of,
+        columns_of,
+        update_values,
+    )
     from replay_server.engine.leases import MAX_LEASE_NAME, LeaseRequest
     from replay_server.engine.memory import MemoryLedger, format_bytes
     from replay_server.engine.schema import FieldSpec, Schema

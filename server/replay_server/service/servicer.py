@@ -42,6 +42,7 @@ from replay_server.engine import (
     Table,
     TableSet,
     VariableStore,
+    batch_size_of,
     field_values,
 )
 from replay_server.errors import CheckpointPartError, CheckpointsDisabledError
@@ -231,9 +232,9 @@ class ReplayServicer:
         or (nothing drawn) the region size it needs (:mod:`~replay_server.service.region_sample`)."""
         request = _parse(pb.SampleRequest, raw)
         table = self._tables[request.table]
-        size = request.batch_size
+        size = batch_size_of(request.batch_size, table.name)  # refused before anything else
         self._check_unary_size(table, size, message=False)
-        layout = table.batch_layout(size) if 1 <= size <= MAX_BATCH_SIZE else {}
+        layout = table.batch_layout(size)
         ring = region.mapped()
         short = region_short(table, size, layout, ring)
         if short or ring is None:
