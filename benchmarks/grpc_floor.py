@@ -161,9 +161,10 @@ def _ours(seconds: float) -> dict:
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp, replay_server(Path(tmp), _CONFIG) as address:
-        # REPLAY_SHARED_MEMORY=0: the unary sample through gRPC, as from another host
-        # (on this host it goes through the sample stream's shared-memory region since
-        # 2026-11-29; that path is benchmarks/service.py's "sample (batch 256)").
+        # REPLAY_SHARED_MEMORY=0: the unary sample and the waiting update through gRPC, as
+        # from another host (on this host they go through the sample stream's
+        # shared-memory region and the update stream's local socket since 2026-11-29:
+        # benchmarks/service.py's "sample (batch 256)" and "update_priorities" rows).
         # The client's call streams read it when first used; the learner's stream below
         # (a shared-memory ring) when it opens, after it is gone again.
         os.environ["REPLAY_SHARED_MEMORY"] = "0"
@@ -174,6 +175,7 @@ def _ours(seconds: float) -> dict:
                 for first in range(0, rows, chunk):
                     client.insert(kind, _rows_as_torch(w.make_rows(kind, first, chunk)))
             ids = client.sample("small", IDS).ids
+            client.update_priorities("small", ids, torch.ones(IDS))  # its update stream too
         finally:
             del os.environ["REPLAY_SHARED_MEMORY"]
         priorities = [torch.from_numpy(w.new_priorities(IDS, i)) for i in range(64)]

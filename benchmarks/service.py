@@ -137,6 +137,25 @@ def _ours(kind: str, case: str, seconds: float, per_call: int = w.UPDATE_BATCH,
                 else:
                     ids = client.sample(kind, per_call).ids
                     priorities = [w.new_priorities(per_call, i) for i in range(64)]
+                    # Waiting updates from another host take the call stream through gRPC
+                    # (REPLAY_SHARED_MEMORY=0, read when the client's update stream is
+                    # made); on this host they go over the local channel's Unix socket.
+                    os.environ["REPLAY_SHARED_MEMORY"] = "0"
+                    try:
+                        remote = ReplayClient(address, timeout=120)
+                        remote.update_priorities(kind, ids, priorities[0])
+                    finally:
+                        del os.environ["REPLAY_SHARED_MEMORY"]
+                    done = i = 0
+                    start = time.perf_counter()
+                    while time.perf_counter() - start < seconds:
+                        remote.update_priorities(kind, ids, priorities[i % 64])
+                        done += per_call
+                        i += 1
+                    out.append({"api": f"update_priorities ({per_call} ids per call, another "
+                                       f"host: gRPC)",
+                                "ids_per_s": done / (time.perf_counter() - start)})
+                    remote.close()
                     for wait in (True, False):
                         done = i = 0
                         start = time.perf_counter()

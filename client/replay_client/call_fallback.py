@@ -14,8 +14,9 @@ from typing import TypeVar
 
 import grpc
 
-from replay_client.errors import ReplayError, UnavailableError
+from replay_client.errors import ReplayError, UnavailableError, from_status
 from replay_proto.error_kinds import ERROR_KIND_KEY, ErrorKind
+from replay_proto.v1 import replay_pb2 as pb
 
 T = TypeVar("T")
 
@@ -64,3 +65,17 @@ def unary_after(fallback: StreamFallback, call: Callable[[], T]) -> T:
         if fallback.error is not None:
             raise fallback.error from None
         raise
+
+
+def call_error(error: pb.CallError, address: str) -> BaseException:
+    """The typed error of one request a call stream's server refused (UNAVAILABLE: a
+    :class:`StreamFallback` carrying it: go unary, which retries)."""
+    try:
+        kind: ErrorKind | None = ErrorKind(error.kind)
+    except ValueError:
+        kind = None
+    code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN)
+    typed: ReplayError = from_status(code, kind, error.message, address)
+    if isinstance(typed, UnavailableError):
+        return StreamFallback(str(typed), typed)
+    return typed

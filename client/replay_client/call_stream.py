@@ -63,19 +63,18 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
-from replay_client.call_fallback import NOT_HANDLED, StreamFallback, drained
+from replay_client.call_fallback import NOT_HANDLED, StreamFallback, call_error, drained
 from replay_client.connection import Connection, never_sent
+from replay_client.local_updates import LocalUpdates
 from replay_feed.shared_ring import SharedMemoryError, SharedRing, host_id
 from replay_client.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
     ReplayError,
     UnavailableError,
-    from_status,
 )
 from replay_proto import messages
 from replay_proto.call_metadata import STREAM_MESSAGE_BYTES, request_bytes_metadata
-from replay_proto.error_kinds import ErrorKind
 from replay_proto.v1 import replay_pb2 as pb
 
 log = logging.getLogger("replay_client.call_stream")
@@ -190,7 +189,9 @@ class CallStream:
         self._session: _Session | None = None
         self._refused_until = 0.0
         self._no_regions = "" if os.environ.get("REPLAY_SHARED_MEMORY", "1") != "0" else \
-            "REPLAY_SHARED_MEMORY=0"  # why no call of this stream asks for a region
+            "REPLAY_SHARED_MEMORY=0"  # why no call of this stream asks for a region (a channel)
+        self._local = LocalUpdates(self._ask_local, self._touch, connection.address) \
+            if updates else None
 
     @property
     def supported(self) -> bool:
@@ -212,9 +213,45 @@ class CallStream:
         if len(request) + _HEADER_BYTES > STREAM_MESSAGE_BYTES:
             raise StreamFallback(f"a request of {len(request)} bytes is larger than the stream's "
                                  f"messages ({STREAM_MESSAGE_BYTES} bytes)")
+        if self._local is not None and not self._no_regions:  # same host: a Unix socket
+            answer = self._local.send(request, self._connection.timeout)
+            if answer is not None:
+                if answer.HasField("error"):
+                    raise self._error(answer.error)
+                return answer
         with self._slot():
             return self._exchange(None, lambda sequence, timeout: messages.encode_call_request(
                 sequence, self._kind, request, timeout), repeatable=self._kind == "update_priorities")
+
+    def _ask_local(self) -> pb.LocalChannelOffer | None:
+        """A local channel for updates, asked for on the current call (``None``: none now;
+        :mod:`replay_client.local_updates`)."""
+        if self._no_regions or not self._methods or self._methods[0] != "CallStream":
+            return None
+        ask = pb.LocalChannelRequest(host_id=host_id()).SerializeToString()
+        try:
+            with self._slot():
+                with self._cond:
+                    session = self._current()
+                if session.no_region:
+                    return None
+                try:
+                    return self._exchange(session, lambda sequence, timeout: (
+                        messages.encode_call_request(sequence, "local_channel", ask, timeout)),
+                        repeatable=True, probe=True).local_channel
+                except ReplayError as exc:  # refused: not on this call again
+                    session.no_region = str(exc)
+                    if isinstance(exc, FailedPreconditionError):  # another host, shm off
+                        self._no_regions = str(exc)
+                    return None
+        except StreamFallback:
+            return None
+
+    def _touch(self) -> None:
+        """An update went over the local channel: the call is in use (not idle)."""
+        with self._cond:
+            if self._session is not None:
+                self._session.last_sent = time.monotonic()
 
     def send_in_region(self, nbytes: int,
                        parts: list[memoryview | bytes]) -> pb.CallStreamResponse:
@@ -402,6 +439,8 @@ class CallStream:
     def close(self) -> None:
         """End the stream (requests in flight get StreamFallback if unanswered; an insert in
         the server's hands, UnavailableError)."""
+        if self._local is not None:
+            self._local.close()
         self._end(None)
 
     def _end(self, only: _Session | None) -> None:
@@ -552,13 +591,4 @@ class CallStream:
                 return
 
     def _error(self, error: pb.CallError) -> BaseException:
-        """The typed error of one refused request (UNAVAILABLE: go unary, which retries)."""
-        try:
-            kind: ErrorKind | None = ErrorKind(error.kind)
-        except ValueError:
-            kind = None
-        code = getattr(grpc.StatusCode, error.code, grpc.StatusCode.UNKNOWN)
-        typed: ReplayError = from_status(code, kind, error.message, self._connection.address)
-        if isinstance(typed, UnavailableError):
-            return StreamFallback(str(typed), typed)
-        return typed
+        return call_error(error, self._connection.address)

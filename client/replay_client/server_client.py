@@ -237,7 +237,8 @@ class ServerClient:
             priorities: finite values >= 0, same shape.
             wait: ``True``: send now and return how many ids still named
                 stored rows (on the client's persistent call stream: one
-                round trip, see :mod:`replay_client.call_stream`). An update
+                round trip, see :mod:`replay_client.call_stream`; from the
+                server's host over a Unix socket, :mod:`replay_client.local_updates`). An update
                 over the message limit goes as several requests in order
                 (:mod:`replay_client.update_parts`); if one is refused, the
                 ones before it stay applied (the error's note says how many).

@@ -45,6 +45,7 @@ PAGE = mmap.PAGESIZE
 ALIGN = 64
 TOKEN_BYTES = 16
 _NAME = re.compile(r"^replay-[0-9]+-[0-9a-f]{16}$")
+_SWEPT = re.compile(r"^replay-[0-9]+-[0-9a-f]{16}(\.sock)?$")  # a ring, or a server's socket
 
 
 
@@ -225,7 +226,8 @@ class SharedRing:
 
 
 def sweep_stale_rings() -> list[str]:
-    """Remove rings in :func:`shm_dir` whose creating process no longer exists.
+    """Remove rings in :func:`shm_dir` whose creating process no longer exists (and a dead
+    server's socket for same-host updates, ``replay-<pid>-<hex>.sock``).
 
     A ring's name holds its creator's pid (``replay-<pid>-<hex>``); a ring
     whose creator is gone and that no one unlinked was left by a server
@@ -239,7 +241,7 @@ def sweep_stale_rings() -> list[str]:
     except OSError:
         return removed
     for entry in entries:
-        if not _NAME.match(entry.name):
+        if not _SWEPT.match(entry.name):
             continue
         pid = int(entry.name.split("-")[1])
         try:

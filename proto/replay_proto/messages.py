@@ -31,7 +31,7 @@ from replay_proto.v1 import replay_pb2 as pb
 _CALL_FIELD_TAGS = {  # CallStreamRequest's requests, as their fields' tags (length-delimited)
     kind: varint((pb.CallStreamRequest.DESCRIPTOR.fields_by_name[kind].number << 3) | 2)
     for kind in ("update_priorities", "insert", "insert_region", "region_answer",
-                 "sample_in_region")}
+                 "sample_in_region", "local_channel")}
 
 # ------------------------------------------------------------------- insert
 
@@ -165,8 +165,8 @@ def decode_call_request(raw: bytes) -> pb.CallStreamRequest:
         raise CodecError(f"malformed CallStreamRequest: {exc}") from None
     if message.WhichOneof("call") is None:
         raise CodecError("a CallStreamRequest must carry a request (update_priorities, insert, "
-                         "insert_region, region_answer, insert_in_region or "
-                         "sample_in_region)")
+                         "insert_region, region_answer, insert_in_region, "
+                         "sample_in_region or local_channel)")
     if not message.timeout_s >= 0:  # NaN too
         raise CodecError(f"a CallStreamRequest's timeout_s must be >= 0, not {message.timeout_s}")
     return message

@@ -23,7 +23,11 @@ from replay_client.call_stream import CallStream
 from replay_proto import messages
 from replay_proto.v1 import replay_pb2 as pb
 from tests.client.test_updates import _probabilities
-from tests.conftest import module_server, wait_for
+from tests.conftest import grpc_calls_only, module_server, wait_for
+
+# Waiting updates from the server's host go over its local socket: these tests are of the
+# call stream, which updates from another host take.
+_grpc = grpc_calls_only()
 
 CONFIG = """
 [[tables]]

@@ -562,7 +562,7 @@ class FetchResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., name: _Optional[str] = ..., version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
 class CallStreamRequest(_message.Message):
-    __slots__ = ("sequence", "update_priorities", "insert", "insert_region", "region_answer", "insert_in_region", "sample_in_region", "timeout_s")
+    __slots__ = ("sequence", "update_priorities", "insert", "insert_region", "region_answer", "insert_in_region", "sample_in_region", "local_channel", "timeout_s")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     INSERT_FIELD_NUMBER: _ClassVar[int]
@@ -570,6 +570,7 @@ class CallStreamRequest(_message.Message):
     REGION_ANSWER_FIELD_NUMBER: _ClassVar[int]
     INSERT_IN_REGION_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_IN_REGION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     update_priorities: UpdatePrioritiesRequest
@@ -578,8 +579,9 @@ class CallStreamRequest(_message.Message):
     region_answer: SharedMemoryAnswer
     insert_in_region: int
     sample_in_region: bytes
+    local_channel: LocalChannelRequest
     timeout_s: float
-    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., insert: _Optional[bytes] = ..., insert_region: _Optional[_Union[SharedInsertRegion, _Mapping]] = ..., region_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., insert_in_region: _Optional[int] = ..., sample_in_region: _Optional[bytes] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesRequest, _Mapping]] = ..., insert: _Optional[bytes] = ..., insert_region: _Optional[_Union[SharedInsertRegion, _Mapping]] = ..., region_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., insert_in_region: _Optional[int] = ..., sample_in_region: _Optional[bytes] = ..., local_channel: _Optional[_Union[LocalChannelRequest, _Mapping]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class SharedInsertRegion(_message.Message):
     __slots__ = ("host_id", "bytes")
@@ -600,7 +602,7 @@ class CallError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., kind: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CallStreamResponse(_message.Message):
-    __slots__ = ("sequence", "update_priorities", "error", "insert", "region_offer", "region_answer", "sampled_in_region")
+    __slots__ = ("sequence", "update_priorities", "error", "insert", "region_offer", "region_answer", "sampled_in_region", "local_channel")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_PRIORITIES_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -608,6 +610,7 @@ class CallStreamResponse(_message.Message):
     REGION_OFFER_FIELD_NUMBER: _ClassVar[int]
     REGION_ANSWER_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_IN_REGION_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     update_priorities: UpdatePrioritiesResponse
     error: CallError
@@ -615,7 +618,22 @@ class CallStreamResponse(_message.Message):
     region_offer: SharedMemoryOffer
     region_answer: SharedMemoryAnswer
     sampled_in_region: SampledInRegion
-    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., insert: _Optional[_Union[InsertResponse, _Mapping]] = ..., region_offer: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., region_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., sampled_in_region: _Optional[_Union[SampledInRegion, _Mapping]] = ...) -> None: ...
+    local_channel: LocalChannelOffer
+    def __init__(self, sequence: _Optional[int] = ..., update_priorities: _Optional[_Union[UpdatePrioritiesResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., insert: _Optional[_Union[InsertResponse, _Mapping]] = ..., region_offer: _Optional[_Union[SharedMemoryOffer, _Mapping]] = ..., region_answer: _Optional[_Union[SharedMemoryAnswer, _Mapping]] = ..., sampled_in_region: _Optional[_Union[SampledInRegion, _Mapping]] = ..., local_channel: _Optional[_Union[LocalChannelOffer, _Mapping]] = ...) -> None: ...
+
+class LocalChannelRequest(_message.Message):
+    __slots__ = ("host_id",)
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    host_id: str
+    def __init__(self, host_id: _Optional[str] = ...) -> None: ...
+
+class LocalChannelOffer(_message.Message):
+    __slots__ = ("path", "token")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    token: bytes
+    def __init__(self, path: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class SampledInRegion(_message.Message):
     __slots__ = ("batch", "region_bytes")

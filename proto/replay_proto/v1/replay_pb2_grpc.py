@@ -385,6 +385,18 @@ class ReplayServiceServicer:
         The batch stays there only until the client's next request on the
         stream: the client copies it out first. Waiting, errors and leases are
         the Sample call's.
+
+        Same-host priority updates outside gRPC: on a stream that carries updates,
+        `local_channel` (the client's host_id) is answered `local_channel` with
+        the path of a Unix socket (mode 0600, in the shared-memory directory) and
+        a fresh 16-byte token, else `error` (another host, shared_memory off,
+        draining). The client connects, sends the token, then frames of a
+        little-endian uint32 length and a CallStreamRequest carrying
+        `update_priorities`; each is answered by one frame holding its
+        CallStreamResponse, handled as on the stream. A token is single-use and
+        belongs to its stream: the channel ends with the stream, and a new
+        `local_channel` replaces it. A connection that sends anything else, or
+        no token within 2 s, is closed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

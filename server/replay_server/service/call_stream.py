@@ -37,6 +37,9 @@ insert's bytes lie in /dev/shm and its request says only how many
 stream's samples go the other way (``sample_in_region``,
 :mod:`~replay_server.service.region_sample`): drawn in the pool straight into
 the region, waiting as a unary Sample waits, answered with where the batch lies.
+Its update stream may move its waiting updates to a Unix socket
+(``local_channel``, :mod:`~replay_server.service.local_updates`), each handled as
+here.
 
 Bounds: the call is admitted like every other
 (:mod:`replay_server.service.admission`; call streams may hold at most half
@@ -63,7 +66,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
@@ -77,6 +80,7 @@ from replay_server.service.budget import Reservation
 from replay_server.service.calls import CallRunner
 from replay_server.service.excerpt import STATUS_CHARS, excerpt
 from replay_server.service.call_region import CallRegion
+from replay_server.service.local_updates import LocalChannel, LocalUpdates
 from replay_server.service.status import OverloadedError, ShuttingDownError, status_of
 
 log = logging.getLogger("replay_server.service")
@@ -137,6 +141,8 @@ class CallStreamHandler:
             (:mod:`~replay_server.service.call_region`; ``None``: none is offered).
         sample: draws one sample into a stream's region in the engine pool (``None``:
             ``sample_in_region`` is refused).
+        local: the server's socket for same-host updates
+            (:mod:`~replay_server.service.local_updates`; ``None``: none is offered).
         max_streams: the server's ``max_streams``; call streams may hold half of it (at
             least one), the rest stays for sample streams.
     """
@@ -144,7 +150,8 @@ class CallStreamHandler:
     def __init__(self, calls: CallRunner, update: UpdateFn, insert: InsertFn,
                  update_now: UpdateNowFn | None = None, insert_now: InsertNowFn | None = None,
                  *, region: Callable[[], CallRegion] | None = None,
-                 sample: SampleFn | None = None, max_streams: int) -> None:
+                 sample: SampleFn | None = None, local: LocalUpdates | None = None,
+                 max_streams: int) -> None:
         self.max_open = max(1, max_streams // 2)
         """Call streams open at once at most (see the module docstring)."""
         self.open = 0
@@ -158,6 +165,7 @@ class CallStreamHandler:
         self._insert_now = insert_now
         self._region = region
         self._sample = sample
+        self._local = local
         self._idle: set[asyncio.Task] = set()  # calls waiting for their client's next request
         calls.on_drain.append(self._end_idle)
 
@@ -177,17 +185,20 @@ class CallStreamHandler:
                 f"the stream was not started (the client makes plain calls instead)"))
         self.open += 1
         region = None if self._region is None else self._region()
+        channel = LocalChannel(lambda request: self._local_answer(request, context))
         try:
-            async for answer in self._serve(requests, context, reservation, region):
+            async for answer in self._serve(requests, context, reservation, region, channel):
                 yield answer
         finally:
             self.open -= 1
+            channel.close()
             if region is not None:
                 region.close()
 
     async def _serve(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
                      reservation: Reservation,
-                     region: CallRegion | None) -> AsyncIterator[bytes]:
+                     region: CallRegion | None,
+                     channel: LocalChannel) -> AsyncIterator[bytes]:
         calls = self._calls
         declared = reservation.nbytes
         try:  # one message and what decoding it makes, held while the stream is open
@@ -237,6 +248,11 @@ class CallStreamHandler:
                 elif kind == "sample_in_region":
                     answer.sampled_in_region.CopyFrom(await self._sample_in_region(
                         request, context, _region(region)))
+                elif kind == "local_channel":
+                    if self._local is None:
+                        raise FailedPreconditionError("this server offers no local channel")
+                    answer.local_channel.CopyFrom(
+                        await self._local.offer(channel, request.local_channel))
                 elif kind == "insert_region":  # reserving its pages takes time: the pool's
                     answer.region_offer.CopyFrom(await asyncio.get_running_loop().run_in_executor(
                         calls.executor, _region(region).open, request.insert_region))
@@ -259,7 +275,8 @@ class CallStreamHandler:
     def _count(self, kind: str, request: pb.CallStreamRequest, answer: pb.CallStreamResponse,
                started: float) -> None:
         """Tell :attr:`counted` of one handled request, as the unary call it stands for."""
-        if self.counted is None or kind in ("insert_region", "region_answer") or (
+        if self.counted is None or kind in ("insert_region", "region_answer",
+                                             "local_channel") or (
                 kind == "sample_in_region" and answer.sampled_in_region.region_bytes):
             return  # region control: no call a client made (a sample that found its
             # region too small is made again, and counted then)
@@ -277,6 +294,58 @@ class CallStreamHandler:
         failed = answer.HasField("error")
         self.counted(path, answer.error.code if failed else "OK", time.perf_counter() - started,
                      received, None if failed else sent)
+
+    def _local_answer(self, request: pb.CallStreamRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.CallStreamResponse | Awaitable[pb.CallStreamResponse]:
+        """An update that came over the stream's local channel, answered as on the stream:
+        at once when it was applied on the loop now (:meth:`_apply`'s first case), else the
+        answer to await."""
+        calls = self._calls
+        update = request.update_priorities
+        if self._update_now is None or calls.refusal() is not None:
+            return self._local_later(request, context)
+        answer = pb.CallStreamResponse(sequence=request.sequence)
+        started = time.perf_counter()
+        try:
+            done = self._update_now(update)
+        except Exception as exc:
+            answer.error.CopyFrom(_call_error(exc))
+            self._count("update_priorities", request, answer, started)
+            return answer
+        if done is None:  # its table is busy: the pool
+            return self._local_later(request, context)
+        result, logged = done
+        calls.blocked.changed(update.table)
+        answer.update_priorities.CopyFrom(result)
+        if logged is None:
+            self._count("update_priorities", request, answer, started)
+            return answer
+        return self._local_logged(request, answer, logged, started)
+
+    async def _local_logged(self, request: pb.CallStreamRequest, answer: pb.CallStreamResponse,
+                            logged: asyncio.Future[None], started: float
+                            ) -> pb.CallStreamResponse:
+        """An update applied on the loop whose answer waits for its log record."""
+        try:
+            await logged
+        except Exception as exc:
+            answer.ClearField("update_priorities")
+            answer.error.CopyFrom(_call_error(exc))
+        self._count("update_priorities", request, answer, started)
+        return answer
+
+    async def _local_later(self, request: pb.CallStreamRequest,
+                           context: grpc.aio.ServicerContext) -> pb.CallStreamResponse:
+        """An update from the local channel through :meth:`_apply` (the pool, or a refusal)."""
+        answer = pb.CallStreamResponse(sequence=request.sequence)
+        started = time.perf_counter()
+        try:
+            answer.update_priorities.CopyFrom(
+                await self._apply(request.update_priorities, context))
+        except Exception as exc:
+            answer.error.CopyFrom(_call_error(exc))
+        self._count("update_priorities", request, answer, started)
+        return answer
 
     async def _apply(self, request: pb.UpdatePrioritiesRequest,
                      context: grpc.aio.ServicerContext) -> pb.UpdatePrioritiesResponse:

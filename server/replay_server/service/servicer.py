@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from replay_proto import messages
+from replay_proto.call_metadata import STREAM_MESSAGE_BYTES
 from replay_proto.chunks import chunk_bytes
 from replay_proto.codec import CodecError
 from replay_proto.sample_codec import HEADROOM, encode_sample
@@ -62,6 +63,7 @@ from replay_server.service.call_stream import (
     UpdatedNow,
 )
 from replay_server.service.call_region import CallRegion
+from replay_server.service.local_updates import LocalUpdates
 from replay_server.service.region_sample import region_short, sample_in_region
 from replay_server.service.variables import VariableService
 from replay_server.service.waiting import draw
@@ -126,10 +128,13 @@ class ReplayServicer:
         self.variables = VariableService(
             VariableStore(0) if variables is None else variables, self.calls, max_message_bytes)
         """Publish and Fetch (named variables)."""
+        self._local_updates = LocalUpdates(shared_memory, STREAM_MESSAGE_BYTES)
+        self.calls.on_drain.append(self._local_updates.close)
         self.call_streams = CallStreamHandler(self.calls, self._stream_update, self._stream_insert,
                                               self._stream_update_now, self._stream_insert_now,
                                               region=self._call_region,
                                               sample=self._stream_sample,
+                                              local=self._local_updates,
                                               max_streams=admission.limits.max_streams)
         """Small updates, inserts and same-host samples on persistent streams (CallStream,
         UpdateStream)."""
