@@ -112,17 +112,19 @@ class LocalUpdates:
         path = shm_dir() / f"replay-{os.getpid()}-{secrets.token_hex(8)}.sock"
         try:
             self._server = await loop.create_unix_server(lambda: _Connection(self), str(path))
+            self._path = path
             # This user's processes only (not umask: it is the process's, and engine threads
             # write checkpoints meanwhile); before the chmod, a peer still needs a token.
             os.chmod(path, 0o600)
-            self._path = path
         except OSError as exc:  # no such directory, a path too long for a socket, ...
             self._failed = f"cannot listen at {path}: {exc}"
-            self._closed = True
             log.warning("no local channel for same-host updates (%s); they use call streams",
                         self._failed)
+            self.close()
         finally:
             self._starting.set_result(None)
+        if self._closed:  # the drain began while the socket was made
+            self.close()
 
     def claim(self, token: bytes) -> LocalChannel | None:
         """The channel ``token`` was handed out for (the token is used up), or ``None``."""
