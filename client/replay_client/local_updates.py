@@ -119,9 +119,19 @@ class LocalUpdates:
             sock.close()
 
     def close(self) -> None:
-        """Close the connection (the next update asks again)."""
-        with self._lock:
-            self._drop()
+        """Close the connection (the next update asks again). Never waits for an update in
+        flight: its socket is shut down, and that update takes the call stream."""
+        sock = self._socket
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop()
+            finally:
+                self._lock.release()
 
 
 def _read_frame(sock: socket.socket) -> bytes:
