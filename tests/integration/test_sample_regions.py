@@ -250,11 +250,10 @@ def test_bad_sample_requests_are_answered_in_band_drawing_nothing(
     assert client.info()["frames"].counters["sample_calls"] == before + 1  # only the last
 
 
-def test_a_server_without_samples_in_regions_gets_plain_samples(tmp_path, monkeypatch) -> None:
+def test_a_server_without_samples_in_regions_gets_plain_samples(monkeypatch) -> None:
     """A server from before ``sample_in_region`` ends the call at a request it cannot decode
     (INVALID_ARGUMENT): the sample is made as the plain call, and samples are not sent
     through a region again."""
-    monkeypatch.setenv("REPLAY_SHM_DIR", str(tmp_path))
     seen: list[str] = []
     rows = _frames(torch.arange(4))
     extras = [torch.arange(4), torch.ones(4), torch.full((4,), 0.25, dtype=torch.float64)]
